@@ -1,0 +1,96 @@
+/*
+ * kr-impl.h - engine internals shared between engine/*.c files. Not installed, not included
+ * outside engine/. The public contract is kr.h.
+ */
+#ifndef KR_IMPL_H
+#define KR_IMPL_H
+
+#include "kr.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+/* printf-style error message into err (KR_ERR_MAX bytes; err may be NULL). Returns -1 so that
+ * callers can write `return kr_errf(err, ...)`. */
+int kr_errf(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Reads a whole file into a malloc'd, NUL-terminated buffer. */
+int kr_read_file(const char *path, char **data_out, size_t *len_out, char *err);
+
+/* bf16 / f16 <-> f32, exact for the upcast. */
+static inline float kr_bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+static inline uint16_t kr_f32_to_bf16(float f) /* round to nearest even */
+{
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+float kr_f16_to_f32(uint16_t h);
+uint16_t kr_f32_to_f16(float f);
+
+/* A weight as held in memory: row-major [rows][cols] (1-D tensors: rows == 1). `data` points
+ * into a mapping or into an allocation owned by the model. */
+typedef struct kr_tensor {
+    const void *data;
+    kr_dtype dtype;
+    int64_t rows;
+    int64_t cols;
+} kr_tensor;
+
+/* One transformer layer. Linear weights are [out_features][in_features] as HF stores them.
+ * Norm weights and biases are always f32 (converted at load). */
+typedef struct kr_layer_weights {
+    kr_tensor attn_norm; /* [1][d] f32 */
+    kr_tensor wq; /* [n_heads*head_dim][d] */
+    kr_tensor wk; /* [n_kv_heads*head_dim][d] */
+    kr_tensor wv; /* [n_kv_heads*head_dim][d] */
+    kr_tensor wo; /* [d][n_heads*head_dim] */
+    kr_tensor bq, bk, bv; /* [1][out] f32 when cfg.attn_bias, else data == NULL */
+    kr_tensor ffn_norm; /* [1][d] f32 */
+    kr_tensor w_gate; /* [f][d] */
+    kr_tensor w_up; /* [f][d] */
+    kr_tensor w_down; /* [d][f] */
+} kr_layer_weights;
+
+struct kr_model {
+    kr_config cfg;
+    kr_tensor embed; /* [vocab][d] */
+    kr_tensor final_norm; /* [1][d] f32 */
+    kr_tensor lm_head; /* [vocab][d]; == embed when tied */
+    kr_layer_weights *layers; /* [n_layers] */
+    kr_dtype weight_dtype; /* dtype of the big matrices in memory */
+    size_t weight_bytes;
+    char fingerprint[17];
+    /* ownership: mappings and allocations released by kr_model_free */
+    struct kr_mapping *maps;
+    int n_maps;
+    void **owned;
+    int n_owned;
+    int cap_owned;
+};
+
+/* ---- thread pool: fn runs on every thread (the caller is thread 0) and run returns when all
+ * are done. Workers spin briefly between jobs, then sleep. */
+typedef void (*kr_task_fn)(void *arg, int ith, int nth);
+typedef struct kr_threadpool kr_threadpool;
+int kr_threadpool_create(int n_threads, kr_threadpool **out, char *err);
+void kr_threadpool_free(kr_threadpool *tp);
+int kr_threadpool_size(const kr_threadpool *tp);
+void kr_threadpool_run(kr_threadpool *tp, kr_task_fn fn, void *arg);
+/* Splits [0, n) into nth near-equal parts; part ith is [*lo, *hi). `align` rounds boundaries. */
+static inline void kr_split(int64_t n, int ith, int nth, int64_t align, int64_t *lo, int64_t *hi)
+{
+    int64_t units = (n + align - 1) / align;
+    int64_t a = units * ith / nth, b = units * (ith + 1) / nth;
+    *lo = a * align < n ? a * align : n;
+    *hi = b * align < n ? b * align : n;
+}
+
+#endif /* KR_IMPL_H */

@@ -1,0 +1,226 @@
+/*
+ * kr.h - the kvrelay engine: the one public header of engine/.
+ *
+ * What it is: Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2) loaded from
+ * safetensors, their tokenizer.json, a paged KV cache (a pool of blocks; per sequence a block
+ * list per (layer, KV head)), chunked prefill and decode on a backend, and a sampler.
+ * What it is not: anything about networks, processes or requests (see DESIGN.md section 3).
+ *
+ * Conventions: functions return 0 (KR_OK) on success and -1 on failure; on failure they write a
+ * message into `err` (KR_ERR_MAX bytes, may be NULL) that names the file, tensor or field at
+ * fault, and leave their outputs untouched. Output arguments come last. An object made by
+ * `*_create`/`*_load` is released by the matching `*_free`, which accepts NULL.
+ */
+#ifndef KR_H
+#define KR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KR_OK 0
+#define KR_ERR_MAX 512
+
+/* ------------------------------------------------------------------ dtypes and config */
+
+typedef enum kr_dtype {
+    KR_DTYPE_F32 = 0,
+    KR_DTYPE_F16 = 1,
+    KR_DTYPE_BF16 = 2,
+} kr_dtype;
+
+const char *kr_dtype_name(kr_dtype t);
+size_t kr_dtype_size(kr_dtype t);
+
+typedef enum kr_arch {
+    KR_ARCH_LLAMA = 0, /* LlamaForCausalLM */
+    KR_ARCH_MISTRAL = 1, /* MistralForCausalLM */
+    KR_ARCH_QWEN2 = 2, /* Qwen2ForCausalLM */
+} kr_arch;
+
+/* Immutable model shape, from config.json. */
+typedef struct kr_config {
+    kr_arch arch;
+    char arch_name[64]; /* as written in config.json "architectures"[0] */
+    int vocab_size;
+    int hidden_size; /* d */
+    int intermediate_size; /* f */
+    int n_layers;
+    int n_heads; /* query heads */
+    int n_kv_heads; /* KV heads; n_heads % n_kv_heads == 0 */
+    int head_dim; /* config "head_dim", else hidden_size / n_heads */
+    int max_position_embeddings;
+    float rope_theta;
+    float rms_norm_eps;
+    /* llama3 rope_scaling ("rope_type": "llama3"); rope_llama3 == 0 means no scaling */
+    int rope_llama3;
+    float rope_factor;
+    float rope_low_freq_factor;
+    float rope_high_freq_factor;
+    int rope_original_max_pos;
+    int attn_bias; /* q/k/v projections carry biases (Qwen2, or "attention_bias": true) */
+    int tie_word_embeddings; /* lm_head is embed_tokens */
+    int bos_token_id; /* -1 when absent */
+    int eos_token_id; /* -1 when absent; the first one when config gives a list */
+    kr_dtype torch_dtype; /* what config.json says the weights are */
+} kr_config;
+
+/* Parses a config.json text (`path` is only used in messages). */
+int kr_config_parse(const char *json, size_t len, const char *path, kr_config *out, char *err);
+/* Reads and parses DIR/config.json. */
+int kr_config_load(const char *dir, kr_config *out, char *err);
+
+/* ------------------------------------------------------------------ model */
+
+typedef struct kr_model kr_model;
+
+typedef struct kr_model_opts {
+    /* Convert bf16/f16 matrices to f32 at load (more memory, no per-use conversion). 0: keep
+     * the checkpoint's dtype, memory-mapped. */
+    int weights_f32;
+    /* Print progress lines to stderr while loading. */
+    int verbose;
+} kr_model_opts;
+
+/* Loads DIR/config.json and DIR/model.safetensors or DIR/model.safetensors.index.json with its
+ * shards. Weights stay memory-mapped until kr_model_free. `opts` may be NULL. */
+int kr_model_load(const char *dir, const kr_model_opts *opts, kr_model **out, char *err);
+/* A model of shape `cfg` with random weights of dtype `dtype` (seeded, deterministic): for
+ * benchmarks of shapes that have no checkpoint. */
+int kr_model_random(const kr_config *cfg, kr_dtype dtype, uint64_t seed, kr_model **out, char *err);
+void kr_model_free(kr_model *m);
+const kr_config *kr_model_config(const kr_model *m);
+/* The dtype the large matrices are held in memory. */
+kr_dtype kr_model_weight_dtype(const kr_model *m);
+/* Bytes of all weights as held in memory. */
+size_t kr_model_weight_bytes(const kr_model *m);
+/* A hex digest identifying config + weights (same checkpoint => same string). 16 hex chars. */
+const char *kr_model_fingerprint(const kr_model *m);
+
+/* ------------------------------------------------------------------ tokenizer */
+
+typedef struct kr_tokenizer kr_tokenizer;
+
+/* Loads DIR/tokenizer.json (and DIR/tokenizer_config.json when present, for bos/eos and
+ * add_bos_token). Supports byte-level BPE (Llama 3, Qwen2 with NFC) and sentencepiece-style
+ * BPE with byte fallback (Llama 2, Mistral). */
+int kr_tokenizer_load(const char *dir, kr_tokenizer **out, char *err);
+void kr_tokenizer_free(kr_tokenizer *t);
+/* Encodes UTF-8 `text` (`len` bytes). Added/special tokens in the text are matched as such.
+ * With add_special, the BOS is prepended when the tokenizer's config says so.
+ * On success *ids_out is malloc'd (caller frees) and *n_out set. Invalid UTF-8 is an error. */
+int kr_tokenizer_encode(const kr_tokenizer *t, const char *text, size_t len, int add_special,
+                        int32_t **ids_out, int *n_out, char *err);
+/* Decodes ids to UTF-8 text (malloc'd, NUL-terminated, caller frees). Special tokens are
+ * skipped when skip_special. Ids out of range are an error. */
+int kr_tokenizer_decode(const kr_tokenizer *t, const int32_t *ids, int n, int skip_special,
+                        char **text_out, char *err);
+int kr_tokenizer_n_vocab(const kr_tokenizer *t); /* highest id + 1 */
+int kr_tokenizer_bos(const kr_tokenizer *t); /* -1 when none */
+int kr_tokenizer_eos(const kr_tokenizer *t); /* -1 when none */
+int kr_tokenizer_is_special(const kr_tokenizer *t, int32_t id);
+
+/* Incremental detokenizer: feed ids one at a time, get back only text that is final and valid
+ * UTF-8 (a multi-byte character split over tokens is held back until complete). The
+ * concatenation of all deltas plus kr_detok_flush equals kr_tokenizer_decode of all ids. */
+typedef struct kr_detok kr_detok;
+int kr_detok_create(const kr_tokenizer *t, int skip_special, kr_detok **out, char *err);
+void kr_detok_free(kr_detok *d);
+/* On success *delta points into the detokenizer's own buffer (valid until the next call) and
+ * *delta_len is its length (possibly 0). */
+int kr_detok_push(kr_detok *d, int32_t id, const char **delta, size_t *delta_len, char *err);
+/* Whatever is held back (an incomplete character becomes U+FFFD, as HF decode does). */
+int kr_detok_flush(kr_detok *d, const char **delta, size_t *delta_len);
+
+/* ------------------------------------------------------------------ KV cache */
+
+/* A fixed pool of blocks. A block holds `block_size` entries of one (layer, KV head): keys
+ * (post-RoPE), values and each entry's position. The pool is what admission reasons about. */
+typedef struct kr_kv_pool kr_kv_pool;
+int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_kv_pool **out, char *err);
+void kr_kv_pool_free(kr_kv_pool *p);
+int kr_kv_pool_block_size(const kr_kv_pool *p);
+int kr_kv_pool_n_blocks(const kr_kv_pool *p);
+int kr_kv_pool_n_free(const kr_kv_pool *p);
+/* Blocks a sequence of `n_tokens` entries in every (layer, KV head) needs. */
+int kr_kv_blocks_for(const kr_kv_pool *p, int n_layers, int n_kv_heads, int n_tokens);
+
+/* Per-sequence KV state: a block list per (layer, KV head), lengths may differ per head. */
+typedef struct kr_seq kr_seq;
+int kr_seq_create(kr_kv_pool *pool, int n_layers, int n_kv_heads, kr_seq **out, char *err);
+/* Returns every block to the pool. */
+void kr_seq_free(kr_seq *s);
+/* Position the next token fed to this sequence gets (tokens fed so far). */
+int kr_seq_next_pos(const kr_seq *s);
+/* Entries held by (layer, KV head). */
+int kr_seq_len(const kr_seq *s, int layer, int kv_head);
+/* Entries summed over every (layer, KV head). */
+int64_t kr_seq_entries(const kr_seq *s);
+/* Blocks held. */
+int kr_seq_blocks(const kr_seq *s);
+
+/* ------------------------------------------------------------------ forward */
+
+typedef enum kr_backend_kind {
+    KR_BACKEND_CPU = 0,
+    KR_BACKEND_CUDA = 1,
+} kr_backend_kind;
+
+/* Execution context: a model on a backend with scratch buffers sized once for `max_chunk`
+ * tokens and a thread pool. Not thread-safe: one caller at a time. */
+typedef struct kr_ctx kr_ctx;
+typedef struct kr_ctx_params {
+    kr_backend_kind backend;
+    int n_threads; /* <= 0: all online CPUs */
+    int max_chunk; /* most tokens one kr_forward call takes; <= 0: 512 */
+} kr_ctx_params;
+
+int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char *err);
+void kr_ctx_free(kr_ctx *c);
+int kr_ctx_n_threads(const kr_ctx *c);
+
+typedef enum kr_logits_mode {
+    KR_LOGITS_NONE = 0, /* no logits (an intermediate prefill chunk) */
+    KR_LOGITS_LAST = 1, /* one row: the last token's */
+    KR_LOGITS_ALL = 2, /* one row per token fed */
+} kr_logits_mode;
+
+/* Feeds `n` tokens (1 <= n <= max_chunk) at positions next_pos .. next_pos+n-1: appends their
+ * keys and values to every (layer, KV head) of `s` and attends causally over everything cached.
+ * Logits (float32, rows of vocab_size) go to `logits` as `mode` says. Fails cleanly, leaving
+ * the sequence as it was, when the pool has too few free blocks. */
+int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mode mode,
+               float *logits, char *err);
+/* Chunked prefill: kr_forward over consecutive chunks of at most `chunk` tokens (<= 0: the
+ * context's max_chunk). `logits` gets the last token's row, or every row with KR_LOGITS_ALL. */
+int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,
+               float *logits, char *err);
+
+/* ------------------------------------------------------------------ sampler */
+
+typedef struct kr_sampling {
+    int greedy; /* argmax, lowest id on ties; ignores the rest */
+    float temperature; /* <= 0 means greedy */
+    int top_k; /* <= 0: off */
+    float top_p; /* >= 1 or <= 0: off */
+    uint64_t seed;
+} kr_sampling;
+
+/* Fills the defaults: greedy off, temperature 1, top_k off, top_p 1, seed 0. */
+void kr_sampling_default(kr_sampling *s);
+/* Validates ranges; message names the bad field. */
+int kr_sampling_check(const kr_sampling *s, char *err);
+
+typedef struct kr_sampler kr_sampler;
+int kr_sampler_create(const kr_sampling *s, int vocab_size, kr_sampler **out, char *err);
+void kr_sampler_free(kr_sampler *sp);
+/* Draws a token id from a row of logits. Does not allocate. */
+int32_t kr_sampler_sample(kr_sampler *sp, const float *logits);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KR_H */

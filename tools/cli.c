@@ -1,0 +1,125 @@
+/* cli.c - see cli.h. */
+#include "cli.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static const char *prog = "kvrelay";
+
+void cli_set_prog(const char *p)
+{
+    const char *slash = strrchr(p, '/');
+    prog = slash ? slash + 1 : p;
+}
+
+void cli_die(int status, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "%s: ", prog);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(status);
+}
+
+const char *cli_value(int argc, char **argv, int *i)
+{
+    if (*i + 1 >= argc) cli_die(2, "%s needs a value (see --help)", argv[*i]);
+    return argv[++*i];
+}
+
+long cli_long(const char *flag, const char *s, long lo, long hi)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end) cli_die(2, "%s: '%s' is not an integer", flag, s);
+    if (v < lo || v > hi) cli_die(2, "%s: %ld is out of range [%ld, %ld]", flag, v, lo, hi);
+    return v;
+}
+
+double cli_double(const char *flag, const char *s, double lo, double hi)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || isnan(v)) cli_die(2, "%s: '%s' is not a number", flag, s);
+    if (v < lo || v > hi) cli_die(2, "%s: %g is out of range [%g, %g]", flag, v, lo, hi);
+    return v;
+}
+
+uint64_t cli_u64(const char *flag, const char *s)
+{
+    char *end;
+    errno = 0;
+    if (*s == '-') cli_die(2, "%s: '%s' must not be negative", flag, s);
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end) cli_die(2, "%s: '%s' is not an unsigned integer", flag, s);
+    return (uint64_t)v;
+}
+
+int32_t *cli_ids(const char *flag, const char *s, int *n_out)
+{
+    size_t cap = 64, n = 0;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    if (!ids) cli_die(1, "out of memory");
+    const char *p = s;
+    for (;;) {
+        while (*p == ' ' || *p == ',' || *p == '\n' || *p == '\t' || *p == '\r') p++;
+        if (!*p) break;
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || errno || v < 0 || v > INT32_MAX ||
+            (*end && *end != ' ' && *end != ',' && *end != '\n' && *end != '\t' && *end != '\r')) {
+            int len = 0;
+            while (p[len] && p[len] != ' ' && p[len] != ',' && len < 32) len++;
+            cli_die(2, "%s: '%.*s' is not a token id (expected non-negative integers)", flag, len, p);
+        }
+        if (n == cap) {
+            cap *= 2;
+            int32_t *grown = realloc(ids, cap * sizeof *ids);
+            if (!grown) cli_die(1, "out of memory");
+            ids = grown;
+        }
+        ids[n++] = (int32_t)v;
+        p = end;
+    }
+    *n_out = (int)n;
+    return ids;
+}
+
+char *cli_read_stdin(size_t *len_out)
+{
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    if (!buf) cli_die(1, "out of memory");
+    for (;;) {
+        if (n + 1 >= cap) {
+            cap *= 2;
+            char *grown = realloc(buf, cap);
+            if (!grown) cli_die(1, "out of memory");
+            buf = grown;
+        }
+        size_t got = fread(buf + n, 1, cap - n - 1, stdin);
+        n += got;
+        if (got == 0) break;
+    }
+    if (ferror(stdin)) cli_die(1, "reading stdin: %s", strerror(errno));
+    buf[n] = 0;
+    *len_out = n;
+    return buf;
+}
+
+double cli_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}

@@ -1,0 +1,30 @@
+/*
+ * cli.h - small helpers shared by the engine command-line programs in tools/: strict number
+ * parsing for flags, id lists, reading stdin. Each program owns its own flag table and --help.
+ * Every parse error names the flag and the bad value and exits with status 2.
+ */
+#ifndef KR_CLI_H
+#define KR_CLI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Prints "PROG: message" to stderr and exits with `status`. */
+void cli_die(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
+void cli_set_prog(const char *prog);
+
+/* The value following flag argv[*i] (advances *i); dies when it is missing. */
+const char *cli_value(int argc, char **argv, int *i);
+long cli_long(const char *flag, const char *s, long lo, long hi);
+double cli_double(const char *flag, const char *s, double lo, double hi);
+uint64_t cli_u64(const char *flag, const char *s);
+
+/* Parses "1 2 3" (spaces, commas or newlines between) into a malloc'd array; dies on a bad
+ * entry, naming it. */
+int32_t *cli_ids(const char *flag, const char *s, int *n_out);
+/* Reads all of stdin into a malloc'd NUL-terminated buffer. */
+char *cli_read_stdin(size_t *len_out);
+/* Seconds on a monotonic clock. */
+double cli_now(void);
+
+#endif
