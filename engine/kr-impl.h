@@ -1,5 +1,5 @@
 /*
- * kr-impl.h - engine internals shared between engine/*.c files. Not installed, not included
+ * kr-impl.h - engine internals shared between the engine sources. Not installed, not included
  * outside engine/. The public contract is kr.h.
  */
 #ifndef KR_IMPL_H
@@ -92,5 +92,59 @@ static inline void kr_split(int64_t n, int ith, int nth, int64_t align, int64_t 
     *lo = a * align < n ? a * align : n;
     *hi = b * align < n ? b * align : n;
 }
+
+/* ---- KV cache internals (kv.c). A block stores `block_size` entries of one (layer, KV head):
+ * keys [block_size][head_dim] f32 post-RoPE, values [block_size][head_dim] f32, positions. */
+struct kr_kv_pool {
+    int head_dim;
+    int block_size;
+    int n_blocks;
+    float *k; /* [n_blocks][block_size][head_dim] */
+    float *v; /* [n_blocks][block_size][head_dim] */
+    int32_t *pos; /* [n_blocks][block_size] */
+    int32_t *free_ids; /* stack of free block ids, [n_blocks] */
+    int n_free;
+};
+
+/* One (layer, KV head) of a sequence: `len` entries in blocks[0..], in order. */
+typedef struct kr_kv_list {
+    int32_t *blocks;
+    int n_blocks;
+    int cap_blocks;
+    int len;
+} kr_kv_list;
+
+struct kr_seq {
+    kr_kv_pool *pool;
+    int n_layers;
+    int n_kv_heads;
+    int next_pos;
+    kr_kv_list *lists; /* [n_layers][n_kv_heads] */
+    kr_footprint fp;
+};
+
+static inline kr_kv_list *kr_seq_list(kr_seq *s, int layer, int kv_head)
+{
+    return &s->lists[layer * s->n_kv_heads + kv_head];
+}
+static inline float *kr_kv_key(const kr_kv_pool *p, int32_t block, int slot)
+{
+    return p->k + ((size_t)block * (size_t)p->block_size + (size_t)slot) * (size_t)p->head_dim;
+}
+static inline float *kr_kv_value(const kr_kv_pool *p, int32_t block, int slot)
+{
+    return p->v + ((size_t)block * (size_t)p->block_size + (size_t)slot) * (size_t)p->head_dim;
+}
+static inline int32_t *kr_kv_pos(const kr_kv_pool *p, int32_t block, int slot)
+{
+    return p->pos + (size_t)block * (size_t)p->block_size + (size_t)slot;
+}
+/* Makes room for `n` more entries in every (layer, KV head), all or nothing: fails when the
+ * pool lacks blocks, leaving the sequence as it was. */
+int kr_seq_grow(kr_seq *s, int n, char *err);
+/* Writes entry `idx` (< the grown capacity) of one (layer, KV head). Lengths are set by the
+ * caller through the list's `len`. */
+void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,
+                int32_t pos);
 
 #endif /* KR_IMPL_H */

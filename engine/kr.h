@@ -162,6 +162,16 @@ int64_t kr_seq_entries(const kr_seq *s);
 /* Blocks held. */
 int kr_seq_blocks(const kr_seq *s);
 
+/* The KV footprint of Cache Me If You Can: entries each query token attended to, summed over
+ * every query step of prefill and decode and over (layer, KV head), against what full causal
+ * attention would have attended; footprint = attended / full. Plus the peak KV held. */
+typedef struct kr_footprint {
+    double attended;
+    double full;
+    int64_t peak_entries; /* most entries held at once, summed over (layer, KV head) */
+} kr_footprint;
+void kr_seq_footprint(const kr_seq *s, kr_footprint *out);
+
 /* ------------------------------------------------------------------ forward */
 
 typedef enum kr_backend_kind {

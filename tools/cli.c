@@ -97,6 +97,11 @@ int32_t *cli_ids(const char *flag, const char *s, int *n_out)
 
 char *cli_read_stdin(size_t *len_out)
 {
+    return cli_read_file(stdin, len_out);
+}
+
+char *cli_read_file(FILE *in, size_t *len_out)
+{
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap);
     if (!buf) cli_die(1, "out of memory");
@@ -107,11 +112,11 @@ char *cli_read_stdin(size_t *len_out)
             if (!grown) cli_die(1, "out of memory");
             buf = grown;
         }
-        size_t got = fread(buf + n, 1, cap - n - 1, stdin);
+        size_t got = fread(buf + n, 1, cap - n - 1, in);
         n += got;
         if (got == 0) break;
     }
-    if (ferror(stdin)) cli_die(1, "reading stdin: %s", strerror(errno));
+    if (ferror(in)) cli_die(1, "read error: %s", strerror(errno));
     buf[n] = 0;
     *len_out = n;
     return buf;
@@ -122,4 +127,11 @@ double cli_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int cli_backend(const char *s)
+{
+    if (!strcmp(s, "cpu")) return 0;
+    if (!strcmp(s, "cuda")) return 1;
+    cli_die(2, "--backend: '%s' is not a backend (cpu or cuda)", s);
 }

@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 /* Prints "PROG: message" to stderr and exits with `status`. */
 void cli_die(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
@@ -22,8 +23,11 @@ uint64_t cli_u64(const char *flag, const char *s);
 /* Parses "1 2 3" (spaces, commas or newlines between) into a malloc'd array; dies on a bad
  * entry, naming it. */
 int32_t *cli_ids(const char *flag, const char *s, int *n_out);
-/* Reads all of stdin into a malloc'd NUL-terminated buffer. */
+/* Reads all of a stream into a malloc'd NUL-terminated buffer. */
+char *cli_read_file(FILE *f, size_t *len_out);
 char *cli_read_stdin(size_t *len_out);
+/* "cpu" or "cuda" as a kr_backend_kind (int); dies on anything else. */
+int cli_backend(const char *s);
 /* Seconds on a monotonic clock. */
 double cli_now(void);
 

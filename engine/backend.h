@@ -1,0 +1,50 @@
+/*
+ * backend.h - the op table every compute backend fills once with designated initializers
+ * (engine/cpu/backend.c; engine/cuda/ later). forward.c drives a model through these ops only,
+ * so it never includes a backend's headers. Activations are float32 buffers the backend
+ * allocates (`act_alloc`): host memory on CPU, device memory on a GPU; the core only hands
+ * them back to ops and copies results out with `to_host`.
+ *
+ * Shapes: `n` tokens per call; x[n][d]; linear weights [out][in] (kr_tensor, dtype as loaded).
+ */
+#ifndef KR_BACKEND_H
+#define KR_BACKEND_H
+
+#include "kr-impl.h"
+
+typedef struct kr_backend kr_backend;
+
+typedef struct kr_backend_ops {
+    const char *name;
+    int (*create)(const kr_model *m, int n_threads, int max_chunk, kr_backend **out, char *err);
+    void (*destroy)(kr_backend *b);
+    int (*n_threads)(const kr_backend *b);
+    float *(*act_alloc)(kr_backend *b, size_t n_floats); /* NULL when out of memory */
+    void (*act_free)(kr_backend *b, float *p);
+    void (*to_host)(kr_backend *b, const float *src, size_t n_floats, float *dst);
+
+    /* x[i] = emb[tokens[i]] upcast to f32 */
+    void (*embed)(kr_backend *b, const kr_tensor *emb, const int32_t *tokens, int n, float *x);
+    /* y[i] = x[i] / rms(x[i]) * w  (rms over d, eps inside the root), y may equal x */
+    void (*rmsnorm)(kr_backend *b, const float *x, const kr_tensor *w, int n, int d, float eps,
+                    float *y);
+    /* y[n][out] (+)= x[n][in] . w^T (+ bias); accumulate: add into y instead of overwriting */
+    void (*matmul)(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
+                   int accumulate, float *y);
+    /* g[i] = silu(g[i]) * u[i] over n*f elements */
+    void (*swiglu)(kr_backend *b, float *g, const float *u, size_t count);
+    /* Rotates x[n][n_heads][head_dim] in place (HF rotate-half): cos_sin[n][head_dim/2][2]. */
+    void (*rope)(kr_backend *b, float *x, int n, int n_heads, int head_dim, const float *cos_sin);
+    /* Stores k, v [n][n_kv_heads][head_dim] of layer `layer` as entries len-n .. len-1 of each
+     * (layer, KV head) of s (room made by kr_seq_grow, lengths already set), positions pos[n]. */
+    void (*kv_store)(kr_backend *b, kr_seq *s, int layer, const float *k, const float *v, int n,
+                     const int32_t *pos);
+    /* out[n][n_heads][head_dim] = causal attention of q[n][n_heads][head_dim] over the cached
+     * entries of each (layer, KV head): token i sees the first len - n + i + 1 entries. */
+    void (*attention)(kr_backend *b, const kr_seq *s, int layer, const float *q, int n, int n_heads,
+                      float *out);
+} kr_backend_ops;
+
+extern const kr_backend_ops kr_cpu_backend;
+
+#endif

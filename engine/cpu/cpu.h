@@ -1,0 +1,29 @@
+/*
+ * cpu.h - the CPU backend's state and kernels, shared by the CPU backend sources only. The CPU backend
+ * is the reference: float32 compute from weights upcast exactly, a thread pool over output
+ * rows, OpenBLAS sgemm (single-threaded per worker) for multi-token matmuls, hand-vectorised
+ * dot products for decode.
+ */
+#ifndef KR_CPU_H
+#define KR_CPU_H
+
+#include "backend.h"
+
+struct kr_backend {
+    const kr_model *model;
+    kr_threadpool *tp;
+    int max_chunk;
+    size_t slab_floats; /* per-thread scratch for upcast weight slabs */
+    float **slab; /* [n_threads][slab_floats] */
+    size_t att_floats; /* per-thread attention scratch */
+    float **att; /* [n_threads][att_floats] */
+};
+
+void kr_cpu_matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
+                   int accumulate, float *y);
+void kr_cpu_attention(kr_backend *b, const kr_seq *s, int layer, const float *q, int n,
+                      int n_heads, float *out);
+/* Rows of attention scratch each thread needs for a model: see attention.c. */
+size_t kr_cpu_attention_scratch(const kr_config *cfg);
+
+#endif

@@ -1,0 +1,110 @@
+/*
+ * simd.h - the CPU backend's vector primitives: dot products of an f32 vector with f32, bf16
+ * or f16 rows, and scaled adds. AVX-512 when the compiler targets it, AVX2+FMA+F16C next, plain
+ * C otherwise (the plain C is the readable definition; the others must agree with it to float
+ * rounding). Weights are upcast exactly to f32; all arithmetic is f32.
+ */
+#ifndef KR_CPU_SIMD_H
+#define KR_CPU_SIMD_H
+
+#include "kr-impl.h"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define KR_VL 16
+typedef __m512 kr_vf;
+static inline kr_vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline kr_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline kr_vf vf_load_bf16(const uint16_t *p)
+{
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline kr_vf vf_load_f16(const uint16_t *p)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline kr_vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline void vf_store(float *p, kr_vf v) { _mm512_storeu_ps(p, v); }
+static inline float vf_sum(kr_vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KR_VL 8
+typedef __m256 kr_vf;
+static inline kr_vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline kr_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline kr_vf vf_load_bf16(const uint16_t *p)
+{
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline kr_vf vf_load_f16(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline kr_vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline void vf_store(float *p, kr_vf v) { _mm256_storeu_ps(p, v); }
+static inline float vf_sum(kr_vf v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#define KR_VL 1
+typedef float kr_vf;
+static inline kr_vf vf_zero(void) { return 0.0f; }
+static inline kr_vf vf_load(const float *p) { return *p; }
+static inline kr_vf vf_load_bf16(const uint16_t *p) { return kr_bf16_to_f32(*p); }
+static inline kr_vf vf_load_f16(const uint16_t *p) { return kr_f16_to_f32(*p); }
+static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return a * b + c; }
+static inline kr_vf vf_set1(float x) { return x; }
+static inline void vf_store(float *p, kr_vf v) { *p = v; }
+static inline float vf_sum(kr_vf v) { return v; }
+#endif
+
+/* One element of a weight row, upcast. */
+static inline float kr_w_at(const void *row, kr_dtype t, int64_t i)
+{
+    switch (t) {
+    case KR_DTYPE_BF16: return kr_bf16_to_f32(((const uint16_t *)row)[i]);
+    case KR_DTYPE_F16: return kr_f16_to_f32(((const uint16_t *)row)[i]);
+    default: return ((const float *)row)[i];
+    }
+}
+
+static inline float kr_dot_f32(const float *a, const float *b, int n)
+{
+    kr_vf s0 = vf_zero(), s1 = vf_zero();
+    int i = 0;
+    for (; i + 2 * KR_VL <= n; i += 2 * KR_VL) {
+        s0 = vf_fma(vf_load(a + i), vf_load(b + i), s0);
+        s1 = vf_fma(vf_load(a + i + KR_VL), vf_load(b + i + KR_VL), s1);
+    }
+    for (; i + KR_VL <= n; i += KR_VL) s0 = vf_fma(vf_load(a + i), vf_load(b + i), s0);
+    float s = vf_sum(s0) + vf_sum(s1);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[0..n) += a * x[0..n) */
+static inline void kr_axpy(float *y, float a, const float *x, int n)
+{
+    kr_vf va = vf_set1(a);
+    int i = 0;
+    for (; i + KR_VL <= n; i += KR_VL) vf_store(y + i, vf_fma(va, vf_load(x + i), vf_load(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* y[0..n) *= a */
+static inline void kr_scale(float *y, float a, int n)
+{
+    for (int i = 0; i < n; i++) y[i] *= a;
+}
+
+#endif

@@ -1,0 +1,216 @@
+/*
+ * forward.c - the transformer forward pass (Llama / Mistral / Qwen2), written once against the
+ * backend op table: embedding, per layer RMSNorm -> q/k/v (+bias) -> RoPE -> KV store ->
+ * attention over the paged cache -> o_proj + residual -> RMSNorm -> SiLU-gated MLP + residual,
+ * final RMSNorm, lm_head. Chunked prefill is repeated calls; decode is a call with one token.
+ * It also keeps the KV footprint tally (DESIGN.md section 1) of every query token it runs.
+ * What it is not: a scheduler or a policy (eviction acts on the sequence between calls).
+ */
+#include "backend.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct kr_ctx {
+    const kr_model *model;
+    const kr_backend_ops *ops;
+    kr_backend *be;
+    int max_chunk;
+    float *inv_freq; /* [head_dim/2], host */
+    float *cos_sin; /* [max_chunk][head_dim/2][2], host */
+    int32_t *pos; /* [max_chunk] */
+    /* activations, backend memory */
+    float *x; /* [max_chunk][d] residual stream */
+    float *xn; /* [max_chunk][d] normed */
+    float *q; /* [max_chunk][n_heads*head_dim] */
+    float *k; /* [max_chunk][n_kv_heads*head_dim] */
+    float *v; /* [max_chunk][n_kv_heads*head_dim] */
+    float *att; /* [max_chunk][n_heads*head_dim] */
+    float *gate; /* [max_chunk][f] */
+    float *up; /* [max_chunk][f] */
+    float *logits; /* [max_chunk][vocab] */
+};
+
+/* HF's default RoPE inverse frequencies, then the llama3 rescaling when configured
+ * (transformers' _compute_llama3_parameters), in float32 as HF computes them. */
+static void rope_inv_freq(const kr_config *cfg, float *inv)
+{
+    const int half = cfg->head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float expo = (float)(2 * i) / (float)cfg->head_dim;
+        inv[i] = 1.0f / powf(cfg->rope_theta, expo);
+    }
+    if (!cfg->rope_llama3) return;
+    const float old_ctx = (float)cfg->rope_original_max_pos;
+    const float low_wl = old_ctx / cfg->rope_low_freq_factor;
+    const float high_wl = old_ctx / cfg->rope_high_freq_factor;
+    for (int i = 0; i < half; i++) {
+        float wl = 2.0f * (float)M_PI / inv[i];
+        float f = wl > low_wl ? inv[i] / cfg->rope_factor : inv[i];
+        if (!(wl < high_wl) && !(wl > low_wl)) {
+            float smooth = (old_ctx / wl - cfg->rope_low_freq_factor) /
+                           (cfg->rope_high_freq_factor - cfg->rope_low_freq_factor);
+            f = (1.0f - smooth) * f / cfg->rope_factor + smooth * f;
+        }
+        inv[i] = f;
+    }
+}
+
+void kr_ctx_free(kr_ctx *c)
+{
+    if (!c) return;
+    if (c->be) {
+        float *acts[] = {c->x, c->xn, c->q, c->k, c->v, c->att, c->gate, c->up, c->logits};
+        for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
+            if (acts[i]) c->ops->act_free(c->be, acts[i]);
+        c->ops->destroy(c->be);
+    }
+    free(c->inv_freq);
+    free(c->cos_sin);
+    free(c->pos);
+    free(c);
+}
+
+int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char *err)
+{
+    kr_ctx_params def = {.backend = KR_BACKEND_CPU, .n_threads = 0, .max_chunk = 0};
+    if (!p) p = &def;
+    if (p->backend != KR_BACKEND_CPU)
+        return kr_errf(err, "backend 'cuda' is not available in this build (use --backend cpu)");
+    const kr_config *cfg = &m->cfg;
+    int threads = p->n_threads > 0 ? p->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (threads < 1) threads = 1;
+    int chunk = p->max_chunk > 0 ? p->max_chunk : 512;
+    kr_ctx *c = calloc(1, sizeof *c);
+    if (!c) return kr_errf(err, "context: out of memory");
+    c->model = m;
+    c->ops = &kr_cpu_backend;
+    c->max_chunk = chunk;
+    if (c->ops->create(m, threads, chunk, &c->be, err) != KR_OK) {
+        free(c);
+        return -1;
+    }
+    const size_t d = (size_t)cfg->hidden_size, f = (size_t)cfg->intermediate_size;
+    const size_t qd = (size_t)cfg->n_heads * cfg->head_dim, kvd = (size_t)cfg->n_kv_heads * cfg->head_dim;
+    const size_t n = (size_t)chunk, half = (size_t)cfg->head_dim / 2;
+    c->inv_freq = malloc(half * sizeof(float));
+    c->cos_sin = malloc(n * half * 2 * sizeof(float));
+    c->pos = malloc(n * sizeof(int32_t));
+    c->x = c->ops->act_alloc(c->be, n * d);
+    c->xn = c->ops->act_alloc(c->be, n * d);
+    c->q = c->ops->act_alloc(c->be, n * qd);
+    c->k = c->ops->act_alloc(c->be, n * kvd);
+    c->v = c->ops->act_alloc(c->be, n * kvd);
+    c->att = c->ops->act_alloc(c->be, n * qd);
+    c->gate = c->ops->act_alloc(c->be, n * f);
+    c->up = c->ops->act_alloc(c->be, n * f);
+    c->logits = c->ops->act_alloc(c->be, n * (size_t)cfg->vocab_size);
+    if (!c->inv_freq || !c->cos_sin || !c->pos || !c->x || !c->xn || !c->q || !c->k || !c->v ||
+        !c->att || !c->gate || !c->up || !c->logits) {
+        kr_ctx_free(c);
+        return kr_errf(err, "context: out of memory for activations of %d tokens", chunk);
+    }
+    rope_inv_freq(cfg, c->inv_freq);
+    *out = c;
+    return KR_OK;
+}
+
+int kr_ctx_n_threads(const kr_ctx *c)
+{
+    return c->ops->n_threads(c->be);
+}
+
+static void fill_rope(kr_ctx *c, int n)
+{
+    const int half = c->model->cfg.head_dim / 2;
+    for (int t = 0; t < n; t++) {
+        float *cs = c->cos_sin + (size_t)t * half * 2;
+        for (int i = 0; i < half; i++) {
+            float angle = (float)c->pos[t] * c->inv_freq[i];
+            cs[2 * i] = (float)cos((double)angle);
+            cs[2 * i + 1] = (float)sin((double)angle);
+        }
+    }
+}
+
+int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mode mode,
+               float *logits, char *err)
+{
+    const kr_model *m = c->model;
+    const kr_config *cfg = &m->cfg;
+    const kr_backend_ops *ops = c->ops;
+    kr_backend *be = c->be;
+    if (n < 1 || n > c->max_chunk)
+        return kr_errf(err, "forward: %d tokens in one call (allowed 1..%d)", n, c->max_chunk);
+    if (s->n_layers != cfg->n_layers || s->n_kv_heads != cfg->n_kv_heads ||
+        s->pool->head_dim != cfg->head_dim)
+        return kr_errf(err, "forward: sequence shape does not match the model");
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= cfg->vocab_size)
+            return kr_errf(err, "forward: token id %d at index %d is outside the vocabulary [0, %d)",
+                           tokens[i], i, cfg->vocab_size);
+    if (kr_seq_grow(s, n, err) != KR_OK) return -1;
+
+    const int d = cfg->hidden_size, hd = cfg->head_dim;
+    for (int t = 0; t < n; t++) c->pos[t] = s->next_pos + t;
+    fill_rope(c, n);
+
+    ops->embed(be, &m->embed, tokens, n, c->x);
+    for (int l = 0; l < cfg->n_layers; l++) {
+        const kr_layer_weights *w = &m->layers[l];
+        ops->rmsnorm(be, c->x, &w->attn_norm, n, d, cfg->rms_norm_eps, c->xn);
+        ops->matmul(be, &w->wq, &w->bq, c->xn, n, 0, c->q);
+        ops->matmul(be, &w->wk, &w->bk, c->xn, n, 0, c->k);
+        ops->matmul(be, &w->wv, &w->bv, c->xn, n, 0, c->v);
+        ops->rope(be, c->q, n, cfg->n_heads, hd, c->cos_sin);
+        ops->rope(be, c->k, n, cfg->n_kv_heads, hd, c->cos_sin);
+        for (int g = 0; g < cfg->n_kv_heads; g++) {
+            kr_kv_list *list = kr_seq_list(s, l, g);
+            list->len += n;
+            /* footprint: token t attends len - n + t + 1 entries; full attention pos + 1 */
+            for (int t = 0; t < n; t++) {
+                s->fp.attended += (double)(list->len - n + t + 1);
+                s->fp.full += (double)(c->pos[t] + 1);
+            }
+        }
+        ops->kv_store(be, s, l, c->k, c->v, n, c->pos);
+        ops->attention(be, s, l, c->q, n, cfg->n_heads, c->att);
+        ops->matmul(be, &w->wo, NULL, c->att, n, 1, c->x);
+        ops->rmsnorm(be, c->x, &w->ffn_norm, n, d, cfg->rms_norm_eps, c->xn);
+        ops->matmul(be, &w->w_gate, NULL, c->xn, n, 0, c->gate);
+        ops->matmul(be, &w->w_up, NULL, c->xn, n, 0, c->up);
+        ops->swiglu(be, c->gate, c->up, (size_t)n * cfg->intermediate_size);
+        ops->matmul(be, &w->w_down, NULL, c->gate, n, 1, c->x);
+    }
+    s->next_pos += n;
+    int64_t held = kr_seq_entries(s);
+    if (held > s->fp.peak_entries) s->fp.peak_entries = held;
+
+    if (mode == KR_LOGITS_NONE) return KR_OK;
+    int first = mode == KR_LOGITS_ALL ? 0 : n - 1, rows = n - first;
+    const float *xl = c->x + (size_t)first * d;
+    ops->rmsnorm(be, xl, &m->final_norm, rows, d, cfg->rms_norm_eps, c->xn);
+    ops->matmul(be, &m->lm_head, NULL, c->xn, rows, 0, c->logits);
+    ops->to_host(be, c->logits, (size_t)rows * cfg->vocab_size, logits);
+    return KR_OK;
+}
+
+int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,
+               float *logits, char *err)
+{
+    if (n < 1) return kr_errf(err, "prefill: empty prompt");
+    if (chunk <= 0 || chunk > c->max_chunk) chunk = c->max_chunk;
+    const int vocab = c->model->cfg.vocab_size;
+    /* room for the whole prompt up front, so running out of blocks fails before any work */
+    if (kr_seq_grow(s, n, err) != KR_OK) return -1;
+    for (int at = 0; at < n; at += chunk) {
+        int len = n - at < chunk ? n - at : chunk;
+        int last = at + len == n;
+        kr_logits_mode m = mode == KR_LOGITS_ALL ? KR_LOGITS_ALL : (last ? mode : KR_LOGITS_NONE);
+        float *dst = mode == KR_LOGITS_ALL ? logits + (size_t)at * vocab : logits;
+        if (kr_forward(c, s, tokens + at, len, m, dst, err) != KR_OK) return -1;
+    }
+    return KR_OK;
+}

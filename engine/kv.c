@@ -1,0 +1,176 @@
+/*
+ * kv.c - the paged KV cache: a fixed pool of blocks and, per sequence, a block list per
+ * (layer, KV head). Lengths may differ per head (eviction keeps different sets per head).
+ * What it is not: a policy. Which entries stay is decided by engine/policy code; this file
+ * only stores them and hands blocks out and back.
+ */
+#include "kr-impl.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_kv_pool **out, char *err)
+{
+    if (head_dim <= 0 || block_size <= 0 || n_blocks <= 0)
+        return kr_errf(err, "KV pool: head_dim %d, block_size %d, n_blocks %d must be positive",
+                       head_dim, block_size, n_blocks);
+    kr_kv_pool *p = calloc(1, sizeof *p);
+    if (!p) return kr_errf(err, "KV pool: out of memory");
+    size_t entries = (size_t)n_blocks * (size_t)block_size;
+    p->head_dim = head_dim;
+    p->block_size = block_size;
+    p->n_blocks = n_blocks;
+    p->k = malloc(entries * (size_t)head_dim * sizeof(float));
+    p->v = malloc(entries * (size_t)head_dim * sizeof(float));
+    p->pos = malloc(entries * sizeof(int32_t));
+    p->free_ids = malloc((size_t)n_blocks * sizeof(int32_t));
+    if (!p->k || !p->v || !p->pos || !p->free_ids) {
+        kr_kv_pool_free(p);
+        return kr_errf(err, "KV pool: cannot allocate %d blocks of %d entries x %d dims (%.1f MiB)",
+                       n_blocks, block_size, head_dim,
+                       (double)entries * head_dim * 8 / (1024.0 * 1024.0));
+    }
+    /* hand out low block ids first */
+    for (int i = 0; i < n_blocks; i++) p->free_ids[i] = n_blocks - 1 - i;
+    p->n_free = n_blocks;
+    *out = p;
+    return KR_OK;
+}
+
+void kr_kv_pool_free(kr_kv_pool *p)
+{
+    if (!p) return;
+    free(p->k);
+    free(p->v);
+    free(p->pos);
+    free(p->free_ids);
+    free(p);
+}
+
+int kr_kv_pool_block_size(const kr_kv_pool *p)
+{
+    return p->block_size;
+}
+
+int kr_kv_pool_n_blocks(const kr_kv_pool *p)
+{
+    return p->n_blocks;
+}
+
+int kr_kv_pool_n_free(const kr_kv_pool *p)
+{
+    return p->n_free;
+}
+
+int kr_kv_blocks_for(const kr_kv_pool *p, int n_layers, int n_kv_heads, int n_tokens)
+{
+    int per_list = (n_tokens + p->block_size - 1) / p->block_size;
+    return per_list * n_layers * n_kv_heads;
+}
+
+int kr_seq_create(kr_kv_pool *pool, int n_layers, int n_kv_heads, kr_seq **out, char *err)
+{
+    if (n_layers <= 0 || n_kv_heads <= 0)
+        return kr_errf(err, "sequence: %d layers x %d KV heads must be positive", n_layers,
+                       n_kv_heads);
+    kr_seq *s = calloc(1, sizeof *s);
+    if (!s) return kr_errf(err, "sequence: out of memory");
+    s->lists = calloc((size_t)n_layers * (size_t)n_kv_heads, sizeof *s->lists);
+    if (!s->lists) {
+        free(s);
+        return kr_errf(err, "sequence: out of memory");
+    }
+    s->pool = pool;
+    s->n_layers = n_layers;
+    s->n_kv_heads = n_kv_heads;
+    *out = s;
+    return KR_OK;
+}
+
+void kr_seq_free(kr_seq *s)
+{
+    if (!s) return;
+    int n = s->n_layers * s->n_kv_heads;
+    for (int i = 0; i < n; i++) {
+        kr_kv_list *l = &s->lists[i];
+        for (int b = l->n_blocks - 1; b >= 0; b--) s->pool->free_ids[s->pool->n_free++] = l->blocks[b];
+        free(l->blocks);
+    }
+    free(s->lists);
+    free(s);
+}
+
+int kr_seq_next_pos(const kr_seq *s)
+{
+    return s->next_pos;
+}
+
+int kr_seq_len(const kr_seq *s, int layer, int kv_head)
+{
+    if (layer < 0 || layer >= s->n_layers || kv_head < 0 || kv_head >= s->n_kv_heads) return 0;
+    return s->lists[layer * s->n_kv_heads + kv_head].len;
+}
+
+int64_t kr_seq_entries(const kr_seq *s)
+{
+    int64_t total = 0;
+    for (int i = 0; i < s->n_layers * s->n_kv_heads; i++) total += s->lists[i].len;
+    return total;
+}
+
+int kr_seq_blocks(const kr_seq *s)
+{
+    int total = 0;
+    for (int i = 0; i < s->n_layers * s->n_kv_heads; i++) total += s->lists[i].n_blocks;
+    return total;
+}
+
+void kr_seq_footprint(const kr_seq *s, kr_footprint *out)
+{
+    *out = s->fp;
+}
+
+int kr_seq_grow(kr_seq *s, int n, char *err)
+{
+    kr_kv_pool *p = s->pool;
+    int n_lists = s->n_layers * s->n_kv_heads, need = 0;
+    for (int i = 0; i < n_lists; i++) {
+        kr_kv_list *l = &s->lists[i];
+        int blocks = (l->len + n + p->block_size - 1) / p->block_size;
+        if (blocks > l->n_blocks) need += blocks - l->n_blocks;
+    }
+    if (need > p->n_free)
+        return kr_errf(err, "KV pool exhausted: %d more blocks needed, %d free of %d", need,
+                       p->n_free, p->n_blocks);
+    /* grow the block arrays first so a failed allocation leaves the pool untouched */
+    for (int i = 0; i < n_lists; i++) {
+        kr_kv_list *l = &s->lists[i];
+        int blocks = (l->len + n + p->block_size - 1) / p->block_size;
+        if (blocks > l->cap_blocks) {
+            int cap = l->cap_blocks ? l->cap_blocks : 4;
+            while (cap < blocks) cap *= 2;
+            int32_t *grown = realloc(l->blocks, (size_t)cap * sizeof *grown);
+            if (!grown) return kr_errf(err, "sequence: out of memory for block lists");
+            l->blocks = grown;
+            l->cap_blocks = cap;
+        }
+    }
+    for (int i = 0; i < n_lists; i++) {
+        kr_kv_list *l = &s->lists[i];
+        int blocks = (l->len + n + p->block_size - 1) / p->block_size;
+        while (l->n_blocks < blocks) l->blocks[l->n_blocks++] = p->free_ids[--p->n_free];
+    }
+    return KR_OK;
+}
+
+void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,
+                int32_t pos)
+{
+    kr_kv_pool *p = s->pool;
+    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    int32_t block = l->blocks[idx / p->block_size];
+    int slot = idx % p->block_size;
+    memcpy(kr_kv_key(p, block, slot), k, (size_t)p->head_dim * sizeof(float));
+    memcpy(kr_kv_value(p, block, slot), v, (size_t)p->head_dim * sizeof(float));
+    *kr_kv_pos(p, block, slot) = pos;
+}

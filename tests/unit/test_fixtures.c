@@ -1,0 +1,186 @@
+/*
+ * test_fixtures.c - the engine against the reference outputs in tests/fixtures/models (copied
+ * from ../shared/fixtures/models; see their READMEs): for every model and case, the logits at
+ * every stored prompt position within 1e-4, the 16 greedy tokens exactly with each step's
+ * logits within 1e-4 (incremental decode through the KV cache), and chunked prefill with
+ * chunk sizes 1, 7 and 64 equal to one-shot prefill within float rounding. Run on 1 and 2
+ * threads, with the checkpoint's dtype kept in memory and with weights converted to f32.
+ */
+#include "kr_test.h"
+
+#include "kr.h"
+
+#include <cjson/cJSON.h>
+#include <stdint.h>
+
+static const double TOL_REF = 1e-4; /* fixture README: 15x the oracles' disagreement */
+static const double TOL_CHUNK = 2e-5; /* same engine, different summation order */
+
+static char *slurp(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    REQUIRE(f, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    REQUIRE(fread(buf, 1, (size_t)n, f) == (size_t)n, "short read %s", path);
+    buf[n] = 0;
+    fclose(f);
+    *len = (size_t)n;
+    return buf;
+}
+
+static int32_t *json_ids(const cJSON *arr, int *n)
+{
+    *n = cJSON_GetArraySize(arr);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(*n > 0 ? *n : 1));
+    for (int i = 0; i < *n; i++) ids[i] = (int32_t)cJSON_GetArrayItem(arr, i)->valuedouble;
+    return ids;
+}
+
+static double max_diff(const float *a, const float *b, int n)
+{
+    double m = 0;
+    for (int i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (!(d <= m)) m = d; /* NaN propagates as failure */
+    }
+    return m;
+}
+
+static int argmax(const float *x, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+typedef struct run {
+    kr_ctx *ctx;
+    kr_kv_pool *pool;
+    const kr_config *cfg;
+} run;
+
+/* all-position logits of a prompt, prefilled in chunks of `chunk` */
+static float *prefill_all(run *r, const int32_t *ids, int n, int chunk)
+{
+    char err[KR_ERR_MAX];
+    kr_seq *s;
+    REQUIRE(kr_seq_create(r->pool, r->cfg->n_layers, r->cfg->n_kv_heads, &s, err) == KR_OK, "%s", err);
+    float *lg = malloc(sizeof(float) * (size_t)n * r->cfg->vocab_size);
+    REQUIRE(kr_prefill(r->ctx, s, ids, n, chunk, KR_LOGITS_ALL, lg, err) == KR_OK, "%s", err);
+    kr_footprint fp;
+    kr_seq_footprint(s, &fp);
+    CHECK(fp.attended == fp.full, "full attention must have footprint 1 (%g vs %g)", fp.attended, fp.full);
+    CHECK(fp.peak_entries == (int64_t)n * r->cfg->n_layers * r->cfg->n_kv_heads, "peak %lld",
+          (long long)fp.peak_entries);
+    kr_seq_free(s);
+    CHECK(kr_kv_pool_n_free(r->pool) == kr_kv_pool_n_blocks(r->pool), "blocks leaked");
+    return lg;
+}
+
+static void check_case(run *r, const char *model, const cJSON *c, const float *ref)
+{
+    char err[KR_ERR_MAX];
+    const int vocab = r->cfg->vocab_size;
+    const char *name = cJSON_GetObjectItem(c, "name")->valuestring;
+    int n, n_pos, n_greedy;
+    int32_t *prompt = json_ids(cJSON_GetObjectItem(c, "prompt"), &n);
+    int32_t *positions = json_ids(cJSON_GetObjectItem(c, "positions"), &n_pos);
+    const cJSON *greedy = cJSON_GetObjectItem(c, "greedy");
+    int32_t *tokens = json_ids(cJSON_GetObjectItem(greedy, "tokens"), &n_greedy);
+    size_t off_logits = (size_t)cJSON_GetObjectItem(cJSON_GetObjectItem(c, "logits"), "offset")->valuedouble;
+    size_t off_greedy = (size_t)cJSON_GetObjectItem(cJSON_GetObjectItem(greedy, "logits"), "offset")->valuedouble;
+    const float *ref_logits = ref + off_logits / sizeof(float);
+    const float *ref_greedy = ref + off_greedy / sizeof(float);
+
+    /* 1. one-shot prefill: every stored position */
+    float *all = prefill_all(r, prompt, n, n);
+    for (int j = 0; j < n_pos; j++) {
+        double d = max_diff(all + (size_t)positions[j] * vocab, ref_logits + (size_t)j * vocab, vocab);
+        CHECK(d <= TOL_REF, "%s/%s: position %d max |diff| %.3g > %.1g", model, name, positions[j], d, TOL_REF);
+    }
+    /* 2. chunked prefill equals one-shot */
+    const int chunks[] = {1, 7, 64};
+    for (int k = 0; k < 3; k++) {
+        float *ch = prefill_all(r, prompt, n, chunks[k]);
+        double d = max_diff(ch, all, n * vocab);
+        CHECK(d <= TOL_CHUNK, "%s/%s: chunk %d differs from one-shot by %.3g", model, name, chunks[k], d);
+        free(ch);
+    }
+    /* 3. greedy continuation through the KV cache */
+    kr_seq *s;
+    REQUIRE(kr_seq_create(r->pool, r->cfg->n_layers, r->cfg->n_kv_heads, &s, err) == KR_OK, "%s", err);
+    float *lg = malloc(sizeof(float) * vocab);
+    REQUIRE(kr_prefill(r->ctx, s, prompt, n, 0, KR_LOGITS_LAST, lg, err) == KR_OK, "%s", err);
+    for (int step = 0; step < n_greedy; step++) {
+        double d = max_diff(lg, ref_greedy + (size_t)step * vocab, vocab);
+        CHECK(d <= TOL_REF, "%s/%s: greedy step %d logits max |diff| %.3g", model, name, step, d);
+        int tok = argmax(lg, vocab);
+        CHECK(tok == tokens[step], "%s/%s: greedy step %d token %d, expected %d", model, name, step, tok, tokens[step]);
+        if (step + 1 < n_greedy) {
+            int32_t feed = tokens[step]; /* follow the reference path even after a mismatch */
+            REQUIRE(kr_forward(r->ctx, s, &feed, 1, KR_LOGITS_LAST, lg, err) == KR_OK, "%s", err);
+        }
+    }
+    CHECK(kr_seq_next_pos(s) == n + n_greedy - 1, "positions advanced to %d", kr_seq_next_pos(s));
+    kr_seq_free(s);
+    free(lg);
+    free(all);
+    free(prompt);
+    free(positions);
+    free(tokens);
+}
+
+static void check_model(const char *dir, const char *model, int threads, int weights_f32)
+{
+    char path[4096], err[KR_ERR_MAX];
+    snprintf(path, sizeof path, "%s/%s", dir, model);
+    kr_model_opts mo = {.weights_f32 = weights_f32};
+    kr_model *m;
+    REQUIRE(kr_model_load(path, &mo, &m, err) == KR_OK, "load %s: %s", path, err);
+    run r = {.cfg = kr_model_config(m)};
+    kr_ctx_params cp = {.backend = KR_BACKEND_CPU, .n_threads = threads, .max_chunk = 512};
+    REQUIRE(kr_ctx_create(m, &cp, &r.ctx, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(r.cfg->head_dim, 16, 4096, &r.pool, err) == KR_OK, "%s", err);
+
+    size_t len;
+    snprintf(path, sizeof path, "%s/%s/cases.json", dir, model);
+    char *json = slurp(path, &len);
+    snprintf(path, sizeof path, "%s/%s/logits.bin", dir, model);
+    float *ref = (float *)slurp(path, &len);
+    cJSON *root = cJSON_Parse(json);
+    REQUIRE(root, "bad cases.json for %s", model);
+    const cJSON *c;
+    int n_cases = 0;
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "cases"))
+    {
+        check_case(&r, model, c, ref);
+        n_cases++;
+    }
+    CHECK(n_cases >= 4, "%s: only %d cases", model, n_cases);
+    printf("%s (threads %d, weights %s): %d cases checked\n", model, threads,
+           weights_f32 ? "f32" : kr_dtype_name(kr_model_weight_dtype(m)), n_cases);
+    cJSON_Delete(root);
+    free(json);
+    free(ref);
+    kr_kv_pool_free(r.pool);
+    kr_ctx_free(r.ctx);
+    kr_model_free(m);
+}
+
+int main(void)
+{
+    const char *fx = kt_env("KR_FIXTURES");
+    REQUIRE(fx, "KR_FIXTURES is not set (run through ctest)");
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/models", fx);
+    const char *models[] = {"llama3-tiny", "qwen2-tiny", "mistral-tiny"};
+    for (int i = 0; i < 3; i++) {
+        check_model(dir, models[i], 2, 0);
+        check_model(dir, models[i], 1, 1);
+    }
+    return kt_done("test_fixtures");
+}

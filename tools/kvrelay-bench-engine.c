@@ -1,0 +1,352 @@
+/*
+ * kvrelay-bench-engine - engine speed against the machine's own limits, measured in the same
+ * run: prefill tokens/s as a fraction of the sgemm peak (OpenBLAS, one sgemm per thread, as the
+ * engine runs it), and decode tokens/s as a fraction of the memory-bandwidth bound (bytes a
+ * decode step must read: weights + the KV cache, over a measured memcpy bandwidth).
+ *   kvrelay-bench-engine (--model DIR | --random CONFIG.json) [--dtype bf16] [--threads N]
+ * Progress goes to stderr, results to stdout (a table, or one JSON object with --json).
+ */
+#include "cli.h"
+#include "kr.h"
+
+#include <cblas.h>
+#include <cjson/cJSON.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { MAX_LIST = 16, BLOCK = 16 };
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvrelay-bench-engine (--model DIR | --random CONFIG.json) [options]\n"
+            "\n"
+            "Measures prefill and decode speed and prints each as a fraction of a limit\n"
+            "measured in the same run (sgemm peak for prefill, memory bandwidth for decode).\n"
+            "\n"
+            "  --model DIR          a Hugging Face model directory\n"
+            "  --random CONFIG      a config.json: that shape with random weights (no checkpoint)\n"
+            "  --dtype D            weights for --random: bf16 (default), f16 or f32\n"
+            "  --weights-f32        convert a checkpoint's bf16/f16 weights to f32 at load\n"
+            "  --threads N          CPU threads (default: all online CPUs)\n"
+            "  --backend B          cpu (default) or cuda\n"
+            "  --policy SPEC        KV policy (default full)\n"
+            "  --prefill LIST       prompt lengths to time prefill at (default 512)\n"
+            "  --contexts LIST      contexts to time decode at (default 128,2048)\n"
+            "  --decode-tokens N    decode steps timed per context (default 32)\n"
+            "  --chunk C            prefill chunk size (default 512)\n"
+            "  --repeat R           best of R timings (default 3)\n"
+            "  --json               one JSON object on stdout\n"
+            "  -h, --help           this help\n"
+            "\n"
+            "example: kvrelay-bench-engine --random tools/data/llama-110m.json --dtype bf16 --threads 2\n");
+}
+
+static int parse_list(const char *flag, const char *s, int *out)
+{
+    int n;
+    int32_t *v = cli_ids(flag, s, &n);
+    if (n == 0 || n > MAX_LIST) cli_die(2, "%s: give 1 to %d values", flag, MAX_LIST);
+    for (int i = 0; i < n; i++) {
+        if (v[i] < 1) cli_die(2, "%s: %d must be positive", flag, v[i]);
+        out[i] = v[i];
+    }
+    free(v);
+    return n;
+}
+
+/* ---- limits measured in this run */
+
+typedef struct bw_job {
+    char *src, *dst;
+    size_t bytes;
+    int reps;
+} bw_job;
+
+static void *bw_thread(void *p)
+{
+    bw_job *j = p;
+    for (int r = 0; r < j->reps; r++) memcpy(j->dst, j->src, j->bytes);
+    return NULL;
+}
+
+/* memcpy bandwidth (bytes read + written per second) with `threads` threads, 256 MiB each way */
+static double measure_copy_bandwidth(int threads)
+{
+    const size_t total = (size_t)256 << 20, per = total / (size_t)threads;
+    bw_job jobs[256];
+    pthread_t th[256];
+    for (int t = 0; t < threads; t++) {
+        jobs[t].src = malloc(per);
+        jobs[t].dst = malloc(per);
+        if (!jobs[t].src || !jobs[t].dst) cli_die(1, "out of memory for the bandwidth test");
+        memset(jobs[t].src, t + 1, per);
+        memset(jobs[t].dst, 0, per);
+        jobs[t].bytes = per;
+        jobs[t].reps = 1;
+    }
+    double best = 0;
+    for (int rep = 0; rep < 5; rep++) {
+        double t0 = cli_now();
+        for (int t = 0; t < threads; t++) pthread_create(&th[t], NULL, bw_thread, &jobs[t]);
+        for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
+        double bw = 2.0 * (double)per * threads / (cli_now() - t0);
+        if (bw > best) best = bw;
+    }
+    for (int t = 0; t < threads; t++) free(jobs[t].src), free(jobs[t].dst);
+    return best;
+}
+
+typedef struct gemm_job {
+    float *a, *b, *c;
+    int n;
+} gemm_job;
+
+static void *gemm_thread(void *p)
+{
+    gemm_job *j = p;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->n, j->n, j->n, 1.0f, j->a, j->n, j->b,
+                j->n, 0.0f, j->c, j->n);
+    return NULL;
+}
+
+/* sgemm FLOP/s with one single-threaded OpenBLAS sgemm per thread, as the engine calls it */
+static double measure_gemm_peak(int threads)
+{
+    const int n = 1024;
+    gemm_job jobs[256];
+    pthread_t th[256];
+    openblas_set_num_threads(1);
+    for (int t = 0; t < threads; t++) {
+        jobs[t].n = n;
+        jobs[t].a = malloc(sizeof(float) * n * n);
+        jobs[t].b = malloc(sizeof(float) * n * n);
+        jobs[t].c = malloc(sizeof(float) * n * n);
+        if (!jobs[t].a || !jobs[t].b || !jobs[t].c) cli_die(1, "out of memory for the GEMM test");
+        for (int i = 0; i < n * n; i++) jobs[t].a[i] = jobs[t].b[i] = (float)(i % 7) * 0.01f;
+    }
+    double best = 0;
+    for (int rep = 0; rep < 4; rep++) {
+        double t0 = cli_now();
+        for (int t = 0; t < threads; t++) pthread_create(&th[t], NULL, gemm_thread, &jobs[t]);
+        for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
+        double f = 2.0 * n * n * (double)n * threads / (cli_now() - t0);
+        if (f > best) best = f;
+    }
+    for (int t = 0; t < threads; t++) free(jobs[t].a), free(jobs[t].b), free(jobs[t].c);
+    return best;
+}
+
+/* ---- engine timings */
+
+typedef struct bench {
+    kr_ctx *ctx;
+    const kr_config *cfg;
+    kr_kv_pool *pool;
+    int chunk, repeat;
+    int32_t *tokens; /* [longest prompt or context + decode] random ids */
+    float *logits;
+} bench;
+
+static kr_seq *new_seq(bench *b)
+{
+    char err[KR_ERR_MAX];
+    kr_seq *s;
+    if (kr_seq_create(b->pool, b->cfg->n_layers, b->cfg->n_kv_heads, &s, err) != KR_OK) cli_die(1, "%s", err);
+    return s;
+}
+
+static double time_prefill(bench *b, int n)
+{
+    char err[KR_ERR_MAX];
+    double best = 1e30;
+    for (int r = 0; r < b->repeat; r++) {
+        kr_seq *s = new_seq(b);
+        double t0 = cli_now();
+        if (kr_prefill(b->ctx, s, b->tokens, n, b->chunk, KR_LOGITS_LAST, b->logits, err) != KR_OK)
+            cli_die(1, "prefill: %s", err);
+        double dt = cli_now() - t0;
+        if (dt < best) best = dt;
+        kr_seq_free(s);
+    }
+    return best;
+}
+
+/* seconds per decode step at context `ctx_len` (best of repeat runs of `steps` steps) */
+static double time_decode(bench *b, int ctx_len, int steps)
+{
+    char err[KR_ERR_MAX];
+    kr_seq *s = new_seq(b);
+    if (kr_prefill(b->ctx, s, b->tokens, ctx_len, b->chunk, KR_LOGITS_LAST, b->logits, err) != KR_OK)
+        cli_die(1, "prefill: %s", err);
+    double best = 1e30;
+    for (int r = 0; r < b->repeat; r++) {
+        double t0 = cli_now();
+        for (int i = 0; i < steps; i++)
+            if (kr_forward(b->ctx, s, &b->tokens[ctx_len + r * steps + i], 1, KR_LOGITS_LAST, b->logits, err) != KR_OK)
+                cli_die(1, "decode: %s", err);
+        double dt = (cli_now() - t0) / steps;
+        if (dt < best) best = dt;
+    }
+    kr_seq_free(s);
+    return best;
+}
+
+int main(int argc, char **argv)
+{
+    cli_set_prog(argv[0]);
+    const char *model_dir = NULL, *random_cfg = NULL, *policy = "full";
+    kr_dtype dtype = KR_DTYPE_BF16;
+    kr_model_opts mo = {.verbose = 1};
+    kr_backend_kind backend = KR_BACKEND_CPU;
+    long threads = 0, decode_tokens = 32, chunk = 512, repeat = 3;
+    int prefill_lens[MAX_LIST] = {512}, contexts[MAX_LIST] = {128, 2048};
+    int n_prefill = 1, n_contexts = 2, json = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--model")) model_dir = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--random")) random_cfg = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--dtype")) {
+            const char *d = cli_value(argc, argv, &i);
+            if (!strcmp(d, "bf16")) dtype = KR_DTYPE_BF16;
+            else if (!strcmp(d, "f16")) dtype = KR_DTYPE_F16;
+            else if (!strcmp(d, "f32")) dtype = KR_DTYPE_F32;
+            else cli_die(2, "--dtype: '%s' is not bf16, f16 or f32", d);
+        } else if (!strcmp(a, "--weights-f32")) mo.weights_f32 = 1;
+        else if (!strcmp(a, "--threads")) threads = cli_long(a, cli_value(argc, argv, &i), 1, 256);
+        else if (!strcmp(a, "--backend")) backend = (kr_backend_kind)cli_backend(cli_value(argc, argv, &i));
+        else if (!strcmp(a, "--policy")) policy = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--prefill")) n_prefill = parse_list(a, cli_value(argc, argv, &i), prefill_lens);
+        else if (!strcmp(a, "--contexts")) n_contexts = parse_list(a, cli_value(argc, argv, &i), contexts);
+        else if (!strcmp(a, "--decode-tokens")) decode_tokens = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
+        else if (!strcmp(a, "--chunk")) chunk = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
+        else if (!strcmp(a, "--repeat")) repeat = cli_long(a, cli_value(argc, argv, &i), 1, 100);
+        else if (!strcmp(a, "--json")) json = 1;
+        else cli_die(2, "unknown argument '%s' (see --help)", a);
+    }
+    if (!model_dir == !random_cfg) cli_die(2, "give exactly one of --model and --random (see --help)");
+    if (strcmp(policy, "full") != 0) cli_die(2, "--policy: '%s' is not available (this build has: full)", policy);
+
+    char err[KR_ERR_MAX];
+    kr_model *m;
+    double t_load = cli_now();
+    if (model_dir) {
+        if (kr_model_load(model_dir, &mo, &m, err) != KR_OK) cli_die(1, "%s", err);
+    } else {
+        char *text;
+        size_t len;
+        FILE *f = fopen(random_cfg, "rb");
+        if (!f) cli_die(1, "--random: cannot open '%s'", random_cfg);
+        text = cli_read_file(f, &len);
+        fclose(f);
+        kr_config cfg;
+        if (kr_config_parse(text, len, random_cfg, &cfg, err) != KR_OK) cli_die(1, "%s", err);
+        free(text);
+        fprintf(stderr, "bench: random %s weights for the shape in %s\n", kr_dtype_name(dtype), random_cfg);
+        if (kr_model_random(&cfg, dtype, 1234, &m, err) != KR_OK) cli_die(1, "%s", err);
+    }
+    t_load = cli_now() - t_load;
+    const kr_config *cfg = kr_model_config(m);
+
+    int longest = 0;
+    for (int i = 0; i < n_prefill; i++) longest = prefill_lens[i] > longest ? prefill_lens[i] : longest;
+    for (int i = 0; i < n_contexts; i++)
+        longest = contexts[i] + (int)(decode_tokens * repeat) > longest ? contexts[i] + (int)(decode_tokens * repeat) : longest;
+    bench b = {.cfg = cfg, .chunk = (int)chunk, .repeat = (int)repeat};
+    kr_ctx_params cp = {.backend = backend, .n_threads = (int)threads, .max_chunk = (int)chunk};
+    if (kr_ctx_create(m, &cp, &b.ctx, err) != KR_OK) cli_die(1, "%s", err);
+    int nth = kr_ctx_n_threads(b.ctx);
+    int blocks = ((longest + BLOCK - 1) / BLOCK) * cfg->n_layers * cfg->n_kv_heads;
+    if (kr_kv_pool_create(cfg->head_dim, BLOCK, blocks, &b.pool, err) != KR_OK) cli_die(1, "%s", err);
+    b.tokens = malloc(sizeof(int32_t) * (size_t)longest);
+    b.logits = malloc(sizeof(float) * (size_t)cfg->vocab_size);
+    uint64_t x = 88172645463325252ull;
+    for (int i = 0; i < longest; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        b.tokens[i] = (int32_t)(x % (uint64_t)cfg->vocab_size);
+    }
+
+    fprintf(stderr, "bench: measuring memory bandwidth and sgemm peak on %d threads\n", nth);
+    double bw = measure_copy_bandwidth(nth);
+    double peak = measure_gemm_peak(nth);
+    double params = 0;
+    /* FLOPs per token: 2 per weight of every matrix a token multiplies (the embedding is a lookup) */
+    const double d = cfg->hidden_size, f = cfg->intermediate_size, hd = cfg->head_dim;
+    params = cfg->n_layers * (d * cfg->n_heads * hd * 2 + d * cfg->n_kv_heads * hd * 2 + 3 * d * f) +
+             d * cfg->vocab_size;
+    const double weight_bytes_read = (double)kr_model_weight_bytes(m) -
+                                     (cfg->tie_word_embeddings ? 0.0 : (double)cfg->vocab_size * d * kr_dtype_size(kr_model_weight_dtype(m)));
+
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "model", model_dir ? model_dir : random_cfg);
+    cJSON_AddStringToObject(root, "weights", kr_dtype_name(kr_model_weight_dtype(m)));
+    cJSON_AddNumberToObject(root, "threads", nth);
+    cJSON_AddNumberToObject(root, "params_per_token", params);
+    cJSON_AddNumberToObject(root, "weight_bytes", (double)kr_model_weight_bytes(m));
+    cJSON_AddNumberToObject(root, "load_seconds", t_load);
+    cJSON_AddNumberToObject(root, "copy_bandwidth_GBps", bw / 1e9);
+    cJSON_AddNumberToObject(root, "sgemm_peak_GFLOPs", peak / 1e9);
+    if (!json) {
+        printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads\n",
+               model_dir ? model_dir : random_cfg, kr_dtype_name(kr_model_weight_dtype(m)), params / 1e6,
+               kr_model_weight_bytes(m) / 1048576.0, nth);
+        printf("limits: memcpy bandwidth %.1f GB/s (read+write), sgemm peak %.1f GFLOP/s\n", bw / 1e9, peak / 1e9);
+    }
+    cJSON *pre = cJSON_AddArrayToObject(root, "prefill");
+    for (int i = 0; i < n_prefill; i++) {
+        int n = prefill_lens[i];
+        fprintf(stderr, "bench: prefill %d tokens x %ld\n", n, repeat);
+        double dt = time_prefill(&b, n);
+        /* attention FLOPs: causal QK^T and PV over n(n+1)/2 pairs per query head */
+        double att = 4.0 * cfg->n_layers * cfg->n_heads * hd * (double)n * (n + 1) / 2.0;
+        double flops = 2.0 * params * n + att;
+        double frac = flops / dt / peak;
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddNumberToObject(e, "tokens", n);
+        cJSON_AddNumberToObject(e, "seconds", dt);
+        cJSON_AddNumberToObject(e, "tokens_per_second", n / dt);
+        cJSON_AddNumberToObject(e, "fraction_of_sgemm_peak", frac);
+        cJSON_AddItemToArray(pre, e);
+        if (!json)
+            printf("prefill %5d tokens: %9.1f tokens/s  %6.1f GFLOP/s = %.2f of sgemm peak\n", n, n / dt,
+                   flops / dt / 1e9, frac);
+    }
+    cJSON *dec = cJSON_AddArrayToObject(root, "decode");
+    for (int i = 0; i < n_contexts; i++) {
+        int c = contexts[i];
+        fprintf(stderr, "bench: decode at context %d (%ld steps x %ld)\n", c, decode_tokens, repeat);
+        double dt = time_decode(&b, c, (int)decode_tokens);
+        /* bytes a step must read: every weight matrix once (one embedding row, negligible) and
+         * every cached K and V entry, f32, at the mid context of the timed steps */
+        double kv = (double)cfg->n_layers * cfg->n_kv_heads * (c + decode_tokens * repeat / 2.0) * hd * 2 * 4;
+        double bytes = weight_bytes_read + kv;
+        double frac = bytes / dt / bw;
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddNumberToObject(e, "context", c);
+        cJSON_AddNumberToObject(e, "seconds_per_token", dt);
+        cJSON_AddNumberToObject(e, "tokens_per_second", 1.0 / dt);
+        cJSON_AddNumberToObject(e, "bytes_per_token", bytes);
+        cJSON_AddNumberToObject(e, "fraction_of_bandwidth", frac);
+        cJSON_AddItemToArray(dec, e);
+        if (!json)
+            printf("decode at %5d: %9.1f tokens/s  %6.1f MB read per token, %5.1f GB/s = %.2f of memcpy bandwidth\n",
+                   c, 1.0 / dt, bytes / 1e6, bytes / dt / 1e9, frac);
+    }
+    if (json) {
+        char *s = cJSON_Print(root);
+        puts(s);
+        free(s);
+    }
+    cJSON_Delete(root);
+    free(b.tokens);
+    free(b.logits);
+    kr_kv_pool_free(b.pool);
+    kr_ctx_free(b.ctx);
+    kr_model_free(m);
+    return 0;
+}

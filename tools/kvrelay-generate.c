@@ -1,0 +1,268 @@
+/*
+ * kvrelay-generate - prefill + decode in one process: the engine end to end, without the
+ * cluster. Prints the generated text as it is produced (UTF-8-safe deltas), or with --json one
+ * object {"ids": [...], "text": "...", "stats": {...}}. DESIGN.md section 6 fixes the interface.
+ * Stopping: --max-tokens, --stop-id, and for text prompts the tokenizer's EOS (--ignore-eos
+ * turns that off). With --ids the program is a raw engine probe: no BOS is added and EOS does
+ * not stop it unless given with --stop-id (see docs/engine.md).
+ */
+#include "cli.h"
+#include "kr.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum { MAX_STOP = 64, BLOCK = 16 };
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvrelay-generate --model DIR (--prompt TEXT | --ids \"1 2 3\") --max-tokens N [options]\n"
+            "\n"
+            "Runs chunked prefill and decode in one process and prints the generated text.\n"
+            "\n"
+            "  --model DIR        Hugging Face model directory (config.json, safetensors,\n"
+            "                     tokenizer.json for --prompt and for text output)\n"
+            "  --prompt TEXT      prompt text; tokenized with the BOS the tokenizer config asks for\n"
+            "  --ids LIST         prompt token ids, fed as given (no BOS added)\n"
+            "  --max-tokens N     tokens to generate (required)\n"
+            "  --greedy           argmax decoding (same as --temperature 0)\n"
+            "  --temperature T    sampling temperature (default 1; 0 = greedy)\n"
+            "  --top-k K          keep the K most likely tokens (default 0 = off)\n"
+            "  --top-p P          nucleus sampling mass (default 1 = off)\n"
+            "  --seed S           sampling seed (default 0)\n"
+            "  --stop-id ID       stop after generating ID (repeatable)\n"
+            "  --ignore-eos       with --prompt, do not stop at the tokenizer's EOS\n"
+            "  --policy SPEC      KV policy (default full; see docs/policies.md)\n"
+            "  --chunk C          prefill chunk size in tokens (default 512)\n"
+            "  --threads N        CPU threads (default: all online CPUs)\n"
+            "  --backend B        cpu (default) or cuda\n"
+            "  --stats            report prompt/generated tokens, KV footprint, peak KV, KV kept\n"
+            "                     after prefill, prefill/decode seconds (stderr, or in --json)\n"
+            "  --json             print one JSON object instead of streaming text\n"
+            "  -h, --help         this help\n"
+            "\n"
+            "example: kvrelay-generate --model build/models/default --prompt \"The relay\" \\\n"
+            "           --max-tokens 32 --greedy --stats\n");
+}
+
+typedef struct gen_opts {
+    const char *model_dir, *prompt, *ids_s, *policy;
+    long max_tokens, chunk, threads;
+    int json, stats, ignore_eos;
+    kr_backend_kind backend;
+    kr_sampling sampling;
+    int32_t stop[MAX_STOP];
+    int n_stop;
+} gen_opts;
+
+static void parse(int argc, char **argv, gen_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->max_tokens = -1;
+    o->chunk = 512;
+    o->policy = "full";
+    kr_sampling_default(&o->sampling);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        } else if (!strcmp(a, "--model")) o->model_dir = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--prompt")) o->prompt = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--ids")) o->ids_s = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--max-tokens")) o->max_tokens = cli_long(a, cli_value(argc, argv, &i), 0, 1 << 24);
+        else if (!strcmp(a, "--greedy")) o->sampling.greedy = 1;
+        else if (!strcmp(a, "--temperature")) o->sampling.temperature = (float)cli_double(a, cli_value(argc, argv, &i), 0, 100);
+        else if (!strcmp(a, "--top-k")) o->sampling.top_k = (int)cli_long(a, cli_value(argc, argv, &i), 0, 1 << 24);
+        else if (!strcmp(a, "--top-p")) o->sampling.top_p = (float)cli_double(a, cli_value(argc, argv, &i), 0, 1);
+        else if (!strcmp(a, "--seed")) o->sampling.seed = cli_u64(a, cli_value(argc, argv, &i));
+        else if (!strcmp(a, "--stop-id")) {
+            if (o->n_stop == MAX_STOP) cli_die(2, "--stop-id: at most %d stop ids", MAX_STOP);
+            o->stop[o->n_stop++] = (int32_t)cli_long(a, cli_value(argc, argv, &i), 0, INT32_MAX);
+        } else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = 1;
+        else if (!strcmp(a, "--policy")) o->policy = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--chunk")) o->chunk = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
+        else if (!strcmp(a, "--threads")) o->threads = cli_long(a, cli_value(argc, argv, &i), 1, 1024);
+        else if (!strcmp(a, "--backend")) o->backend = (kr_backend_kind)cli_backend(cli_value(argc, argv, &i));
+        else if (!strcmp(a, "--stats")) o->stats = 1;
+        else if (!strcmp(a, "--json")) o->json = 1;
+        else cli_die(2, "unknown argument '%s' (see --help)", a);
+    }
+    if (!o->model_dir) cli_die(2, "--model is required (see --help)");
+    if (!o->prompt == !o->ids_s) cli_die(2, "give exactly one of --prompt and --ids");
+    if (o->max_tokens < 0) cli_die(2, "--max-tokens is required");
+    if (strcmp(o->policy, "full") != 0)
+        cli_die(2, "--policy: '%s' is not available (this build has: full)", o->policy);
+}
+
+static int is_stop(const gen_opts *o, int32_t id)
+{
+    for (int i = 0; i < o->n_stop; i++)
+        if (o->stop[i] == id) return 1;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    cli_set_prog(argv[0]);
+    gen_opts o;
+    parse(argc, argv, &o);
+    char err[KR_ERR_MAX];
+
+    /* the tokenizer is needed for --prompt, and optional for text output with --ids */
+    kr_tokenizer *tok = NULL;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", o.model_dir);
+    if (o.prompt || access(path, R_OK) == 0)
+        if (kr_tokenizer_load(o.model_dir, &tok, err) != KR_OK) cli_die(1, "%s", err);
+    int32_t *prompt;
+    int n_prompt;
+    if (o.prompt) {
+        if (kr_tokenizer_encode(tok, o.prompt, strlen(o.prompt), 1, &prompt, &n_prompt, err) != KR_OK)
+            cli_die(2, "--prompt: %s", err);
+        int eos = kr_tokenizer_eos(tok);
+        if (!o.ignore_eos && eos >= 0 && o.n_stop < MAX_STOP) o.stop[o.n_stop++] = eos;
+    } else {
+        prompt = cli_ids("--ids", o.ids_s, &n_prompt);
+    }
+    if (n_prompt == 0) cli_die(2, "the prompt is empty");
+
+    kr_model *m;
+    kr_model_opts mo = {.verbose = 0};
+    if (kr_model_load(o.model_dir, &mo, &m, err) != KR_OK) cli_die(1, "%s", err);
+    const kr_config *cfg = kr_model_config(m);
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] >= cfg->vocab_size)
+            cli_die(2, "prompt token %d (index %d) is outside the model's vocabulary [0, %d)", prompt[i], i, cfg->vocab_size);
+    if (tok && kr_tokenizer_n_vocab(tok) > cfg->vocab_size)
+        cli_die(1, "%s: the tokenizer has %d ids but the model only %d", o.model_dir, kr_tokenizer_n_vocab(tok), cfg->vocab_size);
+
+    kr_ctx *ctx;
+    kr_ctx_params cp = {.backend = o.backend, .n_threads = (int)o.threads,
+                        .max_chunk = (int)(o.chunk < n_prompt ? o.chunk : n_prompt)};
+    if (kr_ctx_create(m, &cp, &ctx, err) != KR_OK) cli_die(1, "%s", err);
+    int total = n_prompt + (int)o.max_tokens;
+    kr_kv_pool *pool;
+    kr_seq *seq;
+    int blocks = ((total + BLOCK - 1) / BLOCK) * cfg->n_layers * cfg->n_kv_heads;
+    if (kr_kv_pool_create(cfg->head_dim, BLOCK, blocks, &pool, err) != KR_OK ||
+        kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &seq, err) != KR_OK)
+        cli_die(1, "%s", err);
+    kr_sampler *sp;
+    if (kr_sampler_create(&o.sampling, cfg->vocab_size, &sp, err) != KR_OK) cli_die(2, "%s", err);
+    kr_detok *dt = NULL;
+    if (tok && kr_detok_create(tok, 1, &dt, err) != KR_OK) cli_die(1, "%s", err);
+
+    float *logits = malloc(sizeof(float) * (size_t)cfg->vocab_size);
+    int32_t *out = malloc(sizeof(int32_t) * (size_t)(o.max_tokens + 1));
+    char *text = calloc(1, 1);
+    size_t text_len = 0;
+    if (!logits || !out || !text) cli_die(1, "out of memory");
+
+    double t0 = cli_now();
+    int n_out = 0;
+    const char *finish = "length";
+    if (o.max_tokens > 0) {
+        if (kr_prefill(ctx, seq, prompt, n_prompt, (int)o.chunk, KR_LOGITS_LAST, logits, err) != KR_OK)
+            cli_die(1, "prefill: %s", err);
+    }
+    double t1 = cli_now();
+    int64_t kept_after_prefill = kr_seq_entries(seq);
+    while (n_out < o.max_tokens) {
+        if (n_out > 0 && kr_forward(ctx, seq, &out[n_out - 1], 1, KR_LOGITS_LAST, logits, err) != KR_OK)
+            cli_die(1, "decode: %s", err);
+        int32_t id = kr_sampler_sample(sp, logits);
+        out[n_out++] = id;
+        if (dt) {
+            const char *delta;
+            size_t dlen;
+            if (kr_detok_push(dt, id, &delta, &dlen, err) != KR_OK) cli_die(1, "%s", err);
+            if (dlen) {
+                char *grown = realloc(text, text_len + dlen + 1);
+                if (!grown) cli_die(1, "out of memory");
+                text = grown;
+                memcpy(text + text_len, delta, dlen);
+                text_len += dlen;
+                text[text_len] = 0;
+                if (!o.json) fwrite(delta, 1, dlen, stdout), fflush(stdout);
+            }
+        } else if (!o.json) {
+            printf("%s%d", n_out > 1 ? " " : "", id);
+            fflush(stdout);
+        }
+        if (is_stop(&o, id)) {
+            finish = "stop";
+            break;
+        }
+    }
+    double t2 = cli_now();
+    if (dt) {
+        const char *delta;
+        size_t dlen;
+        kr_detok_flush(dt, &delta, &dlen);
+        if (dlen) {
+            char *grown = realloc(text, text_len + dlen + 1);
+            if (!grown) cli_die(1, "out of memory");
+            text = grown;
+            memcpy(text + text_len, delta, dlen);
+            text_len += dlen;
+            text[text_len] = 0;
+            if (!o.json) fwrite(delta, 1, dlen, stdout);
+        }
+    }
+
+    kr_footprint fp;
+    kr_seq_footprint(seq, &fp);
+    int64_t entry_bytes = (int64_t)cfg->head_dim * 2 * (int64_t)sizeof(float);
+    cJSON *stats = cJSON_CreateObject();
+    cJSON_AddNumberToObject(stats, "prompt_tokens", n_prompt);
+    cJSON_AddNumberToObject(stats, "generated_tokens", n_out);
+    cJSON_AddStringToObject(stats, "finish_reason", finish);
+    cJSON_AddStringToObject(stats, "policy", o.policy);
+    cJSON_AddNumberToObject(stats, "kv_footprint", fp.full > 0 ? fp.attended / fp.full : 1.0);
+    cJSON_AddNumberToObject(stats, "peak_kv_entries", (double)fp.peak_entries);
+    cJSON_AddNumberToObject(stats, "kv_entries_after_prefill", (double)kept_after_prefill);
+    cJSON_AddNumberToObject(stats, "kv_bytes_after_prefill", (double)(kept_after_prefill * entry_bytes));
+    cJSON_AddNumberToObject(stats, "prefill_seconds", t1 - t0);
+    cJSON_AddNumberToObject(stats, "decode_seconds", t2 - t1);
+    cJSON_AddNumberToObject(stats, "prefill_tokens_per_second", t1 > t0 ? n_prompt / (t1 - t0) : 0);
+    cJSON_AddNumberToObject(stats, "decode_tokens_per_second", n_out > 1 && t2 > t1 ? (n_out - 1) / (t2 - t1) : 0);
+    cJSON_AddNumberToObject(stats, "threads", kr_ctx_n_threads(ctx));
+
+    if (o.json) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON *ids = cJSON_AddArrayToObject(root, "ids");
+        for (int i = 0; i < n_out; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(out[i]));
+        cJSON_AddStringToObject(root, "text", text);
+        if (o.stats) cJSON_AddItemToObject(root, "stats", stats);
+        else cJSON_Delete(stats);
+        char *s = cJSON_PrintUnformatted(root);
+        puts(s);
+        free(s);
+        cJSON_Delete(root);
+    } else {
+        putchar('\n');
+        if (o.stats) {
+            char *s = cJSON_Print(stats);
+            fprintf(stderr, "%s\n", s);
+            free(s);
+        }
+        cJSON_Delete(stats);
+    }
+    free(text);
+    free(out);
+    free(logits);
+    kr_detok_free(dt);
+    kr_sampler_free(sp);
+    kr_seq_free(seq);
+    kr_kv_pool_free(pool);
+    kr_ctx_free(ctx);
+    kr_model_free(m);
+    kr_tokenizer_free(tok);
+    free(prompt);
+    return 0;
+}
