@@ -6,7 +6,7 @@
  * shards (safetensors.c). Every tensor the architecture needs must exist with exactly the
  * expected shape; the big matrices stay memory-mapped in their checkpoint dtype (copied only when
  * misaligned, when the checkpoint mixes dtypes, or with opts.weights_f32), norm weights and
- * biases are converted to f32 in owned memory. The fingerprint hashes the config's shape fields
+ * biases are converted to f32 in owned memory (an aligned f32 one is used in place). The fingerprint hashes the config's shape fields
  * and every used tensor's bytes as stored, so it does not depend on load options.
  * What it is not: the forward pass, a quantizer, or a writer. Tensors the model does not use
  * (e.g. rotary inv_freq buffers) are ignored.
