@@ -76,6 +76,10 @@ struct kr_model {
     int cap_owned;
 };
 
+/* Validates a config's sizes and ratios (config.c); `path` names the source in messages. Used by
+ * kr_config_parse and by kr_model_random for configs built in code. */
+int kr_config_check(const kr_config *cfg, const char *path, char *err);
+
 /* ---- thread pool: fn runs on every thread (the caller is thread 0) and run returns when all
  * are done. Workers spin briefly between jobs, then sleep. */
 typedef void (*kr_task_fn)(void *arg, int ith, int nth);
