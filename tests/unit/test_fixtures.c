@@ -15,6 +15,7 @@
 
 static const double TOL_REF = 1e-4; /* fixture README: 15x the oracles' disagreement */
 static const double TOL_CHUNK = 2e-5; /* same engine, different summation order */
+static double worst_ref, worst_chunk; /* largest differences seen, for the report */
 
 static char *slurp(const char *path, size_t *len)
 {
@@ -100,6 +101,7 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     float *all = prefill_all(r, prompt, n, n);
     for (int j = 0; j < n_pos; j++) {
         double d = max_diff(all + (size_t)positions[j] * vocab, ref_logits + (size_t)j * vocab, vocab);
+        worst_ref = d > worst_ref ? d : worst_ref;
         CHECK(d <= TOL_REF, "%s/%s: position %d max |diff| %.3g > %.1g", model, name, positions[j], d, TOL_REF);
     }
     /* 2. chunked prefill equals one-shot */
@@ -107,6 +109,7 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     for (int k = 0; k < 3; k++) {
         float *ch = prefill_all(r, prompt, n, chunks[k]);
         double d = max_diff(ch, all, n * vocab);
+        worst_chunk = d > worst_chunk ? d : worst_chunk;
         CHECK(d <= TOL_CHUNK, "%s/%s: chunk %d differs from one-shot by %.3g", model, name, chunks[k], d);
         free(ch);
     }
@@ -117,6 +120,7 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     REQUIRE(kr_prefill(r->ctx, s, prompt, n, 0, KR_LOGITS_LAST, lg, err) == KR_OK, "%s", err);
     for (int step = 0; step < n_greedy; step++) {
         double d = max_diff(lg, ref_greedy + (size_t)step * vocab, vocab);
+        worst_ref = d > worst_ref ? d : worst_ref;
         CHECK(d <= TOL_REF, "%s/%s: greedy step %d logits max |diff| %.3g", model, name, step, d);
         int tok = argmax(lg, vocab);
         CHECK(tok == tokens[step], "%s/%s: greedy step %d token %d, expected %d", model, name, step, tok, tokens[step]);
@@ -161,8 +165,10 @@ static void check_model(const char *dir, const char *model, int threads, int wei
         n_cases++;
     }
     CHECK(n_cases >= 4, "%s: only %d cases", model, n_cases);
-    printf("%s (threads %d, weights %s): %d cases checked\n", model, threads,
-           weights_f32 ? "f32" : kr_dtype_name(kr_model_weight_dtype(m)), n_cases);
+    printf("%s (threads %d, weights %s): %d cases; max |diff| vs reference %.2g, chunked vs "
+           "one-shot %.2g\n", model, threads, weights_f32 ? "f32" : kr_dtype_name(kr_model_weight_dtype(m)),
+           n_cases, worst_ref, worst_chunk);
+    worst_ref = worst_chunk = 0;
     cJSON_Delete(root);
     free(json);
     free(ref);
