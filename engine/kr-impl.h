@@ -1,5 +1,5 @@
 /*
- * kr-impl.h - engine internals shared between engine/*.c files. Not installed, not included
+ * kr-impl.h - engine internals shared between the .c files of engine/. Not installed, not included
  * outside engine/. The public contract is kr.h.
  */
 #ifndef KR_IMPL_H
