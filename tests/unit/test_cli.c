@@ -1,0 +1,192 @@
+/*
+ * test_cli.c - the engine programs as users and outside checks call them (DESIGN.md section 6):
+ * kvrelay-logits output equals the fixture references byte layout and values, with --last and
+ * --chunk; kvrelay-generate --json --greedy reproduces the fixtures' greedy tokens; bad flags
+ * and bad ids fail with a clear message and a non-zero status. Runs the built programs from
+ * $KR_BIN on the models in $KR_FIXTURES.
+ */
+#include "kr_test.h"
+
+#include <cjson/cJSON.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const char *bin, *fx;
+static char tmpdir[256];
+
+/* runs a shell command, capturing stdout+stderr into *out (malloc'd); returns the exit status */
+static int run(char **out, const char *fmt, ...)
+{
+    char cmd[65536];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    char full[66000];
+    snprintf(full, sizeof full, "%s 2>&1", cmd);
+    FILE *p = popen(full, "r");
+    REQUIRE(p, "popen failed");
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    size_t got;
+    while ((got = fread(buf + n, 1, cap - n - 1, p)) > 0) {
+        n += got;
+        if (n + 1 >= cap) buf = realloc(buf, cap *= 2);
+    }
+    buf[n] = 0;
+    int st = pclose(p);
+    if (out) *out = buf;
+    else free(buf);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static char *slurp(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    *len = fread(buf, 1, (size_t)n, f);
+    buf[*len] = 0;
+    fclose(f);
+    return buf;
+}
+
+static void ids_string(const cJSON *arr, char *s, size_t cap)
+{
+    size_t at = 0;
+    s[0] = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, arr) at += (size_t)snprintf(s + at, cap - at, "%s%d", at ? " " : "", (int)it->valuedouble);
+}
+
+static void check_model(const char *model)
+{
+    char path[8192], dir[4096], ids[16384];
+    size_t len;
+    snprintf(dir, sizeof dir, "%s/models/%s", fx, model);
+    snprintf(path, sizeof path, "%s/cases.json", dir);
+    char *json = slurp(path, &len);
+    REQUIRE(json, "no %s", path);
+    snprintf(path, sizeof path, "%s/logits.bin", dir);
+    float *ref = (float *)slurp(path, &len);
+    cJSON *root = cJSON_Parse(json);
+    int vocab = cJSON_GetObjectItem(root, "vocab_size")->valueint;
+    const cJSON *c;
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "cases"))
+    {
+        const char *name = cJSON_GetObjectItem(c, "name")->valuestring;
+        const cJSON *prompt = cJSON_GetObjectItem(c, "prompt");
+        const cJSON *positions = cJSON_GetObjectItem(c, "positions");
+        int n = cJSON_GetArraySize(prompt), n_pos = cJSON_GetArraySize(positions);
+        ids_string(prompt, ids, sizeof ids);
+        size_t off = (size_t)cJSON_GetObjectItem(cJSON_GetObjectItem(c, "logits"), "offset")->valuedouble;
+        /* all rows, default chunking; then the stored rows only with --last and odd chunks */
+        const char *variants[] = {"", "--chunk 7", "--chunk 1 --threads 1"};
+        for (int v = 0; v < 3; v++) {
+            char out_path[512], *out;
+            snprintf(out_path, sizeof out_path, "%s/logits.bin", tmpdir);
+            int last = v == 0 ? n : n_pos;
+            char last_flag[64] = "";
+            if (v) snprintf(last_flag, sizeof last_flag, "--last %d", last);
+            int st = run(&out, "%s/kvrelay-logits --model %s --ids \"%s\" --out %s %s %s", bin, dir, ids,
+                         out_path, last_flag, variants[v]);
+            CHECK(st == 0, "%s/%s: kvrelay-logits exited %d: %s", model, name, st, out);
+            free(out);
+            float *got = (float *)slurp(out_path, &len);
+            REQUIRE(got, "no output file");
+            CHECK(len == (size_t)last * vocab * sizeof(float), "%s/%s: %zu bytes, expected %d rows", model, name, len, last);
+            if (len != (size_t)last * vocab * sizeof(float)) {
+                free(got);
+                continue;
+            }
+            double worst = 0;
+            for (int j = 0; j < n_pos; j++) {
+                int p = (int)cJSON_GetArrayItem(positions, j)->valuedouble;
+                int row = p - (n - last);
+                for (int k = 0; k < vocab; k++) {
+                    double d = fabs((double)got[(size_t)row * vocab + k] - ref[off / 4 + (size_t)j * vocab + k]);
+                    if (!(d <= worst)) worst = d;
+                }
+            }
+            CHECK(worst <= 1e-4, "%s/%s %s: max |diff| %.3g", model, name, variants[v], worst);
+            free(got);
+        }
+        /* greedy continuation as JSON */
+        const cJSON *greedy = cJSON_GetObjectItem(c, "greedy");
+        char expect[4096], *out;
+        ids_string(cJSON_GetObjectItem(greedy, "tokens"), expect, sizeof expect);
+        int st = run(&out, "%s/kvrelay-generate --model %s --ids \"%s\" --max-tokens 16 --greedy --json --stats",
+                     bin, dir, ids);
+        CHECK(st == 0, "%s/%s: kvrelay-generate exited %d: %s", model, name, st, out);
+        cJSON *res = cJSON_Parse(out);
+        CHECK(res != NULL, "%s/%s: generate printed no JSON: %s", model, name, out);
+        if (res) {
+            char got_ids[4096];
+            ids_string(cJSON_GetObjectItem(res, "ids"), got_ids, sizeof got_ids);
+            CHECK(!strcmp(got_ids, expect), "%s/%s: greedy ids '%s', expected '%s'", model, name, got_ids, expect);
+            const cJSON *stats = cJSON_GetObjectItem(res, "stats");
+            CHECK(cJSON_IsObject(stats), "no stats");
+            const cJSON *pt = cJSON_GetObjectItem(stats, "prompt_tokens");
+            CHECK(pt && pt->valueint == n, "prompt_tokens");
+            const cJSON *fp = cJSON_GetObjectItem(stats, "kv_footprint");
+            CHECK(fp && fabs(fp->valuedouble - 1.0) < 1e-12, "full attention footprint must be 1");
+            CHECK(cJSON_IsString(cJSON_GetObjectItem(res, "text")), "no text");
+            cJSON_Delete(res);
+        }
+        free(out);
+    }
+    cJSON_Delete(root);
+    free(json);
+    free(ref);
+}
+
+/* a command must fail with status != 0 and print `needle` */
+static void check_fails(const char *needle, const char *fmt, const char *arg)
+{
+    char *out;
+    int st = run(&out, fmt, bin, arg);
+    CHECK(st != 0, "'%s' should fail: %s", fmt, out);
+    CHECK(strstr(out, needle) != NULL, "'%s %s': output '%s' lacks '%s'", fmt, arg, out, needle);
+    free(out);
+}
+
+int main(void)
+{
+    bin = kt_env("KR_BIN");
+    fx = kt_env("KR_FIXTURES");
+    REQUIRE(bin && fx, "KR_BIN and KR_FIXTURES must be set (run through ctest)");
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/kr_test_cli.XXXXXX");
+    REQUIRE(mkdtemp(tmpdir), "mkdtemp");
+    check_model("llama3-tiny");
+    check_model("qwen2-tiny");
+    check_model("mistral-tiny");
+
+    char m[4096];
+    snprintf(m, sizeof m, "%s/models/llama3-tiny", fx);
+    check_fails("--out", "%s/kvrelay-logits --model %s --ids '1 2'", m);
+    check_fails("outside the vocabulary", "%s/kvrelay-logits --model %s --ids '1 512' --out /dev/null", m);
+    check_fails("not a token id", "%s/kvrelay-logits --model %s --ids '1 x2' --out /dev/null", m);
+    check_fails("cannot open", "%s/kvrelay-logits --model %s/nope --ids '1' --out /dev/null", m);
+    check_fails("unknown argument", "%s/kvrelay-generate --model %s --ids 1 --max-tokens 2 --bogus", m);
+    check_fails("--max-tokens", "%s/kvrelay-generate --model %s --ids 1", m);
+    check_fails("exactly one of", "%s/kvrelay-generate --model %s --max-tokens 2", m);
+    check_fails("tokenizer.json", "%s/kvrelay-generate --model %s --prompt hi --max-tokens 2", m);
+    check_fails("--top-p", "%s/kvrelay-generate --model %s --ids 1 --max-tokens 2 --top-p 1.5", m);
+    const char *progs[] = {"kvrelay-logits", "kvrelay-generate", "kvrelay-bench-engine", "kvrelay-tokenize"};
+    for (int i = 0; i < 4; i++) {
+        char *out;
+        int st = run(&out, "%s/%s --help", bin, progs[i]);
+        CHECK(st == 0 && strstr(out, "usage:"), "%s --help: status %d, '%s'", progs[i], st, out);
+        free(out);
+    }
+
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
+    (void)system(cmd);
+    return kt_done("test_cli");
+}
