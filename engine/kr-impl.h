@@ -1,5 +1,5 @@
 /*
- * kr-impl.h - engine internals shared between engine/*.c files. Not installed, not included
+ * kr-impl.h - engine internals shared between the .c files of engine/. Not installed, not included
  * outside engine/. The public contract is kr.h.
  */
 #ifndef KR_IMPL_H
@@ -92,5 +92,11 @@ static inline void kr_split(int64_t n, int ith, int nth, int64_t align, int64_t 
     *lo = a * align < n ? a * align : n;
     *hi = b * align < n ? b * align : n;
 }
+
+/* ---- tokenizer (tokenizer.c): kr_tokenizer_load without the file reads, for fuzzing and
+ * tests. `json` is tokenizer.json's text; `config_json` (may be NULL) tokenizer_config.json's.
+ * The paths are only used in messages. */
+int kr_tokenizer_parse(const char *json, size_t len, const char *path, const char *config_json,
+                       size_t config_len, const char *config_path, kr_tokenizer **out, char *err);
 
 #endif /* KR_IMPL_H */
