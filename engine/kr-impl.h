@@ -151,4 +151,10 @@ int kr_seq_grow(kr_seq *s, int n, char *err);
 void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,
                 int32_t pos);
 
+/* ---- tokenizer (tokenizer.c): kr_tokenizer_load without the file reads, for fuzzing and
+ * tests. `json` is tokenizer.json's text; `config_json` (may be NULL) tokenizer_config.json's.
+ * The paths are only used in messages. */
+int kr_tokenizer_parse(const char *json, size_t len, const char *path, const char *config_json,
+                       size_t config_len, const char *config_path, kr_tokenizer **out, char *err);
+
 #endif /* KR_IMPL_H */
