@@ -40,9 +40,10 @@ typedef struct kr_backend_ops {
     void (*kv_store)(kr_backend *b, kr_seq *s, int layer, const float *k, const float *v, int n,
                      const int32_t *pos);
     /* out[n][n_heads][head_dim] = causal attention of q[n][n_heads][head_dim] over the cached
-     * entries of each (layer, KV head): token i sees the first len - n + i + 1 entries. */
+     * entries of each (layer, KV head): token i (at position pos[i]) sees the first
+     * len - n + i + 1 entries, minus those at positions <= pos[i] - window when window > 0. */
     void (*attention)(kr_backend *b, const kr_seq *s, int layer, const float *q, int n, int n_heads,
-                      float *out);
+                      const int32_t *pos, int window, float *out);
 } kr_backend_ops;
 
 extern const kr_backend_ops kr_cpu_backend;

@@ -8,7 +8,7 @@
  * file and the field, and says what would be accepted.
  * What it is not: a general config loader. Fields that only matter for training (dropout,
  * initializer_range) are ignored; features the engine does not implement (other rope_scaling
- * types, a real sliding window, MLP biases, activations other than SiLU) are refused here, at
+ * types, MLP biases, activations other than SiLU) are refused here, at
  * load, rather than silently computed wrong later.
  * Tests: tests/unit/test_model_load.c; fuzzed by tests/fuzz/fuzz_config.c.
  */
@@ -157,9 +157,9 @@ static int cfg_rope_scaling(const cJSON *root, const char *path, kr_config *c, c
     return KR_OK;
 }
 
-/* Mistral and Qwen2 may declare a sliding window; the engine attends over the whole cache, so a
- * window that can actually bite is refused. */
-static int cfg_sliding_window(const cJSON *root, const char *path, const kr_config *c, char *err)
+/* Mistral and Qwen2 may declare a sliding window (transformers' semantics: a query at position p
+ * sees keys at positions > p - window; Qwen2 only in layers >= max_window_layers). */
+static int cfg_sliding_window(const cJSON *root, const char *path, kr_config *c, char *err)
 {
     if (c->arch == KR_ARCH_LLAMA) return KR_OK;
     const cJSON *sw = cfg_get(root, "sliding_window");
@@ -173,13 +173,16 @@ static int cfg_sliding_window(const cJSON *root, const char *path, const kr_conf
             return -1;
         /* transformers' Qwen2 applies the window only to layers >= max_window_layers. */
         if (max_window_layers >= c->n_layers) return KR_OK;
+        c->sliding_window_first_layer = max_window_layers;
     }
     if (!cJSON_IsNumber(sw))
         return kr_errf(err, "%s: field \"sliding_window\" must be an integer or null", path);
-    if (sw->valuedouble >= (double)c->max_position_embeddings) return KR_OK; /* never reached */
-    return kr_errf(err, "%s: sliding-window attention (\"sliding_window\": %g) is not supported; "
-                   "only full attention is (sliding_window null%s)", path, sw->valuedouble,
-                   c->arch == KR_ARCH_QWEN2 ? " or use_sliding_window false" : "");
+    if (sw->valuedouble < 1 || sw->valuedouble > KR_CONFIG_MAX_DIM ||
+        sw->valuedouble != (double)(int)sw->valuedouble)
+        return kr_errf(err, "%s: field \"sliding_window\" must be a positive integer or null (got %g)",
+                       path, sw->valuedouble);
+    c->sliding_window = (int)sw->valuedouble;
+    return KR_OK;
 }
 
 static int cfg_dtype(const cJSON *root, const char *path, kr_config *c, char *err)

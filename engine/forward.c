@@ -135,6 +135,21 @@ static void fill_rope(kr_ctx *c, int n)
     }
 }
 
+/* The footprint of one layer's queries: token t attends the entries it sees (len - n + t + 1,
+ * less those a sliding window hides); full causal attention would attend pos + 1. */
+static void tally_footprint(kr_seq *s, int layer, int n, const int32_t *pos, int window)
+{
+    for (int g = 0; g < s->n_kv_heads; g++) {
+        const kr_kv_list *list = kr_seq_list(s, layer, g);
+        for (int t = 0; t < n; t++) {
+            int visible = list->len - n + t + 1;
+            int start = window > 0 ? kr_kv_list_first_after(s->pool, list, visible, pos[t] - window) : 0;
+            s->fp.attended += (double)(visible - start);
+            s->fp.full += (double)(pos[t] + 1);
+        }
+    }
+}
+
 int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mode mode,
                float *logits, char *err)
 {
@@ -166,17 +181,12 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
         ops->matmul(be, &w->wv, &w->bv, c->xn, n, 0, c->v);
         ops->rope(be, c->q, n, cfg->n_heads, hd, c->cos_sin);
         ops->rope(be, c->k, n, cfg->n_kv_heads, hd, c->cos_sin);
-        for (int g = 0; g < cfg->n_kv_heads; g++) {
-            kr_kv_list *list = kr_seq_list(s, l, g);
-            list->len += n;
-            /* footprint: token t attends len - n + t + 1 entries; full attention pos + 1 */
-            for (int t = 0; t < n; t++) {
-                s->fp.attended += (double)(list->len - n + t + 1);
-                s->fp.full += (double)(c->pos[t] + 1);
-            }
-        }
+        const int window = cfg->sliding_window > 0 && l >= cfg->sliding_window_first_layer
+                               ? cfg->sliding_window : 0;
+        for (int g = 0; g < cfg->n_kv_heads; g++) kr_seq_list(s, l, g)->len += n;
         ops->kv_store(be, s, l, c->k, c->v, n, c->pos);
-        ops->attention(be, s, l, c->q, n, cfg->n_heads, c->att);
+        tally_footprint(s, l, n, c->pos, window);
+        ops->attention(be, s, l, c->q, n, cfg->n_heads, c->pos, window, c->att);
         ops->matmul(be, &w->wo, NULL, c->att, n, 1, c->x);
         ops->rmsnorm(be, c->x, &w->ffn_norm, n, d, cfg->rms_norm_eps, c->xn);
         ops->matmul(be, &w->w_gate, NULL, c->xn, n, 0, c->gate);

@@ -146,6 +146,9 @@ static inline int32_t *kr_kv_pos(const kr_kv_pool *p, int32_t block, int slot)
 /* Makes room for `n` more entries in every (layer, KV head), all or nothing: fails when the
  * pool lacks blocks, leaving the sequence as it was. */
 int kr_seq_grow(kr_seq *s, int n, char *err);
+/* Index of the first of entries [0, n) of list l whose position is > min_pos (n when none);
+ * positions increase along a list. */
+int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int32_t min_pos);
 /* Writes entry `idx` (< the grown capacity) of one (layer, KV head). Lengths are set by the
  * caller through the list's `len`. */
 void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,

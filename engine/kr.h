@@ -61,6 +61,11 @@ typedef struct kr_config {
     float rope_low_freq_factor;
     float rope_high_freq_factor;
     int rope_original_max_pos;
+    /* Sliding-window attention (Mistral "sliding_window"; Qwen2 with use_sliding_window for
+     * layers >= max_window_layers): a query at position p sees keys at positions > p - window.
+     * 0: full causal attention in every layer. */
+    int sliding_window;
+    int sliding_window_first_layer; /* layers >= this one use the window */
     int attn_bias; /* q/k/v projections carry biases (Qwen2, or "attention_bias": true) */
     int tie_word_embeddings; /* lm_head is embed_tokens */
     int bos_token_id; /* -1 when absent */

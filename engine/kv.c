@@ -174,3 +174,14 @@ void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, cons
     memcpy(kr_kv_value(p, block, slot), v, (size_t)p->head_dim * sizeof(float));
     *kr_kv_pos(p, block, slot) = pos;
 }
+
+int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int32_t min_pos)
+{
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (*kr_kv_pos(p, l->blocks[mid / p->block_size], mid % p->block_size) > min_pos) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}

@@ -210,7 +210,8 @@ static void hash_config(kr_hash *h, const kr_config *c)
 {
     const int ints[] = {(int)c->arch, c->vocab_size, c->hidden_size, c->intermediate_size,
                         c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim, c->rope_llama3,
-                        c->rope_original_max_pos, c->attn_bias, c->tie_word_embeddings};
+                        c->rope_original_max_pos, c->attn_bias, c->tie_word_embeddings,
+                        c->sliding_window, c->sliding_window_first_layer};
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) hash_u64(h, (uint64_t)ints[i]);
     hash_float(h, c->rope_theta);
     hash_float(h, c->rms_norm_eps);

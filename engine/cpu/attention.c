@@ -4,7 +4,8 @@
  * query heads of one GQA group over that head's block list, one tile of entries at a time with
  * an online softmax (running max and sum), so no score matrix of the whole context exists.
  * Token i of a chunk of n sees the first len - n + i + 1 entries of its list: the chunk's own
- * entries are the newest, appended before this call.
+ * entries are the newest, appended before this call. A sliding window drops the oldest of those
+ * (positions <= pos - window).
  */
 #include "cpu.h"
 #include "simd.h"
@@ -26,6 +27,8 @@ typedef struct att_job {
     const float *q;
     int n;
     int n_heads;
+    const int32_t *pos;
+    int window;
     float *out;
 } att_job;
 
@@ -42,13 +45,14 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
     float *sum = m + group; /* [group] running sum */
     const float *q = j->q + ((size_t)i * j->n_heads + (size_t)g * group) * d;
     int visible = l->len - j->n + i + 1;
+    int start = j->window > 0 ? kr_kv_list_first_after(p, l, visible, j->pos[i] - j->window) : 0;
 
     for (int h = 0; h < group; h++) {
         m[h] = -INFINITY;
         sum[h] = 0.0f;
         for (int e = 0; e < d; e++) acc[(size_t)h * d + e] = 0.0f;
     }
-    for (int j0 = 0; j0 < visible; j0 += TILE) {
+    for (int j0 = start; j0 < visible; j0 += TILE) {
         int jn = visible - j0 < TILE ? visible - j0 : TILE;
         for (int jj = 0; jj < jn; jj++) {
             int e = j0 + jj;
@@ -89,8 +93,9 @@ static void att_task(void *arg, int ith, int nth)
 }
 
 void kr_cpu_attention(kr_backend *b, const kr_seq *s, int layer, const float *q, int n,
-                      int n_heads, float *out)
+                      int n_heads, const int32_t *pos, int window, float *out)
 {
-    att_job j = {.b = b, .s = s, .layer = layer, .q = q, .n = n, .n_heads = n_heads, .out = out};
+    att_job j = {.b = b, .s = s, .layer = layer, .q = q, .n = n, .n_heads = n_heads, .pos = pos,
+                 .window = window, .out = out};
     kr_threadpool_run(b->tp, att_task, &j);
 }

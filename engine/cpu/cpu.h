@@ -22,7 +22,7 @@ struct kr_backend {
 void kr_cpu_matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
                    int accumulate, float *y);
 void kr_cpu_attention(kr_backend *b, const kr_seq *s, int layer, const float *q, int n,
-                      int n_heads, float *out);
+                      int n_heads, const int32_t *pos, int window, float *out);
 /* Rows of attention scratch each thread needs for a model: see attention.c. */
 size_t kr_cpu_attention_scratch(const kr_config *cfg);
 

@@ -520,16 +520,20 @@ static void test_config_parse(void)
                       "\"hidden_size\":64,\"intermediate_size\":96,\"num_hidden_layers\":2,"
                       "\"num_attention_heads\":4,\"max_position_embeddings\":32768,";
     snprintf(j, sizeof j, "%s\"sliding_window\":4096}", mis);
-    CHECK(kr_config_parse(j, strlen(j), "m.json", &c, err) == -1, "mistral window");
+    CHECK(kr_config_parse(j, strlen(j), "m.json", &c, err) == 0, "mistral window: %s", err);
+    CHECK(c.sliding_window == 4096 && c.sliding_window_first_layer == 0, "window %d from %d",
+          c.sliding_window, c.sliding_window_first_layer);
+    snprintf(j, sizeof j, "%s\"sliding_window\":null}", mis);
+    CHECK(kr_config_parse(j, strlen(j), "m.json", &c, err) == 0 && c.sliding_window == 0, "null window");
+    snprintf(j, sizeof j, "%s\"sliding_window\":-3}", mis);
+    CHECK(kr_config_parse(j, strlen(j), "m.json", &c, err) == -1, "negative window");
     CHECK_ERR_HAS(err, "sliding_window");
-    snprintf(j, sizeof j, "%s\"sliding_window\":32768}", mis);
-    CHECK(kr_config_parse(j, strlen(j), "m.json", &c, err) == 0, "window >= max pos: %s", err);
     const char *qw = "{\"architectures\":[\"Qwen2ForCausalLM\"],\"vocab_size\":100,"
                      "\"hidden_size\":64,\"intermediate_size\":96,\"num_hidden_layers\":2,"
                      "\"num_attention_heads\":4,\"sliding_window\":128,";
     snprintf(j, sizeof j, "%s\"use_sliding_window\":true,\"max_window_layers\":1}", qw);
-    CHECK(kr_config_parse(j, strlen(j), "q.json", &c, err) == -1, "qwen2 window");
-    CHECK_ERR_HAS(err, "sliding");
+    CHECK(kr_config_parse(j, strlen(j), "q.json", &c, err) == 0, "qwen2 window: %s", err);
+    CHECK(c.sliding_window == 128 && c.sliding_window_first_layer == 1, "qwen2 window layers");
     snprintf(j, sizeof j, "%s\"use_sliding_window\":true,\"max_window_layers\":2}", qw);
     CHECK(kr_config_parse(j, strlen(j), "q.json", &c, err) == 0, "no layer windowed: %s", err);
     CHECK(c.attn_bias && !c.tie_word_embeddings, "qwen2 implicit bias");
