@@ -106,6 +106,22 @@ static int is_stop(const gen_opts *o, int32_t id)
     return 0;
 }
 
+/* Appends a text delta to the generated text and, when streaming, prints it at once. */
+static void emit(char **text, size_t *len, const char *delta, size_t dlen, int stream)
+{
+    if (!dlen) return;
+    char *grown = realloc(*text, *len + dlen + 1);
+    if (!grown) cli_die(1, "out of memory");
+    memcpy(grown + *len, delta, dlen);
+    *len += dlen;
+    grown[*len] = 0;
+    *text = grown;
+    if (stream) {
+        fwrite(delta, 1, dlen, stdout);
+        fflush(stdout);
+    }
+}
+
 int main(int argc, char **argv)
 {
     cli_set_prog(argv[0]);
@@ -181,15 +197,7 @@ int main(int argc, char **argv)
             const char *delta;
             size_t dlen;
             if (kr_detok_push(dt, id, &delta, &dlen, err) != KR_OK) cli_die(1, "%s", err);
-            if (dlen) {
-                char *grown = realloc(text, text_len + dlen + 1);
-                if (!grown) cli_die(1, "out of memory");
-                text = grown;
-                memcpy(text + text_len, delta, dlen);
-                text_len += dlen;
-                text[text_len] = 0;
-                if (!o.json) fwrite(delta, 1, dlen, stdout), fflush(stdout);
-            }
+            emit(&text, &text_len, delta, dlen, !o.json);
         } else if (!o.json) {
             printf("%s%d", n_out > 1 ? " " : "", id);
             fflush(stdout);
@@ -204,15 +212,7 @@ int main(int argc, char **argv)
         const char *delta;
         size_t dlen;
         kr_detok_flush(dt, &delta, &dlen);
-        if (dlen) {
-            char *grown = realloc(text, text_len + dlen + 1);
-            if (!grown) cli_die(1, "out of memory");
-            text = grown;
-            memcpy(text + text_len, delta, dlen);
-            text_len += dlen;
-            text[text_len] = 0;
-            if (!o.json) fwrite(delta, 1, dlen, stdout);
-        }
+        emit(&text, &text_len, delta, dlen, !o.json);
     }
 
     kr_footprint fp;
