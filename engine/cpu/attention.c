@@ -65,14 +65,12 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
             float mt = m[h];
             for (int jj = 0; jj < jn; jj++) mt = s[jj] > mt ? s[jj] : mt;
             float corr = expf(m[h] - mt); /* exp(-inf) = 0 on the first tile */
-            sum[h] *= corr;
+            sum[h] = sum[h] * corr + kr_exp_shift_sum(s, jn, mt);
             kr_scale(acc + (size_t)h * d, corr, d);
             m[h] = mt;
             for (int jj = 0; jj < jn; jj++) {
                 int e = j0 + jj;
-                float pr = expf(s[jj] - mt);
-                sum[h] += pr;
-                kr_axpy(acc + (size_t)h * d, pr, kr_kv_value(p, l->blocks[e / bs], e % bs), d);
+                kr_axpy(acc + (size_t)h * d, s[jj], kr_kv_value(p, l->blocks[e / bs], e % bs), d);
             }
         }
     }

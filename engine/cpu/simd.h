@@ -9,6 +9,8 @@
 
 #include "kr-impl.h"
 
+#include <math.h>
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
@@ -31,6 +33,15 @@ static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return _mm512_fmadd_ps(a
 static inline kr_vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline void vf_store(float *p, kr_vf v) { _mm512_storeu_ps(p, v); }
 static inline float vf_sum(kr_vf v) { return _mm512_reduce_add_ps(v); }
+static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return _mm512_sub_ps(a, b); }
+static inline kr_vf vf_max(kr_vf a, kr_vf b) { return _mm512_max_ps(a, b); }
+static inline kr_vf vf_round(kr_vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+/* a * 2^n for integral n in [-127, 127] (carried as floats) */
+static inline kr_vf vf_ldexp(kr_vf a, kr_vf n)
+{
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(a, _mm512_castsi512_ps(e));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KR_VL 8
 typedef __m256 kr_vf;
@@ -55,6 +66,14 @@ static inline float vf_sum(kr_vf v)
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return _mm256_sub_ps(a, b); }
+static inline kr_vf vf_max(kr_vf a, kr_vf b) { return _mm256_max_ps(a, b); }
+static inline kr_vf vf_round(kr_vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline kr_vf vf_ldexp(kr_vf a, kr_vf n)
+{
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(a, _mm256_castsi256_ps(e));
+}
 #else
 #define KR_VL 1
 typedef float kr_vf;
@@ -66,6 +85,10 @@ static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return a * b + c; }
 static inline kr_vf vf_set1(float x) { return x; }
 static inline void vf_store(float *p, kr_vf v) { *p = v; }
 static inline float vf_sum(kr_vf v) { return v; }
+static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return a - b; }
+static inline kr_vf vf_max(kr_vf a, kr_vf b) { return a > b ? a : b; }
+static inline kr_vf vf_round(kr_vf a) { return nearbyintf(a); }
+static inline kr_vf vf_ldexp(kr_vf a, kr_vf n) { return ldexpf(a, (int)n); }
 #endif
 
 /* One element of a weight row, upcast. */
@@ -99,6 +122,44 @@ static inline void kr_axpy(float *y, float a, const float *x, int n)
     int i = 0;
     for (; i + KR_VL <= n; i += KR_VL) vf_store(y + i, vf_fma(va, vf_load(x + i), vf_load(y + i)));
     for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): x = n ln2 + r with |r| <= ln2/2
+ * (ln2 split in two for an exact product), exp(r) by its degree-7 Taylor polynomial
+ * (truncation error < 6e-9 relative), times 2^n. Inputs below -87 are taken as -87 (exp is
+ * then 1.6e-38 instead of smaller: nothing a softmax can see). Within a few ulp of expf, which
+ * test_ops checks. */
+static inline kr_vf kr_vexp_nonpos(kr_vf x)
+{
+    const kr_vf lo = vf_set1(-87.0f);
+    kr_vf xc = vf_max(x, lo);
+    kr_vf n = vf_round(vf_fma(xc, vf_set1(1.44269504088896341f), vf_zero()));
+    kr_vf r = vf_fma(n, vf_set1(-0.693359375f), xc); /* ln2 high part: exact product */
+    r = vf_fma(n, vf_set1(2.12194440e-4f), r); /* ln2 = 0.693359375 - 2.12194440e-4 */
+    kr_vf p = vf_set1(1.0f / 5040.0f);
+    p = vf_fma(p, r, vf_set1(1.0f / 720.0f));
+    p = vf_fma(p, r, vf_set1(1.0f / 120.0f));
+    p = vf_fma(p, r, vf_set1(1.0f / 24.0f));
+    p = vf_fma(p, r, vf_set1(1.0f / 6.0f));
+    p = vf_fma(p, r, vf_set1(0.5f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    return vf_ldexp(p, n);
+}
+
+/* x[i] = exp(x[i] - m) for i < n (every x[i] <= m); returns the sum of the results */
+static inline float kr_exp_shift_sum(float *x, int n, float m)
+{
+    kr_vf vm = vf_set1(m), acc = vf_zero();
+    int i = 0;
+    for (; i + KR_VL <= n; i += KR_VL) {
+        kr_vf e = kr_vexp_nonpos(vf_sub(vf_load(x + i), vm));
+        vf_store(x + i, e);
+        acc = vf_fma(e, vf_set1(1.0f), acc);
+    }
+    float s = vf_sum(acc);
+    for (; i < n; i++) s += x[i] = expf(x[i] - m);
+    return s;
 }
 
 /* y[0..n) *= a */
