@@ -30,8 +30,12 @@ struct kr_ctx {
     float *att; /* [max_chunk][n_heads*head_dim] */
     float *gate; /* [max_chunk][f] */
     float *up; /* [max_chunk][f] */
-    float *logits; /* [max_chunk][vocab] */
+    float *logits; /* [LOGIT_ROWS][vocab] */
 };
+
+/* Logits are computed this many rows at a time, so the buffer stays small for large
+ * vocabularies (128k x 64 rows x 4 bytes = 32 MiB) whatever the chunk size. */
+enum { LOGIT_ROWS = 64 };
 
 /* HF's default RoPE inverse frequencies, then the llama3 rescaling when configured
  * (transformers' _compute_llama3_parameters), in float32 as HF computes them. */
@@ -106,7 +110,7 @@ int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char 
     c->att = c->ops->act_alloc(c->be, n * qd);
     c->gate = c->ops->act_alloc(c->be, n * f);
     c->up = c->ops->act_alloc(c->be, n * f);
-    c->logits = c->ops->act_alloc(c->be, n * (size_t)cfg->vocab_size);
+    c->logits = c->ops->act_alloc(c->be, (n < LOGIT_ROWS ? n : LOGIT_ROWS) * (size_t)cfg->vocab_size);
     if (!c->inv_freq || !c->cos_sin || !c->pos || !c->x || !c->xn || !c->q || !c->k || !c->v ||
         !c->att || !c->gate || !c->up || !c->logits) {
         kr_ctx_free(c);
@@ -202,8 +206,11 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
     int first = mode == KR_LOGITS_ALL ? 0 : n - 1, rows = n - first;
     const float *xl = c->x + (size_t)first * d;
     ops->rmsnorm(be, xl, &m->final_norm, rows, d, cfg->rms_norm_eps, c->xn);
-    ops->matmul(be, &m->lm_head, NULL, c->xn, rows, 0, c->logits);
-    ops->to_host(be, c->logits, (size_t)rows * cfg->vocab_size, logits);
+    for (int r0 = 0; r0 < rows; r0 += LOGIT_ROWS) {
+        int nr = rows - r0 < LOGIT_ROWS ? rows - r0 : LOGIT_ROWS;
+        ops->matmul(be, &m->lm_head, NULL, c->xn + (size_t)r0 * d, nr, 0, c->logits);
+        ops->to_host(be, c->logits, (size_t)nr * cfg->vocab_size, logits + (size_t)r0 * cfg->vocab_size);
+    }
     return KR_OK;
 }
 
