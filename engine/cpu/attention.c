@@ -1,8 +1,12 @@
 /*
  * attention.c - causal GQA attention over the paged KV cache on the CPU backend.
- * Work items are (token, KV head) pairs split over the thread pool; each item attends the
- * query heads of one GQA group over that head's block list, one tile of entries at a time with
- * an online softmax (running max and sum), so no score matrix of the whole context exists.
+ * Two paths, both with an online softmax (running max and sum) over tiles of entries, so no
+ * score matrix of the whole context exists:
+ * - few tokens (decode): work items are (token, KV head) pairs; each attends the query heads of
+ *   one GQA group over that head's block list with vector dot products;
+ * - many tokens (prefill): work items are (KV head, block of 64 queries); each tile of 128 keys
+ *   and values is gathered once from its blocks and used by every query head of the group
+ *   through two sgemm calls (scores = Q K^T, output += P V), flash-attention style.
  * Token i of a chunk of n sees the first len - n + i + 1 entries of its list: the chunk's own
  * entries are the newest, appended before this call. A sliding window drops the oldest of those
  * (positions <= pos - window).
@@ -10,14 +14,22 @@
 #include "cpu.h"
 #include "simd.h"
 
+#include <cblas.h>
 #include <math.h>
+#include <string.h>
 
-enum { TILE = 128 };
+enum {
+    TILE = 128, /* entries per softmax tile (both paths) */
+    QBLOCK = 64, /* queries per work item on the prefill path */
+    BLOCKED_MIN_TOKENS = 16, /* chunks at least this long take the prefill path */
+};
 
 size_t kr_cpu_attention_scratch(const kr_config *cfg)
 {
-    size_t g = (size_t)(cfg->n_heads / cfg->n_kv_heads);
-    return g * TILE + g * (size_t)cfg->head_dim + 2 * g;
+    size_t g = (size_t)(cfg->n_heads / cfg->n_kv_heads), d = (size_t)cfg->head_dim;
+    size_t one = g * TILE + g * d + 2 * g;
+    size_t blocked = 2 * TILE * d + g * QBLOCK * TILE + g * QBLOCK * d + 2 * g * QBLOCK;
+    return one > blocked ? one : blocked;
 }
 
 typedef struct att_job {
@@ -81,13 +93,90 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
     }
 }
 
+/* Queries i0 .. i1-1 of the chunk, KV head g, all query heads of its group. */
+static void attend_block(const att_job *j, float *scratch, int g, int i0, int i1)
+{
+    const kr_kv_pool *p = j->s->pool;
+    const kr_kv_list *l = &j->s->lists[j->layer * j->s->n_kv_heads + g];
+    const int d = p->head_dim, bs = p->block_size, nq = i1 - i0;
+    const int group = j->n_heads / j->s->n_kv_heads, qstride = j->n_heads * d;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *kt = scratch; /* [TILE][d] gathered keys */
+    float *vt = kt + (size_t)TILE * d; /* [TILE][d] gathered values */
+    float *sc = vt + (size_t)TILE * d; /* [group][QBLOCK][TILE] scores, then probabilities */
+    float *acc = sc + (size_t)group * QBLOCK * TILE; /* [group][QBLOCK][d] */
+    float *m = acc + (size_t)group * QBLOCK * d; /* [group][QBLOCK] */
+    float *sum = m + group * QBLOCK; /* [group][QBLOCK] */
+    int lo[QBLOCK], hi[QBLOCK]; /* visible entries [lo, hi) of each query */
+
+    for (int r = 0; r < nq; r++) {
+        int i = i0 + r;
+        hi[r] = l->len - j->n + i + 1;
+        lo[r] = j->window > 0 ? kr_kv_list_first_after(p, l, hi[r], j->pos[i] - j->window) : 0;
+    }
+    for (int x = 0; x < group * QBLOCK; x++) m[x] = -INFINITY, sum[x] = 0.0f;
+    for (size_t x = 0; x < (size_t)group * QBLOCK * d; x++) acc[x] = 0.0f;
+
+    for (int j0 = lo[0]; j0 < hi[nq - 1]; j0 += TILE) {
+        int jn = hi[nq - 1] - j0 < TILE ? hi[nq - 1] - j0 : TILE;
+        for (int e = 0; e < jn; e++) {
+            int idx = j0 + e;
+            memcpy(kt + (size_t)e * d, kr_kv_key(p, l->blocks[idx / bs], idx % bs), sizeof(float) * d);
+            memcpy(vt + (size_t)e * d, kr_kv_value(p, l->blocks[idx / bs], idx % bs), sizeof(float) * d);
+        }
+        for (int h = 0; h < group; h++) {
+            float *s = sc + (size_t)h * QBLOCK * TILE;
+            float *o = acc + (size_t)h * QBLOCK * d;
+            const float *q = j->q + (size_t)i0 * qstride + (size_t)(g * group + h) * d;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, jn, d, scale, q, qstride, kt, d,
+                        0.0f, s, TILE);
+            for (int r = 0; r < nq; r++) {
+                float *row = s + (size_t)r * TILE;
+                int a = lo[r] - j0 > 0 ? lo[r] - j0 : 0, b = hi[r] - j0 < jn ? hi[r] - j0 : jn;
+                int x = h * QBLOCK + r;
+                if (a >= b) { /* nothing of this tile is visible to this query */
+                    memset(row, 0, sizeof(float) * (size_t)jn);
+                    continue;
+                }
+                float mt = m[x];
+                for (int c = a; c < b; c++) mt = row[c] > mt ? row[c] : mt;
+                float corr = expf(m[x] - mt);
+                sum[x] = sum[x] * corr + kr_exp_shift_sum(row + a, b - a, mt);
+                m[x] = mt;
+                kr_scale(o + (size_t)r * d, corr, d);
+                memset(row, 0, sizeof(float) * (size_t)a);
+                memset(row + b, 0, sizeof(float) * (size_t)(jn - b));
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, jn, 1.0f, s, TILE, vt, d,
+                        1.0f, o, d);
+        }
+    }
+    for (int h = 0; h < group; h++)
+        for (int r = 0; r < nq; r++) {
+            float inv = 1.0f / sum[h * QBLOCK + r];
+            const float *o = acc + ((size_t)h * QBLOCK + r) * d;
+            float *dst = j->out + (size_t)(i0 + r) * qstride + (size_t)(g * group + h) * d;
+            for (int e = 0; e < d; e++) dst[e] = o[e] * inv;
+        }
+}
+
 static void att_task(void *arg, int ith, int nth)
 {
     const att_job *j = arg;
     int kvh = j->s->n_kv_heads;
     int64_t lo, hi;
-    kr_split((int64_t)j->n * kvh, ith, nth, 1, &lo, &hi);
-    for (int64_t it = lo; it < hi; it++) attend_one(j, j->b->att[ith], (int)(it / kvh), (int)(it % kvh));
+    if (j->n < BLOCKED_MIN_TOKENS) {
+        kr_split((int64_t)j->n * kvh, ith, nth, 1, &lo, &hi);
+        for (int64_t it = lo; it < hi; it++) attend_one(j, j->b->att[ith], (int)(it / kvh), (int)(it % kvh));
+        return;
+    }
+    /* later query blocks see more keys: interleave items so threads get similar work */
+    int blocks = (j->n + QBLOCK - 1) / QBLOCK;
+    for (int64_t it = ith; it < (int64_t)blocks * kvh; it += nth) {
+        int qb = (int)(it / kvh), g = (int)(it % kvh);
+        int i0 = qb * QBLOCK, i1 = i0 + QBLOCK < j->n ? i0 + QBLOCK : j->n;
+        attend_block(j, j->b->att[ith], g, i0, i1);
+    }
 }
 
 void kr_cpu_attention(kr_backend *b, const kr_seq *s, int layer, const float *q, int n,
