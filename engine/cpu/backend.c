@@ -24,6 +24,7 @@ static void cpu_destroy(kr_backend *b)
     }
     free(b->slab);
     free(b->att);
+    free(b->xperm);
     kr_threadpool_free(b->tp);
     free(b);
 }
@@ -48,7 +49,8 @@ static int cpu_create(const kr_model *m, int n_threads, int max_chunk, kr_backen
     b->att_floats = kr_cpu_attention_scratch(cfg);
     b->slab = calloc((size_t)n_threads, sizeof *b->slab);
     b->att = calloc((size_t)n_threads, sizeof *b->att);
-    if (!b->slab || !b->att) goto err_oom;
+    b->xperm = malloc(sizeof(float) * GEMM_MIN_TOKENS * (size_t)widest);
+    if (!b->slab || !b->att || !b->xperm) goto err_oom;
     for (int i = 0; i < n_threads; i++) {
         b->slab[i] = malloc(b->slab_floats * sizeof(float));
         b->att[i] = malloc(b->att_floats * sizeof(float));

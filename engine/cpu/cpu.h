@@ -9,6 +9,9 @@
 
 #include "backend.h"
 
+/* Matmuls of fewer tokens take the dot-product path, more take sgemm. */
+enum { GEMM_MIN_TOKENS = 6 };
+
 struct kr_backend {
     const kr_model *model;
     kr_threadpool *tp;
@@ -17,6 +20,7 @@ struct kr_backend {
     float **slab; /* [n_threads][slab_floats] */
     size_t att_floats; /* per-thread attention scratch */
     float **att; /* [n_threads][att_floats] */
+    float *xperm; /* [GEMM_MIN_TOKENS][widest input] tokens reordered for bf16 dot products */
 };
 
 void kr_cpu_matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,

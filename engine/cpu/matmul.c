@@ -2,7 +2,9 @@
  * matmul.c - y[n][out] (+)= x[n][in] . W[out][in]^T (+ bias) on the CPU backend.
  * Output rows are split over the thread pool. Few tokens (decode): each thread streams its
  * weight rows once, four rows at a time, dotting them with every token (memory-bound; bf16 and
- * f16 rows are upcast in registers, never in memory). Many tokens (prefill): OpenBLAS sgemm per
+ * f16 rows are upcast in registers, never in memory; bf16 pairs are split into even and odd
+ * lanes with a shift and a mask against a token vector reordered to match, because the
+ * widening shuffle was the bottleneck, not memory). Many tokens (prefill): OpenBLAS sgemm per
  * thread on its rows; bf16/f16 rows are first upcast into a per-thread f32 slab.
  */
 #include "cpu.h"
@@ -10,7 +12,7 @@
 
 #include <cblas.h>
 
-enum { GEMM_MIN_TOKENS = 6 };
+
 
 #define DEFINE_DOTS(SUFFIX, T, LOAD, AT)                                                          \
     static void dot4_##SUFFIX(const float *x, const T *w, int64_t ld, int in, float *r)           \
@@ -46,9 +48,42 @@ enum { GEMM_MIN_TOKENS = 6 };
         return s;                                                                                  \
     }
 
+/* bf16 rows against x reordered by kr_deinterleave */
+static void dot4_bf16eo(const float *x, const uint16_t *w, int64_t ld, int in, float *r)
+{
+    kr_vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero(), e, o;
+    int i = 0;
+    for (; i + 2 * KR_VL <= in; i += 2 * KR_VL) {
+        kr_vf xe = vf_load(x + i), xo = vf_load(x + i + KR_VL);
+        vf_load_bf16_eo(w + i, &e, &o);
+        a0 = vf_fma(xo, o, vf_fma(xe, e, a0));
+        vf_load_bf16_eo(w + ld + i, &e, &o);
+        a1 = vf_fma(xo, o, vf_fma(xe, e, a1));
+        vf_load_bf16_eo(w + 2 * ld + i, &e, &o);
+        a2 = vf_fma(xo, o, vf_fma(xe, e, a2));
+        vf_load_bf16_eo(w + 3 * ld + i, &e, &o);
+        a3 = vf_fma(xo, o, vf_fma(xe, e, a3));
+    }
+    r[0] = vf_sum(a0), r[1] = vf_sum(a1), r[2] = vf_sum(a2), r[3] = vf_sum(a3);
+    for (; i < in; i++)
+        for (int q = 0; q < 4; q++) r[q] += x[i] * kr_bf16_to_f32(w[q * ld + i]);
+}
+
+static float dot1_bf16eo(const float *x, const uint16_t *w, int in)
+{
+    kr_vf a = vf_zero(), e, o;
+    int i = 0;
+    for (; i + 2 * KR_VL <= in; i += 2 * KR_VL) {
+        vf_load_bf16_eo(w + i, &e, &o);
+        a = vf_fma(vf_load(x + i + KR_VL), o, vf_fma(vf_load(x + i), e, a));
+    }
+    float s = vf_sum(a);
+    for (; i < in; i++) s += x[i] * kr_bf16_to_f32(w[i]);
+    return s;
+}
+
 #define AT_F32(v) (v)
 DEFINE_DOTS(f32, float, vf_load, AT_F32)
-DEFINE_DOTS(bf16, uint16_t, vf_load_bf16, kr_bf16_to_f32)
 DEFINE_DOTS(f16, uint16_t, vf_load_f16, kr_f16_to_f32)
 
 typedef struct mm_job {
@@ -66,7 +101,7 @@ static void dot4(const kr_tensor *w, int64_t o, const float *x, float *r)
 {
     int in = (int)w->cols;
     switch (w->dtype) {
-    case KR_DTYPE_BF16: dot4_bf16(x, (const uint16_t *)w->data + o * in, in, in, r); break;
+    case KR_DTYPE_BF16: dot4_bf16eo(x, (const uint16_t *)w->data + o * in, in, in, r); break;
     case KR_DTYPE_F16: dot4_f16(x, (const uint16_t *)w->data + o * in, in, in, r); break;
     default: dot4_f32(x, (const float *)w->data + o * in, in, in, r); break;
     }
@@ -76,7 +111,7 @@ static float dot1(const kr_tensor *w, int64_t o, const float *x)
 {
     int in = (int)w->cols;
     switch (w->dtype) {
-    case KR_DTYPE_BF16: return dot1_bf16(x, (const uint16_t *)w->data + o * in, in);
+    case KR_DTYPE_BF16: return dot1_bf16eo(x, (const uint16_t *)w->data + o * in, in);
     case KR_DTYPE_F16: return dot1_f16(x, (const uint16_t *)w->data + o * in, in);
     default: return dot1_f32(x, (const float *)w->data + o * in, in);
     }
@@ -85,11 +120,12 @@ static float dot1(const kr_tensor *w, int64_t o, const float *x)
 static void matvec_rows(const mm_job *j, int64_t lo, int64_t hi)
 {
     const int64_t in = j->w->cols, out = j->w->rows;
+    const float *x = j->w->dtype == KR_DTYPE_BF16 ? j->b->xperm : j->x;
     int64_t o = lo;
     float r[4];
     for (; o + 4 <= hi; o += 4) {
         for (int t = 0; t < j->n; t++) {
-            dot4(j->w, o, j->x + t * in, r);
+            dot4(j->w, o, x + t * in, r);
             float *y = j->y + t * out + o;
             for (int q = 0; q < 4; q++) y[q] = (j->accumulate ? y[q] : 0.0f) + r[q];
         }
@@ -97,7 +133,7 @@ static void matvec_rows(const mm_job *j, int64_t lo, int64_t hi)
     for (; o < hi; o++) {
         for (int t = 0; t < j->n; t++) {
             float *y = j->y + t * out + o;
-            *y = (j->accumulate ? *y : 0.0f) + dot1(j->w, o, j->x + t * in);
+            *y = (j->accumulate ? *y : 0.0f) + dot1(j->w, o, x + t * in);
         }
     }
 }
@@ -159,5 +195,7 @@ void kr_cpu_matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, con
                    int accumulate, float *y)
 {
     mm_job j = {.b = b, .w = w, .bias = bias, .x = x, .n = n, .accumulate = accumulate, .y = y};
+    if (n < GEMM_MIN_TOKENS && w->dtype == KR_DTYPE_BF16)
+        for (int t = 0; t < n; t++) kr_deinterleave(x + t * w->cols, (int)w->cols, b->xperm + t * w->cols);
     kr_threadpool_run(b->tp, mm_task, &j);
 }

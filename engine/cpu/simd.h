@@ -29,6 +29,13 @@ static inline kr_vf vf_load_f16(const uint16_t *p)
 {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
+/* 2*KR_VL bf16 values as their even- and odd-indexed halves: a shift and a mask, no shuffle */
+static inline void vf_load_bf16_eo(const uint16_t *p, kr_vf *even, kr_vf *odd)
+{
+    __m512i v = _mm512_loadu_si512((const void *)p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
 static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline kr_vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline void vf_store(float *p, kr_vf v) { _mm512_storeu_ps(p, v); }
@@ -56,6 +63,12 @@ static inline kr_vf vf_load_f16(const uint16_t *p)
 {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
+static inline void vf_load_bf16_eo(const uint16_t *p, kr_vf *even, kr_vf *odd)
+{
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
 static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline kr_vf vf_set1(float x) { return _mm256_set1_ps(x); }
 static inline void vf_store(float *p, kr_vf v) { _mm256_storeu_ps(p, v); }
@@ -81,6 +94,11 @@ static inline kr_vf vf_zero(void) { return 0.0f; }
 static inline kr_vf vf_load(const float *p) { return *p; }
 static inline kr_vf vf_load_bf16(const uint16_t *p) { return kr_bf16_to_f32(*p); }
 static inline kr_vf vf_load_f16(const uint16_t *p) { return kr_f16_to_f32(*p); }
+static inline void vf_load_bf16_eo(const uint16_t *p, kr_vf *even, kr_vf *odd)
+{
+    *even = kr_bf16_to_f32(p[0]);
+    *odd = kr_bf16_to_f32(p[1]);
+}
 static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return a * b + c; }
 static inline kr_vf vf_set1(float x) { return x; }
 static inline void vf_store(float *p, kr_vf v) { *p = v; }
@@ -90,6 +108,16 @@ static inline kr_vf vf_max(kr_vf a, kr_vf b) { return a > b ? a : b; }
 static inline kr_vf vf_round(kr_vf a) { return nearbyintf(a); }
 static inline kr_vf vf_ldexp(kr_vf a, kr_vf n) { return ldexpf(a, (int)n); }
 #endif
+
+/* x reordered for vf_load_bf16_eo: each block of 2*KR_VL values becomes its even-indexed
+ * values then its odd-indexed ones; a tail shorter than a block stays in order. */
+static inline void kr_deinterleave(const float *x, int n, float *out)
+{
+    int i = 0;
+    for (; i + 2 * KR_VL <= n; i += 2 * KR_VL)
+        for (int k = 0; k < KR_VL; k++) out[i + k] = x[i + 2 * k], out[i + KR_VL + k] = x[i + 2 * k + 1];
+    for (; i < n; i++) out[i] = x[i];
+}
 
 /* One element of a weight row, upcast. */
 static inline float kr_w_at(const void *row, kr_dtype t, int64_t i)
