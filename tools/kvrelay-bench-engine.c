@@ -304,7 +304,9 @@ int main(int argc, char **argv)
         double dt = time_prefill(&b, n);
         /* attention FLOPs: causal QK^T and PV over n(n+1)/2 pairs per query head */
         double att = 4.0 * cfg->n_layers * cfg->n_heads * hd * (double)n * (n + 1) / 2.0;
-        double flops = 2.0 * params * n + att;
+        /* lm_head runs for the last token only: prefill returns one row of logits */
+        double head = (double)cfg->hidden_size * cfg->vocab_size;
+        double flops = 2.0 * (params - head) * n + 2.0 * head + att;
         double frac = flops / dt / peak;
         cJSON *e = cJSON_CreateObject();
         cJSON_AddNumberToObject(e, "tokens", n);

@@ -14,13 +14,15 @@
 
 
 
-#define DEFINE_DOTS(SUFFIX, T, LOAD, AT)                                                          \
+#define DEFINE_DOTS(SUFFIX, T, LOAD, AT, PREFETCH)                                                          \
     static void dot4_##SUFFIX(const float *x, const T *w, int64_t ld, int in, float *r)           \
     {                                                                                              \
         kr_vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();                      \
         int i = 0;                                                                                 \
         for (; i + KR_VL <= in; i += KR_VL) {                                                      \
             kr_vf xv = vf_load(x + i);                                                             \
+            if (PREFETCH)                                                                          \
+                for (int q = 4; q < 8; q++) __builtin_prefetch(w + q * ld + i, 0, 0);              \
             a0 = vf_fma(xv, LOAD(w + i), a0);                                                      \
             a1 = vf_fma(xv, LOAD(w + ld + i), a1);                                                 \
             a2 = vf_fma(xv, LOAD(w + 2 * ld + i), a2);                                             \
@@ -55,6 +57,8 @@ static void dot4_bf16eo(const float *x, const uint16_t *w, int64_t ld, int in, f
     int i = 0;
     for (; i + 2 * KR_VL <= in; i += 2 * KR_VL) {
         kr_vf xe = vf_load(x + i), xo = vf_load(x + i + KR_VL);
+        /* rows are short: fetch the next four rows' lines while these are summed */
+        for (int q = 4; q < 8; q++) __builtin_prefetch(w + q * ld + i, 0, 0);
         vf_load_bf16_eo(w + i, &e, &o);
         a0 = vf_fma(xo, o, vf_fma(xe, e, a0));
         vf_load_bf16_eo(w + ld + i, &e, &o);
@@ -83,8 +87,8 @@ static float dot1_bf16eo(const float *x, const uint16_t *w, int in)
 }
 
 #define AT_F32(v) (v)
-DEFINE_DOTS(f32, float, vf_load, AT_F32)
-DEFINE_DOTS(f16, uint16_t, vf_load_f16, kr_f16_to_f32)
+DEFINE_DOTS(f32, float, vf_load, AT_F32, 0) /* long rows: the hardware prefetcher keeps up */
+DEFINE_DOTS(f16, uint16_t, vf_load_f16, kr_f16_to_f32, 1)
 
 typedef struct mm_job {
     kr_backend *b;
