@@ -199,7 +199,13 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
         ops->matmul(be, &w->w_down, NULL, c->gate, n, 1, c->x);
     }
     s->next_pos += n;
-    int64_t held = kr_seq_entries(s);
+    s->fp.steps += n;
+    int64_t held = 0;
+    for (int i = 0; i < cfg->n_layers * cfg->n_kv_heads; i++) {
+        int len = s->lists[i].len;
+        held += len;
+        if (len > s->fp.peak_head_entries) s->fp.peak_head_entries = len;
+    }
     if (held > s->fp.peak_entries) s->fp.peak_entries = held;
 
     if (mode == KR_LOGITS_NONE) return KR_OK;

@@ -173,7 +173,9 @@ int kr_seq_blocks(const kr_seq *s);
 typedef struct kr_footprint {
     double attended;
     double full;
+    int64_t steps; /* query steps: tokens fed */
     int64_t peak_entries; /* most entries held at once, summed over (layer, KV head) */
+    int64_t peak_head_entries; /* most entries one (layer, KV head) held at any moment */
 } kr_footprint;
 void kr_seq_footprint(const kr_seq *s, kr_footprint *out);
 

@@ -12,7 +12,12 @@
 
 /* Prints "PROG: message" to stderr and exits with `status`. */
 void cli_die(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
-void cli_set_prog(const char *prog);
+/* First call of every program: names it for messages, and makes sure OpenBLAS starts
+ * single-threaded. The engine calls sgemm from its own threads; OpenBLAS's pthread build
+ * otherwise starts one thread per core at load, which spins for ~0.1 s and competes with the
+ * engine's workers. OPENBLAS_NUM_THREADS is only read at load, so the program re-executes
+ * itself once with it set (unless the user set it). */
+void cli_init(char **argv);
 
 /* The value following flag argv[*i] (advances *i); dies when it is missing. */
 const char *cli_value(int argc, char **argv, int *i);

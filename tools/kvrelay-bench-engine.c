@@ -196,7 +196,7 @@ static double time_decode(bench *b, int ctx_len, int steps)
 
 int main(int argc, char **argv)
 {
-    cli_set_prog(argv[0]);
+    cli_init(argv);
     const char *model_dir = NULL, *random_cfg = NULL, *policy = "full";
     kr_dtype dtype = KR_DTYPE_BF16;
     kr_model_opts mo = {.verbose = 1};

@@ -124,7 +124,7 @@ static void emit(char **text, size_t *len, const char *delta, size_t dlen, int s
 
 int main(int argc, char **argv)
 {
-    cli_set_prog(argv[0]);
+    cli_init(argv);
     gen_opts o;
     parse(argc, argv, &o);
     char err[KR_ERR_MAX];
@@ -223,10 +223,13 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(stats, "generated_tokens", n_out);
     cJSON_AddStringToObject(stats, "finish_reason", finish);
     cJSON_AddStringToObject(stats, "policy", o.policy);
+    /* Cache Me If You Can: footprint over every query step; peak KV of one (layer, KV head)
+     * per query step (both exactly 1 for full attention) */
     cJSON_AddNumberToObject(stats, "kv_footprint", fp.full > 0 ? fp.attended / fp.full : 1.0);
+    cJSON_AddNumberToObject(stats, "peak_kv", fp.steps > 0 ? (double)fp.peak_head_entries / (double)fp.steps : 0.0);
     cJSON_AddNumberToObject(stats, "peak_kv_entries", (double)fp.peak_entries);
-    cJSON_AddNumberToObject(stats, "kv_entries_after_prefill", (double)kept_after_prefill);
-    cJSON_AddNumberToObject(stats, "kv_bytes_after_prefill", (double)(kept_after_prefill * entry_bytes));
+    cJSON_AddNumberToObject(stats, "kv_entries_kept", (double)kept_after_prefill);
+    cJSON_AddNumberToObject(stats, "kv_bytes_kept", (double)(kept_after_prefill * entry_bytes));
     cJSON_AddNumberToObject(stats, "prefill_seconds", t1 - t0);
     cJSON_AddNumberToObject(stats, "decode_seconds", t2 - t1);
     cJSON_AddNumberToObject(stats, "prefill_tokens_per_second", t1 > t0 ? n_prompt / (t1 - t0) : 0);

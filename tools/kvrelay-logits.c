@@ -35,7 +35,7 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
-    cli_set_prog(argv[0]);
+    cli_init(argv);
     const char *model_dir = NULL, *ids_s = NULL, *out_path = NULL;
     long last = -1, chunk = 512, threads = 0;
     kr_backend_kind backend = KR_BACKEND_CPU;

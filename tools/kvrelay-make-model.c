@@ -972,7 +972,7 @@ static void write_safetensors(int file, const mm_opts *o, int vocab)
 
 int main(int argc, char **argv)
 {
-    cli_set_prog(argv[0]);
+    cli_init(argv);
     mm_opts o;
     parse_args(argc, argv, &o);
 

@@ -44,7 +44,7 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
-    cli_set_prog(argv[0]);
+    cli_init(argv);
     const char *dir = NULL, *text = NULL, *ids_arg = NULL;
     int add_special = 0, decode = 0, skip_special = 0;
     for (int i = 1; i < argc; i++) {

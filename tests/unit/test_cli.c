@@ -76,6 +76,15 @@ static void check_model(const char *model)
     float *ref = (float *)slurp(path, &len);
     cJSON *root = cJSON_Parse(json);
     int vocab = cJSON_GetObjectItem(root, "vocab_size")->valueint;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    char *cfg_text = slurp(path, &len);
+    REQUIRE(cfg_text, "no %s", path);
+    cJSON *cfg = cJSON_Parse(cfg_text);
+    /* (layer, KV head) lists: every prompt entry is kept under full attention */
+    int lists = cJSON_GetObjectItem(cfg, "num_hidden_layers")->valueint *
+                cJSON_GetObjectItem(cfg, "num_key_value_heads")->valueint;
+    cJSON_Delete(cfg);
+    free(cfg_text);
     const cJSON *c;
     cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "cases"))
     {
@@ -135,6 +144,11 @@ static void check_model(const char *model)
             CHECK(pt && pt->valueint == n, "prompt_tokens");
             const cJSON *fp = cJSON_GetObjectItem(stats, "kv_footprint");
             CHECK(fp && fabs(fp->valuedouble - 1.0) < 1e-12, "full attention footprint must be 1");
+            const cJSON *pk = cJSON_GetObjectItem(stats, "peak_kv");
+            CHECK(pk && fabs(pk->valuedouble - 1.0) < 1e-12, "full attention peak_kv must be 1");
+            const cJSON *kept = cJSON_GetObjectItem(stats, "kv_entries_kept");
+            CHECK(kept && kept->valueint == n * lists, "%s/%s: kv_entries_kept %d, expected %d x %d",
+                  model, name, kept ? kept->valueint : -1, n, lists);
             CHECK(cJSON_IsString(cJSON_GetObjectItem(res, "text")), "no text");
             cJSON_Delete(res);
         }

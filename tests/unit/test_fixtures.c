@@ -77,6 +77,8 @@ static float *prefill_all(run *r, const int32_t *ids, int n, int chunk)
     CHECK(fp.attended == fp.full, "full attention must have footprint 1 (%g vs %g)", fp.attended, fp.full);
     CHECK(fp.peak_entries == (int64_t)n * r->cfg->n_layers * r->cfg->n_kv_heads, "peak %lld",
           (long long)fp.peak_entries);
+    CHECK(fp.steps == n && fp.peak_head_entries == n, "steps %lld, peak per head %lld",
+          (long long)fp.steps, (long long)fp.peak_head_entries);
     kr_seq_free(s);
     CHECK(kr_kv_pool_n_free(r->pool) == kr_kv_pool_n_blocks(r->pool), "blocks leaked");
     return lg;
