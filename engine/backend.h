@@ -44,6 +44,14 @@ typedef struct kr_backend_ops {
      * len - n + i + 1 entries, minus those at positions <= pos[i] - window when window > 0. */
     void (*attention)(kr_backend *b, const kr_seq *s, int layer, const float *q, int n, int n_heads,
                       const int32_t *pos, int window, float *out);
+    /* The scoring primitive's attention (DESIGN.md section 1): observer rows
+     * q_obs[n_obs][n_heads][head_dim] (post-RoPE) are the newest n_obs entries of every list of
+     * the layer, so observer i sees the first len - n_obs + i + 1 entries of its list. Writes,
+     * in host memory, softmax(q k^T / sqrt(d)) summed over the observers: per_head = 0 averaged
+     * over the query heads of each GQA group, scores[kv_head * stride + j]; per_head = 1 per
+     * query head, scores[head * stride + j]. Entries an observer does not see add 0. */
+    void (*score)(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
+                  int n_heads, int per_head, float *scores, size_t stride);
 } kr_backend_ops;
 
 extern const kr_backend_ops kr_cpu_backend;

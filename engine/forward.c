@@ -3,10 +3,11 @@
  * backend op table: embedding, per layer RMSNorm -> q/k/v (+bias) -> RoPE -> KV store ->
  * attention over the paged cache -> o_proj + residual -> RMSNorm -> SiLU-gated MLP + residual,
  * final RMSNorm, lm_head. Chunked prefill is repeated calls; decode is a call with one token.
- * It also keeps the KV footprint tally (DESIGN.md section 1) of every query token it runs.
- * What it is not: a scheduler or a policy (eviction acts on the sequence between calls).
+ * It also keeps the KV footprint tally (DESIGN.md section 1) of every query token it runs, and
+ * calls the sequence's eviction policy (policy.h) after each layer's attention: the chunk rule
+ * during kr_prefill, the decode rule during kr_forward. What it is not: a scheduler.
  */
-#include "backend.h"
+#include "policy.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -31,6 +32,8 @@ struct kr_ctx {
     float *gate; /* [max_chunk][f] */
     float *up; /* [max_chunk][f] */
     float *logits; /* [LOGIT_ROWS][vocab] */
+    int rows; /* rows the activations hold: max_chunk, more once a policy appends observers */
+    kr_evict_env env; /* host scratch for the policies' scoring, grown to the longest list */
 };
 
 /* Logits are computed this many rows at a time, so the buffer stays small for large
@@ -62,18 +65,74 @@ static void rope_inv_freq(const kr_config *cfg, float *inv)
     }
 }
 
+static void free_rows(kr_ctx *c)
+{
+    float **acts[] = {&c->x, &c->xn, &c->q, &c->k, &c->v, &c->att, &c->gate, &c->up, &c->logits};
+    for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++) {
+        if (*acts[i]) c->ops->act_free(c->be, *acts[i]);
+        *acts[i] = NULL;
+    }
+    free(c->cos_sin);
+    free(c->pos);
+    c->cos_sin = NULL;
+    c->pos = NULL;
+    c->rows = 0;
+}
+
+/* Sizes the per-row buffers for `rows` tokens per call; done at creation and again only if a
+ * policy's appended observers need more rows (once per context, not per call). */
+static int ensure_rows(kr_ctx *c, int rows, char *err)
+{
+    if (rows <= c->rows) return KR_OK;
+    free_rows(c);
+    const kr_config *cfg = &c->model->cfg;
+    const size_t d = (size_t)cfg->hidden_size, f = (size_t)cfg->intermediate_size;
+    const size_t qd = (size_t)cfg->n_heads * cfg->head_dim, kvd = (size_t)cfg->n_kv_heads * cfg->head_dim;
+    const size_t n = (size_t)rows, half = (size_t)cfg->head_dim / 2;
+    c->cos_sin = malloc(n * half * 2 * sizeof(float));
+    c->pos = malloc(n * sizeof(int32_t));
+    c->x = c->ops->act_alloc(c->be, n * d);
+    c->xn = c->ops->act_alloc(c->be, n * d);
+    c->q = c->ops->act_alloc(c->be, n * qd);
+    c->k = c->ops->act_alloc(c->be, n * kvd);
+    c->v = c->ops->act_alloc(c->be, n * kvd);
+    c->att = c->ops->act_alloc(c->be, n * qd);
+    c->gate = c->ops->act_alloc(c->be, n * f);
+    c->up = c->ops->act_alloc(c->be, n * f);
+    c->logits = c->ops->act_alloc(c->be, (n < LOGIT_ROWS ? n : LOGIT_ROWS) * (size_t)cfg->vocab_size);
+    if (!c->cos_sin || !c->pos || !c->x || !c->xn || !c->q || !c->k || !c->v || !c->att ||
+        !c->gate || !c->up || !c->logits) {
+        free_rows(c);
+        return kr_errf(err, "context: out of memory for activations of %d tokens", rows);
+    }
+    c->rows = rows;
+    return KR_OK;
+}
+
+/* Grows the policies' host scratch to lists of `cap` entries. */
+static int ensure_env(kr_ctx *c, int cap, char *err)
+{
+    if (cap <= c->env.cap) return KR_OK;
+    cap = cap < 2 * c->env.cap ? 2 * c->env.cap : cap;
+    float *scores = realloc(c->env.scores, sizeof(float) * (size_t)c->model->cfg.n_heads * (size_t)cap);
+    if (scores) c->env.scores = scores;
+    int32_t *idx = realloc(c->env.idx, sizeof(int32_t) * 3 * (size_t)cap);
+    if (idx) c->env.idx = idx;
+    if (!scores || !idx) return kr_errf(err, "policy: out of memory for scores of %d entries", cap);
+    c->env.cap = cap;
+    return KR_OK;
+}
+
 void kr_ctx_free(kr_ctx *c)
 {
     if (!c) return;
     if (c->be) {
-        float *acts[] = {c->x, c->xn, c->q, c->k, c->v, c->att, c->gate, c->up, c->logits};
-        for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
-            if (acts[i]) c->ops->act_free(c->be, acts[i]);
+        free_rows(c);
         c->ops->destroy(c->be);
     }
     free(c->inv_freq);
-    free(c->cos_sin);
-    free(c->pos);
+    free(c->env.scores);
+    free(c->env.idx);
     free(c);
 }
 
@@ -96,27 +155,19 @@ int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char 
         free(c);
         return -1;
     }
-    const size_t d = (size_t)cfg->hidden_size, f = (size_t)cfg->intermediate_size;
-    const size_t qd = (size_t)cfg->n_heads * cfg->head_dim, kvd = (size_t)cfg->n_kv_heads * cfg->head_dim;
-    const size_t n = (size_t)chunk, half = (size_t)cfg->head_dim / 2;
-    c->inv_freq = malloc(half * sizeof(float));
-    c->cos_sin = malloc(n * half * 2 * sizeof(float));
-    c->pos = malloc(n * sizeof(int32_t));
-    c->x = c->ops->act_alloc(c->be, n * d);
-    c->xn = c->ops->act_alloc(c->be, n * d);
-    c->q = c->ops->act_alloc(c->be, n * qd);
-    c->k = c->ops->act_alloc(c->be, n * kvd);
-    c->v = c->ops->act_alloc(c->be, n * kvd);
-    c->att = c->ops->act_alloc(c->be, n * qd);
-    c->gate = c->ops->act_alloc(c->be, n * f);
-    c->up = c->ops->act_alloc(c->be, n * f);
-    c->logits = c->ops->act_alloc(c->be, (n < LOGIT_ROWS ? n : LOGIT_ROWS) * (size_t)cfg->vocab_size);
-    if (!c->inv_freq || !c->cos_sin || !c->pos || !c->x || !c->xn || !c->q || !c->k || !c->v ||
-        !c->att || !c->gate || !c->up || !c->logits) {
+    c->inv_freq = malloc((size_t)cfg->head_dim / 2 * sizeof(float));
+    if (!c->inv_freq) {
         kr_ctx_free(c);
-        return kr_errf(err, "context: out of memory for activations of %d tokens", chunk);
+        return kr_errf(err, "context: out of memory");
+    }
+    if (ensure_rows(c, chunk, err) != KR_OK) {
+        kr_ctx_free(c);
+        return -1;
     }
     rope_inv_freq(cfg, c->inv_freq);
+    c->env.ops = c->ops;
+    c->env.be = c->be;
+    c->env.inv_freq = c->inv_freq;
     *out = c;
     return KR_OK;
 }
@@ -140,12 +191,13 @@ static void fill_rope(kr_ctx *c, int n)
 }
 
 /* The footprint of one layer's queries: token t attends the entries it sees (len - n + t + 1,
- * less those a sliding window hides); full causal attention would attend pos + 1. */
-static void tally_footprint(kr_seq *s, int layer, int n, const int32_t *pos, int window)
+ * less those a sliding window hides); full causal attention would attend pos + 1. Only the
+ * first n_real rows are query steps (appended observers are not). */
+static void tally_footprint(kr_seq *s, int layer, int n, int n_real, const int32_t *pos, int window)
 {
     for (int g = 0; g < s->n_kv_heads; g++) {
         const kr_kv_list *list = kr_seq_list(s, layer, g);
-        for (int t = 0; t < n; t++) {
+        for (int t = 0; t < n_real; t++) {
             int visible = list->len - n + t + 1;
             int start = window > 0 ? kr_kv_list_first_after(s->pool, list, visible, pos[t] - window) : 0;
             s->fp.attended += (double)(visible - start);
@@ -154,29 +206,76 @@ static void tally_footprint(kr_seq *s, int layer, int n, const int32_t *pos, int
     }
 }
 
-int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mode mode,
-               float *logits, char *err)
+/* One prefill chunk as forward_rows passes it to the policy; NULL for decode calls. */
+typedef struct chunk_info {
+    int start, n_prompt, last;
+} chunk_info;
+
+/* the policy's rule for one layer, then dropping appended observers */
+static int run_policy(kr_ctx *c, kr_seq *s, int layer, int n_real, int n_app, const chunk_info *ci,
+                      char *err)
+{
+    const kr_policy *p = s->policy;
+    if (ci) {
+        int longest = 0;
+        for (int g = 0; g < s->n_kv_heads; g++) {
+            int len = kr_seq_list(s, layer, g)->len;
+            longest = len > longest ? len : longest;
+        }
+        if (ensure_env(c, longest, err) != KR_OK) return -1;
+        kr_chunk kc = {.q = c->q, .n_real = n_real, .n_appended = n_app, .start = ci->start,
+                       .n_prompt = ci->n_prompt, .last = ci->last};
+        p->ops->after_chunk(p, s, &c->env, &kc, layer);
+        if (n_app)
+            for (int g = 0; g < s->n_kv_heads; g++) {
+                kr_kv_list *l = kr_seq_list(s, layer, g);
+                int pinned = l->pinned;
+                kr_seq_keep_ends(s, layer, g, l->len - n_app, 0);
+                l->pinned = pinned < l->len ? pinned : l->len;
+            }
+    } else if (p->ops->after_step) {
+        p->ops->after_step(p, s, &c->env, layer);
+    } else {
+        kr_policy_decode_window(p, s, &c->env, layer);
+    }
+    return KR_OK;
+}
+
+/* Feeds n_real tokens at the sequence's next positions, then n_app appended observer tokens at
+ * positions app_pos.. (their KV is dropped after the policy saw it). */
+static int forward_rows(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n_real, const int32_t *app,
+                        int n_app, int app_pos, const chunk_info *ci, kr_logits_mode mode,
+                        float *logits, char *err)
 {
     const kr_model *m = c->model;
     const kr_config *cfg = &m->cfg;
     const kr_backend_ops *ops = c->ops;
     kr_backend *be = c->be;
-    if (n < 1 || n > c->max_chunk)
-        return kr_errf(err, "forward: %d tokens in one call (allowed 1..%d)", n, c->max_chunk);
+    const int n = n_real + n_app;
+    if (n_real < 1 || n_real > c->max_chunk)
+        return kr_errf(err, "forward: %d tokens in one call (allowed 1..%d)", n_real, c->max_chunk);
+    if (ensure_rows(c, n, err) != KR_OK) return -1;
     if (s->n_layers != cfg->n_layers || s->n_kv_heads != cfg->n_kv_heads ||
         s->pool->head_dim != cfg->head_dim)
         return kr_errf(err, "forward: sequence shape does not match the model");
-    for (int i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= cfg->vocab_size)
+    for (int i = 0; i < n; i++) {
+        int32_t id = i < n_real ? tokens[i] : app[i - n_real];
+        if (id < 0 || id >= cfg->vocab_size)
             return kr_errf(err, "forward: token id %d at index %d is outside the vocabulary [0, %d)",
-                           tokens[i], i, cfg->vocab_size);
+                           id, i, cfg->vocab_size);
+    }
     if (kr_seq_grow(s, n, err) != KR_OK) return -1;
 
     const int d = cfg->hidden_size, hd = cfg->head_dim;
-    for (int t = 0; t < n; t++) c->pos[t] = s->next_pos + t;
+    for (int t = 0; t < n_real; t++) c->pos[t] = s->next_pos + t;
+    for (int t = 0; t < n_app; t++) c->pos[n_real + t] = app_pos + t;
     fill_rope(c, n);
+    /* advanced before the layers, so a policy that re-assigns positions (pos=rel) has the last word */
+    s->next_pos += n_real;
+    s->fp.steps += n_real;
 
-    ops->embed(be, &m->embed, tokens, n, c->x);
+    ops->embed(be, &m->embed, tokens, n_real, c->x);
+    if (n_app) ops->embed(be, &m->embed, app, n_app, c->x + (size_t)n_real * d);
     for (int l = 0; l < cfg->n_layers; l++) {
         const kr_layer_weights *w = &m->layers[l];
         ops->rmsnorm(be, c->x, &w->attn_norm, n, d, cfg->rms_norm_eps, c->xn);
@@ -189,8 +288,9 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
                                ? cfg->sliding_window : 0;
         for (int g = 0; g < cfg->n_kv_heads; g++) kr_seq_list(s, l, g)->len += n;
         ops->kv_store(be, s, l, c->k, c->v, n, c->pos);
-        tally_footprint(s, l, n, c->pos, window);
+        tally_footprint(s, l, n, n_real, c->pos, window);
         ops->attention(be, s, l, c->q, n, cfg->n_heads, c->pos, window, c->att);
+        if (s->policy && run_policy(c, s, l, n_real, n_app, ci, err) != KR_OK) return -1;
         ops->matmul(be, &w->wo, NULL, c->att, n, 1, c->x);
         ops->rmsnorm(be, c->x, &w->ffn_norm, n, d, cfg->rms_norm_eps, c->xn);
         ops->matmul(be, &w->w_gate, NULL, c->xn, n, 0, c->gate);
@@ -198,8 +298,6 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
         ops->swiglu(be, c->gate, c->up, (size_t)n * cfg->intermediate_size);
         ops->matmul(be, &w->w_down, NULL, c->gate, n, 1, c->x);
     }
-    s->next_pos += n;
-    s->fp.steps += n;
     int64_t held = 0;
     for (int i = 0; i < cfg->n_layers * cfg->n_kv_heads; i++) {
         int len = s->lists[i].len;
@@ -209,7 +307,7 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
     if (held > s->fp.peak_entries) s->fp.peak_entries = held;
 
     if (mode == KR_LOGITS_NONE) return KR_OK;
-    int first = mode == KR_LOGITS_ALL ? 0 : n - 1, rows = n - first;
+    int first = mode == KR_LOGITS_ALL ? 0 : n_real - 1, rows = n_real - first;
     const float *xl = c->x + (size_t)first * d;
     ops->rmsnorm(be, xl, &m->final_norm, rows, d, cfg->rms_norm_eps, c->xn);
     for (int r0 = 0; r0 < rows; r0 += LOGIT_ROWS) {
@@ -220,6 +318,12 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
     return KR_OK;
 }
 
+int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mode mode,
+               float *logits, char *err)
+{
+    return forward_rows(c, s, tokens, n, NULL, 0, 0, NULL, mode, logits, err);
+}
+
 int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,
                float *logits, char *err)
 {
@@ -227,13 +331,22 @@ int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr
     if (chunk <= 0 || chunk > c->max_chunk) chunk = c->max_chunk;
     const int vocab = c->model->cfg.vocab_size;
     /* room for the whole prompt up front, so running out of blocks fails before any work */
-    if (kr_seq_grow(s, n, err) != KR_OK) return -1;
+    if (!s->policy && kr_seq_grow(s, n, err) != KR_OK) return -1;
+    /* observers a policy appends to every chunk but the last: the prompt's last rows */
+    const kr_policy *p = s->policy;
+    int n_app = p && p->ops->appended ? p->ops->appended(p, n) : 0;
+    if (n_app > n) n_app = n;
+    const int pos0 = s->next_pos;
     for (int at = 0; at < n; at += chunk) {
         int len = n - at < chunk ? n - at : chunk;
         int last = at + len == n;
         kr_logits_mode m = mode == KR_LOGITS_ALL ? KR_LOGITS_ALL : (last ? mode : KR_LOGITS_NONE);
         float *dst = mode == KR_LOGITS_ALL ? logits + (size_t)at * vocab : logits;
-        if (kr_forward(c, s, tokens + at, len, m, dst, err) != KR_OK) return -1;
+        chunk_info ci = {.start = at, .n_prompt = n, .last = last};
+        int app = last ? 0 : n_app;
+        if (forward_rows(c, s, tokens + at, len, tokens + n - app, app, pos0 + n - app,
+                         p ? &ci : NULL, m, dst, err) != KR_OK)
+            return -1;
     }
     return KR_OK;
 }

@@ -116,6 +116,7 @@ typedef struct kr_kv_list {
     int n_blocks;
     int cap_blocks;
     int len;
+    int pinned; /* the first `pinned` entries are the policy's pinned set; the rest the window */
 } kr_kv_list;
 
 struct kr_seq {
@@ -125,6 +126,8 @@ struct kr_seq {
     int next_pos;
     kr_kv_list *lists; /* [n_layers][n_kv_heads] */
     kr_footprint fp;
+    const kr_policy *policy; /* NULL: full attention */
+    void *policy_state; /* the policy's per-sequence state, freed with the sequence */
 };
 
 static inline kr_kv_list *kr_seq_list(kr_seq *s, int layer, int kv_head)
@@ -146,6 +149,12 @@ static inline int32_t *kr_kv_pos(const kr_kv_pool *p, int32_t block, int slot)
 /* Makes room for `n` more entries in every (layer, KV head), all or nothing: fails when the
  * pool lacks blocks, leaving the sequence as it was. */
 int kr_seq_grow(kr_seq *s, int n, char *err);
+/* Keeps entries keep[0..n_keep) (strictly increasing indices < len) of one list, in order,
+ * returns freed blocks to the pool, and pins the first min(n_pinned, n_keep) kept entries. */
+void kr_seq_keep(kr_seq *s, int layer, int kv_head, const int32_t *keep, int n_keep, int n_pinned);
+/* Keeps the first `head` and the last `tail` entries of a list (all of it when they overlap);
+ * pins the first min(head, kept). */
+void kr_seq_keep_ends(kr_seq *s, int layer, int kv_head, int head, int tail);
 /* Index of the first of entries [0, n) of list l whose position is > min_pos (n when none);
  * positions increase along a list. */
 int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int32_t min_pos);

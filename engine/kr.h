@@ -179,6 +179,23 @@ typedef struct kr_footprint {
 } kr_footprint;
 void kr_seq_footprint(const kr_seq *s, kr_footprint *out);
 
+/* ------------------------------------------------------------------ KV policies */
+
+/* An eviction policy (docs/policies.md): "full", or "name:key=value,..." e.g.
+ * "streaming:sink=4,window=1024". Parsed and validated against the model's shape; immutable
+ * and shareable between sequences. */
+typedef struct kr_policy kr_policy;
+int kr_policy_parse(const char *spec, const kr_config *cfg, kr_policy **out, char *err);
+void kr_policy_free(kr_policy *p);
+/* The spec with every default filled in: what actually runs. */
+const char *kr_policy_spec(const kr_policy *p);
+/* Most entries one (layer, KV head) holds after prefilling n_prompt tokens and generating
+ * n_generate more (for reserving blocks). */
+int kr_policy_max_entries(const kr_policy *p, int n_prompt, int n_generate);
+/* Attaches a policy to a sequence before its first token (NULL: full attention). The policy
+ * must outlive the sequence. */
+int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err);
+
 /* ------------------------------------------------------------------ forward */
 
 typedef enum kr_backend_kind {

@@ -97,6 +97,7 @@ void kr_seq_free(kr_seq *s)
         free(l->blocks);
     }
     free(s->lists);
+    free(s->policy_state);
     free(s);
 }
 
@@ -184,4 +185,44 @@ int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int3
         else lo = mid + 1;
     }
     return lo;
+}
+
+/* entry `from` of a list overwrites entry `to` (to <= from) */
+static void move_entry(const kr_kv_pool *p, const kr_kv_list *l, int from, int to)
+{
+    const int bs = p->block_size;
+    int32_t fb = l->blocks[from / bs], tb = l->blocks[to / bs];
+    memcpy(kr_kv_key(p, tb, to % bs), kr_kv_key(p, fb, from % bs), sizeof(float) * p->head_dim);
+    memcpy(kr_kv_value(p, tb, to % bs), kr_kv_value(p, fb, from % bs), sizeof(float) * p->head_dim);
+    *kr_kv_pos(p, tb, to % bs) = *kr_kv_pos(p, fb, from % bs);
+}
+
+/* sets the list's new length and pinned count; blocks past the length go back to the pool */
+static void shrink(kr_kv_pool *p, kr_kv_list *l, int len, int pinned)
+{
+    l->len = len;
+    l->pinned = pinned < len ? pinned : len;
+    int need = (len + p->block_size - 1) / p->block_size;
+    while (l->n_blocks > need) p->free_ids[p->n_free++] = l->blocks[--l->n_blocks];
+}
+
+void kr_seq_keep(kr_seq *s, int layer, int kv_head, const int32_t *keep, int n_keep, int n_pinned)
+{
+    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    for (int i = 0; i < n_keep; i++) /* keep[] increases: entry i is never overwritten early */
+        if (keep[i] != i) move_entry(s->pool, l, keep[i], i);
+    shrink(s->pool, l, n_keep, n_pinned);
+}
+
+void kr_seq_keep_ends(kr_seq *s, int layer, int kv_head, int head, int tail)
+{
+    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    if (head < 0) head = 0;
+    if (tail < 0) tail = 0;
+    if (head + tail >= l->len) {
+        shrink(s->pool, l, l->len, head);
+        return;
+    }
+    for (int i = 0; i < tail; i++) move_entry(s->pool, l, l->len - tail + i, head + i);
+    shrink(s->pool, l, head + tail, head);
 }

@@ -143,6 +143,7 @@ static double measure_gemm_peak(int threads)
 
 typedef struct bench {
     kr_ctx *ctx;
+    const kr_policy *policy;
     const kr_config *cfg;
     kr_kv_pool *pool;
     int chunk, repeat;
@@ -154,7 +155,9 @@ static kr_seq *new_seq(bench *b)
 {
     char err[KR_ERR_MAX];
     kr_seq *s;
-    if (kr_seq_create(b->pool, b->cfg->n_layers, b->cfg->n_kv_heads, &s, err) != KR_OK) cli_die(1, "%s", err);
+    if (kr_seq_create(b->pool, b->cfg->n_layers, b->cfg->n_kv_heads, &s, err) != KR_OK ||
+        kr_seq_set_policy(s, b->policy, err) != KR_OK)
+        cli_die(1, "%s", err);
     return s;
 }
 
@@ -174,24 +177,36 @@ static double time_prefill(bench *b, int n)
     return best;
 }
 
-/* seconds per decode step at context `ctx_len` (best of repeat runs of `steps` steps) */
-static double time_decode(bench *b, int ctx_len, int steps)
+typedef struct decode_run {
+    double seconds; /* per step, best of the repeats */
+    double entries; /* KV entries held (all layers and heads), averaged over the timed steps */
+    double footprint; /* the sequence's KV footprint at the end */
+} decode_run;
+
+/* decode steps at context `ctx_len` (best of repeat runs of `steps` steps) */
+static decode_run time_decode(bench *b, int ctx_len, int steps)
 {
     char err[KR_ERR_MAX];
     kr_seq *s = new_seq(b);
     if (kr_prefill(b->ctx, s, b->tokens, ctx_len, b->chunk, KR_LOGITS_LAST, b->logits, err) != KR_OK)
         cli_die(1, "prefill: %s", err);
-    double best = 1e30;
+    decode_run run = {.seconds = 1e30};
+    double held = 0;
     for (int r = 0; r < b->repeat; r++) {
         double t0 = cli_now();
         for (int i = 0; i < steps; i++)
             if (kr_forward(b->ctx, s, &b->tokens[ctx_len + r * steps + i], 1, KR_LOGITS_LAST, b->logits, err) != KR_OK)
                 cli_die(1, "decode: %s", err);
         double dt = (cli_now() - t0) / steps;
-        if (dt < best) best = dt;
+        if (dt < run.seconds) run.seconds = dt;
+        held += (double)kr_seq_entries(s);
     }
+    run.entries = held / b->repeat;
+    kr_footprint fp;
+    kr_seq_footprint(s, &fp);
+    run.footprint = fp.full > 0 ? fp.attended / fp.full : 1.0;
     kr_seq_free(s);
-    return best;
+    return run;
 }
 
 int main(int argc, char **argv)
@@ -230,7 +245,6 @@ int main(int argc, char **argv)
         else cli_die(2, "unknown argument '%s' (see --help)", a);
     }
     if (!model_dir == !random_cfg) cli_die(2, "give exactly one of --model and --random (see --help)");
-    if (strcmp(policy, "full") != 0) cli_die(2, "--policy: '%s' is not available (this build has: full)", policy);
 
     char err[KR_ERR_MAX];
     kr_model *m;
@@ -257,7 +271,9 @@ int main(int argc, char **argv)
     for (int i = 0; i < n_prefill; i++) longest = prefill_lens[i] > longest ? prefill_lens[i] : longest;
     for (int i = 0; i < n_contexts; i++)
         longest = contexts[i] + (int)(decode_tokens * repeat) > longest ? contexts[i] + (int)(decode_tokens * repeat) : longest;
-    bench b = {.cfg = cfg, .chunk = (int)chunk, .repeat = (int)repeat};
+    kr_policy *pol;
+    if (kr_policy_parse(policy, cfg, &pol, err) != KR_OK) cli_die(2, "--policy: %s", err);
+    bench b = {.cfg = cfg, .policy = pol, .chunk = (int)chunk, .repeat = (int)repeat};
     kr_ctx_params cp = {.backend = backend, .n_threads = (int)threads, .max_chunk = (int)chunk};
     if (kr_ctx_create(m, &cp, &b.ctx, err) != KR_OK) cli_die(1, "%s", err);
     int nth = kr_ctx_n_threads(b.ctx);
@@ -285,6 +301,7 @@ int main(int argc, char **argv)
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "model", model_dir ? model_dir : random_cfg);
     cJSON_AddStringToObject(root, "weights", kr_dtype_name(kr_model_weight_dtype(m)));
+    cJSON_AddStringToObject(root, "policy", kr_policy_spec(pol));
     cJSON_AddNumberToObject(root, "threads", nth);
     cJSON_AddNumberToObject(root, "params_per_token", params);
     cJSON_AddNumberToObject(root, "weight_bytes", (double)kr_model_weight_bytes(m));
@@ -292,9 +309,9 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(root, "copy_bandwidth_GBps", bw / 1e9);
     cJSON_AddNumberToObject(root, "sgemm_peak_GFLOPs", peak / 1e9);
     if (!json) {
-        printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads\n",
+        printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads, policy %s\n",
                model_dir ? model_dir : random_cfg, kr_dtype_name(kr_model_weight_dtype(m)), params / 1e6,
-               kr_model_weight_bytes(m) / 1048576.0, nth);
+               kr_model_weight_bytes(m) / 1048576.0, nth, kr_policy_spec(pol));
         printf("limits: memcpy bandwidth %.1f GB/s (read+write), sgemm peak %.1f GFLOP/s\n", bw / 1e9, peak / 1e9);
     }
     cJSON *pre = cJSON_AddArrayToObject(root, "prefill");
@@ -322,10 +339,11 @@ int main(int argc, char **argv)
     for (int i = 0; i < n_contexts; i++) {
         int c = contexts[i];
         fprintf(stderr, "bench: decode at context %d (%ld steps x %ld)\n", c, decode_tokens, repeat);
-        double dt = time_decode(&b, c, (int)decode_tokens);
+        decode_run run = time_decode(&b, c, (int)decode_tokens);
+        double dt = run.seconds;
         /* bytes a step must read: every weight matrix once (one embedding row, negligible) and
-         * every cached K and V entry, f32, at the mid context of the timed steps */
-        double kv = (double)cfg->n_layers * cfg->n_kv_heads * (c + decode_tokens * repeat / 2.0) * hd * 2 * 4;
+         * every cached K and V entry the policy holds, f32 */
+        double kv = run.entries * hd * 2 * 4;
         double bytes = weight_bytes_read + kv;
         double frac = bytes / dt / bw;
         cJSON *e = cJSON_CreateObject();
@@ -334,10 +352,13 @@ int main(int argc, char **argv)
         cJSON_AddNumberToObject(e, "tokens_per_second", 1.0 / dt);
         cJSON_AddNumberToObject(e, "bytes_per_token", bytes);
         cJSON_AddNumberToObject(e, "fraction_of_bandwidth", frac);
+        cJSON_AddNumberToObject(e, "kv_entries", run.entries);
+        cJSON_AddNumberToObject(e, "kv_footprint", run.footprint);
         cJSON_AddItemToArray(dec, e);
         if (!json)
-            printf("decode at %5d: %9.1f tokens/s  %6.1f MB read per token, %5.1f GB/s = %.2f of memcpy bandwidth\n",
-                   c, 1.0 / dt, bytes / 1e6, bytes / dt / 1e9, frac);
+            printf("decode at %5d: %9.1f tokens/s  %6.1f MB read per token, %5.1f GB/s = %.2f of memcpy "
+                   "bandwidth; KV footprint %.3f\n", c, 1.0 / dt, bytes / 1e6, bytes / dt / 1e9, frac,
+                   run.footprint);
     }
     if (json) {
         char *s = cJSON_Print(root);
@@ -349,6 +370,7 @@ int main(int argc, char **argv)
     free(b.logits);
     kr_kv_pool_free(b.pool);
     kr_ctx_free(b.ctx);
+    kr_policy_free(pol);
     kr_model_free(m);
     return 0;
 }

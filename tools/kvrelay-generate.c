@@ -95,8 +95,6 @@ static void parse(int argc, char **argv, gen_opts *o)
     if (!o->model_dir) cli_die(2, "--model is required (see --help)");
     if (!o->prompt == !o->ids_s) cli_die(2, "give exactly one of --prompt and --ids");
     if (o->max_tokens < 0) cli_die(2, "--max-tokens is required");
-    if (strcmp(o->policy, "full") != 0)
-        cli_die(2, "--policy: '%s' is not available (this build has: full)", o->policy);
 }
 
 static int is_stop(const gen_opts *o, int32_t id)
@@ -161,6 +159,7 @@ int main(int argc, char **argv)
     kr_ctx_params cp = {.backend = o.backend, .n_threads = (int)o.threads,
                         .max_chunk = (int)(o.chunk < n_prompt ? o.chunk : n_prompt)};
     if (kr_ctx_create(m, &cp, &ctx, err) != KR_OK) cli_die(1, "%s", err);
+    /* room for the whole sequence: a policy only ever holds less */
     int total = n_prompt + (int)o.max_tokens;
     kr_kv_pool *pool;
     kr_seq *seq;
@@ -168,6 +167,9 @@ int main(int argc, char **argv)
     if (kr_kv_pool_create(cfg->head_dim, BLOCK, blocks, &pool, err) != KR_OK ||
         kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &seq, err) != KR_OK)
         cli_die(1, "%s", err);
+    kr_policy *policy;
+    if (kr_policy_parse(o.policy, cfg, &policy, err) != KR_OK) cli_die(2, "--policy: %s", err);
+    if (kr_seq_set_policy(seq, policy, err) != KR_OK) cli_die(1, "%s", err);
     kr_sampler *sp;
     if (kr_sampler_create(&o.sampling, cfg->vocab_size, &sp, err) != KR_OK) cli_die(2, "%s", err);
     kr_detok *dt = NULL;
@@ -222,7 +224,7 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(stats, "prompt_tokens", n_prompt);
     cJSON_AddNumberToObject(stats, "generated_tokens", n_out);
     cJSON_AddStringToObject(stats, "finish_reason", finish);
-    cJSON_AddStringToObject(stats, "policy", o.policy);
+    cJSON_AddStringToObject(stats, "policy", kr_policy_spec(policy));
     /* Cache Me If You Can: footprint over every query step; peak KV of one (layer, KV head)
      * per query step (both exactly 1 for full attention) */
     cJSON_AddNumberToObject(stats, "kv_footprint", fp.full > 0 ? fp.attended / fp.full : 1.0);
@@ -262,6 +264,7 @@ int main(int argc, char **argv)
     kr_detok_free(dt);
     kr_sampler_free(sp);
     kr_seq_free(seq);
+    kr_policy_free(policy);
     kr_kv_pool_free(pool);
     kr_ctx_free(ctx);
     kr_model_free(m);

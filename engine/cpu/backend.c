@@ -190,4 +190,5 @@ const kr_backend_ops kr_cpu_backend = {
     .rope = cpu_rope,
     .kv_store = cpu_kv_store,
     .attention = kr_cpu_attention,
+    .score = kr_cpu_score,
 };

@@ -1,0 +1,108 @@
+/*
+ * policy-sage.c - SAGE-KV (the paper's section 3 and appendix settings): after prefill, per
+ * layer and KV head, the cache of N entries is split into sinks [0, S), the middle, the recent
+ * window [N-1-R, N-1) and the last token N-1. From the middle each query head of the GQA group
+ * selects its top k entries by the last token's attention; the union over the group is kept
+ * with the sinks, the recent window and the last token. S = B/4 and k = B/(2G) as the paper
+ * sets them, R = B - S - G*k (B/4 when G divides B/2; the paper's Qwen2.5 example gives 2560
+ * for G = 7). Decode: a new token joins the recent window and its oldest entry leaves, so the
+ * window (recent + last) stays R + 1 entries and sinks + selected are pinned. Prompts of at
+ * most B entries are kept whole. Chunks before the last are not evicted (SAGE is post-fill).
+ */
+#include "policy.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct sage_params {
+    int budget;
+    int sink, k, recent; /* derived */
+} sage_params;
+
+static int sage_init(kr_policy *p, char *err)
+{
+    sage_params *sp = calloc(1, sizeof *sp);
+    if (!sp) return kr_errf(err, "policy: out of memory");
+    sp->budget = 8192; /* the paper's setting for Llama 3.1 8B */
+    p->params = sp;
+    return KR_OK;
+}
+
+static int sage_set(kr_policy *p, const char *key, const char *value, char *err)
+{
+    sage_params *sp = p->params;
+    int handled;
+    if (kr_policy_decode_key(p, key, value, &handled, err) != KR_OK) return -1;
+    if (handled) return KR_OK;
+    if (!strcmp(key, "budget")) return kr_policy_int(key, value, 1, 1 << 30, &sp->budget, err);
+    return kr_errf(err, "policy: sage has no key '%s' (keys: budget, decode)", key);
+}
+
+static int sage_finish(kr_policy *p, const kr_config *cfg, char *err)
+{
+    sage_params *sp = p->params;
+    const int group = cfg->n_heads / cfg->n_kv_heads;
+    sp->sink = sp->budget / 4;
+    sp->k = sp->budget / (2 * group);
+    sp->recent = sp->budget - sp->sink - group * sp->k;
+    if (sp->k < 1 || sp->recent < 0)
+        return kr_errf(err, "policy: sage budget=%d is too small for %d query heads per KV head "
+                       "(needs k = B/(2G) >= 1)", sp->budget, group);
+    kr_policy_spec_add(p, "budget", "%d", sp->budget);
+    if (p->decode_window == -2) p->decode_window = sp->recent + 1;
+    return KR_OK;
+}
+
+static void sage_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
+                             int layer)
+{
+    const sage_params *sp = p->params;
+    if (!c->last) return;
+    const int group = p->n_heads / p->n_kv_heads;
+    /* the last token's query over every entry, per query head */
+    const float *q_last = c->q + (size_t)(c->n_real - 1) * p->n_heads * p->head_dim;
+    env->ops->score(env->be, s, layer, q_last, 1, p->n_heads, 1, env->scores, env->cap);
+    for (int g = 0; g < s->n_kv_heads; g++) {
+        const kr_kv_list *l = kr_seq_list(s, layer, g);
+        const int n = l->len, window = sp->recent + 1;
+        if (n <= sp->budget) { /* nothing to evict: the newest R + 1 form the window */
+            kr_seq_list(s, layer, g)->pinned = n > window ? n - window : 0;
+            continue;
+        }
+        const int mid0 = sp->sink, mid1 = n - window; /* middle [mid0, mid1) */
+        int32_t *top = env->idx + env->cap;
+        uint8_t *chosen = (uint8_t *)(env->idx + 2 * (size_t)env->cap);
+        memset(chosen, 0, (size_t)n);
+        for (int h = 0; h < group; h++) {
+            const float *sc = env->scores + (size_t)(g * group + h) * env->cap;
+            int got = kr_topk(sc + mid0, mid1 - mid0, sp->k, env->idx, top);
+            for (int i = 0; i < got; i++) chosen[mid0 + top[i]] = 1;
+        }
+        int m = 0, pinned;
+        for (int i = 0; i < mid0; i++) env->idx[m++] = i;
+        for (int i = mid0; i < mid1; i++)
+            if (chosen[i]) env->idx[m++] = i;
+        pinned = m;
+        for (int i = mid1; i < n; i++) env->idx[m++] = i;
+        kr_seq_keep(s, layer, g, env->idx, m, pinned);
+    }
+}
+
+static int sage_max_entries(const kr_policy *p, int n_prompt, int n_generate)
+{
+    const sage_params *sp = p->params;
+    const int group = p->n_heads / p->n_kv_heads;
+    int after = sp->sink + group * sp->k + sp->recent + 1; /* the union is at most G*k */
+    if (n_prompt <= sp->budget) after = n_prompt;
+    if (p->decode_window < 0) return after + n_generate;
+    return after + 1;
+}
+
+const kr_policy_ops kr_policy_sage = {
+    .name = "sage",
+    .init = sage_init,
+    .set = sage_set,
+    .finish = sage_finish,
+    .after_chunk = sage_after_chunk,
+    .max_entries = sage_max_entries,
+};

@@ -1,0 +1,314 @@
+/*
+ * policy-streaming.c - recency policies: StreamingLLM with the Lazy Pruning paper's lazy
+ * pruning, slack and max-drop (`streaming`), and DuoAttention / PruLong head masks (`heads`),
+ * whose streaming heads keep sinks + a window while dense heads keep everything.
+ *
+ * streaming (Lazy Pruning, Algorithm 1): C = S + W, H = C + slack; with cache length L, prune
+ * only when lazy R > 0, L > C and L - C >= R; the target is C when max_drop = 0, else
+ * min(max(L - max_drop, C), H); keep the first S and the newest target - S. It runs after every
+ * prefill chunk and every decode step. pos=rel re-assigns positions 0..L-1 and re-rotates keys
+ * (the paper's eq. 4), so generation can run past the model's maximum position.
+ *
+ * heads: FILE is the TSV DuoAttention and PruLong publish (one row per layer, one column per KV
+ * head, gate values). Values are clipped to [0, 1]; the threshold is numpy's default (linear)
+ * quantile of all values at `sparsity`; heads with a value >= it stay dense, the others stream.
+ * A streaming head's chunk queries see sinks + window + the chunk causally; the head is trimmed
+ * to sinks + window after each chunk and after each decode step.
+ */
+#include "policy.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ streaming */
+
+typedef struct streaming_params {
+    int sink, window, lazy, slack, max_drop, rel;
+    int decode_grows; /* decode=grow: Algorithm 1 runs during prefill only */
+} streaming_params;
+
+/* StreamingLLM's reference run: 4 sinks and a cache capped at 2048 (the Lazy Pruning paper's
+ * worked example uses the same S and W); lazy 1 prunes whenever the cap is passed, which is
+ * plain StreamingLLM; slack and max_drop off; absolute positions (DESIGN.md section 1). */
+static int streaming_init(kr_policy *p, char *err)
+{
+    streaming_params *sp = calloc(1, sizeof *sp);
+    if (!sp) return kr_errf(err, "policy: out of memory");
+    sp->sink = 4;
+    sp->window = 2044;
+    sp->lazy = 1;
+    p->params = sp;
+    return KR_OK;
+}
+
+static int streaming_set(kr_policy *p, const char *key, const char *value, char *err)
+{
+    streaming_params *sp = p->params;
+    int handled;
+    if (kr_policy_decode_key(p, key, value, &handled, err) != KR_OK) return -1;
+    if (handled) return KR_OK;
+    if (!strcmp(key, "sink")) return kr_policy_int(key, value, 0, 1 << 30, &sp->sink, err);
+    if (!strcmp(key, "window")) return kr_policy_int(key, value, 0, 1 << 30, &sp->window, err);
+    if (!strcmp(key, "lazy")) return kr_policy_int(key, value, 0, 1 << 30, &sp->lazy, err);
+    if (!strcmp(key, "slack")) return kr_policy_int(key, value, 0, 1 << 30, &sp->slack, err);
+    if (!strcmp(key, "max_drop")) return kr_policy_int(key, value, 0, 1 << 30, &sp->max_drop, err);
+    if (!strcmp(key, "pos")) {
+        if (!strcmp(value, "abs")) sp->rel = 0;
+        else if (!strcmp(value, "rel")) sp->rel = 1;
+        else return kr_errf(err, "policy: pos=%s must be abs or rel", value);
+        return KR_OK;
+    }
+    return kr_errf(err, "policy: streaming has no key '%s' (keys: sink, window, lazy, slack, "
+                   "max_drop, pos, decode)", key);
+}
+
+static int streaming_finish(kr_policy *p, const kr_config *cfg, char *err)
+{
+    streaming_params *sp = p->params;
+    if (sp->sink + sp->window == 0) return kr_errf(err, "policy: streaming needs sink + window > 0");
+    kr_policy_spec_add(p, "sink", "%d", sp->sink);
+    kr_policy_spec_add(p, "window", "%d", sp->window);
+    kr_policy_spec_add(p, "lazy", "%d", sp->lazy);
+    kr_policy_spec_add(p, "slack", "%d", sp->slack);
+    kr_policy_spec_add(p, "max_drop", "%d", sp->max_drop);
+    kr_policy_spec_add(p, "pos", "%s", sp->rel ? "rel" : "abs");
+    /* decode runs Algorithm 1 too; decode=grow turns it off, and a different decode window is
+     * refused rather than half-applied */
+    if (p->decode_window >= 0)
+        return kr_errf(err, "policy: streaming prunes decode with its own sink and window "
+                       "(decode=grow stops that; decode=window:W is not for streaming)");
+    sp->decode_grows = p->decode_window == -1;
+    p->decode_window = sp->decode_grows ? -1 : KR_DECODE_OWN;
+    return KR_OK;
+}
+
+int kr_streaming_target(int L, int S, int W, int R, int slack, int max_drop)
+{
+    const int C = S + W, H = C + slack;
+    if (R == 0 || L <= C || L - C < R) return -1;
+    if (max_drop == 0) return C;
+    int t = L - max_drop > C ? L - max_drop : C;
+    return t < H ? t : H;
+}
+
+static void streaming_prune(const streaming_params *sp, kr_seq *s, const kr_evict_env *env, int layer)
+{
+    for (int g = 0; g < s->n_kv_heads; g++) {
+        const kr_kv_list *l = kr_seq_list(s, layer, g);
+        int target = kr_streaming_target(l->len, sp->sink, sp->window, sp->lazy, sp->slack, sp->max_drop);
+        if (target >= 0) kr_seq_keep_ends(s, layer, g, sp->sink, target - sp->sink);
+        else kr_seq_list(s, layer, g)->pinned = sp->sink < l->len ? sp->sink : l->len;
+        if (sp->rel) kr_policy_rerotate(s, env, layer, g);
+    }
+    /* positions restart after the cache (every list of a streaming sequence has one length) */
+    if (sp->rel && layer == s->n_layers - 1) s->next_pos = kr_seq_list(s, layer, 0)->len;
+}
+
+static void streaming_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env,
+                                  const kr_chunk *c, int layer)
+{
+    streaming_prune(p->params, s, env, layer);
+}
+
+static void streaming_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer)
+{
+    const streaming_params *sp = p->params;
+    if (!sp->decode_grows) streaming_prune(sp, s, env, layer);
+}
+
+/* Between steps a list never holds more than C + R entries (pruning triggers at L - C >= R and
+ * never keeps more than it had); without pruning it grows. */
+static int streaming_max_entries(const kr_policy *p, int n_prompt, int n_generate)
+{
+    const streaming_params *sp = p->params;
+    int total = n_prompt + n_generate;
+    if (sp->lazy == 0) return total;
+    if (sp->decode_grows) {
+        int after = sp->sink + sp->window + sp->lazy;
+        return (n_prompt < after ? n_prompt : after) + n_generate;
+    }
+    int cap = sp->sink + sp->window + sp->lazy;
+    return total < cap ? total : cap;
+}
+
+const kr_policy_ops kr_policy_streaming = {
+    .name = "streaming",
+    .init = streaming_init,
+    .set = streaming_set,
+    .finish = streaming_finish,
+    .after_chunk = streaming_after_chunk,
+    .after_step = streaming_after_step,
+    .max_entries = streaming_max_entries,
+};
+
+/* ------------------------------------------------------------------ heads */
+
+typedef struct heads_params {
+    char pattern[256];
+    float sparsity;
+    int sink, window;
+    uint8_t *dense; /* [n_layers][n_kv_heads]: 1 dense, 0 streaming */
+} heads_params;
+
+/* PruLong's evaluation: 128 sinks, a 1024-token window; sparsity 0.5 (DuoAttention's default
+ * deployment point). */
+static int heads_init(kr_policy *p, char *err)
+{
+    heads_params *hp = calloc(1, sizeof *hp);
+    if (!hp) return kr_errf(err, "policy: out of memory");
+    hp->sparsity = 0.5f;
+    hp->sink = 128;
+    hp->window = 1024;
+    p->params = hp;
+    return KR_OK;
+}
+
+static int heads_set(kr_policy *p, const char *key, const char *value, char *err)
+{
+    heads_params *hp = p->params;
+    int handled;
+    if (kr_policy_decode_key(p, key, value, &handled, err) != KR_OK) return -1;
+    if (handled) return KR_OK;
+    if (!strcmp(key, "pattern")) {
+        if (strlen(value) >= sizeof hp->pattern) return kr_errf(err, "policy: pattern path too long");
+        strcpy(hp->pattern, value);
+        return KR_OK;
+    }
+    if (!strcmp(key, "sparsity")) return kr_policy_float(key, value, 0.0, 1.0, &hp->sparsity, err);
+    if (!strcmp(key, "sink")) return kr_policy_int(key, value, 0, 1 << 30, &hp->sink, err);
+    if (!strcmp(key, "window")) return kr_policy_int(key, value, 0, 1 << 30, &hp->window, err);
+    return kr_errf(err, "policy: heads has no key '%s' (keys: pattern, sparsity, sink, window, decode)", key);
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* Reads the gate TSV: n_layers rows of n_kv_heads values (tabs or spaces), clipped to [0, 1]. */
+int kr_heads_read_pattern(const char *path, int n_layers, int n_kv_heads, float *gates, char *err)
+{
+    char *text;
+    size_t len;
+    if (kr_read_file(path, &text, &len, err) != KR_OK) return -1;
+    int row = 0, rc = KR_OK;
+    char *save = NULL;
+    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        char *p = line;
+        while (*p == ' ' || *p == '\t' || *p == '\r') p++;
+        if (!*p || *p == '#') continue;
+        if (row == n_layers) {
+            rc = kr_errf(err, "%s: more than %d rows (the model has %d layers)", path, n_layers, n_layers);
+            break;
+        }
+        int col = 0;
+        while (*p && *p != '\r') {
+            char *end;
+            float v = strtof(p, &end);
+            if (end == p || isnan(v)) {
+                rc = kr_errf(err, "%s: row %d, column %d is not a number", path, row + 1, col + 1);
+                break;
+            }
+            if (col == n_kv_heads) {
+                rc = kr_errf(err, "%s: row %d has more than %d values (one per KV head)", path, row + 1, n_kv_heads);
+                break;
+            }
+            gates[row * n_kv_heads + col++] = v < 0.0f ? 0.0f : v > 1.0f ? 1.0f : v;
+            p = end;
+            while (*p == ' ' || *p == '\t' || *p == ',') p++;
+        }
+        if (rc != KR_OK) break;
+        if (col != n_kv_heads) {
+            rc = kr_errf(err, "%s: row %d has %d values, the model has %d KV heads", path, row + 1, col, n_kv_heads);
+            break;
+        }
+        row++;
+    }
+    if (rc == KR_OK && row != n_layers)
+        rc = kr_errf(err, "%s: %d rows, the model has %d layers", path, row, n_layers);
+    free(text);
+    return rc;
+}
+
+/* numpy.quantile(values, q) with the default linear interpolation */
+float kr_quantile(const float *values, int n, float q, float *sorted)
+{
+    memcpy(sorted, values, sizeof(float) * (size_t)n);
+    qsort(sorted, (size_t)n, sizeof(float), cmp_float);
+    double at = (double)q * (n - 1);
+    int lo = (int)floor(at), hi = lo + 1 < n ? lo + 1 : lo;
+    return (float)(sorted[lo] + (at - lo) * (sorted[hi] - sorted[lo]));
+}
+
+static int heads_finish(kr_policy *p, const kr_config *cfg, char *err)
+{
+    heads_params *hp = p->params;
+    if (!hp->pattern[0]) return kr_errf(err, "policy: heads needs pattern=FILE (the gate TSV)");
+    int n = cfg->n_layers * cfg->n_kv_heads;
+    float *gates = malloc(sizeof(float) * 2 * (size_t)n);
+    hp->dense = malloc((size_t)n);
+    if (!gates || !hp->dense) {
+        free(gates);
+        return kr_errf(err, "policy: out of memory");
+    }
+    if (kr_heads_read_pattern(hp->pattern, cfg->n_layers, cfg->n_kv_heads, gates, err) != KR_OK) {
+        free(gates);
+        return -1;
+    }
+    float threshold = kr_quantile(gates, n, hp->sparsity, gates + n);
+    for (int i = 0; i < n; i++) hp->dense[i] = gates[i] >= threshold;
+    free(gates);
+    kr_policy_spec_add(p, "pattern", "%s", hp->pattern);
+    kr_policy_spec_add(p, "sparsity", "%g", hp->sparsity);
+    kr_policy_spec_add(p, "sink", "%d", hp->sink);
+    kr_policy_spec_add(p, "window", "%d", hp->window);
+    if (p->decode_window == -2) p->decode_window = hp->window;
+    return KR_OK;
+}
+
+static void heads_trim(const kr_policy *p, kr_seq *s, int layer, int window)
+{
+    const heads_params *hp = p->params;
+    for (int g = 0; g < s->n_kv_heads; g++) {
+        if (hp->dense[layer * s->n_kv_heads + g]) continue;
+        const kr_kv_list *l = kr_seq_list(s, layer, g);
+        if (window >= 0 && l->len > hp->sink + window) kr_seq_keep_ends(s, layer, g, hp->sink, window);
+        else kr_seq_list(s, layer, g)->pinned = hp->sink < l->len ? hp->sink : l->len;
+    }
+}
+
+static void heads_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
+                              int layer)
+{
+    heads_trim(p, s, layer, ((const heads_params *)p->params)->window);
+}
+
+/* dense heads grow; streaming heads keep sinks + the decode window */
+static void heads_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer)
+{
+    heads_trim(p, s, layer, p->decode_window);
+}
+
+static int heads_max_entries(const kr_policy *p, int n_prompt, int n_generate)
+{
+    return n_prompt + n_generate; /* dense heads hold everything */
+}
+
+static void heads_free(kr_policy *p)
+{
+    heads_params *hp = p->params;
+    if (hp) free(hp->dense);
+}
+
+const kr_policy_ops kr_policy_heads = {
+    .name = "heads",
+    .init = heads_init,
+    .set = heads_set,
+    .finish = heads_finish,
+    .after_chunk = heads_after_chunk,
+    .after_step = heads_after_step,
+    .max_entries = heads_max_entries,
+    .free_params = heads_free,
+};

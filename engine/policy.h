@@ -1,0 +1,124 @@
+/*
+ * policy.h - how KV eviction policies plug into the engine (internal to engine/).
+ *
+ * DESIGN.md section 1: every policy chooses a *pinned set* per (layer, KV head) during prefill
+ * and keeps a *recent window* during decode. A list of a sequence is laid out as
+ * [pinned entries | window entries], `pinned` counting the first. The forward pass calls a
+ * policy at two moments only:
+ *   - after_chunk: layer `layer` has just attended one prefill chunk (its queries are in
+ *     `kr_chunk.q`, post-RoPE, in backend memory); the policy may keep any subset of that layer's
+ *     lists (kr_seq_keep) and must drop the entries of observer rows it had appended;
+ *   - after_step: one decode token went through every layer; the policy trims.
+ * Attention-guided policies score entries with the one scoring primitive (backend op `score`,
+ * then kr_pool1d and kr_topk below). The policy modules are policy-*.c, one per family.
+ */
+#ifndef KR_POLICY_H
+#define KR_POLICY_H
+
+#include "backend.h"
+
+typedef struct kr_policy_ops kr_policy_ops;
+
+enum { KR_POLICY_MAX_SPEC = 512, KR_DECODE_OWN = -3 };
+
+/* Parsed, validated and immutable; shared by every sequence that uses it. */
+struct kr_policy {
+    const kr_policy_ops *ops;
+    char spec[KR_POLICY_MAX_SPEC]; /* canonical: name:key=value,... with every default filled */
+    int n_layers, n_heads, n_kv_heads, head_dim;
+    /* decode: -1 grows; >= 0 keeps the pinned set plus the newest `decode_window` entries;
+     * KR_DECODE_OWN: the family's after_step has its own rule (streaming's Algorithm 1) */
+    int decode_window;
+    void *params; /* the family's parameters, owned (freed with free()) */
+};
+
+/* What a hook sees of one prefill chunk. Rows of q: the chunk's real prompt tokens, then
+ * `n_appended` observer rows (patched chunked eviction, TAKE's probe: never in the final chunk,
+ * whose own last rows are the real observers) whose KV entries are the last `n_appended`
+ * entries of each list of the layer. A hook keeps those at the end of the lists; the forward
+ * drops them after the hook. */
+typedef struct kr_chunk {
+    const float *q; /* [n_real + n_appended][n_heads][head_dim], backend memory */
+    int n_real;
+    int n_appended;
+    int start; /* prompt index of the first real token */
+    int n_prompt;
+    int last; /* this chunk ends the prompt */
+} kr_chunk;
+
+/* The backend a hook may use for scoring. */
+typedef struct kr_evict_env {
+    const kr_backend_ops *ops;
+    kr_backend *be;
+    const float *inv_freq; /* [head_dim/2] RoPE inverse frequencies, for re-rotating keys */
+    float *scores; /* host scratch: [n_heads][cap] floats */
+    int32_t *idx; /* host scratch: [3][cap], for kr_topk's tmp and result and a flag row */
+    int cap; /* >= the longest list of the layer, appended observers included */
+} kr_evict_env;
+
+struct kr_policy_ops {
+    const char *name;
+    /* Allocates p->params with the family's defaults, before any key is parsed. NULL: none. */
+    int (*init)(kr_policy *p, char *err);
+    /* One key=value of the spec; unknown keys are an error naming the key and listing the
+     * family's keys. */
+    int (*set)(kr_policy *p, const char *key, const char *value, char *err);
+    /* After all keys: fill defaults, check ranges against the model, write the canonical spec. */
+    int (*finish)(kr_policy *p, const kr_config *cfg, char *err);
+    /* Observer rows appended to every non-final chunk of an n_prompt-token prompt: the last
+     * rows of the prompt (NULL: none). */
+    int (*appended)(const kr_policy *p, int n_prompt);
+    /* Per-sequence state (NULL: none); freed with free() by kr_seq_free. */
+    int (*state_init)(const kr_policy *p, kr_seq *s, char *err);
+    void (*after_chunk)(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
+                        int layer);
+    /* After a decode forward attended layer `layer`. NULL: the generic decode window
+     * (kr_policy_decode_window). */
+    void (*after_step)(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer);
+    /* Most entries one (layer, KV head) holds between steps after prefilling n_prompt tokens
+     * and generating n_generate (for reservations). NULL: the pinned set of a full prompt plus
+     * the decode window (or everything when decode grows). */
+    int (*max_entries)(const kr_policy *p, int n_prompt, int n_generate);
+    /* Frees what p->params points to (p->params itself is freed by kr_policy_free). */
+    void (*free_params)(kr_policy *p);
+};
+
+extern const kr_policy_ops kr_policy_full, kr_policy_streaming, kr_policy_heads, kr_policy_sage;
+
+/* ---- helpers shared by the families (policy.c) */
+
+/* Parses a non-negative integer / a float in [lo, hi] for key `key`. */
+int kr_policy_int(const char *key, const char *value, long lo, long hi, int *out, char *err);
+int kr_policy_float(const char *key, const char *value, double lo, double hi, float *out, char *err);
+/* Appends ",key=value" (or ":key=value" first) to the canonical spec. */
+void kr_policy_spec_add(kr_policy *p, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Parses the decode=grow|window:W key shared by every family (returns 1 when `key` was it). */
+int kr_policy_decode_key(kr_policy *p, const char *key, const char *value, int *handled, char *err);
+/* after_step default: each list keeps its pinned entries and the newest decode_window others */
+void kr_policy_decode_window(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer);
+/* Re-assigns positions 0..len-1 to a list's entries and rotates each key by its position change
+ * (DESIGN.md section 1, `pos=rel`). */
+void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_head);
+
+/* Algorithm 1 of the Lazy Pruning paper: the length a cache of L entries is pruned to, or -1 to
+ * leave it alone (policy-streaming.c). */
+int kr_streaming_target(int L, int S, int W, int R, int slack, int max_drop);
+
+/* The heads policy's pieces, for tests: the gate TSV (clipped to [0, 1]) and numpy's default
+ * linear quantile (sorted: scratch of n). */
+int kr_heads_read_pattern(const char *path, int n_layers, int n_kv_heads, float *gates, char *err);
+float kr_quantile(const float *values, int n, float q, float *sorted);
+
+/* ---- the scoring primitive (score.c) */
+
+/* scores[j] (j < n) smoothed by a 1-D pooling of odd `kernel` with zero padding of kernel/2
+ * on each side (avg divides by kernel, as torch's avg_pool1d with count_include_pad) or
+ * -inf padding (max); kernel 1 copies. out may not alias in. */
+void kr_pool1d(const float *in, int n, int kernel, int use_max, float *out);
+/* The k highest of scores[0..n) (ties: lower index first), written ascending to idx;
+ * returns min(k, n). Scratch: tmp[n]. */
+int kr_topk(const float *scores, int n, int k, int32_t *tmp, int32_t *idx);
+
+
+#endif
