@@ -276,6 +276,8 @@ static int forward_rows(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n_real,
 
     ops->embed(be, &m->embed, tokens, n_real, c->x);
     if (n_app) ops->embed(be, &m->embed, app, n_app, c->x + (size_t)n_real * d);
+    /* peak KV: what the cache holds at the moment a layer attends, before the policy trims it */
+    int64_t held = kr_seq_entries(s);
     for (int l = 0; l < cfg->n_layers; l++) {
         const kr_layer_weights *w = &m->layers[l];
         ops->rmsnorm(be, c->x, &w->attn_norm, n, d, cfg->rms_norm_eps, c->xn);
@@ -286,11 +288,20 @@ static int forward_rows(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n_real,
         ops->rope(be, c->k, n, cfg->n_kv_heads, hd, c->cos_sin);
         const int window = cfg->sliding_window > 0 && l >= cfg->sliding_window_first_layer
                                ? cfg->sliding_window : 0;
-        for (int g = 0; g < cfg->n_kv_heads; g++) kr_seq_list(s, l, g)->len += n;
+        for (int g = 0; g < cfg->n_kv_heads; g++) {
+            kr_kv_list *list = kr_seq_list(s, l, g);
+            list->len += n;
+            if (list->len > s->fp.peak_head_entries) s->fp.peak_head_entries = list->len;
+        }
+        held += (int64_t)n * cfg->n_kv_heads;
+        if (held > s->fp.peak_entries) s->fp.peak_entries = held;
         ops->kv_store(be, s, l, c->k, c->v, n, c->pos);
         tally_footprint(s, l, n, n_real, c->pos, window);
         ops->attention(be, s, l, c->q, n, cfg->n_heads, c->pos, window, c->att);
-        if (s->policy && run_policy(c, s, l, n_real, n_app, ci, err) != KR_OK) return -1;
+        if (s->policy) { /* a policy may trim earlier layers too (TAKE's delayed eviction) */
+            if (run_policy(c, s, l, n_real, n_app, ci, err) != KR_OK) return -1;
+            held = kr_seq_entries(s);
+        }
         ops->matmul(be, &w->wo, NULL, c->att, n, 1, c->x);
         ops->rmsnorm(be, c->x, &w->ffn_norm, n, d, cfg->rms_norm_eps, c->xn);
         ops->matmul(be, &w->w_gate, NULL, c->xn, n, 0, c->gate);
@@ -298,13 +309,6 @@ static int forward_rows(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n_real,
         ops->swiglu(be, c->gate, c->up, (size_t)n * cfg->intermediate_size);
         ops->matmul(be, &w->w_down, NULL, c->gate, n, 1, c->x);
     }
-    int64_t held = 0;
-    for (int i = 0; i < cfg->n_layers * cfg->n_kv_heads; i++) {
-        int len = s->lists[i].len;
-        held += len;
-        if (len > s->fp.peak_head_entries) s->fp.peak_head_entries = len;
-    }
-    if (held > s->fp.peak_entries) s->fp.peak_entries = held;
 
     if (mode == KR_LOGITS_NONE) return KR_OK;
     int first = mode == KR_LOGITS_ALL ? 0 : n_real - 1, rows = n_real - first;

@@ -5,9 +5,13 @@
  * selects its top k entries by the last token's attention; the union over the group is kept
  * with the sinks, the recent window and the last token. S = B/4 and k = B/(2G) as the paper
  * sets them, R = B - S - G*k (B/4 when G divides B/2; the paper's Qwen2.5 example gives 2560
- * for G = 7). Decode: a new token joins the recent window and its oldest entry leaves, so the
- * window (recent + last) stays R + 1 entries and sinks + selected are pinned. Prompts of at
- * most B entries are kept whole. Chunks before the last are not evicted (SAGE is post-fill).
+ * for G = 7), so the reduced cache holds at most S + G*k + R + 1 = B + 1 entries.
+ * Decode: sinks and selected entries are pinned; a new token joins the recent window and, once
+ * the cache holds B + 1 entries, the oldest window entry leaves (the paper's step 4). When the
+ * G heads' selections overlap, the unused part of the budget lets the window hold more than
+ * R + 1; a prompt of at most B entries is kept whole and the window grows until the cache is
+ * full. Chunks before the last are not evicted (SAGE is post-fill). decode=grow / window:W
+ * replace this rule.
  */
 #include "policy.h"
 
@@ -49,7 +53,7 @@ static int sage_finish(kr_policy *p, const kr_config *cfg, char *err)
         return kr_errf(err, "policy: sage budget=%d is too small for %d query heads per KV head "
                        "(needs k = B/(2G) >= 1)", sp->budget, group);
     kr_policy_spec_add(p, "budget", "%d", sp->budget);
-    if (p->decode_window == -2) p->decode_window = sp->recent + 1;
+    if (p->decode_window == -2) p->decode_window = KR_DECODE_OWN;
     return KR_OK;
 }
 
@@ -65,8 +69,8 @@ static void sage_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
     for (int g = 0; g < s->n_kv_heads; g++) {
         const kr_kv_list *l = kr_seq_list(s, layer, g);
         const int n = l->len, window = sp->recent + 1;
-        if (n <= sp->budget) { /* nothing to evict: the newest R + 1 form the window */
-            kr_seq_list(s, layer, g)->pinned = n > window ? n - window : 0;
+        if (n <= sp->budget) { /* nothing to evict; the sinks are pinned */
+            kr_seq_list(s, layer, g)->pinned = sp->sink < n ? sp->sink : n;
             continue;
         }
         const int mid0 = sp->sink, mid1 = n - window; /* middle [mid0, mid1) */
@@ -88,14 +92,29 @@ static void sage_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
     }
 }
 
+/* the cache is capped at B + 1 entries; the newest decode token may sit above the cap until
+ * the step's trim */
+static void sage_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer)
+{
+    const sage_params *sp = p->params;
+    if (p->decode_window != KR_DECODE_OWN) {
+        kr_policy_decode_window(p, s, env, layer);
+        return;
+    }
+    for (int g = 0; g < s->n_kv_heads; g++) {
+        const kr_kv_list *l = kr_seq_list(s, layer, g);
+        if (l->len > sp->budget + 1) kr_seq_keep_ends(s, layer, g, l->pinned, sp->budget + 1 - l->pinned);
+    }
+}
+
 static int sage_max_entries(const kr_policy *p, int n_prompt, int n_generate)
 {
     const sage_params *sp = p->params;
-    const int group = p->n_heads / p->n_kv_heads;
-    int after = sp->sink + group * sp->k + sp->recent + 1; /* the union is at most G*k */
-    if (n_prompt <= sp->budget) after = n_prompt;
-    if (p->decode_window < 0) return after + n_generate;
-    return after + 1;
+    int after = n_prompt < sp->budget + 1 ? n_prompt : sp->budget + 1;
+    if (p->decode_window == -1) return after + n_generate;
+    if (p->decode_window >= 0) return after + p->decode_window + 1;
+    int total = n_prompt + n_generate;
+    return total < sp->budget + 1 ? total : sp->budget + 1;
 }
 
 const kr_policy_ops kr_policy_sage = {
@@ -104,5 +123,6 @@ const kr_policy_ops kr_policy_sage = {
     .set = sage_set,
     .finish = sage_finish,
     .after_chunk = sage_after_chunk,
+    .after_step = sage_after_step,
     .max_entries = sage_max_entries,
 };

@@ -5,6 +5,8 @@
  * logits within 1e-4 (incremental decode through the KV cache), and chunked prefill with
  * chunk sizes 1, 7 and 64 equal to one-shot prefill within float rounding. Run on 1 and 2
  * threads, with the checkpoint's dtype kept in memory and with weights converted to f32.
+ * Then every policy whose budget holds the whole sequence must reproduce the same references
+ * (prompt logits through chunked prefill, and the greedy steps).
  */
 #include "kr_test.h"
 
@@ -12,6 +14,7 @@
 
 #include <cjson/cJSON.h>
 #include <stdint.h>
+#include <unistd.h>
 
 static const double TOL_REF = 1e-4; /* fixture README: 15x the oracles' disagreement */
 static const double TOL_CHUNK = 2e-5; /* same engine, different summation order */
@@ -62,6 +65,7 @@ typedef struct run {
     kr_ctx *ctx;
     kr_kv_pool *pool;
     const kr_config *cfg;
+    const kr_policy *policy; /* NULL: none attached */
 } run;
 
 /* all-position logits of a prompt, prefilled in chunks of `chunk` */
@@ -99,6 +103,34 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     const float *ref_logits = ref + off_logits / sizeof(float);
     const float *ref_greedy = ref + off_greedy / sizeof(float);
 
+    if (r->policy) { /* a policy that keeps everything: chunked prefill, then greedy steps */
+        kr_seq *s;
+        float *lg = malloc(sizeof(float) * (size_t)n * vocab);
+        REQUIRE(kr_seq_create(r->pool, r->cfg->n_layers, r->cfg->n_kv_heads, &s, err) == KR_OK, "%s", err);
+        REQUIRE(kr_seq_set_policy(s, r->policy, err) == KR_OK, "%s", err);
+        REQUIRE(kr_prefill(r->ctx, s, prompt, n, 7, KR_LOGITS_ALL, lg, err) == KR_OK, "%s", err);
+        double worst = 0;
+        for (int j = 0; j < n_pos; j++)
+            worst = fmax(worst, max_diff(lg + (size_t)positions[j] * vocab, ref_logits + (size_t)j * vocab, vocab));
+        memcpy(lg, lg + (size_t)(n - 1) * vocab, sizeof(float) * vocab);
+        for (int step = 0; step < n_greedy; step++) {
+            worst = fmax(worst, max_diff(lg, ref_greedy + (size_t)step * vocab, vocab));
+            CHECK(argmax(lg, vocab) == tokens[step], "%s/%s %s: greedy step %d", model, name,
+                  kr_policy_spec(r->policy), step);
+            if (step + 1 < n_greedy)
+                REQUIRE(kr_forward(r->ctx, s, &tokens[step], 1, KR_LOGITS_LAST, lg, err) == KR_OK, "%s", err);
+        }
+        kr_footprint fp;
+        kr_seq_footprint(s, &fp);
+        CHECK(fp.attended == fp.full, "%s: a policy that keeps everything has footprint 1", kr_policy_spec(r->policy));
+        CHECK(worst <= TOL_REF, "%s/%s %s: max |diff| %.3g", model, name, kr_policy_spec(r->policy), worst);
+        kr_seq_free(s);
+        free(lg);
+        free(prompt);
+        free(positions);
+        free(tokens);
+        return;
+    }
     /* 1. one-shot prefill: every stored position */
     float *all = prefill_all(r, prompt, n, n);
     for (int j = 0; j < n_pos; j++) {
@@ -140,7 +172,11 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     free(tokens);
 }
 
-static void check_model(const char *dir, const char *model, int threads, int weights_f32)
+/* policy specs whose budgets hold the 300 + 16 tokens of the longest case */
+static const char *const KEEP_ALL[] = {"full", "streaming:sink=4,window=400", "sage:budget=512",
+                                       "heads:pattern=%s,sparsity=0"};
+
+static void check_model(const char *dir, const char *model, int threads, int weights_f32, int policies)
 {
     char path[4096], err[KR_ERR_MAX];
     snprintf(path, sizeof path, "%s/%s", dir, model);
@@ -167,6 +203,24 @@ static void check_model(const char *dir, const char *model, int threads, int wei
         n_cases++;
     }
     CHECK(n_cases >= 4, "%s: only %d cases", model, n_cases);
+    for (int k = 0; policies && k < (int)(sizeof KEEP_ALL / sizeof KEEP_ALL[0]); k++) {
+        /* heads: a gate file of equal values, so sparsity 0 keeps every head dense */
+        char tsv[128], spec[256];
+        snprintf(tsv, sizeof tsv, "/tmp/kr_fixture_gates.%d.tsv", (int)getpid());
+        FILE *f = fopen(tsv, "w");
+        for (int l = 0; l < r.cfg->n_layers; l++)
+            for (int g = 0; g < r.cfg->n_kv_heads; g++) fprintf(f, "0.5%c", g + 1 < r.cfg->n_kv_heads ? '\t' : '\n');
+        fclose(f);
+        snprintf(spec, sizeof spec, KEEP_ALL[k], tsv);
+        kr_policy *p;
+        REQUIRE(kr_policy_parse(spec, r.cfg, &p, err) == KR_OK, "%s: %s", spec, err);
+        r.policy = p;
+        cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "cases")) check_case(&r, model, c, ref);
+        r.policy = NULL;
+        kr_policy_free(p);
+        unlink(tsv);
+        printf("%s: %s reproduces the references\n", model, spec);
+    }
     printf("%s (threads %d, weights %s): %d cases; max |diff| vs reference %.2g, chunked vs "
            "one-shot %.2g\n", model, threads, weights_f32 ? "f32" : kr_dtype_name(kr_model_weight_dtype(m)),
            n_cases, worst_ref, worst_chunk);
@@ -187,8 +241,8 @@ int main(void)
     snprintf(dir, sizeof dir, "%s/models", fx);
     const char *models[] = {"llama3-tiny", "qwen2-tiny", "mistral-tiny"};
     for (int i = 0; i < 3; i++) {
-        check_model(dir, models[i], 2, 0);
-        check_model(dir, models[i], 1, 1);
+        check_model(dir, models[i], 2, 0, 1);
+        check_model(dir, models[i], 1, 1, 0);
     }
     return kt_done("test_fixtures");
 }
