@@ -110,12 +110,15 @@ struct kr_kv_pool {
     int n_free;
 };
 
-/* One (layer, KV head) of a sequence: `len` entries in blocks[0..], in order. */
+/* One (layer, KV head) of a sequence: `len` entries in order, entry i in slot off + i of the
+ * concatenated blocks (off < block_size: dropping the oldest entries can release whole blocks
+ * from the front instead of moving everything behind them). Use the accessors below. */
 typedef struct kr_kv_list {
     int32_t *blocks;
     int n_blocks;
     int cap_blocks;
     int len;
+    int off; /* slot of entry 0 in blocks[0] */
     int pinned; /* the first `pinned` entries are the policy's pinned set; the rest the window */
 } kr_kv_list;
 
@@ -145,6 +148,22 @@ static inline float *kr_kv_value(const kr_kv_pool *p, int32_t block, int slot)
 static inline int32_t *kr_kv_pos(const kr_kv_pool *p, int32_t block, int slot)
 {
     return p->pos + (size_t)block * (size_t)p->block_size + (size_t)slot;
+}
+/* Entry e of a list: its key, value and position. */
+static inline float *kr_kv_list_key(const kr_kv_pool *p, const kr_kv_list *l, int e)
+{
+    int i = l->off + e;
+    return kr_kv_key(p, l->blocks[i / p->block_size], i % p->block_size);
+}
+static inline float *kr_kv_list_value(const kr_kv_pool *p, const kr_kv_list *l, int e)
+{
+    int i = l->off + e;
+    return kr_kv_value(p, l->blocks[i / p->block_size], i % p->block_size);
+}
+static inline int32_t *kr_kv_list_pos(const kr_kv_pool *p, const kr_kv_list *l, int e)
+{
+    int i = l->off + e;
+    return kr_kv_pos(p, l->blocks[i / p->block_size], i % p->block_size);
 }
 /* Makes room for `n` more entries in every (layer, KV head), all or nothing: fails when the
  * pool lacks blocks, leaving the sequence as it was. */

@@ -137,7 +137,7 @@ int kr_seq_grow(kr_seq *s, int n, char *err)
     int n_lists = s->n_layers * s->n_kv_heads, need = 0;
     for (int i = 0; i < n_lists; i++) {
         kr_kv_list *l = &s->lists[i];
-        int blocks = (l->len + n + p->block_size - 1) / p->block_size;
+        int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         if (blocks > l->n_blocks) need += blocks - l->n_blocks;
     }
     if (need > p->n_free)
@@ -146,7 +146,7 @@ int kr_seq_grow(kr_seq *s, int n, char *err)
     /* grow the block arrays first so a failed allocation leaves the pool untouched */
     for (int i = 0; i < n_lists; i++) {
         kr_kv_list *l = &s->lists[i];
-        int blocks = (l->len + n + p->block_size - 1) / p->block_size;
+        int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         if (blocks > l->cap_blocks) {
             int cap = l->cap_blocks ? l->cap_blocks : 4;
             while (cap < blocks) cap *= 2;
@@ -158,7 +158,7 @@ int kr_seq_grow(kr_seq *s, int n, char *err)
     }
     for (int i = 0; i < n_lists; i++) {
         kr_kv_list *l = &s->lists[i];
-        int blocks = (l->len + n + p->block_size - 1) / p->block_size;
+        int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         while (l->n_blocks < blocks) l->blocks[l->n_blocks++] = p->free_ids[--p->n_free];
     }
     return KR_OK;
@@ -169,11 +169,9 @@ void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, cons
 {
     kr_kv_pool *p = s->pool;
     kr_kv_list *l = kr_seq_list(s, layer, kv_head);
-    int32_t block = l->blocks[idx / p->block_size];
-    int slot = idx % p->block_size;
-    memcpy(kr_kv_key(p, block, slot), k, (size_t)p->head_dim * sizeof(float));
-    memcpy(kr_kv_value(p, block, slot), v, (size_t)p->head_dim * sizeof(float));
-    *kr_kv_pos(p, block, slot) = pos;
+    memcpy(kr_kv_list_key(p, l, idx), k, (size_t)p->head_dim * sizeof(float));
+    memcpy(kr_kv_list_value(p, l, idx), v, (size_t)p->head_dim * sizeof(float));
+    *kr_kv_list_pos(p, l, idx) = pos;
 }
 
 int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int32_t min_pos)
@@ -181,20 +179,18 @@ int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int3
     int lo = 0, hi = n;
     while (lo < hi) {
         int mid = lo + (hi - lo) / 2;
-        if (*kr_kv_pos(p, l->blocks[mid / p->block_size], mid % p->block_size) > min_pos) hi = mid;
+        if (*kr_kv_list_pos(p, l, mid) > min_pos) hi = mid;
         else lo = mid + 1;
     }
     return lo;
 }
 
-/* entry `from` of a list overwrites entry `to` (to <= from) */
+/* entry `from` of a list overwrites entry `to` */
 static void move_entry(const kr_kv_pool *p, const kr_kv_list *l, int from, int to)
 {
-    const int bs = p->block_size;
-    int32_t fb = l->blocks[from / bs], tb = l->blocks[to / bs];
-    memcpy(kr_kv_key(p, tb, to % bs), kr_kv_key(p, fb, from % bs), sizeof(float) * p->head_dim);
-    memcpy(kr_kv_value(p, tb, to % bs), kr_kv_value(p, fb, from % bs), sizeof(float) * p->head_dim);
-    *kr_kv_pos(p, tb, to % bs) = *kr_kv_pos(p, fb, from % bs);
+    memcpy(kr_kv_list_key(p, l, to), kr_kv_list_key(p, l, from), sizeof(float) * p->head_dim);
+    memcpy(kr_kv_list_value(p, l, to), kr_kv_list_value(p, l, from), sizeof(float) * p->head_dim);
+    *kr_kv_list_pos(p, l, to) = *kr_kv_list_pos(p, l, from);
 }
 
 /* sets the list's new length and pinned count; blocks past the length go back to the pool */
@@ -202,8 +198,20 @@ static void shrink(kr_kv_pool *p, kr_kv_list *l, int len, int pinned)
 {
     l->len = len;
     l->pinned = pinned < len ? pinned : len;
-    int need = (len + p->block_size - 1) / p->block_size;
+    int need = (l->off + len + p->block_size - 1) / p->block_size;
     while (l->n_blocks > need) p->free_ids[p->n_free++] = l->blocks[--l->n_blocks];
+}
+
+/* entries from `start` on become the list (start <= len): whole blocks before them go back to
+ * the pool and the offset absorbs the rest */
+static void drop_front(kr_kv_pool *p, kr_kv_list *l, int start)
+{
+    int off = l->off + start, whole = off / p->block_size;
+    for (int b = 0; b < whole; b++) p->free_ids[p->n_free++] = l->blocks[b];
+    memmove(l->blocks, l->blocks + whole, sizeof(int32_t) * (size_t)(l->n_blocks - whole));
+    l->n_blocks -= whole;
+    l->off = off - whole * p->block_size;
+    l->len -= start;
 }
 
 void kr_seq_keep(kr_seq *s, int layer, int kv_head, const int32_t *keep, int n_keep, int n_pinned)
@@ -223,6 +231,15 @@ void kr_seq_keep_ends(kr_seq *s, int layer, int kv_head, int head, int tail)
         shrink(s->pool, l, l->len, head);
         return;
     }
-    for (int i = 0; i < tail; i++) move_entry(s->pool, l, l->len - tail + i, head + i);
+    if (tail <= head) { /* move the tail down behind the head */
+        for (int i = 0; i < tail; i++) move_entry(s->pool, l, l->len - tail + i, head + i);
+        shrink(s->pool, l, head + tail, head);
+        return;
+    }
+    /* move the head up in front of the tail (backwards: the regions may overlap) and drop what
+     * lies before it: a decode step of a streaming cache moves the sinks, not the window */
+    int start = l->len - tail - head;
+    for (int i = head - 1; i >= 0; i--) move_entry(s->pool, l, i, start + i);
+    drop_front(s->pool, l, start);
     shrink(s->pool, l, head + tail, head);
 }

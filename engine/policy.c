@@ -78,12 +78,12 @@ void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_he
 {
     kr_kv_pool *p = s->pool;
     kr_kv_list *l = kr_seq_list(s, layer, kv_head);
-    const int half = p->head_dim / 2, bs = p->block_size;
+    const int half = p->head_dim / 2;
     for (int e = 0; e < l->len; e++) {
-        int32_t *pos = kr_kv_pos(p, l->blocks[e / bs], e % bs);
+        int32_t *pos = kr_kv_list_pos(p, l, e);
         int delta = e - *pos;
         if (delta == 0) continue;
-        float *k = kr_kv_key(p, l->blocks[e / bs], e % bs);
+        float *k = kr_kv_list_key(p, l, e);
         /* RoPE(p + delta) = rotation by omega_i * delta of RoPE(p): rotate-half pairs (i, i+half) */
         for (int i = 0; i < half; i++) {
             double a = (double)delta * env->inv_freq[i];

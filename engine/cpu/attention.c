@@ -48,7 +48,7 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
 {
     const kr_kv_pool *p = j->s->pool;
     const kr_kv_list *l = &j->s->lists[j->layer * j->s->n_kv_heads + g];
-    const int d = p->head_dim, bs = p->block_size;
+    const int d = p->head_dim;
     const int group = j->n_heads / j->s->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
     float *sc = scratch; /* [group][TILE] */
@@ -68,7 +68,7 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
         int jn = visible - j0 < TILE ? visible - j0 : TILE;
         for (int jj = 0; jj < jn; jj++) {
             int e = j0 + jj;
-            const float *k = kr_kv_key(p, l->blocks[e / bs], e % bs);
+            const float *k = kr_kv_list_key(p, l, e);
             for (int h = 0; h < group; h++)
                 sc[(size_t)h * TILE + jj] = kr_dot_f32(q + (size_t)h * d, k, d) * scale;
         }
@@ -82,7 +82,7 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
             m[h] = mt;
             for (int jj = 0; jj < jn; jj++) {
                 int e = j0 + jj;
-                kr_axpy(acc + (size_t)h * d, s[jj], kr_kv_value(p, l->blocks[e / bs], e % bs), d);
+                kr_axpy(acc + (size_t)h * d, s[jj], kr_kv_list_value(p, l, e), d);
             }
         }
     }
@@ -98,7 +98,7 @@ static void attend_block(const att_job *j, float *scratch, int g, int i0, int i1
 {
     const kr_kv_pool *p = j->s->pool;
     const kr_kv_list *l = &j->s->lists[j->layer * j->s->n_kv_heads + g];
-    const int d = p->head_dim, bs = p->block_size, nq = i1 - i0;
+    const int d = p->head_dim, nq = i1 - i0;
     const int group = j->n_heads / j->s->n_kv_heads, qstride = j->n_heads * d;
     const float scale = 1.0f / sqrtf((float)d);
     float *kt = scratch; /* [TILE][d] gathered keys */
@@ -121,8 +121,8 @@ static void attend_block(const att_job *j, float *scratch, int g, int i0, int i1
         int jn = hi[nq - 1] - j0 < TILE ? hi[nq - 1] - j0 : TILE;
         for (int e = 0; e < jn; e++) {
             int idx = j0 + e;
-            memcpy(kt + (size_t)e * d, kr_kv_key(p, l->blocks[idx / bs], idx % bs), sizeof(float) * d);
-            memcpy(vt + (size_t)e * d, kr_kv_value(p, l->blocks[idx / bs], idx % bs), sizeof(float) * d);
+            memcpy(kt + (size_t)e * d, kr_kv_list_key(p, l, idx), sizeof(float) * d);
+            memcpy(vt + (size_t)e * d, kr_kv_list_value(p, l, idx), sizeof(float) * d);
         }
         for (int h = 0; h < group; h++) {
             float *s = sc + (size_t)h * QBLOCK * TILE;

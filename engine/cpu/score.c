@@ -26,7 +26,7 @@ static void score_head(const score_job *j, int g)
 {
     const kr_kv_pool *p = j->s->pool;
     const kr_kv_list *l = &j->s->lists[j->layer * j->s->n_kv_heads + g];
-    const int d = p->head_dim, bs = p->block_size, group = j->n_heads / j->s->n_kv_heads;
+    const int d = p->head_dim, group = j->n_heads / j->s->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
     if (!j->per_head) memset(j->scores + (size_t)g * j->stride, 0, sizeof(float) * (size_t)l->len);
     for (int h = 0; h < group; h++) {
@@ -39,7 +39,7 @@ static void score_head(const score_job *j, int g)
             int vis = l->len - j->n_obs + i + 1;
             double mx = -INFINITY, z = 0.0;
             for (int e = 0; e < vis; e++) {
-                double x = kr_dot_f32(q, kr_kv_key(p, l->blocks[e / bs], e % bs), d) * scale;
+                double x = kr_dot_f32(q, kr_kv_list_key(p, l, e), d) * scale;
                 if (x > mx) {
                     z = z * exp(mx - x) + 1.0;
                     mx = x;
@@ -48,7 +48,7 @@ static void score_head(const score_job *j, int g)
                 }
             }
             for (int e = 0; e < vis; e++) {
-                double x = kr_dot_f32(q, kr_kv_key(p, l->blocks[e / bs], e % bs), d) * scale;
+                double x = kr_dot_f32(q, kr_kv_list_key(p, l, e), d) * scale;
                 out[e] += (float)(w * exp(x - mx) / z);
             }
         }

@@ -42,10 +42,9 @@ int main(void)
         for (int h = 0; h < 2; h++) {
             kr_kv_list *list = kr_seq_list(a, l, h);
             for (int i = 0; i < 5; i++) {
-                int32_t blk = list->blocks[i / 4];
-                ok &= kr_kv_key(p, blk, i % 4)[2] == (float)(100 * l + 10 * h + i);
-                ok &= kr_kv_value(p, blk, i % 4)[3] == -(float)(100 * l + 10 * h + i) - 3;
-                ok &= *kr_kv_pos(p, blk, i % 4) == 3 * i;
+                ok &= kr_kv_list_key(p, list, i)[2] == (float)(100 * l + 10 * h + i);
+                ok &= kr_kv_list_value(p, list, i)[3] == -(float)(100 * l + 10 * h + i) - 3;
+                ok &= *kr_kv_list_pos(p, list, i) == 3 * i;
             }
             /* positions 0 3 6 9 12: first after 5 is index 2, after 12 is 5, after -1 is 0 */
             ok &= kr_kv_list_first_after(p, list, 5, 5) == 2;
@@ -65,6 +64,43 @@ int main(void)
 
     kr_seq_free(a);
     CHECK(kr_kv_pool_n_free(p) == 10, "free after release %d", kr_kv_pool_n_free(p));
+
+    /* keep_ends in both directions: 2 sinks + the newest 7 of 13 entries (head < tail: the
+     * sinks move up, leading blocks go back, the offset absorbs the rest); then 3 + 1 (tail
+     * moves down); growth after an offset; keep of an arbitrary subset */
+    kr_seq *c;
+    REQUIRE(kr_seq_create(p, 1, 1, &c, err) == KR_OK, "%s", err);
+    REQUIRE(kr_seq_grow(c, 13, err) == KR_OK, "%s", err);
+    kr_seq_list(c, 0, 0)->len = 13;
+    for (int i = 0; i < 13; i++) {
+        for (int d = 0; d < 4; d++) k[d] = (float)i, v[d] = (float)-i;
+        kr_seq_put(c, 0, 0, i, k, v, i);
+    }
+    kr_seq_keep_ends(c, 0, 0, 2, 7);
+    kr_kv_list *cl = kr_seq_list(c, 0, 0);
+    const int want1[] = {0, 1, 6, 7, 8, 9, 10, 11, 12};
+    ok = cl->len == 9 && cl->pinned == 2 && cl->n_blocks == 3 && kr_kv_pool_n_free(p) == 7;
+    for (int i = 0; i < 9; i++)
+        ok &= *kr_kv_list_pos(p, cl, i) == want1[i] && kr_kv_list_key(p, cl, i)[1] == (float)want1[i] &&
+              kr_kv_list_value(p, cl, i)[0] == (float)-want1[i];
+    CHECK(ok, "sinks moved up: len %d off %d blocks %d free %d", cl->len, cl->off, cl->n_blocks, kr_kv_pool_n_free(p));
+    REQUIRE(kr_seq_grow(c, 2, err) == KR_OK, "%s", err);
+    cl->len += 2;
+    for (int i = 9; i < 11; i++) {
+        for (int d = 0; d < 4; d++) k[d] = (float)(100 + i), v[d] = 0;
+        kr_seq_put(c, 0, 0, i, k, v, 100 + i);
+    }
+    kr_seq_keep_ends(c, 0, 0, 3, 1);
+    const int want2[] = {0, 1, 6, 110};
+    ok = cl->len == 4 && cl->pinned == 3;
+    for (int i = 0; i < 4; i++) ok &= *kr_kv_list_pos(p, cl, i) == want2[i];
+    CHECK(ok, "tail moved down");
+    const int32_t subset[] = {1, 3};
+    kr_seq_keep(c, 0, 0, subset, 2, 1);
+    CHECK(cl->len == 2 && *kr_kv_list_pos(p, cl, 0) == 1 && *kr_kv_list_pos(p, cl, 1) == 110 && cl->pinned == 1,
+          "keep subset");
+    kr_seq_free(c);
+    CHECK(kr_kv_pool_n_free(p) == 10, "free after the offset list %d", kr_kv_pool_n_free(p));
     REQUIRE(kr_seq_grow(b, 8, err) == KR_OK, "%s", err); /* 4 lists x 2 blocks */
     kr_seq_free(b);
     kr_kv_pool_free(p);

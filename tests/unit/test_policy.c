@@ -82,7 +82,7 @@ static void positions(const kr_seq *s, int layer, int head, char *out, size_t ca
     size_t at = 0;
     out[0] = 0;
     for (int e = 0; e < l->len && at < cap; e++)
-        at += (size_t)snprintf(out + at, cap - at, "%s%d", e ? " " : "", *kr_kv_pos(s->pool, l->blocks[e / s->pool->block_size], e % s->pool->block_size));
+        at += (size_t)snprintf(out + at, cap - at, "%s%d", e ? " " : "", *kr_kv_list_pos(s->pool, l, e));
 }
 
 static void range_str(char *out, size_t cap, int a0, int a1, int b0, int b1) /* [a0,a1) then [b0,b1) */
@@ -358,7 +358,7 @@ static void test_sage(rig *r)
         for (int g = 0; g < r->cfg->n_kv_heads; g++) {
             const kr_kv_list *kl = &s->lists[l * r->cfg->n_kv_heads + g];
             int pos[256], m = kl->len;
-            for (int e = 0; e < m; e++) pos[e] = *kr_kv_pos(s->pool, kl->blocks[e / 16], e % 16);
+            for (int e = 0; e < m; e++) pos[e] = *kr_kv_list_pos(s->pool, kl, e);
             int ok = m <= B + 1 && m >= S + k + R + 1 && kl->pinned == m - R - 1;
             for (int e = 0; e < S; e++) ok &= pos[e] == e;
             for (int e = 0; e < R + 1; e++) ok &= pos[m - R - 1 + e] == n - R - 1 + e;
@@ -402,8 +402,8 @@ static void test_rel(void)
     double d = 0, dk = 0;
     for (int g = 0; g < r.cfg->n_kv_heads; g++) /* the re-rotated keys themselves */
         for (int e = 0; e < 8; e++) {
-            const float *k1 = kr_kv_key(r.pool, s->lists[g].blocks[e / 16], e % 16);
-            const float *k2 = kr_kv_key(r.pool, f->lists[g].blocks[e / 16], e % 16);
+            const float *k1 = kr_kv_list_key(r.pool, &s->lists[g], e);
+            const float *k2 = kr_kv_list_key(r.pool, &f->lists[g], e);
             for (int i = 0; i < r.cfg->head_dim; i++) dk = fmax(dk, fabs((double)k1[i] - k2[i]));
         }
     CHECK(dk < 1e-5, "re-rotated keys differ by %.3g", dk);
