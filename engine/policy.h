@@ -84,6 +84,7 @@ struct kr_policy_ops {
 };
 
 extern const kr_policy_ops kr_policy_full, kr_policy_streaming, kr_policy_heads, kr_policy_sage;
+extern const kr_policy_ops kr_policy_snapkv, kr_policy_pyramidkv;
 
 /* ---- helpers shared by the families (policy.c) */
 
@@ -104,6 +105,14 @@ void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_he
 /* Algorithm 1 of the Lazy Pruning paper: the length a cache of L entries is pruned to, or -1 to
  * leave it alone (policy-streaming.c). */
 int kr_streaming_target(int L, int S, int W, int R, int slack, int max_drop);
+
+/* PyramidKV's per-layer allocation (pyramidkv_utils.py, PyramidKVCluster.update_kv): how many
+ * of n entries layer `layer` of L keeps, its observation window of W included, for a budget of
+ * C per layer (window included, C > W). n <= C: all n; n < 2(C-W): C; otherwise, with
+ * beta = 20, min = (C-W)//beta and max = 2(C-W) - min, clamped to max = n - W (then
+ * min = 2(C-W) - max), steps = (max-min)//(L-1), layer l keeps max - l*steps + W
+ * (policy-snapkv.c). */
+int kr_pyramid_budget(int C, int W, int L, int layer, int n);
 
 /* The heads policy's pieces, for tests: the gate TSV (clipped to [0, 1]) and numpy's default
  * linear quantile (sorted: scratch of n). */
