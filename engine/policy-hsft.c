@@ -320,10 +320,13 @@ static int hsft_max_entries(const kr_policy *p, int n_prompt, int n_generate)
     int most = 0;
     for (int l = 0; l < p->n_layers; l++) {
         int after = w[l] == KR_HSFT_ALL ? n_prompt : (int)stream_entries(n_prompt, hp->sink, w[l]);
-        int dw = p->decode_window >= 0 ? p->decode_window : p->decode_window == -1 ? -1 : w[l];
-        int during = n_generate == 0 ? after
-                     : dw < 0 ? (p->decode_window == -1 ? after + n_generate : total)
-                              : (int)stream_entries(total, hp->sink, dw + 1);
+        int during = after;
+        if (n_generate > 0 && p->decode_window == -1) { /* decode=grow */
+            during = after + n_generate;
+        } else if (n_generate > 0) {
+            int dw = p->decode_window >= 0 ? p->decode_window : w[l];
+            during = dw == KR_HSFT_ALL ? total : (int)stream_entries(total, hp->sink, dw + 1);
+        }
         int held = after > during ? after : during;
         most = held > most ? held : most;
     }

@@ -240,6 +240,31 @@ static void test_rescale(void)
     }
 }
 
+/* Reservations: the most one (layer, KV head) holds. No dense heads, context 16, budget 0.75:
+ * cap 96 = 2 * sum min(16, 2 + W_l); just under c = 5.5 the windows are {5, 10, 16, 10} (94,
+ * layer 2 holding all 16), layers 1 and 3 step next and the leftover 2 gives layer 1 its +1:
+ * {5, 11, 16, 10}, holding {7, 13, 16, 12} after prefill. With 4 tokens generated: */
+static void test_max_entries(const kr_config *cfg)
+{
+    const char *decode_key[] = {"", ",decode=window:5", ",decode=grow"};
+    /* own windows: sinks + W + the new token, {8, 14, 19, 13} capped by 20 tokens -> 19;
+     * window:5: 2 + 5 + 1 = 8, so prefill's 16 is the most; grow: 16 + 4 = 20 */
+    const int expect[] = {19, 16, 20};
+    char spec[1024], err[KR_ERR_MAX];
+    for (int i = 0; i < 3; i++) {
+        snprintf(spec, sizeof spec, "hsft:windows=%s,dense=0,budget=0.75,sink=2%s", windows_path, decode_key[i]);
+        kr_policy *p;
+        REQUIRE(kr_policy_parse(spec, cfg, &p, err) == KR_OK, "%s", err);
+        CHECK(kr_policy_max_entries(p, 16, 4) == expect[i], "%s: max entries %d, expected %d", spec,
+              kr_policy_max_entries(p, 16, 4), expect[i]);
+        CHECK(kr_policy_max_entries(p, 16, 0) == 16, "%s: no decode: %d", spec, kr_policy_max_entries(p, 16, 0));
+        kr_policy_free(p);
+    }
+    int w[4];
+    CHECK(kr_hsft_rescale((int[]){1, 2, 3, 2}, 4, 0, 2, 2, 0.75, 16, w) == 96, "reservation example total");
+    expect_windows(w, (int[]){5, 11, 16, 10}, 4, "reservation example");
+}
+
 /* ---- the real forward pass on llama3-tiny */
 
 typedef struct engine {
@@ -504,6 +529,7 @@ int main(void)
     test_parse(e.cfg);
     test_dense_choice();
     test_rescale();
+    test_max_entries(e.cfg);
     test_prefill(&e);
     test_forward_only(&e);
     test_full_budget(&e, dir);
