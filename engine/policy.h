@@ -84,7 +84,7 @@ struct kr_policy_ops {
 };
 
 extern const kr_policy_ops kr_policy_full, kr_policy_streaming, kr_policy_heads, kr_policy_sage;
-extern const kr_policy_ops kr_policy_snapkv, kr_policy_pyramidkv;
+extern const kr_policy_ops kr_policy_snapkv, kr_policy_pyramidkv, kr_policy_hsft;
 
 /* ---- helpers shared by the families (policy.c) */
 
@@ -118,6 +118,17 @@ int kr_pyramid_budget(int C, int W, int L, int layer, int n);
  * linear quantile (sorted: scratch of n). */
 int kr_heads_read_pattern(const char *path, int n_layers, int n_kv_heads, float *gates, char *err);
 float kr_quantile(const float *values, int n, float q, float *sorted);
+
+/* The hsft policy's pieces, for tests (policy-hsft.c): the learned-windows file (one positive
+ * integer per layer line, tokens); the dense heads of each layer (the n_dense highest gates,
+ * ties to the lower head); the windows rescaled by one common factor so the cache at context
+ * ctx holds at most floor(budget * full) entries, short by less than n_stream (returns the
+ * entries it holds; every window KR_HSFT_ALL when everything fits). */
+enum { KR_HSFT_ALL = -1 };
+int kr_hsft_read_windows(const char *path, int n_layers, int *windows, char *err);
+void kr_hsft_choose_dense(const float *gates, int n_layers, int n_kv_heads, int n_dense, uint8_t *dense);
+int64_t kr_hsft_rescale(const int *learned, int n_layers, int n_dense, int n_stream, int sink, double budget,
+                        int ctx, int *windows);
 
 /* ---- the scoring primitive (score.c) */
 
