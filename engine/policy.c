@@ -13,6 +13,7 @@
 
 static const kr_policy_ops *const families[] = {
     &kr_policy_full, &kr_policy_streaming, &kr_policy_heads, &kr_policy_sage,
+    &kr_policy_take,
 };
 
 int kr_policy_int(const char *key, const char *value, long lo, long hi, int *out, char *err)

@@ -84,6 +84,7 @@ struct kr_policy_ops {
 };
 
 extern const kr_policy_ops kr_policy_full, kr_policy_streaming, kr_policy_heads, kr_policy_sage;
+extern const kr_policy_ops kr_policy_take;
 
 /* ---- helpers shared by the families (policy.c) */
 
@@ -109,6 +110,13 @@ int kr_streaming_target(int L, int S, int W, int R, int slack, int max_drop);
  * linear quantile (sorted: scratch of n). */
 int kr_heads_read_pattern(const char *path, int n_layers, int n_kv_heads, float *gates, char *err);
 float kr_quantile(const float *values, int n, float q, float *sorted);
+
+/* TAKE's pieces, for tests (policy-take.c): eq. 9 over n floats (first: acc = probe); eq. 8's
+ * budget of a layer in a chunk; the accumulated probe of a scored layer of a sequence
+ * ([min(p, n_prompt)][n_heads][head_dim], NULL for layers that do not score). */
+void kr_take_accumulate(float *acc, const float *probe, size_t n, float alpha, int first);
+int kr_take_budget(const kr_policy *p, int layer, int last);
+const float *kr_take_probe(const kr_seq *s, int layer);
 
 /* ---- the scoring primitive (score.c) */
 
