@@ -52,6 +52,12 @@ typedef struct kr_backend_ops {
      * query head, scores[head * stride + j]. Entries an observer does not see add 0. */
     void (*score)(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
                   int n_heads, int per_head, float *scores, size_t stride);
+    /* As `score`, for observers that come after every entry they score (TAKE's accumulated
+     * probe, appended to a chunk): every observer sees the first len - n_hidden entries of its
+     * list, and the newest n_hidden (the appended probe rows' own keys, which TAKE's eq. 10 leaves
+     * out of the softmax) add 0. n_hidden = 0: every observer sees the whole list. */
+    void (*score_past)(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
+                       int n_heads, int per_head, int n_hidden, float *scores, size_t stride);
 } kr_backend_ops;
 
 extern const kr_backend_ops kr_cpu_backend;

@@ -338,8 +338,7 @@ int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr
     if (!s->policy && kr_seq_grow(s, n, err) != KR_OK) return -1;
     /* observers a policy appends to every chunk but the last: the prompt's last rows */
     const kr_policy *p = s->policy;
-    int n_app = p && p->ops->appended ? p->ops->appended(p, n) : 0;
-    if (n_app > n) n_app = n;
+    int n_app = p ? kr_policy_appended(p, n) : 0;
     const int pos0 = s->next_pos;
     for (int at = 0; at < n; at += chunk) {
         int len = n - at < chunk ? n - at : chunk;

@@ -192,6 +192,9 @@ const char *kr_policy_spec(const kr_policy *p);
 /* Most entries one (layer, KV head) holds after prefilling n_prompt tokens and generating
  * n_generate more (for reserving blocks). */
 int kr_policy_max_entries(const kr_policy *p, int n_prompt, int n_generate);
+/* Observer rows the policy appends to each prefill chunk but the last (patched chunked
+ * eviction, TAKE's probe): a list briefly holds that many entries more than the chunk adds. */
+int kr_policy_appended(const kr_policy *p, int n_prompt);
 /* Attaches a policy to a sequence before its first token (NULL: full attention). The policy
  * must outlive the sequence. */
 int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err);

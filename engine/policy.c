@@ -13,7 +13,7 @@
 
 static const kr_policy_ops *const families[] = {
     &kr_policy_full, &kr_policy_streaming, &kr_policy_heads, &kr_policy_sage,
-    &kr_policy_snapkv, &kr_policy_pyramidkv, &kr_policy_hsft,
+    &kr_policy_snapkv, &kr_policy_pyramidkv, &kr_policy_take, &kr_policy_hsft,
 };
 
 int kr_policy_int(const char *key, const char *value, long lo, long hi, int *out, char *err)
@@ -169,6 +169,12 @@ int kr_policy_max_entries(const kr_policy *p, int n_prompt, int n_generate)
     /* the pinned set stays; the window holds at most decode_window entries plus the new one */
     int window = p->decode_window + 1 < n_generate ? p->decode_window + 1 : n_generate;
     return n_prompt + window;
+}
+
+int kr_policy_appended(const kr_policy *p, int n_prompt)
+{
+    int n = p->ops->appended ? p->ops->appended(p, n_prompt) : 0;
+    return n < n_prompt ? n : n_prompt;
 }
 
 int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err)

@@ -84,7 +84,7 @@ struct kr_policy_ops {
 };
 
 extern const kr_policy_ops kr_policy_full, kr_policy_streaming, kr_policy_heads, kr_policy_sage;
-extern const kr_policy_ops kr_policy_snapkv, kr_policy_pyramidkv, kr_policy_hsft;
+extern const kr_policy_ops kr_policy_snapkv, kr_policy_pyramidkv, kr_policy_take, kr_policy_hsft;
 
 /* ---- helpers shared by the families (policy.c) */
 
@@ -129,6 +129,12 @@ int kr_hsft_read_windows(const char *path, int n_layers, int *windows, char *err
 void kr_hsft_choose_dense(const float *gates, int n_layers, int n_kv_heads, int n_dense, uint8_t *dense);
 int64_t kr_hsft_rescale(const int *learned, int n_layers, int n_dense, int n_stream, int sink, double budget,
                         int ctx, int *windows);
+/* TAKE's pieces, for tests (policy-take.c): eq. 9 over n floats (first: acc = probe); eq. 8's
+ * budget of a layer in a chunk; the accumulated probe of a scored layer of a sequence
+ * ([min(p, n_prompt)][n_heads][head_dim], NULL for layers that do not score). */
+void kr_take_accumulate(float *acc, const float *probe, size_t n, float alpha, int first);
+int kr_take_budget(const kr_policy *p, int layer, int last);
+const float *kr_take_probe(const kr_seq *s, int layer);
 
 /* ---- the scoring primitive (score.c) */
 

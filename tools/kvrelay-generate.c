@@ -159,16 +159,17 @@ int main(int argc, char **argv)
     kr_ctx_params cp = {.backend = o.backend, .n_threads = (int)o.threads,
                         .max_chunk = (int)(o.chunk < n_prompt ? o.chunk : n_prompt)};
     if (kr_ctx_create(m, &cp, &ctx, err) != KR_OK) cli_die(1, "%s", err);
-    /* room for the whole sequence: a policy only ever holds less */
-    int total = n_prompt + (int)o.max_tokens;
+    kr_policy *policy;
+    if (kr_policy_parse(o.policy, cfg, &policy, err) != KR_OK) cli_die(2, "--policy: %s", err);
+    /* room for the whole sequence plus a policy's appended observers and one block of list
+     * offset: a policy never holds more than full attention would */
+    int total = n_prompt + (int)o.max_tokens + kr_policy_appended(policy, n_prompt) + BLOCK;
     kr_kv_pool *pool;
     kr_seq *seq;
     int blocks = ((total + BLOCK - 1) / BLOCK) * cfg->n_layers * cfg->n_kv_heads;
     if (kr_kv_pool_create(cfg->head_dim, BLOCK, blocks, &pool, err) != KR_OK ||
         kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &seq, err) != KR_OK)
         cli_die(1, "%s", err);
-    kr_policy *policy;
-    if (kr_policy_parse(o.policy, cfg, &policy, err) != KR_OK) cli_die(2, "--policy: %s", err);
     if (kr_seq_set_policy(seq, policy, err) != KR_OK) cli_die(1, "%s", err);
     kr_sampler *sp;
     if (kr_sampler_create(&o.sampling, cfg->vocab_size, &sp, err) != KR_OK) cli_die(2, "%s", err);

@@ -191,4 +191,5 @@ const kr_backend_ops kr_cpu_backend = {
     .kv_store = cpu_kv_store,
     .attention = kr_cpu_attention,
     .score = kr_cpu_score,
+    .score_past = kr_cpu_score_past,
 };

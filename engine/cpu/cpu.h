@@ -29,6 +29,8 @@ void kr_cpu_attention(kr_backend *b, const kr_seq *s, int layer, const float *q,
                       int n_heads, const int32_t *pos, int window, float *out);
 void kr_cpu_score(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
                   int n_heads, int per_head, float *scores, size_t stride);
+void kr_cpu_score_past(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
+                       int n_heads, int per_head, int n_hidden, float *scores, size_t stride);
 /* Rows of attention scratch each thread needs for a model: see attention.c. */
 size_t kr_cpu_attention_scratch(const kr_config *cfg);
 

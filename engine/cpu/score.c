@@ -1,7 +1,9 @@
 /*
  * score.c (CPU) - the attention half of the scoring primitive: observers' softmax attention over
  * each (layer, KV head) list, summed over observers, averaged per GQA group or kept per query
- * head. Softmax sums in double: selections should not flip on rounding.
+ * head; `score_past` is the same with every observer seeing the same prefix of its list (an
+ * observer placed after the entries it scores). Softmax sums in double: selections should not
+ * flip on rounding.
  * Work items are KV heads, split over the thread pool.
  */
 #include "cpu.h"
@@ -16,6 +18,7 @@ typedef struct score_job {
     int layer;
     const float *q;
     int n_obs, n_heads, per_head;
+    int hidden; /* < 0: causal (observer i sees len - n_obs + i + 1); else all see len - hidden */
     float *scores;
     size_t stride;
 } score_job;
@@ -36,7 +39,7 @@ static void score_head(const score_job *j, int g)
         if (j->per_head) memset(out, 0, sizeof(float) * (size_t)l->len);
         for (int i = 0; i < j->n_obs; i++) {
             const float *q = j->q + ((size_t)i * j->n_heads + (size_t)g * group + h) * d;
-            int vis = l->len - j->n_obs + i + 1;
+            int vis = j->hidden < 0 ? l->len - j->n_obs + i + 1 : l->len - j->hidden;
             double mx = -INFINITY, z = 0.0;
             for (int e = 0; e < vis; e++) {
                 double x = kr_dot_f32(q, kr_kv_list_key(p, l, e), d) * scale;
@@ -67,6 +70,14 @@ void kr_cpu_score(kr_backend *b, const kr_seq *s, int layer, const float *q_obs,
                   int n_heads, int per_head, float *scores, size_t stride)
 {
     score_job j = {.b = b, .s = s, .layer = layer, .q = q_obs, .n_obs = n_obs, .n_heads = n_heads,
-                   .per_head = per_head, .scores = scores, .stride = stride};
+                   .per_head = per_head, .hidden = -1, .scores = scores, .stride = stride};
+    kr_threadpool_run(b->tp, score_task, &j);
+}
+
+void kr_cpu_score_past(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
+                       int n_heads, int per_head, int n_hidden, float *scores, size_t stride)
+{
+    score_job j = {.b = b, .s = s, .layer = layer, .q = q_obs, .n_obs = n_obs, .n_heads = n_heads,
+                   .per_head = per_head, .hidden = n_hidden, .scores = scores, .stride = stride};
     kr_threadpool_run(b->tp, score_task, &j);
 }

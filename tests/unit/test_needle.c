@@ -144,6 +144,9 @@ int main(void)
         {"pyramidkv:mode=naive,obs=8,budget=108", 0},
         {"streaming:sink=4,window=16", 0},
         {"sage:budget=32", 1},
+        /* TAKE: the question is the probe, appended to every chunk; warm-up layer 0 keeps Bw
+         * until the last chunk, then the indices chosen at layer 0 */
+        {"take:budget=16,warmup_budget=32,warmup_layers=1,probe=8", 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int k = needle_lists_keeping(ctx, pool, cfg, cases[i].spec);
