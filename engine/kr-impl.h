@@ -165,6 +165,18 @@ static inline int32_t *kr_kv_list_pos(const kr_kv_pool *p, const kr_kv_list *l, 
     int i = l->off + e;
     return kr_kv_pos(p, l->blocks[i / p->block_size], i % p->block_size);
 }
+/* Key and value rows of entries [e0, e0 + n) of a list, stepping through the blocks (the
+ * per-entry accessors divide by the block size: too slow for attention's inner loops). */
+static inline void kr_kv_list_rows(const kr_kv_pool *p, const kr_kv_list *l, int e0, int n,
+                                   const float **k, const float **v)
+{
+    int i = l->off + e0, b = i / p->block_size, slot = i % p->block_size;
+    for (int j = 0; j < n; j++) {
+        k[j] = kr_kv_key(p, l->blocks[b], slot);
+        if (v) v[j] = kr_kv_value(p, l->blocks[b], slot);
+        if (++slot == p->block_size) slot = 0, b++;
+    }
+}
 /* Makes room for `n` more entries in every (layer, KV head), all or nothing: fails when the
  * pool lacks blocks, leaving the sequence as it was. */
 int kr_seq_grow(kr_seq *s, int n, char *err);

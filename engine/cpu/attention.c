@@ -64,14 +64,13 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
         sum[h] = 0.0f;
         for (int e = 0; e < d; e++) acc[(size_t)h * d + e] = 0.0f;
     }
+    const float *krow[TILE], *vrow[TILE];
     for (int j0 = start; j0 < visible; j0 += TILE) {
         int jn = visible - j0 < TILE ? visible - j0 : TILE;
-        for (int jj = 0; jj < jn; jj++) {
-            int e = j0 + jj;
-            const float *k = kr_kv_list_key(p, l, e);
+        kr_kv_list_rows(p, l, j0, jn, krow, vrow);
+        for (int jj = 0; jj < jn; jj++)
             for (int h = 0; h < group; h++)
-                sc[(size_t)h * TILE + jj] = kr_dot_f32(q + (size_t)h * d, k, d) * scale;
-        }
+                sc[(size_t)h * TILE + jj] = kr_dot_f32(q + (size_t)h * d, krow[jj], d) * scale;
         for (int h = 0; h < group; h++) {
             float *s = sc + (size_t)h * TILE;
             float mt = m[h];
@@ -80,11 +79,9 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
             sum[h] = sum[h] * corr + kr_exp_shift_sum(s, jn, mt);
             kr_scale(acc + (size_t)h * d, corr, d);
             m[h] = mt;
-            for (int jj = 0; jj < jn; jj++) {
-                int e = j0 + jj;
-                kr_axpy(acc + (size_t)h * d, s[jj], kr_kv_list_value(p, l, e), d);
-            }
         }
+        for (int jj = 0; jj < jn; jj++) /* each value row once for the whole group */
+            for (int h = 0; h < group; h++) kr_axpy(acc + (size_t)h * d, sc[(size_t)h * TILE + jj], vrow[jj], d);
     }
     float *o = j->out + ((size_t)i * j->n_heads + (size_t)g * group) * d;
     for (int h = 0; h < group; h++) {
@@ -119,10 +116,11 @@ static void attend_block(const att_job *j, float *scratch, int g, int i0, int i1
 
     for (int j0 = lo[0]; j0 < hi[nq - 1]; j0 += TILE) {
         int jn = hi[nq - 1] - j0 < TILE ? hi[nq - 1] - j0 : TILE;
+        const float *krow[TILE], *vrow[TILE];
+        kr_kv_list_rows(p, l, j0, jn, krow, vrow);
         for (int e = 0; e < jn; e++) {
-            int idx = j0 + e;
-            memcpy(kt + (size_t)e * d, kr_kv_list_key(p, l, idx), sizeof(float) * d);
-            memcpy(vt + (size_t)e * d, kr_kv_list_value(p, l, idx), sizeof(float) * d);
+            memcpy(kt + (size_t)e * d, krow[e], sizeof(float) * d);
+            memcpy(vt + (size_t)e * d, vrow[e], sizeof(float) * d);
         }
         for (int h = 0; h < group; h++) {
             float *s = sc + (size_t)h * QBLOCK * TILE;

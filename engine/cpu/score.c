@@ -12,6 +12,8 @@
 #include <math.h>
 #include <string.h>
 
+enum { TILE = 128 }; /* entries whose row pointers are looked up at once */
+
 typedef struct score_job {
     kr_backend *b;
     const kr_seq *s;
@@ -41,18 +43,27 @@ static void score_head(const score_job *j, int g)
             const float *q = j->q + ((size_t)i * j->n_heads + (size_t)g * group + h) * d;
             int vis = j->hidden < 0 ? l->len - j->n_obs + i + 1 : l->len - j->hidden;
             double mx = -INFINITY, z = 0.0;
-            for (int e = 0; e < vis; e++) {
-                double x = kr_dot_f32(q, kr_kv_list_key(p, l, e), d) * scale;
-                if (x > mx) {
-                    z = z * exp(mx - x) + 1.0;
-                    mx = x;
-                } else {
-                    z += exp(x - mx);
+            const float *krow[TILE];
+            for (int e0 = 0; e0 < vis; e0 += TILE) {
+                int n = vis - e0 < TILE ? vis - e0 : TILE;
+                kr_kv_list_rows(p, l, e0, n, krow, NULL);
+                for (int jj = 0; jj < n; jj++) {
+                    double x = kr_dot_f32(q, krow[jj], d) * scale;
+                    if (x > mx) {
+                        z = z * exp(mx - x) + 1.0;
+                        mx = x;
+                    } else {
+                        z += exp(x - mx);
+                    }
                 }
             }
-            for (int e = 0; e < vis; e++) {
-                double x = kr_dot_f32(q, kr_kv_list_key(p, l, e), d) * scale;
-                out[e] += (float)(w * exp(x - mx) / z);
+            for (int e0 = 0; e0 < vis; e0 += TILE) {
+                int n = vis - e0 < TILE ? vis - e0 : TILE;
+                kr_kv_list_rows(p, l, e0, n, krow, NULL);
+                for (int jj = 0; jj < n; jj++) {
+                    double x = kr_dot_f32(q, krow[jj], d) * scale;
+                    out[e0 + jj] += (float)(w * exp(x - mx) / z);
+                }
             }
         }
     }

@@ -191,10 +191,33 @@ int main(void)
     check_fails("exactly one of", "%s/kvrelay-generate --model %s --max-tokens 2", m);
     check_fails("tokenizer.json", "%s/kvrelay-generate --model %s --prompt hi --max-tokens 2", m);
     check_fails("--top-p", "%s/kvrelay-generate --model %s --ids 1 --max-tokens 2 --top-p 1.5", m);
+    check_fails("unknown policy 'bogus'", "%s/kvrelay-generate --model %s --ids 1 --max-tokens 2 --policy bogus", m);
+    check_fails("no key 'size'", "%s/kvrelay-generate --model %s --ids 1 --max-tokens 2 --policy streaming:size=3", m);
+
+    /* a policy end to end: 64 prompt tokens in chunks of 8 under streaming with 2 sinks and an
+     * 8-token window: every list keeps 10 entries, the footprint and peak fall below 1 */
+    char ids[1024], *out;
+    size_t at = 0;
+    for (int i = 0; i < 64; i++) at += (size_t)snprintf(ids + at, sizeof ids - at, "%s%d", i ? " " : "", (i * 7 + 3) % 500);
+    int st = run(&out, "%s/kvrelay-generate --model %s --ids \"%s\" --max-tokens 8 --greedy --json --stats --chunk 8 "
+                 "--policy streaming:sink=2,window=8", bin, m, ids);
+    cJSON *res = cJSON_Parse(out);
+    const cJSON *stats = res ? cJSON_GetObjectItem(res, "stats") : NULL;
+    CHECK(st == 0 && stats, "streaming run failed: %s", out);
+    if (stats) {
+        double fp = cJSON_GetObjectItem(stats, "kv_footprint")->valuedouble;
+        double peak = cJSON_GetObjectItem(stats, "peak_kv")->valuedouble;
+        int kept = cJSON_GetObjectItem(stats, "kv_entries_kept")->valueint;
+        CHECK(fp > 0.1 && fp < 0.5 && peak < 0.4 && kept == 10 * 4 * 2, "streaming stats: footprint %g peak %g kept %d",
+              fp, peak, kept);
+        CHECK(!strcmp(cJSON_GetObjectItem(stats, "policy")->valuestring,
+                      "streaming:sink=2,window=8,lazy=1,slack=0,max_drop=0,pos=abs"), "canonical policy echoed");
+    }
+    cJSON_Delete(res);
+    free(out);
     const char *progs[] = {"kvrelay-logits", "kvrelay-generate", "kvrelay-bench-engine", "kvrelay-tokenize"};
     for (int i = 0; i < 4; i++) {
-        char *out;
-        int st = run(&out, "%s/%s --help", bin, progs[i]);
+        st = run(&out, "%s/%s --help", bin, progs[i]);
         CHECK(st == 0 && strstr(out, "usage:"), "%s --help: status %d, '%s'", progs[i], st, out);
         free(out);
     }

@@ -5,8 +5,8 @@
  * logits within 1e-4 (incremental decode through the KV cache), and chunked prefill with
  * chunk sizes 1, 7 and 64 equal to one-shot prefill within float rounding. Run on 1 and 2
  * threads, with the checkpoint's dtype kept in memory and with weights converted to f32.
- * Then every policy whose budget holds the whole sequence must reproduce the same references
- * (prompt logits through chunked prefill, and the greedy steps).
+ * Then every policy whose budget holds the whole sequence (every family: KEEP_ALL) must reproduce
+ * the same references (prompt logits through chunked prefill of 7, and the greedy steps).
  */
 #include "kr_test.h"
 
@@ -172,9 +172,36 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     free(tokens);
 }
 
-/* policy specs whose budgets hold the 300 + 16 tokens of the longest case */
-static const char *const KEEP_ALL[] = {"full", "streaming:sink=4,window=400", "sage:budget=512",
-                                       "heads:pattern=%s,sparsity=0"};
+/* policy specs whose budgets hold the 300 + 16 tokens of the longest case; {gates} and {windows}
+ * become files written for the model (equal gates, generous per-layer windows) */
+static const char *const KEEP_ALL[] = {
+    "full",
+    "streaming:sink=4,window=400",
+    "sage:budget=512",
+    "heads:pattern={gates},sparsity=0",
+    "snapkv:mode=naive,obs=4,budget=100000",
+    "snapkv:mode=patched,obs=4,budget=100000",
+    "pyramidkv:mode=naive,obs=4,budget=100000",
+    "pyramidkv:mode=patched,budget=100000",
+    "take:budget=4096,warmup_budget=4096,probe=8", /* the probe is appended to chunks of 7 */
+    "hsft:windows={windows},pattern={gates},budget=1,sink=4",
+};
+
+/* spec with {gates} and {windows} replaced */
+static void expand(const char *tmpl, const char *gates, const char *windows, char *out, size_t cap)
+{
+    size_t at = 0;
+    for (const char *p = tmpl; *p && at + 1 < cap;) {
+        const char *with = !strncmp(p, "{gates}", 7) ? gates : !strncmp(p, "{windows}", 9) ? windows : NULL;
+        if (with) {
+            at += (size_t)snprintf(out + at, cap - at, "%s", with);
+            p += with == gates ? 7 : 9;
+        } else {
+            out[at++] = *p++;
+        }
+    }
+    out[at < cap ? at : cap - 1] = 0;
+}
 
 static void check_model(const char *dir, const char *model, int threads, int weights_f32, int policies)
 {
@@ -203,24 +230,30 @@ static void check_model(const char *dir, const char *model, int threads, int wei
         n_cases++;
     }
     CHECK(n_cases >= 4, "%s: only %d cases", model, n_cases);
+    /* a gate file of equal values (sparsity 0 keeps every head dense) and a windows file */
+    char gates[128], windows[128], spec[512];
+    snprintf(gates, sizeof gates, "/tmp/kr_fixture_gates.%d.tsv", (int)getpid());
+    snprintf(windows, sizeof windows, "/tmp/kr_fixture_windows.%d.txt", (int)getpid());
+    FILE *fg = fopen(gates, "w"), *fw = fopen(windows, "w");
+    REQUIRE(fg && fw, "cannot write %s or %s", gates, windows);
+    for (int l = 0; l < r.cfg->n_layers; l++) {
+        for (int g = 0; g < r.cfg->n_kv_heads; g++) fprintf(fg, "0.5%c", g + 1 < r.cfg->n_kv_heads ? '\t' : '\n');
+        fprintf(fw, "%d\n", 64 * (l + 1));
+    }
+    fclose(fg);
+    fclose(fw);
     for (int k = 0; policies && k < (int)(sizeof KEEP_ALL / sizeof KEEP_ALL[0]); k++) {
-        /* heads: a gate file of equal values, so sparsity 0 keeps every head dense */
-        char tsv[128], spec[256];
-        snprintf(tsv, sizeof tsv, "/tmp/kr_fixture_gates.%d.tsv", (int)getpid());
-        FILE *f = fopen(tsv, "w");
-        for (int l = 0; l < r.cfg->n_layers; l++)
-            for (int g = 0; g < r.cfg->n_kv_heads; g++) fprintf(f, "0.5%c", g + 1 < r.cfg->n_kv_heads ? '\t' : '\n');
-        fclose(f);
-        snprintf(spec, sizeof spec, KEEP_ALL[k], tsv);
+        expand(KEEP_ALL[k], gates, windows, spec, sizeof spec);
         kr_policy *p;
         REQUIRE(kr_policy_parse(spec, r.cfg, &p, err) == KR_OK, "%s: %s", spec, err);
         r.policy = p;
         cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "cases")) check_case(&r, model, c, ref);
+        printf("%s: %s reproduces the references\n", model, kr_policy_spec(p));
         r.policy = NULL;
         kr_policy_free(p);
-        unlink(tsv);
-        printf("%s: %s reproduces the references\n", model, spec);
     }
+    unlink(gates);
+    unlink(windows);
     printf("%s (threads %d, weights %s): %d cases; max |diff| vs reference %.2g, chunked vs "
            "one-shot %.2g\n", model, threads, weights_f32 ? "f32" : kr_dtype_name(kr_model_weight_dtype(m)),
            n_cases, worst_ref, worst_chunk);
