@@ -1,0 +1,855 @@
+/*
+ * bundle.c - the KV bundle codec of bundle.h: layout, writer, validating parser, CRC32C and
+ * the f32 <-> f16/bf16 element conversions. The format is specified in docs/bundle.md; the
+ * constants below are the ones that document names.
+ * What it is not: a transport, a quantizer (int8/fp8 payload codes are reserved and refused),
+ * or a user of engine/ (plain C data only).
+ * Header fields are read and written byte by byte (little-endian on the wire whatever the
+ * host); payload rows and positions are copied with memcpy, which is why the build refuses a
+ * big-endian host below instead of silently byte-swapping a gigabyte per request.
+ * Run: ctest -R bundle (tests/unit/test_bundle.c, tests/fuzz/fuzz_bundle.c).
+ */
+#include "bundle.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvtransfer/bundle.c copies payload rows as they are in memory: little-endian hosts only"
+#endif
+
+/* ------------------------------------------------------------------ wire constants */
+
+static const uint8_t BL_MAGIC[8] = {'K', 'V', 'R', 'B', 'U', 'N', 'D', 'L'};
+
+enum {
+    BL_FIXED = 80, /* fixed header bytes before the section table */
+    BL_SECT_ENTRY = 24, /* u32 id, u32 crc, u64 offset, u64 length */
+    BL_LIST_ENTRY = 24, /* u64 first, u32 count, u32 pinned, u32 window, u32 reserved */
+    BL_ALIGN = 64, /* every section starts on a multiple of this */
+    BL_V1_SECTIONS = 4,
+    BL_MAX_SECTIONS = 16, /* a newer minor may append sections after V; this many at most */
+    BL_REQUIRED_FLAGS = 0xffff, /* low flag bits: a reader that does not know one must refuse */
+};
+
+/* Fixed header field offsets (docs/bundle.md, "Fixed header"). */
+enum {
+    BL_OFF_MAGIC = 0,
+    BL_OFF_MAJOR = 8,
+    BL_OFF_MINOR = 10,
+    BL_OFF_HEADER_SIZE = 12,
+    BL_OFF_TOTAL = 16,
+    BL_OFF_FLAGS = 24,
+    BL_OFF_HEADER_CRC = 28,
+    BL_OFF_FINGERPRINT = 32,
+    BL_OFF_LAYERS = 48,
+    BL_OFF_KV_HEADS = 52,
+    BL_OFF_HEAD_DIM = 56,
+    BL_OFF_DTYPE = 60,
+    BL_OFF_N_SECTIONS = 62,
+    BL_OFF_FIRST_TOKEN = 64,
+    BL_OFF_PROMPT_LEN = 68,
+    BL_OFF_NEXT_POS = 72,
+    BL_OFF_POLICY_LEN = 76,
+    BL_OFF_RESERVED = 78,
+};
+
+enum { BL_SEC_LISTS = 0, BL_SEC_POSITIONS = 1, BL_SEC_K = 2, BL_SEC_V = 3 };
+static const char *const BL_SEC_NAME[BL_V1_SECTIONS] = {"lists", "positions", "K", "V"};
+
+static const char *sec_name(unsigned i) { return i < BL_V1_SECTIONS ? BL_SEC_NAME[i] : "extra"; }
+
+/* ------------------------------------------------------------------ small helpers */
+
+static int fail(char *err, const char *fmt, ...)
+{
+    if (err) {
+        int n = snprintf(err, KT_ERR_MAX, "bundle: ");
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err + n, KT_ERR_MAX - (size_t)n, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static uint32_t rd32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
+static void wr16(uint8_t *p, uint16_t x)
+{
+    p[0] = (uint8_t)x;
+    p[1] = (uint8_t)(x >> 8);
+}
+static void wr32(uint8_t *p, uint32_t x)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(x >> (8 * i));
+}
+static void wr64(uint8_t *p, uint64_t x)
+{
+    wr32(p, (uint32_t)x);
+    wr32(p + 4, (uint32_t)(x >> 32));
+}
+
+static uint64_t align_up(uint64_t x) { return (x + BL_ALIGN - 1) & ~(uint64_t)(BL_ALIGN - 1); }
+
+/* ------------------------------------------------------------------ dtypes */
+
+const char *kt_dtype_name(kt_dtype t)
+{
+    switch (t) {
+    case KT_DTYPE_F32: return "f32";
+    case KT_DTYPE_F16: return "f16";
+    case KT_DTYPE_BF16: return "bf16";
+    case KT_DTYPE_INT8_TOKEN: return "int8+scale";
+    case KT_DTYPE_FP8_E4M3_TOKEN: return "fp8_e4m3+scale";
+    }
+    return "?";
+}
+
+size_t kt_dtype_size(kt_dtype t)
+{
+    switch (t) {
+    case KT_DTYPE_F32: return 4;
+    case KT_DTYPE_F16:
+    case KT_DTYPE_BF16: return 2;
+    default: return 0;
+    }
+}
+
+static int check_dtype(uint32_t code, const char *what, char *err)
+{
+    if (code == KT_DTYPE_F32 || code == KT_DTYPE_F16 || code == KT_DTYPE_BF16) return 0;
+    if (code == KT_DTYPE_INT8_TOKEN || code == KT_DTYPE_FP8_E4M3_TOKEN)
+        return fail(err, "%s %u (%s) is not supported by this build ---> HINT: send f32, f16 or bf16",
+                    what, code, kt_dtype_name((kt_dtype)code));
+    return fail(err, "unknown %s %u (known: 0 f32, 1 f16, 2 bf16)", what, code);
+}
+
+uint16_t kt_f32_to_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
+    x += 0x7fffu + ((x >> 16) & 1); /* round to nearest even; overflow carries into inf */
+    return (uint16_t)(x >> 16);
+}
+
+float kt_bf16_to_f32(uint16_t b)
+{
+    uint32_t x = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+uint16_t kt_f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* NaN */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
+    if (ax >= 0x38800000u) { /* a normal half (>= 2^-14): rebias the exponent, round at bit 13 */
+        uint32_t m = ax - 0x38000000u;
+        m += 0xfffu + ((m >> 13) & 1);
+        return (uint16_t)(sign | (m >> 13));
+    }
+    const uint32_t e = ax >> 23;
+    if (e < 102) return (uint16_t)sign; /* below 2^-25: rounds to zero (2^-25 itself ties to 0) */
+    /* A subnormal half counts units of 2^-24: the mantissa with its implicit bit, shifted. */
+    const uint32_t m = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e; /* 14..24 */
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) q++; /* q may reach 0x400: the smallest normal */
+    return (uint16_t)(sign | q);
+}
+
+float kt_f16_to_f32(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t x;
+    if (e == 0) {
+        float f = (float)m * 0x1p-24f; /* exact: m < 2^10 */
+        return sign ? -f : f;
+    }
+    if (e == 31)
+        x = sign | 0x7f800000u | (m << 13);
+    else
+        x = sign | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* n elements of `src_dtype` at `src` (any alignment) to `dst_dtype` at `dst`. */
+static void convert(uint8_t *dst, kt_dtype dst_dtype, const uint8_t *src, kt_dtype src_dtype,
+                    size_t n)
+{
+    if (dst_dtype == src_dtype) {
+        memcpy(dst, src, n * kt_dtype_size(src_dtype));
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        float f;
+        uint16_t h;
+        switch (src_dtype) {
+        case KT_DTYPE_F16: memcpy(&h, src + 2 * i, 2); f = kt_f16_to_f32(h); break;
+        case KT_DTYPE_BF16: memcpy(&h, src + 2 * i, 2); f = kt_bf16_to_f32(h); break;
+        default: memcpy(&f, src + 4 * i, 4); break;
+        }
+        switch (dst_dtype) {
+        case KT_DTYPE_F16: h = kt_f32_to_f16(f); memcpy(dst + 2 * i, &h, 2); break;
+        case KT_DTYPE_BF16: h = kt_f32_to_bf16(f); memcpy(dst + 2 * i, &h, 2); break;
+        default: memcpy(dst + 4 * i, &f, 4); break;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ CRC32C */
+
+/* Slicing-by-8 tables for the portable path, built once. Why not a library: Debian 12 has no
+ * CRC32C -dev package we already depend on (zlib's crc32 is the IEEE polynomial, xxhash is not
+ * installed here), and with the SSE4.2 instruction 40 lines are as fast as any of them. */
+static uint32_t crc_table[8][256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
+}
+
+static uint32_t crc_sw(uint32_t c, const uint8_t *p, size_t n)
+{
+    pthread_once(&crc_once, crc_init);
+    while (n >= 8) {
+        uint32_t lo = c ^ rd32(p), hi = rd32(p + 4);
+        c = crc_table[7][lo & 0xff] ^ crc_table[6][(lo >> 8) & 0xff] ^
+            crc_table[5][(lo >> 16) & 0xff] ^ crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xff] ^
+            crc_table[2][(hi >> 8) & 0xff] ^ crc_table[1][(hi >> 16) & 0xff] ^ crc_table[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = (c >> 8) ^ crc_table[0][(c ^ *p++) & 0xff];
+    return c;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define KT_CRC_HW 1
+/* One stream of the crc32 instruction: about 8 bytes per 3 cycles. Interleaving three streams
+ * would triple that; not needed while the wire is slower (see docs/bundle.md). */
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n)
+{
+    uint64_t c64 = c;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c64 = _mm_crc32_u64(c64, w);
+        p += 8;
+        n -= 8;
+    }
+    c = (uint32_t)c64;
+    while (n--) c = _mm_crc32_u8(c, *p++);
+    return c;
+}
+#endif
+
+uint32_t kt_crc32c(uint32_t crc, const void *data, size_t n)
+{
+    const uint8_t *p = data;
+    uint32_t c = ~crc;
+#ifdef KT_CRC_HW
+    if (__builtin_cpu_supports("sse4.2")) return ~crc_hw(c, p, n);
+#endif
+    return ~crc_sw(c, p, n);
+}
+
+/* ------------------------------------------------------------------ validation shared by both sides */
+
+static int valid_utf8(const uint8_t *s, size_t n, size_t *bad)
+{
+    size_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        size_t len;
+        uint32_t cp;
+        if (c == 0) goto bad;
+        if (c < 0x80) { i++; continue; }
+        if ((c & 0xe0) == 0xc0) { len = 2; cp = c & 0x1f; }
+        else if ((c & 0xf0) == 0xe0) { len = 3; cp = c & 0x0f; }
+        else if ((c & 0xf8) == 0xf0) { len = 4; cp = c & 0x07; }
+        else goto bad;
+        if (n - i < len) goto bad;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xc0) != 0x80) goto bad;
+            cp = cp << 6 | (s[i + k] & 0x3f);
+        }
+        /* overlong forms, UTF-16 surrogates and code points past U+10FFFF are not UTF-8 */
+        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+            (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
+            goto bad;
+        i += len;
+    }
+    return 1;
+bad:
+    *bad = i;
+    return 0;
+}
+
+static int check_fingerprint(const char *fp, char *err)
+{
+    for (int i = 0; i < 16; i++) {
+        char c = fp[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+            return fail(err, "model fingerprint byte %d is 0x%02x, expected a lowercase hex digit "
+                        "(16 of them, as kr_model_fingerprint gives)", i, (unsigned)(uint8_t)c);
+    }
+    if (fp[16] != '\0')
+        return fail(err, "model fingerprint is longer than 16 hex digits");
+    return 0;
+}
+
+/* Every header field against its bounds: the writer refuses what the parser would. */
+static int check_header(const kt_bundle_header *h, size_t policy_len, char *err)
+{
+    if (check_fingerprint(h->fingerprint, err)) return -1;
+    if (h->n_layers < 1 || h->n_layers > KT_BUNDLE_MAX_LAYERS)
+        return fail(err, "n_layers %" PRIu32 " out of range [1, %d]", h->n_layers, KT_BUNDLE_MAX_LAYERS);
+    if (h->n_kv_heads < 1 || h->n_kv_heads > KT_BUNDLE_MAX_KV_HEADS)
+        return fail(err, "n_kv_heads %" PRIu32 " out of range [1, %d]", h->n_kv_heads,
+                    KT_BUNDLE_MAX_KV_HEADS);
+    if (h->head_dim < 1 || h->head_dim > KT_BUNDLE_MAX_HEAD_DIM)
+        return fail(err, "head_dim %" PRIu32 " out of range [1, %d]", h->head_dim, KT_BUNDLE_MAX_HEAD_DIM);
+    if (check_dtype((uint32_t)h->dtype, "payload dtype", err)) return -1;
+    if (h->first_token < 0) return fail(err, "first_token %" PRId32 " is negative", h->first_token);
+    if (h->prompt_len < 1) return fail(err, "prompt_len %" PRId32 " is below 1", h->prompt_len);
+    if (h->next_pos < 0) return fail(err, "next_pos %" PRId32 " is negative", h->next_pos);
+    if (policy_len == 0) return fail(err, "policy spec is empty (\"full\" is the no-eviction policy)");
+    if (policy_len > KT_BUNDLE_MAX_POLICY)
+        return fail(err, "policy spec is %zu bytes, more than the %d allowed", policy_len,
+                    KT_BUNDLE_MAX_POLICY);
+    size_t bad;
+    if (!valid_utf8((const uint8_t *)h->policy, policy_len, &bad))
+        return fail(err, "policy spec is not UTF-8 without NUL (bad byte at offset %zu)", bad);
+    return 0;
+}
+
+static int check_list(const kt_bundle_header *h, uint32_t i, const kt_bundle_list *l, char *err)
+{
+    const uint32_t layer = i / h->n_kv_heads, head = i % h->n_kv_heads;
+    if (l->count > (uint32_t)h->next_pos)
+        return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") count %" PRIu32
+                    " exceeds next_pos %" PRId32 " (positions are distinct and below it)",
+                    layer, head, l->count, h->next_pos);
+    if (l->pinned > l->count)
+        return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") pinned %" PRIu32
+                    " exceeds its count %" PRIu32, layer, head, l->pinned, l->count);
+    if (l->window != KT_BUNDLE_WINDOW_DENSE && l->window > (uint32_t)INT32_MAX)
+        return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") window %" PRIu32
+                    " is above 2^31-1 and not the dense marker 0xffffffff", layer, head, l->window);
+    return 0;
+}
+
+/* Where every v1 section goes, from the header and the entry total; checked arithmetic. */
+typedef struct bl_layout {
+    uint64_t header_size;
+    uint64_t off[BL_V1_SECTIONS], len[BL_V1_SECTIONS];
+    uint64_t total;
+} bl_layout;
+
+static int layout(uint32_t n_sections, size_t policy_len, uint32_t n_lists, uint64_t n_entries,
+                  size_t row_bytes, bl_layout *L, char *err)
+{
+    /* n_lists <= 2^20 and n_entries < 2^51 by the bounds checked before: only the row
+     * products can overflow 64 bits. */
+    L->header_size = align_up(BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY + policy_len);
+    L->len[BL_SEC_LISTS] = (uint64_t)n_lists * BL_LIST_ENTRY;
+    L->len[BL_SEC_POSITIONS] = n_entries * 4;
+    uint64_t kv;
+    if (__builtin_mul_overflow(n_entries, (uint64_t)row_bytes, &kv) || kv > KT_BUNDLE_MAX_BYTES)
+        return fail(err, "%" PRIu64 " entries of %zu-byte rows exceed the %" PRIu64
+                    "-byte bundle limit", n_entries, row_bytes, (uint64_t)KT_BUNDLE_MAX_BYTES);
+    L->len[BL_SEC_K] = L->len[BL_SEC_V] = kv;
+    uint64_t end = L->header_size;
+    for (int s = 0; s < BL_V1_SECTIONS; s++) {
+        L->off[s] = align_up(end);
+        end = L->off[s] + L->len[s]; /* each term <= 2^38: no overflow */
+    }
+    if (end > KT_BUNDLE_MAX_BYTES)
+        return fail(err, "bundle of %" PRIu64 " bytes exceeds the %" PRIu64 "-byte limit", end,
+                    (uint64_t)KT_BUNDLE_MAX_BYTES);
+    L->total = end;
+    return 0;
+}
+
+static size_t policy_length(const kt_bundle_header *h)
+{
+    return strnlen(h->policy, sizeof h->policy);
+}
+
+/* Header, lists and layout: what kt_bundle_size and the writer both need. */
+static int plan(const kt_bundle_header *h, const kt_bundle_list *lists, bl_layout *L,
+                uint64_t *n_entries_out, char *err)
+{
+    if (!h || !lists) return fail(err, "NULL header or list table");
+    const size_t policy_len = policy_length(h);
+    if (check_header(h, policy_len, err)) return -1;
+    const uint32_t n_lists = h->n_layers * h->n_kv_heads;
+    uint64_t n_entries = 0;
+    for (uint32_t i = 0; i < n_lists; i++) {
+        if (check_list(h, i, &lists[i], err)) return -1;
+        n_entries += lists[i].count;
+    }
+    if (layout(BL_V1_SECTIONS, policy_len, n_lists, n_entries,
+               (size_t)h->head_dim * kt_dtype_size(h->dtype), L, err))
+        return -1;
+    *n_entries_out = n_entries;
+    return 0;
+}
+
+int kt_bundle_size(const kt_bundle_header *h, const kt_bundle_list *lists, uint64_t *size_out,
+                   char *err)
+{
+    bl_layout L;
+    uint64_t n_entries;
+    if (plan(h, lists, &L, &n_entries, err)) return -1;
+    *size_out = L.total;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ writer */
+
+int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
+                           const kt_bundle_list *lists, void *buf, size_t cap, char *err)
+{
+    bl_layout L;
+    uint64_t n_entries;
+    if (!w) return fail(err, "NULL writer");
+    w->state = 0;
+    if (plan(h, lists, &L, &n_entries, err)) return -1;
+    if (!buf || cap < L.total)
+        return fail(err, "buffer of %zu bytes is too small for this bundle of %" PRIu64
+                    " bytes ---> HINT: size it with kt_bundle_size", buf ? cap : (size_t)0, L.total);
+    uint8_t *b = buf;
+    const size_t policy_len = policy_length(h);
+    const uint32_t n_lists = h->n_layers * h->n_kv_heads;
+
+    /* Everything that is not payload is written here, gaps included, so every byte of the
+     * bundle is defined whatever buf held before. */
+    memset(b, 0, L.off[BL_SEC_LISTS]);
+    memcpy(b + BL_OFF_MAGIC, BL_MAGIC, 8);
+    wr16(b + BL_OFF_MAJOR, KT_BUNDLE_VERSION_MAJOR);
+    wr16(b + BL_OFF_MINOR, KT_BUNDLE_VERSION_MINOR);
+    wr32(b + BL_OFF_HEADER_SIZE, (uint32_t)L.header_size);
+    wr64(b + BL_OFF_TOTAL, L.total);
+    wr32(b + BL_OFF_FLAGS, 0);
+    memcpy(b + BL_OFF_FINGERPRINT, h->fingerprint, 16);
+    wr32(b + BL_OFF_LAYERS, h->n_layers);
+    wr32(b + BL_OFF_KV_HEADS, h->n_kv_heads);
+    wr32(b + BL_OFF_HEAD_DIM, h->head_dim);
+    wr16(b + BL_OFF_DTYPE, (uint16_t)h->dtype);
+    wr16(b + BL_OFF_N_SECTIONS, BL_V1_SECTIONS);
+    wr32(b + BL_OFF_FIRST_TOKEN, (uint32_t)h->first_token);
+    wr32(b + BL_OFF_PROMPT_LEN, (uint32_t)h->prompt_len);
+    wr32(b + BL_OFF_NEXT_POS, (uint32_t)h->next_pos);
+    wr16(b + BL_OFF_POLICY_LEN, (uint16_t)policy_len);
+    for (int s = 0; s < BL_V1_SECTIONS; s++) {
+        uint8_t *e = b + BL_FIXED + s * BL_SECT_ENTRY;
+        wr32(e, (uint32_t)s + 1);
+        wr64(e + 8, L.off[s]);
+        wr64(e + 16, L.len[s]);
+    }
+    memcpy(b + BL_FIXED + BL_V1_SECTIONS * BL_SECT_ENTRY, h->policy, policy_len);
+
+    uint8_t *t = b + L.off[BL_SEC_LISTS];
+    uint64_t first = 0;
+    for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
+        wr64(t, first);
+        wr32(t + 8, lists[i].count);
+        wr32(t + 12, lists[i].pinned);
+        wr32(t + 16, lists[i].window);
+        wr32(t + 20, 0);
+        first += lists[i].count;
+    }
+    wr32(b + BL_FIXED + BL_SEC_LISTS * BL_SECT_ENTRY + 4,
+         kt_crc32c(0, b + L.off[BL_SEC_LISTS], L.len[BL_SEC_LISTS]));
+    for (int s = 1; s < BL_V1_SECTIONS; s++) { /* alignment gaps before positions, K, V */
+        uint64_t prev_end = L.off[s - 1] + L.len[s - 1];
+        memset(b + prev_end, 0, L.off[s] - prev_end);
+    }
+
+    w->buf = b;
+    w->size = L.total;
+    w->lists = lists;
+    w->n_lists = n_lists;
+    w->n_kv_heads = h->n_kv_heads;
+    w->head_dim = h->head_dim;
+    w->dtype = h->dtype;
+    w->next_pos = h->next_pos;
+    w->row_bytes = (size_t)h->head_dim * kt_dtype_size(h->dtype);
+    w->cur = 0;
+    w->filled = 0;
+    w->last_pos = -1;
+    w->entry = 0;
+    w->off_pos = L.off[BL_SEC_POSITIONS];
+    w->off_k = L.off[BL_SEC_K];
+    w->off_v = L.off[BL_SEC_V];
+    w->crc_pos = w->crc_k = w->crc_v = 0;
+    w->state = 1;
+    return 0;
+}
+
+/* Moves the cursor to list `to`, requiring every list passed over to be complete. */
+static int writer_advance(kt_bundle_writer *w, uint32_t to, char *err)
+{
+    while (w->cur < to) {
+        if (w->filled != w->lists[w->cur].count)
+            return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") got %" PRIu32
+                        " of its %" PRIu32 " entries before the writer moved on",
+                        w->cur / w->n_kv_heads, w->cur % w->n_kv_heads, w->filled,
+                        w->lists[w->cur].count);
+        w->cur++;
+        w->filled = 0;
+        w->last_pos = -1;
+    }
+    return 0;
+}
+
+int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uint32_t n,
+                         const int32_t *positions, kt_dtype src_dtype, const void *k,
+                         const void *v, char *err)
+{
+    if (!w || w->state != 1) return fail(err, "writer is not open (never begun, finished or failed)");
+    w->state = 0; /* until this call succeeds */
+    const uint32_t n_layers = w->n_lists / w->n_kv_heads;
+    if (layer >= n_layers || head >= w->n_kv_heads)
+        return fail(err, "put to list (layer %" PRIu32 ", head %" PRIu32 ") outside %" PRIu32
+                    " layers x %" PRIu32 " heads", layer, head, n_layers, w->n_kv_heads);
+    const uint32_t idx = layer * w->n_kv_heads + head;
+    if (idx < w->cur)
+        return fail(err, "put to list (layer %" PRIu32 ", head %" PRIu32 ") after a later list: "
+                    "lists are written in layer-major order", layer, head);
+    if (writer_advance(w, idx, err)) return -1;
+    const kt_bundle_list *l = &w->lists[idx];
+    if (n > l->count - w->filled)
+        return fail(err, "put of %" PRIu32 " entries to list (layer %" PRIu32 ", head %" PRIu32
+                    ") which has %" PRIu32 " of %" PRIu32 " left", n, layer, head,
+                    l->count - w->filled, l->count);
+    if (n == 0) {
+        w->state = 1;
+        return 0;
+    }
+    if (!positions || !k || !v) return fail(err, "put with NULL positions, K or V rows");
+    if (check_dtype((uint32_t)src_dtype, "source dtype", err)) return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        const int32_t p = positions[i];
+        if (p <= w->last_pos || p >= w->next_pos)
+            return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") entry %" PRIu32
+                        " has position %" PRId32 " (previous %" PRId32 ", next_pos %" PRId32
+                        "): positions must increase strictly and stay in [0, next_pos)",
+                        layer, head, w->filled + i, p, w->last_pos, w->next_pos);
+        w->last_pos = p;
+    }
+    uint8_t *dp = w->buf + w->off_pos + w->entry * 4;
+    memcpy(dp, positions, (size_t)n * 4);
+    w->crc_pos = kt_crc32c(w->crc_pos, dp, (size_t)n * 4);
+    const size_t bytes = (size_t)n * w->row_bytes, elems = (size_t)n * w->head_dim;
+    uint8_t *dk = w->buf + w->off_k + w->entry * w->row_bytes;
+    uint8_t *dv = w->buf + w->off_v + w->entry * w->row_bytes;
+    convert(dk, w->dtype, k, src_dtype, elems);
+    convert(dv, w->dtype, v, src_dtype, elems);
+    w->crc_k = kt_crc32c(w->crc_k, dk, bytes);
+    w->crc_v = kt_crc32c(w->crc_v, dv, bytes);
+    w->filled += n;
+    w->entry += n;
+    w->state = 1;
+    return 0;
+}
+
+int kt_bundle_writer_finish(kt_bundle_writer *w, uint64_t *size_out, char *err)
+{
+    if (!w || w->state != 1) return fail(err, "writer is not open (never begun, finished or failed)");
+    w->state = 0;
+    if (writer_advance(w, w->n_lists, err)) return -1; /* every list, the last one included */
+    uint8_t *b = w->buf;
+    wr32(b + BL_FIXED + BL_SEC_POSITIONS * BL_SECT_ENTRY + 4, w->crc_pos);
+    wr32(b + BL_FIXED + BL_SEC_K * BL_SECT_ENTRY + 4, w->crc_k);
+    wr32(b + BL_FIXED + BL_SEC_V * BL_SECT_ENTRY + 4, w->crc_v);
+    const uint32_t header_size = rd32(b + BL_OFF_HEADER_SIZE);
+    wr32(b + BL_OFF_HEADER_CRC, 0);
+    wr32(b + BL_OFF_HEADER_CRC, kt_crc32c(0, b, header_size));
+    *size_out = w->size;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ parser */
+
+static int check_zero(const uint8_t *base, uint64_t from, uint64_t to, const char *where, char *err)
+{
+    for (uint64_t i = from; i < to; i++)
+        if (base[i])
+            return fail(err, "padding byte at offset %" PRIu64 " (%s) is 0x%02x, not zero", i,
+                        where, base[i]);
+    return 0;
+}
+
+static int check_section_crc(const uint8_t *b, unsigned s, uint64_t off, uint64_t len,
+                             uint32_t stored, char *err)
+{
+    const uint32_t got = kt_crc32c(0, b + off, (size_t)len);
+    if (got != stored)
+        return fail(err, "section %s checksum mismatch (expected 0x%08" PRIx32 ", got 0x%08" PRIx32 ")",
+                    sec_name(s), stored, got);
+    return 0;
+}
+
+int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
+{
+    const uint8_t *b = buf;
+    if (!out) return fail(err, "NULL view");
+    if (!b) len = 0;
+    if (len < 8)
+        return fail(err, "truncated: %zu bytes, shorter than the %d-byte fixed header", len, BL_FIXED);
+    if (memcmp(b, BL_MAGIC, 8) != 0) {
+        char shown[17];
+        for (int i = 0; i < 8; i++) snprintf(shown + 2 * i, 3, "%02x", b[i]);
+        return fail(err, "bad magic %s (expected \"KVRBUNDL\") ---> HINT: these bytes are not a "
+                    "kvrelay KV bundle", shown);
+    }
+    if (len < BL_FIXED)
+        return fail(err, "truncated: %zu bytes, shorter than the %d-byte fixed header", len, BL_FIXED);
+    const unsigned major = rd16(b + BL_OFF_MAJOR), minor = rd16(b + BL_OFF_MINOR);
+    if (major != KT_BUNDLE_VERSION_MAJOR)
+        return fail(err, "version %u.%u is %s than this build reads (%d.x) ---> HINT: run the same "
+                    "kvrelay release on prefill and decode nodes", major, minor,
+                    major > KT_BUNDLE_VERSION_MAJOR ? "newer" : "older", KT_BUNDLE_VERSION_MAJOR);
+    const uint64_t total = rd64(b + BL_OFF_TOTAL);
+    if (total > KT_BUNDLE_MAX_BYTES)
+        return fail(err, "total size %" PRIu64 " exceeds the %" PRIu64 "-byte limit", total,
+                    (uint64_t)KT_BUNDLE_MAX_BYTES);
+    if (len < total)
+        return fail(err, "truncated: header says %" PRIu64 " bytes, got %zu", total, len);
+    if (len > total)
+        return fail(err, "size mismatch: header says %" PRIu64 " bytes, got %zu (trailing bytes)",
+                    total, len);
+
+    const uint32_t header_size = rd32(b + BL_OFF_HEADER_SIZE);
+    const unsigned n_sections = rd16(b + BL_OFF_N_SECTIONS);
+    const unsigned policy_len = rd16(b + BL_OFF_POLICY_LEN);
+    if (n_sections < BL_V1_SECTIONS || n_sections > BL_MAX_SECTIONS ||
+        (minor == 0 && n_sections != BL_V1_SECTIONS))
+        return fail(err, "n_sections %u invalid for version %u.%u (4 in 1.0, at most %d later)",
+                    n_sections, major, minor, BL_MAX_SECTIONS);
+    if (policy_len < 1 || policy_len > KT_BUNDLE_MAX_POLICY)
+        return fail(err, "policy_len %u out of range [1, %d]", policy_len, KT_BUNDLE_MAX_POLICY);
+    const uint64_t want_header = align_up(BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY + policy_len);
+    if (header_size != want_header)
+        return fail(err, "header_size %" PRIu32 ", expected %" PRIu64 " for %u sections and a "
+                    "%u-byte policy", header_size, want_header, n_sections, policy_len);
+    if (header_size > total)
+        return fail(err, "header_size %" PRIu32 " exceeds the bundle's %" PRIu64 " bytes",
+                    header_size, total);
+    const uint32_t header_crc = rd32(b + BL_OFF_HEADER_CRC);
+    static const uint8_t zero4[4];
+    uint32_t crc = kt_crc32c(0, b, BL_OFF_HEADER_CRC);
+    crc = kt_crc32c(crc, zero4, 4);
+    crc = kt_crc32c(crc, b + BL_OFF_HEADER_CRC + 4, header_size - (BL_OFF_HEADER_CRC + 4));
+    if (crc != header_crc)
+        return fail(err, "header checksum mismatch (expected 0x%08" PRIx32 ", got 0x%08" PRIx32 ")",
+                    header_crc, crc);
+
+    /* From here the header is what the sender wrote: what remains are lies, not line noise. */
+    const uint32_t flags = rd32(b + BL_OFF_FLAGS);
+    if (flags & BL_REQUIRED_FLAGS)
+        return fail(err, "unknown required flags 0x%04" PRIx32 " ---> HINT: the sender is a newer "
+                    "kvrelay using a feature this build lacks", flags & BL_REQUIRED_FLAGS);
+    if (rd16(b + BL_OFF_RESERVED) != 0)
+        return fail(err, "reserved header field at offset %d is 0x%04x, not zero", BL_OFF_RESERVED,
+                    rd16(b + BL_OFF_RESERVED));
+    kt_bundle_view v;
+    memset(&v, 0, sizeof v);
+    kt_bundle_header *h = &v.hdr;
+    memcpy(h->fingerprint, b + BL_OFF_FINGERPRINT, 16);
+    h->fingerprint[16] = '\0';
+    h->n_layers = rd32(b + BL_OFF_LAYERS);
+    h->n_kv_heads = rd32(b + BL_OFF_KV_HEADS);
+    h->head_dim = rd32(b + BL_OFF_HEAD_DIM);
+    const unsigned dtype = rd16(b + BL_OFF_DTYPE);
+    h->dtype = (kt_dtype)dtype;
+    if (check_dtype(dtype, "payload dtype", err)) return -1; /* before storing it is meaningful */
+    h->first_token = (int32_t)rd32(b + BL_OFF_FIRST_TOKEN);
+    h->prompt_len = (int32_t)rd32(b + BL_OFF_PROMPT_LEN);
+    h->next_pos = (int32_t)rd32(b + BL_OFF_NEXT_POS);
+    const uint64_t policy_at = BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY;
+    memcpy(h->policy, b + policy_at, policy_len);
+    h->policy[policy_len] = '\0';
+    if (check_header(h, policy_len, err)) return -1; /* a NUL in the policy fails as non-UTF-8 */
+    if (check_zero(b, policy_at + policy_len, header_size, "header padding", err)) return -1;
+
+    /* Section table: in order, each right after the previous one (64-byte aligned), inside
+     * the bundle; the last one ends the bundle. */
+    uint64_t off[BL_MAX_SECTIONS], slen[BL_MAX_SECTIONS];
+    uint32_t scrc[BL_MAX_SECTIONS];
+    uint64_t end = header_size;
+    for (unsigned s = 0; s < n_sections; s++) {
+        const uint8_t *e = b + BL_FIXED + s * BL_SECT_ENTRY;
+        const uint32_t id = rd32(e);
+        scrc[s] = rd32(e + 4);
+        off[s] = rd64(e + 8);
+        slen[s] = rd64(e + 16);
+        if (id != s + 1)
+            return fail(err, "section table entry %u has id %" PRIu32 ", expected %u (%s)", s, id,
+                        s + 1, sec_name(s));
+        if (off[s] > total || slen[s] > total - off[s])
+            return fail(err, "section %s [%" PRIu64 ", +%" PRIu64 ") lies outside the %" PRIu64
+                        "-byte bundle", sec_name(s), off[s], slen[s], total);
+        if (off[s] < end)
+            return fail(err, "section %s starts at %" PRIu64 ", before the end of %s at %" PRIu64,
+                        sec_name(s), off[s], s ? sec_name(s - 1) : "the header", end);
+        if (off[s] != align_up(end))
+            return fail(err, "section %s at offset %" PRIu64 ", expected %" PRIu64
+                        " (the first 64-byte boundary after %s)", sec_name(s), off[s],
+                        align_up(end), s ? sec_name(s - 1) : "the header");
+        end = off[s] + slen[s]; /* the gap before off[s] is checked once lengths are known */
+    }
+    if (end != total)
+        return fail(err, "%" PRIu64 " bytes after the last section (bundle is %" PRIu64 " bytes)",
+                    total - end, total);
+
+    /* Lists: the table, then every record. */
+    const uint32_t n_lists = h->n_layers * h->n_kv_heads;
+    const uint64_t want_lists = (uint64_t)n_lists * BL_LIST_ENTRY;
+    if (slen[BL_SEC_LISTS] != want_lists)
+        return fail(err, "section lists is %" PRIu64 " bytes, expected %" PRIu64 " for %" PRIu32
+                    " layers x %" PRIu32 " heads", slen[BL_SEC_LISTS], want_lists, h->n_layers,
+                    h->n_kv_heads);
+    if (check_section_crc(b, BL_SEC_LISTS, off[BL_SEC_LISTS], slen[BL_SEC_LISTS],
+                          scrc[BL_SEC_LISTS], err))
+        return -1;
+    const uint8_t *t = b + off[BL_SEC_LISTS];
+    uint64_t n_entries = 0;
+    for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
+        const kt_bundle_list l = {rd32(t + 8), rd32(t + 12), rd32(t + 16)};
+        if (rd64(t) != n_entries)
+            return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") starts at entry %" PRIu64
+                        ", expected %" PRIu64 " (the sum of the counts before it)",
+                        i / h->n_kv_heads, i % h->n_kv_heads, rd64(t), n_entries);
+        if (rd32(t + 20) != 0)
+            return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") reserved field is 0x%08"
+                        PRIx32 ", not zero", i / h->n_kv_heads, i % h->n_kv_heads, rd32(t + 20));
+        if (check_list(h, i, &l, err)) return -1;
+        n_entries += l.count; /* < 2^20 lists x 2^31: no overflow */
+    }
+    bl_layout L;
+    const size_t row_bytes = (size_t)h->head_dim * kt_dtype_size(h->dtype);
+    if (layout(BL_V1_SECTIONS, policy_len, n_lists, n_entries, row_bytes, &L, err)) return -1;
+    for (int s = BL_SEC_POSITIONS; s < BL_V1_SECTIONS; s++)
+        if (slen[s] != L.len[s])
+            return fail(err, "section %s is %" PRIu64 " bytes, but the counts say %" PRIu64
+                        " (%" PRIu64 " entries)", sec_name((unsigned)s), slen[s], L.len[s], n_entries);
+    /* Padding between sections is zero: with the checksums, every byte of a bundle is checked. */
+    for (unsigned s = 1; s < n_sections; s++)
+        if (check_zero(b, off[s - 1] + slen[s - 1], off[s], "between sections", err)) return -1;
+
+    /* Positions: checksum, then every list strictly increasing inside [0, next_pos). */
+    if (check_section_crc(b, BL_SEC_POSITIONS, off[BL_SEC_POSITIONS], slen[BL_SEC_POSITIONS],
+                          scrc[BL_SEC_POSITIONS], err))
+        return -1;
+    t = b + off[BL_SEC_LISTS];
+    const uint8_t *pp = b + off[BL_SEC_POSITIONS];
+    for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
+        const uint32_t count = rd32(t + 8);
+        int32_t last = -1;
+        for (uint32_t j = 0; j < count; j++, pp += 4) {
+            const int32_t p = (int32_t)rd32(pp);
+            if (p <= last || p >= h->next_pos)
+                return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") entry %" PRIu32
+                            " has position %" PRId32 " (previous %" PRId32 ", next_pos %" PRId32
+                            "): positions must increase strictly and stay in [0, next_pos)",
+                            i / h->n_kv_heads, i % h->n_kv_heads, j, p, last, h->next_pos);
+            last = p;
+        }
+    }
+    /* The payload last: it is the bulk of the bytes, so the cheap checks above go first. */
+    for (unsigned s = BL_SEC_K; s < n_sections; s++)
+        if (check_section_crc(b, s, off[s], slen[s], scrc[s], err)) return -1;
+
+    v.version_major = (uint16_t)major;
+    v.version_minor = (uint16_t)minor;
+    v.flags = flags;
+    v.size = total;
+    v.n_entries = n_entries;
+    v.row_bytes = row_bytes;
+    v.n_lists = n_lists;
+    v.lists = b + off[BL_SEC_LISTS];
+    v.positions = b + off[BL_SEC_POSITIONS];
+    v.k = b + off[BL_SEC_K];
+    v.v = b + off[BL_SEC_V];
+    *out = v;
+    return 0;
+}
+
+int kt_bundle_check_model(const kt_bundle_view *v, const char *fingerprint, uint32_t n_layers,
+                          uint32_t n_kv_heads, uint32_t head_dim, char *err)
+{
+    const kt_bundle_header *h = &v->hdr;
+    if (fingerprint && strcmp(h->fingerprint, fingerprint) != 0)
+        return fail(err, "model fingerprint %s does not match this node's %s ---> HINT: prefill "
+                    "and decode nodes must serve the same checkpoint", h->fingerprint, fingerprint);
+    if (h->n_layers != n_layers)
+        return fail(err, "n_layers %" PRIu32 " does not match this node's model (%" PRIu32 ")",
+                    h->n_layers, n_layers);
+    if (h->n_kv_heads != n_kv_heads)
+        return fail(err, "n_kv_heads %" PRIu32 " does not match this node's model (%" PRIu32 ")",
+                    h->n_kv_heads, n_kv_heads);
+    if (h->head_dim != head_dim)
+        return fail(err, "head_dim %" PRIu32 " does not match this node's model (%" PRIu32 ")",
+                    h->head_dim, head_dim);
+    return 0;
+}
+
+int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
+                        kt_bundle_list_view *out, char *err)
+{
+    if (layer >= v->hdr.n_layers || head >= v->hdr.n_kv_heads)
+        return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") outside %" PRIu32
+                    " layers x %" PRIu32 " heads", layer, head, v->hdr.n_layers, v->hdr.n_kv_heads);
+    const uint8_t *t = v->lists + ((size_t)layer * v->hdr.n_kv_heads + head) * BL_LIST_ENTRY;
+    kt_bundle_list_view l;
+    l.first = rd64(t);
+    l.count = rd32(t + 8);
+    l.pinned = rd32(t + 12);
+    l.window = rd32(t + 16);
+    l.positions = v->positions + l.first * 4;
+    l.k = v->k + l.first * v->row_bytes;
+    l.v = v->v + l.first * v->row_bytes;
+    *out = l;
+    return 0;
+}
+
+int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
+                        uint32_t n, int32_t *positions, float *k, float *v_out, char *err)
+{
+    if ((uint64_t)first + n > l->count)
+        return fail(err, "read of entries [%" PRIu32 ", %" PRIu64 ") past the list's %" PRIu32,
+                    first, (uint64_t)first + n, l->count);
+    if (positions) memcpy(positions, l->positions + (size_t)first * 4, (size_t)n * 4);
+    const size_t elems = (size_t)n * v->hdr.head_dim, at = (size_t)first * v->row_bytes;
+    if (k) convert((uint8_t *)k, KT_DTYPE_F32, l->k + at, v->hdr.dtype, elems);
+    if (v_out) convert((uint8_t *)v_out, KT_DTYPE_F32, l->v + at, v->hdr.dtype, elems);
+    return 0;
+}

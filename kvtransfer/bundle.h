@@ -1,0 +1,194 @@
+/*
+ * bundle.h - the KV bundle: the one message a prefill node sends a decode node per request,
+ * holding the eviction-compressed KV cache after chunked prefill (DESIGN.md section 2). The
+ * byte-by-byte format is in docs/bundle.md; this header is the codec's whole API.
+ *
+ * What it is: an encoder that writes a bundle into a caller-provided buffer in one pass
+ * (rows can be streamed straight from KV blocks, no gather copy), a size function so a
+ * receiver can reserve exactly, and a parser that validates every byte of a received buffer
+ * before handing out a read-only view into it.
+ * What it is not: a transport (UCX lives beside it), and it knows nothing of engine/: the API
+ * works on plain C data, so the same code runs on both node kinds and in the fuzzer.
+ *
+ * Conventions: functions return 0 on success and -1 on failure; on failure they write a
+ * message starting with "bundle: " into `err` (KT_ERR_MAX bytes, may be NULL) that names the
+ * field and the values at fault, and leave their outputs untouched. Nothing here allocates
+ * or keeps global state (the CRC32C tables are const), so every function is thread-safe on
+ * distinct objects.
+ * Tests: tests/unit/test_bundle.c, tests/fuzz/fuzz_bundle.c (ctest -R bundle).
+ */
+#ifndef KT_BUNDLE_H
+#define KT_BUNDLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KT_ERR_MAX 512
+
+#define KT_BUNDLE_VERSION_MAJOR 1 /* a different major is refused */
+#define KT_BUNDLE_VERSION_MINOR 0 /* a newer minor is read (it may only add what v1.0 may skip) */
+
+/* Bounds every field is checked against: generous for real models (Llama 3 405B has 126
+ * layers of 8 KV heads of 128), tight enough that no product of them overflows. */
+#define KT_BUNDLE_MAX_LAYERS 1024
+#define KT_BUNDLE_MAX_KV_HEADS 1024
+#define KT_BUNDLE_MAX_HEAD_DIM 4096
+#define KT_BUNDLE_MAX_POLICY 1024 /* bytes of the policy spec, UTF-8, no NUL */
+#define KT_BUNDLE_MAX_BYTES ((uint64_t)1 << 38) /* 256 GiB: a bundle is never larger */
+/* kt_bundle_list.window for a list the decode node never trims (a dense head). */
+#define KT_BUNDLE_WINDOW_DENSE 0xffffffffu
+
+/* Payload dtype of the K and V rows. The numeric codes are the wire codes. */
+typedef enum kt_dtype {
+    KT_DTYPE_F32 = 0,
+    KT_DTYPE_F16 = 1, /* IEEE binary16 */
+    KT_DTYPE_BF16 = 2,
+    /* Reserved for quantized payloads with a per-token scale; refused by this build with
+     * "not supported by this build" (no stub pretends to handle them). */
+    KT_DTYPE_INT8_TOKEN = 16,
+    KT_DTYPE_FP8_E4M3_TOKEN = 17,
+} kt_dtype;
+
+/* "f32", "f16", "bf16", "int8+scale", "fp8_e4m3+scale", or "?" */
+const char *kt_dtype_name(kt_dtype t);
+/* Bytes per element of a supported dtype; 0 for any other code. */
+size_t kt_dtype_size(kt_dtype t);
+
+/* What a bundle says about the sequence as a whole. Filled by the sender for the writer and
+ * by kt_bundle_parse for the receiver. */
+typedef struct kt_bundle_header {
+    char fingerprint[17]; /* the model's kr_model_fingerprint: 16 lowercase hex chars + NUL */
+    uint32_t n_layers; /* 1..KT_BUNDLE_MAX_LAYERS */
+    uint32_t n_kv_heads; /* 1..KT_BUNDLE_MAX_KV_HEADS */
+    uint32_t head_dim; /* 1..KT_BUNDLE_MAX_HEAD_DIM */
+    kt_dtype dtype; /* payload dtype of K and V */
+    int32_t first_token; /* the token prefill sampled; >= 0 */
+    int32_t prompt_len; /* prompt tokens prefilled; >= 1 */
+    int32_t next_pos; /* position the first token is fed at; every position in the bundle is
+                         below it */
+    char policy[KT_BUNDLE_MAX_POLICY + 1]; /* the eviction policy spec with defaults filled in
+                                              (kr_policy_spec), NUL-terminated */
+} kt_bundle_header;
+
+/* What a bundle says about one (layer, KV head) list. */
+typedef struct kt_bundle_list {
+    uint32_t count; /* entries kept */
+    uint32_t pinned; /* the first `pinned` entries are the pinned set; <= count */
+    uint32_t window; /* decode-side recent window W of this list, or KT_BUNDLE_WINDOW_DENSE */
+} kt_bundle_list;
+
+/* Exact bundle size for `h` and `lists` ([n_layers * n_kv_heads], layer-major), after
+ * validating both as the writer would: what a decode node reserves. */
+int kt_bundle_size(const kt_bundle_header *h, const kt_bundle_list *lists, uint64_t *size_out,
+                   char *err);
+
+/* ------------------------------------------------------------------ encoding */
+
+/* One bundle being written. Lives on the caller's stack; fields are private (read them only
+ * through the functions). Usage:
+ *
+ *     kt_bundle_writer w;
+ *     kt_bundle_writer_begin(&w, &hdr, lists, buf, cap, err);
+ *     for each layer, for each KV head, for each run of consecutive entries (a KV block):
+ *         kt_bundle_writer_put(&w, layer, head, n, positions, KT_DTYPE_F32, k_rows, v_rows, err);
+ *     kt_bundle_writer_finish(&w, &size, err);
+ *
+ * Lists are written in layer-major order, each list's entries in order, in as many `put`
+ * calls as convenient; a list may be skipped only when its count is 0. Rows are converted to
+ * the payload dtype straight into `buf`. After any failure the writer refuses further calls
+ * and `buf` holds no valid bundle. */
+typedef struct kt_bundle_writer {
+    uint8_t *buf; /* caller's, cap >= size */
+    uint64_t size; /* total bundle bytes */
+    const kt_bundle_list *lists; /* caller's, [n_lists], must outlive the writer */
+    uint32_t n_lists, n_kv_heads, head_dim;
+    kt_dtype dtype;
+    int32_t next_pos;
+    size_t row_bytes; /* head_dim * element size */
+    uint32_t cur; /* list being filled */
+    uint32_t filled; /* entries of lists[cur] written */
+    int32_t last_pos; /* last position written in lists[cur] (-1: none yet) */
+    uint64_t entry; /* entries written over all lists */
+    uint64_t off_pos, off_k, off_v; /* section offsets */
+    uint32_t crc_pos, crc_k, crc_v; /* running CRC32C of each section */
+    int state; /* 1: open, 0: finished or failed */
+} kt_bundle_writer;
+
+/* Validates `h` and `lists`, lays the bundle out in `buf` (`cap` bytes, any alignment; the
+ * sections are 64-byte aligned relative to buf, so an aligned buf gives aligned rows) and
+ * writes the header and list table. Fails when cap < kt_bundle_size. */
+int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
+                           const kt_bundle_list *lists, void *buf, size_t cap, char *err);
+/* Appends `n` entries to list (layer, head): their positions (strictly increasing, >= 0,
+ * below next_pos, above the list's previous entry) and K and V rows of head_dim elements of
+ * `src_dtype` (contiguous, any alignment), converted to the payload dtype with round to
+ * nearest even. */
+int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uint32_t n,
+                         const int32_t *positions, kt_dtype src_dtype, const void *k,
+                         const void *v, char *err);
+/* Checks every list got exactly its count, writes the checksums; *size_out = bytes to send. */
+int kt_bundle_writer_finish(kt_bundle_writer *w, uint64_t *size_out, char *err);
+
+/* ------------------------------------------------------------------ decoding */
+
+/* A validated bundle: pointers into the caller's buffer, which must outlive the view. The
+ * buffer may have any alignment, so row and position pointers are byte pointers: read them
+ * with kt_bundle_list_read (or memcpy), never by casting to float* or int32_t*. */
+typedef struct kt_bundle_view {
+    kt_bundle_header hdr;
+    uint16_t version_major, version_minor;
+    uint32_t flags; /* optional flag bits of a newer minor version (ignored here) */
+    uint64_t size; /* bytes of the bundle */
+    uint64_t n_entries; /* entries summed over every list */
+    size_t row_bytes; /* bytes of one K or V row */
+    uint32_t n_lists; /* n_layers * n_kv_heads */
+    const uint8_t *lists; /* list table: 24 bytes per list (docs/bundle.md) */
+    const uint8_t *positions; /* int32 LE per entry, all lists in order */
+    const uint8_t *k; /* n_entries rows of row_bytes */
+    const uint8_t *v;
+} kt_bundle_view;
+
+/* One list of a view. */
+typedef struct kt_bundle_list_view {
+    uint32_t count, pinned, window; /* as kt_bundle_list */
+    uint64_t first; /* index of the list's first entry among all entries */
+    const uint8_t *positions; /* count int32 LE, maybe unaligned */
+    const uint8_t *k, *v; /* count rows of view->row_bytes in the payload dtype, maybe unaligned */
+} kt_bundle_list_view;
+
+/* Validates the `len` bytes at `buf` as a whole bundle: structure, every bound, every list,
+ * every position, every padding byte and every checksum. On success *out points into buf. */
+int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err);
+/* The receiver's own model: fails with both values named when the bundle was made for another
+ * fingerprint or shape (checked field by field; `fingerprint` may be NULL to skip it). */
+int kt_bundle_check_model(const kt_bundle_view *v, const char *fingerprint, uint32_t n_layers,
+                          uint32_t n_kv_heads, uint32_t head_dim, char *err);
+/* List (layer, head) of a validated view; fails only for layer or head out of range. */
+int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
+                        kt_bundle_list_view *out, char *err);
+/* Copies entries [first, first + n) of a list out, converting rows to float32; any of
+ * positions, k, v may be NULL. Fails when the range is outside the list. */
+int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
+                        uint32_t n, int32_t *positions, float *k, float *v_out, char *err);
+
+/* ------------------------------------------------------------------ helpers */
+
+/* CRC32C (Castagnoli, reflected polynomial 0x82F63B78, init and final xor 0xFFFFFFFF) of
+ * `n` bytes continuing from `crc` (0 to start): kt_crc32c(kt_crc32c(0, a), b) = crc of a||b.
+ * Uses the SSE4.2 instruction when the CPU has it, a table otherwise; same results. */
+uint32_t kt_crc32c(uint32_t crc, const void *data, size_t n);
+
+/* Element conversions, round to nearest even, NaN stays NaN, overflow becomes infinity. */
+uint16_t kt_f32_to_f16(float f);
+float kt_f16_to_f32(uint16_t h);
+uint16_t kt_f32_to_bf16(float f);
+float kt_bf16_to_f32(uint16_t b);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KT_BUNDLE_H */

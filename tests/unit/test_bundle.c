@@ -1,0 +1,742 @@
+/*
+ * test_bundle.c - the KV bundle codec (kvtransfer/bundle.h): CRC32C against a bitwise
+ * reference, the f16/bf16 conversions against independent oracles, round trips over several
+ * shapes and all three payload dtypes with the size predicted exactly, and for every validation
+ * rule a damaged bundle refused with the message that rule gives. Damage that a checksum would
+ * catch first is "resealed" (checksums recomputed) so the semantic check itself is exercised.
+ * Not tested here: the transport (none yet) and libFuzzer-scale inputs (tests/fuzz/fuzz_bundle.c).
+ * Run: ctest -R test_bundle. With KT_BUNDLE_SEEDS=DIR it also writes the fuzz seeds
+ * (tests/fuzz/corpus/bundle/) into DIR.
+ */
+#include "kr_test.h"
+
+#include "bundle.h"
+
+#include <stdint.h>
+
+/* ------------------------------------------------------------------ helpers */
+
+static uint64_t rng_state = 0x243f6a8885a308d3ull;
+static uint64_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+static float rndf(void) { return (float)((double)(rnd() >> 11) / (double)(1ull << 53) * 8.0 - 4.0); }
+
+static uint32_t rd32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
+static void wr16(uint8_t *p, uint16_t x)
+{
+    p[0] = (uint8_t)x;
+    p[1] = (uint8_t)(x >> 8);
+}
+static void wr32(uint8_t *p, uint32_t x)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(x >> (8 * i));
+}
+static void wr64(uint8_t *p, uint64_t x)
+{
+    wr32(p, (uint32_t)x);
+    wr32(p + 4, (uint32_t)(x >> 32));
+}
+
+/* The bitwise CRC32C definition, independent of both library paths. */
+static uint32_t crc_ref(const uint8_t *p, size_t n)
+{
+    uint32_t c = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1)));
+    }
+    return ~c;
+}
+
+static void header_init(kt_bundle_header *h, uint32_t layers, uint32_t heads, uint32_t dim,
+                        kt_dtype dtype, int32_t next_pos, const char *policy)
+{
+    memset(h, 0, sizeof *h);
+    snprintf(h->fingerprint, sizeof h->fingerprint, "0123456789abcdef");
+    h->n_layers = layers;
+    h->n_kv_heads = heads;
+    h->head_dim = dim;
+    h->dtype = dtype;
+    h->first_token = 42;
+    h->prompt_len = next_pos;
+    h->next_pos = next_pos;
+    snprintf(h->policy, sizeof h->policy, "%s", policy);
+}
+
+/* A sequence's KV as the prefill node holds it: float32 rows and positions per list. */
+typedef struct seqkv {
+    kt_bundle_header h;
+    kt_bundle_list *lists;
+    int32_t **pos; /* [list][count] */
+    float **k, **v; /* [list][count * head_dim] */
+} seqkv;
+
+static void seqkv_make(seqkv *s, uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dtype,
+                       const uint32_t *counts, int32_t next_pos, const char *policy)
+{
+    header_init(&s->h, layers, heads, dim, dtype, next_pos, policy);
+    const uint32_t n = layers * heads;
+    s->lists = calloc(n, sizeof *s->lists);
+    s->pos = calloc(n, sizeof *s->pos);
+    s->k = calloc(n, sizeof *s->k);
+    s->v = calloc(n, sizeof *s->v);
+    for (uint32_t i = 0; i < n; i++) {
+        const uint32_t c = counts[i];
+        s->lists[i].count = c;
+        s->lists[i].pinned = c ? (uint32_t)(rnd() % (c + 1)) : 0;
+        s->lists[i].window = i % 3 == 0 ? KT_BUNDLE_WINDOW_DENSE : 16 + i;
+        s->pos[i] = malloc((c + 1) * sizeof(int32_t));
+        s->k[i] = malloc((c * dim + 1) * sizeof(float));
+        s->v[i] = malloc((c * dim + 1) * sizeof(float));
+        /* c distinct increasing positions in [0, next_pos): skip forward at random */
+        int32_t p = 0;
+        for (uint32_t j = 0; j < c; j++) {
+            int32_t room = next_pos - (int32_t)(c - j) - p; /* how far we may still skip */
+            p += room > 0 ? (int32_t)(rnd() % (uint64_t)(room < 3 ? room + 1 : 3)) : 0;
+            s->pos[i][j] = p++;
+        }
+        for (uint32_t j = 0; j < c * dim; j++) {
+            s->k[i][j] = rndf();
+            s->v[i][j] = rndf();
+        }
+    }
+}
+
+static void seqkv_free(seqkv *s)
+{
+    const uint32_t n = s->h.n_layers * s->h.n_kv_heads;
+    for (uint32_t i = n; i-- > 0;) {
+        free(s->v[i]);
+        free(s->k[i]);
+        free(s->pos[i]);
+    }
+    free(s->v);
+    free(s->k);
+    free(s->pos);
+    free(s->lists);
+}
+
+/* Encodes s, streaming each list in runs of 1..4 entries as KV blocks would come. Returns a
+ * malloc'd buffer of exactly the bundle's size (so ASan sees any overread). */
+static uint8_t *encode(const seqkv *s, uint64_t *size_out)
+{
+    char err[KT_ERR_MAX];
+    uint64_t want;
+    REQUIRE(kt_bundle_size(&s->h, s->lists, &want, err) == 0, "size: %s", err);
+    uint8_t *buf = malloc(want);
+    memset(buf, 0xa5, want); /* the writer must define every byte */
+    kt_bundle_writer w;
+    REQUIRE(kt_bundle_writer_begin(&w, &s->h, s->lists, buf, want, err) == 0, "begin: %s", err);
+    const uint32_t dim = s->h.head_dim;
+    for (uint32_t l = 0; l < s->h.n_layers; l++)
+        for (uint32_t hd = 0; hd < s->h.n_kv_heads; hd++) {
+            const uint32_t i = l * s->h.n_kv_heads + hd, c = s->lists[i].count;
+            for (uint32_t j = 0; j < c;) {
+                uint32_t n = 1 + (uint32_t)(rnd() % 4);
+                if (n > c - j) n = c - j;
+                REQUIRE(kt_bundle_writer_put(&w, l, hd, n, s->pos[i] + j, KT_DTYPE_F32,
+                                             s->k[i] + (size_t)j * dim, s->v[i] + (size_t)j * dim,
+                                             err) == 0, "put: %s", err);
+                j += n;
+            }
+        }
+    uint64_t size;
+    REQUIRE(kt_bundle_writer_finish(&w, &size, err) == 0, "finish: %s", err);
+    CHECK(size == want, "finish says %llu bytes, kt_bundle_size said %llu",
+          (unsigned long long)size, (unsigned long long)want);
+    *size_out = size;
+    return buf;
+}
+
+/* f32 -> dtype -> f32 by an oracle that does not use the library's conversions. */
+static float bf16_oracle(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    uint32_t lo = b & 0xffff0000u, hi = lo + 0x10000u;
+    float flo, fhi;
+    memcpy(&flo, &lo, 4);
+    memcpy(&fhi, &hi, 4);
+    double dl = fabs((double)x - flo), dh = fabs((double)fhi - x);
+    if (dl < dh) return flo;
+    if (dh < dl) return fhi;
+    return (lo >> 16) & 1 ? fhi : flo; /* tie: even */
+}
+
+static float rounded(float x, kt_dtype t)
+{
+    switch (t) {
+    case KT_DTYPE_BF16: return bf16_oracle(x);
+#ifdef __FLT16_MAX__
+    case KT_DTYPE_F16: return (float)(_Float16)x; /* the compiler's own IEEE conversion */
+#else
+    case KT_DTYPE_F16: return kt_f16_to_f32(kt_f32_to_f16(x));
+#endif
+    default: return x;
+    }
+}
+
+static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dtype,
+                      const uint32_t *counts, int32_t next_pos)
+{
+    char err[KT_ERR_MAX];
+    seqkv s;
+    const int before = kt_failures;
+    seqkv_make(&s, layers, heads, dim, dtype, counts, next_pos, "streaming:sink=4,window=16,pos=abs");
+    uint64_t size;
+    uint8_t *buf = encode(&s, &size);
+    kt_bundle_view v;
+    int rc = kt_bundle_parse(buf, size, &v, err);
+    CHECK(rc == 0, "%ux%ux%u %s: parse: %s", layers, heads, dim, kt_dtype_name(dtype), err);
+    if (rc == 0) {
+        CHECK(v.size == size, "view size");
+        CHECK(strcmp(v.hdr.fingerprint, s.h.fingerprint) == 0, "fingerprint");
+        CHECK(v.hdr.n_layers == layers && v.hdr.n_kv_heads == heads && v.hdr.head_dim == dim,
+              "shape");
+        CHECK(v.hdr.dtype == dtype, "dtype");
+        CHECK(v.hdr.first_token == 42 && v.hdr.prompt_len == next_pos && v.hdr.next_pos == next_pos,
+              "tokens");
+        CHECK(strcmp(v.hdr.policy, s.h.policy) == 0, "policy '%s'", v.hdr.policy);
+        CHECK(v.version_major == 1 && v.version_minor == 0, "version");
+        CHECK(kt_bundle_check_model(&v, "0123456789abcdef", layers, heads, dim, err) == 0, "%s", err);
+        uint64_t total = 0;
+        float *k = malloc((next_pos * (size_t)dim + 1) * sizeof(float));
+        float *vv = malloc((next_pos * (size_t)dim + 1) * sizeof(float));
+        int32_t *pos = malloc(((size_t)next_pos + 1) * sizeof(int32_t));
+        for (uint32_t l = 0; l < layers; l++)
+            for (uint32_t hd = 0; hd < heads; hd++) {
+                const uint32_t i = l * heads + hd;
+                kt_bundle_list_view lv;
+                REQUIRE(kt_bundle_view_list(&v, l, hd, &lv, err) == 0, "%s", err);
+                CHECK(lv.count == s.lists[i].count && lv.pinned == s.lists[i].pinned &&
+                      lv.window == s.lists[i].window, "list %u meta", i);
+                CHECK(lv.first == total, "list %u first", i);
+                total += lv.count;
+                REQUIRE(kt_bundle_list_read(&v, &lv, 0, lv.count, pos, k, vv, err) == 0, "%s", err);
+                CHECK(memcmp(pos, s.pos[i], lv.count * sizeof(int32_t)) == 0, "list %u positions", i);
+                int bad = 0;
+                for (size_t e = 0; e < (size_t)lv.count * dim && bad < 3; e++) {
+                    float wk = rounded(s.k[i][e], dtype), wv = rounded(s.v[i][e], dtype);
+                    if (memcmp(&wk, &k[e], 4) != 0 || memcmp(&wv, &vv[e], 4) != 0) {
+                        bad++;
+                        CHECK(0, "%s list %u elem %zu: K %a want %a, V %a want %a",
+                              kt_dtype_name(dtype), i, e, k[e], wk, vv[e], wv);
+                    }
+                }
+                /* a partial read gets the same rows */
+                if (lv.count >= 2) {
+                    float *part = malloc((size_t)dim * sizeof(float));
+                    REQUIRE(kt_bundle_list_read(&v, &lv, lv.count - 1, 1, NULL, part, NULL, err) == 0,
+                            "%s", err);
+                    CHECK(memcmp(part, k + (size_t)(lv.count - 1) * dim, dim * sizeof(float)) == 0,
+                          "partial read");
+                    free(part);
+                }
+                CHECK(kt_bundle_list_read(&v, &lv, lv.count, 1, pos, NULL, NULL, err) == -1,
+                      "read past the list");
+            }
+        CHECK(total == v.n_entries, "n_entries");
+        kt_bundle_list_view lv;
+        CHECK(kt_bundle_view_list(&v, layers, 0, &lv, err) == -1, "layer out of range accepted");
+        CHECK_ERR_HAS(err, "outside");
+        free(pos);
+        free(vv);
+        free(k);
+    }
+    free(buf);
+    seqkv_free(&s);
+    return kt_failures == before;
+}
+
+/* ------------------------------------------------------------------ CRC and conversions */
+
+static void test_crc(void)
+{
+    CHECK(kt_crc32c(0, "123456789", 9) == 0xe3069283u, "check value 0x%08x",
+          kt_crc32c(0, "123456789", 9));
+    uint8_t z[32] = {0};
+    CHECK(kt_crc32c(0, z, 32) == 0x8a9136aau, "32 zeros: 0x%08x", kt_crc32c(0, z, 32));
+    CHECK(kt_crc32c(0, NULL, 0) == 0, "empty");
+    uint8_t buf[1100];
+    for (size_t i = 0; i < sizeof buf; i++) buf[i] = (uint8_t)rnd();
+    for (int t = 0; t < 300; t++) {
+        size_t off = rnd() % 16, n = rnd() % (sizeof buf - 16), cut = n ? rnd() % n : 0;
+        uint32_t want = crc_ref(buf + off, n);
+        CHECK(kt_crc32c(0, buf + off, n) == want, "crc of %zu bytes at +%zu", n, off);
+        CHECK(kt_crc32c(kt_crc32c(0, buf + off, cut), buf + off + cut, n - cut) == want,
+              "chained crc split at %zu of %zu", cut, n);
+    }
+}
+
+static void test_conversions(void)
+{
+    /* every f16 and bf16 value survives a trip through f32 (NaNs stay NaN) */
+    for (uint32_t x = 0; x < 65536; x++) {
+        const uint16_t h = (uint16_t)x;
+        float f = kt_f16_to_f32(h);
+        if (f != f)
+            CHECK(kt_f32_to_f16(f) == (h | 0x0200), "f16 NaN 0x%04x -> 0x%04x", h, kt_f32_to_f16(f));
+        else
+            CHECK(kt_f32_to_f16(f) == h, "f16 0x%04x -> %a -> 0x%04x", h, f, kt_f32_to_f16(f));
+        float g = kt_bf16_to_f32(h);
+        if (g != g)
+            CHECK((kt_f32_to_bf16(g) & 0x7fff) > 0x7f80, "bf16 NaN 0x%04x", h);
+        else
+            CHECK(kt_f32_to_bf16(g) == h, "bf16 0x%04x -> %a -> 0x%04x", h, g, kt_f32_to_bf16(g));
+    }
+    /* hand-checked roundings: ties to even, overflow, subnormals, underflow */
+    CHECK(kt_f32_to_f16(1.0f + 0x1p-11f) == 0x3c00, "f16 tie down to even");
+    CHECK(kt_f32_to_f16(1.0f + 3 * 0x1p-11f) == 0x3c02, "f16 tie up to even");
+    CHECK(kt_f32_to_f16(65504.0f) == 0x7bff, "f16 max");
+    CHECK(kt_f32_to_f16(65519.0f) == 0x7bff, "f16 below the overflow tie");
+    CHECK(kt_f32_to_f16(65520.0f) == 0x7c00, "f16 overflow tie goes to inf");
+    CHECK(kt_f32_to_f16(-1e10f) == 0xfc00, "f16 -inf");
+    CHECK(kt_f32_to_f16(0x1p-24f) == 0x0001, "f16 smallest subnormal");
+    CHECK(kt_f32_to_f16(0x1p-25f) == 0x0000, "f16 tie to zero");
+    CHECK(kt_f32_to_f16(0x1.8p-25f) == 0x0001, "f16 above the tie");
+    CHECK(kt_f32_to_f16(3 * 0x1p-25f) == 0x0002, "f16 subnormal tie to even");
+    CHECK(kt_f32_to_f16(-0.0f) == 0x8000, "f16 -0");
+    CHECK(kt_f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80, "bf16 tie down to even");
+    CHECK(kt_f32_to_bf16(1.0f + 3 * 0x1p-8f) == 0x3f82, "bf16 tie up to even");
+    CHECK(kt_f32_to_bf16(3.4e38f) == 0x7f80, "bf16 overflow to inf");
+    /* random f32 bit patterns against the oracles */
+    for (int t = 0; t < 200000; t++) {
+        uint32_t b = (uint32_t)rnd();
+        float f;
+        memcpy(&f, &b, 4);
+        if (f != f) continue;
+        float got = kt_bf16_to_f32(kt_f32_to_bf16(f)), want = bf16_oracle(f);
+        if (!(fabsf(f) >= 0x1.fefffep127f)) /* the oracle's hi candidate overflows here */
+            CHECK(memcmp(&got, &want, 4) == 0, "bf16(%a) = %a, want %a", f, got, want);
+#ifdef __FLT16_MAX__
+        got = kt_f16_to_f32(kt_f32_to_f16(f));
+        want = (float)(_Float16)f;
+        CHECK(memcmp(&got, &want, 4) == 0, "f16(%a) = %a, want %a", f, got, want);
+#endif
+    }
+}
+
+/* ------------------------------------------------------------------ damage */
+
+/* The base bundle every damage test starts from: 2 layers x 2 heads, head_dim 4, f32. */
+static const uint32_t BASE_COUNTS[4] = {3, 0, 2, 5};
+enum { SEC_LISTS, SEC_POS, SEC_K, SEC_V };
+
+static uint8_t *base_bundle(seqkv *s, uint64_t *size)
+{
+    seqkv_make(s, 2, 2, 4, KT_DTYPE_F32, BASE_COUNTS, 12, "full"); /* short: header is 192 */
+    return encode(s, size);
+}
+
+static uint64_t sec_off(const uint8_t *b, int s) { return rd64(b + 80 + 24 * s + 8); }
+static uint64_t sec_len(const uint8_t *b, int s) { return rd64(b + 80 + 24 * s + 16); }
+static void reseal_header(uint8_t *b)
+{
+    wr32(b + 28, 0);
+    wr32(b + 28, kt_crc32c(0, b, rd32(b + 12)));
+}
+/* Recomputes section s's checksum (from the table as it stands), then the header's. */
+static void reseal(uint8_t *b, int s)
+{
+    wr32(b + 80 + 24 * s + 4, kt_crc32c(0, b + sec_off(b, s), sec_len(b, s)));
+    reseal_header(b);
+}
+
+/* Parse must fail with `needle` in the message and leave the view untouched. */
+#define REJECT(buf, len, needle)                                                               \
+    do {                                                                                       \
+        char err_[KT_ERR_MAX] = "";                                                            \
+        kt_bundle_view v_, sentinel_;                                                          \
+        memset(&v_, 0x5a, sizeof v_);                                                          \
+        memcpy(&sentinel_, &v_, sizeof v_);                                                    \
+        int rc_ = kt_bundle_parse((buf), (len), &v_, err_);                                    \
+        CHECK(rc_ == -1, "damage accepted (wanted '%s')", (needle));                           \
+        if (rc_ == -1) {                                                                       \
+            CHECK_ERR_HAS(err_, (needle));                                                     \
+            CHECK(strncmp(err_, "bundle: ", 8) == 0, "error '%s' lacks the prefix", err_);     \
+            CHECK(memcmp(&v_, &sentinel_, sizeof v_) == 0, "view written on failure");        \
+        }                                                                                      \
+    } while (0)
+
+#define ACCEPT(buf, len)                                                                       \
+    do {                                                                                       \
+        char err_[KT_ERR_MAX] = "";                                                            \
+        kt_bundle_view v_;                                                                     \
+        CHECK(kt_bundle_parse((buf), (len), &v_, err_) == 0, "rejected: %s", err_);            \
+    } while (0)
+
+static void test_damage(void)
+{
+    seqkv s;
+    uint64_t n;
+    uint8_t *good = base_bundle(&s, &n);
+    uint8_t *b = malloc(n + 64);
+    char err[KT_ERR_MAX];
+#define FRESH() memcpy(b, good, n)
+
+    FRESH();
+    ACCEPT(b, n);
+    /* the layout this test relies on: lists 96 bytes at 192, then a 32-byte gap */
+    REQUIRE(rd32(b + 12) == 192 && sec_off(b, SEC_LISTS) == 192 && sec_len(b, SEC_LISTS) == 96 &&
+            sec_off(b, SEC_POS) == 320, "unexpected base layout");
+
+    /* magic, version */
+    FRESH(); b[3] ^= 0x20; REJECT(b, n, "bad magic");
+    FRESH(); wr16(b + 8, 2); reseal_header(b); REJECT(b, n, "version 2.0 is newer");
+    FRESH(); wr16(b + 8, 0); reseal_header(b); REJECT(b, n, "version 0.0 is older");
+    FRESH(); wr16(b + 10, 7); reseal_header(b); ACCEPT(b, n); /* newer minor: read */
+
+    /* truncation at every offset, and trailing bytes */
+    for (uint64_t cut = 0; cut < n; cut++) REJECT(good, cut, "truncated");
+    REJECT(NULL, 0, "truncated");
+    FRESH(); b[n] = 0; REJECT(b, n + 1, "trailing bytes");
+    {
+        char want[128];
+        snprintf(want, sizeof want, "truncated: header says %llu bytes, got %llu",
+                 (unsigned long long)n, (unsigned long long)(n / 2));
+        REJECT(good, n / 2, want);
+    }
+
+    /* sizes in the fixed header */
+    FRESH(); wr64(b + 16, n + 64); reseal_header(b); REJECT(b, n, "header says");
+    FRESH(); wr64(b + 16, ~0ull); REJECT(b, n, "exceeds the");
+    FRESH(); wr32(b + 12, 256); reseal_header(b); REJECT(b, n, "header_size 256, expected 192");
+    FRESH(); wr16(b + 62, 5); reseal_header(b); REJECT(b, n, "n_sections 5 invalid");
+    FRESH(); wr16(b + 62, 3); reseal_header(b); REJECT(b, n, "n_sections 3 invalid");
+    FRESH(); wr16(b + 76, 0); reseal_header(b); REJECT(b, n, "policy_len 0");
+    FRESH(); wr16(b + 76, 2000); reseal_header(b); REJECT(b, n, "policy_len 2000");
+    FRESH(); wr16(b + 76, 40); reseal_header(b); REJECT(b, n, "header_size 192, expected 256");
+
+    /* header checksum, flags, reserved */
+    FRESH(); b[40] ^= 1; REJECT(b, n, "header checksum mismatch (expected 0x");
+    FRESH(); b[28] ^= 1; REJECT(b, n, "header checksum mismatch");
+    FRESH(); wr32(b + 24, 1); reseal_header(b); REJECT(b, n, "unknown required flags 0x0001");
+    FRESH(); wr32(b + 24, 0x10000); reseal_header(b); ACCEPT(b, n); /* optional bit: ignored */
+    FRESH(); wr16(b + 78, 1); reseal_header(b); REJECT(b, n, "reserved header field");
+
+    /* every header field against its bounds */
+    FRESH(); b[32] = 'A'; reseal_header(b); REJECT(b, n, "fingerprint byte 0 is 0x41");
+    FRESH(); b[47] = 0; reseal_header(b); REJECT(b, n, "fingerprint byte 15");
+    FRESH(); wr32(b + 48, 0); reseal_header(b); REJECT(b, n, "n_layers 0 out of range");
+    FRESH(); wr32(b + 48, 0x7fffffff); reseal_header(b); REJECT(b, n, "n_layers 2147483647 out of range");
+    FRESH(); wr32(b + 48, 1); reseal_header(b); REJECT(b, n, "section lists is 96 bytes, expected 48");
+    FRESH(); wr32(b + 52, 0); reseal_header(b); REJECT(b, n, "n_kv_heads 0 out of range");
+    FRESH(); wr32(b + 52, 5000); reseal_header(b); REJECT(b, n, "n_kv_heads 5000 out of range");
+    FRESH(); wr32(b + 56, 0); reseal_header(b); REJECT(b, n, "head_dim 0 out of range");
+    FRESH(); wr32(b + 56, 1u << 20); reseal_header(b); REJECT(b, n, "head_dim 1048576 out of range");
+    FRESH(); wr32(b + 56, 8); reseal_header(b); REJECT(b, n, "section K is 160 bytes, but the counts say 320");
+    FRESH(); wr16(b + 60, 16); reseal_header(b); REJECT(b, n, "16 (int8+scale) is not supported by this build");
+    FRESH(); wr16(b + 60, 17); reseal_header(b); REJECT(b, n, "not supported by this build");
+    FRESH(); wr16(b + 60, 9); reseal_header(b); REJECT(b, n, "unknown payload dtype 9");
+    FRESH(); wr16(b + 60, 2); reseal_header(b); REJECT(b, n, "section K is 160 bytes, but the counts say 80");
+    FRESH(); wr32(b + 64, (uint32_t)-1); reseal_header(b); REJECT(b, n, "first_token -1 is negative");
+    FRESH(); wr32(b + 68, 0); reseal_header(b); REJECT(b, n, "prompt_len 0 is below 1");
+    FRESH(); wr32(b + 72, (uint32_t)-5); reseal_header(b); REJECT(b, n, "next_pos -5 is negative");
+    FRESH(); wr32(b + 72, 4); reseal_header(b); REJECT(b, n, "count 5 exceeds next_pos 4");
+    {   /* the largest position is 11 at most; a next_pos just above the count but at or
+           below some position is caught by the positions walk */
+        int32_t maxp = s.pos[3][4];
+        FRESH(); wr32(b + 72, (uint32_t)maxp); reseal_header(b);
+        REJECT(b, n, "positions must increase strictly and stay in [0, next_pos)");
+    }
+    const uint64_t pol = 80 + 4 * 24;
+    FRESH(); b[pol + 2] = 0xff; reseal_header(b); REJECT(b, n, "policy spec is not UTF-8");
+    FRESH(); b[pol + 2] = 0; reseal_header(b); REJECT(b, n, "policy spec is not UTF-8 without NUL (bad byte at offset 2)");
+    FRESH(); b[pol + 1] = 0xc0; b[pol + 2] = 0xaf; reseal_header(b); REJECT(b, n, "not UTF-8"); /* overlong '/' */
+    FRESH(); b[190] = 1; reseal_header(b); REJECT(b, n, "padding byte at offset 190 (header padding)");
+
+    /* the section table: ids, offsets, lengths */
+    FRESH(); wr32(b + 80 + 24 * SEC_K, 9); reseal_header(b); REJECT(b, n, "entry 2 has id 9, expected 3 (K)");
+    FRESH(); wr64(b + 80 + 24 * SEC_V + 8, n + 64); reseal_header(b); REJECT(b, n, "section V [");
+    FRESH(); wr64(b + 80 + 24 * SEC_V + 16, 0x7fffffffffffffffull); reseal_header(b); REJECT(b, n, "lies outside the");
+    FRESH(); wr64(b + 80 + 24 * SEC_K + 8, sec_off(b, SEC_POS)); reseal_header(b); REJECT(b, n, "section K starts at");
+    FRESH(); wr64(b + 80 + 24 * SEC_LISTS + 8, 100); reseal_header(b); REJECT(b, n, "before the end of the header");
+    FRESH(); wr64(b + 80 + 24 * SEC_POS + 8, 324); reseal_header(b); REJECT(b, n, "section positions at offset 324, expected 320");
+    FRESH(); wr64(b + 80 + 24 * SEC_V + 16, sec_len(b, SEC_V) - 4); reseal_header(b); REJECT(b, n, "4 bytes after the last section");
+    FRESH(); wr64(b + 80 + 24 * SEC_LISTS + 16, 72); reseal_header(b); REJECT(b, n, "section lists is 72 bytes, expected 96");
+    FRESH(); wr64(b + 80 + 24 * SEC_POS + 16, 36); reseal_header(b); REJECT(b, n, "section positions is 36 bytes, but the counts say 40");
+    FRESH(); b[300] = 7; REJECT(b, n, "padding byte at offset 300 (between sections)");
+
+    /* every checksum */
+    FRESH(); b[sec_off(b, SEC_LISTS) + 9] ^= 1; REJECT(b, n, "section lists checksum mismatch (expected 0x");
+    FRESH(); b[sec_off(b, SEC_POS) + 1] ^= 1; REJECT(b, n, "section positions checksum mismatch");
+    FRESH(); b[sec_off(b, SEC_K) + 17] ^= 0x80; REJECT(b, n, "section K checksum mismatch (expected 0x");
+    FRESH(); b[n - 1] ^= 0x01; REJECT(b, n, "section V checksum mismatch");
+    {   /* the message carries both values */
+        FRESH(); b[sec_off(b, SEC_K)] ^= 1;
+        char want[96];
+        snprintf(want, sizeof want, "section K checksum mismatch (expected 0x%08x, got 0x%08x)",
+                 rd32(b + 80 + 24 * SEC_K + 4), kt_crc32c(0, b + sec_off(b, SEC_K), sec_len(b, SEC_K)));
+        REJECT(b, n, want);
+    }
+
+    /* lies in the list table (resealed: a lying sender computes valid checksums) */
+    const uint64_t lt = sec_off(good, SEC_LISTS);
+#define LIST(i, f) (b + lt + 24 * (i) + (f))
+    FRESH(); wr32(LIST(0, 8), 4); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) starts at entry 3, expected 4");
+    FRESH(); wr32(LIST(3, 8), 6); reseal(b, SEC_LISTS); REJECT(b, n, "section positions is 40 bytes, but the counts say 44");
+    FRESH(); wr64(LIST(2, 0), 2); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 1, head 0) starts at entry 2, expected 3");
+    FRESH(); wr32(LIST(0, 12), 4); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 0) pinned 4 exceeds its count 3");
+    FRESH(); wr32(LIST(1, 12), 1); reseal(b, SEC_LISTS); REJECT(b, n, "pinned 1 exceeds its count 0");
+    FRESH(); wr32(LIST(2, 16), 0x80000000u); reseal(b, SEC_LISTS); REJECT(b, n, "window 2147483648 is above");
+    FRESH(); wr32(LIST(3, 16), KT_BUNDLE_WINDOW_DENSE); reseal(b, SEC_LISTS); ACCEPT(b, n);
+    FRESH(); wr32(LIST(1, 20), 1); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) reserved field");
+    /* overflow-inducing counts: the sum and the row product are computed in checked arithmetic */
+    FRESH();
+    wr32(b + 72, 0x7fffffff);
+    for (int i = 0; i < 4; i++) {
+        wr64(LIST(i, 0), (uint64_t)i * 0x7fffffff);
+        wr32(LIST(i, 8), 0x7fffffff);
+        wr32(LIST(i, 12), 0);
+    }
+    reseal(b, SEC_LISTS);
+    REJECT(b, n, "bundle of 309237645504 bytes exceeds the 274877906944-byte limit");
+    FRESH();
+    wr32(b + 72, 0x7fffffff);
+    for (int i = 0; i < 4; i++) {
+        wr64(LIST(i, 0), i ? 0x7fffffff : 0);
+        wr32(LIST(i, 8), i ? 0 : 0x7fffffff);
+        wr32(LIST(i, 12), 0);
+    }
+    reseal(b, SEC_LISTS);
+    REJECT(b, n, "section positions is 40 bytes, but the counts say 8589934588");
+    FRESH(); wr32(b + 72, 0x7fffffff); wr32(LIST(0, 8), 0x7fffffff); reseal(b, SEC_LISTS);
+    REJECT(b, n, "list (layer 0, head 1) starts at entry 3, expected 2147483647");
+    FRESH(); wr32(LIST(0, 8), 0xffffffffu); reseal(b, SEC_LISTS); REJECT(b, n, "count 4294967295 exceeds next_pos 12");
+
+    /* positions (resealed) */
+    const uint64_t pt = sec_off(good, SEC_POS);
+    FRESH(); wr32(b + pt + 4, rd32(b + pt)); reseal(b, SEC_POS);
+    REJECT(b, n, "list (layer 0, head 0) entry 1 has position");
+    FRESH(); wr32(b + pt + 8, 0); reseal(b, SEC_POS); REJECT(b, n, "entry 2 has position 0");
+    FRESH(); wr32(b + pt, (uint32_t)-3); reseal(b, SEC_POS); REJECT(b, n, "entry 0 has position -3 (previous -1");
+    FRESH(); wr32(b + pt + 36, 12); reseal(b, SEC_POS); REJECT(b, n, "list (layer 1, head 1) entry 4 has position 12");
+    {   /* positions restart per list: list (1,0) may begin below where (0,0) ended */
+        FRESH(); wr32(b + pt + 12, 0); wr32(b + pt + 16, 1); reseal(b, SEC_POS); ACCEPT(b, n);
+    }
+#undef LIST
+    free(b);
+    free(good);
+    seqkv_free(&s);
+    (void)err;
+#undef FRESH
+}
+
+/* ------------------------------------------------------------------ writer misuse, sizes */
+
+static void test_writer(void)
+{
+    char err[KT_ERR_MAX];
+    seqkv s;
+    seqkv_make(&s, 2, 2, 4, KT_DTYPE_BF16, BASE_COUNTS, 12, "full");
+    uint64_t size;
+    REQUIRE(kt_bundle_size(&s.h, s.lists, &size, err) == 0, "%s", err);
+    uint8_t *buf = malloc(size);
+    kt_bundle_writer w;
+    uint64_t got;
+
+    CHECK(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size - 1, err) == -1, "short buffer");
+    CHECK_ERR_HAS(err, "too small");
+    CHECK(kt_bundle_writer_put(&w, 0, 0, 1, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+          "put after failed begin");
+    CHECK_ERR_HAS(err, "not open");
+
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 1, 0, 1, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2], err) == -1,
+          "skipped a non-empty list");
+    CHECK_ERR_HAS(err, "list (layer 0, head 0) got 0 of its 3 entries");
+
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 0, 0, 4, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+          "too many entries");
+    CHECK_ERR_HAS(err, "put of 4 entries to list (layer 0, head 0) which has 3 of 3 left");
+
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    int32_t dup[2] = {s.pos[0][0], s.pos[0][0]};
+    CHECK(kt_bundle_writer_put(&w, 0, 0, 2, dup, KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+          "repeated position");
+    CHECK_ERR_HAS(err, "positions must increase strictly");
+
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 0, 0, 1, s.pos[0], KT_DTYPE_INT8_TOKEN, s.k[0], s.v[0], err) == -1,
+          "int8 source");
+    CHECK_ERR_HAS(err, "source dtype 16 (int8+scale) is not supported by this build");
+
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 2, 0, 1, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+          "layer out of range");
+    CHECK_ERR_HAS(err, "outside 2 layers x 2 heads");
+
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_writer_put(&w, 0, 0, 3, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == 0, "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 0, 0, 0, NULL, KT_DTYPE_F32, NULL, NULL, err) == 0, "empty put: %s", err);
+    REQUIRE(kt_bundle_writer_put(&w, 1, 0, 2, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2], err) == 0, "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 0, 1, 0, NULL, KT_DTYPE_F32, NULL, NULL, err) == -1, "going back");
+    CHECK_ERR_HAS(err, "after a later list");
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_writer_put(&w, 0, 0, 3, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == 0, "%s", err);
+    REQUIRE(kt_bundle_writer_put(&w, 1, 0, 2, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2], err) == 0, "%s", err);
+    CHECK(kt_bundle_writer_finish(&w, &got, err) == -1, "finish with a list short");
+    CHECK_ERR_HAS(err, "list (layer 1, head 1) got 0 of its 5 entries");
+    CHECK(kt_bundle_writer_finish(&w, &got, err) == -1, "finish twice");
+
+    /* source rows already in the payload dtype are copied as they are: the no-conversion
+     * path a GPU producing bf16 would use */
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    for (uint32_t i = 0; i < 4; i++) {
+        const uint32_t c = s.lists[i].count;
+        uint16_t *kb = malloc((c * 4 + 1) * 2);
+        for (uint32_t e = 0; e < c * 4; e++) kb[e] = kt_f32_to_bf16(s.k[i][e]);
+        REQUIRE(kt_bundle_writer_put(&w, i / 2, i % 2, c, s.pos[i], KT_DTYPE_BF16, kb, kb, err) == 0,
+                "%s", err);
+        free(kb);
+    }
+    REQUIRE(kt_bundle_writer_finish(&w, &got, err) == 0, "%s", err);
+    kt_bundle_view v;
+    REQUIRE(kt_bundle_parse(buf, got, &v, err) == 0, "%s", err);
+    kt_bundle_list_view lv;
+    REQUIRE(kt_bundle_view_list(&v, 1, 1, &lv, err) == 0, "%s", err);
+    float k[20];
+    REQUIRE(kt_bundle_list_read(&v, &lv, 0, 5, NULL, k, NULL, err) == 0, "%s", err);
+    for (int e = 0; e < 20; e++)
+        CHECK(k[e] == bf16_oracle(s.k[3][e]), "bf16 copy elem %d", e);
+
+    /* invalid headers are refused by the writer too, with the parser's words */
+    kt_bundle_header h = s.h;
+    h.head_dim = 0;
+    CHECK(kt_bundle_writer_begin(&w, &h, s.lists, buf, size, err) == -1, "head_dim 0");
+    CHECK_ERR_HAS(err, "head_dim 0 out of range");
+    h = s.h;
+    h.dtype = KT_DTYPE_FP8_E4M3_TOKEN;
+    CHECK(kt_bundle_size(&h, s.lists, &got, err) == -1, "fp8");
+    CHECK_ERR_HAS(err, "not supported by this build");
+    h = s.h;
+    h.policy[0] = '\0';
+    CHECK(kt_bundle_size(&h, s.lists, &got, err) == -1, "empty policy");
+    CHECK_ERR_HAS(err, "policy spec is empty");
+    h = s.h;
+    memset(h.policy, 'x', KT_BUNDLE_MAX_POLICY);
+    h.policy[KT_BUNDLE_MAX_POLICY] = '\0';
+    CHECK(kt_bundle_size(&h, s.lists, &got, err) == 0, "longest policy: %s", err);
+    h = s.h;
+    h.fingerprint[3] = 'G';
+    CHECK(kt_bundle_size(&h, s.lists, &got, err) == -1, "bad fingerprint");
+    CHECK_ERR_HAS(err, "fingerprint byte 3");
+    kt_bundle_list bad[4];
+    memcpy(bad, s.lists, sizeof bad);
+    bad[2].pinned = 3;
+    CHECK(kt_bundle_size(&s.h, bad, &got, err) == -1, "pinned > count");
+    CHECK_ERR_HAS(err, "list (layer 1, head 0) pinned 3 exceeds its count 2");
+
+    /* size arithmetic at the bounds: the largest shape with every list full does not wrap,
+     * it is refused against the limit */
+    kt_bundle_header big;
+    header_init(&big, KT_BUNDLE_MAX_LAYERS, KT_BUNDLE_MAX_KV_HEADS, KT_BUNDLE_MAX_HEAD_DIM,
+                KT_DTYPE_F32, 0x7fffffff, "full");
+    const size_t nb = (size_t)KT_BUNDLE_MAX_LAYERS * KT_BUNDLE_MAX_KV_HEADS;
+    kt_bundle_list *many = malloc(nb * sizeof *many);
+    for (size_t i = 0; i < nb; i++) many[i] = (kt_bundle_list){0x7fffffff, 0, KT_BUNDLE_WINDOW_DENSE};
+    CHECK(kt_bundle_size(&big, many, &got, err) == -1, "huge bundle accepted");
+    CHECK_ERR_HAS(err, "exceed the 274877906944-byte bundle limit");
+    for (size_t i = 0; i < nb; i++) many[i].count = i == 0 ? 1000 : 0;
+    CHECK(kt_bundle_size(&big, many, &got, err) == 0, "%s", err);
+    /* header 192 + lists 24 MiB + positions 4000 (+pad) + 2 x 1000 rows of 16 KiB */
+    const uint64_t lists_end = 192 + nb * 24, pos_at = (lists_end + 63) / 64 * 64,
+                   k_at = (pos_at + 4000 + 63) / 64 * 64, kv = 1000ull * 4096 * 4;
+    CHECK(got == k_at + kv + kv, "size %llu, want %llu", (unsigned long long)got,
+          (unsigned long long)(k_at + 2 * kv));
+    free(many);
+
+    free(buf);
+    seqkv_free(&s);
+}
+
+static void test_check_model(void)
+{
+    char err[KT_ERR_MAX];
+    seqkv s;
+    uint64_t n;
+    uint8_t *b = base_bundle(&s, &n);
+    kt_bundle_view v;
+    REQUIRE(kt_bundle_parse(b, n, &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_check_model(&v, "0123456789abcdef", 2, 2, 4, err) == 0, "%s", err);
+    CHECK(kt_bundle_check_model(&v, NULL, 2, 2, 4, err) == 0, "%s", err);
+    CHECK(kt_bundle_check_model(&v, "fedcba9876543210", 2, 2, 4, err) == -1, "fingerprint");
+    CHECK_ERR_HAS(err, "bundle: model fingerprint 0123456789abcdef does not match this node's fedcba9876543210");
+    CHECK_ERR_HAS(err, "HINT");
+    CHECK(kt_bundle_check_model(&v, NULL, 3, 2, 4, err) == -1, "layers");
+    CHECK_ERR_HAS(err, "n_layers 2 does not match this node's model (3)");
+    CHECK(kt_bundle_check_model(&v, NULL, 2, 8, 4, err) == -1, "heads");
+    CHECK_ERR_HAS(err, "n_kv_heads 2 does not match this node's model (8)");
+    CHECK(kt_bundle_check_model(&v, NULL, 2, 2, 128, err) == -1, "head_dim");
+    CHECK_ERR_HAS(err, "head_dim 4 does not match this node's model (128)");
+    free(b);
+    seqkv_free(&s);
+}
+
+/* ------------------------------------------------------------------ fuzz seeds */
+
+static void write_seed(const char *dir, const char *name, uint32_t layers, uint32_t heads,
+                       uint32_t dim, kt_dtype dtype, const uint32_t *counts, int32_t next_pos,
+                       const char *policy)
+{
+    seqkv s;
+    seqkv_make(&s, layers, heads, dim, dtype, counts, next_pos, policy);
+    uint64_t n;
+    uint8_t *b = encode(&s, &n);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    REQUIRE(f && fwrite(b, 1, n, f) == n && fclose(f) == 0, "cannot write %s", path);
+    printf("wrote %s (%llu bytes)\n", path, (unsigned long long)n);
+    free(b);
+    seqkv_free(&s);
+}
+
+static void write_seeds(const char *dir)
+{
+    static const uint32_t c1[1] = {0}, c4[4] = {3, 0, 2, 5}, c6[6] = {4, 4, 1, 0, 6, 2},
+                          c8[8] = {2, 1, 1, 2, 3, 0, 1, 2};
+    write_seed(dir, "empty-1x1-f32", 1, 1, 2, KT_DTYPE_F32, c1, 1, "full");
+    write_seed(dir, "gqa-2x2-f32", 2, 2, 4, KT_DTYPE_F32, c4, 12, "streaming:sink=4,window=16");
+    write_seed(dir, "mha-3x2-bf16", 3, 2, 8, KT_DTYPE_BF16, c6, 9, "snapkv:budget=8,window=4");
+    write_seed(dir, "gqa-2x4-f16", 2, 4, 6, KT_DTYPE_F16, c8, 5, "sage:budget=6,pos=rel");
+}
+
+int main(void)
+{
+    const char *seeds = kt_env("KT_BUNDLE_SEEDS");
+    if (seeds) write_seeds(seeds);
+
+    test_crc();
+    test_conversions();
+
+    /* round trips: MHA and GQA shapes, empty lists, all three dtypes */
+    static const uint32_t mha[8] = {5, 0, 7, 1, 0, 3, 12, 2};
+    CHECK(round_trip(2, 4, 8, KT_DTYPE_F32, mha, 40), "mha f32");
+    CHECK(round_trip(2, 4, 8, KT_DTYPE_BF16, mha, 40), "mha bf16");
+    CHECK(round_trip(2, 4, 8, KT_DTYPE_F16, mha, 40), "mha f16");
+    static const uint32_t gqa[6] = {17, 17, 3, 30, 0, 1};
+    CHECK(round_trip(3, 2, 64, KT_DTYPE_BF16, gqa, 64), "gqa bf16");
+    CHECK(round_trip(3, 2, 64, KT_DTYPE_F16, gqa, 64), "gqa f16");
+    CHECK(round_trip(3, 2, 5, KT_DTYPE_F32, gqa, 31), "odd head_dim f32");
+    static const uint32_t empty[4] = {0, 0, 0, 0};
+    CHECK(round_trip(1, 4, 16, KT_DTYPE_F16, empty, 1), "all lists empty");
+    uint32_t wide[8 * 8];
+    for (int i = 0; i < 64; i++) wide[i] = (uint32_t)(rnd() % 50);
+    CHECK(round_trip(8, 8, 128, KT_DTYPE_BF16, wide, 300), "8x8x128 bf16");
+
+    test_damage();
+    test_writer();
+    test_check_model();
+    return kt_done("test_bundle");
+}
