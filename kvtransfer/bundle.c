@@ -268,6 +268,11 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const uint8
 }
 #endif
 
+uint32_t kt_crc32c_portable(uint32_t crc, const void *data, size_t n)
+{
+    return ~crc_sw(~crc, data, n);
+}
+
 uint32_t kt_crc32c(uint32_t crc, const void *data, size_t n)
 {
     const uint8_t *p = data;

@@ -181,6 +181,8 @@ int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, u
  * `n` bytes continuing from `crc` (0 to start): kt_crc32c(kt_crc32c(0, a), b) = crc of a||b.
  * Uses the SSE4.2 instruction when the CPU has it, a table otherwise; same results. */
 uint32_t kt_crc32c(uint32_t crc, const void *data, size_t n);
+/* The table path alone, whatever the CPU: for the test that holds both paths to one result. */
+uint32_t kt_crc32c_portable(uint32_t crc, const void *data, size_t n);
 
 /* Element conversions, round to nearest even, NaN stays NaN, overflow becomes infinity. */
 uint16_t kt_f32_to_f16(float f);

@@ -266,12 +266,14 @@ static void test_crc(void)
     uint8_t z[32] = {0};
     CHECK(kt_crc32c(0, z, 32) == 0x8a9136aau, "32 zeros: 0x%08x", kt_crc32c(0, z, 32));
     CHECK(kt_crc32c(0, NULL, 0) == 0, "empty");
+    CHECK(kt_crc32c_portable(0, "123456789", 9) == 0xe3069283u, "table check value");
     uint8_t buf[1100];
     for (size_t i = 0; i < sizeof buf; i++) buf[i] = (uint8_t)rnd();
     for (int t = 0; t < 300; t++) {
         size_t off = rnd() % 16, n = rnd() % (sizeof buf - 16), cut = n ? rnd() % n : 0;
         uint32_t want = crc_ref(buf + off, n);
         CHECK(kt_crc32c(0, buf + off, n) == want, "crc of %zu bytes at +%zu", n, off);
+        CHECK(kt_crc32c_portable(0, buf + off, n) == want, "table crc of %zu bytes at +%zu", n, off);
         CHECK(kt_crc32c(kt_crc32c(0, buf + off, cut), buf + off + cut, n - cut) == want,
               "chained crc split at %zu of %zu", cut, n);
     }
@@ -531,6 +533,50 @@ static void test_damage(void)
 #undef FRESH
 }
 
+/* A 1.1 bundle as a newer sender might write it: an optional flag bit and a fifth section
+ * after V. A 1.0 reader checks the extra section's checksum and placement and ignores it. */
+static void test_newer_minor(void)
+{
+    seqkv s;
+    uint64_t n;
+    uint8_t *good = base_bundle(&s, &n);
+    /* 5 table entries + "full" = 204 bytes: the header grows from 192 to 256, every section
+     * moves by 64, and the extra section of 8 bytes starts on the boundary after V */
+    const uint64_t v_end = sec_off(good, SEC_V) + sec_len(good, SEC_V) + 64;
+    const uint64_t x_off = (v_end + 63) / 64 * 64, m = x_off + 8;
+    uint8_t *b = calloc(1, m);
+    memcpy(b, good, 80 + 4 * 24);
+    memcpy(b + 80 + 5 * 24, good + 80 + 4 * 24, 4); /* the policy */
+    memcpy(b + 256, good + 192, n - 192);
+    for (int i = 0; i < 4; i++) wr64(b + 80 + 24 * i + 8, sec_off(good, i) + 64);
+    wr32(b + 80 + 4 * 24, 5);
+    wr64(b + 80 + 4 * 24 + 8, x_off);
+    wr64(b + 80 + 4 * 24 + 16, 8);
+    memcpy(b + x_off, "future!!", 8);
+    wr16(b + 10, 1);
+    wr16(b + 62, 5);
+    wr32(b + 12, 256);
+    wr64(b + 16, m);
+    wr32(b + 24, 1u << 20);
+    reseal(b, 4);
+    ACCEPT(b, m);
+    char err[KT_ERR_MAX];
+    kt_bundle_view v;
+    if (kt_bundle_parse(b, m, &v, err) == 0) {
+        CHECK(v.version_minor == 1 && v.flags == 1u << 20, "version/flags");
+        CHECK(v.n_entries == 10, "entries");
+    }
+    b[x_off + 3] ^= 1;
+    REJECT(b, m, "section extra checksum mismatch");
+    b[x_off + 3] ^= 1;
+    wr16(b + 10, 0);
+    reseal_header(b);
+    REJECT(b, m, "n_sections 5 invalid for version 1.0");
+    free(b);
+    free(good);
+    seqkv_free(&s);
+}
+
 /* ------------------------------------------------------------------ writer misuse, sizes */
 
 static void test_writer(void)
@@ -736,6 +782,7 @@ int main(void)
     CHECK(round_trip(8, 8, 128, KT_DTYPE_BF16, wide, 300), "8x8x128 bf16");
 
     test_damage();
+    test_newer_minor();
     test_writer();
     test_check_model();
     return kt_done("test_bundle");
