@@ -12,9 +12,9 @@
  *
  * Conventions: functions return 0 on success and -1 on failure; on failure they write a
  * message starting with "bundle: " into `err` (KT_ERR_MAX bytes, may be NULL) that names the
- * field and the values at fault, and leave their outputs untouched. Nothing here allocates
- * or keeps global state (the CRC32C tables are const), so every function is thread-safe on
- * distinct objects.
+ * field and the values at fault, and leave their outputs untouched. Nothing here allocates;
+ * the only global state is the CRC32C table, built once under pthread_once, so every function
+ * is thread-safe on distinct objects.
  * Tests: tests/unit/test_bundle.c, tests/fuzz/fuzz_bundle.c (ctest -R bundle).
  */
 #ifndef KT_BUNDLE_H
