@@ -226,13 +226,18 @@ typedef enum kr_logits_mode {
 } kr_logits_mode;
 
 /* Feeds `n` tokens (1 <= n <= max_chunk) at positions next_pos .. next_pos+n-1: appends their
- * keys and values to every (layer, KV head) of `s` and attends causally over everything cached.
- * Logits (float32, rows of vocab_size) go to `logits` as `mode` says. Fails cleanly, leaving
- * the sequence as it was, when the pool has too few free blocks. */
+ * keys and values to every (layer, KV head) of `s` and attends causally over everything cached;
+ * with a policy attached, its decode rule runs after each layer. Logits (float32, rows of
+ * vocab_size) go to `logits` as `mode` says. Fails cleanly, leaving the sequence as it was,
+ * when the pool has too few free blocks (checked before any work). */
 int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mode mode,
                float *logits, char *err);
-/* Chunked prefill: kr_forward over consecutive chunks of at most `chunk` tokens (<= 0: the
- * context's max_chunk). `logits` gets the last token's row, or every row with KR_LOGITS_ALL. */
+/* Chunked prefill: consecutive chunks of at most `chunk` tokens (<= 0: the context's
+ * max_chunk); with a policy attached, its observers are appended to chunks and its chunk rule
+ * runs after each layer (the full prompt then never needs to fit the pool; a chunk that does
+ * not fit fails the call, leaving the sequence with the chunks before it). Without a policy
+ * the whole prompt's room is taken first. `logits` gets the last token's row, or every row with
+ * KR_LOGITS_ALL. */
 int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,
                float *logits, char *err);
 
