@@ -10,6 +10,7 @@
  * Run: ctest -R bundle (tests/unit/test_bundle.c, tests/fuzz/fuzz_bundle.c).
  */
 #include "bundle.h"
+#include "le.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -76,26 +77,6 @@ static int fail(char *err, const char *fmt, ...)
     return -1;
 }
 
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static uint32_t rd32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
-static void wr16(uint8_t *p, uint16_t x)
-{
-    p[0] = (uint8_t)x;
-    p[1] = (uint8_t)(x >> 8);
-}
-static void wr32(uint8_t *p, uint32_t x)
-{
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(x >> (8 * i));
-}
-static void wr64(uint8_t *p, uint64_t x)
-{
-    wr32(p, (uint32_t)x);
-    wr32(p + 4, (uint32_t)(x >> 32));
-}
 
 static uint64_t align_up(uint64_t x) { return (x + BL_ALIGN - 1) & ~(uint64_t)(BL_ALIGN - 1); }
 
@@ -236,7 +217,7 @@ static uint32_t crc_sw(uint32_t c, const uint8_t *p, size_t n)
 {
     pthread_once(&crc_once, crc_init);
     while (n >= 8) {
-        uint32_t lo = c ^ rd32(p), hi = rd32(p + 4);
+        uint32_t lo = c ^ kt_rd32(p), hi = kt_rd32(p + 4);
         c = crc_table[7][lo & 0xff] ^ crc_table[6][(lo >> 8) & 0xff] ^
             crc_table[5][(lo >> 16) & 0xff] ^ crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xff] ^
             crc_table[2][(hi >> 8) & 0xff] ^ crc_table[1][(hi >> 16) & 0xff] ^ crc_table[0][hi >> 24];
@@ -457,40 +438,40 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
      * bundle is defined whatever buf held before. */
     memset(b, 0, L.off[BL_SEC_LISTS]);
     memcpy(b + BL_OFF_MAGIC, BL_MAGIC, 8);
-    wr16(b + BL_OFF_MAJOR, KT_BUNDLE_VERSION_MAJOR);
-    wr16(b + BL_OFF_MINOR, KT_BUNDLE_VERSION_MINOR);
-    wr32(b + BL_OFF_HEADER_SIZE, (uint32_t)L.header_size);
-    wr64(b + BL_OFF_TOTAL, L.total);
-    wr32(b + BL_OFF_FLAGS, 0);
+    kt_wr16(b + BL_OFF_MAJOR, KT_BUNDLE_VERSION_MAJOR);
+    kt_wr16(b + BL_OFF_MINOR, KT_BUNDLE_VERSION_MINOR);
+    kt_wr32(b + BL_OFF_HEADER_SIZE, (uint32_t)L.header_size);
+    kt_wr64(b + BL_OFF_TOTAL, L.total);
+    kt_wr32(b + BL_OFF_FLAGS, 0);
     memcpy(b + BL_OFF_FINGERPRINT, h->fingerprint, 16);
-    wr32(b + BL_OFF_LAYERS, h->n_layers);
-    wr32(b + BL_OFF_KV_HEADS, h->n_kv_heads);
-    wr32(b + BL_OFF_HEAD_DIM, h->head_dim);
-    wr16(b + BL_OFF_DTYPE, (uint16_t)h->dtype);
-    wr16(b + BL_OFF_N_SECTIONS, BL_V1_SECTIONS);
-    wr32(b + BL_OFF_FIRST_TOKEN, (uint32_t)h->first_token);
-    wr32(b + BL_OFF_PROMPT_LEN, (uint32_t)h->prompt_len);
-    wr32(b + BL_OFF_NEXT_POS, (uint32_t)h->next_pos);
-    wr16(b + BL_OFF_POLICY_LEN, (uint16_t)policy_len);
+    kt_wr32(b + BL_OFF_LAYERS, h->n_layers);
+    kt_wr32(b + BL_OFF_KV_HEADS, h->n_kv_heads);
+    kt_wr32(b + BL_OFF_HEAD_DIM, h->head_dim);
+    kt_wr16(b + BL_OFF_DTYPE, (uint16_t)h->dtype);
+    kt_wr16(b + BL_OFF_N_SECTIONS, BL_V1_SECTIONS);
+    kt_wr32(b + BL_OFF_FIRST_TOKEN, (uint32_t)h->first_token);
+    kt_wr32(b + BL_OFF_PROMPT_LEN, (uint32_t)h->prompt_len);
+    kt_wr32(b + BL_OFF_NEXT_POS, (uint32_t)h->next_pos);
+    kt_wr16(b + BL_OFF_POLICY_LEN, (uint16_t)policy_len);
     for (int s = 0; s < BL_V1_SECTIONS; s++) {
         uint8_t *e = b + BL_FIXED + s * BL_SECT_ENTRY;
-        wr32(e, (uint32_t)s + 1);
-        wr64(e + 8, L.off[s]);
-        wr64(e + 16, L.len[s]);
+        kt_wr32(e, (uint32_t)s + 1);
+        kt_wr64(e + 8, L.off[s]);
+        kt_wr64(e + 16, L.len[s]);
     }
     memcpy(b + BL_FIXED + BL_V1_SECTIONS * BL_SECT_ENTRY, h->policy, policy_len);
 
     uint8_t *t = b + L.off[BL_SEC_LISTS];
     uint64_t first = 0;
     for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
-        wr64(t, first);
-        wr32(t + 8, lists[i].count);
-        wr32(t + 12, lists[i].pinned);
-        wr32(t + 16, lists[i].window);
-        wr32(t + 20, 0);
+        kt_wr64(t, first);
+        kt_wr32(t + 8, lists[i].count);
+        kt_wr32(t + 12, lists[i].pinned);
+        kt_wr32(t + 16, lists[i].window);
+        kt_wr32(t + 20, 0);
         first += lists[i].count;
     }
-    wr32(b + BL_FIXED + BL_SEC_LISTS * BL_SECT_ENTRY + 4,
+    kt_wr32(b + BL_FIXED + BL_SEC_LISTS * BL_SECT_ENTRY + 4,
          kt_crc32c(0, b + L.off[BL_SEC_LISTS], L.len[BL_SEC_LISTS]));
     for (int s = 1; s < BL_V1_SECTIONS; s++) { /* alignment gaps before positions, K, V */
         uint64_t prev_end = L.off[s - 1] + L.len[s - 1];
@@ -591,12 +572,12 @@ int kt_bundle_writer_finish(kt_bundle_writer *w, uint64_t *size_out, char *err)
     w->state = 0;
     if (writer_advance(w, w->n_lists, err)) return -1; /* every list, the last one included */
     uint8_t *b = w->buf;
-    wr32(b + BL_FIXED + BL_SEC_POSITIONS * BL_SECT_ENTRY + 4, w->crc_pos);
-    wr32(b + BL_FIXED + BL_SEC_K * BL_SECT_ENTRY + 4, w->crc_k);
-    wr32(b + BL_FIXED + BL_SEC_V * BL_SECT_ENTRY + 4, w->crc_v);
-    const uint32_t header_size = rd32(b + BL_OFF_HEADER_SIZE);
-    wr32(b + BL_OFF_HEADER_CRC, 0);
-    wr32(b + BL_OFF_HEADER_CRC, kt_crc32c(0, b, header_size));
+    kt_wr32(b + BL_FIXED + BL_SEC_POSITIONS * BL_SECT_ENTRY + 4, w->crc_pos);
+    kt_wr32(b + BL_FIXED + BL_SEC_K * BL_SECT_ENTRY + 4, w->crc_k);
+    kt_wr32(b + BL_FIXED + BL_SEC_V * BL_SECT_ENTRY + 4, w->crc_v);
+    const uint32_t header_size = kt_rd32(b + BL_OFF_HEADER_SIZE);
+    kt_wr32(b + BL_OFF_HEADER_CRC, 0);
+    kt_wr32(b + BL_OFF_HEADER_CRC, kt_crc32c(0, b, header_size));
     *size_out = w->size;
     return 0;
 }
@@ -637,12 +618,12 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     }
     if (len < BL_FIXED)
         return fail(err, "truncated: %zu bytes, shorter than the %d-byte fixed header", len, BL_FIXED);
-    const unsigned major = rd16(b + BL_OFF_MAJOR), minor = rd16(b + BL_OFF_MINOR);
+    const unsigned major = kt_rd16(b + BL_OFF_MAJOR), minor = kt_rd16(b + BL_OFF_MINOR);
     if (major != KT_BUNDLE_VERSION_MAJOR)
         return fail(err, "version %u.%u is %s than this build reads (%d.x) ---> HINT: run the same "
                     "kvrelay release on prefill and decode nodes", major, minor,
                     major > KT_BUNDLE_VERSION_MAJOR ? "newer" : "older", KT_BUNDLE_VERSION_MAJOR);
-    const uint64_t total = rd64(b + BL_OFF_TOTAL);
+    const uint64_t total = kt_rd64(b + BL_OFF_TOTAL);
     if (total > KT_BUNDLE_MAX_BYTES)
         return fail(err, "total size %" PRIu64 " exceeds the %" PRIu64 "-byte limit", total,
                     (uint64_t)KT_BUNDLE_MAX_BYTES);
@@ -652,9 +633,9 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
         return fail(err, "size mismatch: header says %" PRIu64 " bytes, got %zu (trailing bytes)",
                     total, len);
 
-    const uint32_t header_size = rd32(b + BL_OFF_HEADER_SIZE);
-    const unsigned n_sections = rd16(b + BL_OFF_N_SECTIONS);
-    const unsigned policy_len = rd16(b + BL_OFF_POLICY_LEN);
+    const uint32_t header_size = kt_rd32(b + BL_OFF_HEADER_SIZE);
+    const unsigned n_sections = kt_rd16(b + BL_OFF_N_SECTIONS);
+    const unsigned policy_len = kt_rd16(b + BL_OFF_POLICY_LEN);
     if (n_sections < BL_V1_SECTIONS || n_sections > BL_MAX_SECTIONS ||
         (minor == 0 && n_sections != BL_V1_SECTIONS))
         return fail(err, "n_sections %u invalid for version %u.%u (4 in 1.0, at most %d later)",
@@ -668,7 +649,7 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     if (header_size > total)
         return fail(err, "header_size %" PRIu32 " exceeds the bundle's %" PRIu64 " bytes",
                     header_size, total);
-    const uint32_t header_crc = rd32(b + BL_OFF_HEADER_CRC);
+    const uint32_t header_crc = kt_rd32(b + BL_OFF_HEADER_CRC);
     static const uint8_t zero4[4];
     uint32_t crc = kt_crc32c(0, b, BL_OFF_HEADER_CRC);
     crc = kt_crc32c(crc, zero4, 4);
@@ -678,27 +659,27 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
                     header_crc, crc);
 
     /* From here the header is what the sender wrote: what remains are lies, not line noise. */
-    const uint32_t flags = rd32(b + BL_OFF_FLAGS);
+    const uint32_t flags = kt_rd32(b + BL_OFF_FLAGS);
     if (flags & BL_REQUIRED_FLAGS)
         return fail(err, "unknown required flags 0x%04" PRIx32 " ---> HINT: the sender is a newer "
                     "kvrelay using a feature this build lacks", flags & BL_REQUIRED_FLAGS);
-    if (rd16(b + BL_OFF_RESERVED) != 0)
+    if (kt_rd16(b + BL_OFF_RESERVED) != 0)
         return fail(err, "reserved header field at offset %d is 0x%04x, not zero", BL_OFF_RESERVED,
-                    rd16(b + BL_OFF_RESERVED));
+                    kt_rd16(b + BL_OFF_RESERVED));
     kt_bundle_view v;
     memset(&v, 0, sizeof v);
     kt_bundle_header *h = &v.hdr;
     memcpy(h->fingerprint, b + BL_OFF_FINGERPRINT, 16);
     h->fingerprint[16] = '\0';
-    h->n_layers = rd32(b + BL_OFF_LAYERS);
-    h->n_kv_heads = rd32(b + BL_OFF_KV_HEADS);
-    h->head_dim = rd32(b + BL_OFF_HEAD_DIM);
-    const unsigned dtype = rd16(b + BL_OFF_DTYPE);
+    h->n_layers = kt_rd32(b + BL_OFF_LAYERS);
+    h->n_kv_heads = kt_rd32(b + BL_OFF_KV_HEADS);
+    h->head_dim = kt_rd32(b + BL_OFF_HEAD_DIM);
+    const unsigned dtype = kt_rd16(b + BL_OFF_DTYPE);
     h->dtype = (kt_dtype)dtype;
     if (check_dtype(dtype, "payload dtype", err)) return -1; /* before storing it is meaningful */
-    h->first_token = (int32_t)rd32(b + BL_OFF_FIRST_TOKEN);
-    h->prompt_len = (int32_t)rd32(b + BL_OFF_PROMPT_LEN);
-    h->next_pos = (int32_t)rd32(b + BL_OFF_NEXT_POS);
+    h->first_token = (int32_t)kt_rd32(b + BL_OFF_FIRST_TOKEN);
+    h->prompt_len = (int32_t)kt_rd32(b + BL_OFF_PROMPT_LEN);
+    h->next_pos = (int32_t)kt_rd32(b + BL_OFF_NEXT_POS);
     const uint64_t policy_at = BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY;
     memcpy(h->policy, b + policy_at, policy_len);
     h->policy[policy_len] = '\0';
@@ -712,10 +693,10 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     uint64_t end = header_size;
     for (unsigned s = 0; s < n_sections; s++) {
         const uint8_t *e = b + BL_FIXED + s * BL_SECT_ENTRY;
-        const uint32_t id = rd32(e);
-        scrc[s] = rd32(e + 4);
-        off[s] = rd64(e + 8);
-        slen[s] = rd64(e + 16);
+        const uint32_t id = kt_rd32(e);
+        scrc[s] = kt_rd32(e + 4);
+        off[s] = kt_rd64(e + 8);
+        slen[s] = kt_rd64(e + 16);
         if (id != s + 1)
             return fail(err, "section table entry %u has id %" PRIu32 ", expected %u (%s)", s, id,
                         s + 1, sec_name(s));
@@ -748,14 +729,14 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     const uint8_t *t = b + off[BL_SEC_LISTS];
     uint64_t n_entries = 0;
     for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
-        const kt_bundle_list l = {rd32(t + 8), rd32(t + 12), rd32(t + 16)};
-        if (rd64(t) != n_entries)
+        const kt_bundle_list l = {kt_rd32(t + 8), kt_rd32(t + 12), kt_rd32(t + 16)};
+        if (kt_rd64(t) != n_entries)
             return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") starts at entry %" PRIu64
                         ", expected %" PRIu64 " (the sum of the counts before it)",
-                        i / h->n_kv_heads, i % h->n_kv_heads, rd64(t), n_entries);
-        if (rd32(t + 20) != 0)
+                        i / h->n_kv_heads, i % h->n_kv_heads, kt_rd64(t), n_entries);
+        if (kt_rd32(t + 20) != 0)
             return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") reserved field is 0x%08"
-                        PRIx32 ", not zero", i / h->n_kv_heads, i % h->n_kv_heads, rd32(t + 20));
+                        PRIx32 ", not zero", i / h->n_kv_heads, i % h->n_kv_heads, kt_rd32(t + 20));
         if (check_list(h, i, &l, err)) return -1;
         n_entries += l.count; /* < 2^20 lists x 2^31: no overflow */
     }
@@ -777,10 +758,10 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     t = b + off[BL_SEC_LISTS];
     const uint8_t *pp = b + off[BL_SEC_POSITIONS];
     for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
-        const uint32_t count = rd32(t + 8);
+        const uint32_t count = kt_rd32(t + 8);
         int32_t last = -1;
         for (uint32_t j = 0; j < count; j++, pp += 4) {
-            const int32_t p = (int32_t)rd32(pp);
+            const int32_t p = (int32_t)kt_rd32(pp);
             if (p <= last || p >= h->next_pos)
                 return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") entry %" PRIu32
                             " has position %" PRId32 " (previous %" PRId32 ", next_pos %" PRId32
@@ -835,10 +816,10 @@ int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
                     " layers x %" PRIu32 " heads", layer, head, v->hdr.n_layers, v->hdr.n_kv_heads);
     const uint8_t *t = v->lists + ((size_t)layer * v->hdr.n_kv_heads + head) * BL_LIST_ENTRY;
     kt_bundle_list_view l;
-    l.first = rd64(t);
-    l.count = rd32(t + 8);
-    l.pinned = rd32(t + 12);
-    l.window = rd32(t + 16);
+    l.first = kt_rd64(t);
+    l.count = kt_rd32(t + 8);
+    l.pinned = kt_rd32(t + 12);
+    l.window = kt_rd32(t + 16);
     l.positions = v->positions + l.first * 4;
     l.k = v->k + l.first * v->row_bytes;
     l.v = v->v + l.first * v->row_bytes;

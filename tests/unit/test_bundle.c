@@ -11,6 +11,7 @@
 #include "kr_test.h"
 
 #include "bundle.h"
+#include "le.h"
 
 #include <stdint.h>
 
@@ -26,25 +27,6 @@ static uint64_t rnd(void)
 }
 static float rndf(void) { return (float)((double)(rnd() >> 11) / (double)(1ull << 53) * 8.0 - 4.0); }
 
-static uint32_t rd32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
-static void wr16(uint8_t *p, uint16_t x)
-{
-    p[0] = (uint8_t)x;
-    p[1] = (uint8_t)(x >> 8);
-}
-static void wr32(uint8_t *p, uint32_t x)
-{
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(x >> (8 * i));
-}
-static void wr64(uint8_t *p, uint64_t x)
-{
-    wr32(p, (uint32_t)x);
-    wr32(p + 4, (uint32_t)(x >> 32));
-}
 
 /* The bitwise CRC32C definition, independent of both library paths. */
 static uint32_t crc_ref(const uint8_t *p, size_t n)
@@ -339,17 +321,17 @@ static uint8_t *base_bundle(seqkv *s, uint64_t *size)
     return encode(s, size);
 }
 
-static uint64_t sec_off(const uint8_t *b, int s) { return rd64(b + 80 + 24 * s + 8); }
-static uint64_t sec_len(const uint8_t *b, int s) { return rd64(b + 80 + 24 * s + 16); }
+static uint64_t sec_off(const uint8_t *b, int s) { return kt_rd64(b + 80 + 24 * s + 8); }
+static uint64_t sec_len(const uint8_t *b, int s) { return kt_rd64(b + 80 + 24 * s + 16); }
 static void reseal_header(uint8_t *b)
 {
-    wr32(b + 28, 0);
-    wr32(b + 28, kt_crc32c(0, b, rd32(b + 12)));
+    kt_wr32(b + 28, 0);
+    kt_wr32(b + 28, kt_crc32c(0, b, kt_rd32(b + 12)));
 }
 /* Recomputes section s's checksum (from the table as it stands), then the header's. */
 static void reseal(uint8_t *b, int s)
 {
-    wr32(b + 80 + 24 * s + 4, kt_crc32c(0, b + sec_off(b, s), sec_len(b, s)));
+    kt_wr32(b + 80 + 24 * s + 4, kt_crc32c(0, b + sec_off(b, s), sec_len(b, s)));
     reseal_header(b);
 }
 
@@ -388,14 +370,14 @@ static void test_damage(void)
     FRESH();
     ACCEPT(b, n);
     /* the layout this test relies on: lists 96 bytes at 192, then a 32-byte gap */
-    REQUIRE(rd32(b + 12) == 192 && sec_off(b, SEC_LISTS) == 192 && sec_len(b, SEC_LISTS) == 96 &&
+    REQUIRE(kt_rd32(b + 12) == 192 && sec_off(b, SEC_LISTS) == 192 && sec_len(b, SEC_LISTS) == 96 &&
             sec_off(b, SEC_POS) == 320, "unexpected base layout");
 
     /* magic, version */
     FRESH(); b[3] ^= 0x20; REJECT(b, n, "bad magic");
-    FRESH(); wr16(b + 8, 2); reseal_header(b); REJECT(b, n, "version 2.0 is newer");
-    FRESH(); wr16(b + 8, 0); reseal_header(b); REJECT(b, n, "version 0.0 is older");
-    FRESH(); wr16(b + 10, 7); reseal_header(b); ACCEPT(b, n); /* newer minor: read */
+    FRESH(); kt_wr16(b + 8, 2); reseal_header(b); REJECT(b, n, "version 2.0 is newer");
+    FRESH(); kt_wr16(b + 8, 0); reseal_header(b); REJECT(b, n, "version 0.0 is older");
+    FRESH(); kt_wr16(b + 10, 7); reseal_header(b); ACCEPT(b, n); /* newer minor: read */
 
     /* truncation at every offset, and trailing bytes */
     for (uint64_t cut = 0; cut < n; cut++) REJECT(good, cut, "truncated");
@@ -409,45 +391,45 @@ static void test_damage(void)
     }
 
     /* sizes in the fixed header */
-    FRESH(); wr64(b + 16, n + 64); reseal_header(b); REJECT(b, n, "header says");
-    FRESH(); wr64(b + 16, ~0ull); REJECT(b, n, "exceeds the");
-    FRESH(); wr32(b + 12, 256); reseal_header(b); REJECT(b, n, "header_size 256, expected 192");
-    FRESH(); wr16(b + 62, 5); reseal_header(b); REJECT(b, n, "n_sections 5 invalid");
-    FRESH(); wr16(b + 62, 3); reseal_header(b); REJECT(b, n, "n_sections 3 invalid");
-    FRESH(); wr16(b + 76, 0); reseal_header(b); REJECT(b, n, "policy_len 0");
-    FRESH(); wr16(b + 76, 2000); reseal_header(b); REJECT(b, n, "policy_len 2000");
-    FRESH(); wr16(b + 76, 40); reseal_header(b); REJECT(b, n, "header_size 192, expected 256");
+    FRESH(); kt_wr64(b + 16, n + 64); reseal_header(b); REJECT(b, n, "header says");
+    FRESH(); kt_wr64(b + 16, ~0ull); REJECT(b, n, "exceeds the");
+    FRESH(); kt_wr32(b + 12, 256); reseal_header(b); REJECT(b, n, "header_size 256, expected 192");
+    FRESH(); kt_wr16(b + 62, 5); reseal_header(b); REJECT(b, n, "n_sections 5 invalid");
+    FRESH(); kt_wr16(b + 62, 3); reseal_header(b); REJECT(b, n, "n_sections 3 invalid");
+    FRESH(); kt_wr16(b + 76, 0); reseal_header(b); REJECT(b, n, "policy_len 0");
+    FRESH(); kt_wr16(b + 76, 2000); reseal_header(b); REJECT(b, n, "policy_len 2000");
+    FRESH(); kt_wr16(b + 76, 40); reseal_header(b); REJECT(b, n, "header_size 192, expected 256");
 
     /* header checksum, flags, reserved */
     FRESH(); b[40] ^= 1; REJECT(b, n, "header checksum mismatch (expected 0x");
     FRESH(); b[28] ^= 1; REJECT(b, n, "header checksum mismatch");
-    FRESH(); wr32(b + 24, 1); reseal_header(b); REJECT(b, n, "unknown required flags 0x0001");
-    FRESH(); wr32(b + 24, 0x10000); reseal_header(b); ACCEPT(b, n); /* optional bit: ignored */
-    FRESH(); wr16(b + 78, 1); reseal_header(b); REJECT(b, n, "reserved header field");
+    FRESH(); kt_wr32(b + 24, 1); reseal_header(b); REJECT(b, n, "unknown required flags 0x0001");
+    FRESH(); kt_wr32(b + 24, 0x10000); reseal_header(b); ACCEPT(b, n); /* optional bit: ignored */
+    FRESH(); kt_wr16(b + 78, 1); reseal_header(b); REJECT(b, n, "reserved header field");
 
     /* every header field against its bounds */
     FRESH(); b[32] = 'A'; reseal_header(b); REJECT(b, n, "fingerprint byte 0 is 0x41");
     FRESH(); b[47] = 0; reseal_header(b); REJECT(b, n, "fingerprint byte 15");
-    FRESH(); wr32(b + 48, 0); reseal_header(b); REJECT(b, n, "n_layers 0 out of range");
-    FRESH(); wr32(b + 48, 0x7fffffff); reseal_header(b); REJECT(b, n, "n_layers 2147483647 out of range");
-    FRESH(); wr32(b + 48, 1); reseal_header(b); REJECT(b, n, "section lists is 96 bytes, expected 48");
-    FRESH(); wr32(b + 52, 0); reseal_header(b); REJECT(b, n, "n_kv_heads 0 out of range");
-    FRESH(); wr32(b + 52, 5000); reseal_header(b); REJECT(b, n, "n_kv_heads 5000 out of range");
-    FRESH(); wr32(b + 56, 0); reseal_header(b); REJECT(b, n, "head_dim 0 out of range");
-    FRESH(); wr32(b + 56, 1u << 20); reseal_header(b); REJECT(b, n, "head_dim 1048576 out of range");
-    FRESH(); wr32(b + 56, 8); reseal_header(b); REJECT(b, n, "section K is 160 bytes, but the counts say 320");
-    FRESH(); wr16(b + 60, 16); reseal_header(b); REJECT(b, n, "16 (int8+scale) is not supported by this build");
-    FRESH(); wr16(b + 60, 17); reseal_header(b); REJECT(b, n, "not supported by this build");
-    FRESH(); wr16(b + 60, 9); reseal_header(b); REJECT(b, n, "unknown payload dtype 9");
-    FRESH(); wr16(b + 60, 2); reseal_header(b); REJECT(b, n, "section K is 160 bytes, but the counts say 80");
-    FRESH(); wr32(b + 64, (uint32_t)-1); reseal_header(b); REJECT(b, n, "first_token -1 is negative");
-    FRESH(); wr32(b + 68, 0); reseal_header(b); REJECT(b, n, "prompt_len 0 is below 1");
-    FRESH(); wr32(b + 72, (uint32_t)-5); reseal_header(b); REJECT(b, n, "next_pos -5 is negative");
-    FRESH(); wr32(b + 72, 4); reseal_header(b); REJECT(b, n, "count 5 exceeds next_pos 4");
+    FRESH(); kt_wr32(b + 48, 0); reseal_header(b); REJECT(b, n, "n_layers 0 out of range");
+    FRESH(); kt_wr32(b + 48, 0x7fffffff); reseal_header(b); REJECT(b, n, "n_layers 2147483647 out of range");
+    FRESH(); kt_wr32(b + 48, 1); reseal_header(b); REJECT(b, n, "section lists is 96 bytes, expected 48");
+    FRESH(); kt_wr32(b + 52, 0); reseal_header(b); REJECT(b, n, "n_kv_heads 0 out of range");
+    FRESH(); kt_wr32(b + 52, 5000); reseal_header(b); REJECT(b, n, "n_kv_heads 5000 out of range");
+    FRESH(); kt_wr32(b + 56, 0); reseal_header(b); REJECT(b, n, "head_dim 0 out of range");
+    FRESH(); kt_wr32(b + 56, 1u << 20); reseal_header(b); REJECT(b, n, "head_dim 1048576 out of range");
+    FRESH(); kt_wr32(b + 56, 8); reseal_header(b); REJECT(b, n, "section K is 160 bytes, but the counts say 320");
+    FRESH(); kt_wr16(b + 60, 16); reseal_header(b); REJECT(b, n, "16 (int8+scale) is not supported by this build");
+    FRESH(); kt_wr16(b + 60, 17); reseal_header(b); REJECT(b, n, "not supported by this build");
+    FRESH(); kt_wr16(b + 60, 9); reseal_header(b); REJECT(b, n, "unknown payload dtype 9");
+    FRESH(); kt_wr16(b + 60, 2); reseal_header(b); REJECT(b, n, "section K is 160 bytes, but the counts say 80");
+    FRESH(); kt_wr32(b + 64, (uint32_t)-1); reseal_header(b); REJECT(b, n, "first_token -1 is negative");
+    FRESH(); kt_wr32(b + 68, 0); reseal_header(b); REJECT(b, n, "prompt_len 0 is below 1");
+    FRESH(); kt_wr32(b + 72, (uint32_t)-5); reseal_header(b); REJECT(b, n, "next_pos -5 is negative");
+    FRESH(); kt_wr32(b + 72, 4); reseal_header(b); REJECT(b, n, "count 5 exceeds next_pos 4");
     {   /* the largest position is 11 at most; a next_pos just above the count but at or
            below some position is caught by the positions walk */
         int32_t maxp = s.pos[3][4];
-        FRESH(); wr32(b + 72, (uint32_t)maxp); reseal_header(b);
+        FRESH(); kt_wr32(b + 72, (uint32_t)maxp); reseal_header(b);
         REJECT(b, n, "positions must increase strictly and stay in [0, next_pos)");
     }
     const uint64_t pol = 80 + 4 * 24;
@@ -457,15 +439,15 @@ static void test_damage(void)
     FRESH(); b[190] = 1; reseal_header(b); REJECT(b, n, "padding byte at offset 190 (header padding)");
 
     /* the section table: ids, offsets, lengths */
-    FRESH(); wr32(b + 80 + 24 * SEC_K, 9); reseal_header(b); REJECT(b, n, "entry 2 has id 9, expected 3 (K)");
-    FRESH(); wr64(b + 80 + 24 * SEC_V + 8, n + 64); reseal_header(b); REJECT(b, n, "section V [");
-    FRESH(); wr64(b + 80 + 24 * SEC_V + 16, 0x7fffffffffffffffull); reseal_header(b); REJECT(b, n, "lies outside the");
-    FRESH(); wr64(b + 80 + 24 * SEC_K + 8, sec_off(b, SEC_POS)); reseal_header(b); REJECT(b, n, "section K starts at");
-    FRESH(); wr64(b + 80 + 24 * SEC_LISTS + 8, 100); reseal_header(b); REJECT(b, n, "before the end of the header");
-    FRESH(); wr64(b + 80 + 24 * SEC_POS + 8, 324); reseal_header(b); REJECT(b, n, "section positions at offset 324, expected 320");
-    FRESH(); wr64(b + 80 + 24 * SEC_V + 16, sec_len(b, SEC_V) - 4); reseal_header(b); REJECT(b, n, "4 bytes after the last section");
-    FRESH(); wr64(b + 80 + 24 * SEC_LISTS + 16, 72); reseal_header(b); REJECT(b, n, "section lists is 72 bytes, expected 96");
-    FRESH(); wr64(b + 80 + 24 * SEC_POS + 16, 36); reseal_header(b); REJECT(b, n, "section positions is 36 bytes, but the counts say 40");
+    FRESH(); kt_wr32(b + 80 + 24 * SEC_K, 9); reseal_header(b); REJECT(b, n, "entry 2 has id 9, expected 3 (K)");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_V + 8, n + 64); reseal_header(b); REJECT(b, n, "section V [");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_V + 16, 0x7fffffffffffffffull); reseal_header(b); REJECT(b, n, "lies outside the");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_K + 8, sec_off(b, SEC_POS)); reseal_header(b); REJECT(b, n, "section K starts at");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_LISTS + 8, 100); reseal_header(b); REJECT(b, n, "before the end of the header");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_POS + 8, 324); reseal_header(b); REJECT(b, n, "section positions at offset 324, expected 320");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_V + 16, sec_len(b, SEC_V) - 4); reseal_header(b); REJECT(b, n, "4 bytes after the last section");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_LISTS + 16, 72); reseal_header(b); REJECT(b, n, "section lists is 72 bytes, expected 96");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_POS + 16, 36); reseal_header(b); REJECT(b, n, "section positions is 36 bytes, but the counts say 40");
     FRESH(); b[300] = 7; REJECT(b, n, "padding byte at offset 300 (between sections)");
 
     /* every checksum */
@@ -477,53 +459,53 @@ static void test_damage(void)
         FRESH(); b[sec_off(b, SEC_K)] ^= 1;
         char want[96];
         snprintf(want, sizeof want, "section K checksum mismatch (expected 0x%08x, got 0x%08x)",
-                 rd32(b + 80 + 24 * SEC_K + 4), kt_crc32c(0, b + sec_off(b, SEC_K), sec_len(b, SEC_K)));
+                 kt_rd32(b + 80 + 24 * SEC_K + 4), kt_crc32c(0, b + sec_off(b, SEC_K), sec_len(b, SEC_K)));
         REJECT(b, n, want);
     }
 
     /* lies in the list table (resealed: a lying sender computes valid checksums) */
     const uint64_t lt = sec_off(good, SEC_LISTS);
 #define LIST(i, f) (b + lt + 24 * (i) + (f))
-    FRESH(); wr32(LIST(0, 8), 4); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) starts at entry 3, expected 4");
-    FRESH(); wr32(LIST(3, 8), 6); reseal(b, SEC_LISTS); REJECT(b, n, "section positions is 40 bytes, but the counts say 44");
-    FRESH(); wr64(LIST(2, 0), 2); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 1, head 0) starts at entry 2, expected 3");
-    FRESH(); wr32(LIST(0, 12), 4); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 0) pinned 4 exceeds its count 3");
-    FRESH(); wr32(LIST(1, 12), 1); reseal(b, SEC_LISTS); REJECT(b, n, "pinned 1 exceeds its count 0");
-    FRESH(); wr32(LIST(2, 16), 0x80000000u); reseal(b, SEC_LISTS); REJECT(b, n, "window 2147483648 is above");
-    FRESH(); wr32(LIST(3, 16), KT_BUNDLE_WINDOW_DENSE); reseal(b, SEC_LISTS); ACCEPT(b, n);
-    FRESH(); wr32(LIST(1, 20), 1); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) reserved field");
+    FRESH(); kt_wr32(LIST(0, 8), 4); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) starts at entry 3, expected 4");
+    FRESH(); kt_wr32(LIST(3, 8), 6); reseal(b, SEC_LISTS); REJECT(b, n, "section positions is 40 bytes, but the counts say 44");
+    FRESH(); kt_wr64(LIST(2, 0), 2); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 1, head 0) starts at entry 2, expected 3");
+    FRESH(); kt_wr32(LIST(0, 12), 4); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 0) pinned 4 exceeds its count 3");
+    FRESH(); kt_wr32(LIST(1, 12), 1); reseal(b, SEC_LISTS); REJECT(b, n, "pinned 1 exceeds its count 0");
+    FRESH(); kt_wr32(LIST(2, 16), 0x80000000u); reseal(b, SEC_LISTS); REJECT(b, n, "window 2147483648 is above");
+    FRESH(); kt_wr32(LIST(3, 16), KT_BUNDLE_WINDOW_DENSE); reseal(b, SEC_LISTS); ACCEPT(b, n);
+    FRESH(); kt_wr32(LIST(1, 20), 1); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) reserved field");
     /* overflow-inducing counts: the sum and the row product are computed in checked arithmetic */
     FRESH();
-    wr32(b + 72, 0x7fffffff);
+    kt_wr32(b + 72, 0x7fffffff);
     for (int i = 0; i < 4; i++) {
-        wr64(LIST(i, 0), (uint64_t)i * 0x7fffffff);
-        wr32(LIST(i, 8), 0x7fffffff);
-        wr32(LIST(i, 12), 0);
+        kt_wr64(LIST(i, 0), (uint64_t)i * 0x7fffffff);
+        kt_wr32(LIST(i, 8), 0x7fffffff);
+        kt_wr32(LIST(i, 12), 0);
     }
     reseal(b, SEC_LISTS);
     REJECT(b, n, "bundle of 309237645504 bytes exceeds the 274877906944-byte limit");
     FRESH();
-    wr32(b + 72, 0x7fffffff);
+    kt_wr32(b + 72, 0x7fffffff);
     for (int i = 0; i < 4; i++) {
-        wr64(LIST(i, 0), i ? 0x7fffffff : 0);
-        wr32(LIST(i, 8), i ? 0 : 0x7fffffff);
-        wr32(LIST(i, 12), 0);
+        kt_wr64(LIST(i, 0), i ? 0x7fffffff : 0);
+        kt_wr32(LIST(i, 8), i ? 0 : 0x7fffffff);
+        kt_wr32(LIST(i, 12), 0);
     }
     reseal(b, SEC_LISTS);
     REJECT(b, n, "section positions is 40 bytes, but the counts say 8589934588");
-    FRESH(); wr32(b + 72, 0x7fffffff); wr32(LIST(0, 8), 0x7fffffff); reseal(b, SEC_LISTS);
+    FRESH(); kt_wr32(b + 72, 0x7fffffff); kt_wr32(LIST(0, 8), 0x7fffffff); reseal(b, SEC_LISTS);
     REJECT(b, n, "list (layer 0, head 1) starts at entry 3, expected 2147483647");
-    FRESH(); wr32(LIST(0, 8), 0xffffffffu); reseal(b, SEC_LISTS); REJECT(b, n, "count 4294967295 exceeds next_pos 12");
+    FRESH(); kt_wr32(LIST(0, 8), 0xffffffffu); reseal(b, SEC_LISTS); REJECT(b, n, "count 4294967295 exceeds next_pos 12");
 
     /* positions (resealed) */
     const uint64_t pt = sec_off(good, SEC_POS);
-    FRESH(); wr32(b + pt + 4, rd32(b + pt)); reseal(b, SEC_POS);
+    FRESH(); kt_wr32(b + pt + 4, kt_rd32(b + pt)); reseal(b, SEC_POS);
     REJECT(b, n, "list (layer 0, head 0) entry 1 has position");
-    FRESH(); wr32(b + pt + 8, 0); reseal(b, SEC_POS); REJECT(b, n, "entry 2 has position 0");
-    FRESH(); wr32(b + pt, (uint32_t)-3); reseal(b, SEC_POS); REJECT(b, n, "entry 0 has position -3 (previous -1");
-    FRESH(); wr32(b + pt + 36, 12); reseal(b, SEC_POS); REJECT(b, n, "list (layer 1, head 1) entry 4 has position 12");
+    FRESH(); kt_wr32(b + pt + 8, 0); reseal(b, SEC_POS); REJECT(b, n, "entry 2 has position 0");
+    FRESH(); kt_wr32(b + pt, (uint32_t)-3); reseal(b, SEC_POS); REJECT(b, n, "entry 0 has position -3 (previous -1");
+    FRESH(); kt_wr32(b + pt + 36, 12); reseal(b, SEC_POS); REJECT(b, n, "list (layer 1, head 1) entry 4 has position 12");
     {   /* positions restart per list: list (1,0) may begin below where (0,0) ended */
-        FRESH(); wr32(b + pt + 12, 0); wr32(b + pt + 16, 1); reseal(b, SEC_POS); ACCEPT(b, n);
+        FRESH(); kt_wr32(b + pt + 12, 0); kt_wr32(b + pt + 16, 1); reseal(b, SEC_POS); ACCEPT(b, n);
     }
 #undef LIST
     free(b);
@@ -548,16 +530,16 @@ static void test_newer_minor(void)
     memcpy(b, good, 80 + 4 * 24);
     memcpy(b + 80 + 5 * 24, good + 80 + 4 * 24, 4); /* the policy */
     memcpy(b + 256, good + 192, n - 192);
-    for (int i = 0; i < 4; i++) wr64(b + 80 + 24 * i + 8, sec_off(good, i) + 64);
-    wr32(b + 80 + 4 * 24, 5);
-    wr64(b + 80 + 4 * 24 + 8, x_off);
-    wr64(b + 80 + 4 * 24 + 16, 8);
+    for (int i = 0; i < 4; i++) kt_wr64(b + 80 + 24 * i + 8, sec_off(good, i) + 64);
+    kt_wr32(b + 80 + 4 * 24, 5);
+    kt_wr64(b + 80 + 4 * 24 + 8, x_off);
+    kt_wr64(b + 80 + 4 * 24 + 16, 8);
     memcpy(b + x_off, "future!!", 8);
-    wr16(b + 10, 1);
-    wr16(b + 62, 5);
-    wr32(b + 12, 256);
-    wr64(b + 16, m);
-    wr32(b + 24, 1u << 20);
+    kt_wr16(b + 10, 1);
+    kt_wr16(b + 62, 5);
+    kt_wr32(b + 12, 256);
+    kt_wr64(b + 16, m);
+    kt_wr32(b + 24, 1u << 20);
     reseal(b, 4);
     ACCEPT(b, m);
     char err[KT_ERR_MAX];
@@ -569,7 +551,7 @@ static void test_newer_minor(void)
     b[x_off + 3] ^= 1;
     REJECT(b, m, "section extra checksum mismatch");
     b[x_off + 3] ^= 1;
-    wr16(b + 10, 0);
+    kt_wr16(b + 10, 0);
     reseal_header(b);
     REJECT(b, m, "n_sections 5 invalid for version 1.0");
     free(b);
