@@ -1,0 +1,160 @@
+/*
+ * rpc.h - the gRPC C core helpers the router, prefill and decode nodes share: protobuf-c
+ * messages <-> grpc_byte_buffer, a server (registered unary and server-streaming methods, one
+ * completion-queue thread, one thread per call for handlers, UNIMPLEMENTED for unknown methods,
+ * a clean shutdown), and a client (insecure channel, blocking unary call, server-streaming
+ * reader, cancellation).
+ * Not here: TLS, client-streaming or bidirectional calls, retries, load balancing, metadata
+ * beyond what gRPC sends itself (the request id travels in the messages).
+ * Threads, ownership and cancellation are spelled out in docs/rpc.md. Test: ctest -R test_grpc.
+ */
+#ifndef KC_RPC_H
+#define KC_RPC_H
+
+#include <grpc/grpc.h>
+#include <grpc/status.h>
+#include <protobuf-c/protobuf-c.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Default cap on one message, each way, on both servers and channels. A KV bundle never travels
+ * over gRPC (it goes over UCX), so messages are small; the cap stops a peer from making us
+ * allocate without bound. */
+#define KC_MAX_MESSAGE_DEFAULT (16u << 20)
+
+/* A call's outcome: the gRPC status code and its human-readable details. */
+typedef struct {
+    grpc_status_code code;
+    char details[256];
+} kc_status;
+
+/* ------------------------------------------------------------------ messages */
+
+/* Packs `msg` into a new byte buffer (*out, caller destroys with grpc_byte_buffer_destroy).
+ * A message over `max_bytes` (0 = KC_MAX_MESSAGE_DEFAULT) is refused with RESOURCE_EXHAUSTED.
+ * Returns 0, or -1 with `st` set. */
+int kc_message_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **out,
+                    kc_status *st);
+/* Unpacks a byte buffer as a `desc` message into *out (free with kc_message_free). Bytes that do
+ * not parse give INVALID_ARGUMENT naming the message type and length; more than `max_bytes`
+ * (0 = default) gives RESOURCE_EXHAUSTED. `bb` stays the caller's. Returns 0 or -1. */
+int kc_message_unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
+                      size_t max_bytes, ProtobufCMessage **out, kc_status *st);
+/* Frees a message from kc_message_unpack, kc_unary or kc_stream_next. NULL is fine. */
+void kc_message_free(ProtobufCMessage *msg);
+
+/* ------------------------------------------------------------------ server */
+
+typedef struct kc_server kc_server;
+typedef struct kc_call kc_call; /* one server-side call; see the kc_call_* functions */
+
+typedef struct {
+    size_t max_message_bytes; /* per message, each way; 0 = KC_MAX_MESSAGE_DEFAULT */
+    int max_calls;            /* calls with a live handler; more get RESOURCE_EXHAUSTED; 0 = 1024 */
+} kc_server_config;
+
+/* A handler's return value: a grpc_status_code (OK, or an error whose details were given with
+ * kc_call_error), or KC_DETACHED: the call outlives the handler and whoever holds it must end it
+ * with kc_call_finish (the decode node hands its streams to its decode loop this way). */
+#define KC_DETACHED (-1)
+
+/* Runs on its own thread, one per call. `req` is the decoded request, valid until the handler
+ * returns (a detached call must copy what it keeps). Unary handlers answer with exactly one
+ * kc_call_send before returning OK; streaming handlers send any number. */
+typedef int (*kc_handler)(kc_call *call, const ProtobufCMessage *req, void *user);
+
+/* Creates a server bound to `addr` ("127.0.0.1:0" = an ephemeral port, "[::]:50051", ...) with
+ * insecure credentials; *port is the port bound. `cfg` may be NULL. Add methods, then start.
+ * Returns 0, or -1 with `st` (UNAVAILABLE when the address cannot be bound). */
+int kc_server_create(const char *addr, const kc_server_config *cfg, kc_server **out, int *port,
+                     kc_status *st);
+/* Registers a method by its full path ("/kvrelay.v1.Decode/Reserve") before kc_server_start.
+ * `req_desc` decodes the request; `user` is passed to the handler. Returns 0 or -1 (already
+ * started, duplicate path, out of memory). */
+int kc_server_add_unary(kc_server *srv, const char *path, const ProtobufCMessageDescriptor *req_desc,
+                        kc_handler fn, void *user);
+int kc_server_add_stream(kc_server *srv, const char *path,
+                         const ProtobufCMessageDescriptor *req_desc, kc_handler fn, void *user);
+/* Starts serving: the completion-queue thread runs from here to kc_server_destroy. */
+int kc_server_start(kc_server *srv, kc_status *st);
+/* Stops accepting calls, cancels those in flight, waits for every handler to return and every
+ * detached call to be finished, then frees everything. Call from a thread that is not a handler
+ * of this server. NULL is fine. */
+void kc_server_destroy(kc_server *srv);
+
+/* ------------------------------------------------------------------ one server call
+ * Every kc_call_* function is thread-safe: a decode loop may send on a detached call while the
+ * completion-queue thread completes the previous send. */
+
+/* Queues `msg` (packed at once, so the caller may free or reuse it on return) and returns
+ * without waiting for the network: one SEND_MESSAGE is in flight per call and the next queued one
+ * starts when it completes. Returns 0, or -1 when the call is over (client cancelled, deadline
+ * passed, already finished, server shutting down; a unary call's second message) or `msg` is
+ * over the size cap. Never blocks. */
+int kc_call_send(kc_call *call, const ProtobufCMessage *msg);
+/* Messages queued and not yet completed, for a producer that wants backpressure. */
+size_t kc_call_backlog(kc_call *call);
+/* Records the error details to send with `code`, and returns `code`, so that a handler can say
+ * `return kc_call_error(call, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens %u > %u", n, max);`. */
+int kc_call_error(kc_call *call, grpc_status_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Ends a detached call: queued messages go first, then the status. Exactly once per detached
+ * call (later calls are ignored); after it, `call` may be freed at any moment: do not touch it.
+ * `fmt` may be NULL (details from kc_call_error, or none). */
+void kc_call_finish(kc_call *call, grpc_status_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* 1 once the client cancelled, the deadline passed, the connection broke or the server is
+ * shutting down: stop working on the call and return (or kc_call_finish a detached one). */
+int kc_call_cancelled(kc_call *call);
+/* Sleeps up to `ms` milliseconds, waking early on cancellation. Returns kc_call_cancelled(). */
+int kc_call_wait(kc_call *call, int64_t ms);
+/* Milliseconds left before the client's deadline (INT64_MAX when it set none; <= 0 when past).
+ * Pass it on as the timeout of the calls this one makes, so deadlines propagate. */
+int64_t kc_call_ms_left(kc_call *call);
+/* The method path this call was made to. */
+const char *kc_call_method(const kc_call *call);
+
+/* ------------------------------------------------------------------ client */
+
+typedef struct kc_channel kc_channel;
+typedef struct kc_stream kc_stream;
+
+/* A channel to `target` ("127.0.0.1:50051", "dns:///host:port") with insecure credentials.
+ * Connects lazily. `max_message_bytes` 0 = default. Thread-safe: share one per peer. */
+int kc_channel_create(const char *target, size_t max_message_bytes, kc_channel **out,
+                      kc_status *st);
+/* Destroy only after every call and stream on it is closed. NULL is fine. */
+void kc_channel_destroy(kc_channel *ch);
+
+/* A blocking unary call to `path` with a deadline of `timeout_ms` (<= 0 = none). On OK returns 0
+ * and *resp (a `resp_desc` message, free with kc_message_free); otherwise -1 with `st` (the
+ * server's status, or a local error; *resp untouched). `st` is set on success too (OK). */
+int kc_unary(kc_channel *ch, const char *path, const ProtobufCMessage *req,
+             const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+             ProtobufCMessage **resp, kc_status *st);
+/* Same with the request given as raw bytes (tests send malformed requests with it). */
+int kc_unary_bytes(kc_channel *ch, const char *path, const void *req, size_t len,
+                   const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                   ProtobufCMessage **resp, kc_status *st);
+
+/* Starts a server-streaming call: sends `req`, half-closes. Returns 0 with *out, or -1 with
+ * `st`. One thread reads it; any thread may kc_stream_cancel it. */
+int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req,
+                   int64_t timeout_ms, kc_stream **out, kc_status *st);
+/* Blocks for the next message: 1 with *msg (a `desc` message, free with kc_message_free);
+ * 0 when the stream ended with OK; -1 when it ended otherwise (`st` says how: the server's
+ * status, CANCELLED after kc_stream_cancel, DEADLINE_EXCEEDED, a malformed message). `st` is
+ * set whenever 0 or -1 is returned. */
+int kc_stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc, ProtobufCMessage **msg,
+                   kc_status *st);
+/* Cancels the call (the server's handler sees kc_call_cancelled). Thread-safe, idempotent,
+ * valid until kc_stream_close. */
+void kc_stream_cancel(kc_stream *s);
+/* Cancels the call if it has not ended, waits for its operations, frees. NULL is fine. */
+void kc_stream_close(kc_stream *s);
+
+/* The canonical upper-case name of a status code ("DEADLINE_EXCEEDED"), for messages. */
+const char *kc_status_name(grpc_status_code code);
+
+#endif /* KC_RPC_H */
