@@ -1,0 +1,1181 @@
+/*
+ * transport.c - the UCX transport of transport.h: one ucp worker owned by one progress thread.
+ *
+ * How it works: every UCX call is made on the progress thread (or on the creating/destroying
+ * thread while that thread is not running), so the worker runs in SERIALIZED mode. The API
+ * functions only edit tables under t->lock and wake the thread through an eventfd; the thread
+ * progresses the worker with the lock held (UCX callbacks therefore see consistent tables and
+ * only record facts), acts on what the callbacks recorded (starts sends, acks, closes failed
+ * endpoints, expires reservations), then calls the user's callbacks with the lock released and
+ * sleeps on the worker's event fd + the eventfd until the next deadline.
+ * Wire: AM id KT_AM_BUNDLE carries a 40-byte header (magic, version, token, id, size) and the
+ * bundle as data; the receiver answers every bundle with an AM KT_AM_ACK (token, id, status,
+ * message) on the reply endpoint, so the sender learns a refusal instead of a silent drop.
+ * What it is not: RMA (refused at create), multi-worker, or tuned for many thousand peers
+ * (tables are linked lists: a node has few peers and few reservations in flight).
+ */
+#include "transport.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include <ucp/api/ucp.h>
+
+#include "le.h"
+
+#define KT_AM_BUNDLE 0x4b51u
+#define KT_AM_ACK 0x4b52u
+#define KT_WIRE_MAGIC 0x4e58544bu /* "KTXN" little-endian */
+#define KT_WIRE_VERSION 1u
+#define KT_WIRE_HDR_BYTES 40
+#define KT_WIRE_ACK_MSG 256
+#define KT_WIRE_ACK_BYTES (40 + KT_WIRE_ACK_MSG)
+/* Bundles above this go by rendezvous, forced: over TCP alone UCX 1.13's automatic choice kept
+ * even 256 MiB eager (reassembled in UCX's memory, then copied), measured here. */
+#define KT_RNDV_MIN_BYTES 16384
+
+/* Records the failing statement, function, file and line, then jumps to the cleanup label. */
+#define KT_UCS_CHECK(stmt, err, label)                                                          \
+    do {                                                                                        \
+        ucs_status_t kt_st_ = (stmt);                                                           \
+        if (kt_st_ != UCS_OK) {                                                                 \
+            kt_seterr(err, "transport: %s failed: %s (%s, %s:%d)", #stmt,                      \
+                      ucs_status_string(kt_st_), __func__, __FILE__, __LINE__);                 \
+            goto label;                                                                         \
+        }                                                                                       \
+    } while (0)
+
+/* Logs a UCX call that failed at runtime (no caller to return to: a callback or the loop). */
+#define KT_UCS_LOG(t, stmt, st)                                                                 \
+    kt_log(t, "%s failed: %s (%s, %s:%d)", stmt, ucs_status_string(st), __func__, __FILE__,    \
+           __LINE__)
+
+typedef struct kt_conn kt_conn;
+
+struct kt_conn {
+    kt_conn *next;
+    kt_transport *t;
+    ucp_ep_h ep;
+    int outgoing; /* 1: we connected (sender side), 0: accepted by the listener */
+    char peer[80]; /* "host:port" as given to send, or "accepted #n" */
+    struct sockaddr_storage addr; /* outgoing only: the address it was created for */
+    socklen_t addrlen;
+    int failed; /* the error callback fired (or we gave up on it) */
+    char fail_msg[200]; /* short: it is quoted inside other messages */
+    int closing; /* detached from lookups; close request in flight */
+    void *close_req;
+};
+
+typedef struct kt_resv {
+    struct kt_resv *next;
+    uint64_t serial; /* unique per reservation, for release to wait on */
+    uint64_t id;
+    uint8_t *buf;
+    uint64_t size;
+    double deadline;
+    unsigned flags;
+    kt_xfer_cb cb;
+    void *cb_arg;
+    kt_xfer_state state;
+    void *req; /* rendezvous receive in flight */
+    int req_pending;
+    ucs_status_t req_status;
+    kt_conn *from; /* the connection the bundle arrives on (RECEIVING) */
+    uint64_t token; /* the sender's token, echoed in the ack */
+    int cancel_asked; /* ucp_request_cancel issued */
+    int done; /* outcome known; callback pending */
+    int status;
+    uint64_t bytes;
+    char msg[KT_ERR_MAX];
+} kt_resv;
+
+typedef struct kt_send_op {
+    struct kt_send_op *next;
+    uint64_t token, id;
+    const void *buf;
+    uint64_t size;
+    char peer[80];
+    struct sockaddr_storage addr;
+    socklen_t addrlen;
+    double deadline, timeout_s;
+    kt_xfer_cb cb;
+    void *cb_arg;
+    kt_conn *conn;
+    uint8_t hdr[KT_WIRE_HDR_BYTES]; /* the AM header: alive until the send completes */
+    int started;
+    void *req;
+    int req_pending;
+    ucs_status_t req_status;
+    int acked, ack_status;
+    char ack_msg[KT_WIRE_ACK_MSG];
+    int conn_failed;
+    char fail_msg[KT_ERR_MAX]; /* first failure seen; outcome once the request is done */
+    int done;
+    int status;
+} kt_send_op;
+
+typedef struct kt_ack {
+    struct kt_ack *next;
+    kt_conn *conn; /* until started */
+    uint8_t wire[KT_WIRE_ACK_BYTES];
+    int started;
+    void *req;
+    int req_pending;
+} kt_ack;
+
+typedef struct kt_conn_req {
+    struct kt_conn_req *next;
+    ucp_conn_request_h req;
+} kt_conn_req;
+
+struct kt_transport {
+    char name[64];
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_listener_h listener;
+    uint16_t port;
+    int worker_efd;
+    int wake_fd; /* eventfd: API calls -> progress thread */
+    pthread_t thread;
+    int thread_started;
+
+    pthread_mutex_t lock;
+    atomic_int api_waiting; /* API threads queued on lock: the busy progress thread yields */
+    pthread_cond_t cond; /* broadcast after callbacks were delivered */
+    int stopping;
+    uint64_t next_token, next_serial, n_accepted;
+    kt_conn *conns;
+    kt_conn *closing;
+    kt_conn_req *conn_reqs;
+    kt_resv *resvs;
+    kt_send_op *ops;
+    kt_ack *acks;
+};
+
+/* ------------------------------------------------------------------ helpers */
+
+static void kt_seterr(char *err, const char *fmt, ...)
+{
+    if (!err)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, KT_ERR_MAX, fmt, ap);
+    va_end(ap);
+}
+
+/* Peer and runtime errors the loop cannot return: one line on stderr, tagged with the role. */
+static void kt_log(const kt_transport *t, const char *fmt, ...)
+{
+    char line[KT_ERR_MAX + 64];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "[kt %s] %s\n", t ? t->name : "?", line);
+}
+
+static int kt_trace_on = -1;
+/* KT_TRANSPORT_TRACE=1 in the environment: one stderr line per protocol event. */
+#define KT_TRACE(t, ...)                                                                       \
+    do {                                                                                        \
+        if (kt_trace_on < 0)                                                                    \
+            kt_trace_on = getenv("KT_TRANSPORT_TRACE") != NULL;                                 \
+        if (kt_trace_on)                                                                        \
+            kt_log(t, __VA_ARGS__);                                                             \
+    } while (0)
+
+static double kt_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* The progress thread holds the lock while it progresses, which under a bulk transfer is all
+ * the time; a mutex is not fair, so API calls announce themselves and the loop steps aside. */
+static void kt_api_lock(kt_transport *t)
+{
+    atomic_fetch_add(&t->api_waiting, 1);
+    pthread_mutex_lock(&t->lock);
+    atomic_fetch_sub(&t->api_waiting, 1);
+}
+
+static void kt_yield_to_api(kt_transport *t)
+{
+    if (atomic_load(&t->api_waiting) == 0)
+        return;
+    pthread_mutex_unlock(&t->lock);
+    for (int i = 0; i < 1000 && atomic_load(&t->api_waiting) > 0; i++)
+        sched_yield();
+    pthread_mutex_lock(&t->lock);
+}
+
+static void kt_wake(kt_transport *t)
+{
+    uint64_t one = 1;
+    ssize_t n = write(t->wake_fd, &one, sizeof one);
+    (void)n; /* EAGAIN means a wake-up is already pending */
+}
+
+static kt_resv *kt_resv_find(kt_transport *t, uint64_t id)
+{
+    for (kt_resv *r = t->resvs; r; r = r->next)
+        if (r->id == id && !r->done)
+            return r;
+    return NULL;
+}
+
+static kt_conn *kt_conn_by_ep(kt_transport *t, ucp_ep_h ep)
+{
+    for (kt_conn *c = t->conns; c; c = c->next)
+        if (c->ep == ep)
+            return c;
+    return NULL;
+}
+
+static void kt_resv_finish(kt_resv *r, int status, uint64_t bytes, const char *msg)
+{
+    if (r->done)
+        return;
+    r->done = 1;
+    r->status = status;
+    r->bytes = bytes;
+    snprintf(r->msg, sizeof r->msg, "%s", msg ? msg : "");
+}
+
+static void kt_op_fail(kt_send_op *op, const char *fmt, ...)
+{
+    if (op->fail_msg[0])
+        return; /* keep the first cause */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(op->fail_msg, sizeof op->fail_msg, fmt, ap);
+    va_end(ap);
+}
+
+/* Queues an acknowledgement of a bundle on `c` (sent by the loop, never from a callback). */
+static void kt_ack_queue(kt_transport *t, kt_conn *c, uint64_t token, uint64_t id, int status,
+                         uint64_t bytes, const char *msg)
+{
+    if (!c || c->failed || c->closing)
+        return;
+    kt_ack *a = calloc(1, sizeof *a);
+    if (!a) {
+        kt_log(t, "out of memory queueing the ack of bundle %" PRIu64, id);
+        return;
+    }
+    a->conn = c;
+    kt_wr32(a->wire, KT_WIRE_MAGIC);
+    kt_wr16(a->wire + 4, KT_WIRE_VERSION);
+    kt_wr16(a->wire + 6, status == 0 ? 0 : 1);
+    kt_wr64(a->wire + 8, token);
+    kt_wr64(a->wire + 16, id);
+    kt_wr64(a->wire + 24, bytes);
+    snprintf((char *)a->wire + 40, KT_WIRE_ACK_MSG, "%s", msg ? msg : "");
+    a->next = t->acks;
+    t->acks = a;
+}
+
+/* ------------------------------------------------------------------ UCX callbacks
+ * They run inside ucp_worker_progress, on the progress thread, with t->lock held. They only
+ * record what happened; the loop acts on it. */
+
+static void kt_on_conn_request(ucp_conn_request_h req, void *arg)
+{
+    kt_transport *t = arg;
+    kt_conn_req *cr = calloc(1, sizeof *cr);
+    if (!cr || t->stopping) {
+        free(cr);
+        ucs_status_t st = ucp_listener_reject(t->listener, req);
+        if (st != UCS_OK)
+            KT_UCS_LOG(t, "ucp_listener_reject", st);
+        return;
+    }
+    cr->req = req;
+    cr->next = t->conn_reqs;
+    t->conn_reqs = cr;
+}
+
+static void kt_on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    kt_conn *c = arg;
+    if (c->failed)
+        return;
+    c->failed = 1;
+    snprintf(c->fail_msg, sizeof c->fail_msg, "peer %s failed: %s", c->peer,
+             ucs_status_string(status));
+    kt_log(c->t, "%s", c->fail_msg);
+}
+
+static void kt_on_recv_done(void *request, ucs_status_t status, size_t length, void *user_data)
+{
+    kt_resv *r = user_data;
+    KT_TRACE(r->from ? r->from->t : NULL, "receive of bundle %" PRIu64 " done: %s", r->id,
+             ucs_status_string(status));
+    r->req_pending = 0;
+    r->req_status = status;
+    (void)request;
+    (void)length;
+}
+
+static void kt_on_send_done(void *request, ucs_status_t status, void *user_data)
+{
+    kt_send_op *op = user_data;
+    op->req_pending = 0;
+    if (op->conn)
+        KT_TRACE(op->conn->t, "send of bundle %" PRIu64 " done: %s", op->id,
+                 ucs_status_string(status));
+    op->req_status = status;
+    (void)request;
+}
+
+static void kt_on_ack_sent(void *request, ucs_status_t status, void *user_data)
+{
+    kt_ack *a = user_data;
+    a->req_pending = 0;
+    (void)request;
+    (void)status; /* a lost ack shows up as the sender's timeout or peer failure */
+}
+
+static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_length, void *data,
+                                 size_t length, const ucp_am_recv_param_t *param)
+{
+    kt_transport *t = arg;
+    kt_conn *c = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+                     ? kt_conn_by_ep(t, param->reply_ep)
+                     : NULL;
+    if (!c) {
+        kt_log(t, "bundle from an unknown endpoint dropped (%zu bytes)", length);
+        return UCS_OK;
+    }
+    const uint8_t *h = header;
+    if (header_length != KT_WIRE_HDR_BYTES || kt_rd32(h) != KT_WIRE_MAGIC ||
+        kt_rd16(h + 4) != KT_WIRE_VERSION) {
+        kt_log(t, "malformed bundle header from %s (%zu bytes) dropped", c->peer, header_length);
+        kt_ack_queue(t, c, header_length >= 16 ? kt_rd64(h + 8) : 0, 0, -1, 0,
+                     "transport: malformed bundle header (version or magic)");
+        return UCS_OK;
+    }
+    uint64_t token = kt_rd64(h + 8), id = kt_rd64(h + 16), size = kt_rd64(h + 24);
+    KT_TRACE(t, "bundle %" PRIu64 " arrives from %s: %zu bytes, %s", id, c->peer, length,
+             (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? "rendezvous" : "eager");
+    char msg[KT_ERR_MAX];
+    kt_resv *r = kt_resv_find(t, id);
+    if (!r || r->state != KT_XFER_STATE_RESERVED) {
+        snprintf(msg, sizeof msg,
+                 r ? "transport: reservation %" PRIu64 " is already receiving another bundle"
+                   : "transport: unknown or expired reservation %" PRIu64,
+                 id);
+    } else if (size != length || size != r->size) {
+        snprintf(msg, sizeof msg,
+                 "transport: size mismatch for reservation %" PRIu64
+                 ": reserved %" PRIu64 " bytes, bundle has %zu",
+                 id, r->size, length);
+    } else {
+        msg[0] = 0;
+    }
+    if (msg[0]) {
+        /* Refused: returning OK without receiving drops the data; the ack tells the sender. */
+        kt_log(t, "%s (from %s)", msg + strlen("transport: "), c->peer);
+        kt_ack_queue(t, c, token, id, -1, 0, msg);
+        return UCS_OK;
+    }
+    r->from = c;
+    r->token = token;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        ucp_request_param_t p = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .cb.recv_am = kt_on_recv_done,
+            .user_data = r,
+        };
+        r->req_pending = 1; /* before the call: UCX may run the callback inside it */
+        ucs_status_ptr_t sp = ucp_am_recv_data_nbx(t->worker, data, r->buf, length, &p);
+        if (UCS_PTR_IS_ERR(sp)) {
+            r->req_pending = 0;
+            snprintf(msg, sizeof msg, "transport: ucp_am_recv_data_nbx failed: %s",
+                     ucs_status_string(UCS_PTR_STATUS(sp)));
+            kt_log(t, "%s", msg);
+            kt_resv_finish(r, -1, 0, msg);
+            kt_ack_queue(t, c, token, id, -1, 0, msg);
+            return UCS_OK;
+        }
+        r->req = sp;
+        r->state = KT_XFER_STATE_RECEIVING;
+    } else {
+        /* Eager data is valid only inside this callback: copy it now. */
+        memcpy(r->buf, data, length);
+        r->state = KT_XFER_STATE_RECEIVING;
+        r->req_status = UCS_OK; /* no request: the loop sees req == NULL, !req_pending */
+    }
+    return UCS_OK;
+}
+
+static ucs_status_t kt_on_ack(void *arg, const void *header, size_t header_length, void *data,
+                              size_t length, const ucp_am_recv_param_t *param)
+{
+    kt_transport *t = arg;
+    const uint8_t *w = data;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != KT_WIRE_ACK_BYTES ||
+        kt_rd32(w) != KT_WIRE_MAGIC || kt_rd16(w + 4) != KT_WIRE_VERSION) {
+        kt_log(t, "malformed acknowledgement (%zu bytes) dropped", length);
+        return UCS_OK;
+    }
+    uint64_t token = kt_rd64(w + 8);
+    KT_TRACE(t, "ack for token %" PRIu64 ": %s", token, (const char *)w + 40);
+    for (kt_send_op *op = t->ops; op; op = op->next) {
+        if (op->token == token && !op->acked) {
+            op->acked = 1;
+            op->ack_status = kt_rd16(w + 6) == 0 ? 0 : -1;
+            memcpy(op->ack_msg, w + 40, KT_WIRE_ACK_MSG);
+            op->ack_msg[KT_WIRE_ACK_MSG - 1] = 0;
+            return UCS_OK;
+        }
+    }
+    (void)header;
+    (void)header_length;
+    return UCS_OK; /* an ack for a send that already timed out */
+}
+
+/* ------------------------------------------------------------------ the loop's actions */
+
+static void kt_conn_close(kt_transport *t, kt_conn *c)
+{
+    if (c->closing)
+        return;
+    /* Detach: the next send to this address creates a new endpoint. */
+    for (kt_conn **pp = &t->conns; *pp; pp = &(*pp)->next) {
+        if (*pp == c) {
+            *pp = c->next;
+            break;
+        }
+    }
+    c->closing = 1;
+    if (!c->failed) {
+        c->failed = 1;
+        snprintf(c->fail_msg, sizeof c->fail_msg, "connection to %s closed", c->peer);
+    }
+    /* Nothing may reference c once it is freed: unstarted acks, reservations, sends. */
+    for (kt_ack **pp = &t->acks; *pp;) {
+        kt_ack *a = *pp;
+        if (!a->started && a->conn == c) {
+            *pp = a->next;
+            free(a);
+        } else {
+            pp = &a->next;
+        }
+    }
+    for (kt_resv *r = t->resvs; r; r = r->next) {
+        if (r->from != c)
+            continue;
+        r->from = NULL;
+        if (!r->done) {
+            char msg[KT_ERR_MAX];
+            snprintf(msg, sizeof msg, "transport: reservation %" PRIu64
+                     ": sender failed mid-transfer (%s)", r->id, c->fail_msg);
+            kt_resv_finish(r, -1, 0, msg);
+        }
+        if (r->req_pending && !r->cancel_asked) {
+            r->cancel_asked = 1;
+            ucp_request_cancel(t->worker, r->req);
+        }
+    }
+    for (kt_send_op *op = t->ops; op; op = op->next) {
+        if (op->conn != c)
+            continue;
+        op->conn = NULL;
+        op->conn_failed = 1;
+        kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: %s", op->id,
+                   op->peer, c->fail_msg);
+    }
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                             .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    ucs_status_ptr_t sp = ucp_ep_close_nbx(c->ep, &p);
+    if (UCS_PTR_IS_ERR(sp))
+        KT_UCS_LOG(t, "ucp_ep_close_nbx(FORCE)", UCS_PTR_STATUS(sp));
+    c->close_req = UCS_PTR_IS_PTR(sp) ? sp : NULL;
+    c->next = t->closing;
+    t->closing = c;
+}
+
+static void kt_accept(kt_transport *t, ucp_conn_request_h req)
+{
+    kt_conn *c = calloc(1, sizeof *c);
+    if (!c) {
+        kt_log(t, "out of memory accepting a connection; rejected");
+        ucp_listener_reject(t->listener, req);
+        return;
+    }
+    c->t = t;
+    snprintf(c->peer, sizeof c->peer, "accepted #%" PRIu64, ++t->n_accepted);
+    ucp_conn_request_attr_t qa = {.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR};
+    if (ucp_conn_request_query(req, &qa) == UCS_OK && qa.client_address.ss_family == AF_INET) {
+        const struct sockaddr_in *in = (const struct sockaddr_in *)&qa.client_address;
+        char ip[INET_ADDRSTRLEN] = "?";
+        inet_ntop(AF_INET, &in->sin_addr, ip, sizeof ip);
+        snprintf(c->peer, sizeof c->peer, "%s:%u (accepted)", ip, ntohs(in->sin_port));
+    }
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .conn_request = req,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = kt_on_ep_error, .arg = c},
+    };
+    ucs_status_t st = ucp_ep_create(t->worker, &ep, &c->ep);
+    if (st != UCS_OK) {
+        KT_UCS_LOG(t, "ucp_ep_create(conn_request)", st);
+        free(c);
+        return;
+    }
+    c->next = t->conns;
+    t->conns = c;
+}
+
+static kt_conn *kt_connect(kt_transport *t, kt_send_op *op)
+{
+    for (kt_conn *c = t->conns; c; c = c->next)
+        if (c->outgoing && !c->failed && c->addrlen == op->addrlen &&
+            memcmp(&c->addr, &op->addr, op->addrlen) == 0)
+            return c;
+    kt_conn *c = calloc(1, sizeof *c);
+    if (!c) {
+        kt_op_fail(op, "transport: out of memory connecting to %s", op->peer);
+        return NULL;
+    }
+    c->t = t;
+    c->outgoing = 1;
+    snprintf(c->peer, sizeof c->peer, "%s", op->peer);
+    c->addr = op->addr;
+    c->addrlen = op->addrlen;
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+        .sockaddr = {.addr = (const struct sockaddr *)&c->addr, .addrlen = c->addrlen},
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = kt_on_ep_error, .arg = c},
+    };
+    ucs_status_t st = ucp_ep_create(t->worker, &ep, &c->ep);
+    if (st != UCS_OK) {
+        kt_op_fail(op, "transport: connecting to %s: ucp_ep_create failed: %s (is UCX_TLS "
+                   "missing tcp?)", op->peer, ucs_status_string(st));
+        free(c);
+        return NULL;
+    }
+    c->next = t->conns;
+    t->conns = c;
+    return c;
+}
+
+static void kt_op_start(kt_transport *t, kt_send_op *op)
+{
+    op->started = 1;
+    kt_conn *c = kt_connect(t, op);
+    if (!c)
+        return;
+    op->conn = c;
+    ucp_request_param_t p = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+        .cb.send = kt_on_send_done,
+        .user_data = op,
+        .flags = UCP_AM_SEND_FLAG_REPLY | (op->size > KT_RNDV_MIN_BYTES ? UCP_AM_SEND_FLAG_RNDV : 0),
+    };
+    /* Pending before the call: UCX may run the callback inside it. */
+    op->req_pending = 1;
+    ucs_status_ptr_t sp =
+        ucp_am_send_nbx(c->ep, KT_AM_BUNDLE, op->hdr, sizeof op->hdr, op->buf, op->size, &p);
+    if (UCS_PTR_IS_ERR(sp)) {
+        op->req_pending = 0;
+        kt_op_fail(op, "transport: ucp_am_send_nbx of bundle %" PRIu64 " to %s failed: %s",
+                   op->id, op->peer, ucs_status_string(UCS_PTR_STATUS(sp)));
+        return;
+    }
+    op->req = sp;
+}
+
+/* One pass over every table; returns the earliest deadline still ahead (or now + 1 s). */
+static double kt_step(kt_transport *t)
+{
+    double now = kt_now(), next = now + 1.0;
+
+    while (t->conn_reqs) {
+        kt_conn_req *cr = t->conn_reqs;
+        t->conn_reqs = cr->next;
+        if (t->stopping)
+            ucp_listener_reject(t->listener, cr->req);
+        else
+            kt_accept(t, cr->req);
+        free(cr);
+    }
+
+    /* Reservations: finish receives, expire, shut down. */
+    for (kt_resv *r = t->resvs; r; r = r->next) {
+        if (r->req && !r->req_pending) {
+            ucp_request_free(r->req);
+            r->req = NULL;
+            if (!r->done) {
+                char msg[KT_ERR_MAX];
+                if (r->req_status != UCS_OK) {
+                    snprintf(msg, sizeof msg, "transport: reservation %" PRIu64
+                             ": receiving the bundle failed: %s", r->id,
+                             ucs_status_string(r->req_status));
+                    kt_resv_finish(r, -1, 0, msg);
+                    kt_ack_queue(t, r->from, r->token, r->id, -1, 0, msg);
+                } else {
+                    r->state = KT_XFER_STATE_RECEIVING; /* eager path joins here */
+                }
+            }
+        }
+        if (!r->done && !r->req && r->state == KT_XFER_STATE_RECEIVING) {
+            /* Every byte is in the buffer. */
+            char perr[KT_ERR_MAX] = "";
+            kt_bundle_view v;
+            int bad = (r->flags & KT_RESERVE_PARSE) &&
+                      kt_bundle_parse(r->buf, (size_t)r->size, &v, perr) != 0;
+            char msg[KT_ERR_MAX];
+            if (bad) {
+                snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 " rejected: %s", r->id,
+                         perr);
+                kt_log(t, "%s", msg);
+            }
+            kt_resv_finish(r, bad ? -1 : 0, bad ? 0 : r->size, bad ? msg : "");
+            kt_ack_queue(t, r->from, r->token, r->id, bad ? -1 : 0, bad ? 0 : r->size,
+                         bad ? msg : "");
+        }
+        if (!r->done && (t->stopping || now >= r->deadline)) {
+            char msg[KT_ERR_MAX];
+            snprintf(msg, sizeof msg, t->stopping ? "transport: reservation %" PRIu64
+                     " failed: transport shutting down" : "transport: reservation %" PRIu64
+                     " expired", r->id);
+            kt_resv_finish(r, -1, 0, msg);
+            if (r->from)
+                kt_ack_queue(t, r->from, r->token, r->id, -1, 0, msg);
+        }
+        if (r->done && r->req_pending && !r->cancel_asked) {
+            /* The buffer is the caller's again only once UCX stops writing into it. */
+            r->cancel_asked = 1;
+            ucp_request_cancel(t->worker, r->req);
+        }
+        if (!r->done && r->deadline < next)
+            next = r->deadline;
+    }
+
+    /* Sends. */
+    for (kt_send_op *op = t->ops; op; op = op->next) {
+        if (op->done)
+            continue;
+        if (!op->started && !t->stopping)
+            kt_op_start(t, op);
+        if (t->stopping)
+            kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: transport "
+                       "shutting down", op->id, op->peer);
+        if (op->req && !op->req_pending) {
+            ucp_request_free(op->req);
+            op->req = NULL;
+            if (op->req_status != UCS_OK)
+                kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: %s",
+                           op->id, op->peer, ucs_status_string(op->req_status));
+        }
+        if (!op->fail_msg[0] && now >= op->deadline)
+            kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s timed out after %.3g s "
+                       "(%s)", op->id, op->peer, op->timeout_s,
+                       op->req ? "data still moving" : "no acknowledgement");
+        if (op->req) {
+            /* Data may still be read from the caller's buffer: a failed op must stop it. */
+            if (op->fail_msg[0] && op->conn)
+                kt_conn_close(t, op->conn);
+            if (op->deadline < next)
+                next = op->deadline;
+            continue;
+        }
+        if (op->fail_msg[0]) {
+            op->done = 1;
+            op->status = -1;
+        } else if (op->acked) {
+            op->done = 1;
+            op->status = op->ack_status;
+            if (op->status)
+                snprintf(op->fail_msg, sizeof op->fail_msg, "%s", op->ack_msg);
+        } else if (op->deadline < next) {
+            next = op->deadline;
+        }
+    }
+
+    /* Failed connections: fail what hangs on them and close them. */
+    for (kt_conn *c = t->conns, *nx; c; c = nx) {
+        nx = c->next;
+        if (c->failed || t->stopping)
+            kt_conn_close(t, c);
+    }
+
+    /* Acks. */
+    for (kt_ack **pp = &t->acks; *pp;) {
+        kt_ack *a = *pp;
+        if (!a->started) {
+            a->started = 1;
+            ucp_request_param_t p = {
+                .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                UCP_OP_ATTR_FIELD_FLAGS,
+                .cb.send = kt_on_ack_sent,
+                .user_data = a,
+                .flags = UCP_AM_SEND_FLAG_EAGER,
+            };
+            a->req_pending = 1;
+            ucs_status_ptr_t sp =
+                ucp_am_send_nbx(a->conn->ep, KT_AM_ACK, NULL, 0, a->wire, sizeof a->wire, &p);
+            a->conn = NULL;
+            if (UCS_PTR_IS_ERR(sp))
+                KT_UCS_LOG(t, "ucp_am_send_nbx(ack)", UCS_PTR_STATUS(sp));
+            if (UCS_PTR_IS_PTR(sp))
+                a->req = sp;
+            else
+                a->req_pending = 0;
+        }
+        if (a->req && !a->req_pending) {
+            ucp_request_free(a->req);
+            a->req = NULL;
+        }
+        if (!a->req) {
+            *pp = a->next;
+            free(a);
+        } else {
+            pp = &a->next;
+        }
+    }
+
+    /* Closed endpoints: free once UCX is done with them. */
+    for (kt_conn **pp = &t->closing; *pp;) {
+        kt_conn *c = *pp;
+        if (c->close_req && ucp_request_check_status(c->close_req) == UCS_INPROGRESS) {
+            pp = &c->next;
+            continue;
+        }
+        if (c->close_req)
+            ucp_request_free(c->close_req);
+        *pp = c->next;
+        free(c);
+    }
+    return next;
+}
+
+/* Calls the callbacks of finished reservations and sends without the lock, then frees them. */
+static int kt_deliver(kt_transport *t)
+{
+    int n = 0;
+    for (kt_resv *r = t->resvs; r; r = r->next) {
+        if (!r->done || r->req)
+            continue;
+        pthread_mutex_unlock(&t->lock);
+        r->cb(r->cb_arg, r->id, r->status, r->bytes, r->msg);
+        pthread_mutex_lock(&t->lock);
+        r->cb = NULL;
+        n++;
+    }
+    for (kt_send_op *op = t->ops; op; op = op->next) {
+        if (!op->done || !op->cb)
+            continue;
+        pthread_mutex_unlock(&t->lock);
+        op->cb(op->cb_arg, op->id, op->status, op->status == 0 ? op->size : 0, op->fail_msg);
+        pthread_mutex_lock(&t->lock);
+        op->cb = NULL;
+        n++;
+    }
+    for (kt_resv **pp = &t->resvs; *pp;) {
+        kt_resv *r = *pp;
+        if (r->done && !r->cb) {
+            *pp = r->next;
+            free(r);
+        } else {
+            pp = &r->next;
+        }
+    }
+    for (kt_send_op **pp = &t->ops; *pp;) {
+        kt_send_op *op = *pp;
+        if (op->done && !op->cb) {
+            *pp = op->next;
+            free(op);
+        } else {
+            pp = &op->next;
+        }
+    }
+    if (n)
+        pthread_cond_broadcast(&t->cond);
+    return n;
+}
+
+static void *kt_progress_main(void *arg)
+{
+    kt_transport *t = arg;
+    pthread_mutex_lock(&t->lock);
+    for (;;) {
+        kt_yield_to_api(t);
+        while (ucp_worker_progress(t->worker) != 0) {
+            if (atomic_load(&t->api_waiting) > 0)
+                break;
+        }
+        double next = kt_step(t);
+        int delivered = kt_deliver(t);
+        if (t->stopping && !t->resvs && !t->ops && !t->acks && !t->conns && !t->closing)
+            break;
+        if (delivered)
+            continue;
+        /* Anything UCX still has to say before we may sleep? */
+        if (ucp_worker_progress(t->worker) != 0)
+            continue;
+        ucs_status_t st = ucp_worker_arm(t->worker);
+        if (st == UCS_ERR_BUSY)
+            continue;
+        if (st != UCS_OK)
+            KT_UCS_LOG(t, "ucp_worker_arm", st);
+        double wait = next - kt_now();
+        int ms = wait <= 0 ? 0 : (int)(wait * 1000.0) + 1;
+        if (t->stopping || t->closing)
+            ms = ms > 10 ? 10 : ms; /* close requests complete without an event */
+        pthread_mutex_unlock(&t->lock);
+        struct pollfd fds[2] = {{.fd = t->worker_efd, .events = POLLIN},
+                                {.fd = t->wake_fd, .events = POLLIN}};
+        int pr = poll(fds, 2, st == UCS_OK ? ms : 1);
+        if (pr > 0 && (fds[1].revents & POLLIN)) {
+            uint64_t v;
+            ssize_t n = read(t->wake_fd, &v, sizeof v);
+            (void)n;
+        }
+        pthread_mutex_lock(&t->lock);
+    }
+    pthread_mutex_unlock(&t->lock);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ API */
+
+int kt_transport_create(const kt_transport_config *cfg, kt_transport **out, char *err)
+{
+    if (cfg->mode == KT_TRANSPORT_MODE_RMA) {
+        kt_seterr(err, "transport: RMA put mode is not implemented in this build; use "
+                       "KT_TRANSPORT_MODE_AM (active messages with rendezvous, "
+                       "docs/transport.md)");
+        return -1;
+    }
+    if (cfg->mode != KT_TRANSPORT_MODE_AM) {
+        kt_seterr(err, "transport: unknown mode %d", (int)cfg->mode);
+        return -1;
+    }
+    kt_transport *t = calloc(1, sizeof *t);
+    if (!t) {
+        kt_seterr(err, "transport: out of memory");
+        return -1;
+    }
+    snprintf(t->name, sizeof t->name, "%s", cfg->name ? cfg->name : "transport");
+    t->worker_efd = -1;
+    t->next_token = 1;
+    pthread_mutex_init(&t->lock, NULL);
+    pthread_cond_init(&t->cond, NULL);
+    t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (t->wake_fd < 0) {
+        kt_seterr(err, "transport: eventfd: %s", strerror(errno));
+        goto err_free;
+    }
+
+    ucp_config_t *uc = NULL;
+    /* A decode node restarted at the same address must be able to listen again while the
+     * dead process's sockets linger; UCX's default is not to reuse. ucp_config_modify does not
+     * reach this tcp_cm setting in 1.13 ("invalid configuration"), so it goes through the
+     * environment, without overriding a value the user set. */
+    setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+    KT_UCS_CHECK(ucp_config_read(NULL, NULL, &uc), err, err_fd);
+    ucp_params_t up = {
+        .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
+        .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+        .name = t->name,
+    };
+    ucs_status_t st = ucp_init(&up, uc, &t->ctx);
+    ucp_config_release(uc);
+    KT_UCS_CHECK(st, err, err_fd);
+
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SERIALIZED};
+    KT_UCS_CHECK(ucp_worker_create(t->ctx, &wp, &t->worker), err, err_ctx);
+    KT_UCS_CHECK(ucp_worker_get_efd(t->worker, &t->worker_efd), err, err_worker);
+
+    ucp_am_handler_param_t hb = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        .id = KT_AM_BUNDLE, .cb = kt_on_bundle, .arg = t,
+    };
+    KT_UCS_CHECK(ucp_worker_set_am_recv_handler(t->worker, &hb), err, err_worker);
+    ucp_am_handler_param_t ha = hb;
+    ha.id = KT_AM_ACK;
+    ha.cb = kt_on_ack;
+    KT_UCS_CHECK(ucp_worker_set_am_recv_handler(t->worker, &ha), err, err_worker);
+
+    if (cfg->listen_host) {
+        struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_STREAM,
+                                 .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+        struct addrinfo *ai = NULL;
+        char port[8];
+        snprintf(port, sizeof port, "%u", cfg->listen_port);
+        int gr = getaddrinfo(cfg->listen_host, port, &hints, &ai);
+        if (gr != 0) {
+            kt_seterr(err, "transport: cannot resolve listen address %s: %s", cfg->listen_host,
+                      gai_strerror(gr));
+            goto err_worker;
+        }
+        ucp_listener_params_t lp = {
+            .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+            .sockaddr = {.addr = ai->ai_addr, .addrlen = ai->ai_addrlen},
+            .conn_handler = {.cb = kt_on_conn_request, .arg = t},
+        };
+        st = ucp_listener_create(t->worker, &lp, &t->listener);
+        freeaddrinfo(ai);
+        if (st != UCS_OK) {
+            kt_seterr(err, "transport: listening on %s:%u: ucp_listener_create failed: %s "
+                      "(port in use, or UCX_TLS without tcp?)", cfg->listen_host,
+                      cfg->listen_port, ucs_status_string(st));
+            goto err_worker;
+        }
+        ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+        KT_UCS_CHECK(ucp_listener_query(t->listener, &la), err, err_listener);
+        t->port = ntohs(((const struct sockaddr_in *)&la.sockaddr)->sin_port);
+    }
+
+    if (pthread_create(&t->thread, NULL, kt_progress_main, t) != 0) {
+        kt_seterr(err, "transport: cannot start the progress thread");
+        goto err_listener;
+    }
+    t->thread_started = 1;
+    *out = t;
+    return 0;
+
+err_listener:
+    if (t->listener)
+        ucp_listener_destroy(t->listener);
+err_worker:
+    ucp_worker_destroy(t->worker);
+err_ctx:
+    ucp_cleanup(t->ctx);
+err_fd:
+    close(t->wake_fd);
+err_free:
+    pthread_cond_destroy(&t->cond);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+    return -1;
+}
+
+void kt_transport_destroy(kt_transport *t)
+{
+    if (!t)
+        return;
+    kt_api_lock(t);
+    t->stopping = 1;
+    pthread_mutex_unlock(&t->lock);
+    kt_wake(t);
+    pthread_join(t->thread, NULL);
+    if (t->listener)
+        ucp_listener_destroy(t->listener);
+    while (t->conn_reqs) {
+        kt_conn_req *cr = t->conn_reqs;
+        t->conn_reqs = cr->next;
+        free(cr);
+    }
+    ucp_worker_destroy(t->worker);
+    ucp_cleanup(t->ctx);
+    close(t->wake_fd);
+    pthread_cond_destroy(&t->cond);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+}
+
+uint16_t kt_transport_port(const kt_transport *t) { return t->port; }
+
+int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
+                         unsigned flags, kt_xfer_cb cb, void *cb_arg, char *err)
+{
+    if (!t->listener) {
+        kt_seterr(err, "transport: reserve needs a listening transport (listen_host unset)");
+        return -1;
+    }
+    if (!buf || size == 0 || !cb || !(timeout_s > 0)) {
+        kt_seterr(err, "transport: reserve %" PRIu64 ": needs a buffer, a size > 0, a callback "
+                  "and a timeout > 0 (got size %" PRIu64 ", timeout %g)", id, size, timeout_s);
+        return -1;
+    }
+    kt_resv *r = calloc(1, sizeof *r);
+    if (!r) {
+        kt_seterr(err, "transport: out of memory");
+        return -1;
+    }
+    r->id = id;
+    r->buf = buf;
+    r->size = size;
+    r->flags = flags;
+    r->cb = cb;
+    r->cb_arg = cb_arg;
+    r->state = KT_XFER_STATE_RESERVED;
+    r->deadline = kt_now() + timeout_s;
+    kt_api_lock(t);
+    if (t->stopping || kt_resv_find(t, id)) {
+        pthread_mutex_unlock(&t->lock);
+        kt_seterr(err, "transport: reservation %" PRIu64 " %s", id,
+                  t->stopping ? "refused: shutting down" : "already exists");
+        free(r);
+        return -1;
+    }
+    r->serial = ++t->next_serial;
+    r->next = t->resvs;
+    t->resvs = r;
+    pthread_mutex_unlock(&t->lock);
+    kt_wake(t);
+    return 0;
+}
+
+int kt_transport_release(kt_transport *t, uint64_t id)
+{
+    kt_api_lock(t);
+    kt_resv *r = kt_resv_find(t, id);
+    if (!r) {
+        pthread_mutex_unlock(&t->lock);
+        return -1;
+    }
+    uint64_t serial = r->serial;
+    char msg[KT_ERR_MAX];
+    snprintf(msg, sizeof msg, "transport: reservation %" PRIu64 " released", id);
+    kt_resv_finish(r, -1, 0, msg);
+    kt_wake(t);
+    for (;;) {
+        int present = 0;
+        for (kt_resv *x = t->resvs; x; x = x->next)
+            present |= x->serial == serial;
+        if (!present)
+            break;
+        pthread_cond_wait(&t->cond, &t->lock);
+    }
+    pthread_mutex_unlock(&t->lock);
+    return 0;
+}
+
+kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id)
+{
+    kt_api_lock(t);
+    kt_resv *r = kt_resv_find(t, id);
+    kt_xfer_state s = r ? r->state : KT_XFER_STATE_NONE;
+    pthread_mutex_unlock(&t->lock);
+    return s;
+}
+
+int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                      const void *buf, uint64_t size, double timeout_s, kt_xfer_cb cb,
+                      void *cb_arg, char *err)
+{
+    if (!host || !buf || size == 0 || !cb || !(timeout_s > 0)) {
+        kt_seterr(err, "transport: send %" PRIu64 ": needs a host, a buffer, a size > 0, a "
+                  "callback and a timeout > 0", id);
+        return -1;
+    }
+    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *ai = NULL;
+    char ports[8];
+    snprintf(ports, sizeof ports, "%u", port);
+    int gr = getaddrinfo(host, ports, &hints, &ai);
+    if (gr != 0) {
+        kt_seterr(err, "transport: cannot resolve %s: %s", host, gai_strerror(gr));
+        return -1;
+    }
+    kt_send_op *op = calloc(1, sizeof *op);
+    if (!op) {
+        freeaddrinfo(ai);
+        kt_seterr(err, "transport: out of memory");
+        return -1;
+    }
+    memcpy(&op->addr, ai->ai_addr, ai->ai_addrlen);
+    op->addrlen = ai->ai_addrlen;
+    freeaddrinfo(ai);
+    snprintf(op->peer, sizeof op->peer, "%s:%u", host, port);
+    op->id = id;
+    op->buf = buf;
+    op->size = size;
+    op->timeout_s = timeout_s;
+    op->deadline = kt_now() + timeout_s;
+    op->cb = cb;
+    op->cb_arg = cb_arg;
+    kt_api_lock(t);
+    if (t->stopping) {
+        pthread_mutex_unlock(&t->lock);
+        free(op);
+        kt_seterr(err, "transport: send refused: shutting down");
+        return -1;
+    }
+    op->token = t->next_token++;
+    kt_wr32(op->hdr, KT_WIRE_MAGIC);
+    kt_wr16(op->hdr + 4, KT_WIRE_VERSION);
+    kt_wr16(op->hdr + 6, 0);
+    kt_wr64(op->hdr + 8, op->token);
+    kt_wr64(op->hdr + 16, id);
+    kt_wr64(op->hdr + 24, size);
+    kt_wr64(op->hdr + 32, 0);
+    op->next = t->ops;
+    t->ops = op;
+    pthread_mutex_unlock(&t->lock);
+    kt_wake(t);
+    return 0;
+}
+
+typedef struct kt_waiter {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int done, status;
+    char msg[KT_ERR_MAX];
+} kt_waiter;
+
+static void kt_waiter_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
+{
+    kt_waiter *w = arg;
+    pthread_mutex_lock(&w->m);
+    w->done = 1;
+    w->status = status;
+    snprintf(w->msg, sizeof w->msg, "%s", err ? err : "");
+    pthread_cond_signal(&w->c);
+    pthread_mutex_unlock(&w->m);
+    (void)id;
+    (void)bytes;
+}
+
+int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                           const void *buf, uint64_t size, double timeout_s, char *err)
+{
+    kt_waiter w = {.done = 0};
+    pthread_mutex_init(&w.m, NULL);
+    pthread_cond_init(&w.c, NULL);
+    int rc = kt_transport_send(t, host, port, id, buf, size, timeout_s, kt_waiter_cb, &w, err);
+    if (rc == 0) {
+        pthread_mutex_lock(&w.m);
+        while (!w.done)
+            pthread_cond_wait(&w.c, &w.m);
+        pthread_mutex_unlock(&w.m);
+        rc = w.status;
+        if (rc)
+            kt_seterr(err, "%s", w.msg);
+    }
+    pthread_cond_destroy(&w.c);
+    pthread_mutex_destroy(&w.m);
+    return rc;
+}

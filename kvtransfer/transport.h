@@ -1,0 +1,114 @@
+/*
+ * transport.h - the UCX (ucp) transport that carries one KV bundle from a prefill node to the
+ * decode node that reserved room for it (DESIGN.md section 2; contracts in docs/transport.md).
+ *
+ * What it is: one transport context per process with one ucp worker driven by its own progress
+ * thread. The receiving side (decode node) listens on host:port, *reserves* a caller-owned
+ * buffer for an expected bundle (a 64-bit id chosen by the caller, the exact size from
+ * kt_bundle_size) and is told once, by callback and by a pollable state, whether the bundle
+ * arrived. The sending side (prefill node) sends a buffer to host:port tagged with the
+ * reservation id and is told once whether the receiver accepted it, within a timeout.
+ * Data goes as a ucp active message; UCX switches to rendezvous (zero-copy into the reserved
+ * buffer) above its eager threshold. Endpoints use UCP_ERR_HANDLING_MODE_PEER: a dead peer
+ * fails every pending operation on both sides with a message, its endpoint is closed, and the
+ * next send to that address connects afresh.
+ * What it is not: a bundle validator unless asked (KT_RESERVE_PARSE), a retry policy (a failed
+ * send is reported, the caller decides), or an RMA/RDMA path: KT_TRANSPORT_MODE_RMA is refused
+ * at create time with a message (not implemented in this build).
+ *
+ * Threading: every function here may be called from any thread, except from inside a kt_
+ * callback where noted. Callbacks run on the progress thread, without internal locks held,
+ * one at a time; they must not block for long. Conventions as bundle.h: 0 / -1, a message
+ * starting with "transport: " in `err` (KT_ERR_MAX bytes, may be NULL).
+ * Tests: tests/unit/test_transport.c (real UCX over loopback). Bench: kvrelay-transfer-bench.
+ */
+#ifndef KT_TRANSPORT_H
+#define KT_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bundle.h" /* KT_ERR_MAX */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kt_transport kt_transport;
+
+typedef enum kt_transport_mode {
+    KT_TRANSPORT_MODE_AM = 0, /* active messages, rendezvous for bulk data (default) */
+    KT_TRANSPORT_MODE_RMA = 1, /* put into receiver-registered memory: NOT implemented, refused */
+} kt_transport_mode;
+
+typedef struct kt_transport_config {
+    kt_transport_mode mode;
+    /* Receiving side: listen on listen_host:listen_port (port 0: an ephemeral port, read it
+     * back with kt_transport_port). listen_host NULL: send-only, no listener. */
+    const char *listen_host;
+    uint16_t listen_port;
+    /* Seconds an idle connection attempt or a stalled peer may take before UCX declares it
+     * dead is UCX's own (~1 s on loopback, STACK.md); nothing to set here. */
+    const char *name; /* role tag for log lines, e.g. "decode-0"; may be NULL */
+} kt_transport_config;
+
+/* Starts UCX (context, worker, progress thread) and, with listen_host, the listener. Fails with
+ * the UCX statement and status named (e.g. a busy port). *out is the caller's until
+ * kt_transport_destroy. */
+int kt_transport_create(const kt_transport_config *cfg, kt_transport **out, char *err);
+/* Fails every pending reservation and send (callbacks run before it returns), closes every
+ * endpoint and stops UCX. Not from a kt_ callback. NULL is a no-op. */
+void kt_transport_destroy(kt_transport *t);
+/* The port the listener is bound to (0 when not listening). */
+uint16_t kt_transport_port(const kt_transport *t);
+
+/* ------------------------------------------------------------------ receiving side */
+
+typedef enum kt_xfer_state {
+    KT_XFER_STATE_NONE = 0, /* no such reservation (never made, or already completed) */
+    KT_XFER_STATE_RESERVED = 1, /* waiting for the bundle */
+    KT_XFER_STATE_RECEIVING = 2, /* bytes are landing in the buffer */
+} kt_xfer_state;
+
+/* Completion of a reservation or a send, called exactly once. status 0: the whole bundle is
+ * in the buffer (receive) or the receiver accepted it (send); -1: `err` says why (expired,
+ * released, peer died, size mismatch, parse error, timeout, ...). `bytes` = bytes delivered
+ * (the bundle size on success, 0 otherwise). After the callback the buffer is the caller's
+ * again. `err` is valid only during the call. */
+typedef void (*kt_xfer_cb)(void *arg, uint64_t id, int status, uint64_t bytes, const char *err);
+
+#define KT_RESERVE_PARSE 1u /* run kt_bundle_parse on arrival; a bad bundle fails both sides */
+
+/* Reserves `buf` (`size` bytes, caller-owned, must stay valid until the callback) for the
+ * bundle tagged `id`, expiring after timeout_s seconds (the callback then reports "expired").
+ * Fails when not listening, when `id` is already reserved, or size is 0. Any id is fine;
+ * ids are the caller's (the decode node's reservation ids). */
+int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
+                         unsigned flags, kt_xfer_cb cb, void *cb_arg, char *err);
+/* Abandons a reservation: if it has not completed, its callback reports "released" before this
+ * returns (a transfer in flight is cancelled first), so the buffer may be freed on return.
+ * Returns 0 if it released something, -1 if there was nothing under `id`. Not from a kt_
+ * callback. */
+int kt_transport_release(kt_transport *t, uint64_t id);
+/* The pollable view of a reservation. */
+kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id);
+
+/* ------------------------------------------------------------------ sending side */
+
+/* Sends `size` bytes at `buf` to the receiver listening on host:port, for reservation `id`.
+ * Connects on first use (an endpoint per address, re-created after a failure). Completes
+ * through `cb` when the receiver acknowledged the bundle (status 0) or refused it, when the
+ * peer died, or after timeout_s seconds. `buf` must stay valid until the callback. A send
+ * still moving data at its timeout closes the connection (the other sends on it fail too:
+ * a stalled connection is not trusted). */
+int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                      const void *buf, uint64_t size, double timeout_s, kt_xfer_cb cb,
+                      void *cb_arg, char *err);
+/* kt_transport_send, waiting for the outcome. Not from a kt_ callback. */
+int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                           const void *buf, uint64_t size, double timeout_s, char *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KT_TRANSPORT_H */
