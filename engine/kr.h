@@ -241,6 +241,47 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
 int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,
                float *logits, char *err);
 
+/* ------------------------------------------------------------------ batched decode */
+
+/* One decode step for `n` sequences at once (continuous batching): tokens[i] is fed to
+ * seqs[i] at its next position. Every weight matrix is applied to the n rows in one backend
+ * call; each sequence attends its own cache; each sequence's policy decode rule runs as in
+ * kr_forward. logits gets n rows of vocab_size. The rows are bit-identical to n separate
+ * kr_forward(c, seqs[i], &tokens[i], 1, KR_LOGITS_LAST, ...) calls, in any batch order and
+ * size. 1 <= n <= the context's max_chunk; the sequences must be distinct. Fails cleanly,
+ * feeding nothing to any sequence, when the pool lacks blocks for any of them (checked first). */
+int kr_forward_batch(kr_ctx *c, kr_seq *const *seqs, const int32_t *tokens, int n, float *logits,
+                     char *err);
+
+/* ------------------------------------------------------------------ moving a sequence
+ * What the KV bundle carries between processes (kvtransfer/ knows nothing of the engine; the
+ * nodes copy through these). A list is [pinned entries | window entries], positions strictly
+ * increasing; keys post-RoPE, float32. */
+
+/* Entries held and pinned by list (layer, kv_head). */
+void kr_seq_list_shape(const kr_seq *s, int layer, int kv_head, int *len, int *pinned);
+/* Copies entries [first, first + n) of list (layer, kv_head): positions, keys and values rows
+ * of head_dim floats (any of the three may be NULL). Fails when the range is outside the list. */
+int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, int32_t *pos,
+                     float *k, float *v, char *err);
+/* Appends n entries to list (layer, kv_head) of a sequence no token has been fed to (taking
+ * blocks from the pool; fails cleanly when it runs out), positions strictly increasing and
+ * above the list's last; then pins the first `pinned` entries of the list. */
+int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *pos,
+                       const float *k, const float *v, int pinned, char *err);
+/* After the lists are filled: the position the next token is fed at (above every position
+ * held), so decode continues exactly as it would have in the sender's process. The receiver's
+ * footprint tally starts at zero (the sender reports its own part). */
+int kr_seq_set_next_pos(kr_seq *s, int next_pos, char *err);
+/* The decode-side recent window of list (layer, kv_head) under policy p (NULL: full), for the
+ * bundle's list table: -1 when the list is never trimmed (dense head, decode=grow). */
+int kr_policy_list_window(const kr_policy *p, int layer, int kv_head);
+/* Most blocks a sequence holds at any moment (transients inside a step included) when it
+ * arrives with at most n_prompt tokens' worth of entries per list under policy p (NULL: full)
+ * and then decodes n_generate tokens: what a decode node reserves. */
+int64_t kr_seq_blocks_bound(const kr_kv_pool *pool, const kr_policy *p, int n_layers,
+                            int n_kv_heads, int n_prompt, int n_generate);
+
 /* ------------------------------------------------------------------ sampler */
 
 typedef struct kr_sampling {
