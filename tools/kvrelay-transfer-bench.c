@@ -2,8 +2,9 @@
  * kvrelay-transfer-bench - GB/s of kvrelay's bundle transport (kvtransfer/transport.h) over
  * loopback, next to ucx_perftest's figure for the same transport (UCX_TLS) and message size,
  * run by this program, and their ratio.
- * What it measures: one bundle at a time, reserve + send + acknowledgement (the full protocol a
- * prefill node pays), sender and receiver as two UCX contexts in this process; ucx_perftest runs
+ * What it measures: reserve + send + acknowledgement per bundle (the full protocol a prefill
+ * node pays), one bundle at a time and K at once, sender and receiver as two UCX contexts in
+ * this process; ucx_perftest runs
  * as a server and a client process with -t TEST -s SIZE. It is not a test: nothing is asserted.
  * Run: kvrelay-transfer-bench [--sizes 1,4,16,64,256,1024] [--tls tcp] [--test ucp_am_bw]
  * (sizes in MiB). Progress on stderr, the table on stdout. Figures: docs/transport.md.
@@ -11,6 +12,7 @@
 #include <inttypes.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,45 +25,67 @@
 static void usage(void)
 {
     printf("usage: kvrelay-transfer-bench [--sizes MIB,...] [--tls LIST] [--test NAME] "
-           "[--iters N] [--port P]\n"
+           "[--iters N] [--inflight K] [--port P]\n"
            "  --sizes  bundle sizes in MiB (default 1,4,16,64,256,1024)\n"
            "  --tls    UCX_TLS for both kvrelay and ucx_perftest (default tcp: what endpoints in\n"
            "           PEER error mode use on one host)\n"
            "  --test   ucx_perftest test to compare with (default ucp_am_bw; tag_bw also useful)\n"
            "  --iters  transfers per size (default: about 4 GiB moved, 3..200)\n"
+           "  --inflight  bundles in flight at once for the pipelined column (default 8, fewer\n"
+           "           for large sizes so that they fit in 1 GiB of receive buffers)\n"
            "  --port   first TCP port for ucx_perftest (default 13500)\n");
 }
 
-static void noop_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
+/* Completions of one round of transfers: receive and send callbacks both count here. */
+typedef struct round {
+    atomic_int done;
+    atomic_int failed;
+} round;
+
+static void count_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
 {
-    int *st = arg;
-    *st = status == 0 ? 1 : -1;
-    (void)id;
+    round *r = arg;
+    if (status != 0) {
+        fprintf(stderr, "kvrelay-transfer-bench: transfer %" PRIu64 ": %s\n", id, err);
+        atomic_fetch_add(&r->failed, 1);
+    }
+    atomic_fetch_add(&r->done, 1);
     (void)bytes;
-    (void)err;
 }
 
-/* Seconds per bundle of `size` bytes through the transport, or -1. */
+/* Seconds per bundle of `size` bytes through the transport with `inflight` bundles reserved and
+ * sent at once (1: one at a time, the latency a single request pays; more: a busy prefill node
+ * shipping to a decode node, the regime ucx_perftest's window measures), or -1. dst holds
+ * `inflight` buffers of `size`. */
 static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, uint8_t *dst,
-                            uint64_t size, int iters)
+                            uint64_t size, int iters, int inflight)
 {
     char err[KT_ERR_MAX];
     double t0 = 0;
-    for (int i = -1; i < iters; i++) { /* i = -1: warm-up (connects) */
+    uint64_t id = 1;
+    int rounds = (iters + inflight - 1) / inflight;
+    for (int i = -1; i < rounds; i++) { /* i = -1: warm-up (connects) */
         if (i == 0)
             t0 = cli_now();
-        volatile int st = 0;
-        if (kt_transport_reserve(rx, (uint64_t)(i + 2), dst, size, 60.0, 0, noop_cb, (void *)&st,
-                                 err) != 0 ||
-            kt_transport_send_wait(tx, "127.0.0.1", kt_transport_port(rx), (uint64_t)(i + 2),
-                                   src, size, 60.0, err) != 0) {
-            fprintf(stderr, "kvrelay-transfer-bench: %s\n", err);
+        round r = {0};
+        for (int k = 0; k < inflight; k++)
+            if (kt_transport_reserve(rx, id + (uint64_t)k, dst + (uint64_t)k * size, size, 60.0, 0,
+                                     count_cb, &r, err) != 0)
+                goto fail;
+        for (int k = 0; k < inflight; k++)
+            if (kt_transport_send(tx, "127.0.0.1", kt_transport_port(rx), id + (uint64_t)k, src,
+                                  size, 60.0, count_cb, &r, err) != 0)
+                goto fail;
+        while (atomic_load(&r.done) < 2 * inflight) /* both callbacks of every transfer */
+            usleep(5);
+        if (atomic_load(&r.failed))
             return -1;
-        }
-        while (st == 0) /* the receive callback follows the ack by microseconds */
-            usleep(10);
+        id += (uint64_t)inflight;
     }
-    return (cli_now() - t0) / iters;
+    return (cli_now() - t0) / ((double)rounds * inflight);
+fail:
+    fprintf(stderr, "kvrelay-transfer-bench: %s\n", err);
+    return -1;
 }
 
 /* MiB/s of `ucx_perftest -t test -s size`, or -1 (reason in why). */
@@ -123,7 +147,7 @@ int main(int argc, char **argv)
 {
     cli_init(argv);
     const char *sizes_s = "1,4,16,64,256,1024", *tls = "tcp", *test = "ucp_am_bw";
-    int iters_flag = 0, port = 13500;
+    int iters_flag = 0, port = 13500, inflight_flag = 8;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage();
@@ -136,6 +160,8 @@ int main(int argc, char **argv)
             test = cli_value(argc, argv, &i);
         } else if (!strcmp(argv[i], "--iters")) {
             iters_flag = (int)cli_long("--iters", cli_value(argc, argv, &i), 1, 100000);
+        } else if (!strcmp(argv[i], "--inflight")) {
+            inflight_flag = (int)cli_long("--inflight", cli_value(argc, argv, &i), 1, 64);
         } else if (!strcmp(argv[i], "--port")) {
             port = (int)cli_long("--port", cli_value(argc, argv, &i), 1024, 65000);
         } else {
@@ -158,32 +184,42 @@ int main(int argc, char **argv)
     kt_transport_config tc = {.name = "bench-tx"};
     if (kt_transport_create(&rc, &rx, err) != 0 || kt_transport_create(&tc, &tx, err) != 0)
         cli_die(1, "%s", err);
-    uint8_t *src = malloc(max), *dst = malloc(max);
+    /* receive buffers: `inflight` bundles of the largest size, at most 1 GiB (or one bundle) */
+    uint64_t dst_bytes = max * (uint64_t)inflight_flag;
+    if (dst_bytes > (1ull << 30))
+        dst_bytes = max > (1ull << 30) ? max : (1ull << 30);
+    uint8_t *src = malloc(max), *dst = malloc(dst_bytes);
     if (!src || !dst)
-        cli_die(1, "cannot allocate 2 x %" PRIu64 " bytes", max);
+        cli_die(1, "cannot allocate %" PRIu64 " + %" PRIu64 " bytes", max, dst_bytes);
     for (uint64_t i = 0; i < max; i++)
         src[i] = (uint8_t)(i * 131 + 7);
-    memset(dst, 0, max);
+    memset(dst, 0, dst_bytes);
 
-    printf("# UCX_TLS=%s, loopback; kvrelay = reserve + send + ack, one bundle at a time; "
-           "perftest = ucx_perftest -t %s (overall)\n", tls, test);
-    printf("%10s %14s %14s %8s\n", "size_MiB", "kvrelay_GB/s", "perftest_GB/s", "ratio");
+    printf("# UCX_TLS=%s, loopback; kvrelay = reserve + send + ack per bundle: one at a time (1), "
+           "and K in flight (K); perftest = ucx_perftest -t %s (overall); ratio = K / perftest\n",
+           tls, test);
+    printf("%10s %4s %14s %14s %14s %8s\n", "size_MiB", "K", "kvrelay_1", "kvrelay_K",
+           "perftest_GB/s", "ratio");
     for (int i = 0; i < n_sizes; i++) {
         uint64_t size = (uint64_t)mib[i] << 20;
         int iters = iters_flag ? iters_flag : (int)((4ull << 30) / size);
         iters = iters_flag ? iters : (iters < 3 ? 3 : iters > 200 ? 200 : iters);
         fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d through kvrelay...\n", mib[i], iters);
-        double sec = bench_kvrelay(rx, tx, src, dst, size, iters);
-        double ours = sec > 0 ? size / sec / 1e9 : -1;
+        int k = (int)(dst_bytes / size) < inflight_flag ? (int)(dst_bytes / size) : inflight_flag;
+        double sec1 = bench_kvrelay(rx, tx, src, dst, size, iters, 1);
+        double one = sec1 > 0 ? size / sec1 / 1e9 : -1;
+        double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, size, iters, k) : sec1;
+        double ours = seck > 0 ? size / seck / 1e9 : -1;
         fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d through ucx_perftest -t %s...\n",
                 mib[i], iters, test);
         char why[256] = "";
         double pt = bench_perftest(test, size, iters, port + i, why, sizeof why);
         double ptg = pt > 0 ? pt * 1048576.0 / 1e9 : -1;
         if (pt > 0)
-            printf("%10d %14.2f %14.2f %8.2f\n", mib[i], ours, ptg, ours / ptg);
+            printf("%10d %4d %14.2f %14.2f %14.2f %8.2f\n", mib[i], k, one, ours, ptg, ours / ptg);
         else
-            printf("%10d %14.2f %14s %8s   # %s\n", mib[i], ours, "n/a", "n/a", why);
+            printf("%10d %4d %14.2f %14.2f %14s %8s   # %s\n", mib[i], k, one, ours, "n/a", "n/a",
+                   why);
         fflush(stdout);
     }
     kt_transport_destroy(tx);
