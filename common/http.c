@@ -170,12 +170,13 @@ kc_http *kc_http_start(const char *host, int port, kc_registry *reg, kc_health_f
     atomic_store(&h->starting, 1);
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
                      MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0);
-    /* the logger goes first: libmicrohttpd uses its own for anything said before it */
-    h->daemon = MHD_start_daemon(flags, 0, NULL, NULL, on_request, h, MHD_OPTION_EXTERNAL_LOGGER,
-                                 on_mhd_log, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
-                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned)KC_HTTP_MAX_CONNECTIONS,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)KC_HTTP_IDLE_TIMEOUT_S,
-                                 MHD_OPTION_END);
+    /* the logger goes first: libmicrohttpd uses its own for anything said before it; the port
+     * argument only names the port in its messages (MHD_OPTION_SOCK_ADDR decides the bind) */
+    h->daemon = MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, on_request, h,
+                                 MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_SOCK_ADDR,
+                                 (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT,
+                                 (unsigned)KC_HTTP_MAX_CONNECTIONS, MHD_OPTION_CONNECTION_TIMEOUT,
+                                 (unsigned)KC_HTTP_IDLE_TIMEOUT_S, MHD_OPTION_END);
     if (!h->daemon) {
         snprintf(err, ERR_CAP, "http: cannot serve on %.60s:%d: %.150s",
                  host && *host ? host : "0.0.0.0", port,
