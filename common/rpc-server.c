@@ -11,6 +11,7 @@
  * by whoever drops the last reference, which is after every batch completed (STACK.md: free a
  * call only after all its batches completed).
  */
+#include "log.h"
 #include "rpc.h"
 
 #include <grpc/byte_buffer.h>
@@ -118,17 +119,6 @@ struct kc_call {
     char details[256];
 };
 
-static void kc_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void kc_log(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fputs("kc_server: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-}
-
 /* ------------------------------------------------------------------ call lifetime */
 
 static void call_free(kc_call *c)
@@ -219,7 +209,7 @@ int kc_call_send(kc_call *c, const ProtobufCMessage *msg)
     grpc_byte_buffer *bb;
     kc_status st;
     if (kc_message_pack(msg, c->srv->max_message_bytes, &bb, &st) != 0) {
-        kc_log("%s: cannot send: %s", c->m->path, st.details);
+        kc_error(NULL, "kc_server: %s: cannot send: %s", c->m->path, st.details);
         return -1;
     }
     pthread_mutex_lock(&c->mu);
@@ -407,7 +397,7 @@ static void call_dispatch(kc_call *c)
     int e = pthread_create(&t, &attr, handler_main, c);
     pthread_attr_destroy(&attr);
     if (e != 0) {
-        kc_log("%s: cannot start a handler thread: %s", c->m->path, strerror(e));
+        kc_error(NULL, "kc_server: %s: cannot start a handler thread: %s", c->m->path, strerror(e));
         call_finish(c, GRPC_STATUS_UNAVAILABLE, "server cannot start a handler");
         call_unref(c);
     }
@@ -420,7 +410,7 @@ static void arm_method(kc_method *m)
     kc_server *srv = m->srv;
     kc_pending *p = calloc(1, sizeof *p);
     if (!p) {
-        kc_log("%s: out of memory re-arming; the method stops answering", m->path);
+        kc_error(NULL, "kc_server: %s: out of memory re-arming; the method stops answering", m->path);
         return;
     }
     p->tag = (kc_tag){TAG_REQUEST, p};
@@ -439,7 +429,7 @@ static void arm_generic(kc_server *srv)
 {
     kc_generic *g = calloc(1, sizeof *g);
     if (!g) {
-        kc_log("out of memory re-arming the generic request");
+        kc_error(NULL, "kc_server: out of memory re-arming the generic request");
         return;
     }
     g->tag = (kc_tag){TAG_GENERIC, g};
@@ -542,7 +532,7 @@ static void on_request(kc_server *srv, kc_pending *p, int ok)
     }
     kc_call *c = call_create(srv, p);
     if (!c) {
-        kc_log("%s: out of memory for a call; cancelling it", m->path);
+        kc_error(NULL, "kc_server: %s: out of memory for a call; cancelling it", m->path);
         grpc_call_cancel_with_status(p->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
         grpc_call_unref(p->call);
         grpc_metadata_array_destroy(&p->md);

@@ -1,0 +1,94 @@
+# local-cluster.sh - start and stop a kvrelay cluster on this machine: M decode nodes, N prefill
+# nodes and one router, separate processes on loopback (DESIGN.md section 2), with a static
+# membership file. Sourced by `./kvrelay up|demo` and by tests/integration/cluster*.sh; not run
+# on its own. Every process logs to $KRC_DIR/<id>.log and prints its serving line to
+# $KRC_DIR/<id>.out; ports are ephemeral (127.0.0.1:0) except the router's public one.
+#
+#   krc_start BIN MODEL N_PREFILL N_DECODE ROUTER_LISTEN [extra args for every node...]
+#       sets KRC_DIR (unless set), KRC_ROUTER (host:port), KRC_ROUTER_HTTP, KRC_PIDS
+#       extra args per role: KRC_PREFILL_ARGS, KRC_DECODE_ARGS, KRC_ROUTER_ARGS (arrays)
+#   krc_stop            SIGTERM every process it started (SIGKILL after 10 s), newest first
+#   krc_addr ID         the gRPC address a started process printed
+#   krc_http ID         its HTTP address
+
+KRC_PIDS=()
+KRC_IDS=()
+
+# Waits for the serving line of process $1 (id) with pid $2; prints "grpc http".
+krc_wait_serving() {
+  local id=$1 pid=$2 out="$KRC_DIR/$1.out" i line
+  for ((i = 0; i < ${KRC_START_TIMEOUT:-600}; i++)); do
+    line=$(grep -m1 'serving grpc ' "$out" 2>/dev/null || true)
+    if [ -n "$line" ]; then
+      echo "$line" | sed -E 's/.*serving grpc ([^ ]+) http ([^ ]+).*/\1 \2/'
+      return 0
+    fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "kvrelay: $id exited before serving; the end of its log ($KRC_DIR/$id.log):" >&2
+      tail -n 20 "$KRC_DIR/$id.log" >&2
+      return 1
+    fi
+    sleep 0.1
+  done
+  echo "kvrelay: $id did not serve within $((${KRC_START_TIMEOUT:-600} / 10)) s (log: $KRC_DIR/$id.log)" >&2
+  return 1
+}
+
+# krc_spawn ID PROGRAM ARGS... : starts one process in the background, records it.
+krc_spawn() {
+  local id=$1; shift
+  "$@" >"$KRC_DIR/$id.out" 2>"$KRC_DIR/$id.log" &
+  KRC_PIDS+=($!)
+  KRC_IDS+=("$id")
+}
+
+krc_addr() { sed -nE 's/.*serving grpc ([^ ]+) http.*/\1/p' "$KRC_DIR/$1.out" | head -n1; }
+krc_http() { sed -nE 's/.*serving grpc [^ ]+ http ([^ ]+).*/\1/p' "$KRC_DIR/$1.out" | head -n1; }
+
+krc_start() {
+  local bin=$1 model=$2 np=$3 nd=$4 listen=$5; shift 5
+  KRC_DIR=${KRC_DIR:-$(mktemp -d -t kvrelay-cluster.XXXXXX)}
+  mkdir -p "$KRC_DIR"
+  local i id nodes="$KRC_DIR/nodes.json" dec=() pre=()
+  # decode nodes first: prefill nodes and the router need nothing from them at start, but the
+  # router's membership file lists their addresses
+  for ((i = 0; i < nd; i++)); do
+    id=decode-$i
+    krc_spawn "$id" "$bin/kvrelay-decode" --model "$model" --id "$id" --listen 127.0.0.1:0 \
+      --transfer 127.0.0.1:0 --http 127.0.0.1:0 "${KRC_DECODE_ARGS[@]}" "$@"
+  done
+  for ((i = 0; i < np; i++)); do
+    id=prefill-$i
+    krc_spawn "$id" "$bin/kvrelay-prefill" --model "$model" --id "$id" --listen 127.0.0.1:0 \
+      --http 127.0.0.1:0 "${KRC_PREFILL_ARGS[@]}" "$@"
+  done
+  for ((i = 0; i < ${#KRC_IDS[@]}; i++)); do
+    krc_wait_serving "${KRC_IDS[$i]}" "${KRC_PIDS[$i]}" >/dev/null || return 1
+    case ${KRC_IDS[$i]} in
+      decode-*) dec+=("{\"id\": \"${KRC_IDS[$i]}\", \"address\": \"$(krc_addr "${KRC_IDS[$i]}")\"}") ;;
+      prefill-*) pre+=("{\"id\": \"${KRC_IDS[$i]}\", \"address\": \"$(krc_addr "${KRC_IDS[$i]}")\"}") ;;
+    esac
+  done
+  local IFS=,
+  echo "{\"prefill\": [${pre[*]}], \"decode\": [${dec[*]}]}" >"$nodes"
+  unset IFS
+  krc_spawn router "$bin/kvrelay-router" --model "$model" --id router --nodes "$nodes" \
+    --listen "$listen" --http 127.0.0.1:0 "${KRC_ROUTER_ARGS[@]}"
+  krc_wait_serving router "${KRC_PIDS[-1]}" >/dev/null || return 1
+  KRC_ROUTER=$(krc_addr router)
+  KRC_ROUTER_HTTP=$(krc_http router)
+}
+
+krc_stop() {
+  local i pid
+  for ((i = ${#KRC_PIDS[@]} - 1; i >= 0; i--)); do
+    kill -TERM "${KRC_PIDS[$i]}" 2>/dev/null || true
+  done
+  for pid in "${KRC_PIDS[@]}"; do
+    for ((i = 0; i < 100; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  KRC_PIDS=()
+  KRC_IDS=()
+}
