@@ -741,9 +741,7 @@ static grpc_status_code serve(gen_req *r, kc_status *st)
     r->pu.base.n_unknown_fields = 0;
     uint32_t first = pr->first_token;
     kc_message_free(&pr->base);
-    kc_counter_inc(rt->m.prompt_tokens, r->n_prompt);
     kc_counter_inc(rt->m.kv_bytes_shipped, (double)r->pu.kv_bytes_shipped);
-    kc_counter_inc(rt->m.kv_entries_shipped, (double)r->pu.kv_entries_shipped);
     kc_info(r->id, "prefilled on %s: first token %u, %" PRIu64 " KV entries (%" PRIu64 " bytes) shipped to %s in %.4f s",
             r->pnode->id, first, r->pu.kv_entries_shipped, r->pu.kv_bytes_shipped, r->dnode->id, r->pu.transfer_s);
     if (first >= (uint32_t)rt->cfg.vocab_size) {
@@ -800,6 +798,7 @@ int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
     kc_status st = {GRPC_STATUS_OK, ""};
     grpc_status_code code = validate(rt, q, r, &st);
     if (code == GRPC_STATUS_OK) {
+        kc_counter_inc(rt->m.prompt_tokens, r->n_prompt);
         kc_info(r->id, "accepted: %d prompt tokens, max_tokens %u, kv_policy '%s', %zu stop strings, %zu stop ids",
                 r->n_prompt, r->max_tokens, r->policy[0] ? r->policy : "full", q->n_stop, q->n_stop_ids);
         code = serve(r, &st);

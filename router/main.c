@@ -6,7 +6,7 @@
  * tokenizer.json only: it never runs the model.
  * Not here: etcd membership (the nodes come from a static file), TLS, several routers sharing
  * load information.
- * Run: kvrelay-router --model DIR --nodes nodes.json --listen 127.0.0.1:7000 --http 127.0.0.1:9000
+ * Run: kvrelay-router --model DIR --nodes nodes.json --listen 127.0.0.1:7100 --http 127.0.0.1:9100
  * docs/router.md describes the flags, the request flow and its retry rules.
  */
 #include "health.h"
@@ -36,8 +36,8 @@ static void usage(FILE *f)
             "  --nodes FILE            static membership, JSON: {\"prefill\": [{\"id\": \"prefill-0\",\n"
             "                          \"address\": \"127.0.0.1:7101\"}], \"decode\": [{\"id\": \"decode-0\",\n"
             "                          \"address\": \"127.0.0.1:7201\"}]}\n"
-            "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7000; port 0 = any free)\n"
-            "  --http HOST:PORT        /metrics and /healthz (default 127.0.0.1:0)\n"
+            "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
+            "  --http HOST:PORT        /metrics and /healthz (default 127.0.0.1:9100)\n"
             "  --id NAME               this router's name in logs and ClusterStatus (default router-0)\n"
             "  --placement P           round-robin or least-loaded (default least-loaded)\n"
             "  --max-tokens-limit N    largest max_tokens a request may ask for (default 4096)\n"
@@ -97,7 +97,7 @@ static void split_address(const char *flag, const char *s, char *host, size_t ca
 
 static void parse(int argc, char **argv, router_opts *o)
 {
-    *o = (router_opts){.listen = "127.0.0.1:7000", .http = "127.0.0.1:0", .id = "router-0",
+    *o = (router_opts){.listen = "127.0.0.1:7100", .http = "127.0.0.1:9100", .id = "router-0",
                        .placement = "least-loaded", .log_level = "info", .max_tokens_limit = 4096,
                        .max_prompt = -1, .default_timeout_ms = 300000};
     for (int i = 1; i < argc; i++) {
@@ -136,7 +136,7 @@ static void metrics_init(rt_router *rt)
         char label[64];
         snprintf(label, sizeof label, "status=\"%s\"", kc_status_name((grpc_status_code)c));
         m->requests[c] = kc_counter_add(m->reg, "kvrelay_requests_total",
-                                        "Generate requests finished, by gRPC status", label);
+                                        "Generate calls finished, by final gRPC status", label);
     }
     m->ttft = kc_histogram_add(m->reg, "kvrelay_ttft_seconds",
                                "Time to first token: request arrival at the router to the first token sent",
@@ -144,22 +144,21 @@ static void metrics_init(rt_router *rt)
     m->tpot = kc_histogram_add(m->reg, "kvrelay_tpot_seconds",
                                "Time per output token after the first, per request", NULL,
                                kc_latency_buckets, kc_n_latency_buckets);
-    m->prompt_tokens = kc_counter_add(m->reg, "kvrelay_prompt_tokens_total", "Prompt tokens prefilled", NULL);
-    m->generated_tokens = kc_counter_add(m->reg, "kvrelay_generated_tokens_total",
-                                         "Tokens sent to clients (the first token included)", NULL);
+    m->prompt_tokens = kc_counter_add(m->reg, "kvrelay_prompt_tokens_total", "Prompt tokens of admitted requests", NULL);
+    m->generated_tokens = kc_counter_add(m->reg, "kvrelay_tokens_generated_total",
+                                         "Completion tokens sent to clients (the first token included)", NULL);
     m->kv_bytes_shipped = kc_counter_add(m->reg, "kvrelay_kv_bytes_shipped_total",
-                                         "K and V payload bytes shipped prefill -> decode", NULL);
-    m->kv_entries_shipped = kc_counter_add(m->reg, "kvrelay_kv_entries_shipped_total",
-                                           "KV entries shipped prefill -> decode", NULL);
+                                         "K and V payload bytes shipped prefill -> decode for this router's requests",
+                                         NULL);
     m->in_flight = kc_gauge_add(m->reg, "kvrelay_requests_in_flight", "Generate calls being served", NULL);
-    m->queued = kc_gauge_add(m->reg, "kvrelay_requests_queued",
+    m->queued = kc_gauge_add(m->reg, "kvrelay_queue_depth",
                              "Generate calls waiting for a node with room (backing off)", NULL);
-    m->retries = kc_counter_add(m->reg, "kvrelay_router_retries_total",
-                                "Requests placed again after a node failed before streaming", NULL);
+    m->retries = kc_counter_add(m->reg, "kvrelay_placement_retries_total",
+                                "Requests placed again after a node failed before anything was streamed", NULL);
     for (int c = 0; c <= GRPC_STATUS_UNAUTHENTICATED; c++)
         if (!m->requests[c]) die("cannot register metrics");
     if (!m->ttft || !m->tpot || !m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped ||
-        !m->kv_entries_shipped || !m->in_flight || !m->queued || !m->retries)
+        !m->in_flight || !m->queued || !m->retries)
         die("cannot register metrics");
 }
 
@@ -240,6 +239,7 @@ int main(int argc, char **argv)
     static const char *const services[] = {"kvrelay.v1.Generation", "kvrelay.v1.Admin", NULL};
     kc_health *health = kc_health_register(srv, services);
     if (!health) die("cannot register grpc.health.v1");
+    rt->health = health;
     char herr[256];
     int http_bound;
     kc_http *http = kc_http_start(http_host, http_port, rt->m.reg, rt_nodes_healthy, rt, &http_bound, herr);

@@ -114,7 +114,7 @@ static void *poll_one(void *arg)
         kc_warn(NULL, "node %s (%s) unreachable: %s: %s", n->id, n->address, kc_status_name(st.code), st.details);
     else if (!was_reachable && now_reachable)
         kc_info(NULL, "node %s (%s) reachable again", n->id, n->address);
-    kc_message_free(&resp->base);
+    kc_message_free((ProtobufCMessage *)resp); /* NULL when the call failed */
     return NULL;
 }
 
@@ -215,7 +215,7 @@ int rt_nodes_healthy(void *user, char *reason, size_t cap)
     }
     int draining = rt->draining;
     pthread_mutex_unlock(&rt->mu);
-    if (draining) return snprintf(reason, cap, "shutting down"), 0;
+    if (draining || !kc_health_serving(rt->health)) return snprintf(reason, cap, "not serving (shutting down)"), 0;
     if (!prefill) return snprintf(reason, cap, "no prefill node answers its Status"), 0;
     if (!decode) return snprintf(reason, cap, "no decode node answers its Status"), 0;
     return 1;

@@ -11,6 +11,7 @@
 #ifndef RT_ROUTER_H
 #define RT_ROUTER_H
 
+#include "health.h"
 #include "kr.h"
 #include "log.h"
 #include "metrics.h"
@@ -60,7 +61,7 @@ typedef struct rt_metrics {
     kc_counter *requests[GRPC_STATUS_UNAUTHENTICATED + 1]; /* by final status code */
     kc_histogram *ttft, *tpot;
     kc_counter *prompt_tokens, *generated_tokens;
-    kc_counter *kv_bytes_shipped, *kv_entries_shipped;
+    kc_counter *kv_bytes_shipped;
     kc_gauge *in_flight, *queued;
     kc_counter *retries;
 } rt_metrics;
@@ -82,6 +83,7 @@ typedef struct rt_router {
     rt_node *nodes; /* n_prefill prefill nodes, then n_decode decode nodes */
     int n_prefill, n_decode;
     rt_metrics m;
+    kc_health *health; /* grpc.health.v1; NOT_SERVING while draining */
 
     pthread_mutex_t mu; /* the guarded parts of the nodes, and the active list */
     pthread_cond_t cv; /* `stopping` changed */
@@ -111,7 +113,8 @@ rt_node *rt_nodes_of(rt_router *rt, rt_role role, int *n);
 void rt_nodes_order(rt_router *rt, rt_role role, int *order);
 /* The router's own in-flight accounting (deltas, may be negative). */
 void rt_node_account(rt_router *rt, rt_node *n, int64_t tokens, int64_t running, int64_t blocks);
-/* /healthz: healthy while at least one prefill and one decode node answered its last Status. */
+/* /healthz: healthy while gRPC health says SERVING and at least one prefill and one decode node
+ * answered its last Status. */
 int rt_nodes_healthy(void *rt, char *reason, size_t cap);
 /* Admin.ClusterStatus handler. */
 int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user);
