@@ -177,20 +177,22 @@ static int metrics_init(dn_metrics *m)
     kc_registry *r = m->reg = kc_registry_create();
     if (!r)
         return -1;
-    const char *kvh = "KV blocks of the decode node's pool: used by sequences, reserved for "
-                      "admitted requests and not yet used, free for new reservations";
-    m->blocks_used = kc_gauge_add(r, "kvrelay_kv_blocks", kvh, "state=\"used\"");
-    m->blocks_reserved = kc_gauge_add(r, "kvrelay_kv_blocks", kvh, "state=\"reserved\"");
-    m->blocks_free = kc_gauge_add(r, "kvrelay_kv_blocks", kvh, "state=\"free\"");
-    m->blocks_total = kc_gauge_add(r, "kvrelay_kv_blocks_capacity", "KV blocks in the pool", NULL);
-    m->running = kc_gauge_add(r, "kvrelay_decode_running_sequences",
-                              "Sequences in the continuous batch", NULL);
+    /* Names and meanings: docs/observability.md (the naming standard). */
+    m->blocks_used = kc_gauge_add(r, "kvrelay_kv_blocks_used", "KV pool blocks held by sequences",
+                                  NULL);
+    m->blocks_free = kc_gauge_add(r, "kvrelay_kv_blocks_free",
+                                  "KV pool blocks free (including reserved ones not yet used)",
+                                  NULL);
+    m->blocks_reserved = kc_gauge_add(r, "kvrelay_kv_blocks_reserved",
+                                      "KV blocks promised to reservations and not yet used", NULL);
+    m->running = kc_gauge_add(r, "kvrelay_running_sequences", "Sequences in the decode batch",
+                              NULL);
     m->queued = kc_gauge_add(r, "kvrelay_queue_depth",
-                             "Decode calls waiting for their bundle or to join the batch",
-                             "queue=\"decode\"");
+                             "Decode calls handed to the batching loop, not yet in the batch",
+                             NULL);
     m->reservations = kc_gauge_add(r, "kvrelay_decode_reservations",
                                    "Live reservations (waiting, ready, decoding, failed)", NULL);
-    m->batch_size = kc_histogram_add(r, "kvrelay_decode_batch_size",
+    m->batch_size = kc_histogram_add(r, "kvrelay_batch_size",
                                      "Sequences per batched forward call", NULL, batch_buckets,
                                      (int)(sizeof batch_buckets / sizeof batch_buckets[0]));
     m->tpot = kc_histogram_add(r, "kvrelay_tpot_seconds",
@@ -200,11 +202,11 @@ static int metrics_init(dn_metrics *m)
                                    "Seconds to import a KV bundle into the pool", NULL,
                                    kc_latency_buckets, kc_n_latency_buckets);
     m->tokens = kc_counter_add(r, "kvrelay_tokens_generated_total",
-                               "Tokens sampled by the decode loop (the first token is prefill's)",
+                               "Completion tokens sampled by the batching loop (the first is the prefill node's)",
                                NULL);
     m->expired = kc_counter_add(r, "kvrelay_decode_reservations_expired_total",
                                 "Reservations that expired unused and returned their blocks", NULL);
-    if (!m->blocks_used || !m->blocks_reserved || !m->blocks_free || !m->blocks_total ||
+    if (!m->blocks_used || !m->blocks_reserved || !m->blocks_free ||
         !m->running || !m->queued || !m->reservations || !m->batch_size || !m->tpot ||
         !m->import_s || !m->tokens || !m->expired)
         return -1;
@@ -300,7 +302,6 @@ int main(int argc, char **argv)
         kc_error(NULL, "cannot register the metrics (out of memory)");
         return 1;
     }
-    kc_gauge_set(n->m.blocks_total, (double)blocks);
     dn_publish_locked(n); /* no other thread yet */
 
     kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = thost,

@@ -104,10 +104,10 @@ typedef struct dn_job {
     int released; /* its reservation's cancel flag, as the loop last read it */
 } dn_job;
 
-/* Metrics (docs/observability.md names; see main.c for registration). */
+/* Metrics (names and meanings: docs/observability.md, docs/decode-node.md; main.c registers). */
 typedef struct dn_metrics {
     kc_registry *reg;
-    kc_gauge *blocks_used, *blocks_free, *blocks_reserved, *blocks_total;
+    kc_gauge *blocks_used, *blocks_free, *blocks_reserved;
     kc_gauge *running, *queued, *reservations;
     kc_histogram *batch_size, *tpot, *import_s;
     kc_counter *tokens;

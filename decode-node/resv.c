@@ -45,9 +45,9 @@ void dn_publish_locked(dn_node *n)
     int64_t reserved = n->reserved_sum - n->used_blocks;
     kc_gauge_set(n->m.blocks_used, (double)n->used_blocks);
     kc_gauge_set(n->m.blocks_reserved, (double)(reserved > 0 ? reserved : 0));
-    kc_gauge_set(n->m.blocks_free, (double)(n->total_blocks - n->reserved_sum));
+    kc_gauge_set(n->m.blocks_free, (double)(n->total_blocks - n->used_blocks));
     kc_gauge_set(n->m.running, (double)n->n_running);
-    kc_gauge_set(n->m.queued, (double)(n->n_pending + n->n_waiting));
+    kc_gauge_set(n->m.queued, (double)n->n_pending);
     kc_gauge_set(n->m.reservations, (double)n->n_resvs);
 }
 
@@ -144,10 +144,16 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     int entries = kr_policy_max_entries(policy, prompt_tokens, 0);
     if (entries > prompt_tokens || entries < 0)
         entries = prompt_tokens;
-    /* n_generate = max_tokens: the first token and every sampled one but the last are fed; one
-     * more than needed keeps the bound safe whichever way the engine counts. */
+    /* Tokens fed: the first token and every sampled one but the last (loop.c stops a sequence
+     * at max_tokens completion tokens, CONTEXT beyond). */
     int64_t need = kr_seq_blocks_bound(n->pool, policy, c->n_layers, c->n_kv_heads, prompt_tokens,
-                                       max_tokens);
+                                       max_tokens - 1);
+    if (need < 0) {
+        kr_policy_free(policy);
+        snprintf(err, KT_ERR_MAX, "cannot bound the blocks of %d prompt tokens + %d max_tokens",
+                 prompt_tokens, max_tokens);
+        return GRPC_STATUS_INVALID_ARGUMENT;
+    }
     /* The largest bundle this reservation can receive: every list at `entries`, payload f32.
      * The spec is sized at its maximum so that a bundle carrying a longer spelling of the policy
      * is refused by Decode's policy check (a clear message), not by the transport's size check. */
