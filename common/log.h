@@ -22,10 +22,16 @@ int kc_log_parse_level(const char *s, kc_log_level *out);
 /* Writes one line. `request_id` may be NULL or "" (no [..] part). Thread-safe. */
 void kc_log(kc_log_level level, const char *request_id, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* 1 when lines of `level` are printed. */
+int kc_log_enabled(kc_log_level level);
 
-#define kc_debug(rid, ...) kc_log(KC_LOG_DEBUG, rid, __VA_ARGS__)
-#define kc_info(rid, ...) kc_log(KC_LOG_INFO, rid, __VA_ARGS__)
-#define kc_warn(rid, ...) kc_log(KC_LOG_WARN, rid, __VA_ARGS__)
-#define kc_error(rid, ...) kc_log(KC_LOG_ERROR, rid, __VA_ARGS__)
+/* The macros do not evaluate their arguments when the level is filtered out. A line is at most
+ * 4096 bytes (longer messages are cut and end in "..."); control characters are escaped. */
+#define KC_LOG_AT(level, rid, ...) \
+    (kc_log_enabled(level) ? kc_log(level, rid, __VA_ARGS__) : (void)0)
+#define kc_debug(rid, ...) KC_LOG_AT(KC_LOG_DEBUG, rid, __VA_ARGS__)
+#define kc_info(rid, ...) KC_LOG_AT(KC_LOG_INFO, rid, __VA_ARGS__)
+#define kc_warn(rid, ...) KC_LOG_AT(KC_LOG_WARN, rid, __VA_ARGS__)
+#define kc_error(rid, ...) KC_LOG_AT(KC_LOG_ERROR, rid, __VA_ARGS__)
 
 #endif /* KC_LOG_H */

@@ -1,0 +1,204 @@
+/*
+ * http.c - the /metrics and /healthz endpoint of http.h on libmicrohttpd 0.9.75 (Debian 12):
+ * one listening thread plus a thread per connection (scrapes and probes are rare and short, and
+ * a slow client then holds up nobody), bound to the resolved host with MHD_OPTION_SOCK_ADDR,
+ * the port read back with MHD_DAEMON_INFO_BIND_PORT. libmicrohttpd's own error messages are
+ * caught by a logger: while starting they become the caller's error text (a busy port says
+ * "Address already in use"), afterwards they go to kc_log.
+ * Not here: TLS, keep-alive tuning, any route besides the two, request bodies.
+ * Test: ctest -R test_http.
+ */
+#include "http.h"
+
+#include "log.h"
+
+#include <microhttpd.h>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <stdatomic.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+/* Connections served at once, each on its own thread; more are refused by libmicrohttpd. */
+#define KC_HTTP_MAX_CONNECTIONS 64
+/* Seconds a connection may stay idle before it is closed. */
+#define KC_HTTP_IDLE_TIMEOUT_S 10
+
+#define METRICS_CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
+#define TEXT_CONTENT_TYPE "text/plain; charset=utf-8"
+/* The size of the caller's error buffer (http.h). */
+#define ERR_CAP 256
+
+struct kc_http {
+    struct MHD_Daemon *daemon;
+    kc_registry *reg;
+    kc_health_fn health;
+    void *health_user;
+    atomic_int starting;   /* 1 while MHD_start_daemon runs: errors go to start_error */
+    char start_error[200]; /* libmicrohttpd's first complaint while starting */
+};
+
+/* libmicrohttpd's messages: kept as the start error while starting, logged afterwards. */
+static void on_mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    kc_http *h = cls;
+    char msg[256];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t n = strlen(msg);
+    while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r'))
+        msg[--n] = '\0';
+    if (atomic_load(&h->starting)) {
+        if (!h->start_error[0]) snprintf(h->start_error, sizeof h->start_error, "%s", msg);
+        return;
+    }
+    kc_warn(NULL, "http: %s", msg);
+}
+
+/* Queues a response of `len` bytes from `body` (freed by libmicrohttpd when `owned`). */
+static enum MHD_Result respond(struct MHD_Connection *conn, unsigned status, const char *ctype,
+                               char *body, size_t len, int owned)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(
+        len, body, owned ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_MUST_COPY);
+    if (!r) {
+        if (owned) free(body);
+        return MHD_NO; /* out of memory: libmicrohttpd closes the connection */
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
+    if (status == MHD_HTTP_METHOD_NOT_ALLOWED)
+        MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, "GET, HEAD");
+    enum MHD_Result ret = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result respond_text(struct MHD_Connection *conn, unsigned status, const char *text)
+{
+    return respond(conn, status, TEXT_CONTENT_TYPE, (char *)text, strlen(text), 0);
+}
+
+static enum MHD_Result serve_healthz(kc_http *h, struct MHD_Connection *conn)
+{
+    char reason[256] = "";
+    if (!h->health || h->health(h->health_user, reason, sizeof reason))
+        return respond_text(conn, MHD_HTTP_OK, "ok\n");
+    reason[sizeof reason - 1] = '\0'; /* whatever the callback wrote, it ends here */
+    for (char *p = reason; *p; p++)   /* one line, as promised */
+        if (*p == '\n' || *p == '\r') *p = ' ';
+    char body[sizeof reason + 2];
+    snprintf(body, sizeof body, "%s\n", reason[0] ? reason : "unhealthy");
+    return respond_text(conn, MHD_HTTP_SERVICE_UNAVAILABLE, body);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **con_cls)
+{
+    kc_http *h = cls;
+    if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
+        return respond_text(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "method not allowed\n");
+    if (strcmp(url, "/metrics") == 0) {
+        size_t len = 0;
+        char *text = h->reg ? kc_registry_render(h->reg, &len) : calloc(1, 1);
+        if (!text) return respond_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory\n");
+        return respond(conn, MHD_HTTP_OK, METRICS_CONTENT_TYPE, text, len, 1);
+    }
+    if (strcmp(url, "/healthz") == 0) return serve_healthz(h, conn);
+    return respond_text(conn, MHD_HTTP_NOT_FOUND, "not found\n");
+}
+
+/* Resolves host (a name, an IPv4 address, or an IPv6 one with or without brackets; "" or NULL:
+ * every IPv4 interface) into *ss. Returns 0, or -1 with err set. */
+static int resolve(const char *host, int port, struct sockaddr_storage *ss, char *err)
+{
+    char name[256];
+    if (!host || !*host) host = "0.0.0.0";
+    size_t n = strlen(host);
+    if (host[0] == '[' && n >= 2 && host[n - 1] == ']') {
+        host++;
+        n -= 2;
+    }
+    if (n >= sizeof name) {
+        snprintf(err, ERR_CAP, "http: host name too long (%zu bytes)", n);
+        return -1;
+    }
+    memcpy(name, host, n);
+    name[n] = '\0';
+    char service[8];
+    snprintf(service, sizeof service, "%d", port);
+    struct addrinfo hints = {
+        .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    int e = getaddrinfo(name, service, &hints, &res);
+    if (e != 0 || !res) {
+        snprintf(err, ERR_CAP, "http: cannot resolve host '%.100s': %s", name,
+                 e ? gai_strerror(e) : "no address");
+        return -1;
+    }
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    return 0;
+}
+
+kc_http *kc_http_start(const char *host, int port, kc_registry *reg, kc_health_fn health,
+                       void *health_user, int *port_out, char *err)
+{
+    char scratch[ERR_CAP];
+    if (!err) err = scratch;
+    err[0] = '\0';
+    if (port < 0 || port > 65535) {
+        snprintf(err, ERR_CAP, "http: port %d out of range 0..65535", port);
+        return NULL;
+    }
+    struct sockaddr_storage ss;
+    memset(&ss, 0, sizeof ss);
+    if (resolve(host, port, &ss, err) != 0) return NULL;
+    kc_http *h = calloc(1, sizeof *h);
+    if (!h) {
+        snprintf(err, ERR_CAP, "http: out of memory");
+        return NULL;
+    }
+    h->reg = reg;
+    h->health = health;
+    h->health_user = health_user;
+    atomic_store(&h->starting, 1);
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
+                     MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0);
+    /* the logger goes first: libmicrohttpd uses its own for anything said before it; the port
+     * argument only names the port in its messages (MHD_OPTION_SOCK_ADDR decides the bind) */
+    h->daemon = MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, on_request, h,
+                                 MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_SOCK_ADDR,
+                                 (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT,
+                                 (unsigned)KC_HTTP_MAX_CONNECTIONS, MHD_OPTION_CONNECTION_TIMEOUT,
+                                 (unsigned)KC_HTTP_IDLE_TIMEOUT_S, MHD_OPTION_END);
+    if (!h->daemon) {
+        snprintf(err, ERR_CAP, "http: cannot serve on %.60s:%d: %.150s",
+                 host && *host ? host : "0.0.0.0", port,
+                 h->start_error[0] ? h->start_error : "libmicrohttpd refused to start");
+        free(h);
+        return NULL;
+    }
+    atomic_store(&h->starting, 0);
+    const union MHD_DaemonInfo *info = MHD_get_daemon_info(h->daemon, MHD_DAEMON_INFO_BIND_PORT);
+    int bound = info ? (int)info->port : 0;
+    if (bound <= 0) {
+        snprintf(err, ERR_CAP, "http: started but cannot learn the bound port");
+        kc_http_stop(h);
+        return NULL;
+    }
+    if (port_out) *port_out = bound;
+    return h;
+}
+
+void kc_http_stop(kc_http *h)
+{
+    if (!h) return;
+    MHD_stop_daemon(h->daemon);
+    free(h);
+}
