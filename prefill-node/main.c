@@ -196,16 +196,6 @@ static int64_t unix_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static int healthz(void *user, char *reason, size_t cap)
-{
-    pf_node *n = user;
-    if (atomic_load(&n->draining)) {
-        snprintf(reason, cap, "shutting down");
-        return 0;
-    }
-    return 1;
-}
-
 int main(int argc, char **argv)
 {
     pf_config cfg;
@@ -239,6 +229,7 @@ int main(int argc, char **argv)
     n->reg = kc_registry_create();
     if (!n->reg || pf_metrics_register(n) != 0)
         die(1, "cannot register the metrics (out of memory)");
+    kc_gauge_set(n->metrics.blocks_free, kr_kv_pool_n_free(n->pool));
 
     kc_server *srv;
     kc_status st;
@@ -259,7 +250,8 @@ int main(int argc, char **argv)
     char http_host[256], http_err[256];
     int http_port, http_bound;
     pf_parse_hostport(cfg.http, 0, http_host, sizeof http_host, &http_port);
-    kc_http *http = kc_http_start(http_host, http_port, n->reg, healthz, n, &http_bound, http_err);
+    kc_http *http = kc_http_start(http_host, http_port, n->reg, kc_health_http_check, health,
+                                  &http_bound, http_err);
     if (!http)
         die(1, "--http %s: %s", cfg.http, http_err);
     atomic_store(&n->since_unix_ms, unix_ms());

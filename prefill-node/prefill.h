@@ -45,8 +45,8 @@ typedef struct pf_config {
 
 /* What a finished prefill reports (PrefillUsage without the node id). */
 typedef struct pf_usage {
-    double prefill_s; /* kr_prefill and the first token's sampling */
-    double transfer_s; /* writing the bundle, sending it, the receiver's acknowledgement */
+    double prefill_s; /* kr_prefill, the first token's sampling, writing the bundle */
+    double transfer_s; /* the send, until the decode node acknowledged the bundle */
     uint64_t kv_entries; /* entries shipped, summed over every (layer, KV head) */
     uint64_t kv_bytes; /* K + V payload bytes of those entries (framing not counted) */
     kr_footprint footprint; /* the sequence's, after prefill */
@@ -86,7 +86,7 @@ typedef struct pf_metrics {
     kc_counter *requests[PF_N_CODES]; /* by status; only the codes the node returns */
     kc_counter *prompt_tokens, *kv_entries, *kv_bytes;
     kc_histogram *prefill_s, *transfer_s;
-    kc_gauge *queue_depth, *running;
+    kc_gauge *queue_depth, *running, *blocks_used, *blocks_free;
 } pf_metrics;
 
 typedef struct pf_policy_entry pf_policy_entry;

@@ -152,6 +152,13 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int32_t 
     return 0;
 }
 
+static void pool_gauges(pf_node *n)
+{
+    int free_blocks = kr_kv_pool_n_free(n->pool);
+    kc_gauge_set(n->metrics.blocks_used, kr_kv_pool_n_blocks(n->pool) - free_blocks);
+    kc_gauge_set(n->metrics.blocks_free, free_blocks);
+}
+
 void pf_run(pf_node *n, pf_job *j)
 {
     char err[KR_ERR_MAX];
@@ -181,8 +188,7 @@ void pf_run(pf_node *n, pf_job *j)
     }
     j->first_token = kr_sampler_sample(sampler, n->logits);
     kr_seq_footprint(seq, &j->usage.footprint);
-    double t1 = pf_now();
-    j->usage.prefill_s = t1 - t0;
+    pool_gauges(n);
     if (kc_call_cancelled(j->call)) {
         job_fail(j, pf_call_gone_code(j->call), "call ended during prefill; bundle not sent");
         goto out;
@@ -195,6 +201,8 @@ void pf_run(pf_node *n, pf_job *j)
     }
     kr_seq_free(seq); /* the bundle holds what is shipped: the blocks go back now */
     seq = NULL;
+    pool_gauges(n);
+    j->usage.prefill_s = pf_now() - t0;
     j->usage.kv_entries = entries;
     j->usage.kv_bytes = entries * 2u * (uint64_t)c->head_dim * kt_dtype_size(n->cfg->kv_dtype);
 
@@ -206,14 +214,13 @@ void pf_run(pf_node *n, pf_job *j)
     double timeout = n->cfg->transfer_timeout_s;
     if ((double)ms_left / 1000.0 < timeout)
         timeout = (double)ms_left / 1000.0;
-    double t2 = pf_now();
+    double t1 = pf_now();
     int rc = kt_transport_send_wait(n->tx, j->host, j->port, j->reservation_id, n->bundle, size,
                                     timeout, err);
-    double t3 = pf_now();
-    j->usage.transfer_s = t3 - t1;
+    j->usage.transfer_s = pf_now() - t1;
     if (rc != 0) {
         /* the transport reports a timeout at its deadline; anything earlier is the peer */
-        grpc_status_code code = t3 - t2 >= timeout * 0.999 ? GRPC_STATUS_DEADLINE_EXCEEDED
+        grpc_status_code code = j->usage.transfer_s >= timeout * 0.999 ? GRPC_STATUS_DEADLINE_EXCEEDED
                                                            : GRPC_STATUS_UNAVAILABLE;
         job_fail(j, code, "KV bundle for reservation %llu at %s:%u (%s): %s",
                  (unsigned long long)j->reservation_id, j->host, j->port,
@@ -232,5 +239,8 @@ void pf_run(pf_node *n, pf_job *j)
             j->usage.prefill_s, j->usage.transfer_s);
 out:
     kr_sampler_free(sampler);
-    kr_seq_free(seq);
+    if (seq) {
+        kr_seq_free(seq);
+        pool_gauges(n);
+    }
 }

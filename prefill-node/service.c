@@ -26,13 +26,15 @@ struct pf_policy_entry {
     pf_policy_entry *next;
 };
 
-/* The codes Prefill answers with, each a series of kvrelay_prefill_requests_total. */
+/* The codes Prefill answers with, each a series of kvrelay_requests_total. */
 static const grpc_status_code pf_codes[] = {
     GRPC_STATUS_OK, GRPC_STATUS_INVALID_ARGUMENT, GRPC_STATUS_RESOURCE_EXHAUSTED,
     GRPC_STATUS_UNAVAILABLE, GRPC_STATUS_DEADLINE_EXCEEDED, GRPC_STATUS_CANCELLED,
     GRPC_STATUS_INTERNAL,
 };
 
+/* Names and meanings: docs/observability.md (the naming standard); kvrelay_prefill_seconds and
+ * kvrelay_kv_entries_shipped_total are this node's additions. */
 int pf_metrics_register(pf_node *n)
 {
     pf_metrics *m = &n->metrics;
@@ -40,31 +42,38 @@ int pf_metrics_register(pf_node *n)
     for (size_t i = 0; i < sizeof pf_codes / sizeof pf_codes[0]; i++) {
         char label[64];
         snprintf(label, sizeof label, "status=\"%s\"", kc_status_name(pf_codes[i]));
-        m->requests[pf_codes[i]] = kc_counter_add(r, "kvrelay_prefill_requests_total",
-                                                  "Prefill calls answered, by gRPC status", label);
+        m->requests[pf_codes[i]] = kc_counter_add(r, "kvrelay_requests_total",
+                                                  "Prefill calls finished, by final gRPC status.",
+                                                  label);
         if (!m->requests[pf_codes[i]])
             return -1;
     }
-    m->prompt_tokens = kc_counter_add(r, "kvrelay_prefill_prompt_tokens_total",
-                                      "Prompt tokens prefilled by calls answered OK", NULL);
+    m->prompt_tokens = kc_counter_add(r, "kvrelay_prompt_tokens_total",
+                                      "Prompt tokens prefilled by calls answered OK.", NULL);
     m->kv_entries = kc_counter_add(r, "kvrelay_kv_entries_shipped_total",
-                                   "KV entries (one position of one layer and KV head) shipped "
-                                   "to decode nodes", NULL);
+                                   "KV entries (one position of one layer and KV head) in the "
+                                   "bundles sent.", NULL);
     m->kv_bytes = kc_counter_add(r, "kvrelay_kv_bytes_shipped_total",
-                                 "K and V payload bytes shipped to decode nodes (bundle framing "
-                                 "not counted)", NULL);
+                                 "K and V payload bytes of the KV bundles sent (entries x 2 x "
+                                 "head_dim x dtype size; framing not counted).", NULL);
     m->prefill_s = kc_histogram_add(r, "kvrelay_prefill_seconds",
-                                    "Chunked prefill and first-token sampling per call answered OK",
+                                    "One call's chunked prefill, first-token sampling and bundle "
+                                    "writing, for calls answered OK.",
                                     NULL, kc_latency_buckets, kc_n_latency_buckets);
     m->transfer_s = kc_histogram_add(r, "kvrelay_kv_transfer_seconds",
-                                     "Writing and sending one KV bundle until the decode node "
-                                     "acknowledged it", NULL, kc_latency_buckets,
+                                     "One bundle's transfer, from the start of the send to the "
+                                     "decode node's acknowledgement.", NULL, kc_latency_buckets,
                                      kc_n_latency_buckets);
-    m->queue_depth = kc_gauge_add(r, "kvrelay_prefill_queue_depth",
-                                  "Prefill jobs waiting behind the running one", NULL);
-    m->running = kc_gauge_add(r, "kvrelay_prefill_running", "Prefill jobs running (0 or 1)", NULL);
+    m->queue_depth = kc_gauge_add(r, "kvrelay_queue_depth",
+                                  "Prefill requests waiting in the FIFO behind the running one.",
+                                  NULL);
+    m->running = kc_gauge_add(r, "kvrelay_running_sequences",
+                              "Sequences being prefilled now (0 or 1).", NULL);
+    m->blocks_used = kc_gauge_add(r, "kvrelay_kv_blocks_used",
+                                  "KV pool blocks held by the sequence being prefilled.", NULL);
+    m->blocks_free = kc_gauge_add(r, "kvrelay_kv_blocks_free", "KV pool blocks free.", NULL);
     return m->prompt_tokens && m->kv_entries && m->kv_bytes && m->prefill_s && m->transfer_s &&
-                   m->queue_depth && m->running
+                   m->queue_depth && m->running && m->blocks_used && m->blocks_free
                ? 0
                : -1;
 }
