@@ -94,6 +94,15 @@ static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ..
     va_end(ap);
 }
 
+/* The call is over on the client's side: its deadline passed, or it cancelled (or went away). */
+static void client_gone(const gen_req *r, kc_status *st, const char *when)
+{
+    if (kc_call_ms_left(r->call) <= 0)
+        status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "the client's deadline passed %s", when);
+    else
+        status_set(st, GRPC_STATUS_CANCELLED, "the client went away %s", when);
+}
+
 /* ------------------------------------------------------------------ validation */
 
 static int utf8_valid(const unsigned char *s, size_t n)
@@ -445,7 +454,7 @@ static grpc_status_code place(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc
     int64_t backoff = RT_BACKOFF_MIN_MS;
     for (;;) {
         if (kc_call_cancelled(r->call)) {
-            status_set(st, GRPC_STATUS_CANCELLED, "the client went away before the request was placed");
+            client_gone(r, st, "before the request was placed");
             return st->code;
         }
         if (!count_free(excluded_p, rt->n_prefill)) {
@@ -533,7 +542,7 @@ static int relay(gen_req *r, const uint32_t *ids, size_t n, kc_status *st)
     r->completion += (uint32_t)kept;
     r->t_last = now_s();
     if (sent != 0) {
-        status_set(st, GRPC_STATUS_CANCELLED, "the client went away");
+        client_gone(r, st, "while tokens were streamed");
         return -1;
     }
     if (matched) {
@@ -580,7 +589,7 @@ static int relay_flush(gen_req *r, kc_status *st)
         msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA;
         msg.delta = &d;
         if (kc_call_send(r->call, &msg.base) != 0) {
-            status_set(st, GRPC_STATUS_CANCELLED, "the client went away");
+            client_gone(r, st, "before the last text");
             rc = -1;
         }
     }
@@ -658,7 +667,7 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
             break;
         }
         if (rc < 0) {
-            if (kc_call_cancelled(r->call)) status_set(st, GRPC_STATUS_CANCELLED, "the client went away");
+            if (kc_call_cancelled(r->call)) client_gone(r, st, "while tokens were streamed");
             else status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
             code = st->code;
             break;
@@ -804,7 +813,7 @@ int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
         code = serve(r, &st);
     }
     if (code != GRPC_STATUS_OK) {
-        if (code == GRPC_STATUS_CANCELLED) kc_info(r->id[0] ? r->id : NULL, "cancelled: %s", st.details);
+        if (code == GRPC_STATUS_CANCELLED) kc_info(r->id[0] ? r->id : NULL, "CANCELLED: %s", st.details);
         else kc_warn(r->id[0] ? r->id : NULL, "%s: %s", kc_status_name(code), st.details);
     }
     kc_counter_inc(rt->m.requests[(unsigned)code <= GRPC_STATUS_UNAUTHENTICATED ? code : GRPC_STATUS_UNKNOWN], 1);
