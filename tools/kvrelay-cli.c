@@ -147,7 +147,7 @@ static void result_add(gen_result *g, const Kvrelay__V1__TokenDelta *d)
         g->ids = grown;
         g->cap_ids = cap;
     }
-    memcpy(g->ids + g->n_ids, d->ids, d->n_ids * sizeof *d->ids);
+    if (d->n_ids) memcpy(g->ids + g->n_ids, d->ids, d->n_ids * sizeof *d->ids);
     g->n_ids += d->n_ids;
     size_t tl = strlen(d->text);
     char *grown = realloc(g->text, g->text_len + tl + 1);
