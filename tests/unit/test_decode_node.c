@@ -32,6 +32,7 @@
 #include "rpc.h"
 #include "transport.h"
 
+#include "grpc/health/v1/health.pb-c.h"
 #include "kvrelay/v1/internal.pb-c.h"
 
 #define P_RESERVE "/kvrelay.v1.Decode/Reserve"
@@ -91,6 +92,43 @@ static int idle(node *nd)
     return ok;
 }
 
+/* GET `path` from the node's HTTP endpoint with a plain socket: the whole response (status
+ * line, headers, body) in a static buffer, "" when the connection failed. */
+static const char *http_get(const node *nd, const char *path)
+{
+    static char buf[1 << 17];
+    buf[0] = 0;
+    const char *colon = strrchr(nd->proc.http, ':');
+    if (!colon)
+        return buf;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    size_t n = 0;
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+        char rq[256];
+        snprintf(rq, sizeof rq, "GET %s HTTP/1.0\r\n\r\n", path);
+        if (write(fd, rq, strlen(rq)) == (ssize_t)strlen(rq)) {
+            ssize_t r;
+            while (n + 1 < sizeof buf && (r = read(fd, buf + n, sizeof buf - 1 - n)) > 0)
+                n += (size_t)r;
+        }
+    }
+    close(fd);
+    buf[n] = 0;
+    return buf;
+}
+
+/* The value of /metrics sample line `name` (with its labels), or -1. */
+static double metric(const node *nd, const char *name)
+{
+    const char *body = http_get(nd, "/metrics");
+    char key[160];
+    snprintf(key, sizeof key, "\n%s ", name);
+    const char *p = strstr(body, key);
+    return p ? strtod(p + strlen(key), NULL) : -1;
+}
+
 static void node_start(node *nd, const char *bin, const char *model)
 {
     char blocks[32];
@@ -119,6 +157,20 @@ static void node_start(node *nd, const char *bin, const char *model)
     nd->xfer_host[colon - s->transfer_address] = 0;
     nd->xfer_port = (uint16_t)atoi(colon + 1);
     kc_message_free(&s->base);
+
+    /* Health, both ways. */
+    CHECK(strstr(http_get(nd, "/healthz"), " 200 ") != NULL, "/healthz answers 200");
+    for (int i = 0; i < 2; i++) {
+        Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+        hreq.service = i ? "kvrelay.v1.Decode" : "";
+        ProtobufCMessage *resp = NULL;
+        int rc = kc_unary(nd->ch, "/grpc.health.v1.Health/Check", &hreq.base,
+                          &grpc__health__v1__health_check_response__descriptor, 5000, &resp, &st);
+        CHECK(rc == 0 && ((const Grpc__Health__V1__HealthCheckResponse *)resp)->status ==
+                             GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING,
+              "grpc.health.v1 Check('%s'): %s", hreq.service, st.details);
+        kc_message_free(resp);
+    }
 }
 
 static void node_stop(node *nd)
@@ -127,33 +179,6 @@ static void node_stop(node *nd)
     int st = test_proc_stop(&nd->proc, SIGTERM, 20.0);
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM: clean exit 0 (status %d)",
           st);
-}
-
-/* GET /metrics with a plain socket; returns the value of the sample line `name` or -1. */
-static double metric(const node *nd, const char *name)
-{
-    const char *colon = strrchr(nd->proc.http, ':');
-    if (!colon)
-        return -1;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    static char buf[1 << 17];
-    size_t n = 0;
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
-        const char *rq = "GET /metrics HTTP/1.0\r\n\r\n";
-        if (write(fd, rq, strlen(rq)) == (ssize_t)strlen(rq)) {
-            ssize_t r;
-            while (n + 1 < sizeof buf && (r = read(fd, buf + n, sizeof buf - 1 - n)) > 0)
-                n += (size_t)r;
-        }
-    }
-    close(fd);
-    buf[n] = 0;
-    char key[160];
-    snprintf(key, sizeof key, "\n%s ", name);
-    const char *p = strstr(buf, key);
-    return p ? strtod(p + strlen(key), NULL) : -1;
 }
 
 /* ------------------------------------------------------------------ the router's calls */
@@ -199,19 +224,28 @@ static int release(node *nd, uint64_t id)
     return released;
 }
 
-static kc_stream *decode_open(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
-                              const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms)
+static kc_stream *decode_open_stop(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
+                                   const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms,
+                                   uint32_t *stop_ids, size_t n_stop)
 {
     Kvrelay__V1__DecodeRequest req = KVRELAY__V1__DECODE_REQUEST__INIT;
     req.reservation_id = id;
     req.request_id = (char *)rid;
     req.max_tokens = max_tokens;
     req.sampling = (Kvrelay__V1__Sampling *)sampling;
+    req.stop_ids = stop_ids;
+    req.n_stop_ids = n_stop;
     kc_stream *s = NULL;
     kc_status st;
     REQUIRE(kc_stream_open(nd->ch, P_DECODE, &req.base, timeout_ms, &s, &st) == 0, "%s",
             st.details);
     return s;
+}
+
+static kc_stream *decode_open(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
+                              const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms)
+{
+    return decode_open_stop(nd, id, rid, max_tokens, sampling, timeout_ms, NULL, 0);
 }
 
 /* What one Decode stream said. */
@@ -283,6 +317,8 @@ typedef struct request {
     int n_prompt, max_tokens;
     int sampled; /* 0: greedy; 1: temperature 0.9, top_k 40, seed 7 */
     const char *fingerprint; /* NULL: the model's */
+    int decode_max; /* Decode's max_tokens when it differs from the reservation's (CONTEXT) */
+    int stop_at; /* > 0: the id one process generated at this index is a stop id */
     /* results */
     int32_t first;
     int32_t want[MAX_OUT]; /* one-process continuation after the first token */
@@ -401,6 +437,24 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
                 rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
         }
     }
+    if (oracle && rq->stop_at > 0 && rq->stop_at < rq->n_want) {
+        /* The router's stop ids: generation ends at the first occurrence. */
+        int32_t stop = rq->want[rq->stop_at];
+        if (rq->first == stop) {
+            rq->n_want = 0;
+            rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
+        }
+        for (int i = 0; i < rq->n_want; i++) {
+            if (rq->want[i] == stop) {
+                rq->n_want = i + 1;
+                rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
+                break;
+            }
+        }
+    }
+    if (oracle && rq->decode_max > rq->max_tokens &&
+        rq->want_reason == KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH)
+        rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_CONTEXT; /* the bound */
     kr_sampler_free(sp);
     kr_seq_free(seq);
     kr_policy_free(pol);
@@ -431,6 +485,9 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
         {.policy = "take:budget=16,warmup_budget=32,warmup_layers=1,probe=8", .n_prompt = 48,
          .max_tokens = 36},
         {.policy = "full", .n_prompt = 30, .max_tokens = 40, .sampled = 1},
+        {.policy = "streaming:sink=4,window=16", .n_prompt = 33, .max_tokens = 40, .stop_at = 6},
+        {.policy = "full", .n_prompt = 25, .max_tokens = 12, .decode_max = 50},
+        {.policy = "full", .n_prompt = 21, .max_tokens = 1},
     };
     enum { N = sizeof rq / sizeof rq[0] };
     uint64_t ids[N];
@@ -451,28 +508,27 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
     sampled.top_k = 40;
     sampled.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
     sampled.seed = 7;
-    for (int i = 0; i < N; i++)
-        s[i] = decode_open(nd, ids[i], rid[i], (uint32_t)rq[i].max_tokens,
-                           rq[i].sampled ? &sampled : NULL, 30000);
+    for (int i = 0; i < N; i++) {
+        uint32_t stop = rq[i].stop_at > 0 ? (uint32_t)rq[i].want[rq[i].stop_at] : 0;
+        s[i] = decode_open_stop(nd, ids[i], rid[i],
+                                (uint32_t)(rq[i].decode_max ? rq[i].decode_max : rq[i].max_tokens),
+                                rq[i].sampled ? &sampled : NULL, 30000, &stop,
+                                rq[i].stop_at > 0);
+    }
     for (int i = 0; i < N; i++) {
         streamed out;
         decode_read(s[i], &out);
         kc_stream_close(s[i]);
         CHECK(out.rc == 0 && out.n_finish == 1, "%s %s: stream ended %s %s", model, rq[i].policy,
               kc_status_name(out.st.code), out.st.details);
-        int same = out.n == rq[i].n_want;
-        for (int t = 0; same && t < out.n; t++)
-            same = out.ids[t] == rq[i].want[t];
-        CHECK(same, "%s %s%s: %d tokens streamed, %d from one process; first difference at %d",
-              model, rq[i].policy, rq[i].sampled ? " (seeded sampling)" : "", out.n,
-              rq[i].n_want, out.n);
-        if (!same)
-            for (int t = 0; t < out.n && t < rq[i].n_want; t++)
-                if (out.ids[t] != rq[i].want[t]) {
-                    fprintf(stderr, "  token %d: node %d, one process %d\n", t, out.ids[t],
-                            rq[i].want[t]);
-                    break;
-                }
+        int diff = 0; /* first index where the node and one process disagree */
+        while (diff < out.n && diff < rq[i].n_want && out.ids[diff] == rq[i].want[diff])
+            diff++;
+        CHECK(out.n == rq[i].n_want && diff == out.n,
+              "%s %s%s: %d tokens streamed, %d from one process; first difference at token %d "
+              "(node %d, one process %d)", model, rq[i].policy,
+              rq[i].sampled ? " (seeded sampling)" : "", out.n, rq[i].n_want, diff,
+              diff < out.n ? out.ids[diff] : -1, diff < rq[i].n_want ? rq[i].want[diff] : -1);
         CHECK(out.completion_tokens == (uint32_t)(1 + out.n), "completion_tokens %u = 1 + %d",
               out.completion_tokens, out.n);
         CHECK(out.reason == rq[i].want_reason, "%s: finish reason %d, want %d", rq[i].policy,
