@@ -217,10 +217,10 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     int64_t free_blocks = n->total_blocks - n->reserved_sum;
     if (need > free_blocks) {
         pthread_mutex_unlock(&n->lock);
-        dn_resv_free(r);
         snprintf(err, KT_ERR_MAX, "need %" PRId64 " blocks, %" PRId64 " free (%" PRId64
-                 " total) for %d prompt tokens + %d max_tokens under policy %s", need,
+                 " total) for %d prompt tokens + %d max_tokens under policy %.200s", need,
                  free_blocks, n->total_blocks, prompt_tokens, max_tokens, kr_policy_spec(policy));
+        dn_resv_free(r); /* and the policy */
         return GRPC_STATUS_RESOURCE_EXHAUSTED;
     }
     r->id = new_id_locked(n);

@@ -151,7 +151,7 @@ static grpc_status_code transfer_code(const char *msg)
  * frees it). Returns OK with *out, or an error status set on the call. */
 static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_resv **out)
 {
-    int waiting = 0, code = GRPC_STATUS_OK;
+    int waiting = 0, abandon = 0, code = GRPC_STATUS_OK;
     dn_resv *dead = NULL;
     pthread_mutex_lock(&n->lock);
     for (;;) {
@@ -186,7 +186,11 @@ static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_res
         }
         /* WAITING: the bundle is on its way (or the prefill node has not sent it yet). */
         if (kc_call_cancelled(call)) {
-            code = GRPC_STATUS_CANCELLED;
+            /* The stream that was to decode it is gone (client cancel or deadline): nobody will
+             * decode this reservation, so its blocks go back now rather than at expiry. */
+            code = kc_call_ms_left(call) <= 0 ? GRPC_STATUS_DEADLINE_EXCEEDED
+                                              : GRPC_STATUS_CANCELLED;
+            abandon = 1;
             break;
         }
         if (!waiting) {
@@ -209,6 +213,11 @@ static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_res
     }
     pthread_mutex_unlock(&n->lock);
     dn_resv_free(dead);
+    if (abandon) {
+        kc_info(rid, "Decode call ended (%s) while waiting for the bundle of reservation %" PRIu64,
+                kc_status_name((grpc_status_code)code), id);
+        dn_resv_release(n, id, rid);
+    }
     return code;
 }
 
