@@ -30,7 +30,11 @@ double pf_now(void)
 
 grpc_status_code pf_call_gone_code(kc_call *call)
 {
-    return kc_call_ms_left(call) <= 0 ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_CANCELLED;
+    /* The client's own deadline timer fires first and cancels the stream, a moment before the
+     * server's copy of the deadline (sent as a relative grpc-timeout, so later by the transit
+     * time) passes: a cancellation this close to the deadline is the deadline. */
+    return kc_call_ms_left(call) <= PF_DEADLINE_SLACK_MS ? GRPC_STATUS_DEADLINE_EXCEEDED
+                                                         : GRPC_STATUS_CANCELLED;
 }
 
 int pf_run_init(pf_node *n, char *err)

@@ -588,7 +588,7 @@ static void case_queue1(node *nd, ref_model *r)
     wait_load(nd, 1, 0);
 
     call_args b = a;
-    b.rid = "queue B (deadline)", b.timeout_ms = 300;
+    b.rid = "queue B (deadline)", b.timeout_ms = 1000;
     prefill(&b);
     CHECK(b.st.code == GRPC_STATUS_DEADLINE_EXCEEDED, "B: %s %s", kc_status_name(b.st.code),
           b.st.details);
@@ -599,6 +599,10 @@ static void case_queue1(node *nd, ref_model *r)
     b2.rid = "queue B2";
     pthread_create(&tb2, NULL, prefill_thread, &b2);
     wait_load(nd, 1, 1);
+    Kvrelay__V1__Node *s = status(nd);
+    CHECK(s && s->outstanding_prefill_tokens == 60, "outstanding prefill tokens %" PRIu64
+          ", want 30 running + 30 queued", s ? s->outstanding_prefill_tokens : 0);
+    kc_message_free((ProtobufCMessage *)s);
     call_args c = a;
     c.rid = "queue C";
     expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, "prefill queue full (1 waiting)");
@@ -770,6 +774,8 @@ int main(void)
           metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 1,
           "/metrics RESOURCE_EXHAUSTED requests");
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
+          "/metrics: queue B's handler saw its deadline pass in the queue");
     CHECK(metric(na.p.http, "kvrelay_queue_depth") == 0 &&
           metric(na.p.http, "kvrelay_running_sequences") == 0,
           "/metrics queue depth and running back to 0");
