@@ -561,12 +561,14 @@ static void case_refusals(node *nd, ref_model *r)
 
     /* A policy whose transients do not fit the node's pool next to a --max-prompt prompt (the
      * default pool holds the prompt under full attention, not 64 observers more per chunk):
-     * refused, the sequence freed, the node serving on (the next case_* calls succeed). */
+     * FAILED_PRECONDITION (it would fail again: not "retry later"), the sequence freed, the
+     * node serving on (the next case_* calls succeed). */
     int32_t big[MAX_PROMPT];
     make_prompt(big, MAX_PROMPT, r->c->vocab_size, 6);
     call_args p = {.nd = nd, .rid = "pool exhausted", .tok = big, .n = MAX_PROMPT, .resv = 6,
                    .policy = "snapkv:ratio=0,obs=64"};
-    expect_fail(&p, GRPC_STATUS_RESOURCE_EXHAUSTED, "KV pool exhausted");
+    expect_fail(&p, GRPC_STATUS_FAILED_PRECONDITION, "KV pool exhausted");
+    CHECK(strstr(p.st.details, "--kv-blocks") != NULL, "names the flag: %s", p.st.details);
     Kvrelay__V1__Node *s = status(nd);
     CHECK(s && s->running_requests == 0 && s->outstanding_prefill_tokens == 0,
           "the node is idle again after a failed prefill");
@@ -786,8 +788,9 @@ int main(void)
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
           "/metrics OK requests %g, want %d",
           metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
-    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 2,
-          "/metrics RESOURCE_EXHAUSTED requests (pool and queue)");
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 1 &&
+          metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
+          "/metrics: one queue refusal, one pool overflow");
     CHECK(metric(na.p.http, "kvrelay_kv_blocks_used") == 0, "/metrics: every block back");
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
           "/metrics: queue B's handler saw its deadline pass in the queue");
