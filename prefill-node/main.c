@@ -10,12 +10,14 @@
 #include "prefill.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "health.h"
 #include "http.h"
@@ -196,6 +198,17 @@ static int64_t unix_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+static int stop_pipe[2]; /* SIGINT/SIGTERM -> the main thread */
+
+static void on_stop_signal(int sig)
+{
+    unsigned char b = (unsigned char)sig;
+    int saved = errno;
+    ssize_t w = write(stop_pipe[1], &b, 1); /* a second signal may find the pipe full: fine */
+    (void)w;
+    errno = saved;
+}
+
 int main(int argc, char **argv)
 {
     pf_config cfg;
@@ -203,12 +216,17 @@ int main(int argc, char **argv)
     parse_flags(argc, argv, &cfg, &level);
     kc_log_init(cfg.id, level);
 
-    /* Signals are taken by sigwait in this thread only: block them before any thread starts. */
-    sigset_t stop_sigs;
-    sigemptyset(&stop_sigs);
-    sigaddset(&stop_sigs, SIGINT);
-    sigaddset(&stop_sigs, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &stop_sigs, NULL);
+    /* SIGINT/SIGTERM only write to a pipe the main thread reads: libraries start threads
+     * before main (OpenBLAS) whose signal masks we do not control, so a handler, not
+     * sigwait, is what keeps any thread from being killed by the default action. */
+    if (pipe(stop_pipe) != 0 || fcntl(stop_pipe[1], F_SETFL, O_NONBLOCK) != 0)
+        die(1, "signal pipe: %s", strerror(errno));
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
 
     static pf_node node; /* static: zeroed, and large */
@@ -265,8 +283,9 @@ int main(int argc, char **argv)
            http_bound);
     fflush(stdout);
 
-    int sig = 0;
-    sigwait(&stop_sigs, &sig);
+    unsigned char sig = 0;
+    while (read(stop_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+    }
     kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
     atomic_store(&n->draining, 1);
     atomic_store(&n->since_unix_ms, unix_ms());

@@ -145,7 +145,9 @@ void pf_queue_load(pf_node *n, int *running, int *waiting, uint64_t *outstanding
 int pf_run_init(pf_node *n, char *err); /* the worker's context, pool and scratch */
 void pf_run_free(pf_node *n);
 void pf_run(pf_node *n, pf_job *j);
-/* DEADLINE_EXCEEDED when the call's deadline passed, else CANCELLED. */
+/* DEADLINE_EXCEEDED when the call's deadline passed (or is within PF_DEADLINE_SLACK_MS), else
+ * CANCELLED. */
+#define PF_DEADLINE_SLACK_MS 100
 grpc_status_code pf_call_gone_code(kc_call *call);
 
 /* service.c: the gRPC methods and the metrics they keep. */

@@ -9,6 +9,8 @@
  */
 #include "prefill.h"
 
+#include "log.h"
+
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -142,6 +144,7 @@ void pf_queue_wait(pf_node *n, pf_job *j)
             j->code = pf_call_gone_code(j->call);
             snprintf(j->details, sizeof j->details, "%s while waiting in the prefill queue",
                      j->code == GRPC_STATUS_DEADLINE_EXCEEDED ? "deadline passed" : "cancelled");
+            kc_warn(j->request_id, "dropped from the queue: %s", j->details);
             break;
         }
         struct timespec until;

@@ -30,7 +30,11 @@ double pf_now(void)
 
 grpc_status_code pf_call_gone_code(kc_call *call)
 {
-    return kc_call_ms_left(call) <= 0 ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_CANCELLED;
+    /* The client's own deadline timer fires first and cancels the stream, a moment before the
+     * server's copy of the deadline (sent as a relative grpc-timeout, so later by the transit
+     * time) passes: a cancellation this close to the deadline is the deadline. */
+    return kc_call_ms_left(call) <= PF_DEADLINE_SLACK_MS ? GRPC_STATUS_DEADLINE_EXCEEDED
+                                                         : GRPC_STATUS_CANCELLED;
 }
 
 int pf_run_init(pf_node *n, char *err)
@@ -175,11 +179,16 @@ void pf_run(pf_node *n, pf_job *j)
         job_fail(j, GRPC_STATUS_INTERNAL, "%s", err);
         goto out;
     }
-    /* The inputs were validated; what can fail now is the pool (a policy whose observers or
-     * chunk transients do not fit next to a long prompt) or memory. */
+    /* The inputs were validated; what can fail now is the pool: a policy whose observers or
+     * chunk transients do not fit next to a long prompt. The pool is empty when a job starts,
+     * so the same request fails the same way every time: FAILED_PRECONDITION (the operator
+     * must raise --kv-blocks), not RESOURCE_EXHAUSTED, which the router reads as "queue full,
+     * try again later". */
     if (kr_prefill(n->ctx, seq, j->tokens, j->n_tokens, n->cfg->chunk, KR_LOGITS_LAST, n->logits,
                    err) != KR_OK) {
-        job_fail(j, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s (--kv-blocks %d)", err, n->cfg->kv_blocks);
+        job_fail(j, GRPC_STATUS_FAILED_PRECONDITION, "%s (this node's --kv-blocks %d is too "
+                 "small for this prompt under kv_policy %s)", err, n->cfg->kv_blocks,
+                 kr_policy_spec(j->policy));
         goto out;
     }
     if (kr_sampler_create(&j->sampling, c->vocab_size, &sampler, err) != KR_OK) {

@@ -29,8 +29,8 @@ struct pf_policy_entry {
 /* The codes Prefill answers with, each a series of kvrelay_requests_total. */
 static const grpc_status_code pf_codes[] = {
     GRPC_STATUS_OK, GRPC_STATUS_INVALID_ARGUMENT, GRPC_STATUS_RESOURCE_EXHAUSTED,
-    GRPC_STATUS_UNAVAILABLE, GRPC_STATUS_DEADLINE_EXCEEDED, GRPC_STATUS_CANCELLED,
-    GRPC_STATUS_INTERNAL,
+    GRPC_STATUS_FAILED_PRECONDITION, GRPC_STATUS_UNAVAILABLE, GRPC_STATUS_DEADLINE_EXCEEDED,
+    GRPC_STATUS_CANCELLED, GRPC_STATUS_INTERNAL,
 };
 
 /* Names and meanings: docs/observability.md (the naming standard); kvrelay_prefill_seconds and

@@ -558,6 +558,21 @@ static void case_refusals(node *nd, ref_model *r)
     close(fd); /* bound once, never listened: nobody is there */
     a.rid = "nobody listens", a.resv = 5, a.addr = dead;
     expect_fail(&a, GRPC_STATUS_UNAVAILABLE, dead);
+
+    /* A policy whose transients do not fit the node's pool next to a --max-prompt prompt (the
+     * default pool holds the prompt under full attention, not 64 observers more per chunk):
+     * FAILED_PRECONDITION (it would fail again: not "retry later"), the sequence freed, the
+     * node serving on (the next case_* calls succeed). */
+    int32_t big[MAX_PROMPT];
+    make_prompt(big, MAX_PROMPT, r->c->vocab_size, 6);
+    call_args p = {.nd = nd, .rid = "pool exhausted", .tok = big, .n = MAX_PROMPT, .resv = 6,
+                   .policy = "snapkv:ratio=0,obs=64"};
+    expect_fail(&p, GRPC_STATUS_FAILED_PRECONDITION, "KV pool exhausted");
+    CHECK(strstr(p.st.details, "--kv-blocks") != NULL, "names the flag: %s", p.st.details);
+    Kvrelay__V1__Node *s = status(nd);
+    CHECK(s && s->running_requests == 0 && s->outstanding_prefill_tokens == 0,
+          "the node is idle again after a failed prefill");
+    kc_message_free((ProtobufCMessage *)s);
 }
 
 /* A TCP listener that never accepts and never speaks UCX: a send to it hangs until the listener
@@ -588,7 +603,7 @@ static void case_queue1(node *nd, ref_model *r)
     wait_load(nd, 1, 0);
 
     call_args b = a;
-    b.rid = "queue B (deadline)", b.timeout_ms = 300;
+    b.rid = "queue B (deadline)", b.timeout_ms = 1000;
     prefill(&b);
     CHECK(b.st.code == GRPC_STATUS_DEADLINE_EXCEEDED, "B: %s %s", kc_status_name(b.st.code),
           b.st.details);
@@ -599,6 +614,10 @@ static void case_queue1(node *nd, ref_model *r)
     b2.rid = "queue B2";
     pthread_create(&tb2, NULL, prefill_thread, &b2);
     wait_load(nd, 1, 1);
+    Kvrelay__V1__Node *s = status(nd);
+    CHECK(s && s->outstanding_prefill_tokens == 60, "outstanding prefill tokens %" PRIu64
+          ", want 30 running + 30 queued", s ? s->outstanding_prefill_tokens : 0);
+    kc_message_free((ProtobufCMessage *)s);
     call_args c = a;
     c.rid = "queue C";
     expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, "prefill queue full (1 waiting)");
@@ -760,6 +779,7 @@ int main(void)
     case_policy(&na, &ra, "snapkv:budget=40,obs=8", 100, 8, &sampled);
     case_invalid(&na, &ra);
     case_refusals(&na, &ra);
+    case_policy(&na, &ra, "full", MAX_PROMPT, 13, NULL); /* the pool survived the refusals */
     case_queue1(&na, &ra);
     case_garbage_and_health(&na);
     CHECK(metric(na.p.http, "kvrelay_kv_bytes_shipped_total") == (double)bytes_ok,
@@ -768,8 +788,12 @@ int main(void)
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
           "/metrics OK requests %g, want %d",
           metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
-    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 1,
-          "/metrics RESOURCE_EXHAUSTED requests");
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 1 &&
+          metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
+          "/metrics: one queue refusal, one pool overflow");
+    CHECK(metric(na.p.http, "kvrelay_kv_blocks_used") == 0, "/metrics: every block back");
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
+          "/metrics: queue B's handler saw its deadline pass in the queue");
     CHECK(metric(na.p.http, "kvrelay_queue_depth") == 0 &&
           metric(na.p.http, "kvrelay_running_sequences") == 0,
           "/metrics queue depth and running back to 0");
