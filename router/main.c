@@ -162,6 +162,17 @@ static void metrics_init(rt_router *rt)
         die("cannot register metrics");
 }
 
+static int sig_pipe[2]; /* signal handler -> main */
+
+static void on_signal(int sig)
+{
+    int saved = errno;
+    unsigned char b = (unsigned char)sig;
+    if (write(sig_pipe[1], &b, 1) < 0) { /* the pipe is full: a signal is already pending */
+    }
+    errno = saved;
+}
+
 static int64_t unix_ms(void)
 {
     struct timespec t;
@@ -217,12 +228,17 @@ int main(int argc, char **argv)
     pthread_cond_init(&rt->cv, NULL);
     metrics_init(rt);
 
-    /* SIGINT/SIGTERM are taken by sigwait below: block them before any thread starts */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    /* SIGINT/SIGTERM write to a pipe that main waits on. A handler, not sigwait: threads that
+     * OpenBLAS starts before main keep the default mask, so a blocked signal could still reach
+     * one of them and kill the process (a second Ctrl-C, or one during start-up). */
+    if (pipe(sig_pipe) != 0) die("pipe: %s", strerror(errno));
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
 
     kc_server *srv;
@@ -261,8 +277,9 @@ int main(int argc, char **argv)
            http_host, strchr(http_host, ':') ? "]" : "", http_bound);
     fflush(stdout);
 
-    int sig = 0;
-    sigwait(&sigs, &sig);
+    unsigned char sig = 0;
+    while (read(sig_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+    }
     kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
     pthread_mutex_lock(&rt->mu);
     rt->draining = 1;
