@@ -6,6 +6,9 @@
  * them back to ops and copies results out with `to_host`.
  *
  * Shapes: `n` tokens per call; x[n][d]; linear weights [out][in] (kr_tensor, dtype as loaded).
+ * A call's rows belong to one sequence (prefill chunks, single decode) or, in a decode batch, row
+ * i to sequence i: the element-wise and weight ops do not care, the cache ops say which they take.
+ * Every slot is required.
  */
 #ifndef KR_BACKEND_H
 #define KR_BACKEND_H
@@ -31,6 +34,12 @@ typedef struct kr_backend_ops {
     /* y[n][out] (+)= x[n][in] . w^T (+ bias); accumulate: add into y instead of overwriting */
     void (*matmul)(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
                    int accumulate, float *y);
+    /* As matmul, with every row computed exactly as a one-row matmul computes it: row i of y is
+     * bit-identical whatever n is and whatever the other rows hold. Decode batches use it (each
+     * sequence's logits must equal decoding it alone); it may be slower than matmul for many
+     * rows (the CPU takes dot products where matmul would switch to sgemm). */
+    void (*matmul_rows)(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x,
+                        int n, int accumulate, float *y);
     /* g[i] = silu(g[i]) * u[i] over n*f elements */
     void (*swiglu)(kr_backend *b, float *g, const float *u, size_t count);
     /* Rotates x[n][n_heads][head_dim] in place (HF rotate-half): cos_sin[n][head_dim/2][2]. */
@@ -44,6 +53,13 @@ typedef struct kr_backend_ops {
      * len - n + i + 1 entries, minus those at positions <= pos[i] - window when window > 0. */
     void (*attention)(kr_backend *b, const kr_seq *s, int layer, const float *q, int n, int n_heads,
                       const int32_t *pos, int window, float *out);
+    /* Batched decode: row i of q[n][n_heads][head_dim] is one token of seqs[i] (distinct
+     * sequences), at position pos[i], whose entry is already the newest of each of its lists;
+     * it attends every entry of each (layer, KV head) list of seqs[i], minus those at positions
+     * <= pos[i] - window when window > 0. Row i of out is bit-identical to what `attention`
+     * writes for a one-token call on seqs[i] alone. */
+    void (*attention_batch)(kr_backend *b, const kr_seq *const *seqs, int layer, const float *q,
+                            int n, int n_heads, const int32_t *pos, int window, float *out);
     /* The scoring primitive's attention (DESIGN.md section 1): observer rows
      * q_obs[n_obs][n_heads][head_dim] (post-RoPE) are the newest n_obs entries of every list of
      * the layer, so observer i sees the first len - n_obs + i + 1 entries of its list. Writes,

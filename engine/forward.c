@@ -5,7 +5,10 @@
  * final RMSNorm, lm_head. Chunked prefill is repeated calls; decode is a call with one token.
  * It also keeps the KV footprint tally (DESIGN.md section 1) of every query token it runs, and
  * calls the sequence's eviction policy (policy.h) after each layer's attention: the chunk rule
- * during kr_prefill, the decode rule during kr_forward. What it is not: a scheduler.
+ * during kr_prefill, the decode rule during kr_forward. kr_forward_batch runs the same layer
+ * loop over one row per sequence (continuous batching): weights once for all rows, cache,
+ * tallies and policy per sequence, each row bit-identical to decoding its sequence alone.
+ * What it is not: a scheduler (which sequences share a step is the caller's business).
  */
 #include "policy.h"
 
@@ -13,6 +16,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+/* Rows of one call that belong to one sequence: n_real tokens, then appended observers. */
+typedef struct seq_rows {
+    kr_seq *s;
+    int row; /* first row of the call */
+    int n; /* rows */
+    int n_real;
+    int64_t held; /* entries the sequence holds, for the peak tally */
+} seq_rows;
 
 struct kr_ctx {
     const kr_model *model;
@@ -22,6 +34,7 @@ struct kr_ctx {
     float *inv_freq; /* [head_dim/2], host */
     float *cos_sin; /* [max_chunk][head_dim/2][2], host */
     int32_t *pos; /* [max_chunk] */
+    seq_rows *batch; /* [max_chunk]: a decode batch's sequences */
     /* activations, backend memory */
     float *x; /* [max_chunk][d] residual stream */
     float *xn; /* [max_chunk][d] normed */
@@ -74,8 +87,10 @@ static void free_rows(kr_ctx *c)
     }
     free(c->cos_sin);
     free(c->pos);
+    free(c->batch);
     c->cos_sin = NULL;
     c->pos = NULL;
+    c->batch = NULL;
     c->rows = 0;
 }
 
@@ -91,6 +106,7 @@ static int ensure_rows(kr_ctx *c, int rows, char *err)
     const size_t n = (size_t)rows, half = (size_t)cfg->head_dim / 2;
     c->cos_sin = malloc(n * half * 2 * sizeof(float));
     c->pos = malloc(n * sizeof(int32_t));
+    c->batch = malloc(n * sizeof(seq_rows));
     c->x = c->ops->act_alloc(c->be, n * d);
     c->xn = c->ops->act_alloc(c->be, n * d);
     c->q = c->ops->act_alloc(c->be, n * qd);
@@ -100,7 +116,7 @@ static int ensure_rows(kr_ctx *c, int rows, char *err)
     c->gate = c->ops->act_alloc(c->be, n * f);
     c->up = c->ops->act_alloc(c->be, n * f);
     c->logits = c->ops->act_alloc(c->be, (n < LOGIT_ROWS ? n : LOGIT_ROWS) * (size_t)cfg->vocab_size);
-    if (!c->cos_sin || !c->pos || !c->x || !c->xn || !c->q || !c->k || !c->v || !c->att ||
+    if (!c->cos_sin || !c->pos || !c->batch || !c->x || !c->xn || !c->q || !c->k || !c->v || !c->att ||
         !c->gate || !c->up || !c->logits) {
         free_rows(c);
         return kr_errf(err, "context: out of memory for activations of %d tokens", rows);
@@ -241,6 +257,103 @@ static int run_policy(kr_ctx *c, kr_seq *s, int layer, int n_real, int n_app, co
     return KR_OK;
 }
 
+/* Every layer over the call's n rows (rows in c->x, positions in c->pos, cos/sin filled). One
+ * sequence (n_seqs == 1) attends as a chunk; a decode batch (`seqs`, one row each) attends with
+ * the batch op and multiplies weights with matmul_rows, so each row rounds as it would alone.
+ * Cache, footprint, peak and policy work is per sequence. */
+static int run_layers(kr_ctx *c, seq_rows *sr, int n_seqs, kr_seq *const *seqs, int n,
+                      const chunk_info *ci, char *err)
+{
+    const kr_model *m = c->model;
+    const kr_config *cfg = &m->cfg;
+    const kr_backend_ops *ops = c->ops;
+    kr_backend *be = c->be;
+    const int d = cfg->hidden_size, hd = cfg->head_dim;
+    const size_t kvd = (size_t)cfg->n_kv_heads * hd;
+    void (*mm)(kr_backend *, const kr_tensor *, const kr_tensor *, const float *, int, int, float *) =
+        seqs ? ops->matmul_rows : ops->matmul;
+    for (int i = 0; i < n_seqs; i++) sr[i].held = kr_seq_entries(sr[i].s);
+    for (int l = 0; l < cfg->n_layers; l++) {
+        const kr_layer_weights *w = &m->layers[l];
+        ops->rmsnorm(be, c->x, &w->attn_norm, n, d, cfg->rms_norm_eps, c->xn);
+        mm(be, &w->wq, &w->bq, c->xn, n, 0, c->q);
+        mm(be, &w->wk, &w->bk, c->xn, n, 0, c->k);
+        mm(be, &w->wv, &w->bv, c->xn, n, 0, c->v);
+        ops->rope(be, c->q, n, cfg->n_heads, hd, c->cos_sin);
+        ops->rope(be, c->k, n, cfg->n_kv_heads, hd, c->cos_sin);
+        const int window = cfg->sliding_window > 0 && l >= cfg->sliding_window_first_layer
+                               ? cfg->sliding_window : 0;
+        for (int i = 0; i < n_seqs; i++) {
+            /* peak KV: what the cache holds at the moment a layer attends, before the policy trims */
+            kr_seq *s = sr[i].s;
+            for (int g = 0; g < cfg->n_kv_heads; g++) {
+                kr_kv_list *list = kr_seq_list(s, l, g);
+                list->len += sr[i].n;
+                if (list->len > s->fp.peak_head_entries) s->fp.peak_head_entries = list->len;
+            }
+            sr[i].held += (int64_t)sr[i].n * cfg->n_kv_heads;
+            if (sr[i].held > s->fp.peak_entries) s->fp.peak_entries = sr[i].held;
+            const int32_t *pos = c->pos + sr[i].row;
+            ops->kv_store(be, s, l, c->k + sr[i].row * kvd, c->v + sr[i].row * kvd, sr[i].n, pos);
+            tally_footprint(s, l, sr[i].n, sr[i].n_real, pos, window);
+        }
+        if (seqs)
+            ops->attention_batch(be, (const kr_seq *const *)seqs, l, c->q, n, cfg->n_heads, c->pos,
+                                 window, c->att);
+        else
+            ops->attention(be, sr[0].s, l, c->q, n, cfg->n_heads, c->pos, window, c->att);
+        for (int i = 0; i < n_seqs; i++) {
+            kr_seq *s = sr[i].s;
+            if (!s->policy) continue;
+            /* a policy may trim earlier layers too (TAKE's delayed eviction) */
+            if (run_policy(c, s, l, sr[i].n_real, sr[i].n - sr[i].n_real, ci, err) != KR_OK) return -1;
+            sr[i].held = kr_seq_entries(s);
+        }
+        mm(be, &w->wo, NULL, c->att, n, 1, c->x);
+        ops->rmsnorm(be, c->x, &w->ffn_norm, n, d, cfg->rms_norm_eps, c->xn);
+        mm(be, &w->w_gate, NULL, c->xn, n, 0, c->gate);
+        mm(be, &w->w_up, NULL, c->xn, n, 0, c->up);
+        ops->swiglu(be, c->gate, c->up, (size_t)n * cfg->intermediate_size);
+        mm(be, &w->w_down, NULL, c->gate, n, 1, c->x);
+    }
+    return KR_OK;
+}
+
+/* Logits of rows [first, first + rows) of the residual stream into host `logits`. */
+static void compute_logits(kr_ctx *c, int first, int rows, int rows_alone, float *logits)
+{
+    const kr_model *m = c->model;
+    const kr_config *cfg = &m->cfg;
+    const kr_backend_ops *ops = c->ops;
+    const int d = cfg->hidden_size;
+    ops->rmsnorm(c->be, c->x + (size_t)first * d, &m->final_norm, rows, d, cfg->rms_norm_eps, c->xn);
+    for (int r0 = 0; r0 < rows; r0 += LOGIT_ROWS) {
+        int nr = rows - r0 < LOGIT_ROWS ? rows - r0 : LOGIT_ROWS;
+        (rows_alone ? ops->matmul_rows : ops->matmul)(c->be, &m->lm_head, NULL, c->xn + (size_t)r0 * d,
+                                                        nr, 0, c->logits);
+        ops->to_host(c->be, c->logits, (size_t)nr * cfg->vocab_size, logits + (size_t)r0 * cfg->vocab_size);
+    }
+}
+
+static int check_seq_shape(const kr_ctx *c, const kr_seq *s, const char *what, int index, char *err)
+{
+    const kr_config *cfg = &c->model->cfg;
+    if (s->n_layers != cfg->n_layers || s->n_kv_heads != cfg->n_kv_heads || s->pool->head_dim != cfg->head_dim)
+        return kr_errf(err, "%s: sequence %d has %d layers x %d KV heads x head_dim %d, the model %d x %d x %d",
+                       what, index, s->n_layers, s->n_kv_heads, s->pool->head_dim, cfg->n_layers,
+                       cfg->n_kv_heads, cfg->head_dim);
+    return KR_OK;
+}
+
+static int check_token(const kr_ctx *c, int32_t id, int index, const char *what, char *err)
+{
+    int vocab = c->model->cfg.vocab_size;
+    if (id < 0 || id >= vocab)
+        return kr_errf(err, "%s: token id %d at index %d is outside the vocabulary [0, %d)", what, id, index,
+                       vocab);
+    return KR_OK;
+}
+
 /* Feeds n_real tokens at the sequence's next positions, then n_app appended observer tokens at
  * positions app_pos.. (their KV is dropped after the policy saw it). */
 static int forward_rows(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n_real, const int32_t *app,
@@ -248,25 +361,15 @@ static int forward_rows(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n_real,
                         float *logits, char *err)
 {
     const kr_model *m = c->model;
-    const kr_config *cfg = &m->cfg;
-    const kr_backend_ops *ops = c->ops;
-    kr_backend *be = c->be;
     const int n = n_real + n_app;
     if (n_real < 1 || n_real > c->max_chunk)
         return kr_errf(err, "forward: %d tokens in one call (allowed 1..%d)", n_real, c->max_chunk);
     if (ensure_rows(c, n, err) != KR_OK) return -1;
-    if (s->n_layers != cfg->n_layers || s->n_kv_heads != cfg->n_kv_heads ||
-        s->pool->head_dim != cfg->head_dim)
-        return kr_errf(err, "forward: sequence shape does not match the model");
-    for (int i = 0; i < n; i++) {
-        int32_t id = i < n_real ? tokens[i] : app[i - n_real];
-        if (id < 0 || id >= cfg->vocab_size)
-            return kr_errf(err, "forward: token id %d at index %d is outside the vocabulary [0, %d)",
-                           id, i, cfg->vocab_size);
-    }
+    if (check_seq_shape(c, s, "forward", 0, err) != KR_OK) return -1;
+    for (int i = 0; i < n; i++)
+        if (check_token(c, i < n_real ? tokens[i] : app[i - n_real], i, "forward", err) != KR_OK) return -1;
     if (kr_seq_grow(s, n, err) != KR_OK) return -1;
 
-    const int d = cfg->hidden_size, hd = cfg->head_dim;
     for (int t = 0; t < n_real; t++) c->pos[t] = s->next_pos + t;
     for (int t = 0; t < n_app; t++) c->pos[n_real + t] = app_pos + t;
     fill_rope(c, n);
@@ -274,51 +377,13 @@ static int forward_rows(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n_real,
     s->next_pos += n_real;
     s->fp.steps += n_real;
 
-    ops->embed(be, &m->embed, tokens, n_real, c->x);
-    if (n_app) ops->embed(be, &m->embed, app, n_app, c->x + (size_t)n_real * d);
-    /* peak KV: what the cache holds at the moment a layer attends, before the policy trims it */
-    int64_t held = kr_seq_entries(s);
-    for (int l = 0; l < cfg->n_layers; l++) {
-        const kr_layer_weights *w = &m->layers[l];
-        ops->rmsnorm(be, c->x, &w->attn_norm, n, d, cfg->rms_norm_eps, c->xn);
-        ops->matmul(be, &w->wq, &w->bq, c->xn, n, 0, c->q);
-        ops->matmul(be, &w->wk, &w->bk, c->xn, n, 0, c->k);
-        ops->matmul(be, &w->wv, &w->bv, c->xn, n, 0, c->v);
-        ops->rope(be, c->q, n, cfg->n_heads, hd, c->cos_sin);
-        ops->rope(be, c->k, n, cfg->n_kv_heads, hd, c->cos_sin);
-        const int window = cfg->sliding_window > 0 && l >= cfg->sliding_window_first_layer
-                               ? cfg->sliding_window : 0;
-        for (int g = 0; g < cfg->n_kv_heads; g++) {
-            kr_kv_list *list = kr_seq_list(s, l, g);
-            list->len += n;
-            if (list->len > s->fp.peak_head_entries) s->fp.peak_head_entries = list->len;
-        }
-        held += (int64_t)n * cfg->n_kv_heads;
-        if (held > s->fp.peak_entries) s->fp.peak_entries = held;
-        ops->kv_store(be, s, l, c->k, c->v, n, c->pos);
-        tally_footprint(s, l, n, n_real, c->pos, window);
-        ops->attention(be, s, l, c->q, n, cfg->n_heads, c->pos, window, c->att);
-        if (s->policy) { /* a policy may trim earlier layers too (TAKE's delayed eviction) */
-            if (run_policy(c, s, l, n_real, n_app, ci, err) != KR_OK) return -1;
-            held = kr_seq_entries(s);
-        }
-        ops->matmul(be, &w->wo, NULL, c->att, n, 1, c->x);
-        ops->rmsnorm(be, c->x, &w->ffn_norm, n, d, cfg->rms_norm_eps, c->xn);
-        ops->matmul(be, &w->w_gate, NULL, c->xn, n, 0, c->gate);
-        ops->matmul(be, &w->w_up, NULL, c->xn, n, 0, c->up);
-        ops->swiglu(be, c->gate, c->up, (size_t)n * cfg->intermediate_size);
-        ops->matmul(be, &w->w_down, NULL, c->gate, n, 1, c->x);
-    }
-
+    c->ops->embed(c->be, &m->embed, tokens, n_real, c->x);
+    if (n_app) c->ops->embed(c->be, &m->embed, app, n_app, c->x + (size_t)n_real * m->cfg.hidden_size);
+    seq_rows one = {.s = s, .row = 0, .n = n, .n_real = n_real};
+    if (run_layers(c, &one, 1, NULL, n, ci, err) != KR_OK) return -1;
     if (mode == KR_LOGITS_NONE) return KR_OK;
-    int first = mode == KR_LOGITS_ALL ? 0 : n_real - 1, rows = n_real - first;
-    const float *xl = c->x + (size_t)first * d;
-    ops->rmsnorm(be, xl, &m->final_norm, rows, d, cfg->rms_norm_eps, c->xn);
-    for (int r0 = 0; r0 < rows; r0 += LOGIT_ROWS) {
-        int nr = rows - r0 < LOGIT_ROWS ? rows - r0 : LOGIT_ROWS;
-        ops->matmul(be, &m->lm_head, NULL, c->xn + (size_t)r0 * d, nr, 0, c->logits);
-        ops->to_host(be, c->logits, (size_t)nr * cfg->vocab_size, logits + (size_t)r0 * cfg->vocab_size);
-    }
+    int first = mode == KR_LOGITS_ALL ? 0 : n_real - 1;
+    compute_logits(c, first, n_real - first, 0, logits);
     return KR_OK;
 }
 
@@ -326,6 +391,46 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
                float *logits, char *err)
 {
     return forward_rows(c, s, tokens, n, NULL, 0, 0, NULL, mode, logits, err);
+}
+
+int kr_forward_batch(kr_ctx *c, kr_seq *const *seqs, const int32_t *tokens, int n, float *logits,
+                     char *err)
+{
+    if (n < 1 || n > c->max_chunk)
+        return kr_errf(err, "forward_batch: %d sequences in one step (allowed 1..%d, the context's max_chunk)",
+                       n, c->max_chunk);
+    if (!seqs || !tokens || !logits)
+        return kr_errf(err, "forward_batch: seqs, tokens and logits must not be NULL");
+    for (int i = 0; i < n; i++) {
+        if (!seqs[i]) return kr_errf(err, "forward_batch: sequence %d is NULL", i);
+        if (check_seq_shape(c, seqs[i], "forward_batch", i, err) != KR_OK) return -1;
+        if (check_token(c, tokens[i], i, "forward_batch", err) != KR_OK) return -1;
+        for (int j = 0; j < i; j++)
+            if (seqs[j] == seqs[i])
+                return kr_errf(err, "forward_batch: sequence %d is also sequence %d (one token per sequence "
+                               "per step)", i, j);
+    }
+    /* room for every sequence first, so running out of blocks feeds nothing to anyone */
+    char why[KR_ERR_MAX];
+    for (int i = 0; i < n; i++)
+        if (kr_seq_grow(seqs[i], 1, why) != KR_OK) {
+            for (int j = 0; j < i; j++) kr_seq_release_spare(seqs[j]);
+            return kr_errf(err, "forward_batch: sequence %d: %s (nothing was fed to any sequence)", i, why);
+        }
+
+    seq_rows *sr = c->batch;
+    for (int i = 0; i < n; i++) {
+        kr_seq *s = seqs[i];
+        c->pos[i] = s->next_pos;
+        s->next_pos++;
+        s->fp.steps++;
+        sr[i] = (seq_rows){.s = s, .row = i, .n = 1, .n_real = 1};
+    }
+    fill_rope(c, n);
+    c->ops->embed(c->be, &c->model->embed, tokens, n, c->x);
+    if (run_layers(c, sr, n, seqs, n, NULL, err) != KR_OK) return -1;
+    compute_logits(c, 0, n, 1, logits);
+    return KR_OK;
 }
 
 int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,

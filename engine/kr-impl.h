@@ -127,6 +127,7 @@ struct kr_seq {
     int n_layers;
     int n_kv_heads;
     int next_pos;
+    int imported; /* kr_seq_set_next_pos was called: kr_seq_list_append is closed */
     kr_kv_list *lists; /* [n_layers][n_kv_heads] */
     kr_footprint fp;
     const kr_policy *policy; /* NULL: full attention */
@@ -180,6 +181,11 @@ static inline void kr_kv_list_rows(const kr_kv_pool *p, const kr_kv_list *l, int
 /* Makes room for `n` more entries in every (layer, KV head), all or nothing: fails when the
  * pool lacks blocks, leaving the sequence as it was. */
 int kr_seq_grow(kr_seq *s, int n, char *err);
+/* The same for one list (layer, kv_head). */
+int kr_seq_grow_list(kr_seq *s, int layer, int kv_head, int n, char *err);
+/* Returns to the pool the blocks a sequence holds past its entries (what kr_seq_grow took and
+ * no entry uses yet): undoes a grow. */
+void kr_seq_release_spare(kr_seq *s);
 /* Keeps entries keep[0..n_keep) (strictly increasing indices < len) of one list, in order,
  * returns freed blocks to the pool, and pins the first min(n_pinned, n_keep) kept entries. */
 void kr_seq_keep(kr_seq *s, int layer, int kv_head, const int32_t *keep, int n_keep, int n_pinned);

@@ -189,14 +189,15 @@ int kr_policy_parse(const char *spec, const kr_config *cfg, kr_policy **out, cha
 void kr_policy_free(kr_policy *p);
 /* The spec with every default filled in: what actually runs. */
 const char *kr_policy_spec(const kr_policy *p);
-/* Most entries one (layer, KV head) holds after prefilling n_prompt tokens and generating
- * n_generate more (for reserving blocks). */
+/* Most entries one (layer, KV head) holds after prefilling n_prompt tokens and at any moment of
+ * generating n_generate more, the entry a decode step adds before its trim included (for
+ * reserving blocks). */
 int kr_policy_max_entries(const kr_policy *p, int n_prompt, int n_generate);
 /* Observer rows the policy appends to each prefill chunk but the last (patched chunked
  * eviction, TAKE's probe): a list briefly holds that many entries more than the chunk adds. */
 int kr_policy_appended(const kr_policy *p, int n_prompt);
-/* Attaches a policy to a sequence before its first token (NULL: full attention). The policy
- * must outlive the sequence. */
+/* Attaches a policy to a sequence before its first token and before kr_seq_set_next_pos (NULL:
+ * full attention). The policy must outlive the sequence. */
 int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err);
 
 /* ------------------------------------------------------------------ forward */
@@ -246,39 +247,69 @@ int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr
 /* One decode step for `n` sequences at once (continuous batching): tokens[i] is fed to
  * seqs[i] at its next position. Every weight matrix is applied to the n rows in one backend
  * call; each sequence attends its own cache; each sequence's policy decode rule runs as in
- * kr_forward. logits gets n rows of vocab_size. The rows are bit-identical to n separate
+ * kr_forward, and its footprint and peak tallies advance as kr_forward's would. logits gets n
+ * rows of vocab_size, row i for seqs[i]. The rows are bit-identical to n separate
  * kr_forward(c, seqs[i], &tokens[i], 1, KR_LOGITS_LAST, ...) calls, in any batch order and
- * size. 1 <= n <= the context's max_chunk; the sequences must be distinct. Fails cleanly,
- * feeding nothing to any sequence, when the pool lacks blocks for any of them (checked first). */
+ * size (the CPU backend keeps every row on its one-token dot-product path for that: a batch
+ * never takes the sgemm path a prefill chunk takes). 1 <= n <= the context's max_chunk; the
+ * sequences must be distinct (they may come from different pools), token ids in the
+ * vocabulary. Fails cleanly, feeding nothing to any sequence, on bad input or when a pool lacks
+ * a block for any of them (every sequence's room is taken first and given back on failure). */
 int kr_forward_batch(kr_ctx *c, kr_seq *const *seqs, const int32_t *tokens, int n, float *logits,
                      char *err);
 
 /* ------------------------------------------------------------------ moving a sequence
  * What the KV bundle carries between processes (kvtransfer/ knows nothing of the engine; the
  * nodes copy through these). A list is [pinned entries | window entries], positions strictly
- * increasing; keys post-RoPE, float32. */
+ * increasing; keys post-RoPE, float32.
+ *
+ * The receiver, in this order: kr_seq_create; kr_seq_set_policy with the sender's spec parsed
+ * (required before kr_seq_set_next_pos, which closes the sequence to it; appends do not need
+ * it, but set it first); one kr_seq_list_append per list, in any order (a list's entries may
+ * also come in several calls); kr_seq_set_next_pos with the sender's kr_seq_next_pos; then
+ * decode. Decoding then gives logits bit-identical to continuing in the sender (the sender
+ * having ended with kr_prefill, as a prefill node does: see kr_seq_set_next_pos). */
 
-/* Entries held and pinned by list (layer, kv_head). */
+/* Entries held and pinned by list (layer, kv_head); 0 and 0 for a list that does not exist.
+ * Either pointer may be NULL. */
 void kr_seq_list_shape(const kr_seq *s, int layer, int kv_head, int *len, int *pinned);
 /* Copies entries [first, first + n) of list (layer, kv_head): positions, keys and values rows
  * of head_dim floats (any of the three may be NULL). Fails when the range is outside the list. */
 int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, int32_t *pos,
                      float *k, float *v, char *err);
-/* Appends n entries to list (layer, kv_head) of a sequence no token has been fed to (taking
- * blocks from the pool; fails cleanly when it runs out), positions strictly increasing and
- * above the list's last; then pins the first `pinned` entries of the list. */
+/* Appends n >= 0 entries to list (layer, kv_head) of a sequence that has not been fed a token
+ * nor closed by kr_seq_set_next_pos, taking blocks for this list from the sequence's pool (all
+ * or nothing: when the pool runs out the list is left as it was); positions must be >= 0,
+ * strictly increasing and above the list's last; then pins the first `pinned` entries of the
+ * list (0 <= pinned <= the list's new length; what kr_seq_list_shape reported at the sender). */
 int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *pos,
                        const float *k, const float *v, int pinned, char *err);
 /* After the lists are filled: the position the next token is fed at (above every position
- * held), so decode continues exactly as it would have in the sender's process. The receiver's
- * footprint tally starts at zero (the sender reports its own part). */
+ * held; only before the sequence's first token), so decode continues exactly as it would have
+ * in the sender's process. It closes the lists to kr_seq_list_append and the sequence to
+ * kr_seq_set_policy, and rebuilds the policy's per-sequence decode state as the sender's last
+ * kr_prefill left it (hsft: the windows rescaled for a context of next_pos tokens; a sender
+ * that fed its tokens through kr_forward alone would have kept the learned windows). The
+ * receiver's footprint tally starts at zero (the sender reports its own part). */
 int kr_seq_set_next_pos(kr_seq *s, int next_pos, char *err);
-/* The decode-side recent window of list (layer, kv_head) under policy p (NULL: full), for the
- * bundle's list table: -1 when the list is never trimmed (dense head, decode=grow). */
+/* The decode-side recent window W of list (layer, kv_head) under policy p (NULL: full), for the
+ * bundle's list table: decode keeps the list's pinned entries and the newest W others; -1 when
+ * the list is never trimmed during decode (full, decode=grow, dense heads of heads/hsft,
+ * streaming with lazy=0). streaming: its `window` (Algorithm 1 lets a list run up to lazy - 1
+ * entries, and slack, past it between prunes). Values that depend on the sequence are given
+ * for none: hsft's own rule gives the layer's learned window (a sequence that ran kr_prefill
+ * uses it rescaled), sage's own rule gives R + 1 (a list's is B + 1 minus its pinned count);
+ * kr_seq_list_window gives the exact value for a sequence. */
 int kr_policy_list_window(const kr_policy *p, int layer, int kv_head);
-/* Most blocks a sequence holds at any moment (transients inside a step included) when it
- * arrives with at most n_prompt tokens' worth of entries per list under policy p (NULL: full)
- * and then decodes n_generate tokens: what a decode node reserves. */
+/* The same for a sequence under its own policy (NULL policy: -1), with what the sequence holds:
+ * hsft's rescaled per-layer windows, sage's B + 1 minus the list's pinned count. What a prefill
+ * node writes into the bundle. */
+int kr_seq_list_window(const kr_seq *s, int layer, int kv_head);
+/* An upper bound on the blocks a sequence holds at any moment (inside decode steps included)
+ * when it arrives through kr_seq_list_append with at most kr_policy_max_entries(p, n_prompt, 0)
+ * entries in each list, under policy p (NULL: full), and then decodes n_generate tokens (tokens
+ * fed: kr_forward / kr_forward_batch calls): what a decode node reserves. -1 on bad arguments
+ * (negative counts, p parsed for another shape). */
 int64_t kr_seq_blocks_bound(const kr_kv_pool *pool, const kr_policy *p, int n_layers,
                             int n_kv_heads, int n_prompt, int n_generate);
 

@@ -131,11 +131,12 @@ void kr_seq_footprint(const kr_seq *s, kr_footprint *out)
     *out = s->fp;
 }
 
-int kr_seq_grow(kr_seq *s, int n, char *err)
+/* Room for n more entries in lists [first, first + count) of s, all or nothing. */
+static int grow_lists(kr_seq *s, int first, int count, int n, char *err)
 {
     kr_kv_pool *p = s->pool;
-    int n_lists = s->n_layers * s->n_kv_heads, need = 0;
-    for (int i = 0; i < n_lists; i++) {
+    int need = 0;
+    for (int i = first; i < first + count; i++) {
         kr_kv_list *l = &s->lists[i];
         int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         if (blocks > l->n_blocks) need += blocks - l->n_blocks;
@@ -144,7 +145,7 @@ int kr_seq_grow(kr_seq *s, int n, char *err)
         return kr_errf(err, "KV pool exhausted: %d more blocks needed, %d free of %d", need,
                        p->n_free, p->n_blocks);
     /* grow the block arrays first so a failed allocation leaves the pool untouched */
-    for (int i = 0; i < n_lists; i++) {
+    for (int i = first; i < first + count; i++) {
         kr_kv_list *l = &s->lists[i];
         int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         if (blocks > l->cap_blocks) {
@@ -156,12 +157,22 @@ int kr_seq_grow(kr_seq *s, int n, char *err)
             l->cap_blocks = cap;
         }
     }
-    for (int i = 0; i < n_lists; i++) {
+    for (int i = first; i < first + count; i++) {
         kr_kv_list *l = &s->lists[i];
         int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         while (l->n_blocks < blocks) l->blocks[l->n_blocks++] = p->free_ids[--p->n_free];
     }
     return KR_OK;
+}
+
+int kr_seq_grow(kr_seq *s, int n, char *err)
+{
+    return grow_lists(s, 0, s->n_layers * s->n_kv_heads, n, err);
+}
+
+int kr_seq_grow_list(kr_seq *s, int layer, int kv_head, int n, char *err)
+{
+    return grow_lists(s, layer * s->n_kv_heads + kv_head, 1, n, err);
 }
 
 void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,
@@ -200,6 +211,14 @@ static void shrink(kr_kv_pool *p, kr_kv_list *l, int len, int pinned)
     l->pinned = pinned < len ? pinned : len;
     int need = (l->off + len + p->block_size - 1) / p->block_size;
     while (l->n_blocks > need) p->free_ids[p->n_free++] = l->blocks[--l->n_blocks];
+}
+
+void kr_seq_release_spare(kr_seq *s)
+{
+    for (int i = 0; i < s->n_layers * s->n_kv_heads; i++) {
+        kr_kv_list *l = &s->lists[i];
+        shrink(s->pool, l, l->len, l->pinned);
+    }
 }
 
 /* entries from `start` on become the list (start <= len): whole blocks before them go back to

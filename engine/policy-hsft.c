@@ -341,6 +341,30 @@ static void hsft_free(kr_policy *p)
     free(hp->is_dense);
 }
 
+/* Dense heads are never trimmed; streaming heads keep sinks + the decode window, by default
+ * their layer's window as rescaled for the sequence (without a sequence: the learned window,
+ * what a sequence that never ran kr_prefill uses). */
+static int hsft_list_window(const kr_policy *p, const kr_seq *s, int layer, int kv_head)
+{
+    const hsft_params *hp = p->params;
+    if (hp->is_dense[layer * p->n_kv_heads + kv_head] || p->decode_window == -1) return -1;
+    if (p->decode_window >= 0) return p->decode_window;
+    int w = s ? ((const hsft_state *)s->policy_state)->window[layer] : hp->learned[layer];
+    return w == KR_HSFT_ALL ? -1 : w;
+}
+
+/* The sender's kr_prefill rescaled the windows for the context at its end: the next position
+ * the sequence arrives with. */
+static void hsft_imported(const kr_policy *p, kr_seq *s)
+{
+    const hsft_params *hp = p->params;
+    hsft_state *st = s->policy_state;
+    if (s->next_pos == 0) return; /* nothing was prefilled: the learned windows, as for a new sequence */
+    kr_hsft_rescale(hp->learned, p->n_layers, hp->n_dense, hp->n_stream, hp->sink, hp->budget, s->next_pos,
+                    st->window);
+    st->ctx = s->next_pos;
+}
+
 const kr_policy_ops kr_policy_hsft = {
     .name = "hsft",
     .init = hsft_init,
@@ -350,5 +374,7 @@ const kr_policy_ops kr_policy_hsft = {
     .after_chunk = hsft_after_chunk,
     .after_step = hsft_after_step,
     .max_entries = hsft_max_entries,
+    .list_window = hsft_list_window,
+    .imported = hsft_imported,
     .free_params = hsft_free,
 };

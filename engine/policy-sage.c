@@ -107,14 +107,28 @@ static void sage_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *e
     }
 }
 
+/* Between steps the cache holds at most B + 1 entries; inside a step the new token's entry may
+ * make it B + 2 until the trim. */
 static int sage_max_entries(const kr_policy *p, int n_prompt, int n_generate)
 {
     const sage_params *sp = p->params;
     int after = n_prompt < sp->budget + 1 ? n_prompt : sp->budget + 1;
+    if (n_generate == 0) return after;
     if (p->decode_window == -1) return after + n_generate;
     if (p->decode_window >= 0) return after + p->decode_window + 1;
     int total = n_prompt + n_generate;
-    return total < sp->budget + 1 ? total : sp->budget + 1;
+    return total < sp->budget + 2 ? total : sp->budget + 2;
+}
+
+/* Own rule: the cache of B + 1 less the list's pinned set (without a sequence: R + 1, the
+ * window when the G heads' selections do not overlap). */
+static int sage_list_window(const kr_policy *p, const kr_seq *s, int layer, int kv_head)
+{
+    const sage_params *sp = p->params;
+    if (p->decode_window != KR_DECODE_OWN) return p->decode_window >= 0 ? p->decode_window : -1;
+    if (!s) return sp->recent + 1;
+    int pinned = s->lists[layer * s->n_kv_heads + kv_head].pinned;
+    return sp->budget + 1 - pinned > 0 ? sp->budget + 1 - pinned : 0;
 }
 
 const kr_policy_ops kr_policy_sage = {
@@ -125,4 +139,5 @@ const kr_policy_ops kr_policy_sage = {
     .after_chunk = sage_after_chunk,
     .after_step = sage_after_step,
     .max_entries = sage_max_entries,
+    .list_window = sage_list_window,
 };

@@ -132,6 +132,14 @@ static int streaming_max_entries(const kr_policy *p, int n_prompt, int n_generat
     return total < cap ? total : cap;
 }
 
+/* Algorithm 1 prunes back to S sinks + W (lazily: a list may run up to R - 1 entries past that,
+ * and max_drop/slack may keep up to slack more); it never prunes with lazy 0 or decode=grow. */
+static int streaming_list_window(const kr_policy *p, const kr_seq *s, int layer, int kv_head)
+{
+    const streaming_params *sp = p->params;
+    return sp->decode_grows || sp->lazy == 0 ? -1 : sp->window;
+}
+
 const kr_policy_ops kr_policy_streaming = {
     .name = "streaming",
     .init = streaming_init,
@@ -140,6 +148,7 @@ const kr_policy_ops kr_policy_streaming = {
     .after_chunk = streaming_after_chunk,
     .after_step = streaming_after_step,
     .max_entries = streaming_max_entries,
+    .list_window = streaming_list_window,
 };
 
 /* ------------------------------------------------------------------ heads */
@@ -291,6 +300,13 @@ static void heads_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *
     heads_trim(p, s, layer, p->decode_window);
 }
 
+static int heads_list_window(const kr_policy *p, const kr_seq *s, int layer, int kv_head)
+{
+    const heads_params *hp = p->params;
+    if (hp->dense[layer * p->n_kv_heads + kv_head]) return -1;
+    return p->decode_window >= 0 ? p->decode_window : -1;
+}
+
 static int heads_max_entries(const kr_policy *p, int n_prompt, int n_generate)
 {
     return n_prompt + n_generate; /* dense heads hold everything */
@@ -310,5 +326,6 @@ const kr_policy_ops kr_policy_heads = {
     .after_chunk = heads_after_chunk,
     .after_step = heads_after_step,
     .max_entries = heads_max_entries,
+    .list_window = heads_list_window,
     .free_params = heads_free,
 };

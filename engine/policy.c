@@ -177,9 +177,25 @@ int kr_policy_appended(const kr_policy *p, int n_prompt)
     return n < n_prompt ? n : n_prompt;
 }
 
+int kr_policy_list_window(const kr_policy *p, int layer, int kv_head)
+{
+    if (!p || layer < 0 || layer >= p->n_layers || kv_head < 0 || kv_head >= p->n_kv_heads) return -1;
+    if (p->ops->list_window) return p->ops->list_window(p, NULL, layer, kv_head);
+    return p->decode_window >= 0 ? p->decode_window : -1;
+}
+
+int kr_seq_list_window(const kr_seq *s, int layer, int kv_head)
+{
+    const kr_policy *p = s->policy;
+    if (!p || layer < 0 || layer >= s->n_layers || kv_head < 0 || kv_head >= s->n_kv_heads) return -1;
+    if (p->ops->list_window) return p->ops->list_window(p, s, layer, kv_head);
+    return p->decode_window >= 0 ? p->decode_window : -1;
+}
+
 int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err)
 {
-    if (s->next_pos != 0) return kr_errf(err, "policy: set it before the sequence's first token");
+    if (s->next_pos != 0 || s->fp.steps != 0 || s->imported)
+        return kr_errf(err, "policy: set it before the sequence's first token (and before kr_seq_set_next_pos)");
     if (p && (p->n_layers != s->n_layers || p->n_kv_heads != s->n_kv_heads))
         return kr_errf(err, "policy: parsed for another model shape");
     free(s->policy_state);

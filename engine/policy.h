@@ -75,10 +75,22 @@ struct kr_policy_ops {
     /* After a decode forward attended layer `layer`. NULL: the generic decode window
      * (kr_policy_decode_window). */
     void (*after_step)(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer);
-    /* Most entries one (layer, KV head) holds between steps after prefilling n_prompt tokens
-     * and generating n_generate (for reservations). NULL: the pinned set of a full prompt plus
-     * the decode window (or everything when decode grows). */
+    /* Most entries one (layer, KV head) holds at any moment after prefilling n_prompt tokens,
+     * while generating n_generate (for reservations): inside a decode step the new token's entry
+     * is there before the step's trim, and counts. NULL: the pinned set of a full prompt plus
+     * the decode window and the new entry (or everything when decode grows). */
     int (*max_entries)(const kr_policy *p, int n_prompt, int n_generate);
+    /* The decode-side window of list (layer, kv_head): decode keeps the list's pinned entries
+     * and at most this many others; -1 when decode never trims the list. `s` is the sequence
+     * when there is one (its per-sequence state and pinned counts may refine the value), NULL
+     * for the policy's own value. NULL op: decode_window when >= 0, else -1 (only families whose
+     * decode rule is their own, KR_DECODE_OWN, need the op). */
+    int (*list_window)(const kr_policy *p, const kr_seq *s, int layer, int kv_head);
+    /* kr_seq_set_next_pos just closed a sequence filled by kr_seq_list_append: rebuild the
+     * per-sequence state the decode rule reads, as kr_prefill would have left it for a context
+     * of s->next_pos tokens, so decode continues as in the sender's process. NULL: the decode
+     * rule reads no per-sequence state. */
+    void (*imported)(const kr_policy *p, kr_seq *s);
     /* Frees what p->params points to (p->params itself is freed by kr_policy_free). */
     void (*free_params)(kr_policy *p);
 };

@@ -86,7 +86,8 @@ typedef struct kt_resv {
     uint64_t serial; /* unique per reservation, for release to wait on */
     uint64_t id;
     uint8_t *buf;
-    uint64_t size;
+    uint64_t size; /* capacity of buf: the largest bundle accepted */
+    uint64_t len; /* the arriving bundle's size (<= size), set when it is accepted */
     double deadline;
     unsigned flags;
     kt_xfer_cb cb;
@@ -382,10 +383,15 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
                  r ? "transport: reservation %" PRIu64 " is already receiving another bundle"
                    : "transport: unknown or expired reservation %" PRIu64,
                  id);
-    } else if (size != length || size != r->size) {
+    } else if (size != length || length == 0) {
         snprintf(msg, sizeof msg,
-                 "transport: size mismatch for reservation %" PRIu64
-                 ": reserved %" PRIu64 " bytes, bundle has %zu",
+                 "transport: bundle for reservation %" PRIu64 " is malformed: header says %"
+                 PRIu64 " bytes, %zu arrived",
+                 id, size, length);
+    } else if (length > r->size) {
+        snprintf(msg, sizeof msg,
+                 "transport: bundle too large for reservation %" PRIu64
+                 ": reserved at most %" PRIu64 " bytes, bundle has %zu",
                  id, r->size, length);
     } else {
         msg[0] = 0;
@@ -398,6 +404,7 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     }
     r->from = c;
     r->token = token;
+    r->len = length;
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         ucp_request_param_t p = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -649,15 +656,15 @@ static double kt_step(kt_transport *t)
             char perr[KT_ERR_MAX] = "";
             kt_bundle_view v;
             int bad = (r->flags & KT_RESERVE_PARSE) &&
-                      kt_bundle_parse(r->buf, (size_t)r->size, &v, perr) != 0;
+                      kt_bundle_parse(r->buf, (size_t)r->len, &v, perr) != 0;
             char msg[KT_ERR_MAX];
             if (bad) {
                 snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 " rejected: %s", r->id,
                          perr);
                 kt_log(t, "%s", msg);
             }
-            kt_resv_finish(r, bad ? -1 : 0, bad ? 0 : r->size, bad ? msg : "");
-            kt_ack_queue(t, r->from, r->token, r->id, bad ? -1 : 0, bad ? 0 : r->size,
+            kt_resv_finish(r, bad ? -1 : 0, bad ? 0 : r->len, bad ? msg : "");
+            kt_ack_queue(t, r->from, r->token, r->id, bad ? -1 : 0, bad ? 0 : r->len,
                          bad ? msg : "");
         }
         if (!r->done && (t->stopping || now >= r->deadline)) {

@@ -4,9 +4,9 @@
  *
  * What it is: one transport context per process with one ucp worker driven by its own progress
  * thread. The receiving side (decode node) listens on host:port, *reserves* a caller-owned
- * buffer for an expected bundle (a 64-bit id chosen by the caller, the exact size from
- * kt_bundle_size) and is told once, by callback and by a pollable state, whether the bundle
- * arrived. The sending side (prefill node) sends a buffer to host:port tagged with the
+ * buffer for an expected bundle (a 64-bit id chosen by the caller; the buffer's size is the
+ * largest bundle accepted, since a receiver knows only a bound on the compressed KV) and is
+ * told once, by callback and by a pollable state, whether the bundle arrived and its size. The sending side (prefill node) sends a buffer to host:port tagged with the
  * reservation id and is told once whether the receiver accepted it, within a timeout.
  * Data goes as a ucp active message; UCX switches to rendezvous (zero-copy into the reserved
  * buffer) above its eager threshold. Endpoints use UCP_ERR_HANDLING_MODE_PEER: a dead peer
@@ -72,17 +72,22 @@ typedef enum kt_xfer_state {
 
 /* Completion of a reservation or a send, called exactly once. status 0: the whole bundle is
  * in the buffer (receive) or the receiver accepted it (send); -1: `err` says why (expired,
- * released, peer died, size mismatch, parse error, timeout, ...). `bytes` = bytes delivered
- * (the bundle size on success, 0 otherwise). After the callback the buffer is the caller's
- * again. `err` is valid only during the call. */
+ * released, peer died, bundle too large, parse error, timeout, ...). `bytes` = bytes delivered:
+ * on success the bundle's actual size (for a reservation, at most the reserved size: the bundle
+ * occupies buf[0, bytes)), 0 otherwise. After the callback the buffer is the caller's again.
+ * `err` is valid only during the call. */
 typedef void (*kt_xfer_cb)(void *arg, uint64_t id, int status, uint64_t bytes, const char *err);
 
-#define KT_RESERVE_PARSE 1u /* run kt_bundle_parse on arrival; a bad bundle fails both sides */
+/* Run kt_bundle_parse on exactly the bytes that arrived; a bad bundle fails both sides. */
+#define KT_RESERVE_PARSE 1u
 
 /* Reserves `buf` (`size` bytes, caller-owned, must stay valid until the callback) for the
  * bundle tagged `id`, expiring after timeout_s seconds (the callback then reports "expired").
- * Fails when not listening, when `id` is already reserved, or size is 0. Any id is fine;
- * ids are the caller's (the decode node's reservation ids). */
+ * A bundle of 1..size bytes is accepted (the callback's `bytes` says how many arrived); a
+ * larger one is refused with "bundle too large for reservation ID: reserved at most N bytes,
+ * bundle has M" and the reservation stays waiting. Fails when not listening, when `id` is
+ * already reserved, or size is 0. Any id is fine; ids are the caller's (the decode node's
+ * reservation ids). */
 int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
                          unsigned flags, kt_xfer_cb cb, void *cb_arg, char *err);
 /* Abandons a reservation: if it has not completed, its callback reports "released" before this

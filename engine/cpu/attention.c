@@ -2,8 +2,9 @@
  * attention.c - causal GQA attention over the paged KV cache on the CPU backend.
  * Two paths, both with an online softmax (running max and sum) over tiles of entries, so no
  * score matrix of the whole context exists:
- * - few tokens (decode): work items are (token, KV head) pairs; each attends the query heads of
- *   one GQA group over that head's block list with vector dot products;
+ * - few tokens (decode), and decode batches (token i of sequence i): work items are (token, KV
+ *   head) pairs; each attends the query heads of one GQA group over that head's block list with
+ *   vector dot products;
  * - many tokens (prefill): work items are (KV head, block of 64 queries); each tile of 128 keys
  *   and values is gathered once from its blocks and used by every query head of the group
  *   through two sgemm calls (scores = Q K^T, output += P V), flash-attention style.
@@ -34,7 +35,8 @@ size_t kr_cpu_attention_scratch(const kr_config *cfg)
 
 typedef struct att_job {
     kr_backend *b;
-    const kr_seq *s;
+    const kr_seq *s; /* one sequence: a chunk of n tokens */
+    const kr_seq *const *seqs; /* or a decode batch: token i of seqs[i] */
     int layer;
     const float *q;
     int n;
@@ -44,20 +46,20 @@ typedef struct att_job {
     float *out;
 } att_job;
 
-static void attend_one(const att_job *j, float *scratch, int i, int g)
+/* One token's query heads of one GQA group (q, out: [group][d]) over the first `visible`
+ * entries of list l, less those at positions <= pos - window when window > 0. Both the chunk
+ * path (token i of n sees len - n + i + 1) and the batch path (every token sees its whole list)
+ * come here, so a batched row is the one-token call's row bit for bit. */
+static void attend_one(const kr_kv_pool *p, const kr_kv_list *l, int visible, int32_t pos, int window,
+                       const float *q, int group, float *scratch, float *o)
 {
-    const kr_kv_pool *p = j->s->pool;
-    const kr_kv_list *l = &j->s->lists[j->layer * j->s->n_kv_heads + g];
     const int d = p->head_dim;
-    const int group = j->n_heads / j->s->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
     float *sc = scratch; /* [group][TILE] */
     float *acc = sc + (size_t)group * TILE; /* [group][d] */
     float *m = acc + (size_t)group * d; /* [group] running max */
     float *sum = m + group; /* [group] running sum */
-    const float *q = j->q + ((size_t)i * j->n_heads + (size_t)g * group) * d;
-    int visible = l->len - j->n + i + 1;
-    int start = j->window > 0 ? kr_kv_list_first_after(p, l, visible, j->pos[i] - j->window) : 0;
+    int start = window > 0 ? kr_kv_list_first_after(p, l, visible, pos - window) : 0;
 
     for (int h = 0; h < group; h++) {
         m[h] = -INFINITY;
@@ -83,11 +85,21 @@ static void attend_one(const att_job *j, float *scratch, int i, int g)
         for (int jj = 0; jj < jn; jj++) /* each value row once for the whole group */
             for (int h = 0; h < group; h++) kr_axpy(acc + (size_t)h * d, sc[(size_t)h * TILE + jj], vrow[jj], d);
     }
-    float *o = j->out + ((size_t)i * j->n_heads + (size_t)g * group) * d;
     for (int h = 0; h < group; h++) {
         float inv = 1.0f / sum[h];
         for (int e = 0; e < d; e++) o[(size_t)h * d + e] = acc[(size_t)h * d + e] * inv;
     }
+}
+
+/* Token i, KV head g: of the chunk of j->s, or of seqs[i] in a batch. */
+static void attend_item(const att_job *j, float *scratch, int i, int g)
+{
+    const kr_seq *s = j->seqs ? j->seqs[i] : j->s;
+    const kr_kv_list *l = &s->lists[j->layer * s->n_kv_heads + g];
+    const int group = j->n_heads / s->n_kv_heads;
+    const size_t at = ((size_t)i * j->n_heads + (size_t)g * group) * (size_t)s->pool->head_dim;
+    int visible = j->seqs ? l->len : l->len - j->n + i + 1;
+    attend_one(s->pool, l, visible, j->pos[i], j->window, j->q + at, group, scratch, j->out + at);
 }
 
 /* Queries i0 .. i1-1 of the chunk, KV head g, all query heads of its group. */
@@ -161,11 +173,11 @@ static void attend_block(const att_job *j, float *scratch, int g, int i0, int i1
 static void att_task(void *arg, int ith, int nth)
 {
     const att_job *j = arg;
-    int kvh = j->s->n_kv_heads;
+    int kvh = j->seqs ? j->seqs[0]->n_kv_heads : j->s->n_kv_heads;
     int64_t lo, hi;
-    if (j->n < BLOCKED_MIN_TOKENS) {
+    if (j->seqs || j->n < BLOCKED_MIN_TOKENS) {
         kr_split((int64_t)j->n * kvh, ith, nth, 1, &lo, &hi);
-        for (int64_t it = lo; it < hi; it++) attend_one(j, j->b->att[ith], (int)(it / kvh), (int)(it % kvh));
+        for (int64_t it = lo; it < hi; it++) attend_item(j, j->b->att[ith], (int)(it / kvh), (int)(it % kvh));
         return;
     }
     /* later query blocks see more keys: interleave items so threads get similar work */
@@ -181,6 +193,14 @@ void kr_cpu_attention(kr_backend *b, const kr_seq *s, int layer, const float *q,
                       int n_heads, const int32_t *pos, int window, float *out)
 {
     att_job j = {.b = b, .s = s, .layer = layer, .q = q, .n = n, .n_heads = n_heads, .pos = pos,
+                 .window = window, .out = out};
+    kr_threadpool_run(b->tp, att_task, &j);
+}
+
+void kr_cpu_attention_batch(kr_backend *b, const kr_seq *const *seqs, int layer, const float *q, int n,
+                            int n_heads, const int32_t *pos, int window, float *out)
+{
+    att_job j = {.b = b, .seqs = seqs, .layer = layer, .q = q, .n = n, .n_heads = n_heads, .pos = pos,
                  .window = window, .out = out};
     kr_threadpool_run(b->tp, att_task, &j);
 }

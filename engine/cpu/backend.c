@@ -49,7 +49,8 @@ static int cpu_create(const kr_model *m, int n_threads, int max_chunk, kr_backen
     b->att_floats = kr_cpu_attention_scratch(cfg);
     b->slab = calloc((size_t)n_threads, sizeof *b->slab);
     b->att = calloc((size_t)n_threads, sizeof *b->att);
-    b->xperm = malloc(sizeof(float) * GEMM_MIN_TOKENS * (size_t)widest);
+    size_t xrows = (size_t)(max_chunk > GEMM_MIN_TOKENS ? max_chunk : GEMM_MIN_TOKENS);
+    b->xperm = malloc(sizeof(float) * xrows * (size_t)widest);
     if (!b->slab || !b->att || !b->xperm) goto err_oom;
     for (int i = 0; i < n_threads; i++) {
         b->slab[i] = malloc(b->slab_floats * sizeof(float));
@@ -186,10 +187,12 @@ const kr_backend_ops kr_cpu_backend = {
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
     .matmul = kr_cpu_matmul,
+    .matmul_rows = kr_cpu_matmul_rows,
     .swiglu = cpu_swiglu,
     .rope = cpu_rope,
     .kv_store = cpu_kv_store,
     .attention = kr_cpu_attention,
+    .attention_batch = kr_cpu_attention_batch,
     .score = kr_cpu_score,
     .score_past = kr_cpu_score_past,
 };

@@ -20,13 +20,19 @@ struct kr_backend {
     float **slab; /* [n_threads][slab_floats] */
     size_t att_floats; /* per-thread attention scratch */
     float **att; /* [n_threads][att_floats] */
-    float *xperm; /* [GEMM_MIN_TOKENS][widest input] tokens reordered for bf16 dot products */
+    /* [max(max_chunk, GEMM_MIN_TOKENS)][widest input] tokens reordered for bf16 dot products:
+     * a decode batch of up to max_chunk rows takes that path too */
+    float *xperm;
 };
 
 void kr_cpu_matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
                    int accumulate, float *y);
+void kr_cpu_matmul_rows(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
+                        int accumulate, float *y);
 void kr_cpu_attention(kr_backend *b, const kr_seq *s, int layer, const float *q, int n,
                       int n_heads, const int32_t *pos, int window, float *out);
+void kr_cpu_attention_batch(kr_backend *b, const kr_seq *const *seqs, int layer, const float *q, int n,
+                            int n_heads, const int32_t *pos, int window, float *out);
 void kr_cpu_score(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
                   int n_heads, int per_head, float *scores, size_t stride);
 void kr_cpu_score_past(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,

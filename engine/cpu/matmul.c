@@ -6,6 +6,10 @@
  * lanes with a shift and a mask against a token vector reordered to match, because the
  * widening shuffle was the bottleneck, not memory). Many tokens (prefill): OpenBLAS sgemm per
  * thread on its rows; bf16/f16 rows are first upcast into a per-thread f32 slab.
+ * The two paths round differently. `kr_cpu_matmul_rows` (decode batches) always takes the
+ * dot-product path: a token's result there does not depend on how many tokens share the call
+ * or on the thread count (row groups of four start at multiples of 16, the odd tail is always
+ * the matrix's last rows), so it equals the one-token call bit for bit.
  */
 #include "cpu.h"
 #include "simd.h"
@@ -97,6 +101,7 @@ typedef struct mm_job {
     const float *x;
     int n;
     int accumulate;
+    int rows_alone; /* every token on the dot-product path, whatever n */
     float *y;
 } mm_job;
 
@@ -184,7 +189,7 @@ static void mm_task(void *arg, int ith, int nth)
     int64_t lo, hi;
     kr_split(j->w->rows, ith, nth, 16, &lo, &hi);
     if (lo >= hi) return;
-    if (j->n < GEMM_MIN_TOKENS) matvec_rows(j, lo, hi);
+    if (j->rows_alone || j->n < GEMM_MIN_TOKENS) matvec_rows(j, lo, hi);
     else gemm_rows(j, ith, lo, hi);
     if (j->bias && j->bias->data) {
         const float *bias = j->bias->data;
@@ -195,11 +200,24 @@ static void mm_task(void *arg, int ith, int nth)
     }
 }
 
+static void matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
+                   int accumulate, int rows_alone, float *y)
+{
+    mm_job j = {.b = b, .w = w, .bias = bias, .x = x, .n = n, .accumulate = accumulate,
+                .rows_alone = rows_alone, .y = y};
+    if ((rows_alone || n < GEMM_MIN_TOKENS) && w->dtype == KR_DTYPE_BF16)
+        for (int t = 0; t < n; t++) kr_deinterleave(x + t * w->cols, (int)w->cols, b->xperm + t * w->cols);
+    kr_threadpool_run(b->tp, mm_task, &j);
+}
+
 void kr_cpu_matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
                    int accumulate, float *y)
 {
-    mm_job j = {.b = b, .w = w, .bias = bias, .x = x, .n = n, .accumulate = accumulate, .y = y};
-    if (n < GEMM_MIN_TOKENS && w->dtype == KR_DTYPE_BF16)
-        for (int t = 0; t < n; t++) kr_deinterleave(x + t * w->cols, (int)w->cols, b->xperm + t * w->cols);
-    kr_threadpool_run(b->tp, mm_task, &j);
+    matmul(b, w, bias, x, n, accumulate, 0, y);
+}
+
+void kr_cpu_matmul_rows(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
+                        int accumulate, float *y)
+{
+    matmul(b, w, bias, x, n, accumulate, 1, y);
 }

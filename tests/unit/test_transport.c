@@ -1,7 +1,8 @@
 /*
  * test_transport.c - the UCX bundle transport (kvtransfer/transport.h) over real loopback UCX:
- * a real bundle round trip, sizes from 1 byte to 32 MiB, concurrent transfers, refusals
- * (unknown reservation, size mismatch, bad bundle) that leave the receiver serving, expiry and
+ * a real bundle round trip into a larger reservation, sizes from 1 byte to 32 MiB, concurrent
+ * transfers, refusals (unknown reservation, a bundle larger than its reservation, bad bundle)
+ * that leave the receiver serving, a smaller bundle accepted with its own size, expiry and
  * send timeouts, and peer death both ways with processes killed by SIGKILL mid-transfer
  * (children are this binary re-executed with --child-*, so no UCX state crosses a fork).
  * Not a benchmark: tools/kvrelay-transfer-bench measures throughput.
@@ -220,7 +221,10 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
     uint64_t size = 0;
     char err[KT_ERR_MAX];
     REQUIRE(kt_bundle_size(&h, lists, &size, err) == 0, "%s", err);
-    uint8_t *src = calloc(1, size), *dst = calloc(1, size);
+    /* The receiver reserves more than the bundle needs (as a decode node reserves the bound):
+     * KT_RESERVE_PARSE must parse exactly the bytes that arrived. */
+    uint64_t cap = size + 4096;
+    uint8_t *src = calloc(1, size), *dst = calloc(1, cap);
     kt_bundle_writer w;
     REQUIRE(kt_bundle_writer_begin(&w, &h, lists, src, size, err) == 0, "%s", err);
     float k[20 * 64], v[20 * 64];
@@ -243,7 +247,7 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
 
     done_box rb;
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 1, dst, size, 5.0, KT_RESERVE_PARSE, box_cb, &rb, err) == 0,
+    REQUIRE(kt_transport_reserve(rx, 1, dst, cap, 5.0, KT_RESERVE_PARSE, box_cb, &rb, err) == 0,
             "%s", err);
     CHECK(kt_transport_reservation_state(rx, 1) == KT_XFER_STATE_RESERVED, "state RESERVED");
     int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 1, src, size, 5.0, err);
@@ -344,20 +348,34 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
     CHECK(rc != 0, "unknown reservation refused (rendezvous size)");
     CHECK_ERR_HAS(err, "unknown or expired reservation 999");
 
-    /* Size mismatch: refused, the reservation stays and then takes the right bundle. */
+    /* A bundle larger than the reservation: refused, the reservation stays and then takes a
+     * smaller one (a reservation is an upper bound), eager and rendezvous sizes. */
     done_box rb;
-    box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 301, dst, sizeof dst, 5.0, 0, box_cb, &rb, err) == 0, "%s",
-            err);
-    rc = kt_transport_send_wait(tx, HOST, port, 301, src, sizeof src - 1, 5.0, err);
-    CHECK(rc != 0, "size mismatch refused");
-    CHECK_ERR_HAS(err, "size mismatch for reservation 301: reserved 40000 bytes, bundle has 39999");
-    CHECK(kt_transport_reservation_state(rx, 301) == KT_XFER_STATE_RESERVED,
-          "reservation survives a mismatched bundle");
-    rc = kt_transport_send_wait(tx, HOST, port, 301, src, sizeof src, 5.0, err);
-    CHECK(rc == 0, "right bundle after a mismatch: %s", err);
-    CHECK(box_wait(&rb, 5.0) && rb.status == 0 && memcmp(src, dst, sizeof dst) == 0,
-          "receiver still serves: %s", rb.msg);
+    static const uint64_t smaller[] = {39999, 1000};
+    for (int i = 0; i < 2; i++) {
+        uint64_t id = 310 + (uint64_t)i, n = smaller[i];
+        uint64_t cap = n + 1;
+        box_init(&rb);
+        memset(dst, 0, sizeof dst);
+        REQUIRE(kt_transport_reserve(rx, id, dst, cap, 5.0, 0, box_cb, &rb, err) == 0, "%s",
+                err);
+        rc = kt_transport_send_wait(tx, HOST, port, id, src, cap + 1, 5.0, err);
+        CHECK(rc != 0, "bundle over the reserved size refused (%" PRIu64 " > %" PRIu64 ")",
+              cap + 1, cap);
+        char want[160];
+        snprintf(want, sizeof want, "bundle too large for reservation %" PRIu64 ": reserved at "
+                 "most %" PRIu64 " bytes, bundle has %" PRIu64, id, cap, cap + 1);
+        CHECK_ERR_HAS(err, want);
+        CHECK(!rb.done && kt_transport_reservation_state(rx, id) == KT_XFER_STATE_RESERVED,
+              "reservation survives a too large bundle");
+        rc = kt_transport_send_wait(tx, HOST, port, id, src, n, 5.0, err);
+        CHECK(rc == 0, "smaller bundle accepted after a refusal: %s", err);
+        CHECK(box_wait(&rb, 5.0) && rb.status == 0 && rb.bytes == n, "callback reports the "
+              "bundle's own size: status %d bytes %" PRIu64 " (want %" PRIu64 ") %s", rb.status,
+              rb.bytes, n, rb.msg);
+        CHECK(memcmp(src, dst, n) == 0 && dst[n] == 0, "smaller bundle lands at the start, "
+              "nothing written past it");
+    }
 
     /* Duplicate reservation and bad arguments. */
     box_init(&rb);

@@ -1,0 +1,502 @@
+/*
+ * loop.c - kvrelay-decode's continuous-batching thread. Each iteration:
+ *   1. admits the Decode calls handed over since the last one: imports each bundle into a
+ *      kr_seq (the policy from the bundle's header, every list appended as received, the next
+ *      position set), so new sequences join at any step;
+ *   2. ends sequences whose call was cancelled (client gone, deadline) or whose reservation was
+ *      released, freeing their blocks at once;
+ *   3. runs one kr_forward_batch over every running sequence (chunks of --max-batch), samples
+ *      each row, streams the tokens and ends the sequences that stopped (EOS, a stop id,
+ *      max_tokens, or the reservation's bound: CONTEXT).
+ * When nothing runs it sleeps on the node's condition variable (woken by a hand-over, a
+ * release or shutdown; at the latest at the next reservation expiry, which it also enforces).
+ * This thread alone touches the KV pool, the kr_ctx and the sequences.
+ * Not here: admission (resv.c) and request checks (service.c).
+ */
+#include "node.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrelay/v1/internal.pb-c.h"
+#include "log.h"
+
+/* Sampled ids held back while the client is behind are sent together, at the latest when this
+ * many are waiting (dn_job.pending's capacity). */
+#define DN_PENDING_MAX ((int)(sizeof(((dn_job *)0)->pending) / sizeof(int32_t)))
+
+typedef struct dn_loop {
+    dn_node *n;
+    dn_job **run; /* running sequences, [n_run] of cap */
+    int n_run, cap;
+    kr_seq **seqs; /* [max_batch] batch scratch */
+    int32_t *tokens; /* [max_batch] */
+    float *logits; /* [max_batch][vocab] */
+    float *kbuf, *vbuf; /* import scratch, rows of head_dim */
+    int32_t *pbuf;
+    size_t import_cap; /* entries the import scratch holds */
+} dn_loop;
+
+void dn_job_free(dn_job *job)
+{
+    if (!job)
+        return;
+    kr_seq_free(job->seq); /* before its policy */
+    kr_policy_free(job->policy);
+    kr_sampler_free(job->sampler);
+    free(job->stop_ids);
+    free(job);
+}
+
+int dn_loop_submit(dn_node *n, dn_job *job)
+{
+    pthread_mutex_lock(&n->lock);
+    int code = n->stopping ? GRPC_STATUS_UNAVAILABLE
+               : job->resv->cancel ? GRPC_STATUS_CANCELLED
+                                   : GRPC_STATUS_OK;
+    if (code == GRPC_STATUS_OK) {
+        job->next = NULL;
+        *n->pending_tail = job;
+        n->pending_tail = &job->next;
+        n->n_pending++;
+        dn_publish_locked(n);
+        pthread_cond_broadcast(&n->cond);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return code;
+}
+
+/* ------------------------------------------------------------------ ending a sequence */
+
+static int send_pending(dn_job *j)
+{
+    if (j->n_pending == 0)
+        return 0;
+    uint32_t ids[DN_PENDING_MAX];
+    for (int i = 0; i < j->n_pending; i++)
+        ids[i] = (uint32_t)j->pending[i];
+    Kvrelay__V1__DecodeTokens toks = KVRELAY__V1__DECODE_TOKENS__INIT;
+    toks.n_ids = (size_t)j->n_pending;
+    toks.ids = ids;
+    Kvrelay__V1__DecodeResponse m = KVRELAY__V1__DECODE_RESPONSE__INIT;
+    m.event_case = KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS;
+    m.tokens = &toks;
+    j->n_pending = 0;
+    return kc_call_send(j->call, &m.base);
+}
+
+static const char *reason_name(Kvrelay__V1__FinishReason r)
+{
+    switch (r) {
+    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
+    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS: return "eos";
+    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_CONTEXT: return "context";
+    default: return "?";
+    }
+}
+
+/* Ends a job: with `reason` (code OK) the remaining tokens and the DecodeFinish go out first.
+ * Frees the sequence (its blocks go back to the pool now), the reservation and the job. */
+__attribute__((format(printf, 4, 5))) static void finish(dn_loop *L, dn_job *j,
+                                                         grpc_status_code code, const char *fmt,
+                                                         ...)
+{
+    dn_node *n = L->n;
+    char msg[256] = "";
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof msg, fmt, ap);
+        va_end(ap);
+    }
+    kr_footprint fp = {0};
+    if (j->seq)
+        kr_seq_footprint(j->seq, &fp);
+    double tpot = j->n_gen > 1 ? (j->t_last - j->t_join) / (double)(j->n_gen - 1) : 0.0;
+    if (code == GRPC_STATUS_OK)
+        kc_call_finish(j->call, code, NULL);
+    else
+        kc_call_finish(j->call, code, "%s", msg);
+    kc_counter_inc(n->m.requests[code], 1);
+    if (code == GRPC_STATUS_OK && j->n_gen > 1)
+        kc_histogram_observe(n->m.tpot, tpot);
+    kc_info(j->request_id, "decode of reservation %" PRIu64 " ended %s after %d tokens%s%s "
+            "(tpot %.2f ms, peak %" PRId64 " KV entries)", j->resv->id, kc_status_name(code),
+            j->n_gen, msg[0] ? ": " : "", msg, tpot * 1e3, fp.peak_entries);
+    kr_seq_free(j->seq);
+    j->seq = NULL;
+    pthread_mutex_lock(&n->lock);
+    dn_resv_unlink_locked(n, j->resv);
+    n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
+    dn_publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    dn_resv_free(j->resv);
+    dn_job_free(j);
+}
+
+/* The normal end: tokens still held back, then DecodeFinish, then OK. */
+static void finish_ok(dn_loop *L, dn_job *j, Kvrelay__V1__FinishReason reason)
+{
+    kr_footprint fp = {0};
+    if (j->seq)
+        kr_seq_footprint(j->seq, &fp);
+    Kvrelay__V1__DecodeFinish fin = KVRELAY__V1__DECODE_FINISH__INIT;
+    fin.reason = reason;
+    fin.completion_tokens = (uint32_t)j->n_gen;
+    fin.tpot_s = j->n_gen > 1 ? (j->t_last - j->t_join) / (double)(j->n_gen - 1) : 0.0;
+    fin.footprint_entry_steps = (uint64_t)(fp.attended + 0.5);
+    fin.footprint_attended = fp.attended;
+    fin.footprint_full = fp.full;
+    fin.peak_kv_entries = (uint64_t)fp.peak_entries;
+    Kvrelay__V1__DecodeResponse m = KVRELAY__V1__DECODE_RESPONSE__INIT;
+    m.event_case = KVRELAY__V1__DECODE_RESPONSE__EVENT_FINISH;
+    m.finish = &fin;
+    if (send_pending(j) != 0 || kc_call_send(j->call, &m.base) != 0) {
+        finish(L, j, GRPC_STATUS_CANCELLED, "the client went away before the end");
+        return;
+    }
+    finish(L, j, GRPC_STATUS_OK, "%s", reason_name(reason));
+}
+
+/* A call that is over from the client's side: which status to record. */
+static grpc_status_code gone_code(dn_job *j)
+{
+    return kc_call_ms_left(j->call) <= 0 ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_CANCELLED;
+}
+
+/* After token `id` joined the completion: the reason to stop, or 0 to go on. */
+static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_t id)
+{
+    if (id == n->mcfg->eos_token_id)
+        return KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
+    for (int i = 0; i < j->n_stop; i++)
+        if (j->stop_ids[i] == id)
+            return KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
+    if (j->n_gen >= j->max_tokens)
+        return KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+    /* The reservation's blocks cover budget_tokens completion tokens; the model's positions
+     * end at max_position_embeddings. */
+    if (j->n_gen >= j->budget_tokens ||
+        (j->seq && kr_seq_next_pos(j->seq) >= n->mcfg->max_position_embeddings))
+        return KVRELAY__V1__FINISH_REASON__FINISH_REASON_CONTEXT;
+    return KVRELAY__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
+}
+
+/* ------------------------------------------------------------------ joining the batch */
+
+static int grow_import_scratch(dn_loop *L, size_t entries, int head_dim)
+{
+    if (entries <= L->import_cap)
+        return 0;
+    size_t rows = entries * (size_t)head_dim;
+    float *k = realloc(L->kbuf, rows * sizeof *k);
+    if (k)
+        L->kbuf = k;
+    float *v = realloc(L->vbuf, rows * sizeof *v);
+    if (v)
+        L->vbuf = v;
+    int32_t *p = realloc(L->pbuf, entries * sizeof *p);
+    if (p)
+        L->pbuf = p;
+    if (!k || !v || !p)
+        return -1;
+    L->import_cap = entries;
+    return 0;
+}
+
+/* The bundle -> a sequence of this node's pool, exactly as the prefill node held it. */
+static int import(dn_loop *L, dn_job *j, char *err)
+{
+    dn_node *n = L->n;
+    const kr_config *c = n->mcfg;
+    const kt_bundle_view *v = &j->view;
+    kr_seq *s = NULL;
+    if (kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &s, err) != KR_OK)
+        return -1;
+    if (kr_seq_set_policy(s, j->policy, err) != KR_OK)
+        goto err_seq;
+    for (int l = 0; l < c->n_layers; l++) {
+        for (int h = 0; h < c->n_kv_heads; h++) {
+            kt_bundle_list_view lv;
+            if (kt_bundle_view_list(v, (uint32_t)l, (uint32_t)h, &lv, err) != 0)
+                goto err_seq;
+            if (lv.count == 0)
+                continue;
+            if (grow_import_scratch(L, lv.count, c->head_dim) != 0) {
+                snprintf(err, KR_ERR_MAX, "out of memory importing %u entries", lv.count);
+                goto err_seq;
+            }
+            if (kt_bundle_list_read(v, &lv, 0, lv.count, L->pbuf, L->kbuf, L->vbuf, err) != 0 ||
+                kr_seq_list_append(s, l, h, (int)lv.count, L->pbuf, L->kbuf, L->vbuf,
+                                   (int)lv.pinned, err) != KR_OK)
+                goto err_seq;
+        }
+    }
+    if (kr_seq_set_next_pos(s, v->hdr.next_pos, err) != KR_OK)
+        goto err_seq;
+    j->seq = s;
+    return 0;
+err_seq:
+    kr_seq_free(s);
+    return -1;
+}
+
+static void admit(dn_loop *L, dn_job *j)
+{
+    dn_node *n = L->n;
+    j->t_join = j->t_last = dn_now();
+    j->n_gen = 1; /* the prefill node's first token */
+    int32_t first = j->view.hdr.first_token;
+    Kvrelay__V1__FinishReason why = stop_reason(n, j, first);
+    if (why) { /* nothing to decode: the router already has the only token */
+        finish_ok(L, j, why);
+        return;
+    }
+    char err[KR_ERR_MAX];
+    double t0 = dn_now();
+    if (import(L, j, err) != 0) {
+        finish(L, j, GRPC_STATUS_INTERNAL, "importing the KV bundle failed: %s", err);
+        return;
+    }
+    kc_histogram_observe(n->m.import_s, dn_now() - t0);
+    /* The bundle's bytes are in the pool now: the staging buffer can go. */
+    free(j->resv->buf);
+    j->resv->buf = NULL;
+    j->next_in = first;
+    if (L->n_run == L->cap) {
+        int cap = L->cap ? 2 * L->cap : 16;
+        dn_job **run = realloc(L->run, (size_t)cap * sizeof *run);
+        if (!run) {
+            finish(L, j, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+            return;
+        }
+        L->run = run;
+        L->cap = cap;
+    }
+    L->run[L->n_run++] = j;
+    pthread_mutex_lock(&n->lock);
+    n->n_running++;
+    n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
+    dn_publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    kc_info(j->request_id, "reservation %" PRIu64 " joined the batch (%" PRId64 " KV entries, "
+            "%d running)", j->resv->id, kr_seq_entries(j->seq), L->n_run);
+}
+
+/* ------------------------------------------------------------------ one step */
+
+/* Removes run[i] (order is not kept: batch order does not change results). */
+static void drop(dn_loop *L, int i)
+{
+    L->run[i] = L->run[--L->n_run];
+    pthread_mutex_lock(&L->n->lock);
+    L->n->n_running--;
+    pthread_mutex_unlock(&L->n->lock);
+}
+
+/* Token `id` was sampled for run[i]: stream it or stop. Returns 1 when the job ended. */
+static int take_token(dn_loop *L, dn_job *j, int32_t id)
+{
+    dn_node *n = L->n;
+    j->n_gen++;
+    j->t_last = dn_now();
+    kc_counter_inc(n->m.tokens, 1);
+    j->pending[j->n_pending++] = id;
+    Kvrelay__V1__FinishReason why = stop_reason(n, j, id);
+    if (why) {
+        finish_ok(L, j, why);
+        return 1;
+    }
+    j->next_in = id;
+    /* One id per message while the client keeps up; several once it falls behind. */
+    if ((j->n_pending == DN_PENDING_MAX || kc_call_backlog(j->call) == 0) &&
+        send_pending(j) != 0) {
+        finish(L, j, gone_code(j), "the stream ended while sending");
+        return 1;
+    }
+    return 0;
+}
+
+/* Feeds run[lo, lo + nb) one token each, samples and streams; a failed batch is retried one
+ * sequence at a time so that a bad sequence ends alone. Ended jobs leave NULL in run[]. */
+static void step_chunk(dn_loop *L, int lo, int nb)
+{
+    dn_node *n = L->n;
+    const int vocab = n->mcfg->vocab_size;
+    char err[KR_ERR_MAX];
+    for (int i = 0; i < nb; i++) {
+        L->seqs[i] = L->run[lo + i]->seq;
+        L->tokens[i] = L->run[lo + i]->next_in;
+    }
+    int ok = kr_forward_batch(n->ctx, L->seqs, L->tokens, nb, L->logits, err) == KR_OK;
+    kc_histogram_observe(n->m.batch_size, nb);
+    if (!ok) {
+        kc_error(NULL, "batched decode step of %d sequences failed: %s; retrying one by one", nb,
+                 err);
+        for (int i = 0; i < nb; i++) {
+            if (kr_forward_batch(n->ctx, &L->seqs[i], &L->tokens[i], 1,
+                                 L->logits + (size_t)i * vocab, err) != KR_OK) {
+                finish(L, L->run[lo + i], GRPC_STATUS_INTERNAL, "decode step failed: %s", err);
+                L->run[lo + i] = NULL;
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++) {
+        dn_job *j = L->run[lo + i];
+        if (j && take_token(L, j, kr_sampler_sample(j->sampler, L->logits + (size_t)i * vocab)))
+            L->run[lo + i] = NULL;
+    }
+}
+
+static void step(dn_loop *L)
+{
+    dn_node *n = L->n;
+    int max_batch = n->cfg.max_batch, total = L->n_run;
+    for (int lo = 0; lo < total; lo += max_batch)
+        step_chunk(L, lo, total - lo < max_batch ? total - lo : max_batch);
+    for (int i = L->n_run - 1; i >= 0; i--)
+        if (!L->run[i])
+            drop(L, i);
+    pthread_mutex_lock(&n->lock);
+    n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
+    dn_publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+}
+
+/* ------------------------------------------------------------------ the thread */
+
+static void wait_for_work_locked(dn_node *n, dn_loop *L)
+{
+    for (;;) {
+        double now = dn_now(), next = dn_resv_reap_locked(n, now);
+        if (n->stopping || n->pending || L->n_run > 0)
+            return;
+        double wait = next - now;
+        if (wait > 1.0)
+            wait = 1.0;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        long ns = (long)(wait * 1e9) + 1000000L;
+        until.tv_sec += ns / 1000000000L;
+        until.tv_nsec += ns % 1000000000L;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&n->cond, &n->lock, &until);
+    }
+}
+
+static void *loop_main(void *arg)
+{
+    dn_loop *L = arg;
+    dn_node *n = L->n;
+    for (;;) {
+        pthread_mutex_lock(&n->lock);
+        wait_for_work_locked(n, L);
+        dn_job *joining = n->pending;
+        n->pending = NULL;
+        n->pending_tail = &n->pending;
+        n->n_pending = 0;
+        int stopping = n->stopping;
+        /* Releases of running sequences (Release sets the flag under this lock). */
+        for (int i = 0; i < L->n_run; i++)
+            L->run[i]->released = L->run[i]->resv->cancel;
+        dn_publish_locked(n);
+        pthread_mutex_unlock(&n->lock);
+
+        for (dn_job *j = joining, *nx; j; j = nx) {
+            nx = j->next;
+            j->next = NULL;
+            if (stopping)
+                finish(L, j, GRPC_STATUS_UNAVAILABLE, "decode node %s is shutting down",
+                       n->cfg.id);
+            else if (kc_call_cancelled(j->call))
+                finish(L, j, gone_code(j), "the client went away before decoding started");
+            else
+                admit(L, j);
+        }
+        for (int i = L->n_run - 1; i >= 0; i--) {
+            dn_job *j = L->run[i];
+            if (stopping)
+                finish(L, j, GRPC_STATUS_UNAVAILABLE, "decode node %s is shutting down",
+                       n->cfg.id);
+            else if (j->released)
+                finish(L, j, GRPC_STATUS_CANCELLED, "reservation %" PRIu64 " was released",
+                       j->resv->id);
+            else if (kc_call_cancelled(j->call))
+                finish(L, j, gone_code(j), "the client went away");
+            else
+                continue;
+            drop(L, i);
+        }
+        if (stopping)
+            break;
+        if (L->n_run > 0)
+            step(L);
+    }
+    pthread_mutex_lock(&n->lock);
+    n->loop_alive = 0;
+    n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
+    dn_publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    free(L->run);
+    free(L->seqs);
+    free(L->tokens);
+    free(L->logits);
+    free(L->kbuf);
+    free(L->vbuf);
+    free(L->pbuf);
+    free(L);
+    return NULL;
+}
+
+int dn_loop_start(dn_node *n, char *err)
+{
+    dn_loop *L = calloc(1, sizeof *L);
+    int mb = n->cfg.max_batch;
+    if (L) {
+        L->n = n;
+        L->seqs = calloc((size_t)mb, sizeof *L->seqs);
+        L->tokens = calloc((size_t)mb, sizeof *L->tokens);
+        L->logits = malloc((size_t)mb * (size_t)n->mcfg->vocab_size * sizeof *L->logits);
+    }
+    if (!L || !L->seqs || !L->tokens || !L->logits) {
+        if (L) {
+            free(L->seqs);
+            free(L->tokens);
+            free(L->logits);
+        }
+        free(L);
+        snprintf(err, 256, "out of memory for a batch of %d (%d-token vocabulary)", mb,
+                 n->mcfg->vocab_size);
+        return -1;
+    }
+    n->pending_tail = &n->pending;
+    n->loop_alive = 1;
+    if (pthread_create(&n->loop, NULL, loop_main, L) != 0) {
+        n->loop_alive = 0;
+        free(L->seqs);
+        free(L->tokens);
+        free(L->logits);
+        free(L);
+        snprintf(err, 256, "cannot start the batching thread");
+        return -1;
+    }
+    return 0;
+}
+
+void dn_loop_stop(dn_node *n)
+{
+    pthread_mutex_lock(&n->lock);
+    n->stopping = 1;
+    pthread_cond_broadcast(&n->cond);
+    pthread_mutex_unlock(&n->lock);
+    pthread_join(n->loop, NULL);
+}

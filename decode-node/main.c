@@ -1,0 +1,362 @@
+/*
+ * main.c - kvrelay-decode: the decode node of a kvrelay cluster (DESIGN.md section 2). It loads
+ * the model, owns one KV block pool, receives KV bundles from prefill nodes over UCX into
+ * reservations, and decodes every admitted sequence in one continuous batch, streaming tokens
+ * to the router. This file: flags, start-up, the serving line, metrics registration, and the
+ * shutdown on SIGINT/SIGTERM. The rest: node.h. Docs: docs/decode-node.md.
+ * Run: kvrelay-decode --model DIR [--listen 127.0.0.1:7201] [--transfer 127.0.0.1:7202]
+ *      [--http 127.0.0.1:7203] [--kv-blocks N | --kv-memory 1G] ...   (--help lists all)
+ * Not here: membership (etcd), TLS, CUDA graphs; a node serves one model.
+ */
+#include "node.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvrelay-decode --model DIR [options]\n"
+            "\n"
+            "The decode node of a kvrelay cluster: reserves KV blocks for requests, receives\n"
+            "their compressed KV cache from prefill nodes over UCX, and decodes all admitted\n"
+            "sequences in one continuous batch, streaming tokens over gRPC (kvrelay.v1.Decode).\n"
+            "Prints one line 'decode ID: serving grpc HOST:PORT http HOST:PORT' once serving.\n"
+            "\n"
+            "  --model DIR              Hugging Face model directory (required)\n"
+            "  --id NAME                node id in logs, Status and metrics (default decode-0)\n"
+            "  --listen HOST:PORT       gRPC address (default 127.0.0.1:7201; port 0: any free)\n"
+            "  --transfer HOST:PORT     UCX listener for KV bundles (default 127.0.0.1:7202)\n"
+            "  --advertise HOST         host put in transfer_address (default: the --transfer\n"
+            "                           host; required when that is 0.0.0.0)\n"
+            "  --http HOST:PORT         /metrics and /healthz (default 127.0.0.1:7203)\n"
+            "  --kv-blocks N            KV pool size in blocks\n"
+            "  --kv-memory SIZE         KV pool size in bytes, K/M/G suffixes (default 1G;\n"
+            "                           ignored with --kv-blocks)\n"
+            "  --block-size N           entries per KV block (default 16)\n"
+            "  --threads N              compute threads (default: all online CPUs)\n"
+            "  --max-batch N            most sequences per batched forward call (default 32;\n"
+            "                           more running sequences take several calls per step)\n"
+            "  --reservation-ttl-ms MS  expiry of a reservation whose Reserve gave no ttl_ms\n"
+            "                           (default 30000)\n"
+            "  --backend cpu|cuda       compute backend (default cpu)\n"
+            "  --log-level LEVEL        debug, info (default), warn, error\n"
+            "  -h, --help               this help\n"
+            "\n"
+            "example: kvrelay-decode --model build/models/default --listen 127.0.0.1:0 \\\n"
+            "             --transfer 127.0.0.1:0 --http 127.0.0.1:0 --kv-memory 256M\n");
+}
+
+__attribute__((format(printf, 1, 2), noreturn)) static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("kvrelay-decode: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(2);
+}
+
+static const char *value(int argc, char **argv, int *i)
+{
+    if (*i + 1 >= argc)
+        die("%s needs a value (see --help)", argv[*i]);
+    return argv[++*i];
+}
+
+static long long number(const char *flag, const char *s, long long lo, long long hi)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end)
+        die("%s: '%s' is not an integer", flag, s);
+    if (v < lo || v > hi)
+        die("%s: %lld is out of range [%lld, %lld]", flag, v, lo, hi);
+    return v;
+}
+
+/* "1073741824", "512M", "2G", "64MiB" */
+static int64_t bytes(const char *flag, const char *s)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || !(v > 0))
+        die("%s: '%s' is not a positive size (e.g. 512M, 2G)", flag, s);
+    double mul = 1;
+    if (*end == 'K' || *end == 'k')
+        mul = 1024.0;
+    else if (*end == 'M' || *end == 'm')
+        mul = 1024.0 * 1024.0;
+    else if (*end == 'G' || *end == 'g')
+        mul = 1024.0 * 1024.0 * 1024.0;
+    else if (*end)
+        die("%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end);
+    if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
+        die("%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end);
+    if (v * mul > 1e15)
+        die("%s: '%s' is too large", flag, s);
+    return (int64_t)(v * mul);
+}
+
+/* "HOST:PORT" -> host (copied) and port; dies naming the flag. */
+static void hostport(const char *flag, const char *s, char *host, size_t cap, int *port)
+{
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s || (size_t)(colon - s) >= cap)
+        die("%s: '%s' is not HOST:PORT", flag, s);
+    memcpy(host, s, (size_t)(colon - s));
+    host[colon - s] = 0;
+    *port = (int)number(flag, colon + 1, 0, 65535);
+}
+
+static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
+{
+    memset(c, 0, sizeof *c);
+    c->id = "decode-0";
+    c->listen = "127.0.0.1:7201";
+    c->transfer = "127.0.0.1:7202";
+    c->http = "127.0.0.1:7203";
+    c->kv_memory = (int64_t)1 << 30;
+    c->block_size = 16;
+    c->max_batch = 32;
+    c->ttl_ms = 30000;
+    c->backend = KR_BACKEND_CPU;
+    *level = KC_LOG_INFO;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        } else if (!strcmp(a, "--model")) c->model_dir = value(argc, argv, &i);
+        else if (!strcmp(a, "--id")) c->id = value(argc, argv, &i);
+        else if (!strcmp(a, "--listen")) c->listen = value(argc, argv, &i);
+        else if (!strcmp(a, "--transfer")) c->transfer = value(argc, argv, &i);
+        else if (!strcmp(a, "--advertise")) c->advertise = value(argc, argv, &i);
+        else if (!strcmp(a, "--http")) c->http = value(argc, argv, &i);
+        else if (!strcmp(a, "--kv-blocks")) c->kv_blocks = number(a, value(argc, argv, &i), 1, INT_MAX);
+        else if (!strcmp(a, "--kv-memory")) c->kv_memory = bytes(a, value(argc, argv, &i));
+        else if (!strcmp(a, "--block-size")) c->block_size = (int)number(a, value(argc, argv, &i), 1, 4096);
+        else if (!strcmp(a, "--threads")) c->threads = (int)number(a, value(argc, argv, &i), 1, 1024);
+        else if (!strcmp(a, "--max-batch")) c->max_batch = (int)number(a, value(argc, argv, &i), 1, 4096);
+        else if (!strcmp(a, "--reservation-ttl-ms"))
+            c->ttl_ms = (int)number(a, value(argc, argv, &i), 1, DN_MAX_TTL_MS);
+        else if (!strcmp(a, "--backend")) {
+            const char *b = value(argc, argv, &i);
+            if (!strcmp(b, "cpu")) c->backend = KR_BACKEND_CPU;
+            else if (!strcmp(b, "cuda")) c->backend = KR_BACKEND_CUDA;
+            else die("--backend: '%s' is not cpu or cuda", b);
+        } else if (!strcmp(a, "--log-level")) {
+            const char *l = value(argc, argv, &i);
+            if (kc_log_parse_level(l, level) != 0)
+                die("--log-level: '%s' is not debug, info, warn or error", l);
+        } else die("unknown argument '%s' (see --help)", a);
+    }
+    if (!c->model_dir)
+        die("--model DIR is required (see --help)");
+    if (!c->id[0] || strlen(c->id) > 64)
+        die("--id: '%s' must be 1 to 64 characters", c->id);
+}
+
+/* ------------------------------------------------------------------ metrics */
+
+static const double batch_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+
+static int metrics_init(dn_metrics *m)
+{
+    kc_registry *r = m->reg = kc_registry_create();
+    if (!r)
+        return -1;
+    /* Names and meanings: docs/observability.md (the naming standard). */
+    m->blocks_used = kc_gauge_add(r, "kvrelay_kv_blocks_used", "KV pool blocks held by sequences",
+                                  NULL);
+    m->blocks_free = kc_gauge_add(r, "kvrelay_kv_blocks_free",
+                                  "KV pool blocks free (including reserved ones not yet used)",
+                                  NULL);
+    m->blocks_reserved = kc_gauge_add(r, "kvrelay_kv_blocks_reserved",
+                                      "KV blocks promised to reservations and not yet used", NULL);
+    m->running = kc_gauge_add(r, "kvrelay_running_sequences", "Sequences in the decode batch",
+                              NULL);
+    m->queued = kc_gauge_add(r, "kvrelay_queue_depth",
+                             "Decode calls handed to the batching loop, not yet in the batch",
+                             NULL);
+    m->reservations = kc_gauge_add(r, "kvrelay_decode_reservations",
+                                   "Live reservations (waiting, ready, decoding, failed)", NULL);
+    m->batch_size = kc_histogram_add(r, "kvrelay_batch_size",
+                                     "Sequences per batched forward call", NULL, batch_buckets,
+                                     (int)(sizeof batch_buckets / sizeof batch_buckets[0]));
+    m->tpot = kc_histogram_add(r, "kvrelay_tpot_seconds",
+                               "Mean seconds per output token after the first, per request", NULL,
+                               kc_latency_buckets, kc_n_latency_buckets);
+    m->import_s = kc_histogram_add(r, "kvrelay_decode_import_seconds",
+                                   "Seconds to import a KV bundle into the pool", NULL,
+                                   kc_latency_buckets, kc_n_latency_buckets);
+    m->tokens = kc_counter_add(r, "kvrelay_tokens_generated_total",
+                               "Completion tokens sampled by the batching loop (the first is the prefill node's)",
+                               NULL);
+    m->expired = kc_counter_add(r, "kvrelay_decode_reservations_expired_total",
+                                "Reservations that expired unused and returned their blocks", NULL);
+    if (!m->blocks_used || !m->blocks_reserved || !m->blocks_free ||
+        !m->running || !m->queued || !m->reservations || !m->batch_size || !m->tpot ||
+        !m->import_s || !m->tokens || !m->expired)
+        return -1;
+    for (int code = 0; code <= GRPC_STATUS_UNAUTHENTICATED; code++) {
+        char label[64];
+        snprintf(label, sizeof label, "status=\"%s\"", kc_status_name((grpc_status_code)code));
+        m->requests[code] = kc_counter_add(r, "kvrelay_requests_total",
+                                           "Decode streams by final gRPC status", label);
+        m->reserves[code] = kc_counter_add(r, "kvrelay_decode_reserves_total",
+                                           "Reserve calls by gRPC status", label);
+        if (!m->requests[code] || !m->reserves[code])
+            return -1;
+    }
+    return 0;
+}
+
+static int healthy(void *user, char *reason, size_t cap)
+{
+    dn_node *n = user;
+    pthread_mutex_lock(&n->lock);
+    int stopping = n->stopping, alive = n->loop_alive;
+    pthread_mutex_unlock(&n->lock);
+    if (stopping)
+        snprintf(reason, cap, "shutting down");
+    else if (!alive)
+        snprintf(reason, cap, "the batching loop has stopped");
+    return !stopping && alive;
+}
+
+/* ------------------------------------------------------------------ main */
+
+int main(int argc, char **argv)
+{
+    dn_node node, *n = &node;
+    memset(n, 0, sizeof *n);
+    kc_log_level level;
+    parse(argc, argv, &n->cfg, &level);
+    const dn_config *c = &n->cfg;
+    kc_log_init(c->id, level);
+
+    /* Signals go to main's sigwait only: block them before any thread starts. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    char thost[128], hhost[128], ghost[128];
+    int tport, hport, gport;
+    hostport("--transfer", c->transfer, thost, sizeof thost, &tport);
+    hostport("--http", c->http, hhost, sizeof hhost, &hport);
+    hostport("--listen", c->listen, ghost, sizeof ghost, &gport);
+    const char *adv = c->advertise ? c->advertise : thost;
+    if (strlen(adv) >= sizeof thost)
+        die("--advertise: '%s' is longer than %zu characters", adv, sizeof thost - 1);
+    if (!strcmp(adv, "0.0.0.0"))
+        die("--transfer %s listens on every interface: give --advertise HOST, the address "
+            "prefill nodes reach this node at", c->transfer);
+
+    char err[KT_ERR_MAX > KR_ERR_MAX ? KT_ERR_MAX : KR_ERR_MAX];
+    kr_model_opts mo = {.verbose = 1};
+    if (kr_model_load(c->model_dir, &mo, &n->model, err) != KR_OK) {
+        kc_error(NULL, "loading the model: %s", err);
+        return 1;
+    }
+    n->mcfg = kr_model_config(n->model);
+    snprintf(n->fingerprint, sizeof n->fingerprint, "%s", kr_model_fingerprint(n->model));
+    n->zero_logits = calloc((size_t)n->mcfg->vocab_size, sizeof *n->zero_logits);
+    int64_t block_bytes = (int64_t)c->block_size * ((int64_t)n->mcfg->head_dim * 8 + 4);
+    int64_t blocks = c->kv_blocks ? c->kv_blocks : c->kv_memory / block_bytes;
+    if (blocks < 1 || blocks > INT_MAX)
+        die("--kv-memory %" PRId64 " bytes gives %" PRId64 " blocks of %" PRId64 " bytes: give "
+            "between 1 and %d blocks", c->kv_memory, blocks, block_bytes, INT_MAX);
+    kr_ctx_params cp = {.backend = c->backend, .n_threads = c->threads,
+                        .max_chunk = c->max_batch};
+    if (!n->zero_logits ||
+        kr_kv_pool_create(n->mcfg->head_dim, c->block_size, (int)blocks, &n->pool, err) != KR_OK ||
+        kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) {
+        kc_error(NULL, "%s", n->zero_logits ? err : "out of memory");
+        return 1;
+    }
+    n->total_blocks = blocks;
+    kc_info(NULL, "model %s (fingerprint %s): %d layers x %d KV heads x %d dims; KV pool %" PRId64
+            " blocks of %d entries (%.1f MiB); %d threads, batches of up to %d", c->model_dir,
+            n->fingerprint, n->mcfg->n_layers, n->mcfg->n_kv_heads, n->mcfg->head_dim, blocks,
+            c->block_size, (double)(blocks * block_bytes) / 1048576.0, kr_ctx_n_threads(n->ctx),
+            c->max_batch);
+
+    pthread_mutex_init(&n->lock, NULL);
+    pthread_cond_init(&n->cond, NULL);
+    if (metrics_init(&n->m) != 0) {
+        kc_error(NULL, "cannot register the metrics (out of memory)");
+        return 1;
+    }
+    dn_publish_locked(n); /* no other thread yet */
+
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = thost,
+                              .listen_port = (uint16_t)tport, .name = c->id};
+    if (kt_transport_create(&tc, &n->transport, err) != 0) {
+        kc_error(NULL, "--transfer %s: %s", c->transfer, err);
+        return 1;
+    }
+    snprintf(n->transfer_addr, sizeof n->transfer_addr, "%s:%u", adv,
+             kt_transport_port(n->transport));
+
+    kc_status st;
+    if (kc_server_create(c->listen, NULL, &n->server, &gport, &st) != 0) {
+        kc_error(NULL, "--listen %s: %s", c->listen, st.details);
+        return 1;
+    }
+    snprintf(n->grpc_addr, sizeof n->grpc_addr, "%s:%d", c->advertise ? c->advertise : ghost,
+             gport);
+    if (dn_service_register(n, err) != 0 || dn_loop_start(n, err) != 0) {
+        kc_error(NULL, "%s", err);
+        return 1;
+    }
+    if (kc_server_start(n->server, &st) != 0) {
+        kc_error(NULL, "starting gRPC: %s", st.details);
+        return 1;
+    }
+    n->http = kc_http_start(hhost, hport, n->m.reg, healthy, n, &hport, err);
+    if (!n->http) {
+        kc_error(NULL, "--http %s: %s", c->http, err);
+        return 1;
+    }
+    snprintf(n->http_addr, sizeof n->http_addr, "%s:%d", hhost, hport);
+    n->since_unix_ms = dn_unix_ms();
+    kc_info(NULL, "serving kvrelay.v1.Decode on %s, KV bundles on %s, metrics on http://%s",
+            n->grpc_addr, n->transfer_addr, n->http_addr);
+    printf("decode %s: serving grpc %s http %s\n", c->id, n->grpc_addr, n->http_addr);
+    fflush(stdout);
+
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    kc_health_set_serving(n->health, 0);
+    dn_loop_stop(n); /* ends every stream (UNAVAILABLE) and frees their sequences */
+    kc_server_destroy(n->server); /* waits for every handler */
+    dn_resv_release_all(n);
+    kt_transport_destroy(n->transport);
+    kc_http_stop(n->http);
+    kc_health_free(n->health);
+    kc_registry_free(n->m.reg);
+    kr_ctx_free(n->ctx);
+    kr_kv_pool_free(n->pool);
+    kr_model_free(n->model);
+    free(n->zero_logits);
+    pthread_cond_destroy(&n->cond);
+    pthread_mutex_destroy(&n->lock);
+    kc_info(NULL, "stopped");
+    return 0;
+}

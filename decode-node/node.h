@@ -1,0 +1,180 @@
+/*
+ * node.h - kvrelay-decode's internals, shared by its sources (not a library: nothing outside
+ * decode-node/ includes it). Design, flags and failure behaviour: docs/decode-node.md.
+ *
+ * The pieces and who owns what:
+ *   main.c     flags, start-up (model, KV pool, transport, gRPC, HTTP), signals, shutdown
+ *   resv.c     the reservation table: admission against free-minus-reserved blocks, staging
+ *              buffers, the transport's completion callback, release, expiry
+ *   service.c  the Decode service's handlers (Reserve, Decode, Release, Status)
+ *   loop.c     the continuous-batching thread: imports bundles into sequences, one
+ *              kr_forward_batch per step over every running sequence, sampling, streaming
+ *
+ * Threads: gRPC handler threads (one per call), the transport's progress thread (callbacks),
+ * the batching loop thread, libmicrohttpd's threads, and main (waits for a signal). Everything
+ * mutable below is guarded by dn_node.lock, except what the loop alone touches: the KV pool,
+ * kr_ctx, the sequences and the running set (marked "loop only").
+ */
+#ifndef DN_NODE_H
+#define DN_NODE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "bundle.h"
+#include "health.h"
+#include "http.h"
+#include "kr.h"
+#include "metrics.h"
+#include "rpc.h"
+#include "transport.h"
+
+#define DN_REQUEST_ID_MAX 64 /* request ids are cut to this for logs */
+#define DN_MAX_STOP_IDS 1024
+#define DN_MAX_TTL_MS 600000 /* a Reserve may ask for at most 10 minutes */
+
+/* Immutable after start-up: what the flags said. */
+typedef struct dn_config {
+    const char *model_dir;
+    const char *id; /* node id, e.g. "decode-0" */
+    const char *listen; /* gRPC HOST:PORT */
+    const char *transfer; /* UCX listener HOST:PORT */
+    const char *http; /* HOST:PORT of /metrics and /healthz */
+    const char *advertise; /* host put in transfer_address; NULL: the --transfer host */
+    int64_t kv_blocks; /* 0: from kv_memory */
+    int64_t kv_memory; /* bytes for the KV pool when kv_blocks is 0 */
+    int block_size;
+    int threads; /* 0: all online CPUs */
+    int max_batch; /* most sequences per kr_forward_batch call */
+    int ttl_ms; /* default reservation expiry */
+    kr_backend_kind backend;
+} dn_config;
+
+typedef enum dn_resv_state {
+    DN_RESV_WAITING = 0, /* reserved in the transport, bundle not (fully) here */
+    DN_RESV_READY = 1, /* bundle arrived and parsed by the transport; no Decode yet */
+    DN_RESV_FAILED = 2, /* the transfer failed or expired: blocks returned, message kept for a
+                           Decode call that asks (a tombstone with no blocks) */
+    DN_RESV_DECODING = 3, /* a Decode call took it; freed by that call's path (handler or loop) */
+} dn_resv_state;
+
+/* One reservation. Lives in dn_node.resvs; found by id under the lock. Freed by whoever
+ * unlinks it (Release, expiry, the loop when its sequence ends, a Decode that fails). */
+typedef struct dn_resv {
+    struct dn_resv *next;
+    uint64_t id; /* random, never 0 */
+    char request_id[DN_REQUEST_ID_MAX + 1];
+    dn_resv_state state;
+    int64_t blocks; /* the blocks bound, counted in dn_node.reserved_sum; 0 once returned */
+    int prompt_tokens, max_tokens; /* as reserved: what `blocks` covers */
+    int max_list_entries; /* most entries a bundle list may bring (the bound's assumption) */
+    kr_policy *policy; /* parsed from the Reserve request (owned) */
+    uint8_t *buf; /* staging buffer the bundle lands in (owned), `cap` bytes */
+    uint64_t cap, len; /* len: bytes that arrived (READY) */
+    int xfer_open; /* the transport still holds buf (its callback has not run) */
+    int cancel; /* DECODING: Release asked to end it */
+    int waiters; /* Decode calls waiting for the bundle (they hold no pointer, only the id) */
+    double expires; /* monotonic seconds: an unused READY reservation is dropped then */
+    double failed_at; /* FAILED: when (tombstones are dropped a while later) */
+    int64_t expires_unix_ms;
+    char err[KT_ERR_MAX]; /* FAILED: the transport's message */
+} dn_resv;
+
+/* One sequence handed from a Decode call to the loop. Created by the Decode handler, owned by
+ * the loop from the hand-over on. */
+typedef struct dn_job {
+    struct dn_job *next; /* pending list */
+    dn_resv *resv; /* DECODING: nobody else frees it */
+    kc_call *call; /* detached; finished exactly once by the loop */
+    char request_id[DN_REQUEST_ID_MAX + 1];
+    kt_bundle_view view; /* into resv->buf, until imported */
+    kr_policy *policy; /* parsed from the bundle's header; outlives seq */
+    kr_sampler *sampler;
+    int32_t *stop_ids; /* [n_stop] */
+    int n_stop;
+    int max_tokens; /* completion tokens allowed, the first included */
+    int budget_tokens; /* what the reservation's blocks cover (CONTEXT beyond it) */
+    /* loop only, from the import on */
+    kr_seq *seq;
+    int32_t next_in; /* the token fed at the next step */
+    int n_gen; /* completion tokens so far, the first included */
+    int32_t pending[64]; /* sampled ids not yet sent (the client is behind) */
+    int n_pending;
+    double t_join, t_last; /* monotonic: joined the batch, last token */
+    int released; /* its reservation's cancel flag, as the loop last read it */
+} dn_job;
+
+/* Metrics (names and meanings: docs/observability.md, docs/decode-node.md; main.c registers). */
+typedef struct dn_metrics {
+    kc_registry *reg;
+    kc_gauge *blocks_used, *blocks_free, *blocks_reserved;
+    kc_gauge *running, *queued, *reservations;
+    kc_histogram *batch_size, *tpot, *import_s;
+    kc_counter *tokens;
+    kc_counter *requests[GRPC_STATUS_UNAUTHENTICATED + 1]; /* Decode streams by final status */
+    kc_counter *reserves[GRPC_STATUS_UNAUTHENTICATED + 1]; /* Reserve calls by status */
+    kc_counter *expired;
+} dn_metrics;
+
+typedef struct dn_node {
+    dn_config cfg;
+    kr_model *model;
+    const kr_config *mcfg;
+    char fingerprint[17];
+    float *zero_logits; /* [vocab]: what a sampler skips a draw with */
+    kr_kv_pool *pool; /* loop only (after start-up) */
+    kr_ctx *ctx; /* loop only */
+    kt_transport *transport;
+    kc_server *server;
+    kc_health *health;
+    kc_http *http;
+    dn_metrics m;
+    char grpc_addr[160], transfer_addr[160], http_addr[160]; /* HOST:PORT, host <= 127 chars */
+    int64_t since_unix_ms;
+
+    pthread_mutex_t lock;
+    pthread_cond_t cond; /* loop wake-ups, bundle arrivals, releases */
+    int stopping; /* no new reservations or decodes; the loop drains and exits */
+    int loop_alive; /* cleared by the loop thread on exit (health) */
+    dn_resv *resvs;
+    int n_resvs;
+    int64_t total_blocks; /* the pool's */
+    int64_t reserved_sum; /* sum of live reservations' bounds (used blocks included) */
+    int64_t used_blocks; /* blocks held by sequences, as the loop last saw the pool */
+    dn_job *pending; /* Decode calls handed over, not yet admitted by the loop (FIFO) */
+    dn_job **pending_tail;
+    int n_pending, n_running, n_waiting; /* n_waiting: Decode calls waiting for a bundle */
+    pthread_t loop;
+} dn_node;
+
+/* resv.c */
+/* Admits a reservation (takes `policy` in every case) and reserves its staging buffer in the
+ * transport. Returns a grpc_status_code: OK with the outputs set, or an error with `err`
+ * (KT_ERR_MAX bytes): RESOURCE_EXHAUSTED when the bound does not fit the free blocks. */
+int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
+                  int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
+                  int64_t *expires_unix_ms_out, char *err);
+dn_resv *dn_resv_find_locked(dn_node *n, uint64_t id);
+void dn_resv_unlink_locked(dn_node *n, dn_resv *r);
+void dn_resv_free(dn_resv *r); /* after unlink; returns nothing to the accounting */
+int dn_resv_release(dn_node *n, uint64_t id, const char *request_id);
+double dn_resv_reap_locked(dn_node *n, double now); /* returns the next deadline */
+void dn_resv_release_all(dn_node *n);
+void dn_publish_locked(dn_node *n); /* gauges from the accounting */
+
+/* service.c */
+int dn_service_register(dn_node *n, char *err);
+
+/* loop.c */
+int dn_loop_start(dn_node *n, char *err);
+/* Hands a job to the loop (GRPC_STATUS_OK), or refuses it, job untouched: UNAVAILABLE when the
+ * node is stopping, CANCELLED when its reservation was released meanwhile. */
+int dn_loop_submit(dn_node *n, dn_job *job);
+void dn_loop_stop(dn_node *n);
+void dn_job_free(dn_job *job); /* the job's own allocations (not resv, not call) */
+
+/* time */
+double dn_now(void); /* monotonic seconds */
+int64_t dn_unix_ms(void);
+
+#endif /* DN_NODE_H */

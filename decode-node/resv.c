@@ -1,0 +1,330 @@
+/*
+ * resv.c - kvrelay-decode's reservations: admission of a Reserve against the pool's blocks not
+ * yet promised to anyone, the staging buffer the KV bundle lands in, the transport's completion
+ * callback, Release, and expiry. Accounting (docs/decode-node.md "Admission"):
+ *   reserved_sum = sum of the blocks bound of every live reservation (a running sequence's
+ *                  reservation included: its blocks in use count inside its bound),
+ *   used         = blocks sequences hold in the pool (the loop's last look),
+ *   free         = total - reserved_sum (what a new Reserve may take),
+ *   reserved     = reserved_sum - used (promised, not yet taken from the pool).
+ * A reservation is admitted when its bound fits in `free`, so every admitted sequence can reach
+ * its bound at once and kr_forward_batch never runs out of blocks.
+ * Not here: what happens to the bundle after it arrived (service.c checks it, loop.c imports).
+ */
+#include "node.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "log.h"
+
+/* A FAILED reservation keeps its message this long for a Decode call that comes to ask. */
+#define DN_TOMBSTONE_S 60.0
+
+double dn_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int64_t dn_unix_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+void dn_publish_locked(dn_node *n)
+{
+    int64_t reserved = n->reserved_sum - n->used_blocks;
+    kc_gauge_set(n->m.blocks_used, (double)n->used_blocks);
+    kc_gauge_set(n->m.blocks_reserved, (double)(reserved > 0 ? reserved : 0));
+    kc_gauge_set(n->m.blocks_free, (double)(n->total_blocks - n->used_blocks));
+    kc_gauge_set(n->m.running, (double)n->n_running);
+    kc_gauge_set(n->m.queued, (double)n->n_pending);
+    kc_gauge_set(n->m.reservations, (double)n->n_resvs);
+}
+
+dn_resv *dn_resv_find_locked(dn_node *n, uint64_t id)
+{
+    for (dn_resv *r = n->resvs; r; r = r->next)
+        if (r->id == id)
+            return r;
+    return NULL;
+}
+
+/* Takes r out of the table and returns its blocks to the accounting. */
+void dn_resv_unlink_locked(dn_node *n, dn_resv *r)
+{
+    for (dn_resv **pp = &n->resvs; *pp; pp = &(*pp)->next) {
+        if (*pp == r) {
+            *pp = r->next;
+            n->n_resvs--;
+            break;
+        }
+    }
+    n->reserved_sum -= r->blocks;
+    r->blocks = 0;
+    dn_publish_locked(n);
+    pthread_cond_broadcast(&n->cond); /* a Decode waiting on this id learns it is gone */
+}
+
+void dn_resv_free(dn_resv *r)
+{
+    if (!r)
+        return;
+    kr_policy_free(r->policy);
+    free(r->buf);
+    free(r);
+}
+
+/* A fresh id: random (a stale id held by a router is never someone else's reservation),
+ * never 0, not in the table. */
+static uint64_t new_id_locked(dn_node *n)
+{
+    for (;;) {
+        uint64_t id = 0;
+        if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id) {
+            /* no entropy source: mix the clock with a counter, still never 0 */
+            static uint64_t ctr;
+            id = (uint64_t)dn_unix_ms() * 0x9e3779b97f4a7c15ull ^ (++ctr * 0xbf58476d1ce4e5b9ull);
+        }
+        if (id != 0 && !dn_resv_find_locked(n, id))
+            return id;
+    }
+}
+
+/* The transport's completion of a reservation (its progress thread, no transport lock held). */
+static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
+{
+    dn_node *n = arg;
+    uint8_t *drop = NULL;
+    pthread_mutex_lock(&n->lock);
+    dn_resv *r = dn_resv_find_locked(n, id);
+    if (r && r->xfer_open) { /* a released reservation was unlinked first: nothing to do */
+        r->xfer_open = 0;
+        if (status == 0) {
+            r->state = DN_RESV_READY;
+            r->len = bytes;
+            kc_info(r->request_id, "reservation %" PRIu64 ": bundle arrived (%" PRIu64 " bytes)",
+                    id, bytes);
+        } else {
+            r->state = DN_RESV_FAILED;
+            snprintf(r->err, sizeof r->err, "%s", err ? err : "transfer failed");
+            r->failed_at = dn_now();
+            drop = r->buf;
+            r->buf = NULL;
+            if (strstr(r->err, " expired"))
+                kc_counter_inc(n->m.expired, 1);
+            kc_warn(r->request_id, "reservation %" PRIu64 ": %s; %" PRId64 " blocks returned", id,
+                    r->err, r->blocks);
+            n->reserved_sum -= r->blocks;
+            r->blocks = 0;
+        }
+        dn_publish_locked(n);
+        pthread_cond_broadcast(&n->cond);
+    }
+    pthread_mutex_unlock(&n->lock);
+    free(drop);
+}
+
+int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
+                  int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
+                  int64_t *expires_unix_ms_out, char *err)
+{
+    const kr_config *c = n->mcfg;
+    /* The bound assumes a bundle brings at most this many entries per list; service.c refuses
+     * a bundle that brings more. */
+    int entries = kr_policy_max_entries(policy, prompt_tokens, 0);
+    if (entries > prompt_tokens || entries < 0)
+        entries = prompt_tokens;
+    /* Tokens fed: the first token and every sampled one but the last (loop.c stops a sequence
+     * at max_tokens completion tokens, CONTEXT beyond). */
+    int64_t need = kr_seq_blocks_bound(n->pool, policy, c->n_layers, c->n_kv_heads, prompt_tokens,
+                                       max_tokens - 1);
+    if (need < 0) {
+        kr_policy_free(policy);
+        snprintf(err, KT_ERR_MAX, "cannot bound the blocks of %d prompt tokens + %d max_tokens",
+                 prompt_tokens, max_tokens);
+        return GRPC_STATUS_INVALID_ARGUMENT;
+    }
+    /* The largest bundle this reservation can receive: every list at `entries`, payload f32.
+     * The spec is sized at its maximum so that a bundle carrying a longer spelling of the policy
+     * is refused by Decode's policy check (a clear message), not by the transport's size check. */
+    kt_bundle_header h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.fingerprint, n->fingerprint, sizeof h.fingerprint);
+    h.n_layers = (uint32_t)c->n_layers;
+    h.n_kv_heads = (uint32_t)c->n_kv_heads;
+    h.head_dim = (uint32_t)c->head_dim;
+    h.dtype = KT_DTYPE_F32;
+    h.prompt_len = prompt_tokens;
+    h.next_pos = prompt_tokens;
+    snprintf(h.policy, sizeof h.policy, "%s", kr_policy_spec(policy));
+    size_t n_lists = (size_t)c->n_layers * (size_t)c->n_kv_heads;
+    kt_bundle_list *lists = calloc(n_lists, sizeof *lists);
+    if (!lists) {
+        kr_policy_free(policy);
+        snprintf(err, KT_ERR_MAX, "out of memory");
+        return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    }
+    for (size_t i = 0; i < n_lists; i++)
+        lists[i] = (kt_bundle_list){.count = (uint32_t)entries, .window = KT_BUNDLE_WINDOW_DENSE};
+    uint64_t size = 0;
+    char berr[KT_ERR_MAX];
+    int rc = kt_bundle_size(&h, lists, &size, berr);
+    free(lists);
+    if (rc != 0) {
+        kr_policy_free(policy);
+        snprintf(err, KT_ERR_MAX, "cannot size the bundle for %d prompt tokens: %.400s",
+                 prompt_tokens, berr);
+        return GRPC_STATUS_INVALID_ARGUMENT;
+    }
+    size += KT_BUNDLE_MAX_POLICY + 64;
+
+    dn_resv *r = calloc(1, sizeof *r);
+    if (!r || !(r->buf = malloc(size))) {
+        free(r);
+        kr_policy_free(policy);
+        snprintf(err, KT_ERR_MAX, "cannot allocate a %" PRIu64 "-byte staging buffer", size);
+        return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    }
+    r->policy = policy;
+    snprintf(r->request_id, sizeof r->request_id, "%s", request_id);
+    r->state = DN_RESV_WAITING;
+    r->prompt_tokens = prompt_tokens;
+    r->max_tokens = max_tokens;
+    r->max_list_entries = entries;
+    r->cap = size;
+    r->xfer_open = 1;
+    double ttl_s = (double)ttl_ms / 1000.0;
+    r->expires = dn_now() + ttl_s;
+    r->expires_unix_ms = dn_unix_ms() + ttl_ms;
+
+    pthread_mutex_lock(&n->lock);
+    if (n->stopping) {
+        pthread_mutex_unlock(&n->lock);
+        dn_resv_free(r);
+        snprintf(err, KT_ERR_MAX, "decode node %s is shutting down", n->cfg.id);
+        return GRPC_STATUS_UNAVAILABLE;
+    }
+    int64_t free_blocks = n->total_blocks - n->reserved_sum;
+    if (need > free_blocks) {
+        pthread_mutex_unlock(&n->lock);
+        snprintf(err, KT_ERR_MAX, "need %" PRId64 " blocks, %" PRId64 " free (%" PRId64
+                 " total) for %d prompt tokens + %d max_tokens under policy %.200s", need,
+                 free_blocks, n->total_blocks, prompt_tokens, max_tokens, kr_policy_spec(policy));
+        dn_resv_free(r); /* and the policy */
+        return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    }
+    r->id = new_id_locked(n);
+    r->blocks = need;
+    n->reserved_sum += need;
+    r->next = n->resvs;
+    n->resvs = r;
+    n->n_resvs++;
+    dn_publish_locked(n);
+    uint64_t id = r->id;
+    int64_t expires_unix_ms = r->expires_unix_ms;
+    pthread_mutex_unlock(&n->lock);
+
+    /* The record is in the table first: the callback may come before this returns. The buffer
+     * stays valid meanwhile: only the callback or Release frees it, and neither can act on an
+     * id the transport does not know yet (nor the router, before this call answers). */
+    uint8_t *buf = r->buf;
+    if (kt_transport_reserve(n->transport, id, buf, size, ttl_s, KT_RESERVE_PARSE, on_transfer,
+                             n, berr) != 0) {
+        pthread_mutex_lock(&n->lock);
+        r = dn_resv_find_locked(n, id); /* by id: never trust a pointer across the unlock */
+        if (r)
+            dn_resv_unlink_locked(n, r);
+        pthread_mutex_unlock(&n->lock);
+        dn_resv_free(r);
+        snprintf(err, KT_ERR_MAX, "%s", berr);
+        return GRPC_STATUS_UNAVAILABLE;
+    }
+    *id_out = id;
+    *blocks_out = need;
+    *expires_unix_ms_out = expires_unix_ms;
+    return GRPC_STATUS_OK;
+}
+
+int dn_resv_release(dn_node *n, uint64_t id, const char *request_id)
+{
+    pthread_mutex_lock(&n->lock);
+    dn_resv *r = dn_resv_find_locked(n, id);
+    if (!r) {
+        pthread_mutex_unlock(&n->lock);
+        return 0;
+    }
+    if (r->state == DN_RESV_DECODING) {
+        /* Its Decode call (handler or loop) ends it and frees everything at once. */
+        r->cancel = 1;
+        pthread_cond_broadcast(&n->cond);
+        pthread_mutex_unlock(&n->lock);
+        kc_info(request_id, "reservation %" PRIu64 " released while decoding: cancelling", id);
+        return 1;
+    }
+    int64_t blocks = r->blocks;
+    int xfer = r->xfer_open;
+    r->xfer_open = 0;
+    dn_resv_unlink_locked(n, r);
+    pthread_mutex_unlock(&n->lock);
+    /* Returns only once UCX no longer writes into r->buf. */
+    if (xfer)
+        kt_transport_release(n->transport, id);
+    kc_info(request_id, "reservation %" PRIu64 " released (%" PRId64 " blocks)", id, blocks);
+    dn_resv_free(r);
+    return 1;
+}
+
+double dn_resv_reap_locked(dn_node *n, double now)
+{
+    double next = now + 1.0;
+    for (dn_resv *r = n->resvs, *nx; r; r = nx) {
+        nx = r->next;
+        double when = r->state == DN_RESV_READY    ? r->expires
+                      : r->state == DN_RESV_FAILED ? r->failed_at + DN_TOMBSTONE_S
+                                                   : -1.0;
+        if (when < 0)
+            continue; /* WAITING: the transport expires it; DECODING: its call ends it */
+        if (now < when) {
+            if (when < next)
+                next = when;
+            continue;
+        }
+        if (r->state == DN_RESV_READY) {
+            kc_counter_inc(n->m.expired, 1);
+            kc_warn(r->request_id, "reservation %" PRIu64 " expired unused after its bundle "
+                    "arrived; %" PRId64 " blocks returned", r->id, r->blocks);
+        }
+        dn_resv_unlink_locked(n, r);
+        dn_resv_free(r);
+    }
+    return next;
+}
+
+void dn_resv_release_all(dn_node *n)
+{
+    for (;;) {
+        pthread_mutex_lock(&n->lock);
+        dn_resv *r = n->resvs;
+        if (!r) {
+            pthread_mutex_unlock(&n->lock);
+            return;
+        }
+        int xfer = r->xfer_open;
+        r->xfer_open = 0;
+        dn_resv_unlink_locked(n, r);
+        pthread_mutex_unlock(&n->lock);
+        if (xfer)
+            kt_transport_release(n->transport, r->id);
+        dn_resv_free(r);
+    }
+}

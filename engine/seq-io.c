@@ -1,0 +1,122 @@
+/*
+ * seq-io.c - moving a sequence between processes: reading a sequence's lists out entry by entry,
+ * filling a new sequence's lists from them, closing it with the next position so decode goes on
+ * exactly as in the sender, and the block bound a receiver reserves. The KV bundle
+ * (kvtransfer/) carries what these read and write; this file knows nothing of it.
+ * What it is not: a codec or a transport. Entries are float32 keys (post-RoPE) and values.
+ *
+ * Order on the receiving side: kr_seq_create, kr_seq_set_policy, kr_seq_list_append for every
+ * list (any order), kr_seq_set_next_pos, then decode (kr_forward / kr_forward_batch).
+ */
+#include "policy.h"
+
+#include <string.h>
+
+static int check_list(const kr_seq *s, int layer, int kv_head, const char *what, char *err)
+{
+    if (layer < 0 || layer >= s->n_layers || kv_head < 0 || kv_head >= s->n_kv_heads)
+        return kr_errf(err, "%s: list (layer %d, KV head %d) does not exist (the sequence has %d layers x %d KV "
+                       "heads)", what, layer, kv_head, s->n_layers, s->n_kv_heads);
+    return KR_OK;
+}
+
+void kr_seq_list_shape(const kr_seq *s, int layer, int kv_head, int *len, int *pinned)
+{
+    int n = 0, pin = 0;
+    if (check_list(s, layer, kv_head, "list_shape", NULL) == KR_OK) {
+        const kr_kv_list *l = &s->lists[layer * s->n_kv_heads + kv_head];
+        n = l->len;
+        pin = l->pinned;
+    }
+    if (len) *len = n;
+    if (pinned) *pinned = pin;
+}
+
+int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, int32_t *pos, float *k,
+                     float *v, char *err)
+{
+    if (check_list(s, layer, kv_head, "list_read", err) != KR_OK) return -1;
+    const kr_kv_list *l = &s->lists[layer * s->n_kv_heads + kv_head];
+    if (first < 0 || n < 0 || first > l->len || n > l->len - first)
+        return kr_errf(err, "list_read: entries [%d, %d) of list (layer %d, KV head %d) are outside its %d entries",
+                       first, first + n, layer, kv_head, l->len);
+    const kr_kv_pool *p = s->pool;
+    const size_t row = sizeof(float) * (size_t)p->head_dim;
+    for (int e = 0; e < n; e++) {
+        if (pos) pos[e] = *kr_kv_list_pos(p, l, first + e);
+        if (k) memcpy(k + (size_t)e * p->head_dim, kr_kv_list_key(p, l, first + e), row);
+        if (v) memcpy(v + (size_t)e * p->head_dim, kr_kv_list_value(p, l, first + e), row);
+    }
+    return KR_OK;
+}
+
+int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *pos, const float *k,
+                       const float *v, int pinned, char *err)
+{
+    if (check_list(s, layer, kv_head, "list_append", err) != KR_OK) return -1;
+    if (s->fp.steps != 0 || s->imported)
+        return kr_errf(err, "list_append: the sequence was already %s; lists are filled before that",
+                       s->imported ? "closed by kr_seq_set_next_pos" : "fed tokens");
+    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    if (n < 0) return kr_errf(err, "list_append: n = %d entries", n);
+    if (n > 0 && (!pos || !k || !v))
+        return kr_errf(err, "list_append: positions, keys and values are required for %d entries", n);
+    if (pinned < 0 || pinned > l->len + n)
+        return kr_errf(err, "list_append: pinned = %d for a list of %d entries (layer %d, KV head %d)", pinned,
+                       l->len + n, layer, kv_head);
+    int32_t last = l->len ? *kr_kv_list_pos(s->pool, l, l->len - 1) : -1;
+    for (int e = 0; e < n; e++) {
+        if (pos[e] <= last)
+            return kr_errf(err, "list_append: position %d at entry %d of list (layer %d, KV head %d) is not above "
+                           "the one before it (%d): positions must be >= 0 and strictly increasing",
+                           pos[e], e, layer, kv_head, last);
+        last = pos[e];
+    }
+    char why[KR_ERR_MAX];
+    if (kr_seq_grow_list(s, layer, kv_head, n, why) != KR_OK)
+        return kr_errf(err, "list_append: %d entries for list (layer %d, KV head %d): %s", n, layer, kv_head, why);
+    const size_t d = (size_t)s->pool->head_dim;
+    for (int e = 0; e < n; e++) kr_seq_put(s, layer, kv_head, l->len + e, k + e * d, v + e * d, pos[e]);
+    l->len += n;
+    l->pinned = pinned;
+    return KR_OK;
+}
+
+int kr_seq_set_next_pos(kr_seq *s, int next_pos, char *err)
+{
+    if (s->fp.steps != 0)
+        return kr_errf(err, "set_next_pos: the sequence was already fed %lld tokens", (long long)s->fp.steps);
+    if (next_pos < 0) return kr_errf(err, "set_next_pos: next_pos = %d is negative", next_pos);
+    for (int i = 0; i < s->n_layers * s->n_kv_heads; i++) {
+        const kr_kv_list *l = &s->lists[i];
+        int32_t last = l->len ? *kr_kv_list_pos(s->pool, l, l->len - 1) : -1;
+        if (last >= next_pos)
+            return kr_errf(err, "set_next_pos: next_pos = %d is not above position %d held by list (layer %d, KV "
+                           "head %d)", next_pos, last, i / s->n_kv_heads, i % s->n_kv_heads);
+    }
+    s->next_pos = next_pos;
+    s->imported = 1;
+    if (s->policy && s->policy->ops->imported) s->policy->ops->imported(s->policy, s);
+    return KR_OK;
+}
+
+/* A list holds at most E entries at any moment of decode (kr_policy_max_entries counts the new
+ * entry a step adds before its trim). Its entries sit in slots [off, off + len) of its blocks.
+ * A list that arrived through kr_seq_list_append starts at off 0, and only a trim that drops
+ * the front (kr_seq_keep_ends) moves off, to at most block_size - 1: a list decode never trims
+ * spans ceil(E / B) blocks, one it trims up to ceil((E + B - 1) / B). */
+int64_t kr_seq_blocks_bound(const kr_kv_pool *pool, const kr_policy *p, int n_layers, int n_kv_heads,
+                            int n_prompt, int n_generate)
+{
+    if (!pool || n_layers <= 0 || n_kv_heads <= 0 || n_prompt < 0 || n_generate < 0) return -1;
+    if (p && (p->n_layers != n_layers || p->n_kv_heads != n_kv_heads)) return -1;
+    const int64_t B = pool->block_size;
+    int64_t most = p ? kr_policy_max_entries(p, n_prompt, n_generate) : (int64_t)n_prompt + n_generate;
+    int64_t total = 0;
+    for (int l = 0; l < n_layers; l++)
+        for (int g = 0; g < n_kv_heads; g++) {
+            int64_t span = kr_policy_list_window(p, l, g) < 0 ? most : most + B - 1;
+            total += (span + B - 1) / B;
+        }
+    return total;
+}

@@ -1,0 +1,161 @@
+/*
+ * prefill.h - the insides of kvrelay-prefill (docs/prefill-node.md): the node (model, one
+ * kr_ctx with its KV pool, a send-only UCX transport), its bounded FIFO of prefill jobs run by
+ * one worker thread, and the gRPC service (Prefill.Prefill, Prefill.Status) in front of it.
+ *
+ * Threads: gRPC handler threads (one per call, common/rpc.h) validate a request, turn it into a
+ * pf_job on their own stack, queue it and wait for it; the one worker thread owns the kr_ctx,
+ * the KV pool and every scratch buffer below, and runs jobs one at a time in arrival order.
+ * A job is the handler's: the worker touches it only between taking it from the queue and
+ * marking it PF_JOB_DONE, and the handler does not return before that.
+ * Not here: placement, retries (the router's), decode (decode-node/).
+ */
+#ifndef PF_PREFILL_H
+#define PF_PREFILL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "bundle.h"
+#include "kr.h"
+#include "metrics.h"
+#include "rpc.h"
+#include "transport.h"
+
+#define PF_BLOCK_SIZE 16 /* KV pool block size (entries) */
+#define PF_ROWS 64 /* entries copied out of a list per kr_seq_list_read into the bundle */
+#define PF_N_CODES (GRPC_STATUS_UNAUTHENTICATED + 1) /* gRPC status codes 0..16 */
+
+/* Flags (main.c parses them; --help lists them with their defaults). */
+typedef struct pf_config {
+    const char *model_dir;
+    const char *listen; /* gRPC HOST:PORT */
+    const char *http; /* HTTP HOST:PORT (/metrics, /healthz) */
+    const char *id; /* node id, in logs, usage and Status */
+    int threads; /* kr_ctx threads; 0: all online CPUs */
+    int chunk; /* prefill chunk (tokens), also the context's max_chunk */
+    int queue; /* most jobs waiting behind the running one */
+    kt_dtype kv_dtype; /* bundle payload */
+    int max_prompt; /* longest prompt accepted (tokens) */
+    int kv_blocks; /* KV pool blocks */
+    double transfer_timeout_s; /* cap on one bundle send */
+    kr_backend_kind backend;
+} pf_config;
+
+/* What a finished prefill reports (PrefillUsage without the node id). */
+typedef struct pf_usage {
+    double prefill_s; /* kr_prefill, the first token's sampling, writing the bundle */
+    double transfer_s; /* the send, until the decode node acknowledged the bundle */
+    uint64_t kv_entries; /* entries shipped, summed over every (layer, KV head) */
+    uint64_t kv_bytes; /* K + V payload bytes of those entries (framing not counted) */
+    kr_footprint footprint; /* the sequence's, after prefill */
+} pf_usage;
+
+typedef enum pf_job_state {
+    PF_JOB_QUEUED = 0,
+    PF_JOB_RUNNING = 1,
+    PF_JOB_DONE = 2,
+} pf_job_state;
+
+/* One Prefill call's work. Lives on its handler's stack; every pointer is the handler's. */
+typedef struct pf_job {
+    /* the validated request */
+    const char *request_id; /* NULL when the request had none */
+    const char *decode_node; /* for logs */
+    const int32_t *tokens; /* [n_tokens], every id inside the vocabulary */
+    int n_tokens;
+    const kr_policy *policy; /* outlives the job (cached, or freed by the handler after it) */
+    kr_sampling sampling; /* checked with kr_sampling_check */
+    char host[256]; /* transfer address */
+    uint16_t port;
+    uint64_t reservation_id; /* never 0 */
+    kc_call *call; /* deadline and cancellation */
+    /* queue (the node's lock) */
+    struct pf_job *next;
+    pf_job_state state;
+    pthread_cond_t done; /* signalled when state becomes PF_JOB_DONE */
+    /* the outcome, set by whoever marks the job done */
+    grpc_status_code code;
+    char details[256]; /* when code != OK */
+    int32_t first_token;
+    pf_usage usage;
+} pf_job;
+
+typedef struct pf_metrics {
+    kc_counter *requests[PF_N_CODES]; /* by status; only the codes the node returns */
+    kc_counter *prompt_tokens, *kv_entries, *kv_bytes;
+    kc_histogram *prefill_s, *transfer_s;
+    kc_gauge *queue_depth, *running, *blocks_used, *blocks_free;
+} pf_metrics;
+
+typedef struct pf_policy_entry pf_policy_entry;
+
+typedef struct pf_node {
+    const pf_config *cfg;
+    kr_model *model;
+    const kr_config *mcfg;
+    kt_transport *tx; /* send-only */
+    char grpc_address[300]; /* as bound: HOST:PORT */
+    _Atomic int draining; /* shutting down: Status says DRAINING */
+    _Atomic int64_t since_unix_ms; /* when the current state began */
+    kc_registry *reg;
+    pf_metrics metrics;
+
+    /* the worker's: only the worker thread touches these after start-up */
+    kr_ctx *ctx;
+    kr_kv_pool *pool;
+    float *logits; /* [vocab_size] */
+    int32_t *rows_pos; /* [PF_ROWS] */
+    float *rows_k, *rows_v; /* [PF_ROWS][head_dim] */
+    kt_bundle_list *lists; /* [n_layers * n_kv_heads] */
+    uint8_t *bundle; /* 64-byte aligned, grown to the largest bundle so far */
+    size_t bundle_cap;
+    pthread_t worker;
+
+    /* the queue, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t work; /* a job was queued, or stopping */
+    pf_job *head, *tail;
+    int n_waiting; /* jobs in the queue (not the running one) */
+    int running; /* 0 or 1 */
+    uint64_t outstanding_tokens; /* prompt tokens waiting or running */
+    int stopping;
+
+    /* parsed policies by spec, under policy_mu */
+    pthread_mutex_t policy_mu;
+    pf_policy_entry *policies;
+    int n_policies;
+} pf_node;
+
+/* queue.c: the FIFO and its worker. */
+int pf_queue_start(pf_node *n, char *err);
+/* Stops the worker after the running job (the queue must be empty: the server is gone). */
+void pf_queue_stop(pf_node *n);
+/* Queues `j` (state QUEUED) unless more than cfg->queue jobs would be waiting; returns 0, or
+ * -1 with *waiting set to the jobs waiting. */
+int pf_queue_submit(pf_node *n, pf_job *j, int *waiting);
+/* Returns once `j` is done: run by the worker, or dropped from the queue because its call was
+ * cancelled or passed its deadline while it waited. */
+void pf_queue_wait(pf_node *n, pf_job *j);
+/* Load, for Status. */
+void pf_queue_load(pf_node *n, int *running, int *waiting, uint64_t *outstanding_tokens);
+
+/* run.c: one job on the worker: prefill, first token, bundle, send. Sets the outcome. */
+int pf_run_init(pf_node *n, char *err); /* the worker's context, pool and scratch */
+void pf_run_free(pf_node *n);
+void pf_run(pf_node *n, pf_job *j);
+/* DEADLINE_EXCEEDED when the call's deadline passed (or is within PF_DEADLINE_SLACK_MS), else
+ * CANCELLED. */
+#define PF_DEADLINE_SLACK_MS 100
+grpc_status_code pf_call_gone_code(kc_call *call);
+
+/* service.c: the gRPC methods and the metrics they keep. */
+int pf_metrics_register(pf_node *n);
+int pf_service_register(pf_node *n, kc_server *srv);
+void pf_service_free(pf_node *n); /* the policy cache; after the server is destroyed */
+/* "HOST:PORT" with a port in [min_port, 65535] and a non-empty host without ':'; 0 or -1. */
+int pf_parse_hostport(const char *s, int min_port, char *host, size_t host_cap, int *port);
+double pf_now(void); /* monotonic seconds */
+
+#endif /* PF_PREFILL_H */

@@ -1,0 +1,342 @@
+/*
+ * service.c - kvrelay-prefill's gRPC methods (prefill.h): Prefill.Prefill validates a request
+ * field by field (INVALID_ARGUMENT naming the field and value), queues it as a job and answers
+ * with the worker's outcome; Prefill.Status reports the node's load. Also the policy cache and
+ * the node's Prometheus metrics (docs/prefill-node.md lists them).
+ */
+#include "prefill.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "kvrelay/v1/internal.pb-c.h"
+#include "log.h"
+
+#define PF_POLICY_CACHE 64 /* parsed specs kept; more distinct specs are parsed per request */
+
+struct pf_policy_entry {
+    char *spec; /* as the request spelled it */
+    kr_policy *policy;
+    pf_policy_entry *next;
+};
+
+/* The codes Prefill answers with, each a series of kvrelay_requests_total. */
+static const grpc_status_code pf_codes[] = {
+    GRPC_STATUS_OK, GRPC_STATUS_INVALID_ARGUMENT, GRPC_STATUS_RESOURCE_EXHAUSTED,
+    GRPC_STATUS_FAILED_PRECONDITION, GRPC_STATUS_UNAVAILABLE, GRPC_STATUS_DEADLINE_EXCEEDED,
+    GRPC_STATUS_CANCELLED, GRPC_STATUS_INTERNAL,
+};
+
+/* Names and meanings: docs/observability.md (the naming standard); kvrelay_prefill_seconds and
+ * kvrelay_kv_entries_shipped_total are this node's additions. */
+int pf_metrics_register(pf_node *n)
+{
+    pf_metrics *m = &n->metrics;
+    kc_registry *r = n->reg;
+    for (size_t i = 0; i < sizeof pf_codes / sizeof pf_codes[0]; i++) {
+        char label[64];
+        snprintf(label, sizeof label, "status=\"%s\"", kc_status_name(pf_codes[i]));
+        m->requests[pf_codes[i]] = kc_counter_add(r, "kvrelay_requests_total",
+                                                  "Prefill calls finished, by final gRPC status.",
+                                                  label);
+        if (!m->requests[pf_codes[i]])
+            return -1;
+    }
+    m->prompt_tokens = kc_counter_add(r, "kvrelay_prompt_tokens_total",
+                                      "Prompt tokens prefilled by calls answered OK.", NULL);
+    m->kv_entries = kc_counter_add(r, "kvrelay_kv_entries_shipped_total",
+                                   "KV entries (one position of one layer and KV head) in the "
+                                   "bundles sent.", NULL);
+    m->kv_bytes = kc_counter_add(r, "kvrelay_kv_bytes_shipped_total",
+                                 "K and V payload bytes of the KV bundles sent (entries x 2 x "
+                                 "head_dim x dtype size; framing not counted).", NULL);
+    m->prefill_s = kc_histogram_add(r, "kvrelay_prefill_seconds",
+                                    "One call's chunked prefill, first-token sampling and bundle "
+                                    "writing, for calls answered OK.",
+                                    NULL, kc_latency_buckets, kc_n_latency_buckets);
+    m->transfer_s = kc_histogram_add(r, "kvrelay_kv_transfer_seconds",
+                                     "One bundle's transfer, from the start of the send to the "
+                                     "decode node's acknowledgement.", NULL, kc_latency_buckets,
+                                     kc_n_latency_buckets);
+    m->queue_depth = kc_gauge_add(r, "kvrelay_queue_depth",
+                                  "Prefill requests waiting in the FIFO behind the running one.",
+                                  NULL);
+    m->running = kc_gauge_add(r, "kvrelay_running_sequences",
+                              "Sequences being prefilled now (0 or 1).", NULL);
+    m->blocks_used = kc_gauge_add(r, "kvrelay_kv_blocks_used",
+                                  "KV pool blocks held by the sequence being prefilled.", NULL);
+    m->blocks_free = kc_gauge_add(r, "kvrelay_kv_blocks_free", "KV pool blocks free.", NULL);
+    return m->prompt_tokens && m->kv_entries && m->kv_bytes && m->prefill_s && m->transfer_s &&
+                   m->queue_depth && m->running && m->blocks_used && m->blocks_free
+               ? 0
+               : -1;
+}
+
+static void count(pf_node *n, grpc_status_code code)
+{
+    kc_counter *c = code >= 0 && code < PF_N_CODES ? n->metrics.requests[code] : NULL;
+    kc_counter_inc(c ? c : n->metrics.requests[GRPC_STATUS_INTERNAL], 1);
+}
+
+/* Refuses the call with `code`: logs it, counts it, records the details, returns the code. */
+static int refuse(pf_node *n, kc_call *call, const char *rid, grpc_status_code code,
+                  const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static int refuse(pf_node *n, kc_call *call, const char *rid, grpc_status_code code,
+                  const char *fmt, ...)
+{
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    kc_warn(rid, "Prefill refused: %s: %s", kc_status_name(code), msg);
+    count(n, code);
+    return kc_call_error(call, code, "%s", msg);
+}
+
+int pf_parse_hostport(const char *s, int min_port, char *host, size_t host_cap, int *port)
+{
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s || memchr(s, ':', (size_t)(colon - s)))
+        return -1;
+    size_t hl = (size_t)(colon - s), pl = strlen(colon + 1);
+    if (hl >= host_cap || pl < 1 || pl > 5)
+        return -1;
+    long v = 0;
+    for (const char *p = colon + 1; *p; p++) {
+        if (*p < '0' || *p > '9')
+            return -1;
+        v = v * 10 + (*p - '0');
+    }
+    if (v < min_port || v > 65535)
+        return -1;
+    memcpy(host, s, hl);
+    host[hl] = 0;
+    *port = (int)v;
+    return 0;
+}
+
+/* The parsed policy for `spec` ("" = full): cached, or when the cache is full parsed into
+ * *owned (the caller frees it after the job). NULL with err on a bad spec. */
+static const kr_policy *policy_get(pf_node *n, const char *spec, kr_policy **owned, char *err)
+{
+    if (!*spec)
+        spec = "full";
+    pthread_mutex_lock(&n->policy_mu);
+    for (pf_policy_entry *e = n->policies; e; e = e->next)
+        if (!strcmp(e->spec, spec)) {
+            pthread_mutex_unlock(&n->policy_mu);
+            return e->policy;
+        }
+    pthread_mutex_unlock(&n->policy_mu);
+    kr_policy *p;
+    if (kr_policy_parse(spec, n->mcfg, &p, err) != KR_OK)
+        return NULL; /* bad specs are not cached: a client cannot fill the cache with them */
+    pthread_mutex_lock(&n->policy_mu);
+    for (pf_policy_entry *e = n->policies; e; e = e->next)
+        if (!strcmp(e->spec, spec)) { /* another call parsed it meanwhile */
+            pthread_mutex_unlock(&n->policy_mu);
+            kr_policy_free(p);
+            return e->policy;
+        }
+    pf_policy_entry *e = n->n_policies < PF_POLICY_CACHE ? malloc(sizeof *e) : NULL;
+    char *copy = e ? strdup(spec) : NULL;
+    if (!e || !copy) {
+        pthread_mutex_unlock(&n->policy_mu);
+        free(e);
+        *owned = p;
+        return p;
+    }
+    *e = (pf_policy_entry){.spec = copy, .policy = p, .next = n->policies};
+    n->policies = e;
+    n->n_policies++;
+    pthread_mutex_unlock(&n->policy_mu);
+    return p;
+}
+
+void pf_service_free(pf_node *n)
+{
+    for (pf_policy_entry *e = n->policies, *next; e; e = next) {
+        next = e->next;
+        kr_policy_free(e->policy);
+        free(e->spec);
+        free(e);
+    }
+    n->policies = NULL;
+    n->n_policies = 0;
+    pthread_mutex_destroy(&n->policy_mu);
+}
+
+static uint64_t random_seed(void)
+{
+    uint64_t s;
+    if (getrandom(&s, sizeof s, GRND_NONBLOCK) == (ssize_t)sizeof s)
+        return s;
+    struct timespec ts; /* no entropy yet (early boot): the clock will do for sampling */
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000007u ^ (uint64_t)ts.tv_nsec;
+}
+
+/* Validates `req` into `j` (tokens into *tokens, a policy the cache did not take into *owned).
+ * Returns GRPC_STATUS_OK or the refusal's code (already recorded on the call). */
+static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req, pf_job *j,
+                    int32_t **tokens, kr_policy **owned)
+{
+    const kr_config *c = n->mcfg;
+    const char *rid = j->request_id;
+    size_t nt = req->n_token_ids;
+    if (nt == 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "token_ids: the prompt is empty");
+    if (nt > (size_t)n->cfg->max_prompt) /* main.c keeps --max-prompt inside the context */
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "token_ids: %zu tokens exceed this node's --max-prompt %d (the model's "
+                      "context: max_position_embeddings %d - 1)", nt, n->cfg->max_prompt,
+                      c->max_position_embeddings);
+    for (size_t i = 0; i < nt; i++)
+        if (req->token_ids[i] >= (uint32_t)c->vocab_size)
+            return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                          "token_ids[%zu]: id %u is outside the model's vocabulary [0, %d)", i,
+                          req->token_ids[i], c->vocab_size);
+
+    char err[KR_ERR_MAX];
+    j->policy = policy_get(n, req->kv_policy, owned, err);
+    if (!j->policy)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s",
+                      req->kv_policy, err);
+    if (strlen(kr_policy_spec(j->policy)) > KT_BUNDLE_MAX_POLICY)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "kv_policy: the canonical spec is longer than the bundle's %d bytes",
+                      KT_BUNDLE_MAX_POLICY);
+
+    kr_sampling *s = &j->sampling;
+    kr_sampling_default(s);
+    const Kvrelay__V1__Sampling *rs = req->sampling;
+    if (rs) {
+        if (rs->top_k > INT_MAX)
+            return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                          "sampling.top_k %u is out of range", rs->top_k);
+        s->temperature = rs->temperature;
+        s->top_k = (int)rs->top_k;
+        s->top_p = rs->top_p == 0.0f ? 1.0f : rs->top_p; /* proto: 0 = off */
+        s->seed = rs->seed_choice_case == KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED ? rs->seed
+                                                                                 : random_seed();
+    }
+    /* greedy when sampling is absent or its temperature is exactly 0 (the proto's default) */
+    s->greedy = !rs || rs->temperature == 0.0f;
+    if (kr_sampling_check(s, err) != KR_OK)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
+
+    int port;
+    if (pf_parse_hostport(req->transfer_address, 1, j->host, sizeof j->host, &port) != 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "transfer_address '%.128s' is not HOST:PORT (port 1..65535)",
+                      req->transfer_address);
+    j->port = (uint16_t)port;
+    if (req->reservation_id == 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "reservation_id: 0 is not a reservation (Decode.Reserve never returns 0)");
+    j->reservation_id = req->reservation_id;
+
+    *tokens = malloc(nt * sizeof **tokens);
+    if (!*tokens)
+        return refuse(n, call, rid, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for %zu tokens",
+                      nt);
+    for (size_t i = 0; i < nt; i++)
+        (*tokens)[i] = (int32_t)req->token_ids[i];
+    j->tokens = *tokens;
+    j->n_tokens = (int)nt;
+    return GRPC_STATUS_OK;
+}
+
+static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    pf_node *n = user;
+    const Kvrelay__V1__PrefillRequest *req = (const Kvrelay__V1__PrefillRequest *)msg;
+    pf_job j;
+    memset(&j, 0, sizeof j);
+    j.request_id = *req->request_id ? req->request_id : NULL;
+    j.decode_node = req->decode_node;
+    j.call = call;
+    int32_t *tokens = NULL;
+    kr_policy *owned = NULL;
+    int code = validate(n, call, req, &j, &tokens, &owned);
+    if (code != GRPC_STATUS_OK)
+        goto out;
+    int waiting;
+    if (pf_queue_submit(n, &j, &waiting) != 0) {
+        code = refuse(n, call, j.request_id, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                      "prefill queue full (%d waiting)", waiting);
+        goto out;
+    }
+    pf_queue_wait(n, &j);
+    count(n, j.code);
+    if (j.code != GRPC_STATUS_OK) {
+        code = kc_call_error(call, j.code, "%s", j.details);
+        goto out;
+    }
+    const kr_footprint *fp = &j.usage.footprint;
+    Kvrelay__V1__PrefillUsage u = KVRELAY__V1__PREFILL_USAGE__INIT;
+    u.prompt_tokens = (uint32_t)j.n_tokens;
+    u.prefill_s = j.usage.prefill_s;
+    u.transfer_s = j.usage.transfer_s;
+    u.kv_entries_shipped = j.usage.kv_entries;
+    u.kv_bytes_shipped = j.usage.kv_bytes;
+    u.footprint_entry_steps = (uint64_t)llround(fp->attended);
+    u.peak_kv_entries = (uint64_t)fp->peak_entries;
+    u.prefill_node = (char *)n->cfg->id;
+    u.footprint_full = fp->full;
+    u.footprint_attended = fp->attended;
+    Kvrelay__V1__PrefillResponse r = KVRELAY__V1__PREFILL_RESPONSE__INIT;
+    r.first_token = (uint32_t)j.first_token;
+    r.usage = &u;
+    kc_call_send(call, &r.base); /* fails only when the call is already over */
+    kc_counter_inc(n->metrics.prompt_tokens, j.n_tokens);
+    kc_counter_inc(n->metrics.kv_entries, (double)j.usage.kv_entries);
+    kc_counter_inc(n->metrics.kv_bytes, (double)j.usage.kv_bytes);
+    kc_histogram_observe(n->metrics.prefill_s, j.usage.prefill_s);
+    kc_histogram_observe(n->metrics.transfer_s, j.usage.transfer_s);
+    code = GRPC_STATUS_OK;
+out:
+    kr_policy_free(owned);
+    free(tokens);
+    return code;
+}
+
+static int status_handler(kc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    pf_node *n = user;
+    int running, waiting;
+    uint64_t outstanding;
+    pf_queue_load(n, &running, &waiting, &outstanding);
+    Kvrelay__V1__Node node = KVRELAY__V1__NODE__INIT;
+    node.id = (char *)n->cfg->id;
+    node.role = KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL;
+    node.state = atomic_load(&n->draining) ? KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING
+                                           : KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
+    node.grpc_address = n->grpc_address;
+    node.running_requests = (uint32_t)running;
+    node.queued_requests = (uint32_t)waiting;
+    node.outstanding_prefill_tokens = outstanding;
+    node.since_unix_ms = atomic_load(&n->since_unix_ms);
+    kc_call_send(call, &node.base);
+    (void)msg;
+    return GRPC_STATUS_OK;
+}
+
+int pf_service_register(pf_node *n, kc_server *srv)
+{
+    pthread_mutex_init(&n->policy_mu, NULL);
+    if (kc_server_add_unary(srv, "/kvrelay.v1.Prefill/Prefill",
+                            &kvrelay__v1__prefill_request__descriptor, prefill_handler, n) != 0 ||
+        kc_server_add_unary(srv, "/kvrelay.v1.Prefill/Status",
+                            &kvrelay__v1__node_status_request__descriptor, status_handler, n) != 0)
+        return -1;
+    return 0;
+}

@@ -1,0 +1,850 @@
+/*
+ * generate.c - Generation.Generate and Generation.Tokenize (the flow of docs/router.md):
+ * validate and tokenize; reserve room on a decode node (placement order; RESOURCE_EXHAUSTED or
+ * UNAVAILABLE -> the next node; all full -> back off until the deadline); prefill on a prefill
+ * node with the reservation's transfer address (UNAVAILABLE before anything was streamed ->
+ * Release and place again elsewhere); send the first token; relay the decode node's stream as
+ * text deltas with stop strings matched on the text; end with Finish{reason, usage}.
+ * Every hop gets the time left before the request's deadline. A client that goes away has its
+ * decode stream cancelled by the watcher thread (the decode node frees the slot at once) and its
+ * reservation Released.
+ */
+#include "router.h"
+#include "stop.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum {
+    RT_MAX_STOPS = 16,
+    RT_MAX_STOP_LEN = 256,
+    RT_MAX_STOP_IDS = 64,
+    RT_MAX_REQUEST_ID = 128,
+    RT_WATCH_MS = 20, /* how often the watcher looks for clients that went away */
+    RT_BACKOFF_MIN_MS = 10,
+    RT_BACKOFF_MAX_MS = 500,
+    RT_RESERVE_TTL_MAX_MS = 120000,
+};
+
+/* A Generate call whose decode stream is open: what the watcher needs. */
+struct rt_active {
+    kc_call *call;
+    kc_stream *stream;
+    rt_active *next;
+};
+
+/* One Generate request, owned by its handler thread. */
+typedef struct gen_req {
+    rt_router *rt;
+    kc_call *call;
+    char id[RT_MAX_REQUEST_ID + 1];
+    int32_t *prompt; /* n_prompt, malloc'd */
+    int n_prompt;
+    uint32_t max_tokens;
+    Kvrelay__V1__Sampling sampling; /* as forwarded: the seed always present */
+    const char *policy; /* the client's spec ("" = full), borrowed from the request */
+    uint64_t kv_entries_bound; /* informational, for Reserve */
+    const uint32_t *stop_ids; /* borrowed */
+    size_t n_stop_ids;
+    kr_detok *detok; /* NULL without a tokenizer */
+    rt_stop stop;
+    double t_arrival, t_first, t_last; /* seconds, monotonic */
+    int64_t deadline_ms; /* rt_now_ms() clock */
+
+    /* placement */
+    rt_node *pnode, *dnode;
+    int reserved; /* a reservation is held on dnode */
+    uint64_t reservation;
+    int64_t reserved_blocks;
+    char transfer_address[256];
+
+    /* results */
+    Kvrelay__V1__PrefillUsage pu; /* numbers only */
+    int have_decode_finish;
+    Kvrelay__V1__DecodeFinish df; /* numbers only */
+    uint32_t completion;
+    int stopped; /* the router itself stopped generation (stop string, or the first token) */
+    Kvrelay__V1__FinishReason reason;
+} gen_req;
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int64_t ms_left(const gen_req *r)
+{
+    return r->deadline_ms - rt_now_ms();
+}
+
+static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
+{
+    st->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(st->details, sizeof st->details, fmt, ap);
+    va_end(ap);
+}
+
+/* The call is over on the client's side: its deadline passed, or it cancelled (or went away). */
+static void client_gone(const gen_req *r, kc_status *st, const char *when)
+{
+    if (kc_call_ms_left(r->call) <= 0)
+        status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "the client's deadline passed %s", when);
+    else
+        status_set(st, GRPC_STATUS_CANCELLED, "the client went away %s", when);
+}
+
+/* ------------------------------------------------------------------ validation */
+
+static int utf8_valid(const unsigned char *s, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        unsigned c = s[i];
+        size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        if (!len || i + len > n) return 0;
+        uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1f) : len == 3 ? (c & 0x0f) : (c & 0x07);
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xc0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3f);
+        }
+        static const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+        if (cp < min_cp[len] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+        i += len;
+    }
+    return 1;
+}
+
+/* A seed for a request that did not give one (splitmix64 of the clock and a counter). */
+static uint64_t pick_seed(rt_router *rt)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    uint64_t z = (uint64_t)t.tv_nsec ^ ((uint64_t)t.tv_sec << 30) ^ (atomic_fetch_add(&rt->next_request, 0) << 17);
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Checks and tokenizes the request into r. Returns GRPC_STATUS_OK, or a code with st set. */
+static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, gen_req *r, kc_status *st)
+{
+    const kr_config *cfg = &rt->cfg;
+    char err[KR_ERR_MAX];
+    /* the request id first, so every later message can carry it */
+    size_t idlen = strlen(q->request_id);
+    if (idlen > RT_MAX_REQUEST_ID)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: %zu bytes (at most %d)", idlen, RT_MAX_REQUEST_ID), st->code;
+    for (size_t i = 0; i < idlen; i++)
+        if (q->request_id[i] <= ' ' || q->request_id[i] > '~')
+            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: byte %zu is not printable ASCII (spaces are not allowed either)", i), st->code;
+    if (idlen) snprintf(r->id, sizeof r->id, "%s", q->request_id);
+    else snprintf(r->id, sizeof r->id, "%s-%" PRIx64 "-%" PRIu64, rt->id, (uint64_t)rt->started_unix_ms,
+                  (uint64_t)atomic_fetch_add(&rt->next_request, 1));
+
+    /* the prompt */
+    if (q->prompt_case == KVRELAY__V1__GENERATE_REQUEST__PROMPT_TEXT) {
+        if (!rt->tok)
+            return status_set(st, GRPC_STATUS_FAILED_PRECONDITION,
+                              "prompt.text: the router's model %s has no tokenizer.json; send prompt.token_ids instead",
+                              rt->model_dir), st->code;
+        if (!q->text[0]) return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: empty"), st->code;
+        if (kr_tokenizer_encode(rt->tok, q->text, strlen(q->text), q->add_special, &r->prompt, &r->n_prompt, err) != KR_OK)
+            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: %s", err), st->code;
+        if (r->n_prompt == 0) return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: no tokens"), st->code;
+    } else if (q->prompt_case == KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS) {
+        size_t n = q->token_ids->n_ids;
+        if (n == 0) return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.token_ids: empty"), st->code;
+        if (n > (size_t)cfg->max_position_embeddings)
+            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                              "prompt.token_ids: %zu tokens exceed the model's context (max_position_embeddings %d)",
+                              n, cfg->max_position_embeddings), st->code;
+        r->prompt = malloc(n * sizeof *r->prompt);
+        if (!r->prompt) return status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory"), st->code;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t id = q->token_ids->ids[i];
+            if (id >= (uint32_t)cfg->vocab_size)
+                return status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                                  "prompt.token_ids[%zu]: %u is outside the model's vocabulary [0, %d)", i, id,
+                                  cfg->vocab_size), st->code;
+            r->prompt[i] = (int32_t)id;
+        }
+        r->n_prompt = (int)n;
+    } else {
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: missing (set prompt.text or prompt.token_ids)"), st->code;
+    }
+    int ctx_room = cfg->max_position_embeddings - 1; /* at least one position to generate into */
+    if (r->n_prompt > ctx_room)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                          "prompt: %d tokens exceed the model's context (max_position_embeddings %d leaves room for %d)",
+                          r->n_prompt, cfg->max_position_embeddings, ctx_room), st->code;
+    if ((uint32_t)r->n_prompt > rt->max_prompt)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: %d tokens > the router's limit %u (--max-prompt)",
+                          r->n_prompt, rt->max_prompt), st->code;
+
+    if (q->max_tokens == 0)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: 0 (must be 1..%u)", rt->max_tokens_limit), st->code;
+    if (q->max_tokens > rt->max_tokens_limit)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: %u > the router's limit %u (--max-tokens-limit)",
+                          q->max_tokens, rt->max_tokens_limit), st->code;
+    r->max_tokens = q->max_tokens;
+
+    kr_policy *p;
+    if (kr_policy_parse(q->kv_policy[0] ? q->kv_policy : "full", cfg, &p, err) != KR_OK)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", q->kv_policy, err), st->code;
+    r->policy = q->kv_policy;
+    r->kv_entries_bound = (uint64_t)kr_policy_max_entries(p, r->n_prompt, (int)r->max_tokens) *
+                          (uint64_t)cfg->n_layers * (uint64_t)cfg->n_kv_heads;
+    kr_policy_free(p);
+
+    /* sampling: absent = greedy; temperature 0 = greedy; top_p 0 = off; seed absent = ours */
+    r->sampling = (Kvrelay__V1__Sampling)KVRELAY__V1__SAMPLING__INIT;
+    if (q->sampling) {
+        r->sampling.temperature = q->sampling->temperature;
+        r->sampling.top_p = q->sampling->top_p;
+        r->sampling.top_k = q->sampling->top_k;
+        if (q->sampling->seed_choice_case == KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED) {
+            r->sampling.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
+            r->sampling.seed = q->sampling->seed;
+        }
+    }
+    if (r->sampling.seed_choice_case != KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED) {
+        r->sampling.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
+        r->sampling.seed = pick_seed(rt);
+    }
+    if (r->sampling.top_k > (uint32_t)cfg->vocab_size)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "sampling.top_k: %u > the vocabulary size %d",
+                          r->sampling.top_k, cfg->vocab_size), st->code;
+    kr_sampling ks;
+    kr_sampling_default(&ks);
+    ks.temperature = r->sampling.temperature;
+    ks.greedy = !(r->sampling.temperature > 0);
+    ks.top_p = r->sampling.top_p == 0 ? 1.0f : r->sampling.top_p;
+    ks.top_k = (int)r->sampling.top_k;
+    ks.seed = r->sampling.seed;
+    if (kr_sampling_check(&ks, err) != KR_OK)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "%s", err), st->code; /* "sampling: ..." */
+
+    /* stops */
+    if (q->n_stop > RT_MAX_STOPS)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop: %zu strings (at most %d)", q->n_stop, RT_MAX_STOPS), st->code;
+    if (q->n_stop && !rt->tok)
+        return status_set(st, GRPC_STATUS_FAILED_PRECONDITION,
+                          "stop: stop strings need text, and the router's model %s has no tokenizer.json (use stop_ids)",
+                          rt->model_dir), st->code;
+    for (size_t i = 0; i < q->n_stop; i++) {
+        size_t n = strlen(q->stop[i]);
+        if (n == 0) return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: empty", i), st->code;
+        if (n > RT_MAX_STOP_LEN)
+            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: %zu bytes (at most %d)", i, n, RT_MAX_STOP_LEN), st->code;
+        if (!utf8_valid((const unsigned char *)q->stop[i], n))
+            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: not valid UTF-8", i), st->code;
+    }
+    if (q->n_stop_ids > RT_MAX_STOP_IDS)
+        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop_ids: %zu ids (at most %d)", q->n_stop_ids, RT_MAX_STOP_IDS), st->code;
+    for (size_t i = 0; i < q->n_stop_ids; i++)
+        if (q->stop_ids[i] >= (uint32_t)cfg->vocab_size)
+            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop_ids[%zu]: %u is outside the model's vocabulary [0, %d)",
+                              i, q->stop_ids[i], cfg->vocab_size), st->code;
+    r->stop_ids = q->stop_ids;
+    r->n_stop_ids = q->n_stop_ids;
+
+    if (rt->tok && kr_detok_create(rt->tok, 1, &r->detok, err) != KR_OK)
+        return status_set(st, GRPC_STATUS_INTERNAL, "detokenizer: %s", err), st->code;
+    if (rt_stop_init(&r->stop, q->stop, (int)q->n_stop) != 0)
+        return status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory"), st->code;
+    return GRPC_STATUS_OK;
+}
+
+/* ------------------------------------------------------------------ reserve / release */
+
+/* What one placement attempt came to. */
+typedef enum attempt {
+    ATTEMPT_DONE, /* reserved / prefilled */
+    ATTEMPT_AGAIN, /* a node failed and was excluded: place again at once */
+    ATTEMPT_LATER, /* every candidate is full: back off, then place again */
+    ATTEMPT_FAIL, /* give the client st */
+} attempt;
+
+static int64_t hop_timeout(const gen_req *r)
+{
+    int64_t left = ms_left(r);
+    return left > 0 ? left : 1;
+}
+
+/* Frees the reservation: by Release when `call` (the stream did not end normally), and in the
+ * router's own accounting always. Returns the Release's status code (OK when not called). */
+static grpc_status_code reservation_end(gen_req *r, int call)
+{
+    if (!r->reserved) return GRPC_STATUS_OK;
+    grpc_status_code code = GRPC_STATUS_OK;
+    if (call) {
+        Kvrelay__V1__ReleaseRequest req = KVRELAY__V1__RELEASE_REQUEST__INIT;
+        req.reservation_id = r->reservation;
+        req.request_id = r->id;
+        Kvrelay__V1__ReleaseResponse *resp = NULL;
+        kc_status st;
+        if (kc_unary(r->dnode->ch, "/kvrelay.v1.Decode/Release", &req.base, &kvrelay__v1__release_response__descriptor,
+                     RT_RELEASE_TIMEOUT_MS, (ProtobufCMessage **)&resp, &st) == 0) {
+            kc_debug(r->id, "released reservation %" PRIu64 " on %s (%s)", r->reservation, r->dnode->id,
+                     resp->released ? "freed" : "already gone");
+            kc_message_free(&resp->base);
+        } else {
+            kc_warn(r->id, "release of reservation %" PRIu64 " on %s failed: %s: %s (it expires by itself)",
+                    r->reservation, r->dnode->id, kc_status_name(st.code), st.details);
+            code = st.code;
+        }
+    }
+    rt_node_account(r->rt, r->dnode, 0, -1, -r->reserved_blocks);
+    r->reserved = 0;
+    return code;
+}
+
+static attempt reserve(gen_req *r, const char *excluded, kc_status *st)
+{
+    rt_router *rt = r->rt;
+    int n, order[RT_MEMBERS_MAX];
+    rt_node *nodes = rt_nodes_of(rt, RT_ROLE_DECODE, &n);
+    rt_nodes_order(rt, RT_ROLE_DECODE, order);
+    int full = 0, tried = 0;
+    kc_status last = {GRPC_STATUS_UNAVAILABLE, "every decode node failed earlier in this request"};
+    for (int k = 0; k < n; k++) {
+        rt_node *node = &nodes[order[k]];
+        if (excluded[order[k]]) continue;
+        tried++;
+        Kvrelay__V1__ReserveRequest req = KVRELAY__V1__RESERVE_REQUEST__INIT;
+        req.request_id = r->id;
+        req.prompt_tokens = (uint32_t)r->n_prompt;
+        req.max_tokens = r->max_tokens;
+        req.kv_entries = r->kv_entries_bound;
+        req.kv_policy = (char *)r->policy;
+        int64_t ttl = ms_left(r);
+        req.ttl_ms = (uint32_t)(ttl < 1000 ? 1000 : ttl > RT_RESERVE_TTL_MAX_MS ? RT_RESERVE_TTL_MAX_MS : ttl);
+        Kvrelay__V1__ReserveResponse *resp = NULL;
+        kc_status s;
+        if (kc_unary(node->ch, "/kvrelay.v1.Decode/Reserve", &req.base, &kvrelay__v1__reserve_response__descriptor,
+                     hop_timeout(r), (ProtobufCMessage **)&resp, &s) == 0) {
+            r->dnode = node;
+            r->reserved = 1;
+            r->reservation = resp->reservation_id;
+            r->reserved_blocks = (int64_t)resp->reserved_blocks;
+            snprintf(r->transfer_address, sizeof r->transfer_address, "%s", resp->transfer_address);
+            kc_message_free(&resp->base);
+            rt_node_account(rt, node, 0, 1, r->reserved_blocks);
+            kc_info(r->id, "reserved %" PRId64 " blocks on %s (reservation %" PRIu64 ", transfer %s)",
+                    r->reserved_blocks, node->id, r->reservation, r->transfer_address);
+            return ATTEMPT_DONE;
+        }
+        if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED || s.code == GRPC_STATUS_UNAVAILABLE) {
+            kc_debug(r->id, "decode node %s refused: %s: %s", node->id, kc_status_name(s.code), s.details);
+            full |= s.code == GRPC_STATUS_RESOURCE_EXHAUSTED;
+            status_set(&last, s.code, "%s: %s", node->id, s.details);
+            continue;
+        }
+        status_set(st, s.code, "decode node %s: %s", node->id, s.details);
+        return ATTEMPT_FAIL;
+    }
+    if (full) {
+        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "every decode node is full (last: %s)", last.details);
+        return ATTEMPT_LATER;
+    }
+    status_set(st, GRPC_STATUS_UNAVAILABLE, "no decode node can take the request (%d tried; last: %s)", tried, last.details);
+    return ATTEMPT_FAIL;
+}
+
+/* Prefill on the first prefill node (in placement order, not excluded) that takes it. On
+ * anything but success the reservation is released; a node that failed UNAVAILABLE is excluded
+ * (the decode node instead, when its Release fails too: the transfer's peer is what died). */
+static attempt prefill(gen_req *r, char *excluded_p, char *excluded_d, Kvrelay__V1__PrefillResponse **out, kc_status *st)
+{
+    rt_router *rt = r->rt;
+    int n, order[RT_MEMBERS_MAX];
+    rt_node *nodes = rt_nodes_of(rt, RT_ROLE_PREFILL, &n);
+    rt_nodes_order(rt, RT_ROLE_PREFILL, order);
+    uint32_t *ids = malloc((size_t)r->n_prompt * sizeof *ids);
+    if (!ids) {
+        reservation_end(r, 1);
+        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        return ATTEMPT_FAIL;
+    }
+    for (int i = 0; i < r->n_prompt; i++) ids[i] = (uint32_t)r->prompt[i];
+    Kvrelay__V1__PrefillRequest req = KVRELAY__V1__PREFILL_REQUEST__INIT;
+    req.request_id = r->id;
+    req.n_token_ids = (size_t)r->n_prompt;
+    req.token_ids = ids;
+    req.sampling = &r->sampling;
+    req.kv_policy = (char *)r->policy;
+    req.transfer_address = r->transfer_address;
+    req.reservation_id = r->reservation;
+    req.decode_node = r->dnode->id;
+    int full = 0;
+    attempt a = ATTEMPT_FAIL;
+    kc_status last = {GRPC_STATUS_UNAVAILABLE, "every prefill node failed earlier in this request"};
+    for (int k = 0; k < n; k++) {
+        int idx = order[k];
+        rt_node *node = &nodes[idx];
+        if (excluded_p[idx]) continue;
+        Kvrelay__V1__PrefillResponse *resp = NULL;
+        kc_status s;
+        rt_node_account(rt, node, r->n_prompt, 1, 0);
+        int rc = kc_unary(node->ch, "/kvrelay.v1.Prefill/Prefill", &req.base, &kvrelay__v1__prefill_response__descriptor,
+                          hop_timeout(r), (ProtobufCMessage **)&resp, &s);
+        rt_node_account(rt, node, -r->n_prompt, -1, 0);
+        if (rc == 0) {
+            r->pnode = node;
+            *out = resp;
+            free(ids);
+            return ATTEMPT_DONE;
+        }
+        if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED) { /* its queue is full: the next one */
+            kc_debug(r->id, "prefill node %s refused: %s", node->id, s.details);
+            full = 1;
+            status_set(&last, s.code, "%s: %s", node->id, s.details);
+            continue;
+        }
+        if (s.code == GRPC_STATUS_UNAVAILABLE) {
+            kc_warn(r->id, "prefill on %s failed: UNAVAILABLE: %s; placing the request again", node->id, s.details);
+            int n_decode;
+            rt_node *decode_nodes = rt_nodes_of(rt, RT_ROLE_DECODE, &n_decode);
+            if (reservation_end(r, 1) == GRPC_STATUS_UNAVAILABLE) excluded_d[r->dnode - decode_nodes] = 1;
+            else excluded_p[idx] = 1;
+            kc_counter_inc(rt->m.retries, 1);
+            free(ids);
+            status_set(st, s.code, "prefill node %s: %s", node->id, s.details);
+            return ATTEMPT_AGAIN;
+        }
+        status_set(st, s.code, "prefill node %s: %s", node->id, s.details);
+        a = ATTEMPT_FAIL;
+        goto out;
+    }
+    if (full) {
+        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "every prefill node's queue is full (last: %s)", last.details);
+        a = ATTEMPT_LATER;
+    } else {
+        status_set(st, GRPC_STATUS_UNAVAILABLE, "no prefill node can take the request (last: %s)", last.details);
+        a = ATTEMPT_FAIL;
+    }
+out:
+    reservation_end(r, 1);
+    free(ids);
+    return a;
+}
+
+static int count_free(const char *excluded, int n)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++) k += !excluded[i];
+    return k;
+}
+
+/* Reserve + prefill, retried as docs/router.md says, until done or the deadline. */
+static grpc_status_code place(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *st)
+{
+    rt_router *rt = r->rt;
+    char excluded_p[RT_MEMBERS_MAX] = {0}, excluded_d[RT_MEMBERS_MAX] = {0};
+    int64_t backoff = RT_BACKOFF_MIN_MS;
+    for (;;) {
+        if (kc_call_cancelled(r->call)) {
+            client_gone(r, st, "before the request was placed");
+            return st->code;
+        }
+        if (!count_free(excluded_p, rt->n_prefill)) {
+            status_set(st, GRPC_STATUS_UNAVAILABLE, "no prefill node can take the request (last: %s)", st->details);
+            return st->code;
+        }
+        attempt a = reserve(r, excluded_d, st);
+        if (a == ATTEMPT_DONE) a = prefill(r, excluded_p, excluded_d, out, st);
+        if (a == ATTEMPT_DONE) return GRPC_STATUS_OK;
+        if (a == ATTEMPT_FAIL) return st->code;
+        if (a == ATTEMPT_AGAIN) continue;
+        /* everything is full: wait (waking early if the client goes away), then try again */
+        if (ms_left(r) <= backoff) {
+            char why[sizeof st->details];
+            snprintf(why, sizeof why, "%s", st->details);
+            status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up at the request's deadline", why);
+            return st->code;
+        }
+        kc_debug(r->id, "%s; retrying in %" PRId64 " ms", st->details, backoff);
+        atomic_fetch_add(&rt->queued, 1);
+        kc_gauge_inc(rt->m.queued, 1);
+        kc_call_wait(r->call, backoff);
+        kc_gauge_inc(rt->m.queued, -1);
+        atomic_fetch_sub(&rt->queued, 1);
+        backoff = backoff * 2 > RT_BACKOFF_MAX_MS ? RT_BACKOFF_MAX_MS : backoff * 2;
+    }
+}
+
+/* ------------------------------------------------------------------ relaying tokens */
+
+static int is_stop_id(const gen_req *r, uint32_t id)
+{
+    for (size_t i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] == id) return 1;
+    return 0;
+}
+
+/* Sends ids[0, n) to the client with the text they complete, cut at a stop string. Returns 0,
+ * 1 when a stop string matched (later ids are dropped; r->stopped set), -1 when the client is
+ * gone (st CANCELLED) or the detokenizer failed (st INTERNAL). */
+static int relay(gen_req *r, const uint32_t *ids, size_t n, kc_status *st)
+{
+    char *text = NULL;
+    size_t text_len = 0, kept = 0;
+    int matched = 0;
+    for (size_t i = 0; i < n && !matched; i++, kept++) {
+        if (!r->detok) continue;
+        const char *delta, *emit;
+        size_t dlen, elen;
+        char err[KR_ERR_MAX];
+        if (kr_detok_push(r->detok, (int32_t)ids[i], &delta, &dlen, err) != KR_OK) {
+            free(text);
+            status_set(st, GRPC_STATUS_INTERNAL, "detokenizing generated token %u: %s", ids[i], err);
+            return -1;
+        }
+        int m = rt_stop_push(&r->stop, delta, dlen, &emit, &elen);
+        if (m < 0) {
+            free(text);
+            status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+            return -1;
+        }
+        matched = m;
+        if (elen) {
+            char *grown = realloc(text, text_len + elen + 1);
+            if (!grown) {
+                free(text);
+                status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+                return -1;
+            }
+            memcpy(grown + text_len, emit, elen);
+            text = grown;
+            text_len += elen;
+        }
+    }
+    if (text) text[text_len] = 0;
+    Kvrelay__V1__TokenDelta delta = KVRELAY__V1__TOKEN_DELTA__INIT;
+    delta.n_ids = kept;
+    delta.ids = (uint32_t *)ids;
+    delta.text = text ? text : "";
+    Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
+    msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA;
+    msg.delta = &delta;
+    int sent = kc_call_send(r->call, &msg.base);
+    free(text);
+    r->completion += (uint32_t)kept;
+    r->t_last = now_s();
+    if (sent != 0) {
+        client_gone(r, st, "while tokens were streamed");
+        return -1;
+    }
+    if (matched) {
+        r->stopped = 1;
+        r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
+        return 1;
+    }
+    return 0;
+}
+
+/* The text held back at the end (an incomplete character, a possible stop-string prefix). */
+static int relay_flush(gen_req *r, kc_status *st)
+{
+    if (!r->detok || r->stopped) return 0;
+    const char *delta, *emit, *held;
+    size_t dlen, elen, hlen;
+    kr_detok_flush(r->detok, &delta, &dlen);
+    int m = rt_stop_push(&r->stop, delta, dlen, &emit, &elen);
+    if (m < 0) {
+        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        return -1;
+    }
+    char *text = malloc(elen + 1 + (m ? 0 : r->stop.len));
+    if (!text) {
+        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        return -1;
+    }
+    memcpy(text, emit, elen);
+    size_t len = elen;
+    if (m) {
+        r->stopped = 1;
+        r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
+    } else {
+        rt_stop_flush(&r->stop, &held, &hlen);
+        memcpy(text + len, held, hlen);
+        len += hlen;
+    }
+    text[len] = 0;
+    int rc = 0;
+    if (len) {
+        Kvrelay__V1__TokenDelta d = KVRELAY__V1__TOKEN_DELTA__INIT;
+        d.text = text;
+        Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
+        msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA;
+        msg.delta = &d;
+        if (kc_call_send(r->call, &msg.base) != 0) {
+            client_gone(r, st, "before the last text");
+            rc = -1;
+        }
+    }
+    free(text);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ the decode stream */
+
+static void active_add(rt_router *rt, rt_active *a)
+{
+    pthread_mutex_lock(&rt->mu);
+    a->next = rt->active;
+    rt->active = a;
+    pthread_mutex_unlock(&rt->mu);
+}
+
+static void active_remove(rt_router *rt, rt_active *a)
+{
+    pthread_mutex_lock(&rt->mu);
+    for (rt_active **p = &rt->active; *p; p = &(*p)->next)
+        if (*p == a) {
+            *p = a->next;
+            break;
+        }
+    pthread_mutex_unlock(&rt->mu);
+}
+
+void *rt_watcher_main(void *arg)
+{
+    rt_router *rt = arg;
+    pthread_mutex_lock(&rt->mu);
+    while (!rt->stopping) {
+        for (rt_active *a = rt->active; a; a = a->next)
+            if (kc_call_cancelled(a->call)) kc_stream_cancel(a->stream); /* idempotent */
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += RT_WATCH_MS * 1000000L;
+        until.tv_sec += until.tv_nsec / 1000000000L;
+        until.tv_nsec %= 1000000000L;
+        pthread_cond_timedwait(&rt->cv, &rt->mu, &until);
+    }
+    pthread_mutex_unlock(&rt->mu);
+    return NULL;
+}
+
+/* Opens the decode stream and relays it until its finish, a stop string or an error. */
+static grpc_status_code decode(gen_req *r, kc_status *st)
+{
+    Kvrelay__V1__DecodeRequest req = KVRELAY__V1__DECODE_REQUEST__INIT;
+    req.reservation_id = r->reservation;
+    req.request_id = r->id;
+    req.max_tokens = r->max_tokens;
+    req.sampling = &r->sampling;
+    req.n_stop_ids = r->n_stop_ids;
+    req.stop_ids = (uint32_t *)r->stop_ids;
+    kc_stream *s;
+    kc_status s_st;
+    if (kc_stream_open(r->dnode->ch, "/kvrelay.v1.Decode/Decode", &req.base, hop_timeout(r), &s, &s_st) != 0) {
+        status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
+        reservation_end(r, 1);
+        return st->code;
+    }
+    rt_active active = {.call = r->call, .stream = s};
+    active_add(r->rt, &active);
+    grpc_status_code code = GRPC_STATUS_OK;
+    for (;;) {
+        Kvrelay__V1__DecodeResponse *m = NULL;
+        int rc = kc_stream_next(s, &kvrelay__v1__decode_response__descriptor, (ProtobufCMessage **)&m, &s_st);
+        if (rc == 0) {
+            if (!r->have_decode_finish) {
+                status_set(st, GRPC_STATUS_INTERNAL, "decode node %s ended the stream without a finish", r->dnode->id);
+                code = st->code;
+            }
+            break;
+        }
+        if (rc < 0) {
+            if (kc_call_cancelled(r->call)) client_gone(r, st, "while tokens were streamed");
+            else status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
+            code = st->code;
+            break;
+        }
+        if (m->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS && !r->have_decode_finish) {
+            int k = relay(r, m->tokens->ids, m->tokens->n_ids, st);
+            if (k != 0) {
+                kc_stream_cancel(s); /* a stop string, or the client is gone: the node frees the slot */
+                code = k < 0 ? st->code : GRPC_STATUS_OK;
+                kc_message_free(&m->base);
+                break;
+            }
+        } else if (m->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_FINISH) {
+            r->have_decode_finish = 1;
+            r->df = *m->finish;
+            r->reason = m->finish->reason;
+        }
+        kc_message_free(&m->base);
+    }
+    active_remove(r->rt, &active);
+    kc_stream_close(s);
+    /* a stream that ended with its finish has freed the reservation on the node; otherwise
+     * Release it (idempotent) so the blocks come back even if the cancel did not arrive */
+    reservation_end(r, !(code == GRPC_STATUS_OK && r->have_decode_finish && !r->stopped));
+    return code;
+}
+
+/* ------------------------------------------------------------------ Generate */
+
+static void send_finish(gen_req *r)
+{
+    rt_router *rt = r->rt;
+    Kvrelay__V1__ServedBy by = KVRELAY__V1__SERVED_BY__INIT;
+    by.prefill_node = r->pnode->id;
+    by.decode_node = r->dnode->id;
+    Kvrelay__V1__Usage u = KVRELAY__V1__USAGE__INIT;
+    u.prompt_tokens = (uint32_t)r->n_prompt;
+    u.completion_tokens = r->completion;
+    u.ttft_s = r->t_first - r->t_arrival;
+    u.tpot_s = r->completion > 1 ? (r->t_last - r->t_first) / (double)(r->completion - 1) : 0.0;
+    double attended = r->pu.footprint_attended, full = r->pu.footprint_full;
+    uint64_t peak = r->pu.peak_kv_entries;
+    if (r->have_decode_finish) {
+        attended += r->df.footprint_attended;
+        full += r->df.footprint_full;
+        if (r->df.peak_kv_entries > peak) peak = r->df.peak_kv_entries;
+    }
+    u.kv_footprint = full > 0 ? attended / full : 0.0;
+    u.peak_kv_entries = peak;
+    u.kv_bytes_shipped = r->pu.kv_bytes_shipped;
+    u.kv_entries_shipped = r->pu.kv_entries_shipped;
+    u.served_by = &by;
+    Kvrelay__V1__Finish fin = KVRELAY__V1__FINISH__INIT;
+    fin.reason = r->reason;
+    fin.usage = &u;
+    fin.request_id = r->id;
+    Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
+    msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH;
+    msg.finish = &fin;
+    kc_call_send(r->call, &msg.base);
+    if (r->completion > 1) kc_histogram_observe(rt->m.tpot, u.tpot_s);
+    kc_counter_inc(rt->m.generated_tokens, r->completion);
+    static const char *reasons[] = {"unspecified", "length", "stop", "eos", "context"};
+    kc_info(r->id, "finished: %s, %u prompt + %u completion tokens, ttft %.4f s, tpot %.4f s, kv footprint %.3f, "
+            "%" PRIu64 " bytes shipped, %s -> %s",
+            (unsigned)r->reason < 5 ? reasons[r->reason] : "?", u.prompt_tokens, u.completion_tokens, u.ttft_s,
+            u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, r->dnode->id);
+}
+
+/* Everything after validation. */
+static grpc_status_code serve(gen_req *r, kc_status *st)
+{
+    rt_router *rt = r->rt;
+    Kvrelay__V1__PrefillResponse *pr = NULL;
+    grpc_status_code code = place(r, &pr, st);
+    if (code != GRPC_STATUS_OK) return code;
+    r->pu = pr->usage ? *pr->usage : (Kvrelay__V1__PrefillUsage)KVRELAY__V1__PREFILL_USAGE__INIT;
+    r->pu.prefill_node = NULL; /* numbers only: pr is freed below */
+    r->pu.base.unknown_fields = NULL;
+    r->pu.base.n_unknown_fields = 0;
+    uint32_t first = pr->first_token;
+    kc_message_free(&pr->base);
+    kc_counter_inc(rt->m.kv_bytes_shipped, (double)r->pu.kv_bytes_shipped);
+    kc_info(r->id, "prefilled on %s: first token %u, %" PRIu64 " KV entries (%" PRIu64 " bytes) shipped to %s in %.4f s",
+            r->pnode->id, first, r->pu.kv_entries_shipped, r->pu.kv_bytes_shipped, r->dnode->id, r->pu.transfer_s);
+    if (first >= (uint32_t)rt->cfg.vocab_size) {
+        reservation_end(r, 1);
+        status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, outside the vocabulary", r->pnode->id, first);
+        return st->code;
+    }
+
+    /* the first token goes out now: TTFT ends here */
+    int k = relay(r, &first, 1, st);
+    r->t_first = r->t_last;
+    kc_histogram_observe(rt->m.ttft, r->t_first - r->t_arrival);
+    if (k < 0) {
+        reservation_end(r, 1);
+        return st->code;
+    }
+    int done = k == 1;
+    if (!done && (int32_t)first == rt->cfg.eos_token_id) {
+        r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
+        done = 1;
+    } else if (!done && is_stop_id(r, first)) {
+        r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
+        done = 1;
+    } else if (!done && r->max_tokens == 1) {
+        r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+        done = 1;
+    }
+    if (done) {
+        r->stopped = 1;
+        reservation_end(r, 1); /* the bundle was shipped to the reservation: free it */
+    } else {
+        code = decode(r, st);
+        if (code != GRPC_STATUS_OK) return code;
+    }
+    if (relay_flush(r, st) != 0) return st->code;
+    send_finish(r);
+    return GRPC_STATUS_OK;
+}
+
+int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
+{
+    rt_router *rt = user;
+    const Kvrelay__V1__GenerateRequest *q = (const void *)req;
+    gen_req *r = calloc(1, sizeof *r);
+    if (!r) return kc_call_error(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+    r->rt = rt;
+    r->call = call;
+    r->t_arrival = now_s();
+    int64_t left = kc_call_ms_left(call);
+    r->deadline_ms = rt_now_ms() + (left < rt->default_timeout_ms ? left : rt->default_timeout_ms);
+    atomic_fetch_add(&rt->in_flight, 1);
+    kc_gauge_inc(rt->m.in_flight, 1);
+
+    kc_status st = {GRPC_STATUS_OK, ""};
+    grpc_status_code code = validate(rt, q, r, &st);
+    if (code == GRPC_STATUS_OK) {
+        kc_counter_inc(rt->m.prompt_tokens, r->n_prompt);
+        kc_info(r->id, "accepted: %d prompt tokens, max_tokens %u, kv_policy '%s', %zu stop strings, %zu stop ids",
+                r->n_prompt, r->max_tokens, r->policy[0] ? r->policy : "full", q->n_stop, q->n_stop_ids);
+        code = serve(r, &st);
+    }
+    if (code != GRPC_STATUS_OK) {
+        if (code == GRPC_STATUS_CANCELLED) kc_info(r->id[0] ? r->id : NULL, "CANCELLED: %s", st.details);
+        else kc_warn(r->id[0] ? r->id : NULL, "%s: %s", kc_status_name(code), st.details);
+    }
+    kc_counter_inc(rt->m.requests[(unsigned)code <= GRPC_STATUS_UNAUTHENTICATED ? code : GRPC_STATUS_UNKNOWN], 1);
+    kc_gauge_inc(rt->m.in_flight, -1);
+    atomic_fetch_sub(&rt->in_flight, 1);
+    rt_stop_free(&r->stop);
+    kr_detok_free(r->detok);
+    free(r->prompt);
+    free(r);
+    if (code == GRPC_STATUS_OK) return GRPC_STATUS_OK;
+    return kc_call_error(call, code, "%s", st.details);
+}
+
+/* ------------------------------------------------------------------ Tokenize */
+
+int rt_tokenize(kc_call *call, const ProtobufCMessage *req, void *user)
+{
+    rt_router *rt = user;
+    const Kvrelay__V1__TokenizeRequest *q = (const void *)req;
+    if (!rt->tok)
+        return kc_call_error(call, GRPC_STATUS_FAILED_PRECONDITION,
+                             "the router's model %s has no tokenizer.json: Tokenize needs one", rt->model_dir);
+    int32_t *ids = NULL;
+    int n = 0;
+    char err[KR_ERR_MAX];
+    if (kr_tokenizer_encode(rt->tok, q->text, strlen(q->text), q->add_special, &ids, &n, err) != KR_OK)
+        return kc_call_error(call, GRPC_STATUS_INVALID_ARGUMENT, "text: %s", err);
+    Kvrelay__V1__TokenizeResponse resp = KVRELAY__V1__TOKENIZE_RESPONSE__INIT;
+    resp.n_ids = (size_t)n;
+    resp.ids = (uint32_t *)ids; /* non-negative ids: the same bits */
+    kc_call_send(call, &resp.base);
+    free(ids);
+    return GRPC_STATUS_OK;
+}

@@ -1,0 +1,304 @@
+/*
+ * kvrelay-router - the public face of a kvrelay cluster: serves kvrelay.v1.Generation
+ * (Generate, Tokenize), kvrelay.v1.Admin (ClusterStatus) and grpc.health.v1 over gRPC, and
+ * /metrics + /healthz over HTTP; sends each request to a decode node (Reserve, Decode) and a
+ * prefill node (Prefill) chosen by its placement. It loads the model's config.json and
+ * tokenizer.json only: it never runs the model.
+ * Not here: etcd membership (the nodes come from a static file), TLS, several routers sharing
+ * load information.
+ * Run: kvrelay-router --model DIR --nodes nodes.json --listen 127.0.0.1:7100 --http 127.0.0.1:9100
+ * docs/router.md describes the flags, the request flow and its retry rules.
+ */
+#include "health.h"
+#include "http.h"
+#include "router.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvrelay-router --model DIR --nodes FILE [options]\n"
+            "\n"
+            "Serves the kvrelay gRPC API (kvrelay.v1.Generation, kvrelay.v1.Admin, grpc.health.v1)\n"
+            "and sends each request to a decode node and a prefill node of the membership file.\n"
+            "\n"
+            "  --model DIR             model directory: config.json, and tokenizer.json for text\n"
+            "                          prompts and text output (without it: token-id prompts only)\n"
+            "  --nodes FILE            static membership, JSON: {\"prefill\": [{\"id\": \"prefill-0\",\n"
+            "                          \"address\": \"127.0.0.1:7101\"}], \"decode\": [{\"id\": \"decode-0\",\n"
+            "                          \"address\": \"127.0.0.1:7201\"}]}\n"
+            "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
+            "  --http HOST:PORT        /metrics and /healthz (default 127.0.0.1:9100)\n"
+            "  --id NAME               this router's name in logs and ClusterStatus (default router-0)\n"
+            "  --placement P           round-robin or least-loaded (default least-loaded)\n"
+            "  --max-tokens-limit N    largest max_tokens a request may ask for (default 4096)\n"
+            "  --max-prompt N          longest prompt in tokens (default: the model's\n"
+            "                          max_position_embeddings - 1)\n"
+            "  --default-timeout-ms MS deadline of a request whose client set none (default 300000)\n"
+            "  --log-level L           debug, info, warn or error (default info)\n"
+            "  -h, --help              this help\n"
+            "\n"
+            "Prints \"router ID: serving grpc HOST:PORT http HOST:PORT\" once it serves; SIGINT or\n"
+            "SIGTERM stops it cleanly.\n");
+}
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("kvrelay-router: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(2);
+}
+
+typedef struct router_opts {
+    const char *model, *nodes, *listen, *http, *id, *placement, *log_level;
+    long max_tokens_limit, max_prompt, default_timeout_ms;
+} router_opts;
+
+static long parse_long(const char *flag, const char *s, long lo, long hi)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end) die("%s: '%s' is not an integer", flag, s);
+    if (v < lo || v > hi) die("%s: %ld is out of range [%ld, %ld]", flag, v, lo, hi);
+    return v;
+}
+
+/* Splits HOST:PORT (HOST may be [v6]) into host (brackets kept off) and port; dies naming the
+ * flag otherwise. */
+static void split_address(const char *flag, const char *s, char *host, size_t cap, int *port)
+{
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s) die("%s: '%s' is not HOST:PORT", flag, s);
+    size_t n = (size_t)(colon - s);
+    if (s[0] == '[' && n >= 2 && s[n - 1] == ']') {
+        s++;
+        n -= 2;
+    }
+    if (n == 0 || n >= cap) die("%s: '%s' has no usable host", flag, s);
+    memcpy(host, s, n);
+    host[n] = 0;
+    *port = (int)parse_long(flag, colon + 1, 0, 65535);
+}
+
+static void parse(int argc, char **argv, router_opts *o)
+{
+    *o = (router_opts){.listen = "127.0.0.1:7100", .http = "127.0.0.1:9100", .id = "router-0",
+                       .placement = "least-loaded", .log_level = "info", .max_tokens_limit = 4096,
+                       .max_prompt = -1, .default_timeout_ms = 300000};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        }
+        if (a[0] != '-' || a[1] != '-') die("unexpected argument '%s' (see --help)", a);
+        if (i + 1 >= argc) die("%s needs a value (see --help)", a);
+        const char *v = argv[++i];
+        if (!strcmp(a, "--model")) o->model = v;
+        else if (!strcmp(a, "--nodes")) o->nodes = v;
+        else if (!strcmp(a, "--listen")) o->listen = v;
+        else if (!strcmp(a, "--http")) o->http = v;
+        else if (!strcmp(a, "--id")) o->id = v;
+        else if (!strcmp(a, "--placement")) o->placement = v;
+        else if (!strcmp(a, "--log-level")) o->log_level = v;
+        else if (!strcmp(a, "--max-tokens-limit")) o->max_tokens_limit = parse_long(a, v, 1, 1 << 24);
+        else if (!strcmp(a, "--max-prompt")) o->max_prompt = parse_long(a, v, 1, 1 << 30);
+        else if (!strcmp(a, "--default-timeout-ms")) o->default_timeout_ms = parse_long(a, v, 1, 86400000L);
+        else die("unknown flag '%s' (see --help)", a);
+    }
+    if (!o->model) die("--model DIR is required (see --help)");
+    if (!o->nodes) die("--nodes FILE is required (see --help)");
+    size_t idlen = strlen(o->id);
+    if (idlen == 0 || idlen > 63) die("--id: '%s' must be 1-63 characters", o->id);
+}
+
+static void metrics_init(rt_router *rt)
+{
+    rt_metrics *m = &rt->m;
+    m->reg = kc_registry_create();
+    if (!m->reg) die("out of memory");
+    for (int c = 0; c <= GRPC_STATUS_UNAUTHENTICATED; c++) {
+        char label[64];
+        snprintf(label, sizeof label, "status=\"%s\"", kc_status_name((grpc_status_code)c));
+        m->requests[c] = kc_counter_add(m->reg, "kvrelay_requests_total",
+                                        "Generate calls finished, by final gRPC status", label);
+    }
+    m->ttft = kc_histogram_add(m->reg, "kvrelay_ttft_seconds",
+                               "Time to first token: request arrival at the router to the first token sent",
+                               NULL, kc_latency_buckets, kc_n_latency_buckets);
+    m->tpot = kc_histogram_add(m->reg, "kvrelay_tpot_seconds",
+                               "Time per output token after the first, per request", NULL,
+                               kc_latency_buckets, kc_n_latency_buckets);
+    m->prompt_tokens = kc_counter_add(m->reg, "kvrelay_prompt_tokens_total", "Prompt tokens of admitted requests", NULL);
+    m->generated_tokens = kc_counter_add(m->reg, "kvrelay_tokens_generated_total",
+                                         "Completion tokens sent to clients (the first token included)", NULL);
+    m->kv_bytes_shipped = kc_counter_add(m->reg, "kvrelay_kv_bytes_shipped_total",
+                                         "K and V payload bytes shipped prefill -> decode for this router's requests",
+                                         NULL);
+    m->in_flight = kc_gauge_add(m->reg, "kvrelay_requests_in_flight", "Generate calls being served", NULL);
+    m->queued = kc_gauge_add(m->reg, "kvrelay_queue_depth",
+                             "Generate calls waiting for a node with room (backing off)", NULL);
+    m->retries = kc_counter_add(m->reg, "kvrelay_placement_retries_total",
+                                "Requests placed again after a node failed before anything was streamed", NULL);
+    for (int c = 0; c <= GRPC_STATUS_UNAUTHENTICATED; c++)
+        if (!m->requests[c]) die("cannot register metrics");
+    if (!m->ttft || !m->tpot || !m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped ||
+        !m->in_flight || !m->queued || !m->retries)
+        die("cannot register metrics");
+}
+
+static int sig_pipe[2]; /* signal handler -> main */
+
+static void on_signal(int sig)
+{
+    int saved = errno;
+    unsigned char b = (unsigned char)sig;
+    if (write(sig_pipe[1], &b, 1) < 0) { /* the pipe is full: a signal is already pending */
+    }
+    errno = saved;
+}
+
+static int64_t unix_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+int main(int argc, char **argv)
+{
+    router_opts o;
+    parse(argc, argv, &o);
+    kc_log_level level;
+    if (kc_log_parse_level(o.log_level, &level) != 0)
+        die("--log-level: '%s' is not one of debug, info, warn, error", o.log_level);
+    char grpc_host[256], http_host[256];
+    int grpc_port, http_port;
+    split_address("--listen", o.listen, grpc_host, sizeof grpc_host, &grpc_port);
+    split_address("--http", o.http, http_host, sizeof http_host, &http_port);
+
+    static rt_router router; /* static: the handlers and threads reach it until exit */
+    rt_router *rt = &router;
+    snprintf(rt->id, sizeof rt->id, "%s", o.id);
+    snprintf(rt->model_dir, sizeof rt->model_dir, "%s", o.model);
+    rt->placement = rt_placement_by_name(o.placement);
+    if (!rt->placement) die("--placement: '%s' is not round-robin or least-loaded", o.placement);
+    kc_log_init(rt->id, level);
+
+    char err[KR_ERR_MAX];
+    if (kr_config_load(o.model, &rt->cfg, err) != KR_OK) die("--model: %s", err);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/tokenizer.json", o.model);
+    if (access(path, F_OK) == 0) {
+        if (kr_tokenizer_load(o.model, &rt->tok, err) != KR_OK) die("--model: %s", err);
+        if (kr_tokenizer_n_vocab(rt->tok) > rt->cfg.vocab_size)
+            die("--model: %s: the tokenizer has %d ids but config.json's vocab_size is %d", o.model,
+                kr_tokenizer_n_vocab(rt->tok), rt->cfg.vocab_size);
+    }
+    if (rt->cfg.max_position_embeddings < 2)
+        die("--model: %s/config.json: max_position_embeddings %d leaves no room to generate", o.model,
+            rt->cfg.max_position_embeddings);
+    long ctx_room = rt->cfg.max_position_embeddings - 1;
+    rt->max_prompt = (uint32_t)(o.max_prompt > 0 && o.max_prompt < ctx_room ? o.max_prompt : ctx_room);
+    rt->max_tokens_limit = (uint32_t)o.max_tokens_limit;
+    rt->default_timeout_ms = o.default_timeout_ms;
+    rt->started_unix_ms = unix_ms();
+
+    rt_members ms;
+    char merr[RT_MEMBERS_ERR_MAX];
+    if (rt_members_load(o.nodes, &ms, merr) != 0) die("--nodes: %s", merr);
+    if (rt_nodes_init(rt, &ms, err) != 0) die("--nodes: %s", err);
+    rt_members_free(&ms);
+    pthread_mutex_init(&rt->mu, NULL);
+    pthread_cond_init(&rt->cv, NULL);
+    metrics_init(rt);
+
+    /* SIGINT/SIGTERM write to a pipe that main waits on. A handler, not sigwait: threads that
+     * OpenBLAS starts before main keep the default mask, so a blocked signal could still reach
+     * one of them and kill the process (a second Ctrl-C, or one during start-up). */
+    if (pipe(sig_pipe) != 0) die("pipe: %s", strerror(errno));
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    kc_server *srv;
+    kc_status st;
+    int bound;
+    if (kc_server_create(o.listen, NULL, &srv, &bound, &st) != 0) die("--listen %s: %s", o.listen, st.details);
+    if (kc_server_add_stream(srv, "/kvrelay.v1.Generation/Generate", &kvrelay__v1__generate_request__descriptor,
+                             rt_generate, rt) ||
+        kc_server_add_unary(srv, "/kvrelay.v1.Generation/Tokenize", &kvrelay__v1__tokenize_request__descriptor,
+                            rt_tokenize, rt) ||
+        kc_server_add_unary(srv, "/kvrelay.v1.Admin/ClusterStatus",
+                            &kvrelay__v1__cluster_status_request__descriptor, rt_cluster_status, rt))
+        die("cannot register the gRPC methods");
+    static const char *const services[] = {"kvrelay.v1.Generation", "kvrelay.v1.Admin", NULL};
+    kc_health *health = kc_health_register(srv, services);
+    if (!health) die("cannot register grpc.health.v1");
+    rt->health = health;
+    char herr[256];
+    int http_bound;
+    kc_http *http = kc_http_start(http_host, http_port, rt->m.reg, rt_nodes_healthy, rt, &http_bound, herr);
+    if (!http) die("--http %s: %s", o.http, herr);
+    snprintf(rt->grpc_address, sizeof rt->grpc_address, "%s%s%s:%d", strchr(grpc_host, ':') ? "[" : "", grpc_host,
+             strchr(grpc_host, ':') ? "]" : "", bound);
+
+    /* a first look at the nodes, so the log says at once which ones are missing */
+    rt_nodes_refresh(rt, 1000);
+    if (pthread_create(&rt->poller, NULL, rt_poller_main, rt) != 0 ||
+        pthread_create(&rt->watcher, NULL, rt_watcher_main, rt) != 0)
+        die("cannot start the router's threads");
+    if (kc_server_start(srv, &st) != 0) die("cannot start the gRPC server: %s", st.details);
+    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s", o.model,
+            rt->cfg.arch_name, rt->cfg.vocab_size, rt->cfg.max_position_embeddings,
+            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", rt->n_prefill, rt->n_decode,
+            rt->placement->name);
+    printf("router %s: serving grpc %s http %s%s%s:%d\n", rt->id, rt->grpc_address, strchr(http_host, ':') ? "[" : "",
+           http_host, strchr(http_host, ':') ? "]" : "", http_bound);
+    fflush(stdout);
+
+    unsigned char sig = 0;
+    while (read(sig_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+    }
+    kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    pthread_mutex_lock(&rt->mu);
+    rt->draining = 1;
+    pthread_mutex_unlock(&rt->mu);
+    kc_health_set_serving(health, 0);
+    kc_server_destroy(srv); /* cancels the calls in flight; the watcher cancels their streams */
+    pthread_mutex_lock(&rt->mu);
+    rt->stopping = 1;
+    pthread_cond_broadcast(&rt->cv);
+    pthread_mutex_unlock(&rt->mu);
+    pthread_join(rt->watcher, NULL);
+    pthread_join(rt->poller, NULL);
+    kc_health_free(health);
+    kc_http_stop(http);
+    rt_nodes_free(rt);
+    kc_registry_free(rt->m.reg);
+    kr_tokenizer_free(rt->tok);
+    pthread_cond_destroy(&rt->cv);
+    pthread_mutex_destroy(&rt->mu);
+    kc_info(NULL, "stopped");
+    return 0;
+}

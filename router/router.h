@@ -1,0 +1,133 @@
+/*
+ * router.h - the insides of kvrelay-router shared by its files (not a library):
+ *   main.c      flags, start-up, metrics, the serving line, shutdown
+ *   nodes.c     the nodes of the membership file: channels, Status polling, load estimates for
+ *               placement, Admin.ClusterStatus
+ *   generate.c  Generation.Generate (validate, reserve, prefill, relay the decode stream) and
+ *               Generation.Tokenize
+ *   members.c, placement.c, stop.c: the pure parts (their own headers, unit-tested)
+ * docs/router.md says what the router promises; this header says who owns what.
+ */
+#ifndef RT_ROUTER_H
+#define RT_ROUTER_H
+
+#include "health.h"
+#include "kr.h"
+#include "log.h"
+#include "metrics.h"
+#include "members.h"
+#include "placement.h"
+#include "rpc.h"
+
+#include "kvrelay/v1/internal.pb-c.h"
+#include "kvrelay/v1/kvrelay.pb-c.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+/* Node-to-node RPC timeouts that do not depend on a client's deadline. */
+#define RT_STATUS_TIMEOUT_MS 400 /* one Status call of the poller */
+#define RT_POLL_INTERVAL_MS 500
+#define RT_RELEASE_TIMEOUT_MS 2000 /* Release runs even after the client's deadline passed */
+
+/* One node of the membership file. The immutable part is set at start-up; the rest is guarded
+ * by rt_router.mu. */
+typedef struct rt_node {
+    rt_role role;
+    char id[64];
+    char address[256];
+    kc_channel *ch; /* shared by every call to this node */
+
+    /* its last Status (guarded) */
+    int polled; /* a Status call has completed (answered or failed) */
+    int reachable; /* the last one answered */
+    char error[320]; /* why the last one failed */
+    Kvrelay__V1__NodeState state;
+    char transfer_address[256];
+    uint32_t running, queued;
+    uint64_t prefill_tokens, free_blocks, total_blocks, reserved_blocks;
+    int64_t since_unix_ms;
+
+    /* what this router has in flight on the node now, and had when the last Status was sent:
+     * the load estimate is the node's answer plus our change since (guarded) */
+    int64_t own_tokens, own_running, own_blocks;
+    int64_t own_tokens_polled, own_running_polled, own_blocks_polled;
+} rt_node;
+
+/* The metrics the router exports (docs/observability.md names). */
+typedef struct rt_metrics {
+    kc_registry *reg;
+    kc_counter *requests[GRPC_STATUS_UNAUTHENTICATED + 1]; /* by final status code */
+    kc_histogram *ttft, *tpot;
+    kc_counter *prompt_tokens, *generated_tokens;
+    kc_counter *kv_bytes_shipped;
+    kc_gauge *in_flight, *queued;
+    kc_counter *retries;
+} rt_metrics;
+
+typedef struct rt_active rt_active; /* a Generate call with a decode stream open (generate.c) */
+
+typedef struct rt_router {
+    /* immutable after start-up */
+    char id[64];
+    char grpc_address[300]; /* HOST:PORT actually bound */
+    char model_dir[1024];
+    kr_config cfg;
+    kr_tokenizer *tok; /* NULL: the model directory has no tokenizer.json */
+    const rt_placement *placement;
+    uint32_t max_tokens_limit;
+    uint32_t max_prompt; /* tokens; also capped by max_position_embeddings - 1 */
+    int64_t default_timeout_ms; /* the deadline of a request whose client set none */
+    int64_t started_unix_ms;
+    rt_node *nodes; /* n_prefill prefill nodes, then n_decode decode nodes */
+    int n_prefill, n_decode;
+    rt_metrics m;
+    kc_health *health; /* grpc.health.v1; NOT_SERVING while draining */
+
+    pthread_mutex_t mu; /* the guarded parts of the nodes, and the active list */
+    pthread_cond_t cv; /* `stopping` changed */
+    int stopping; /* the poller and the watcher end */
+    int draining; /* shutting down: /healthz and ClusterStatus say so */
+    rt_active *active; /* Generate calls with an open decode stream (the cancel watcher's list) */
+    atomic_uint_fast64_t turn[2]; /* placements made per rt_role */
+    atomic_uint_fast64_t next_request; /* for generated request ids */
+    atomic_int in_flight, queued; /* Generate calls being served / waiting for room */
+    pthread_t poller, watcher;
+} rt_router;
+
+/* ------------------------------------------------------------------ nodes.c */
+
+/* Creates one channel per member. Returns 0, or -1 with a message in err (KR_ERR_MAX bytes). */
+int rt_nodes_init(rt_router *rt, const rt_members *ms, char *err);
+void rt_nodes_free(rt_router *rt);
+/* Calls every node's Status at once (one thread each) with `timeout_ms`, updating what the
+ * router knows; returns when all answered or failed. */
+void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms);
+/* The poller: rt_nodes_refresh every RT_POLL_INTERVAL_MS until rt->stopping. */
+void *rt_poller_main(void *arg);
+/* The nodes of `role` (first index into rt->nodes and count). */
+rt_node *rt_nodes_of(rt_router *rt, rt_role role, int *n);
+/* The nodes of `role` in the order the placement wants them tried (order gets n indices into
+ * the role's nodes). */
+void rt_nodes_order(rt_router *rt, rt_role role, int *order);
+/* The router's own in-flight accounting (deltas, may be negative). */
+void rt_node_account(rt_router *rt, rt_node *n, int64_t tokens, int64_t running, int64_t blocks);
+/* /healthz: healthy while gRPC health says SERVING and at least one prefill and one decode node
+ * answered its last Status. */
+int rt_nodes_healthy(void *rt, char *reason, size_t cap);
+/* Admin.ClusterStatus handler. */
+int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user);
+
+/* ------------------------------------------------------------------ generate.c */
+
+int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user);
+int rt_tokenize(kc_call *call, const ProtobufCMessage *req, void *user);
+/* The cancel watcher: every few ms, cancels the decode stream of every active Generate call
+ * whose client went away (its handler may be blocked reading that stream). Until stopping. */
+void *rt_watcher_main(void *arg);
+
+/* Monotonic milliseconds. */
+int64_t rt_now_ms(void);
+
+#endif /* RT_ROUTER_H */

@@ -1,0 +1,759 @@
+/*
+ * test_decode_node.c - kvrelay-decode as a black box: the real program on a fixture model, real
+ * gRPC and real UCX on loopback. This test plays the router (Reserve, Decode, Release, Status
+ * over gRPC) and the prefill node (in-process kr_prefill with a policy, the KV bundle written
+ * with kt_bundle_writer and shipped with kt_transport_send_wait to the node's transfer address),
+ * and checks:
+ *   - streamed tokens equal an in-process one-sequence decode (kr_forward), token for token, for
+ *     several policies at once in one batch (greedy, and one seeded sampled stream), on
+ *     llama3-tiny and mistral-tiny, plus finish reason and completion_tokens;
+ *   - a stream cancelled mid-way, a deadline passing mid-stream and while waiting for a bundle,
+ *     an expired reservation, a released one: each leaves Status with zero reserved and used
+ *     blocks (polled for a few seconds, no timing asserted);
+ *   - refusals: Release of an unknown id (released=false), Reserve over capacity
+ *     (RESOURCE_EXHAUSTED), bad Reserve fields (INVALID_ARGUMENT naming them), a bundle for
+ *     another model (FAILED_PRECONDITION naming both fingerprints), garbage bytes on all four
+ *     RPCs (INVALID_ARGUMENT), after all of which the node still serves; SIGTERM exits 0.
+ * Not here: the router and prefill node processes (tests/integration), throughput.
+ * Skips (77) when kvrelay-decode is not built or the fixtures are absent.
+ * Run: ctest -R test_decode_node (about 10 s with sanitizers).
+ */
+#include "kr_test.h"
+#include "proc.h"
+
+#include <arpa/inet.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include "bundle.h"
+#include "kr.h"
+#include "rpc.h"
+#include "transport.h"
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "kvrelay/v1/internal.pb-c.h"
+
+#define P_RESERVE "/kvrelay.v1.Decode/Reserve"
+#define P_DECODE "/kvrelay.v1.Decode/Decode"
+#define P_RELEASE "/kvrelay.v1.Decode/Release"
+#define P_STATUS "/kvrelay.v1.Decode/Status"
+#define KV_BLOCKS 6000
+#define MAX_OUT 256
+
+static void sleep_ms(int ms)
+{
+    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+/* ------------------------------------------------------------------ the node under test */
+
+typedef struct node {
+    test_proc proc;
+    kc_channel *ch;
+    char xfer_host[64];
+    uint16_t xfer_port;
+    uint64_t total_blocks;
+} node;
+
+static Kvrelay__V1__Node *status(node *nd)
+{
+    Kvrelay__V1__NodeStatusRequest req = KVRELAY__V1__NODE_STATUS_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    kc_status st;
+    if (kc_unary(nd->ch, P_STATUS, &req.base, &kvrelay__v1__node__descriptor, 5000, &resp, &st) != 0) {
+        fprintf(stderr, "Status: %s %s\n", kc_status_name(st.code), st.details);
+        return NULL;
+    }
+    return (Kvrelay__V1__Node *)resp;
+}
+
+/* Polls Status until nothing is reserved, used, running or queued (up to ~5 s). */
+static int idle(node *nd)
+{
+    Kvrelay__V1__Node *s = NULL;
+    for (int i = 0; i < 100; i++) {
+        kc_message_free((ProtobufCMessage *)s);
+        s = status(nd);
+        if (s && s->reserved_kv_blocks == 0 && s->free_kv_blocks == s->total_kv_blocks &&
+            s->running_requests == 0 && s->queued_requests == 0)
+            break;
+        sleep_ms(50);
+    }
+    int ok = s && s->reserved_kv_blocks == 0 && s->free_kv_blocks == s->total_kv_blocks &&
+             s->running_requests == 0 && s->queued_requests == 0;
+    if (!ok && s)
+        fprintf(stderr, "not idle: reserved %" PRIu64 ", free %" PRIu64 " of %" PRIu64
+                ", running %u, queued %u\n", s->reserved_kv_blocks, s->free_kv_blocks,
+                s->total_kv_blocks, s->running_requests, s->queued_requests);
+    kc_message_free((ProtobufCMessage *)s);
+    return ok;
+}
+
+/* GET `path` from the node's HTTP endpoint with a plain socket: the whole response (status
+ * line, headers, body) in a static buffer, "" when the connection failed. */
+static const char *http_get(const node *nd, const char *path)
+{
+    static char buf[1 << 17];
+    buf[0] = 0;
+    const char *colon = strrchr(nd->proc.http, ':');
+    if (!colon)
+        return buf;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    size_t n = 0;
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+        char rq[256];
+        snprintf(rq, sizeof rq, "GET %s HTTP/1.0\r\n\r\n", path);
+        if (write(fd, rq, strlen(rq)) == (ssize_t)strlen(rq)) {
+            ssize_t r;
+            while (n + 1 < sizeof buf && (r = read(fd, buf + n, sizeof buf - 1 - n)) > 0)
+                n += (size_t)r;
+        }
+    }
+    close(fd);
+    buf[n] = 0;
+    return buf;
+}
+
+/* The value of /metrics sample line `name` (with its labels), or -1. */
+static double metric(const node *nd, const char *name)
+{
+    const char *body = http_get(nd, "/metrics");
+    char key[160];
+    snprintf(key, sizeof key, "\n%s ", name);
+    const char *p = strstr(body, key);
+    return p ? strtod(p + strlen(key), NULL) : -1;
+}
+
+static void node_start(node *nd, const char *bin, const char *model)
+{
+    char blocks[32];
+    snprintf(blocks, sizeof blocks, "%d", KV_BLOCKS);
+    char *argv[] = {(char *)bin, "--model", (char *)model, "--id", "decode-t", "--listen",
+                    "127.0.0.1:0", "--transfer", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                    "--kv-blocks", blocks, "--threads", "1", "--max-batch", "4",
+                    "--reservation-ttl-ms", "20000", NULL};
+    REQUIRE(test_proc_start(argv, 60.0, &nd->proc) == 0, "kvrelay-decode starts on %s", model);
+    kc_status st;
+    REQUIRE(kc_channel_create(nd->proc.grpc, 0, &nd->ch, &st) == 0, "%s", st.details);
+    Kvrelay__V1__Node *s = status(nd);
+    REQUIRE(s, "Status answers");
+    CHECK(s->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_DECODE, "role %d", s->role);
+    CHECK(s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING, "state %d", s->state);
+    CHECK(strcmp(s->id, "decode-t") == 0, "id %s", s->id);
+    CHECK(strcmp(s->grpc_address, nd->proc.grpc) == 0, "grpc_address %s", s->grpc_address);
+    CHECK(s->total_kv_blocks == KV_BLOCKS && s->free_kv_blocks == KV_BLOCKS &&
+          s->reserved_kv_blocks == 0, "blocks %" PRIu64 "/%" PRIu64 "/%" PRIu64,
+          s->total_kv_blocks, s->free_kv_blocks, s->reserved_kv_blocks);
+    nd->total_blocks = s->total_kv_blocks;
+    const char *colon = strrchr(s->transfer_address, ':');
+    REQUIRE(colon && (size_t)(colon - s->transfer_address) < sizeof nd->xfer_host,
+            "transfer_address %s", s->transfer_address);
+    memcpy(nd->xfer_host, s->transfer_address, (size_t)(colon - s->transfer_address));
+    nd->xfer_host[colon - s->transfer_address] = 0;
+    nd->xfer_port = (uint16_t)atoi(colon + 1);
+    kc_message_free(&s->base);
+
+    /* Health, both ways. */
+    CHECK(strstr(http_get(nd, "/healthz"), " 200 ") != NULL, "/healthz answers 200");
+    for (int i = 0; i < 2; i++) {
+        Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+        hreq.service = i ? "kvrelay.v1.Decode" : "";
+        ProtobufCMessage *resp = NULL;
+        int rc = kc_unary(nd->ch, "/grpc.health.v1.Health/Check", &hreq.base,
+                          &grpc__health__v1__health_check_response__descriptor, 5000, &resp, &st);
+        CHECK(rc == 0 && ((const Grpc__Health__V1__HealthCheckResponse *)resp)->status ==
+                             GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING,
+              "grpc.health.v1 Check('%s'): %s", hreq.service, st.details);
+        kc_message_free(resp);
+    }
+}
+
+static void node_stop(node *nd)
+{
+    kc_channel_destroy(nd->ch);
+    int st = test_proc_stop(&nd->proc, SIGTERM, 20.0);
+    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM: clean exit 0 (status %d)",
+          st);
+}
+
+/* ------------------------------------------------------------------ the router's calls */
+
+static uint64_t reserve(node *nd, const char *rid, uint32_t prompt, uint32_t max_tokens,
+                        const char *policy, uint32_t ttl_ms, kc_status *st)
+{
+    Kvrelay__V1__ReserveRequest req = KVRELAY__V1__RESERVE_REQUEST__INIT;
+    req.request_id = (char *)rid;
+    req.prompt_tokens = prompt;
+    req.max_tokens = max_tokens;
+    req.kv_policy = (char *)policy;
+    req.ttl_ms = ttl_ms;
+    ProtobufCMessage *resp = NULL;
+    if (kc_unary(nd->ch, P_RESERVE, &req.base, &kvrelay__v1__reserve_response__descriptor, 5000,
+                 &resp, st) != 0)
+        return 0;
+    const Kvrelay__V1__ReserveResponse *r = (const void *)resp;
+    uint64_t id = r->reservation_id;
+    char want[160];
+    snprintf(want, sizeof want, "%s:%u", nd->xfer_host, nd->xfer_port);
+    CHECK(id != 0 && r->reserved_blocks > 0 && strcmp(r->transfer_address, want) == 0 &&
+          r->expires_unix_ms > 0, "Reserve answer: id %" PRIu64 ", %" PRIu64 " blocks, %s",
+          id, r->reserved_blocks, r->transfer_address);
+    kc_message_free(resp);
+    return id;
+}
+
+static int release(node *nd, uint64_t id)
+{
+    Kvrelay__V1__ReleaseRequest req = KVRELAY__V1__RELEASE_REQUEST__INIT;
+    req.reservation_id = id;
+    req.request_id = "t-release";
+    ProtobufCMessage *resp = NULL;
+    kc_status st;
+    if (kc_unary(nd->ch, P_RELEASE, &req.base, &kvrelay__v1__release_response__descriptor, 5000,
+                 &resp, &st) != 0) {
+        CHECK(0, "Release: %s %s", kc_status_name(st.code), st.details);
+        return -1;
+    }
+    int released = ((const Kvrelay__V1__ReleaseResponse *)resp)->released;
+    kc_message_free(resp);
+    return released;
+}
+
+static kc_stream *decode_open_stop(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
+                                   const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms,
+                                   uint32_t *stop_ids, size_t n_stop)
+{
+    Kvrelay__V1__DecodeRequest req = KVRELAY__V1__DECODE_REQUEST__INIT;
+    req.reservation_id = id;
+    req.request_id = (char *)rid;
+    req.max_tokens = max_tokens;
+    req.sampling = (Kvrelay__V1__Sampling *)sampling;
+    req.stop_ids = stop_ids;
+    req.n_stop_ids = n_stop;
+    kc_stream *s = NULL;
+    kc_status st;
+    REQUIRE(kc_stream_open(nd->ch, P_DECODE, &req.base, timeout_ms, &s, &st) == 0, "%s",
+            st.details);
+    return s;
+}
+
+static kc_stream *decode_open(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
+                              const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms)
+{
+    return decode_open_stop(nd, id, rid, max_tokens, sampling, timeout_ms, NULL, 0);
+}
+
+/* What one Decode stream said. */
+typedef struct streamed {
+    int32_t ids[MAX_OUT];
+    int n, n_msgs, n_finish;
+    Kvrelay__V1__FinishReason reason;
+    uint32_t completion_tokens;
+    double footprint_full;
+    kc_status st;
+    int rc; /* kc_stream_next's last: 0 = OK end, -1 = error */
+} streamed;
+
+static void decode_read(kc_stream *s, streamed *out)
+{
+    memset(out, 0, sizeof *out);
+    ProtobufCMessage *m;
+    while ((out->rc = kc_stream_next(s, &kvrelay__v1__decode_response__descriptor, &m,
+                                     &out->st)) == 1) {
+        const Kvrelay__V1__DecodeResponse *r = (const void *)m;
+        if (r->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS) {
+            out->n_msgs++;
+            for (size_t i = 0; i < r->tokens->n_ids && out->n < MAX_OUT; i++)
+                out->ids[out->n++] = (int32_t)r->tokens->ids[i];
+        } else if (r->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_FINISH) {
+            out->n_finish++;
+            out->reason = r->finish->reason;
+            out->completion_tokens = r->finish->completion_tokens;
+            out->footprint_full = r->finish->footprint_full;
+        }
+        kc_message_free(m);
+    }
+}
+
+/* ------------------------------------------------------------------ the prefill node's part */
+
+typedef struct engine {
+    kr_model *m;
+    const kr_config *cfg;
+    kr_ctx *ctx;
+    kt_transport *tx;
+    float *logits;
+} engine;
+
+static void engine_init(engine *e, const char *dir)
+{
+    char err[KR_ERR_MAX];
+    REQUIRE(kr_model_load(dir, NULL, &e->m, err) == KR_OK, "%s", err);
+    e->cfg = kr_model_config(e->m);
+    kr_ctx_params cp = {.backend = KR_BACKEND_CPU, .n_threads = 1, .max_chunk = 16};
+    REQUIRE(kr_ctx_create(e->m, &cp, &e->ctx, err) == KR_OK, "%s", err);
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .name = "test-prefill"};
+    char terr[KT_ERR_MAX];
+    REQUIRE(kt_transport_create(&tc, &e->tx, terr) == 0, "%s", terr);
+    e->logits = malloc(sizeof(float) * (size_t)e->cfg->vocab_size);
+}
+
+static void engine_free(engine *e)
+{
+    kt_transport_destroy(e->tx);
+    kr_ctx_free(e->ctx);
+    kr_model_free(e->m);
+    free(e->logits);
+}
+
+/* One request as the prefill node and as one process would run it. */
+typedef struct request {
+    const char *policy;
+    int n_prompt, max_tokens;
+    int sampled; /* 0: greedy; 1: temperature 0.9, top_k 40, seed 7 */
+    const char *fingerprint; /* NULL: the model's */
+    int decode_max; /* Decode's max_tokens when it differs from the reservation's (CONTEXT) */
+    int stop_at; /* > 0: the id one process generated at this index is a stop id */
+    /* results */
+    int32_t first;
+    int32_t want[MAX_OUT]; /* one-process continuation after the first token */
+    int n_want; /* -1: not computed */
+    Kvrelay__V1__FinishReason want_reason;
+    uint8_t *bundle;
+    uint64_t size;
+} request;
+
+static void prompt_ids(int32_t *ids, int n, int vocab, int salt)
+{
+    uint32_t x = 2166136261u ^ (uint32_t)salt;
+    for (int i = 0; i < n; i++) {
+        x = x * 1664525u + 1013904223u;
+        ids[i] = (int32_t)((x >> 8) % (uint32_t)(vocab - 2)); /* avoid the top ids (eos) */
+    }
+}
+
+static kr_sampling sampling_of(const request *rq)
+{
+    kr_sampling s;
+    kr_sampling_default(&s);
+    if (!rq->sampled) {
+        s.greedy = 1;
+    } else {
+        s.temperature = 0.9f;
+        s.top_k = 40;
+        s.seed = 7;
+    }
+    return s;
+}
+
+/* Prefills, writes the bundle into rq->bundle, then (when `oracle`) continues the same
+ * sequence with kr_forward: exactly what one process would generate. */
+static void prefill(engine *e, request *rq, int salt, int oracle)
+{
+    const kr_config *c = e->cfg;
+    char err[KR_ERR_MAX];
+    int32_t prompt[512];
+    REQUIRE(rq->n_prompt <= 512, "prompt");
+    prompt_ids(prompt, rq->n_prompt, c->vocab_size, salt);
+    int per_list = (rq->n_prompt + (oracle ? rq->max_tokens : 0) + 64) / 16 + 2;
+    kr_kv_pool *pool;
+    kr_seq *seq;
+    kr_policy *pol;
+    kr_sampler *sp;
+    REQUIRE(kr_kv_pool_create(c->head_dim, 16, per_list * c->n_layers * c->n_kv_heads, &pool,
+                              err) == KR_OK, "%s", err);
+    REQUIRE(kr_seq_create(pool, c->n_layers, c->n_kv_heads, &seq, err) == KR_OK, "%s", err);
+    REQUIRE(kr_policy_parse(rq->policy, c, &pol, err) == KR_OK, "%s: %s", rq->policy, err);
+    REQUIRE(kr_seq_set_policy(seq, pol, err) == KR_OK, "%s", err);
+    kr_sampling sm = sampling_of(rq);
+    REQUIRE(kr_sampler_create(&sm, c->vocab_size, &sp, err) == KR_OK, "%s", err);
+    REQUIRE(kr_prefill(e->ctx, seq, prompt, rq->n_prompt, 16, KR_LOGITS_LAST, e->logits, err) ==
+            KR_OK, "prefill %s: %s", rq->policy, err);
+    rq->first = kr_sampler_sample(sp, e->logits);
+
+    kt_bundle_header h;
+    memset(&h, 0, sizeof h);
+    snprintf(h.fingerprint, sizeof h.fingerprint, "%s",
+             rq->fingerprint ? rq->fingerprint : kr_model_fingerprint(e->m));
+    h.n_layers = (uint32_t)c->n_layers;
+    h.n_kv_heads = (uint32_t)c->n_kv_heads;
+    h.head_dim = (uint32_t)c->head_dim;
+    h.dtype = KT_DTYPE_F32;
+    h.first_token = rq->first;
+    h.prompt_len = rq->n_prompt;
+    h.next_pos = kr_seq_next_pos(seq);
+    snprintf(h.policy, sizeof h.policy, "%s", kr_policy_spec(pol));
+    int n_lists = c->n_layers * c->n_kv_heads;
+    kt_bundle_list lists[n_lists];
+    for (int l = 0; l < c->n_layers; l++)
+        for (int hd = 0; hd < c->n_kv_heads; hd++) {
+            int len, pinned, w = kr_seq_list_window(seq, l, hd);
+            kr_seq_list_shape(seq, l, hd, &len, &pinned);
+            lists[l * c->n_kv_heads + hd] = (kt_bundle_list){
+                .count = (uint32_t)len, .pinned = (uint32_t)pinned,
+                .window = w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w};
+        }
+    char terr[KT_ERR_MAX];
+    REQUIRE(kt_bundle_size(&h, lists, &rq->size, terr) == 0, "%s", terr);
+    rq->bundle = malloc(rq->size);
+    kt_bundle_writer w;
+    REQUIRE(kt_bundle_writer_begin(&w, &h, lists, rq->bundle, rq->size, terr) == 0, "%s", terr);
+    float *k = malloc(sizeof(float) * 1024 * (size_t)c->head_dim);
+    float *v = malloc(sizeof(float) * 1024 * (size_t)c->head_dim);
+    int32_t pos[1024];
+    for (int l = 0; l < c->n_layers; l++)
+        for (int hd = 0; hd < c->n_kv_heads; hd++) {
+            int len = (int)lists[l * c->n_kv_heads + hd].count;
+            REQUIRE(len <= 1024, "list length");
+            REQUIRE(kr_seq_list_read(seq, l, hd, 0, len, pos, k, v, err) == KR_OK, "%s", err);
+            REQUIRE(kt_bundle_writer_put(&w, (uint32_t)l, (uint32_t)hd, (uint32_t)len, pos,
+                                         KT_DTYPE_F32, k, v, terr) == 0, "%s", terr);
+        }
+    uint64_t written;
+    REQUIRE(kt_bundle_writer_finish(&w, &written, terr) == 0 && written == rq->size, "%s", terr);
+    free(k);
+    free(v);
+
+    rq->n_want = -1;
+    if (oracle) {
+        int n_gen = 1;
+        int32_t last = rq->first;
+        rq->n_want = 0;
+        rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+        if (last == c->eos_token_id)
+            rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
+        while (n_gen < rq->max_tokens && last != c->eos_token_id) {
+            REQUIRE(kr_forward(e->ctx, seq, &last, 1, KR_LOGITS_LAST, e->logits, err) == KR_OK,
+                    "decode %s: %s", rq->policy, err);
+            last = kr_sampler_sample(sp, e->logits);
+            rq->want[rq->n_want++] = last;
+            n_gen++;
+            if (last == c->eos_token_id)
+                rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
+        }
+    }
+    if (oracle && rq->stop_at > 0 && rq->stop_at < rq->n_want) {
+        /* The router's stop ids: generation ends at the first occurrence. */
+        int32_t stop = rq->want[rq->stop_at];
+        if (rq->first == stop) {
+            rq->n_want = 0;
+            rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
+        }
+        for (int i = 0; i < rq->n_want; i++) {
+            if (rq->want[i] == stop) {
+                rq->n_want = i + 1;
+                rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
+                break;
+            }
+        }
+    }
+    if (oracle && rq->decode_max > rq->max_tokens &&
+        rq->want_reason == KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH)
+        rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_CONTEXT; /* the bound */
+    kr_sampler_free(sp);
+    kr_seq_free(seq);
+    kr_policy_free(pol);
+    kr_kv_pool_free(pool);
+}
+
+static int ship(engine *e, node *nd, uint64_t id, request *rq, char *err)
+{
+    int rc = kt_transport_send_wait(e->tx, nd->xfer_host, nd->xfer_port, id, rq->bundle,
+                                    rq->size, 10.0, err);
+    free(rq->bundle);
+    rq->bundle = NULL;
+    return rc;
+}
+
+/* ------------------------------------------------------------------ tests */
+
+/* Several policies decoded at once in one batch (max-batch 4: two forward calls per step with
+ * six sequences), each equal to one-process generation. */
+static void test_batch_equals_one_process(engine *e, node *nd, const char *model)
+{
+    request rq[] = {
+        {.policy = "full", .n_prompt = 37, .max_tokens = 40},
+        {.policy = "streaming:sink=4,window=16", .n_prompt = 50, .max_tokens = 48},
+        {.policy = "snapkv:mode=patched,obs=8,budget=16", .n_prompt = 45, .max_tokens = 33},
+        {.policy = "sage:budget=32", .n_prompt = 60, .max_tokens = 40},
+        {.policy = "streaming:sink=2,window=12,pos=rel", .n_prompt = 41, .max_tokens = 44},
+        {.policy = "take:budget=16,warmup_budget=32,warmup_layers=1,probe=8", .n_prompt = 48,
+         .max_tokens = 36},
+        {.policy = "full", .n_prompt = 30, .max_tokens = 40, .sampled = 1},
+        {.policy = "streaming:sink=4,window=16", .n_prompt = 33, .max_tokens = 40, .stop_at = 6},
+        {.policy = "full", .n_prompt = 25, .max_tokens = 12, .decode_max = 50},
+        {.policy = "full", .n_prompt = 21, .max_tokens = 1},
+    };
+    enum { N = sizeof rq / sizeof rq[0] };
+    uint64_t ids[N];
+    char rid[N][32], err[KT_ERR_MAX];
+    for (int i = 0; i < N; i++) {
+        snprintf(rid[i], sizeof rid[i], "batch-%d", i);
+        kc_status st;
+        ids[i] = reserve(nd, rid[i], (uint32_t)rq[i].n_prompt, (uint32_t)rq[i].max_tokens,
+                         rq[i].policy, 0, &st);
+        REQUIRE(ids[i], "Reserve %s: %s %s", rq[i].policy, kc_status_name(st.code), st.details);
+        prefill(e, &rq[i], i, 1);
+        REQUIRE(ship(e, nd, ids[i], &rq[i], err) == 0, "ship %s: %s", rq[i].policy, err);
+    }
+    /* All streams open before any is read: the node decodes them together. */
+    kc_stream *s[N];
+    Kvrelay__V1__Sampling sampled = KVRELAY__V1__SAMPLING__INIT;
+    sampled.temperature = 0.9f;
+    sampled.top_k = 40;
+    sampled.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
+    sampled.seed = 7;
+    for (int i = 0; i < N; i++) {
+        uint32_t stop = rq[i].stop_at > 0 ? (uint32_t)rq[i].want[rq[i].stop_at] : 0;
+        s[i] = decode_open_stop(nd, ids[i], rid[i],
+                                (uint32_t)(rq[i].decode_max ? rq[i].decode_max : rq[i].max_tokens),
+                                rq[i].sampled ? &sampled : NULL, 30000, &stop,
+                                rq[i].stop_at > 0);
+    }
+    for (int i = 0; i < N; i++) {
+        streamed out;
+        decode_read(s[i], &out);
+        kc_stream_close(s[i]);
+        CHECK(out.rc == 0 && out.n_finish == 1, "%s %s: stream ended %s %s", model, rq[i].policy,
+              kc_status_name(out.st.code), out.st.details);
+        int diff = 0; /* first index where the node and one process disagree */
+        while (diff < out.n && diff < rq[i].n_want && out.ids[diff] == rq[i].want[diff])
+            diff++;
+        CHECK(out.n == rq[i].n_want && diff == out.n,
+              "%s %s%s: %d tokens streamed, %d from one process; first difference at token %d "
+              "(node %d, one process %d)", model, rq[i].policy,
+              rq[i].sampled ? " (seeded sampling)" : "", out.n, rq[i].n_want, diff,
+              diff < out.n ? out.ids[diff] : -1, diff < rq[i].n_want ? rq[i].want[diff] : -1);
+        CHECK(out.completion_tokens == (uint32_t)(1 + out.n), "completion_tokens %u = 1 + %d",
+              out.completion_tokens, out.n);
+        CHECK(out.reason == rq[i].want_reason, "%s: finish reason %d, want %d", rq[i].policy,
+              out.reason, rq[i].want_reason);
+        CHECK(out.n <= 1 || out.footprint_full > 0, "decode footprint reported");
+    }
+    CHECK(idle(nd), "%s: every block back after the batch", model);
+    double sum = metric(nd, "kvrelay_batch_size_sum"), cnt = metric(nd, "kvrelay_batch_size_count");
+    CHECK(cnt > 0 && sum > cnt, "%s: some step batched several sequences (batch size sum %g over "
+          "%g steps)", model, sum, cnt);
+}
+
+/* Long streaming-policy generations (few blocks, many steps): cancelled mid-stream, and a
+ * deadline that passes mid-stream. Both free everything. */
+static void test_cancel_and_deadline(engine *e, node *nd)
+{
+    char err[KT_ERR_MAX];
+    kc_status st;
+    const uint32_t long_run = 100000; /* never reached: the stream ends first */
+    for (int mode = 0; mode < 2; mode++) {
+        request rq = {.policy = "streaming:sink=4,window=16", .n_prompt = 32,
+                      .max_tokens = (int)long_run};
+        const char *rid = mode == 0 ? "cancel" : "deadline";
+        uint64_t id = reserve(nd, rid, (uint32_t)rq.n_prompt, long_run, rq.policy, 0, &st);
+        REQUIRE(id, "Reserve: %s", st.details);
+        prefill(e, &rq, 100 + mode, 0);
+        REQUIRE(ship(e, nd, id, &rq, err) == 0, "%s", err);
+        kc_stream *s = decode_open(nd, id, rid, long_run, NULL, mode == 0 ? 30000 : 400);
+        int got = 0, rc;
+        ProtobufCMessage *m;
+        if (mode == 0) {
+            while (got < 5 && (rc = kc_stream_next(s, &kvrelay__v1__decode_response__descriptor,
+                                                   &m, &st)) == 1) {
+                got++;
+                kc_message_free(m);
+            }
+            CHECK(got == 5, "tokens before the cancel: %d", got);
+            Kvrelay__V1__Node *n1 = status(nd);
+            CHECK(n1 && n1->running_requests == 1 && n1->free_kv_blocks < n1->total_kv_blocks,
+                  "a running sequence holds blocks");
+            kc_message_free((ProtobufCMessage *)n1);
+            kc_stream_cancel(s);
+        } else {
+            while ((rc = kc_stream_next(s, &kvrelay__v1__decode_response__descriptor, &m, &st)) == 1) {
+                got++;
+                kc_message_free(m);
+            }
+            CHECK(rc == -1 && st.code == GRPC_STATUS_DEADLINE_EXCEEDED,
+                  "deadline mid-stream: %s after %d messages", kc_status_name(st.code), got);
+        }
+        kc_stream_close(s);
+        CHECK(idle(nd), "%s mid-stream: zero reserved and used blocks afterwards", rid);
+        CHECK(release(nd, id) == 0, "the %s reservation is gone", rid);
+    }
+
+    /* A deadline passing while the Decode call waits for a bundle that never comes. */
+    uint64_t id = reserve(nd, "nobundle", 20, 10, "full", 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    kc_stream *s = decode_open(nd, id, "nobundle", 10, NULL, 300);
+    streamed out;
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_DEADLINE_EXCEEDED,
+          "waiting Decode past its deadline: %s", kc_status_name(out.st.code));
+    CHECK(idle(nd), "a Decode that gave up waiting returns its reservation's blocks");
+}
+
+static void test_refusals(engine *e, node *nd)
+{
+    kc_status st;
+    char err[KT_ERR_MAX];
+    CHECK(release(nd, 12345) == 0, "Release of an unknown id: released=false");
+    CHECK(release(nd, 0) == 0, "Release of id 0: released=false");
+
+    /* Over capacity, and bad fields, each named. */
+    CHECK(reserve(nd, "big", 100000, 10, "full", 0, &st) == 0 &&
+          st.code == GRPC_STATUS_RESOURCE_EXHAUSTED, "over capacity: %s", kc_status_name(st.code));
+    CHECK_ERR_HAS(st.details, "need ");
+    CHECK_ERR_HAS(st.details, " free");
+    CHECK(reserve(nd, "bad", 0, 10, "full", 0, &st) == 0 &&
+          st.code == GRPC_STATUS_INVALID_ARGUMENT, "prompt_tokens 0: %s", kc_status_name(st.code));
+    CHECK_ERR_HAS(st.details, "prompt_tokens");
+    CHECK(reserve(nd, "bad", 10, 0, "full", 0, &st) == 0 &&
+          st.code == GRPC_STATUS_INVALID_ARGUMENT, "max_tokens 0: %s", kc_status_name(st.code));
+    CHECK_ERR_HAS(st.details, "max_tokens");
+    CHECK(reserve(nd, "bad", 10, 10, "nosuch:x=1", 0, &st) == 0 &&
+          st.code == GRPC_STATUS_INVALID_ARGUMENT, "unknown policy: %s", kc_status_name(st.code));
+    CHECK_ERR_HAS(st.details, "nosuch");
+    CHECK(reserve(nd, "bad", 10, 10, "streaming:window=-3", 0, &st) == 0 &&
+          st.code == GRPC_STATUS_INVALID_ARGUMENT, "bad policy value: %s", kc_status_name(st.code));
+    CHECK_ERR_HAS(st.details, "window");
+    CHECK(reserve(nd, "bad", 200000, 10, "full", 0, &st) == 0 &&
+          st.code == GRPC_STATUS_INVALID_ARGUMENT, "prompt over the context: %s",
+          kc_status_name(st.code));
+    CHECK_ERR_HAS(st.details, "context");
+
+    /* Decode of a reservation that does not exist. */
+    kc_stream *s = decode_open(nd, 777, "ghost", 10, NULL, 5000);
+    streamed out;
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_NOT_FOUND, "Decode of an unknown id: %s",
+          kc_status_name(out.st.code));
+
+    /* A bundle for another model: a clear error naming both fingerprints, blocks returned. */
+    request rq = {.policy = "full", .n_prompt = 20, .max_tokens = 8,
+                  .fingerprint = "0123456789abcdef"};
+    uint64_t id = reserve(nd, "other-model", 20, 8, "full", 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    prefill(e, &rq, 200, 0);
+    REQUIRE(ship(e, nd, id, &rq, err) == 0, "the transport takes it (it parses): %s", err);
+    s = decode_open(nd, id, "other-model", 8, NULL, 5000);
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION,
+          "bundle for another model: %s %s", kc_status_name(out.st.code), out.st.details);
+    CHECK_ERR_HAS(out.st.details, "0123456789abcdef");
+    CHECK_ERR_HAS(out.st.details, kr_model_fingerprint(e->m));
+
+    /* A bundle under another policy than reserved. */
+    request rq2 = {.policy = "streaming:sink=4,window=16", .n_prompt = 20, .max_tokens = 8};
+    id = reserve(nd, "other-policy", 20, 8, "full", 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    prefill(e, &rq2, 201, 0);
+    REQUIRE(ship(e, nd, id, &rq2, err) == 0, "%s", err);
+    s = decode_open(nd, id, "other-policy", 8, NULL, 5000);
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION,
+          "bundle under another policy: %s %s", kc_status_name(out.st.code), out.st.details);
+    CHECK_ERR_HAS(out.st.details, "policy");
+    CHECK(idle(nd), "refused bundles return their blocks");
+
+    /* Release of a waiting reservation, then of the same id again. */
+    id = reserve(nd, "rel", 20, 8, "full", 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    Kvrelay__V1__Node *n1 = status(nd);
+    CHECK(n1 && n1->reserved_kv_blocks > 0 && n1->free_kv_blocks < n1->total_kv_blocks,
+          "a reservation shows in Status");
+    kc_message_free((ProtobufCMessage *)n1);
+    CHECK(release(nd, id) == 1, "Release of a waiting reservation: released=true");
+    CHECK(release(nd, id) == 0, "Release again: released=false");
+    CHECK(idle(nd), "released reservation returns its blocks");
+
+    /* Garbage bytes on every method: INVALID_ARGUMENT, and the node serves on. */
+    static const uint8_t garbage[] = {0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01, 0x02};
+    const char *paths[] = {P_RESERVE, P_DECODE, P_RELEASE, P_STATUS};
+    for (int i = 0; i < 4; i++) {
+        ProtobufCMessage *resp = NULL;
+        if (i == 1) { /* streaming: the same bytes through the raw unary path reach it too */
+            kc_unary_bytes(nd->ch, paths[i], garbage, sizeof garbage,
+                           &kvrelay__v1__decode_response__descriptor, 5000, &resp, &st);
+        } else {
+            kc_unary_bytes(nd->ch, paths[i], garbage, sizeof garbage,
+                           &kvrelay__v1__node__descriptor, 5000, &resp, &st);
+        }
+        CHECK(st.code == GRPC_STATUS_INVALID_ARGUMENT, "garbage to %s: %s %s", paths[i],
+              kc_status_name(st.code), st.details);
+        kc_message_free(resp);
+    }
+    Kvrelay__V1__Node *n2 = status(nd);
+    CHECK(n2 != NULL, "still serving after garbage");
+    kc_message_free((ProtobufCMessage *)n2);
+}
+
+/* A reservation nobody uses expires and returns its blocks; a late bundle is refused. */
+static void test_expiry(engine *e, node *nd)
+{
+    kc_status st;
+    char err[KT_ERR_MAX];
+    uint64_t id = reserve(nd, "expire", 20, 8, "full", 300, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    CHECK(idle(nd), "the unused reservation expired and returned its blocks");
+    request rq = {.policy = "full", .n_prompt = 20, .max_tokens = 8};
+    prefill(e, &rq, 300, 0);
+    CHECK(ship(e, nd, id, &rq, err) != 0, "a bundle after expiry is refused");
+    CHECK_ERR_HAS(err, "expired");
+    kc_stream *s = decode_open(nd, id, "expire", 8, NULL, 5000);
+    streamed out;
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && (out.st.code == GRPC_STATUS_FAILED_PRECONDITION ||
+                           out.st.code == GRPC_STATUS_NOT_FOUND),
+          "Decode of an expired reservation: %s %s", kc_status_name(out.st.code), out.st.details);
+
+    /* Expiry after the bundle arrived (no Decode ever comes). */
+    id = reserve(nd, "expire-ready", 20, 8, "full", 400, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    prefill(e, &rq, 301, 0);
+    REQUIRE(ship(e, nd, id, &rq, err) == 0, "%s", err);
+    CHECK(idle(nd), "a received but unused reservation expires too");
+    CHECK(metric(nd, "kvrelay_decode_reservations_expired_total") >= 2, "expiries counted");
+    CHECK(metric(nd, "kvrelay_kv_blocks_reserved") == 0, "/metrics: nothing reserved");
+}
+
+int main(void)
+{
+    const char *bin_dir = kt_env("KR_BIN"), *fix = kt_env("KR_FIXTURES");
+    char bin[1024], dir[1024];
+    struct stat sb;
+    snprintf(bin, sizeof bin, "%s/kvrelay-decode", bin_dir ? bin_dir : ".");
+    if (!fix || stat(bin, &sb) != 0) {
+        printf("SKIPPED: %s\n", !fix ? "KR_FIXTURES not set" : "kvrelay-decode is not built");
+        return KT_SKIP;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    static const char *models[] = {"llama3-tiny", "mistral-tiny"};
+    for (int mi = 0; mi < 2; mi++) {
+        snprintf(dir, sizeof dir, "%s/models/%s", fix, models[mi]);
+        if (stat(dir, &sb) != 0) {
+            printf("SKIPPED: fixture %s is absent\n", dir);
+            return KT_SKIP;
+        }
+        engine e;
+        engine_init(&e, dir);
+        node nd;
+        node_start(&nd, bin, dir);
+        test_batch_equals_one_process(&e, &nd, models[mi]);
+        if (mi == 0) { /* the node's behaviour does not depend on the model: once is enough */
+            test_cancel_and_deadline(&e, &nd);
+            test_refusals(&e, &nd);
+            test_expiry(&e, &nd);
+        }
+        node_stop(&nd);
+        engine_free(&e);
+    }
+    return kt_done("test_decode_node");
+}

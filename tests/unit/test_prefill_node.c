@@ -1,0 +1,816 @@
+/*
+ * test_prefill_node.c - kvrelay-prefill as a black box: the real program on fixture models
+ * (llama3-tiny with f32 bundles and --queue 1, mistral-tiny with bf16 bundles and --queue 0),
+ * with this test playing both of its peers: the router (Prefill and Status over real gRPC) and
+ * the decode node (a UCX listener that reserves room for each bundle, as large as the decode
+ * node's bound, with KT_RESERVE_PARSE).
+ * Checked: each received bundle parses and matches an in-process kr_prefill with the same policy
+ * and chunk list by list (positions, pinned, windows, K and V bit for bit; bf16 payloads equal
+ * the f32 reference rounded), its header and the first token (greedy argmax, and a seeded
+ * sampler), the usage counts; every invalid field refused with INVALID_ARGUMENT naming it; the
+ * receiver's refusals and a dead address as UNAVAILABLE with the transport's message; the queue
+ * bound (RESOURCE_EXHAUSTED) and a deadline that passes in the queue, made deterministic by
+ * a transfer address that accepts TCP but never speaks UCX (the worker is stuck in its send
+ * until the test closes it) and by polling Status; garbage bytes; gRPC health and /metrics;
+ * SIGTERM -> exit 0, idle and with a call in flight.
+ * Run: ctest -R test_prefill_node (about 15 s under the sanitizers). Exit 77 (SKIPPED) when
+ * kvrelay-prefill is not built, a fixture model is missing, or UCX cannot listen on loopback.
+ */
+#include "kr_test.h"
+#include "proc.h"
+
+#include <arpa/inet.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <sys/socket.h>
+
+#include "bundle.h"
+#include "grpc/health/v1/health.pb-c.h"
+#include "kr.h"
+#include "kvrelay/v1/internal.pb-c.h"
+#include "rpc.h"
+#include "transport.h"
+
+#define PREFILL "/kvrelay.v1.Prefill/Prefill"
+#define STATUS "/kvrelay.v1.Prefill/Status"
+#define CHUNK 16
+#define MAX_PROMPT 200
+#define BLOCK 16
+
+static const char *bin_dir, *fixtures;
+static kt_transport *rx; /* this test's decode-node side */
+static char rx_addr[64];
+static uint64_t next_resv = 1000;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ------------------------------------------------------------------ the decode-node side */
+
+typedef struct resv {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    uint64_t id;
+    uint8_t *buf;
+    uint64_t cap;
+    int done, status;
+    uint64_t bytes;
+    char msg[KT_ERR_MAX];
+} resv;
+
+static void resv_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
+{
+    resv *r = arg;
+    pthread_mutex_lock(&r->m);
+    r->done = 1;
+    r->status = status;
+    r->bytes = bytes;
+    snprintf(r->msg, sizeof r->msg, "%s", err ? err : "");
+    pthread_cond_broadcast(&r->c);
+    pthread_mutex_unlock(&r->m);
+    (void)id;
+}
+
+static void resv_open(resv *r, uint64_t cap)
+{
+    memset(r, 0, sizeof r[0]);
+    pthread_mutex_init(&r->m, NULL);
+    pthread_cond_init(&r->c, NULL);
+    r->id = next_resv++;
+    r->cap = cap;
+    r->buf = malloc(cap);
+    char err[KT_ERR_MAX];
+    REQUIRE(r->buf && kt_transport_reserve(rx, r->id, r->buf, cap, 60.0, KT_RESERVE_PARSE,
+                                           resv_cb, r, err) == 0, "reserve: %s", err);
+}
+
+/* Waits for the reservation's outcome (it comes at once after a successful Prefill: the sender
+ * returned only after the receiver acknowledged). */
+static int resv_wait(resv *r)
+{
+    double end = now_s() + 20;
+    pthread_mutex_lock(&r->m);
+    while (!r->done && now_s() < end) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 10000000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&r->c, &r->m, &ts);
+    }
+    int d = r->done;
+    pthread_mutex_unlock(&r->m);
+    return d;
+}
+
+static void resv_close(resv *r)
+{
+    kt_transport_release(rx, r->id); /* -1 when already completed: fine */
+    free(r->buf);
+    pthread_cond_destroy(&r->c);
+    pthread_mutex_destroy(&r->m);
+}
+
+/* ------------------------------------------------------------------ the reference */
+
+typedef struct ref_model {
+    const char *name;
+    char dir[1024];
+    kr_model *m;
+    const kr_config *c;
+    kr_ctx *ctx;
+} ref_model;
+
+/* One in-process prefill: what the node must have shipped. */
+typedef struct ref_run {
+    kr_policy *p;
+    kr_kv_pool *pool;
+    kr_seq *s;
+    float *logits;
+    int32_t greedy;
+    kr_footprint fp;
+    uint64_t entries;
+} ref_run;
+
+static void ref_open(ref_model *r, const char *name)
+{
+    memset(r, 0, sizeof *r);
+    r->name = name;
+    snprintf(r->dir, sizeof r->dir, "%s/models/%s", fixtures, name);
+    char err[KR_ERR_MAX];
+    REQUIRE(kr_model_load(r->dir, NULL, &r->m, err) == KR_OK, "%s", err);
+    r->c = kr_model_config(r->m);
+    kr_ctx_params cp = {.backend = KR_BACKEND_CPU, .n_threads = 1, .max_chunk = CHUNK};
+    REQUIRE(kr_ctx_create(r->m, &cp, &r->ctx, err) == KR_OK, "%s", err);
+}
+
+static void ref_close(ref_model *r)
+{
+    kr_ctx_free(r->ctx);
+    kr_model_free(r->m);
+}
+
+static void ref_prefill(ref_model *r, const char *spec, const int32_t *tok, int n, ref_run *out)
+{
+    char err[KR_ERR_MAX];
+    memset(out, 0, sizeof *out);
+    REQUIRE(kr_policy_parse(spec, r->c, &out->p, err) == KR_OK, "policy %s: %s", spec, err);
+    int per_list = (n + kr_policy_appended(out->p, n) + 2 * BLOCK) / BLOCK;
+    REQUIRE(kr_kv_pool_create(r->c->head_dim, BLOCK, per_list * r->c->n_layers * r->c->n_kv_heads,
+                              &out->pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_seq_create(out->pool, r->c->n_layers, r->c->n_kv_heads, &out->s, err) == KR_OK &&
+            kr_seq_set_policy(out->s, out->p, err) == KR_OK, "%s", err);
+    out->logits = malloc(sizeof(float) * (size_t)r->c->vocab_size);
+    REQUIRE(out->logits, "out of memory");
+    REQUIRE(kr_prefill(r->ctx, out->s, tok, n, CHUNK, KR_LOGITS_LAST, out->logits, err) == KR_OK,
+            "reference prefill: %s", err);
+    kr_sampling sg;
+    kr_sampling_default(&sg);
+    sg.greedy = 1;
+    kr_sampler *sp;
+    REQUIRE(kr_sampler_create(&sg, r->c->vocab_size, &sp, err) == KR_OK, "%s", err);
+    out->greedy = kr_sampler_sample(sp, out->logits);
+    kr_sampler_free(sp);
+    kr_seq_footprint(out->s, &out->fp);
+    out->entries = (uint64_t)kr_seq_entries(out->s);
+}
+
+static void ref_free(ref_run *x)
+{
+    kr_seq_free(x->s);
+    kr_kv_pool_free(x->pool);
+    kr_policy_free(x->p);
+    free(x->logits);
+}
+
+/* What a decode node reserves (brief step 2): every list at min(n, max entries), f32. */
+static uint64_t decode_bound(ref_model *r, const kr_policy *p, int n)
+{
+    kt_bundle_header h;
+    memset(&h, 0, sizeof h);
+    snprintf(h.fingerprint, sizeof h.fingerprint, "%s", kr_model_fingerprint(r->m));
+    h.n_layers = (uint32_t)r->c->n_layers;
+    h.n_kv_heads = (uint32_t)r->c->n_kv_heads;
+    h.head_dim = (uint32_t)r->c->head_dim;
+    h.dtype = KT_DTYPE_F32;
+    h.prompt_len = n;
+    h.next_pos = n;
+    snprintf(h.policy, sizeof h.policy, "%s", kr_policy_spec(p));
+    int cap = kr_policy_max_entries(p, n, 0);
+    int n_lists = r->c->n_layers * r->c->n_kv_heads;
+    kt_bundle_list *lists = calloc((size_t)n_lists, sizeof *lists);
+    for (int i = 0; i < n_lists; i++)
+        lists[i] = (kt_bundle_list){.count = (uint32_t)(cap < n ? cap : n), .pinned = 0,
+                                    .window = KT_BUNDLE_WINDOW_DENSE};
+    uint64_t size = 0;
+    char err[KT_ERR_MAX];
+    REQUIRE(kt_bundle_size(&h, lists, &size, err) == 0, "%s", err);
+    free(lists);
+    return size;
+}
+
+static float round_to(kt_dtype t, float x)
+{
+    if (t == KT_DTYPE_BF16)
+        return kt_bf16_to_f32(kt_f32_to_bf16(x));
+    if (t == KT_DTYPE_F16)
+        return kt_f16_to_f32(kt_f32_to_f16(x));
+    return x;
+}
+
+/* The received bundle against the reference, list by list. */
+static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtype, int n,
+                         int32_t first_token, const char *what)
+{
+    char err[KT_ERR_MAX];
+    kt_bundle_view v;
+    if (kt_bundle_parse(rv->buf, rv->bytes, &v, err) != 0) {
+        CHECK(0, "%s: received bundle does not parse: %s", what, err);
+        return;
+    }
+    CHECK(kt_bundle_check_model(&v, kr_model_fingerprint(r->m), (uint32_t)r->c->n_layers,
+                                (uint32_t)r->c->n_kv_heads, (uint32_t)r->c->head_dim, err) == 0,
+          "%s: %s", what, err);
+    CHECK(v.hdr.dtype == dtype, "%s: dtype %s", what, kt_dtype_name(v.hdr.dtype));
+    CHECK(v.hdr.first_token == first_token, "%s: header first_token %d, response %d", what,
+          v.hdr.first_token, first_token);
+    CHECK(v.hdr.prompt_len == n, "%s: prompt_len %d", what, v.hdr.prompt_len);
+    CHECK(v.hdr.next_pos == kr_seq_next_pos(x->s), "%s: next_pos %d, reference %d", what,
+          v.hdr.next_pos, kr_seq_next_pos(x->s));
+    CHECK(!strcmp(v.hdr.policy, kr_policy_spec(x->p)), "%s: policy '%s', reference '%s'", what,
+          v.hdr.policy, kr_policy_spec(x->p));
+    CHECK(v.n_entries == x->entries, "%s: %" PRIu64 " entries, reference %" PRIu64, what,
+          v.n_entries, x->entries);
+    int hd = r->c->head_dim, bad = 0;
+    for (int l = 0; l < r->c->n_layers && !bad; l++)
+        for (int h = 0; h < r->c->n_kv_heads && !bad; h++) {
+            int len, pinned;
+            kr_seq_list_shape(x->s, l, h, &len, &pinned);
+            int w = kr_policy_list_window(x->p, l, h);
+            kt_bundle_list_view lv;
+            REQUIRE(kt_bundle_view_list(&v, (uint32_t)l, (uint32_t)h, &lv, err) == 0, "%s", err);
+            if (lv.count != (uint32_t)len || lv.pinned != (uint32_t)pinned ||
+                lv.window != (w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w)) {
+                CHECK(0, "%s: list (%d,%d): count/pinned/window %u/%u/%u, reference %d/%d/%d",
+                      what, l, h, lv.count, lv.pinned, lv.window, len, pinned, w);
+                bad = 1;
+                break;
+            }
+            if (!len)
+                continue;
+            int32_t *rp = malloc(sizeof(int32_t) * (size_t)len), *bp = malloc(sizeof(int32_t) * (size_t)len);
+            float *rk = malloc(sizeof(float) * (size_t)len * hd), *rv_ = malloc(sizeof(float) * (size_t)len * hd);
+            float *bk = malloc(sizeof(float) * (size_t)len * hd), *bv = malloc(sizeof(float) * (size_t)len * hd);
+            REQUIRE(rp && bp && rk && rv_ && bk && bv, "out of memory");
+            REQUIRE(kr_seq_list_read(x->s, l, h, 0, len, rp, rk, rv_, err) == KR_OK, "%s", err);
+            REQUIRE(kt_bundle_list_read(&v, &lv, 0, (uint32_t)len, bp, bk, bv, err) == 0, "%s",
+                    err);
+            for (int i = 0; i < len * hd; i++) {
+                rk[i] = round_to(dtype, rk[i]);
+                rv_[i] = round_to(dtype, rv_[i]);
+            }
+            if (memcmp(rp, bp, sizeof(int32_t) * (size_t)len) ||
+                memcmp(rk, bk, sizeof(float) * (size_t)len * hd) ||
+                memcmp(rv_, bv, sizeof(float) * (size_t)len * hd)) {
+                CHECK(0, "%s: list (%d,%d): positions, K or V differ from the reference", what, l,
+                      h);
+                bad = 1;
+            }
+            free(rp);
+            free(bp);
+            free(rk);
+            free(rv_);
+            free(bk);
+            free(bv);
+        }
+}
+
+/* ------------------------------------------------------------------ the node */
+
+typedef struct node {
+    test_proc p;
+    kc_channel *ch;
+    const char *id;
+    kt_dtype dtype;
+} node;
+
+static void node_start(node *nd, ref_model *r, const char *id, const char *queue,
+                       const char *dtype)
+{
+    char exe[1024], max_prompt[16], chunk[16];
+    snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
+    snprintf(max_prompt, sizeof max_prompt, "%d", MAX_PROMPT);
+    snprintf(chunk, sizeof chunk, "%d", CHUNK);
+    char *argv[] = {exe, "--model", r->dir, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                    "--id", (char *)id, "--threads", "1", "--chunk", chunk, "--queue",
+                    (char *)queue, "--kv-dtype", (char *)dtype, "--max-prompt", max_prompt,
+                    "--transfer-timeout-s", "60", NULL};
+    REQUIRE(test_proc_start(argv, 60, &nd->p) == 0, "kvrelay-prefill %s did not start", id);
+    kc_status st;
+    REQUIRE(kc_channel_create(nd->p.grpc, 0, &nd->ch, &st) == 0, "channel: %s", st.details);
+    nd->id = id;
+    nd->dtype = !strcmp(dtype, "bf16") ? KT_DTYPE_BF16 : !strcmp(dtype, "f16") ? KT_DTYPE_F16
+                                                                                : KT_DTYPE_F32;
+}
+
+static void node_stop(node *nd, const char *how)
+{
+    kc_channel_destroy(nd->ch);
+    nd->ch = NULL;
+    int status = test_proc_stop(&nd->p, SIGTERM, 60);
+    CHECK(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "%s: SIGTERM (%s) should exit 0, got status %d", nd->id, how, status);
+}
+
+typedef struct call_args {
+    node *nd;
+    const char *rid, *policy, *addr;
+    const int32_t *tok;
+    int n;
+    uint64_t resv;
+    const Kvrelay__V1__Sampling *sampling;
+    int64_t timeout_ms;
+    /* outcome */
+    kc_status st;
+    Kvrelay__V1__PrefillResponse *resp;
+} call_args;
+
+static int prefill(call_args *a)
+{
+    Kvrelay__V1__PrefillRequest req = KVRELAY__V1__PREFILL_REQUEST__INIT;
+    uint32_t *ids = malloc(sizeof(uint32_t) * (size_t)(a->n ? a->n : 1));
+    for (int i = 0; i < a->n; i++)
+        ids[i] = (uint32_t)a->tok[i];
+    req.request_id = (char *)a->rid;
+    req.n_token_ids = (size_t)a->n;
+    req.token_ids = ids;
+    req.sampling = (Kvrelay__V1__Sampling *)a->sampling;
+    req.kv_policy = (char *)(a->policy ? a->policy : "");
+    req.transfer_address = (char *)(a->addr ? a->addr : rx_addr);
+    req.reservation_id = a->resv;
+    req.decode_node = "test-decode";
+    a->resp = NULL;
+    int rc = kc_unary(a->nd->ch, PREFILL, &req.base, &kvrelay__v1__prefill_response__descriptor,
+                      a->timeout_ms ? a->timeout_ms : 60000, (ProtobufCMessage **)&a->resp,
+                      &a->st);
+    free(ids);
+    return rc;
+}
+
+static void *prefill_thread(void *p)
+{
+    prefill((call_args *)p);
+    return NULL;
+}
+
+static Kvrelay__V1__Node *status(node *nd)
+{
+    Kvrelay__V1__NodeStatusRequest req = KVRELAY__V1__NODE_STATUS_REQUEST__INIT;
+    Kvrelay__V1__Node *out = NULL;
+    kc_status st;
+    if (kc_unary(nd->ch, STATUS, &req.base, &kvrelay__v1__node__descriptor, 10000,
+                 (ProtobufCMessage **)&out, &st) != 0) {
+        CHECK(0, "Status: %s %s", kc_status_name(st.code), st.details);
+        return NULL;
+    }
+    return out;
+}
+
+/* Polls Status until running/queued are as asked (a state, not a time, is awaited). */
+static int wait_load(node *nd, uint32_t running, uint32_t queued)
+{
+    double end = now_s() + 30;
+    while (now_s() < end) {
+        Kvrelay__V1__Node *s = status(nd);
+        int ok = s && s->running_requests == running && s->queued_requests == queued;
+        kc_message_free((ProtobufCMessage *)s);
+        if (ok)
+            return 1;
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+    }
+    CHECK(0, "%s: load never became running %u queued %u", nd->id, running, queued);
+    return 0;
+}
+
+static void make_prompt(int32_t *tok, int n, int vocab, uint32_t seed)
+{
+    uint32_t x = seed * 2654435761u + 12345;
+    for (int i = 0; i < n; i++) {
+        x = x * 1664525u + 1013904223u;
+        tok[i] = (int32_t)((x >> 8) % (uint32_t)vocab);
+    }
+}
+
+/* ------------------------------------------------------------------ the cases */
+
+static uint64_t bytes_ok; /* kv_bytes_shipped summed over node A's OK answers */
+static int n_ok;
+
+/* One prefill with `spec` compared with the reference; sampling NULL = greedy. */
+static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_t seed,
+                        const Kvrelay__V1__Sampling *sampling)
+{
+    int32_t tok[MAX_PROMPT];
+    make_prompt(tok, n, r->c->vocab_size, seed);
+    ref_run x;
+    ref_prefill(r, *spec ? spec : "full", tok, n, &x);
+    resv rv;
+    resv_open(&rv, decode_bound(r, x.p, n));
+    char what[160];
+    snprintf(what, sizeof what, "%s '%s' n=%d%s", r->name, spec, n, sampling ? " sampled" : "");
+    call_args a = {.nd = nd, .rid = what, .policy = spec, .tok = tok, .n = n, .resv = rv.id,
+                   .sampling = sampling};
+    if (prefill(&a) != 0) {
+        CHECK(0, "%s: Prefill failed: %s %s", what, kc_status_name(a.st.code), a.st.details);
+        goto out;
+    }
+    REQUIRE(resv_wait(&rv), "%s: the reservation never completed", what);
+    CHECK(rv.status == 0, "%s: receive failed: %s", what, rv.msg);
+    int32_t want = x.greedy;
+    if (sampling) {
+        kr_sampling s;
+        kr_sampling_default(&s);
+        s.temperature = sampling->temperature;
+        s.top_k = (int)sampling->top_k;
+        s.top_p = sampling->top_p == 0 ? 1.0f : sampling->top_p;
+        s.seed = sampling->seed;
+        kr_sampler *sp;
+        char err[KR_ERR_MAX];
+        REQUIRE(kr_sampler_create(&s, r->c->vocab_size, &sp, err) == KR_OK, "%s", err);
+        want = kr_sampler_sample(sp, x.logits);
+        kr_sampler_free(sp);
+    }
+    CHECK((int32_t)a.resp->first_token == want, "%s: first token %u, reference %d", what,
+          a.resp->first_token, want);
+    if (rv.status == 0)
+        check_bundle(r, &x, &rv, nd->dtype, n, (int32_t)a.resp->first_token, what);
+    const Kvrelay__V1__PrefillUsage *u = a.resp->usage;
+    REQUIRE(u, "%s: no usage", what);
+    uint64_t entry_bytes = 2u * (uint64_t)r->c->head_dim * kt_dtype_size(nd->dtype);
+    CHECK(u->prompt_tokens == (uint32_t)n, "%s: prompt_tokens %u", what, u->prompt_tokens);
+    CHECK(u->kv_entries_shipped == x.entries, "%s: kv_entries_shipped %" PRIu64 ", reference %"
+          PRIu64, what, u->kv_entries_shipped, x.entries);
+    CHECK(u->kv_bytes_shipped == x.entries * entry_bytes, "%s: kv_bytes_shipped %" PRIu64
+          ", want %" PRIu64 " x %" PRIu64, what, u->kv_bytes_shipped, x.entries, entry_bytes);
+    CHECK(u->peak_kv_entries == (uint64_t)x.fp.peak_entries, "%s: peak %" PRIu64 " vs %" PRId64,
+          what, u->peak_kv_entries, x.fp.peak_entries);
+    CHECK(u->footprint_full == x.fp.full && u->footprint_attended == x.fp.attended,
+          "%s: footprint %g/%g, reference %g/%g", what, u->footprint_attended, u->footprint_full,
+          x.fp.attended, x.fp.full);
+    CHECK(u->footprint_entry_steps == (uint64_t)llround(x.fp.attended), "%s: entry steps %" PRIu64,
+          what, u->footprint_entry_steps);
+    CHECK(!strcmp(u->prefill_node, nd->id), "%s: prefill_node '%s'", what, u->prefill_node);
+    CHECK(u->prefill_s > 0 && u->transfer_s > 0, "%s: prefill_s %g transfer_s %g", what,
+          u->prefill_s, u->transfer_s);
+    bytes_ok += u->kv_bytes_shipped;
+    n_ok++;
+out:
+    kc_message_free((ProtobufCMessage *)a.resp);
+    resv_close(&rv);
+    ref_free(&x);
+}
+
+/* A Prefill that must fail with `code` and details containing `needle`. */
+static void expect_fail(call_args *a, grpc_status_code code, const char *needle)
+{
+    int rc = prefill(a);
+    CHECK(rc != 0 && a->st.code == code, "%s: want %s, got %s '%s'", a->rid, kc_status_name(code),
+          kc_status_name(a->st.code), a->st.details);
+    CHECK(strstr(a->st.details, needle) != NULL, "%s: details '%s' lack '%s'", a->rid,
+          a->st.details, needle);
+    kc_message_free((ProtobufCMessage *)a->resp);
+    a->resp = NULL;
+}
+
+static void case_invalid(node *nd, ref_model *r)
+{
+    int32_t tok[MAX_PROMPT + 1];
+    make_prompt(tok, MAX_PROMPT + 1, r->c->vocab_size, 9);
+    call_args a = {.nd = nd, .tok = tok, .n = 20, .resv = 77};
+    const grpc_status_code IA = GRPC_STATUS_INVALID_ARGUMENT;
+
+    a.rid = "empty prompt", a.n = 0;
+    expect_fail(&a, IA, "token_ids");
+    a.rid = "prompt over --max-prompt", a.n = MAX_PROMPT + 1;
+    expect_fail(&a, IA, "--max-prompt");
+    a.n = 20;
+    tok[3] = r->c->vocab_size;
+    a.rid = "id outside the vocabulary";
+    expect_fail(&a, IA, "token_ids[3]");
+    tok[3] = 1;
+    a.rid = "unknown policy", a.policy = "nosuchpolicy";
+    expect_fail(&a, IA, "kv_policy");
+    a.rid = "malformed policy", a.policy = "streaming:sink=x";
+    expect_fail(&a, IA, "kv_policy");
+    a.policy = NULL;
+    Kvrelay__V1__Sampling bad = KVRELAY__V1__SAMPLING__INIT;
+    bad.temperature = -1;
+    a.rid = "negative temperature", a.sampling = &bad;
+    expect_fail(&a, IA, "temperature");
+    a.sampling = NULL;
+    static const char *addrs[] = {"", "127.0.0.1", "127.0.0.1:", ":7000", "127.0.0.1:0",
+                                  "127.0.0.1:65536", "127.0.0.1:7x", "[::1]:7000"};
+    for (size_t i = 0; i < sizeof addrs / sizeof addrs[0]; i++) {
+        char rid[64];
+        snprintf(rid, sizeof rid, "transfer_address '%s'", addrs[i]);
+        a.rid = rid, a.addr = addrs[i];
+        expect_fail(&a, IA, "transfer_address");
+    }
+    a.addr = NULL;
+    a.rid = "reservation 0", a.resv = 0;
+    expect_fail(&a, IA, "reservation_id");
+}
+
+/* The receiver refuses: an unknown reservation, and one too small for the bundle. Then a
+ * transfer address where nobody listens. All UNAVAILABLE with the transport's message. */
+static void case_refusals(node *nd, ref_model *r)
+{
+    int32_t tok[40];
+    make_prompt(tok, 40, r->c->vocab_size, 5);
+    call_args a = {.nd = nd, .rid = "unknown reservation", .tok = tok, .n = 40, .resv = 999999};
+    expect_fail(&a, GRPC_STATUS_UNAVAILABLE, "unknown or expired reservation 999999");
+
+    resv small;
+    resv_open(&small, 100);
+    a.rid = "reservation too small", a.resv = small.id;
+    char want[64];
+    snprintf(want, sizeof want, "reservation %" PRIu64, small.id);
+    expect_fail(&a, GRPC_STATUS_UNAVAILABLE, want);
+    CHECK(kt_transport_reservation_state(rx, small.id) == KT_XFER_STATE_RESERVED,
+          "a refused bundle leaves the reservation as it was");
+    resv_close(&small);
+
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    REQUIRE(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+            getsockname(fd, (struct sockaddr *)&sa, &sl) == 0, "probe socket");
+    char dead[64];
+    snprintf(dead, sizeof dead, "127.0.0.1:%u", ntohs(sa.sin_port));
+    close(fd); /* bound once, never listened: nobody is there */
+    a.rid = "nobody listens", a.resv = 5, a.addr = dead;
+    expect_fail(&a, GRPC_STATUS_UNAVAILABLE, dead);
+
+    /* A policy whose transients do not fit the node's pool next to a --max-prompt prompt (the
+     * default pool holds the prompt under full attention, not 64 observers more per chunk):
+     * FAILED_PRECONDITION (it would fail again: not "retry later"), the sequence freed, the
+     * node serving on (the next case_* calls succeed). */
+    int32_t big[MAX_PROMPT];
+    make_prompt(big, MAX_PROMPT, r->c->vocab_size, 6);
+    call_args p = {.nd = nd, .rid = "pool exhausted", .tok = big, .n = MAX_PROMPT, .resv = 6,
+                   .policy = "snapkv:ratio=0,obs=64"};
+    expect_fail(&p, GRPC_STATUS_FAILED_PRECONDITION, "KV pool exhausted");
+    CHECK(strstr(p.st.details, "--kv-blocks") != NULL, "names the flag: %s", p.st.details);
+    Kvrelay__V1__Node *s = status(nd);
+    CHECK(s && s->running_requests == 0 && s->outstanding_prefill_tokens == 0,
+          "the node is idle again after a failed prefill");
+    kc_message_free((ProtobufCMessage *)s);
+}
+
+/* A TCP listener that never accepts and never speaks UCX: a send to it hangs until the listener
+ * is closed (then the connection is reset), which holds the node's worker busy for as long as
+ * the test wants. */
+static int blocker_open(char *addr, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    REQUIRE(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(fd, 8) == 0 &&
+            getsockname(fd, (struct sockaddr *)&sa, &sl) == 0, "blocker socket");
+    snprintf(addr, cap, "127.0.0.1:%u", ntohs(sa.sin_port));
+    return fd;
+}
+
+/* --queue 1: A runs (stuck in its send), B with a short deadline waits and is dropped from the
+ * queue when its deadline passes, B2 waits, C is refused; closing the blocker fails A and B2. */
+static void case_queue1(node *nd, ref_model *r)
+{
+    char blk[64];
+    int fd = blocker_open(blk, sizeof blk);
+    int32_t tok[30];
+    make_prompt(tok, 30, r->c->vocab_size, 11);
+    call_args a = {.nd = nd, .rid = "queue A", .tok = tok, .n = 30, .resv = 1, .addr = blk};
+    pthread_t ta, tb2;
+    pthread_create(&ta, NULL, prefill_thread, &a);
+    wait_load(nd, 1, 0);
+
+    call_args b = a;
+    b.rid = "queue B (deadline)", b.timeout_ms = 1000;
+    prefill(&b);
+    CHECK(b.st.code == GRPC_STATUS_DEADLINE_EXCEEDED, "B: %s %s", kc_status_name(b.st.code),
+          b.st.details);
+    kc_message_free((ProtobufCMessage *)b.resp);
+    wait_load(nd, 1, 0); /* B left the queue: only its own handler could have taken it out */
+
+    call_args b2 = a;
+    b2.rid = "queue B2";
+    pthread_create(&tb2, NULL, prefill_thread, &b2);
+    wait_load(nd, 1, 1);
+    Kvrelay__V1__Node *s = status(nd);
+    CHECK(s && s->outstanding_prefill_tokens == 60, "outstanding prefill tokens %" PRIu64
+          ", want 30 running + 30 queued", s ? s->outstanding_prefill_tokens : 0);
+    kc_message_free((ProtobufCMessage *)s);
+    call_args c = a;
+    c.rid = "queue C";
+    expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, "prefill queue full (1 waiting)");
+
+    close(fd);
+    pthread_join(ta, NULL);
+    pthread_join(tb2, NULL);
+    CHECK(a.st.code == GRPC_STATUS_UNAVAILABLE, "A after the blocker closed: %s %s",
+          kc_status_name(a.st.code), a.st.details);
+    CHECK(b2.st.code == GRPC_STATUS_UNAVAILABLE, "B2 to a closed address: %s %s",
+          kc_status_name(b2.st.code), b2.st.details);
+    kc_message_free((ProtobufCMessage *)a.resp);
+    kc_message_free((ProtobufCMessage *)b2.resp);
+    wait_load(nd, 0, 0);
+}
+
+/* --queue 0: nothing waits; a request arriving while the worker is busy is refused. With
+ * `then_sigterm`, the node is stopped while A is in flight and must still exit 0. */
+static void case_queue0(node *nd, ref_model *r, int then_sigterm)
+{
+    char blk[64];
+    int fd = blocker_open(blk, sizeof blk);
+    int32_t tok[30];
+    make_prompt(tok, 30, r->c->vocab_size, 12);
+    call_args a = {.nd = nd, .rid = "queue0 A", .tok = tok, .n = 30, .resv = 1, .addr = blk};
+    pthread_t ta;
+    pthread_create(&ta, NULL, prefill_thread, &a);
+    wait_load(nd, 1, 0);
+    call_args c = a;
+    c.rid = "queue0 C";
+    expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, "prefill queue full (0 waiting)");
+    if (then_sigterm) {
+        kill(nd->p.pid, SIGTERM);
+        /* the node cancels A's call; its send ends when the connection does */
+        close(fd);
+        pthread_join(ta, NULL);
+        CHECK(a.st.code != GRPC_STATUS_OK, "A during shutdown: %s", kc_status_name(a.st.code));
+        kc_message_free((ProtobufCMessage *)a.resp);
+        node_stop(nd, "with a call in flight");
+        return;
+    }
+    close(fd);
+    pthread_join(ta, NULL);
+    CHECK(a.st.code == GRPC_STATUS_UNAVAILABLE, "queue0 A: %s %s", kc_status_name(a.st.code),
+          a.st.details);
+    kc_message_free((ProtobufCMessage *)a.resp);
+}
+
+static void case_garbage_and_health(node *nd)
+{
+    static const uint8_t junk[] = {0xff, 0xff, 0xff, 0x0f, 0x01};
+    const char *paths[] = {PREFILL, STATUS};
+    for (int i = 0; i < 2; i++) {
+        ProtobufCMessage *resp = NULL;
+        kc_status st;
+        int rc = kc_unary_bytes(nd->ch, paths[i], junk, sizeof junk,
+                                &kvrelay__v1__prefill_response__descriptor, 5000, &resp, &st);
+        CHECK(rc != 0 && st.code == GRPC_STATUS_INVALID_ARGUMENT, "garbage to %s: %s %s",
+              paths[i], kc_status_name(st.code), st.details);
+        kc_message_free(resp);
+    }
+    Kvrelay__V1__Node *s = status(nd);
+    CHECK(s && s->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL &&
+          s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING && !strcmp(s->id, nd->id) &&
+          !strcmp(s->grpc_address, nd->p.grpc) && s->running_requests == 0 &&
+          s->queued_requests == 0 && s->outstanding_prefill_tokens == 0 && s->since_unix_ms > 0,
+          "Status after garbage: the node still serves and reports itself");
+    kc_message_free((ProtobufCMessage *)s);
+
+    Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    hreq.service = "kvrelay.v1.Prefill";
+    Grpc__Health__V1__HealthCheckResponse *hr = NULL;
+    kc_status st;
+    int rc = kc_unary(nd->ch, "/grpc.health.v1.Health/Check", &hreq.base,
+                      &grpc__health__v1__health_check_response__descriptor, 5000,
+                      (ProtobufCMessage **)&hr, &st);
+    CHECK(rc == 0 && hr->status == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING,
+          "health: %s %s", kc_status_name(st.code), st.details);
+    kc_message_free((ProtobufCMessage *)hr);
+}
+
+/* GET /metrics; the value of the sample line starting with `series` + ' ', or -1. */
+static double metric(const char *http, const char *series)
+{
+    char host[64];
+    int port;
+    REQUIRE(sscanf(http, "%63[^:]:%d", host, &port) == 2, "http address %s", http);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, host, &sa.sin_addr);
+    REQUIRE(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0, "connect %s", http);
+    const char *req = "GET /metrics HTTP/1.0\r\n\r\n";
+    REQUIRE(write(fd, req, strlen(req)) == (ssize_t)strlen(req), "write");
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    ssize_t got;
+    while ((got = read(fd, buf + len, cap - 1 - len)) > 0 && len + 1 < cap)
+        len += (size_t)got;
+    buf[len] = 0;
+    close(fd);
+    double v = -1;
+    size_t sl = strlen(series);
+    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
+        if (!strncmp(line, series, sl) && line[sl] == ' ') {
+            v = strtod(line + sl + 1, NULL);
+            break;
+        }
+    free(buf);
+    return v;
+}
+
+int main(void)
+{
+    bin_dir = kt_env("KR_BIN");
+    fixtures = kt_env("KR_FIXTURES");
+    REQUIRE(bin_dir && fixtures, "KR_BIN and KR_FIXTURES must be set (run through ctest)");
+    char exe[1024];
+    snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
+    if (access(exe, X_OK) != 0) {
+        printf("SKIP: %s is not built\n", exe);
+        return KT_SKIP;
+    }
+    const char *models[] = {"llama3-tiny", "mistral-tiny"};
+    for (int i = 0; i < 2; i++) {
+        char cfg[1024];
+        snprintf(cfg, sizeof cfg, "%s/models/%s/config.json", fixtures, models[i]);
+        if (access(cfg, R_OK) != 0) {
+            printf("SKIP: fixture model %s is missing\n", models[i]);
+            return KT_SKIP;
+        }
+    }
+    char err[KT_ERR_MAX];
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = "127.0.0.1",
+                              .listen_port = 0, .name = "test-decode"};
+    if (kt_transport_create(&tc, &rx, err) != 0) {
+        printf("SKIP: UCX cannot listen on loopback: %s\n", err);
+        return KT_SKIP;
+    }
+    snprintf(rx_addr, sizeof rx_addr, "127.0.0.1:%u", kt_transport_port(rx));
+    signal(SIGPIPE, SIG_IGN);
+
+    static const char *policies[] = {"", "full", "streaming:sink=4,window=24",
+                                     "snapkv:budget=40,obs=8", "sage:budget=32"};
+    const int n_pol = (int)(sizeof policies / sizeof policies[0]);
+
+    /* llama3-tiny: f32 bundles (bit-exact), --queue 1 */
+    ref_model ra;
+    ref_open(&ra, "llama3-tiny");
+    node na;
+    node_start(&na, &ra, "prefill-a", "1", "f32");
+    for (int i = 0; i < n_pol; i++)
+        case_policy(&na, &ra, policies[i], 100, 1 + (uint32_t)i, NULL);
+    case_policy(&na, &ra, "streaming:sink=4,window=24", 5, 7, NULL); /* one chunk, no eviction */
+    Kvrelay__V1__Sampling sampled = KVRELAY__V1__SAMPLING__INIT;
+    sampled.temperature = 0.8f;
+    sampled.top_k = 40;
+    sampled.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
+    sampled.seed = 7;
+    case_policy(&na, &ra, "snapkv:budget=40,obs=8", 100, 8, &sampled);
+    case_invalid(&na, &ra);
+    case_refusals(&na, &ra);
+    case_policy(&na, &ra, "full", MAX_PROMPT, 13, NULL); /* the pool survived the refusals */
+    case_queue1(&na, &ra);
+    case_garbage_and_health(&na);
+    CHECK(metric(na.p.http, "kvrelay_kv_bytes_shipped_total") == (double)bytes_ok,
+          "/metrics kv bytes %g, usage says %" PRIu64,
+          metric(na.p.http, "kvrelay_kv_bytes_shipped_total"), bytes_ok);
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
+          "/metrics OK requests %g, want %d",
+          metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 1 &&
+          metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
+          "/metrics: one queue refusal, one pool overflow");
+    CHECK(metric(na.p.http, "kvrelay_kv_blocks_used") == 0, "/metrics: every block back");
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
+          "/metrics: queue B's handler saw its deadline pass in the queue");
+    CHECK(metric(na.p.http, "kvrelay_queue_depth") == 0 &&
+          metric(na.p.http, "kvrelay_running_sequences") == 0,
+          "/metrics queue depth and running back to 0");
+    node_stop(&na, "idle");
+    ref_close(&ra);
+
+    /* mistral-tiny: bf16 bundles, --queue 0 */
+    ref_model rb;
+    ref_open(&rb, "mistral-tiny");
+    node nb;
+    node_start(&nb, &rb, "prefill-b", "0", "bf16");
+    for (int i = 1; i < n_pol; i++)
+        case_policy(&nb, &rb, policies[i], 120, 20 + (uint32_t)i, NULL);
+    case_queue0(&nb, &rb, 0);
+    case_queue0(&nb, &rb, 1); /* stops the node */
+    ref_close(&rb);
+
+    kt_transport_destroy(rx);
+    return kt_done("test_prefill_node");
+}

@@ -1,0 +1,464 @@
+/*
+ * kvrelay-cli - a command-line client of the public gRPC API that kvrelay-router serves
+ * (kvrelay.v1.Generation and kvrelay.v1.Admin): generate streams text to the terminal as it
+ * arrives (or prints one JSON object), tokenize prints token ids, status prints the cluster's
+ * nodes. It talks gRPC only; it loads no model. docs/cli.md is its manual.
+ * Run: kvrelay-cli --router 127.0.0.1:7100 generate --prompt "The relay" --max-tokens 32
+ */
+#include "cli.h"
+#include "rpc.h"
+
+#include "kvrelay/v1/kvrelay.pb-c.h"
+
+#include <cjson/cJSON.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { MAX_STOPS = 64 };
+
+/* --router, which may come before or after the command */
+static const char *router_addr;
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvrelay-cli [--router HOST:PORT] COMMAND [options]\n"
+            "\n"
+            "A client of kvrelay-router's gRPC API.\n"
+            "\n"
+            "  --router HOST:PORT   the router (default $KVRELAY_ROUTER, else 127.0.0.1:7100)\n"
+            "\n"
+            "generate (--prompt TEXT | --ids \"1 2 3\") [options]\n"
+            "  streams the generated text to stdout as it arrives (token ids when the router's\n"
+            "  model has no tokenizer), then the finish reason and usage to stderr\n"
+            "  --max-tokens N       tokens to generate, the first included (default 64)\n"
+            "  --temperature T      0 = greedy (default); --top-p P, --top-k K, --seed S\n"
+            "  --policy SPEC        KV policy, e.g. streaming:sink=4,window=64 (default full)\n"
+            "  --stop STR           stop string, not included in the output (repeatable)\n"
+            "  --stop-id N          stop token id (repeatable)\n"
+            "  --raw                do not add the tokenizer's special tokens (BOS) to --prompt\n"
+            "  --request-id ID      the request's id (default: the router makes one)\n"
+            "  --timeout-ms MS      deadline for the whole request (default: the router's)\n"
+            "  --json               print one JSON object {ids, text, finish_reason, usage,\n"
+            "                       request_id} instead of streaming\n"
+            "  --cancel-after N     cancel the stream after N tokens and exit 0 with what came\n"
+            "                       (finish_reason \"cancelled\"; for tests)\n"
+            "tokenize --text TEXT [--add-special]\n"
+            "  prints the token ids, space-separated\n"
+            "status [--json]\n"
+            "  prints the router and every node: role, state, load, KV blocks\n"
+            "\n"
+            "A request the router refuses prints \"kvrelay-cli: CODE: details\" and exits 1;\n"
+            "bad flags exit 2.\n");
+}
+
+/* A non-OK status: the message the tests and users rely on, exit 1. */
+static void fail_status(const kc_status *st)
+{
+    fprintf(stderr, "kvrelay-cli: %s: %s\n", kc_status_name(st->code), st->details);
+    exit(1);
+}
+
+static kc_channel *connect_router(void)
+{
+    kc_channel *ch;
+    kc_status st;
+    if (kc_channel_create(router_addr, 0, &ch, &st) != 0) fail_status(&st);
+    return ch;
+}
+
+/* ------------------------------------------------------------------ generate */
+
+typedef struct gen_opts {
+    const char *prompt, *ids_s, *policy, *request_id;
+    long max_tokens, timeout_ms, cancel_after;
+    int json, raw, has_sampling, has_seed;
+    double temperature, top_p;
+    long top_k;
+    uint64_t seed;
+    char *stops[MAX_STOPS];
+    int n_stops;
+    uint32_t stop_ids[MAX_STOPS];
+    int n_stop_ids;
+} gen_opts;
+
+static void parse_generate(int argc, char **argv, int i, gen_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->max_tokens = 64;
+    o->cancel_after = -1;
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        } else if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--prompt")) o->prompt = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--ids")) o->ids_s = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--max-tokens")) o->max_tokens = cli_long(a, cli_value(argc, argv, &i), 0, UINT32_MAX);
+        else if (!strcmp(a, "--temperature")) {
+            o->temperature = cli_double(a, cli_value(argc, argv, &i), 0, 100);
+            o->has_sampling = 1;
+        } else if (!strcmp(a, "--top-p")) {
+            o->top_p = cli_double(a, cli_value(argc, argv, &i), 0, 1);
+            o->has_sampling = 1;
+        } else if (!strcmp(a, "--top-k")) {
+            o->top_k = cli_long(a, cli_value(argc, argv, &i), 0, UINT32_MAX);
+            o->has_sampling = 1;
+        } else if (!strcmp(a, "--seed")) {
+            o->seed = cli_u64(a, cli_value(argc, argv, &i));
+            o->has_sampling = o->has_seed = 1;
+        } else if (!strcmp(a, "--policy")) o->policy = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--stop")) {
+            if (o->n_stops == MAX_STOPS) cli_die(2, "--stop: at most %d", MAX_STOPS);
+            o->stops[o->n_stops++] = (char *)cli_value(argc, argv, &i);
+        } else if (!strcmp(a, "--stop-id")) {
+            if (o->n_stop_ids == MAX_STOPS) cli_die(2, "--stop-id: at most %d", MAX_STOPS);
+            o->stop_ids[o->n_stop_ids++] = (uint32_t)cli_long(a, cli_value(argc, argv, &i), 0, UINT32_MAX);
+        } else if (!strcmp(a, "--raw")) o->raw = 1;
+        else if (!strcmp(a, "--request-id")) o->request_id = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--timeout-ms")) o->timeout_ms = cli_long(a, cli_value(argc, argv, &i), 1, 86400000L);
+        else if (!strcmp(a, "--json")) o->json = 1;
+        else if (!strcmp(a, "--cancel-after")) o->cancel_after = cli_long(a, cli_value(argc, argv, &i), 0, 1 << 30);
+        else cli_die(2, "generate: unknown argument '%s' (see --help)", a);
+    }
+    if (!o->prompt == !o->ids_s) cli_die(2, "generate: give exactly one of --prompt and --ids");
+}
+
+/* What the stream brought. */
+typedef struct gen_result {
+    uint32_t *ids;
+    size_t n_ids, cap_ids;
+    char *text;
+    size_t text_len;
+    Kvrelay__V1__GenerateResponse *finish_msg; /* owns the Finish */
+    int cancelled;
+} gen_result;
+
+static void result_add(gen_result *g, const Kvrelay__V1__TokenDelta *d)
+{
+    if (g->n_ids + d->n_ids > g->cap_ids) {
+        size_t cap = g->cap_ids ? g->cap_ids : 64;
+        while (cap < g->n_ids + d->n_ids) cap *= 2;
+        uint32_t *grown = realloc(g->ids, cap * sizeof *grown);
+        if (!grown) cli_die(1, "out of memory");
+        g->ids = grown;
+        g->cap_ids = cap;
+    }
+    if (d->n_ids) memcpy(g->ids + g->n_ids, d->ids, d->n_ids * sizeof *d->ids);
+    g->n_ids += d->n_ids;
+    size_t tl = strlen(d->text);
+    char *grown = realloc(g->text, g->text_len + tl + 1);
+    if (!grown) cli_die(1, "out of memory");
+    memcpy(grown + g->text_len, d->text, tl + 1);
+    g->text = grown;
+    g->text_len += tl;
+}
+
+static const char *reason_name(Kvrelay__V1__FinishReason r)
+{
+    switch (r) {
+    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
+    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS: return "eos";
+    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_CONTEXT: return "context";
+    default: return "unspecified";
+    }
+}
+
+static void print_json(const gen_result *g)
+{
+    cJSON *root = cJSON_CreateObject();
+    cJSON *ids = cJSON_AddArrayToObject(root, "ids");
+    for (size_t i = 0; i < g->n_ids; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(g->ids[i]));
+    cJSON_AddStringToObject(root, "text", g->text ? g->text : "");
+    const Kvrelay__V1__Finish *f = g->finish_msg ? g->finish_msg->finish : NULL;
+    cJSON_AddStringToObject(root, "finish_reason", g->cancelled ? "cancelled" : reason_name(f->reason));
+    if (f && f->usage) {
+        const Kvrelay__V1__Usage *u = f->usage;
+        cJSON *ju = cJSON_AddObjectToObject(root, "usage");
+        cJSON_AddNumberToObject(ju, "prompt_tokens", u->prompt_tokens);
+        cJSON_AddNumberToObject(ju, "completion_tokens", u->completion_tokens);
+        cJSON_AddNumberToObject(ju, "ttft_s", u->ttft_s);
+        cJSON_AddNumberToObject(ju, "tpot_s", u->tpot_s);
+        cJSON_AddNumberToObject(ju, "kv_footprint", u->kv_footprint);
+        cJSON_AddNumberToObject(ju, "peak_kv_entries", (double)u->peak_kv_entries);
+        cJSON_AddNumberToObject(ju, "kv_bytes_shipped", (double)u->kv_bytes_shipped);
+        cJSON_AddNumberToObject(ju, "kv_entries_shipped", (double)u->kv_entries_shipped);
+        cJSON *sb = cJSON_AddObjectToObject(ju, "served_by");
+        cJSON_AddStringToObject(sb, "prefill_node", u->served_by ? u->served_by->prefill_node : "");
+        cJSON_AddStringToObject(sb, "decode_node", u->served_by ? u->served_by->decode_node : "");
+    }
+    if (f) cJSON_AddStringToObject(root, "request_id", f->request_id);
+    char *s = cJSON_PrintUnformatted(root);
+    puts(s);
+    free(s);
+    cJSON_Delete(root);
+}
+
+static void print_usage_line(const gen_result *g)
+{
+    if (g->cancelled) {
+        fprintf(stderr, "cancelled after %zu tokens\n", g->n_ids);
+        return;
+    }
+    const Kvrelay__V1__Finish *f = g->finish_msg->finish;
+    const Kvrelay__V1__Usage *u = f->usage;
+    if (!u) {
+        fprintf(stderr, "finish: %s (no usage) [%s]\n", reason_name(f->reason), f->request_id);
+        return;
+    }
+    fprintf(stderr,
+            "finish: %s | prompt %u + completion %u tokens | ttft %.1f ms | tpot %.2f ms | kv footprint %.3f | "
+            "peak kv %" PRIu64 " entries | shipped %" PRIu64 " bytes (%" PRIu64 " entries) | %s -> %s | %s\n",
+            reason_name(f->reason), u->prompt_tokens, u->completion_tokens, u->ttft_s * 1e3, u->tpot_s * 1e3,
+            u->kv_footprint, u->peak_kv_entries, u->kv_bytes_shipped, u->kv_entries_shipped,
+            u->served_by ? u->served_by->prefill_node : "?", u->served_by ? u->served_by->decode_node : "?",
+            f->request_id);
+}
+
+static int cmd_generate(int argc, char **argv, int i)
+{
+    gen_opts o;
+    parse_generate(argc, argv, i, &o);
+    Kvrelay__V1__GenerateRequest req = KVRELAY__V1__GENERATE_REQUEST__INIT;
+    Kvrelay__V1__TokenIds tids = KVRELAY__V1__TOKEN_IDS__INIT;
+    uint32_t *ids = NULL;
+    if (o.prompt) {
+        req.prompt_case = KVRELAY__V1__GENERATE_REQUEST__PROMPT_TEXT;
+        req.text = (char *)o.prompt;
+        req.add_special = !o.raw;
+    } else {
+        int n;
+        int32_t *v = cli_ids("--ids", o.ids_s, &n);
+        ids = malloc((size_t)(n ? n : 1) * sizeof *ids);
+        if (!ids) cli_die(1, "out of memory");
+        for (int k = 0; k < n; k++) ids[k] = (uint32_t)v[k];
+        free(v);
+        tids.n_ids = (size_t)n;
+        tids.ids = ids;
+        req.prompt_case = KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS;
+        req.token_ids = &tids;
+    }
+    req.max_tokens = (uint32_t)o.max_tokens;
+    Kvrelay__V1__Sampling sampling = KVRELAY__V1__SAMPLING__INIT;
+    if (o.has_sampling) {
+        sampling.temperature = (float)o.temperature;
+        sampling.top_p = (float)o.top_p;
+        sampling.top_k = (uint32_t)o.top_k;
+        if (o.has_seed) {
+            sampling.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
+            sampling.seed = o.seed;
+        }
+        req.sampling = &sampling;
+    }
+    req.n_stop = (size_t)o.n_stops;
+    req.stop = o.stops;
+    req.n_stop_ids = (size_t)o.n_stop_ids;
+    req.stop_ids = o.stop_ids;
+    if (o.policy) req.kv_policy = (char *)o.policy;
+    if (o.request_id) req.request_id = (char *)o.request_id;
+
+    kc_channel *ch = connect_router();
+    kc_stream *s;
+    kc_status st;
+    if (kc_stream_open(ch, "/kvrelay.v1.Generation/Generate", &req.base, o.timeout_ms, &s, &st) != 0) fail_status(&st);
+    gen_result g = {0};
+    int any_text = 0;
+    for (;;) {
+        Kvrelay__V1__GenerateResponse *m = NULL;
+        int rc = kc_stream_next(s, &kvrelay__v1__generate_response__descriptor, (ProtobufCMessage **)&m, &st);
+        if (rc == 0) break;
+        if (rc < 0) {
+            if (g.cancelled && st.code == GRPC_STATUS_CANCELLED) break;
+            fflush(stdout);
+            if (!o.json && (any_text || g.n_ids)) fputc('\n', stdout);
+            fail_status(&st);
+        }
+        if (m->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA && !g.cancelled) {
+            result_add(&g, m->delta);
+            if (!o.json && m->delta->text[0]) {
+                fputs(m->delta->text, stdout);
+                fflush(stdout);
+                any_text = 1;
+            }
+            if (o.cancel_after >= 0 && g.n_ids >= (size_t)o.cancel_after) {
+                g.cancelled = 1;
+                kc_stream_cancel(s);
+            }
+            kc_message_free(&m->base);
+        } else if (m->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH && !g.finish_msg) {
+            g.finish_msg = m;
+        } else {
+            kc_message_free(&m->base);
+        }
+    }
+    kc_stream_close(s);
+    kc_channel_destroy(ch);
+    if (!g.finish_msg && !g.cancelled) {
+        st.code = GRPC_STATUS_INTERNAL;
+        snprintf(st.details, sizeof st.details, "the stream ended without a finish message");
+        fail_status(&st);
+    }
+    if (o.json) {
+        print_json(&g);
+    } else {
+        if (!any_text) /* a model without tokenizer: the ids are the output */
+            for (size_t k = 0; k < g.n_ids; k++) printf("%s%u", k ? " " : "", g.ids[k]);
+        putchar('\n');
+        fflush(stdout);
+        print_usage_line(&g);
+    }
+    kc_message_free(g.finish_msg ? &g.finish_msg->base : NULL);
+    free(g.ids);
+    free(g.text);
+    free(ids);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ tokenize */
+
+static int cmd_tokenize(int argc, char **argv, int i)
+{
+    const char *text = NULL;
+    int add_special = 0;
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        } else if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--text")) text = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--add-special")) add_special = 1;
+        else cli_die(2, "tokenize: unknown argument '%s' (see --help)", a);
+    }
+    if (!text) cli_die(2, "tokenize: --text is required");
+    Kvrelay__V1__TokenizeRequest req = KVRELAY__V1__TOKENIZE_REQUEST__INIT;
+    req.text = (char *)text;
+    req.add_special = add_special;
+    kc_channel *ch = connect_router();
+    Kvrelay__V1__TokenizeResponse *resp;
+    kc_status st;
+    if (kc_unary(ch, "/kvrelay.v1.Generation/Tokenize", &req.base, &kvrelay__v1__tokenize_response__descriptor,
+                 30000, (ProtobufCMessage **)&resp, &st) != 0)
+        fail_status(&st);
+    for (size_t k = 0; k < resp->n_ids; k++) printf("%s%u", k ? " " : "", resp->ids[k]);
+    putchar('\n');
+    kc_message_free(&resp->base);
+    kc_channel_destroy(ch);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ status */
+
+static const char *role_name(Kvrelay__V1__NodeRole r)
+{
+    switch (r) {
+    case KVRELAY__V1__NODE_ROLE__NODE_ROLE_ROUTER: return "router";
+    case KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL: return "prefill";
+    case KVRELAY__V1__NODE_ROLE__NODE_ROLE_DECODE: return "decode";
+    default: return "unspecified";
+    }
+}
+
+static const char *state_name(Kvrelay__V1__NodeState s)
+{
+    switch (s) {
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING: return "serving";
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING: return "draining";
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE: return "unreachable";
+    default: return "unspecified";
+    }
+}
+
+static int cmd_status(int argc, char **argv, int i)
+{
+    int json = 0;
+    for (; i < argc; i++) {
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            usage(stdout);
+            exit(0);
+        } else if (!strcmp(argv[i], "--router")) router_addr = cli_value(argc, argv, &i);
+        else if (!strcmp(argv[i], "--json")) json = 1;
+        else cli_die(2, "status: unknown argument '%s' (see --help)", argv[i]);
+    }
+    kc_channel *ch = connect_router();
+    Kvrelay__V1__ClusterStatusRequest req = KVRELAY__V1__CLUSTER_STATUS_REQUEST__INIT;
+    Kvrelay__V1__ClusterStatusResponse *resp;
+    kc_status st;
+    if (kc_unary(ch, "/kvrelay.v1.Admin/ClusterStatus", &req.base, &kvrelay__v1__cluster_status_response__descriptor,
+                 30000, (ProtobufCMessage **)&resp, &st) != 0)
+        fail_status(&st);
+    if (json) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON *arr = cJSON_AddArrayToObject(root, "nodes");
+        for (size_t k = 0; k < resp->n_nodes; k++) {
+            const Kvrelay__V1__Node *n = resp->nodes[k];
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddStringToObject(o, "id", n->id);
+            cJSON_AddStringToObject(o, "role", role_name(n->role));
+            cJSON_AddStringToObject(o, "state", state_name(n->state));
+            cJSON_AddStringToObject(o, "grpc_address", n->grpc_address);
+            cJSON_AddStringToObject(o, "transfer_address", n->transfer_address);
+            cJSON_AddNumberToObject(o, "running_requests", n->running_requests);
+            cJSON_AddNumberToObject(o, "queued_requests", n->queued_requests);
+            cJSON_AddNumberToObject(o, "outstanding_prefill_tokens", (double)n->outstanding_prefill_tokens);
+            cJSON_AddNumberToObject(o, "free_kv_blocks", (double)n->free_kv_blocks);
+            cJSON_AddNumberToObject(o, "total_kv_blocks", (double)n->total_kv_blocks);
+            cJSON_AddNumberToObject(o, "reserved_kv_blocks", (double)n->reserved_kv_blocks);
+            cJSON_AddNumberToObject(o, "since_unix_ms", (double)n->since_unix_ms);
+            cJSON_AddItemToArray(arr, o);
+        }
+        char *s = cJSON_PrintUnformatted(root);
+        puts(s);
+        free(s);
+        cJSON_Delete(root);
+    } else {
+        printf("%-16s %-8s %-12s %-22s %7s %6s %14s %17s %9s\n", "ID", "ROLE", "STATE", "ADDRESS", "RUNNING",
+               "QUEUED", "PREFILL_TOKENS", "KV_FREE/TOTAL", "RESERVED");
+        for (size_t k = 0; k < resp->n_nodes; k++) {
+            const Kvrelay__V1__Node *n = resp->nodes[k];
+            char tokens[32] = "-", blocks[48] = "-", reserved[32] = "-", running[16] = "-", queued[16] = "-";
+            int up = n->state != KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE;
+            if (up) {
+                snprintf(running, sizeof running, "%u", n->running_requests);
+                snprintf(queued, sizeof queued, "%u", n->queued_requests);
+            }
+            if (up && n->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL)
+                snprintf(tokens, sizeof tokens, "%" PRIu64, n->outstanding_prefill_tokens);
+            if (up && n->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_DECODE) {
+                snprintf(blocks, sizeof blocks, "%" PRIu64 "/%" PRIu64, n->free_kv_blocks, n->total_kv_blocks);
+                snprintf(reserved, sizeof reserved, "%" PRIu64, n->reserved_kv_blocks);
+            }
+            printf("%-16s %-8s %-12s %-22s %7s %6s %14s %17s %9s\n", n->id, role_name(n->role), state_name(n->state),
+                   n->grpc_address, running, queued, tokens, blocks, reserved);
+        }
+    }
+    kc_message_free(&resp->base);
+    kc_channel_destroy(ch);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    cli_init(argv);
+    const char *router = getenv("KVRELAY_ROUTER");
+    if (!router || !*router) router = "127.0.0.1:7100";
+    int i = 1;
+    for (; i < argc; i++) {
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "--router")) router = cli_value(argc, argv, &i);
+        else break;
+    }
+    if (i >= argc) cli_die(2, "give a command: generate, tokenize or status (see --help)");
+    const char *cmd = argv[i++];
+    router_addr = router;
+    if (!strcmp(cmd, "generate")) return cmd_generate(argc, argv, i);
+    if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc, argv, i);
+    if (!strcmp(cmd, "status")) return cmd_status(argc, argv, i);
+    cli_die(2, "unknown command '%s' (generate, tokenize or status; see --help)", cmd);
+}
