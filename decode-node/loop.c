@@ -265,6 +265,14 @@ static void admit(dn_loop *L, dn_job *j)
         return;
     }
     kc_histogram_observe(n->m.import_s, dn_now() - t0);
+    /* service.c held every list to the policy's largest list; heads and hsft bound their
+     * streaming heads' lists tighter than that, so a bundle could still bring more than its
+     * reservation covers: it must not keep blocks promised to others. */
+    if (kr_seq_blocks(j->seq) > j->resv->blocks) {
+        finish(L, j, GRPC_STATUS_FAILED_PRECONDITION, "the KV bundle takes %d blocks, more than "
+               "the %" PRId64 " its reservation holds", kr_seq_blocks(j->seq), j->resv->blocks);
+        return;
+    }
     /* The bundle's bytes are in the pool now: the staging buffer can go. */
     free(j->resv->buf);
     j->resv->buf = NULL;

@@ -472,8 +472,32 @@ static int ship(engine *e, node *nd, uint64_t id, request *rq, char *err)
 
 /* ------------------------------------------------------------------ tests */
 
-/* Several policies decoded at once in one batch (max-batch 4: two forward calls per step with
- * six sequences), each equal to one-process generation. */
+/* Files the heads and hsft policies read (the node reads the same paths): per layer, KV head
+ * gates (every other head dense) and a learned window. */
+static char heads_spec[300], hsft_spec[500];
+
+static void policy_files(const kr_config *c, const char *dir)
+{
+    char gates[200], windows[200];
+    snprintf(gates, sizeof gates, "%s/gates.tsv", dir);
+    snprintf(windows, sizeof windows, "%s/windows.txt", dir);
+    FILE *g = fopen(gates, "w"), *w = fopen(windows, "w");
+    REQUIRE(g && w, "policy files in %s", dir);
+    for (int l = 0; l < c->n_layers; l++) {
+        for (int h = 0; h < c->n_kv_heads; h++)
+            fprintf(g, "%s%.2f", h ? "\t" : "", (h + l) % 2 ? 0.9 : 0.1 + 0.01 * h);
+        fprintf(g, "\n");
+        fprintf(w, "%d\n", 6 + 2 * l);
+    }
+    fclose(g);
+    fclose(w);
+    snprintf(heads_spec, sizeof heads_spec, "heads:pattern=%s,sparsity=0.5,sink=2,window=8", gates);
+    snprintf(hsft_spec, sizeof hsft_spec, "hsft:windows=%s,pattern=%s,budget=0.5,sink=2", windows,
+             gates);
+}
+
+/* Many policies decoded at once in one batch (max-batch 4: several forward calls per step),
+ * each equal to one-process generation. */
 static void test_batch_equals_one_process(engine *e, node *nd, const char *model)
 {
     request rq[] = {
@@ -488,6 +512,8 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
         {.policy = "streaming:sink=4,window=16", .n_prompt = 33, .max_tokens = 40, .stop_at = 6},
         {.policy = "full", .n_prompt = 25, .max_tokens = 12, .decode_max = 50},
         {.policy = "full", .n_prompt = 21, .max_tokens = 1},
+        {.policy = heads_spec, .n_prompt = 40, .max_tokens = 30},
+        {.policy = hsft_spec, .n_prompt = 44, .max_tokens = 30},
     };
     enum { N = sizeof rq / sizeof rq[0] };
     uint64_t ids[N];
@@ -744,6 +770,9 @@ int main(void)
         }
         engine e;
         engine_init(&e, dir);
+        char tmp[] = "/tmp/kvrelay-test-decode-XXXXXX";
+        REQUIRE(mkdtemp(tmp), "mkdtemp");
+        policy_files(e.cfg, tmp);
         node nd;
         node_start(&nd, bin, dir);
         test_batch_equals_one_process(&e, &nd, models[mi]);
@@ -754,6 +783,12 @@ int main(void)
         }
         node_stop(&nd);
         engine_free(&e);
+        char path[200];
+        snprintf(path, sizeof path, "%s/gates.tsv", tmp);
+        unlink(path);
+        snprintf(path, sizeof path, "%s/windows.txt", tmp);
+        unlink(path);
+        rmdir(tmp);
     }
     return kt_done("test_decode_node");
 }
