@@ -1,6 +1,6 @@
 /*
  * test_prefill_node.c - kvrelay-prefill as a black box: the real program on fixture models
- * (llama3-tiny with f32 bundles and --queue 1, mistral-tiny with bf16 bundles and --queue 0),
+ * (llama3-tiny with f32 bundles and --queue 8, mistral-tiny with bf16 bundles and --queue 0),
  * with this test playing both of its peers: the router (Prefill and Status over real gRPC) and
  * the decode node (a UCX listener that reserves room for each bundle, as large as the decode
  * node's bound, with KT_RESERVE_PARSE).
@@ -8,12 +8,12 @@
  * and chunk list by list (positions, pinned, windows, K and V bit for bit; bf16 payloads equal
  * the f32 reference rounded), its header and the first token (greedy argmax, and a seeded
  * sampler), the usage counts; every invalid field refused with INVALID_ARGUMENT naming it; the
- * receiver's refusals and a dead address as UNAVAILABLE with the transport's message; the queue
- * bound (RESOURCE_EXHAUSTED) and a deadline that passes in the queue, made deterministic by
- * a transfer address that accepts TCP but never speaks UCX (the worker is stuck in its send
- * until the test closes it) and by polling Status; garbage bytes; gRPC health and /metrics;
- * SIGTERM -> exit 0, idle and with a call in flight.
- * Run: ctest -R test_prefill_node (about 15 s under the sanitizers). Exit 77 (SKIPPED) when
+ * receiver's refusals and a dead address as UNAVAILABLE with the transport's message; a pool
+ * overflow; concurrent calls; the queue bound (RESOURCE_EXHAUSTED), FIFO order and a deadline
+ * that passes in the queue, made deterministic by a transfer address that accepts TCP but never
+ * speaks UCX (the worker is stuck in its send until the test closes it) and by polling Status;
+ * garbage bytes; gRPC health and /metrics; SIGTERM -> exit 0, idle and with a call in flight.
+ * Run: ctest -R test_prefill_node (a few seconds under the sanitizers). Exit 77 (SKIPPED) when
  * kvrelay-prefill is not built, a fixture model is missing, or UCX cannot listen on loopback.
  */
 #include "kr_test.h"
@@ -23,6 +23,7 @@
 #include <inttypes.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sys/socket.h>
 
 #include "bundle.h"
@@ -37,6 +38,8 @@
 #define CHUNK 16
 #define MAX_PROMPT 200
 #define BLOCK 16
+#define QUEUE 8 /* node A's --queue */
+#define QUEUE_S "8"
 
 static const char *bin_dir, *fixtures;
 static kt_transport *rx; /* this test's decode-node side */
@@ -59,15 +62,19 @@ typedef struct resv {
     uint8_t *buf;
     uint64_t cap;
     int done, status;
+    int order; /* completions before this one, over all reservations */
     uint64_t bytes;
     char msg[KT_ERR_MAX];
 } resv;
+
+static atomic_int n_completed;
 
 static void resv_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
 {
     resv *r = arg;
     pthread_mutex_lock(&r->m);
     r->done = 1;
+    r->order = atomic_fetch_add(&n_completed, 1);
     r->status = status;
     r->bytes = bytes;
     snprintf(r->msg, sizeof r->msg, "%s", err ? err : "");
@@ -414,68 +421,118 @@ static void make_prompt(int32_t *tok, int n, int vocab, uint32_t seed)
 static uint64_t bytes_ok; /* kv_bytes_shipped summed over node A's OK answers */
 static int n_ok;
 
-/* One prefill with `spec` compared with the reference; sampling NULL = greedy. */
-static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_t seed,
-                        const Kvrelay__V1__Sampling *sampling)
-{
+/* One Prefill compared with the reference: prepared (reference run, reservation, request),
+ * called (alone or with others at once), then checked. */
+typedef struct pcase {
+    node *nd;
+    ref_model *r;
     int32_t tok[MAX_PROMPT];
-    make_prompt(tok, n, r->c->vocab_size, seed);
-    ref_run x;
-    ref_prefill(r, *spec ? spec : "full", tok, n, &x);
-    resv rv;
-    resv_open(&rv, decode_bound(r, x.p, n));
+    int n;
+    const Kvrelay__V1__Sampling *sampling; /* NULL: greedy */
     char what[160];
-    snprintf(what, sizeof what, "%s '%s' n=%d%s", r->name, spec, n, sampling ? " sampled" : "");
-    call_args a = {.nd = nd, .rid = what, .policy = spec, .tok = tok, .n = n, .resv = rv.id,
-                   .sampling = sampling};
-    if (prefill(&a) != 0) {
-        CHECK(0, "%s: Prefill failed: %s %s", what, kc_status_name(a.st.code), a.st.details);
+    ref_run x;
+    resv rv;
+    call_args a;
+} pcase;
+
+static void pcase_prepare(pcase *c, node *nd, ref_model *r, const char *spec, int n,
+                          uint32_t seed, const Kvrelay__V1__Sampling *sampling)
+{
+    c->nd = nd;
+    c->r = r;
+    c->n = n;
+    c->sampling = sampling;
+    make_prompt(c->tok, n, r->c->vocab_size, seed);
+    ref_prefill(r, *spec ? spec : "full", c->tok, n, &c->x);
+    resv_open(&c->rv, decode_bound(r, c->x.p, n));
+    snprintf(c->what, sizeof c->what, "%s '%s' n=%d seed=%u%s", r->name, spec, n, seed,
+             sampling ? " sampled" : "");
+    c->a = (call_args){.nd = nd, .rid = c->what, .policy = spec, .tok = c->tok, .n = n,
+                       .resv = c->rv.id, .sampling = sampling};
+}
+
+static void pcase_check(pcase *c)
+{
+    const char *what = c->what;
+    ref_model *r = c->r;
+    ref_run *x = &c->x;
+    call_args *a = &c->a;
+    if (!a->resp) {
+        CHECK(0, "%s: Prefill failed: %s %s", what, kc_status_name(a->st.code), a->st.details);
         goto out;
     }
-    REQUIRE(resv_wait(&rv), "%s: the reservation never completed", what);
-    CHECK(rv.status == 0, "%s: receive failed: %s", what, rv.msg);
-    int32_t want = x.greedy;
-    if (sampling) {
+    REQUIRE(resv_wait(&c->rv), "%s: the reservation never completed", what);
+    CHECK(c->rv.status == 0, "%s: receive failed: %s", what, c->rv.msg);
+    int32_t want = x->greedy;
+    if (c->sampling) {
         kr_sampling s;
         kr_sampling_default(&s);
-        s.temperature = sampling->temperature;
-        s.top_k = (int)sampling->top_k;
-        s.top_p = sampling->top_p == 0 ? 1.0f : sampling->top_p;
-        s.seed = sampling->seed;
+        s.temperature = c->sampling->temperature;
+        s.top_k = (int)c->sampling->top_k;
+        s.top_p = c->sampling->top_p == 0 ? 1.0f : c->sampling->top_p;
+        s.seed = c->sampling->seed;
         kr_sampler *sp;
         char err[KR_ERR_MAX];
         REQUIRE(kr_sampler_create(&s, r->c->vocab_size, &sp, err) == KR_OK, "%s", err);
-        want = kr_sampler_sample(sp, x.logits);
+        want = kr_sampler_sample(sp, x->logits);
         kr_sampler_free(sp);
     }
-    CHECK((int32_t)a.resp->first_token == want, "%s: first token %u, reference %d", what,
-          a.resp->first_token, want);
-    if (rv.status == 0)
-        check_bundle(r, &x, &rv, nd->dtype, n, (int32_t)a.resp->first_token, what);
-    const Kvrelay__V1__PrefillUsage *u = a.resp->usage;
+    CHECK((int32_t)a->resp->first_token == want, "%s: first token %u, reference %d", what,
+          a->resp->first_token, want);
+    if (c->rv.status == 0)
+        check_bundle(r, x, &c->rv, c->nd->dtype, c->n, (int32_t)a->resp->first_token, what);
+    const Kvrelay__V1__PrefillUsage *u = a->resp->usage;
     REQUIRE(u, "%s: no usage", what);
-    uint64_t entry_bytes = 2u * (uint64_t)r->c->head_dim * kt_dtype_size(nd->dtype);
-    CHECK(u->prompt_tokens == (uint32_t)n, "%s: prompt_tokens %u", what, u->prompt_tokens);
-    CHECK(u->kv_entries_shipped == x.entries, "%s: kv_entries_shipped %" PRIu64 ", reference %"
-          PRIu64, what, u->kv_entries_shipped, x.entries);
-    CHECK(u->kv_bytes_shipped == x.entries * entry_bytes, "%s: kv_bytes_shipped %" PRIu64
-          ", want %" PRIu64 " x %" PRIu64, what, u->kv_bytes_shipped, x.entries, entry_bytes);
-    CHECK(u->peak_kv_entries == (uint64_t)x.fp.peak_entries, "%s: peak %" PRIu64 " vs %" PRId64,
-          what, u->peak_kv_entries, x.fp.peak_entries);
-    CHECK(u->footprint_full == x.fp.full && u->footprint_attended == x.fp.attended,
+    uint64_t entry_bytes = 2u * (uint64_t)r->c->head_dim * kt_dtype_size(c->nd->dtype);
+    CHECK(u->prompt_tokens == (uint32_t)c->n, "%s: prompt_tokens %u", what, u->prompt_tokens);
+    CHECK(u->kv_entries_shipped == x->entries, "%s: kv_entries_shipped %" PRIu64 ", reference %"
+          PRIu64, what, u->kv_entries_shipped, x->entries);
+    CHECK(u->kv_bytes_shipped == x->entries * entry_bytes, "%s: kv_bytes_shipped %" PRIu64
+          ", want %" PRIu64 " x %" PRIu64, what, u->kv_bytes_shipped, x->entries, entry_bytes);
+    CHECK(u->peak_kv_entries == (uint64_t)x->fp.peak_entries, "%s: peak %" PRIu64 " vs %" PRId64,
+          what, u->peak_kv_entries, x->fp.peak_entries);
+    CHECK(u->footprint_full == x->fp.full && u->footprint_attended == x->fp.attended,
           "%s: footprint %g/%g, reference %g/%g", what, u->footprint_attended, u->footprint_full,
-          x.fp.attended, x.fp.full);
-    CHECK(u->footprint_entry_steps == (uint64_t)llround(x.fp.attended), "%s: entry steps %" PRIu64,
-          what, u->footprint_entry_steps);
-    CHECK(!strcmp(u->prefill_node, nd->id), "%s: prefill_node '%s'", what, u->prefill_node);
+          x->fp.attended, x->fp.full);
+    CHECK(u->footprint_entry_steps == (uint64_t)llround(x->fp.attended),
+          "%s: entry steps %" PRIu64, what, u->footprint_entry_steps);
+    CHECK(!strcmp(u->prefill_node, c->nd->id), "%s: prefill_node '%s'", what, u->prefill_node);
     CHECK(u->prefill_s > 0 && u->transfer_s > 0, "%s: prefill_s %g transfer_s %g", what,
           u->prefill_s, u->transfer_s);
     bytes_ok += u->kv_bytes_shipped;
     n_ok++;
 out:
-    kc_message_free((ProtobufCMessage *)a.resp);
-    resv_close(&rv);
-    ref_free(&x);
+    kc_message_free((ProtobufCMessage *)a->resp);
+    resv_close(&c->rv);
+    ref_free(x);
+}
+
+static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_t seed,
+                        const Kvrelay__V1__Sampling *sampling)
+{
+    pcase *c = calloc(1, sizeof *c);
+    pcase_prepare(c, nd, r, spec, n, seed, sampling);
+    prefill(&c->a);
+    pcase_check(c);
+    free(c);
+}
+
+/* Eight calls at once with mixed policies and lengths (the worker takes them one by one; the
+ * rest wait in the queue, which must not mix up prompts, bundles or answers). */
+static void case_concurrent(node *nd, ref_model *r, const char *const *policies, int n_pol)
+{
+    enum { N = 8 };
+    pcase *cs = calloc(N, sizeof *cs);
+    pthread_t th[N];
+    for (int i = 0; i < N; i++)
+        pcase_prepare(&cs[i], nd, r, policies[i % n_pol], 40 + 17 * i, 100 + (uint32_t)i, NULL);
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, prefill_thread, &cs[i].a);
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        pcase_check(&cs[i]);
+    }
+    free(cs);
 }
 
 /* A Prefill that must fail with `code` and details containing `needle`. */
@@ -589,16 +646,19 @@ static int blocker_open(char *addr, size_t cap)
     return fd;
 }
 
-/* --queue 1: A runs (stuck in its send), B with a short deadline waits and is dropped from the
- * queue when its deadline passes, B2 waits, C is refused; closing the blocker fails A and B2. */
-static void case_queue1(node *nd, ref_model *r)
+/* --queue QUEUE: A runs (stuck in its send to the blocker); B with a short deadline waits and is
+ * dropped from the queue when its deadline passes; QUEUE more calls to real reservations wait,
+ * one at a time so their arrival order is known; one more is refused. Closing the blocker fails
+ * A; the waiting calls then run in arrival order (the receiver sees their bundles in that order)
+ * and each is checked against the reference. */
+static void case_queue(node *nd, ref_model *r)
 {
     char blk[64];
     int fd = blocker_open(blk, sizeof blk);
     int32_t tok[30];
     make_prompt(tok, 30, r->c->vocab_size, 11);
     call_args a = {.nd = nd, .rid = "queue A", .tok = tok, .n = 30, .resv = 1, .addr = blk};
-    pthread_t ta, tb2;
+    pthread_t ta, tq[QUEUE];
     pthread_create(&ta, NULL, prefill_thread, &a);
     wait_load(nd, 1, 0);
 
@@ -610,27 +670,40 @@ static void case_queue1(node *nd, ref_model *r)
     kc_message_free((ProtobufCMessage *)b.resp);
     wait_load(nd, 1, 0); /* B left the queue: only its own handler could have taken it out */
 
-    call_args b2 = a;
-    b2.rid = "queue B2";
-    pthread_create(&tb2, NULL, prefill_thread, &b2);
-    wait_load(nd, 1, 1);
+    pcase *q = calloc(QUEUE, sizeof *q);
+    uint64_t outstanding = 30;
+    for (int i = 0; i < QUEUE; i++) {
+        pcase_prepare(&q[i], nd, r, i % 2 ? "streaming:sink=4,window=24" : "full", 20 + i,
+                      200 + (uint32_t)i, NULL);
+        pthread_create(&tq[i], NULL, prefill_thread, &q[i].a);
+        wait_load(nd, 1, (uint32_t)i + 1);
+        outstanding += (uint64_t)q[i].n;
+    }
     Kvrelay__V1__Node *s = status(nd);
-    CHECK(s && s->outstanding_prefill_tokens == 60, "outstanding prefill tokens %" PRIu64
-          ", want 30 running + 30 queued", s ? s->outstanding_prefill_tokens : 0);
+    CHECK(s && s->outstanding_prefill_tokens == outstanding, "outstanding prefill tokens %" PRIu64
+          ", want %" PRIu64, s ? s->outstanding_prefill_tokens : 0, outstanding);
     kc_message_free((ProtobufCMessage *)s);
     call_args c = a;
     c.rid = "queue C";
-    expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, "prefill queue full (1 waiting)");
+    char want[64];
+    snprintf(want, sizeof want, "prefill queue full (%d waiting)", QUEUE);
+    expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, want);
 
     close(fd);
     pthread_join(ta, NULL);
-    pthread_join(tb2, NULL);
     CHECK(a.st.code == GRPC_STATUS_UNAVAILABLE, "A after the blocker closed: %s %s",
           kc_status_name(a.st.code), a.st.details);
-    CHECK(b2.st.code == GRPC_STATUS_UNAVAILABLE, "B2 to a closed address: %s %s",
-          kc_status_name(b2.st.code), b2.st.details);
     kc_message_free((ProtobufCMessage *)a.resp);
-    kc_message_free((ProtobufCMessage *)b2.resp);
+    for (int i = 0; i < QUEUE; i++) {
+        pthread_join(tq[i], NULL);
+        REQUIRE(resv_wait(&q[i].rv), "%s: the reservation never completed", q[i].what);
+        CHECK(i == 0 || q[i].rv.order > q[i - 1].rv.order,
+              "FIFO: queued call %d's bundle arrived as number %d, call %d's as %d", i,
+              q[i].rv.order, i - 1, q[i - 1].rv.order);
+    }
+    for (int i = 0; i < QUEUE; i++)
+        pcase_check(&q[i]);
+    free(q);
     wait_load(nd, 0, 0);
 }
 
@@ -767,7 +840,7 @@ int main(void)
     ref_model ra;
     ref_open(&ra, "llama3-tiny");
     node na;
-    node_start(&na, &ra, "prefill-a", "1", "f32");
+    node_start(&na, &ra, "prefill-a", QUEUE_S, "f32");
     for (int i = 0; i < n_pol; i++)
         case_policy(&na, &ra, policies[i], 100, 1 + (uint32_t)i, NULL);
     case_policy(&na, &ra, "streaming:sink=4,window=24", 5, 7, NULL); /* one chunk, no eviction */
@@ -777,10 +850,11 @@ int main(void)
     sampled.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
     sampled.seed = 7;
     case_policy(&na, &ra, "snapkv:budget=40,obs=8", 100, 8, &sampled);
+    case_concurrent(&na, &ra, policies, n_pol);
     case_invalid(&na, &ra);
     case_refusals(&na, &ra);
     case_policy(&na, &ra, "full", MAX_PROMPT, 13, NULL); /* the pool survived the refusals */
-    case_queue1(&na, &ra);
+    case_queue(&na, &ra);
     case_garbage_and_health(&na);
     CHECK(metric(na.p.http, "kvrelay_kv_bytes_shipped_total") == (double)bytes_ok,
           "/metrics kv bytes %g, usage says %" PRIu64,
