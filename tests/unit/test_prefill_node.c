@@ -92,8 +92,9 @@ static void resv_open(resv *r, uint64_t cap)
     r->cap = cap;
     r->buf = malloc(cap);
     char err[KT_ERR_MAX];
-    REQUIRE(r->buf && kt_transport_reserve(rx, r->id, r->buf, cap, 60.0, KT_RESERVE_PARSE,
-                                           resv_cb, r, err) == 0, "reserve: %s", err);
+    REQUIRE(r->buf && kt_transport_reserve(rx, r->id, r->buf, cap, 60.0, KT_RESERVE_PARSE, resv_cb,
+                                           r, err) == 0,
+            "reserve: %s", err);
 }
 
 /* Waits for the reservation's outcome (it comes at once after a successful Prefill: the sender
@@ -171,9 +172,11 @@ static void ref_prefill(ref_model *r, const char *spec, const int32_t *tok, int 
     REQUIRE(kr_policy_parse(spec, r->c, &out->p, err) == KR_OK, "policy %s: %s", spec, err);
     int per_list = (n + kr_policy_appended(out->p, n) + 2 * BLOCK) / BLOCK;
     REQUIRE(kr_kv_pool_create(r->c->head_dim, BLOCK, per_list * r->c->n_layers * r->c->n_kv_heads,
-                              &out->pool, err) == KR_OK, "%s", err);
+                              &out->pool, err) == KR_OK,
+            "%s", err);
     REQUIRE(kr_seq_create(out->pool, r->c->n_layers, r->c->n_kv_heads, &out->s, err) == KR_OK &&
-            kr_seq_set_policy(out->s, out->p, err) == KR_OK, "%s", err);
+                kr_seq_set_policy(out->s, out->p, err) == KR_OK,
+            "%s", err);
     out->logits = malloc(sizeof(float) * (size_t)r->c->vocab_size);
     REQUIRE(out->logits, "out of memory");
     REQUIRE(kr_prefill(r->ctx, out->s, tok, n, CHUNK, KR_LOGITS_LAST, out->logits, err) == KR_OK,
@@ -214,8 +217,8 @@ static uint64_t decode_bound(ref_model *r, const kr_policy *p, int n)
     int n_lists = r->c->n_layers * r->c->n_kv_heads;
     kt_bundle_list *lists = calloc((size_t)n_lists, sizeof *lists);
     for (int i = 0; i < n_lists; i++)
-        lists[i] = (kt_bundle_list){.count = (uint32_t)(cap < n ? cap : n), .pinned = 0,
-                                    .window = KT_BUNDLE_WINDOW_DENSE};
+        lists[i] = (kt_bundle_list){
+            .count = (uint32_t)(cap < n ? cap : n), .pinned = 0, .window = KT_BUNDLE_WINDOW_DENSE};
     uint64_t size = 0;
     char err[KT_ERR_MAX];
     REQUIRE(kt_bundle_size(&h, lists, &size, err) == 0, "%s", err);
@@ -225,10 +228,8 @@ static uint64_t decode_bound(ref_model *r, const kr_policy *p, int n)
 
 static float round_to(kt_dtype t, float x)
 {
-    if (t == KT_DTYPE_BF16)
-        return kt_bf16_to_f32(kt_f32_to_bf16(x));
-    if (t == KT_DTYPE_F16)
-        return kt_f16_to_f32(kt_f32_to_f16(x));
+    if (t == KT_DTYPE_BF16) return kt_bf16_to_f32(kt_f32_to_bf16(x));
+    if (t == KT_DTYPE_F16) return kt_f16_to_f32(kt_f32_to_f16(x));
     return x;
 }
 
@@ -265,16 +266,18 @@ static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtyp
             REQUIRE(kt_bundle_view_list(&v, (uint32_t)l, (uint32_t)h, &lv, err) == 0, "%s", err);
             if (lv.count != (uint32_t)len || lv.pinned != (uint32_t)pinned ||
                 lv.window != (w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w)) {
-                CHECK(0, "%s: list (%d,%d): count/pinned/window %u/%u/%u, reference %d/%d/%d",
-                      what, l, h, lv.count, lv.pinned, lv.window, len, pinned, w);
+                CHECK(0, "%s: list (%d,%d): count/pinned/window %u/%u/%u, reference %d/%d/%d", what,
+                      l, h, lv.count, lv.pinned, lv.window, len, pinned, w);
                 bad = 1;
                 break;
             }
-            if (!len)
-                continue;
-            int32_t *rp = malloc(sizeof(int32_t) * (size_t)len), *bp = malloc(sizeof(int32_t) * (size_t)len);
-            float *rk = malloc(sizeof(float) * (size_t)len * hd), *rv_ = malloc(sizeof(float) * (size_t)len * hd);
-            float *bk = malloc(sizeof(float) * (size_t)len * hd), *bv = malloc(sizeof(float) * (size_t)len * hd);
+            if (!len) continue;
+            int32_t *rp = malloc(sizeof(int32_t) * (size_t)len),
+                    *bp = malloc(sizeof(int32_t) * (size_t)len);
+            float *rk = malloc(sizeof(float) * (size_t)len * hd),
+                  *rv_ = malloc(sizeof(float) * (size_t)len * hd);
+            float *bk = malloc(sizeof(float) * (size_t)len * hd),
+                  *bv = malloc(sizeof(float) * (size_t)len * hd);
             REQUIRE(rp && bp && rk && rv_ && bk && bv, "out of memory");
             REQUIRE(kr_seq_list_read(x->s, l, h, 0, len, rp, rk, rv_, err) == KR_OK, "%s", err);
             REQUIRE(kt_bundle_list_read(&v, &lv, 0, (uint32_t)len, bp, bk, bv, err) == 0, "%s",
@@ -308,23 +311,24 @@ typedef struct node {
     kt_dtype dtype;
 } node;
 
-static void node_start(node *nd, ref_model *r, const char *id, const char *queue,
-                       const char *dtype)
+static void node_start(node *nd, ref_model *r, const char *id, const char *queue, const char *dtype)
 {
     char exe[1024], max_prompt[16], chunk[16];
     snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
     snprintf(max_prompt, sizeof max_prompt, "%d", MAX_PROMPT);
     snprintf(chunk, sizeof chunk, "%d", CHUNK);
-    char *argv[] = {exe, "--model", r->dir, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                    "--id", (char *)id, "--threads", "1", "--chunk", chunk, "--queue",
-                    (char *)queue, "--kv-dtype", (char *)dtype, "--max-prompt", max_prompt,
-                    "--transfer-timeout-s", "60", NULL};
+    char *argv[] = {exe,          "--model",     r->dir,         "--listen", "127.0.0.1:0",
+                    "--http",     "127.0.0.1:0", "--id",         (char *)id, "--threads",
+                    "1",          "--chunk",     chunk,          "--queue",  (char *)queue,
+                    "--kv-dtype", (char *)dtype, "--max-prompt", max_prompt, "--transfer-timeout-s",
+                    "60",         NULL};
     REQUIRE(test_proc_start(argv, 60, &nd->p) == 0, "kvrelay-prefill %s did not start", id);
     kc_status st;
     REQUIRE(kc_channel_create(nd->p.grpc, 0, &nd->ch, &st) == 0, "channel: %s", st.details);
     nd->id = id;
-    nd->dtype = !strcmp(dtype, "bf16") ? KT_DTYPE_BF16 : !strcmp(dtype, "f16") ? KT_DTYPE_F16
-                                                                                : KT_DTYPE_F32;
+    nd->dtype = !strcmp(dtype, "bf16")  ? KT_DTYPE_BF16
+                : !strcmp(dtype, "f16") ? KT_DTYPE_F16
+                                        : KT_DTYPE_F32;
 }
 
 static void node_stop(node *nd, const char *how)
@@ -365,8 +369,7 @@ static int prefill(call_args *a)
     req.decode_node = "test-decode";
     a->resp = NULL;
     int rc = kc_unary(a->nd->ch, PREFILL, &req.base, &kvrelay__v1__prefill_response__descriptor,
-                      a->timeout_ms ? a->timeout_ms : 60000, (ProtobufCMessage **)&a->resp,
-                      &a->st);
+                      a->timeout_ms ? a->timeout_ms : 60000, (ProtobufCMessage **)&a->resp, &a->st);
     free(ids);
     return rc;
 }
@@ -398,8 +401,7 @@ static int wait_load(node *nd, uint32_t running, uint32_t queued)
         Kvrelay__V1__Node *s = status(nd);
         int ok = s && s->running_requests == running && s->queued_requests == queued;
         kc_message_free((ProtobufCMessage *)s);
-        if (ok)
-            return 1;
+        if (ok) return 1;
         struct timespec ts = {0, 2000000};
         nanosleep(&ts, NULL);
     }
@@ -435,8 +437,8 @@ typedef struct pcase {
     call_args a;
 } pcase;
 
-static void pcase_prepare(pcase *c, node *nd, ref_model *r, const char *spec, int n,
-                          uint32_t seed, const Kvrelay__V1__Sampling *sampling)
+static void pcase_prepare(pcase *c, node *nd, ref_model *r, const char *spec, int n, uint32_t seed,
+                          const Kvrelay__V1__Sampling *sampling)
 {
     c->nd = nd;
     c->r = r;
@@ -447,8 +449,13 @@ static void pcase_prepare(pcase *c, node *nd, ref_model *r, const char *spec, in
     resv_open(&c->rv, decode_bound(r, c->x.p, n));
     snprintf(c->what, sizeof c->what, "%s '%s' n=%d seed=%u%s", r->name, spec, n, seed,
              sampling ? " sampled" : "");
-    c->a = (call_args){.nd = nd, .rid = c->what, .policy = spec, .tok = c->tok, .n = n,
-                       .resv = c->rv.id, .sampling = sampling};
+    c->a = (call_args){.nd = nd,
+                       .rid = c->what,
+                       .policy = spec,
+                       .tok = c->tok,
+                       .n = n,
+                       .resv = c->rv.id,
+                       .sampling = sampling};
 }
 
 static void pcase_check(pcase *c)
@@ -485,17 +492,19 @@ static void pcase_check(pcase *c)
     REQUIRE(u, "%s: no usage", what);
     uint64_t entry_bytes = 2u * (uint64_t)r->c->head_dim * kt_dtype_size(c->nd->dtype);
     CHECK(u->prompt_tokens == (uint32_t)c->n, "%s: prompt_tokens %u", what, u->prompt_tokens);
-    CHECK(u->kv_entries_shipped == x->entries, "%s: kv_entries_shipped %" PRIu64 ", reference %"
-          PRIu64, what, u->kv_entries_shipped, x->entries);
-    CHECK(u->kv_bytes_shipped == x->entries * entry_bytes, "%s: kv_bytes_shipped %" PRIu64
-          ", want %" PRIu64 " x %" PRIu64, what, u->kv_bytes_shipped, x->entries, entry_bytes);
+    CHECK(u->kv_entries_shipped == x->entries,
+          "%s: kv_entries_shipped %" PRIu64 ", reference %" PRIu64, what, u->kv_entries_shipped,
+          x->entries);
+    CHECK(u->kv_bytes_shipped == x->entries * entry_bytes,
+          "%s: kv_bytes_shipped %" PRIu64 ", want %" PRIu64 " x %" PRIu64, what,
+          u->kv_bytes_shipped, x->entries, entry_bytes);
     CHECK(u->peak_kv_entries == (uint64_t)x->fp.peak_entries, "%s: peak %" PRIu64 " vs %" PRId64,
           what, u->peak_kv_entries, x->fp.peak_entries);
     CHECK(u->footprint_full == x->fp.full && u->footprint_attended == x->fp.attended,
           "%s: footprint %g/%g, reference %g/%g", what, u->footprint_attended, u->footprint_full,
           x->fp.attended, x->fp.full);
-    CHECK(u->footprint_entry_steps == (uint64_t)llround(x->fp.attended),
-          "%s: entry steps %" PRIu64, what, u->footprint_entry_steps);
+    CHECK(u->footprint_entry_steps == (uint64_t)llround(x->fp.attended), "%s: entry steps %" PRIu64,
+          what, u->footprint_entry_steps);
     CHECK(!strcmp(u->prefill_node, c->nd->id), "%s: prefill_node '%s'", what, u->prefill_node);
     CHECK(u->prefill_s > 0 && u->transfer_s > 0, "%s: prefill_s %g transfer_s %g", what,
           u->prefill_s, u->transfer_s);
@@ -573,8 +582,14 @@ static void case_invalid(node *nd, ref_model *r)
     a.rid = "negative temperature", a.sampling = &bad;
     expect_fail(&a, IA, "temperature");
     a.sampling = NULL;
-    static const char *addrs[] = {"", "127.0.0.1", "127.0.0.1:", ":7000", "127.0.0.1:0",
-                                  "127.0.0.1:65536", "127.0.0.1:7x", "[::1]:7000"};
+    static const char *addrs[] = {"",
+                                  "127.0.0.1",
+                                  "127.0.0.1:",
+                                  ":7000",
+                                  "127.0.0.1:0",
+                                  "127.0.0.1:65536",
+                                  "127.0.0.1:7x",
+                                  "[::1]:7000"};
     for (size_t i = 0; i < sizeof addrs / sizeof addrs[0]; i++) {
         char rid[64];
         snprintf(rid, sizeof rid, "transfer_address '%s'", addrs[i]);
@@ -609,7 +624,8 @@ static void case_refusals(node *nd, ref_model *r)
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sa;
     REQUIRE(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
-            getsockname(fd, (struct sockaddr *)&sa, &sl) == 0, "probe socket");
+                getsockname(fd, (struct sockaddr *)&sa, &sl) == 0,
+            "probe socket");
     char dead[64];
     snprintf(dead, sizeof dead, "127.0.0.1:%u", ntohs(sa.sin_port));
     close(fd); /* bound once, never listened: nobody is there */
@@ -622,7 +638,11 @@ static void case_refusals(node *nd, ref_model *r)
      * node serving on (the next case_* calls succeed). */
     int32_t big[MAX_PROMPT];
     make_prompt(big, MAX_PROMPT, r->c->vocab_size, 6);
-    call_args p = {.nd = nd, .rid = "pool exhausted", .tok = big, .n = MAX_PROMPT, .resv = 6,
+    call_args p = {.nd = nd,
+                   .rid = "pool exhausted",
+                   .tok = big,
+                   .n = MAX_PROMPT,
+                   .resv = 6,
                    .policy = "snapkv:ratio=0,obs=64"};
     expect_fail(&p, GRPC_STATUS_FAILED_PRECONDITION, "KV pool exhausted");
     CHECK(strstr(p.st.details, "--kv-blocks") != NULL, "names the flag: %s", p.st.details);
@@ -641,7 +661,8 @@ static int blocker_open(char *addr, size_t cap)
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sa;
     REQUIRE(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(fd, 8) == 0 &&
-            getsockname(fd, (struct sockaddr *)&sa, &sl) == 0, "blocker socket");
+                getsockname(fd, (struct sockaddr *)&sa, &sl) == 0,
+            "blocker socket");
     snprintf(addr, cap, "127.0.0.1:%u", ntohs(sa.sin_port));
     return fd;
 }
@@ -680,8 +701,9 @@ static void case_queue(node *nd, ref_model *r)
         outstanding += (uint64_t)q[i].n;
     }
     Kvrelay__V1__Node *s = status(nd);
-    CHECK(s && s->outstanding_prefill_tokens == outstanding, "outstanding prefill tokens %" PRIu64
-          ", want %" PRIu64, s ? s->outstanding_prefill_tokens : 0, outstanding);
+    CHECK(s && s->outstanding_prefill_tokens == outstanding,
+          "outstanding prefill tokens %" PRIu64 ", want %" PRIu64,
+          s ? s->outstanding_prefill_tokens : 0, outstanding);
     kc_message_free((ProtobufCMessage *)s);
     call_args c = a;
     c.rid = "queue C";
@@ -748,15 +770,15 @@ static void case_garbage_and_health(node *nd)
         kc_status st;
         int rc = kc_unary_bytes(nd->ch, paths[i], junk, sizeof junk,
                                 &kvrelay__v1__prefill_response__descriptor, 5000, &resp, &st);
-        CHECK(rc != 0 && st.code == GRPC_STATUS_INVALID_ARGUMENT, "garbage to %s: %s %s",
-              paths[i], kc_status_name(st.code), st.details);
+        CHECK(rc != 0 && st.code == GRPC_STATUS_INVALID_ARGUMENT, "garbage to %s: %s %s", paths[i],
+              kc_status_name(st.code), st.details);
         kc_message_free(resp);
     }
     Kvrelay__V1__Node *s = status(nd);
     CHECK(s && s->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL &&
-          s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING && !strcmp(s->id, nd->id) &&
-          !strcmp(s->grpc_address, nd->p.grpc) && s->running_requests == 0 &&
-          s->queued_requests == 0 && s->outstanding_prefill_tokens == 0 && s->since_unix_ms > 0,
+              s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING && !strcmp(s->id, nd->id) &&
+              !strcmp(s->grpc_address, nd->p.grpc) && s->running_requests == 0 &&
+              s->queued_requests == 0 && s->outstanding_prefill_tokens == 0 && s->since_unix_ms > 0,
           "Status after garbage: the node still serves and reports itself");
     kc_message_free((ProtobufCMessage *)s);
 
@@ -823,8 +845,10 @@ int main(void)
         }
     }
     char err[KT_ERR_MAX];
-    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = "127.0.0.1",
-                              .listen_port = 0, .name = "test-decode"};
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM,
+                              .listen_host = "127.0.0.1",
+                              .listen_port = 0,
+                              .name = "test-decode"};
     if (kt_transport_create(&tc, &rx, err) != 0) {
         printf("SKIP: UCX cannot listen on loopback: %s\n", err);
         return KT_SKIP;
@@ -863,13 +887,13 @@ int main(void)
           "/metrics OK requests %g, want %d",
           metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 1 &&
-          metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
+              metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
           "/metrics: one queue refusal, one pool overflow");
     CHECK(metric(na.p.http, "kvrelay_kv_blocks_used") == 0, "/metrics: every block back");
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
           "/metrics: queue B's handler saw its deadline pass in the queue");
     CHECK(metric(na.p.http, "kvrelay_queue_depth") == 0 &&
-          metric(na.p.http, "kvrelay_running_sequences") == 0,
+              metric(na.p.http, "kvrelay_running_sequences") == 0,
           "/metrics queue depth and running back to 0");
     node_stop(&na, "idle");
     ref_close(&ra);
