@@ -311,17 +311,35 @@ typedef struct node {
     kt_dtype dtype;
 } node;
 
-static void node_start(node *nd, ref_model *r, const char *id, const char *queue, const char *dtype)
+static void node_start(node *nd, ref_model *r, const char *id, const char *queue, const char *dtype,
+                       const char *transfer_timeout_s)
 {
     char exe[1024], max_prompt[16], chunk[16];
     snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
     snprintf(max_prompt, sizeof max_prompt, "%d", MAX_PROMPT);
     snprintf(chunk, sizeof chunk, "%d", CHUNK);
-    char *argv[] = {exe,          "--model",     r->dir,         "--listen", "127.0.0.1:0",
-                    "--http",     "127.0.0.1:0", "--id",         (char *)id, "--threads",
-                    "1",          "--chunk",     chunk,          "--queue",  (char *)queue,
-                    "--kv-dtype", (char *)dtype, "--max-prompt", max_prompt, "--transfer-timeout-s",
-                    "60",         NULL};
+    char *argv[] = {exe,
+                    "--model",
+                    r->dir,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--http",
+                    "127.0.0.1:0",
+                    "--id",
+                    (char *)id,
+                    "--threads",
+                    "1",
+                    "--chunk",
+                    chunk,
+                    "--queue",
+                    (char *)queue,
+                    "--kv-dtype",
+                    (char *)dtype,
+                    "--max-prompt",
+                    max_prompt,
+                    "--transfer-timeout-s",
+                    (char *)transfer_timeout_s,
+                    NULL};
     REQUIRE(test_proc_start(argv, 60, &nd->p) == 0, "kvrelay-prefill %s did not start", id);
     kc_status st;
     REQUIRE(kc_channel_create(nd->p.grpc, 0, &nd->ch, &st) == 0, "channel: %s", st.details);
@@ -761,6 +779,20 @@ static void case_queue0(node *nd, ref_model *r, int then_sigterm)
     kc_message_free((ProtobufCMessage *)a.resp);
 }
 
+/* The node's own send timeout (the call's deadline is far): DEADLINE_EXCEEDED with the
+ * transport's message, and the node serves on. */
+static void case_send_timeout(node *nd, ref_model *r)
+{
+    char blk[64];
+    int fd = blocker_open(blk, sizeof blk);
+    int32_t tok[20];
+    make_prompt(tok, 20, r->c->vocab_size, 14);
+    call_args a = {.nd = nd, .rid = "send timeout", .tok = tok, .n = 20, .resv = 3, .addr = blk};
+    expect_fail(&a, GRPC_STATUS_DEADLINE_EXCEEDED, "timed out");
+    close(fd);
+    wait_load(nd, 0, 0);
+}
+
 static void case_garbage_and_health(node *nd)
 {
     static const uint8_t junk[] = {0xff, 0xff, 0xff, 0x0f, 0x01};
@@ -864,7 +896,7 @@ int main(void)
     ref_model ra;
     ref_open(&ra, "llama3-tiny");
     node na;
-    node_start(&na, &ra, "prefill-a", QUEUE_S, "f32");
+    node_start(&na, &ra, "prefill-a", QUEUE_S, "f32", "60");
     for (int i = 0; i < n_pol; i++)
         case_policy(&na, &ra, policies[i], 100, 1 + (uint32_t)i, NULL);
     case_policy(&na, &ra, "streaming:sink=4,window=24", 5, 7, NULL); /* one chunk, no eviction */
@@ -902,11 +934,17 @@ int main(void)
     ref_model rb;
     ref_open(&rb, "mistral-tiny");
     node nb;
-    node_start(&nb, &rb, "prefill-b", "0", "bf16");
+    node_start(&nb, &rb, "prefill-b", "0", "bf16", "60");
     for (int i = 1; i < n_pol; i++)
         case_policy(&nb, &rb, policies[i], 120, 20 + (uint32_t)i, NULL);
     case_queue0(&nb, &rb, 0);
     case_queue0(&nb, &rb, 1); /* stops the node */
+
+    /* --transfer-timeout-s 1: a send that is never acknowledged ends DEADLINE_EXCEEDED */
+    node nc;
+    node_start(&nc, &rb, "prefill-c", "0", "f32", "1");
+    case_send_timeout(&nc, &rb);
+    node_stop(&nc, "after a timed-out send");
     ref_close(&rb);
 
     kt_transport_destroy(rx);
