@@ -826,6 +826,72 @@ static void case_garbage_and_health(node *nd)
     kc_message_free((ProtobufCMessage *)hr);
 }
 
+/* Runs kvrelay-prefill with `args` (NULL-terminated, after the program name) to its exit;
+ * returns the exit status (-1 if killed) with stdout and stderr in out. */
+static int run_exit(const char *const *args, char *out, size_t cap)
+{
+    char exe[1024];
+    snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
+    char *argv[32] = {exe};
+    for (int i = 0; args[i] && i < 30; i++)
+        argv[i + 1] = (char *)args[i];
+    int fds[2];
+    REQUIRE(pipe(fds) == 0, "pipe");
+    pid_t pid = fork();
+    REQUIRE(pid >= 0, "fork");
+    if (pid == 0) {
+        dup2(fds[1], 1);
+        dup2(fds[1], 2);
+        close(fds[0]);
+        close(fds[1]);
+        execv(exe, argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t len = 0;
+    ssize_t got;
+    while ((got = read(fds[0], out + len, cap - 1 - len)) > 0 && len + 1 < cap)
+        len += (size_t)got;
+    out[len] = 0;
+    close(fds[0]);
+    int status;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* Flags: --help, and start-up refusals that name the flag (exit 2) or the cause (exit 1). */
+static void case_flags(ref_model *r)
+{
+    static char out[1 << 16];
+    const char *help[] = {"--help", NULL};
+    CHECK(run_exit(help, out, sizeof out) == 0 && strstr(out, "--transfer-timeout-s"),
+          "--help exits 0 and lists the flags");
+    char blk[64];
+    int fd = blocker_open(blk, sizeof blk); /* a busy TCP port */
+    struct {
+        const char *args[8];
+        int status;
+        const char *needle;
+    } bad[] = {
+        {{"--model", r->dir, "--bogus", NULL}, 2, "--bogus"},
+        {{"--listen", "127.0.0.1:0", NULL}, 2, "--model"},
+        {{"--model", r->dir, "--kv-dtype", "f64", NULL}, 2, "--kv-dtype"},
+        {{"--model", r->dir, "--queue", "-1", NULL}, 2, "--queue"},
+        {{"--model", r->dir, "--http", "nohost", NULL}, 2, "--http"},
+        {{"--model", r->dir, "--max-prompt", "40000", NULL}, 2, "max_position_embeddings"},
+        {{"--model", r->dir, "--max-prompt", "100", "--kv-blocks", "8", NULL}, 2, "--kv-blocks"},
+        {{"--model", "/nonexistent", NULL}, 1, "/nonexistent"},
+        {{"--model", r->dir, "--listen", blk, NULL}, 1, blk},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int st = run_exit(bad[i].args, out, sizeof out);
+        CHECK(st == bad[i].status && strstr(out, bad[i].needle),
+              "flags case %zu: exit %d (want %d), output lacks '%s'? %s", i, st, bad[i].status,
+              bad[i].needle, out);
+    }
+    close(fd);
+}
+
 /* GET /metrics; the value of the sample line starting with `series` + ' ', or -1. */
 static double metric(const char *http, const char *series)
 {
@@ -933,6 +999,7 @@ int main(void)
     /* mistral-tiny: bf16 bundles, --queue 0 */
     ref_model rb;
     ref_open(&rb, "mistral-tiny");
+    case_flags(&rb);
     node nb;
     node_start(&nb, &rb, "prefill-b", "0", "bf16", "60");
     for (int i = 1; i < n_pol; i++)
