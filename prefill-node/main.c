@@ -163,7 +163,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     if (!c->model_dir) die(2, "--model DIR is required (see --help)");
     char host[256];
     int port;
-    if (pf_parse_hostport(c->http, 0, host, sizeof host, &port) != 0)
+    if (pf_parse_hostport(c->http, 0, 1, host, sizeof host, &port) != 0)
         die(2, "--http: '%s' is not HOST:PORT", c->http);
     if (!strrchr(c->listen, ':')) die(2, "--listen: '%s' is not HOST:PORT", c->listen);
 }
@@ -267,7 +267,7 @@ int main(int argc, char **argv)
     if (kc_server_start(srv, &st) != 0) die(1, "starting the gRPC server: %s", st.details);
     char http_host[256], http_err[256];
     int http_port, http_bound;
-    pf_parse_hostport(cfg.http, 0, http_host, sizeof http_host, &http_port);
+    pf_parse_hostport(cfg.http, 0, 1, http_host, sizeof http_host, &http_port);
     kc_http *http = kc_http_start(http_host, http_port, n->reg, kc_health_http_check, health,
                                   &http_bound, http_err);
     if (!http) die(1, "--http %s: %s", cfg.http, http_err);

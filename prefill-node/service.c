@@ -106,11 +106,14 @@ static int refuse(pf_node *n, kc_call *call, const char *rid, grpc_status_code c
     return kc_call_error(call, code, "%s", msg);
 }
 
-int pf_parse_hostport(const char *s, int min_port, char *host, size_t host_cap, int *port)
+int pf_parse_hostport(const char *s, int min_port, int ipv6_ok, char *host, size_t host_cap,
+                      int *port)
 {
     const char *colon = strrchr(s, ':');
-    if (!colon || colon == s || memchr(s, ':', (size_t)(colon - s))) return -1;
+    if (!colon || colon == s) return -1;
     size_t hl = (size_t)(colon - s), pl = strlen(colon + 1);
+    int bracketed = ipv6_ok && s[0] == '[' && colon[-1] == ']' && hl > 2;
+    if (!bracketed && memchr(s, ':', hl)) return -1;
     if (hl >= host_cap || pl < 1 || pl > 5) return -1;
     long v = 0;
     for (const char *p = colon + 1; *p; p++) {
@@ -233,7 +236,7 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
 
     int port;
-    if (pf_parse_hostport(req->transfer_address, 1, j->host, sizeof j->host, &port) != 0)
+    if (pf_parse_hostport(req->transfer_address, 1, 0, j->host, sizeof j->host, &port) != 0)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
                       "transfer_address '%.128s' is not HOST:PORT (port 1..65535)",
                       req->transfer_address);
