@@ -128,40 +128,33 @@ int pf_parse_hostport(const char *s, int min_port, int ipv6_ok, char *host, size
 }
 
 /* The parsed policy for `spec` ("" = full): cached, or when the cache is full parsed into
- * *owned (the caller frees it after the job). NULL with err on a bad spec. */
+ * *owned (the caller frees it after the job). NULL with err on a bad spec. Parsing happens under
+ * the cache's lock: kr_policy_parse is not reentrant (engine/policy.c splits the spec with
+ * strtok), and handlers run on concurrent threads. */
 static const kr_policy *policy_get(pf_node *n, const char *spec, kr_policy **owned, char *err)
 {
     if (!*spec) spec = "full";
+    const kr_policy *found = NULL;
     pthread_mutex_lock(&n->policy_mu);
-    for (pf_policy_entry *e = n->policies; e; e = e->next)
-        if (!strcmp(e->spec, spec)) {
-            pthread_mutex_unlock(&n->policy_mu);
-            return e->policy;
+    for (pf_policy_entry *e = n->policies; e && !found; e = e->next)
+        if (!strcmp(e->spec, spec)) found = e->policy;
+    kr_policy *p = NULL;
+    if (!found && kr_policy_parse(spec, n->mcfg, &p, err) == KR_OK) {
+        /* bad specs are never cached: a client cannot fill the cache with them */
+        pf_policy_entry *e = n->n_policies < PF_POLICY_CACHE ? malloc(sizeof *e) : NULL;
+        char *copy = e ? strdup(spec) : NULL;
+        if (e && copy) {
+            *e = (pf_policy_entry){.spec = copy, .policy = p, .next = n->policies};
+            n->policies = e;
+            n->n_policies++;
+        } else {
+            free(e);
+            *owned = p;
         }
-    pthread_mutex_unlock(&n->policy_mu);
-    kr_policy *p;
-    if (kr_policy_parse(spec, n->mcfg, &p, err) != KR_OK)
-        return NULL; /* bad specs are not cached: a client cannot fill the cache with them */
-    pthread_mutex_lock(&n->policy_mu);
-    for (pf_policy_entry *e = n->policies; e; e = e->next)
-        if (!strcmp(e->spec, spec)) { /* another call parsed it meanwhile */
-            pthread_mutex_unlock(&n->policy_mu);
-            kr_policy_free(p);
-            return e->policy;
-        }
-    pf_policy_entry *e = n->n_policies < PF_POLICY_CACHE ? malloc(sizeof *e) : NULL;
-    char *copy = e ? strdup(spec) : NULL;
-    if (!e || !copy) {
-        pthread_mutex_unlock(&n->policy_mu);
-        free(e);
-        *owned = p;
-        return p;
+        found = p;
     }
-    *e = (pf_policy_entry){.spec = copy, .policy = p, .next = n->policies};
-    n->policies = e;
-    n->n_policies++;
     pthread_mutex_unlock(&n->policy_mu);
-    return p;
+    return found;
 }
 
 void pf_service_free(pf_node *n)

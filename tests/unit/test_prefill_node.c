@@ -440,6 +440,7 @@ static void make_prompt(int32_t *tok, int n, int vocab, uint32_t seed)
 
 static uint64_t bytes_ok; /* kv_bytes_shipped summed over node A's OK answers */
 static int n_ok;
+static int n_queue_full; /* RESOURCE_EXHAUSTED answers node A gave */
 
 /* One Prefill compared with the reference: prepared (reference run, reservation, request),
  * called (alone or with others at once), then checked. */
@@ -544,21 +545,39 @@ static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_
     free(c);
 }
 
-/* Eight calls at once with mixed policies and lengths (the worker takes them one by one; the
- * rest wait in the queue, which must not mix up prompts, bundles or answers). */
-static void case_concurrent(node *nd, ref_model *r, const char *const *policies, int n_pol)
+/* N_CONC calls at once, each with a policy spec the node has not seen (so the handlers parse
+ * specs concurrently) and its own length: the worker takes them one by one, QUEUE wait, the
+ * rest are refused RESOURCE_EXHAUSTED. Whatever is answered OK must match its reference: prompts,
+ * policies, bundles and answers must not get mixed up. */
+#define N_CONC 32
+static void case_concurrent(node *nd, ref_model *r)
 {
-    enum { N = 8 };
-    pcase *cs = calloc(N, sizeof *cs);
-    pthread_t th[N];
-    for (int i = 0; i < N; i++)
-        pcase_prepare(&cs[i], nd, r, policies[i % n_pol], 40 + 17 * i, 100 + (uint32_t)i, NULL);
-    for (int i = 0; i < N; i++)
+    pcase *cs = calloc(N_CONC, sizeof *cs);
+    static char specs[N_CONC][64];
+    pthread_t th[N_CONC];
+    for (int i = 0; i < N_CONC; i++) {
+        if (i % 2)
+            snprintf(specs[i], sizeof specs[i], "snapkv:budget=%d,obs=8", 30 + i);
+        else
+            snprintf(specs[i], sizeof specs[i], "streaming:sink=%d,window=%d", 2 + i, 20 + i);
+        pcase_prepare(&cs[i], nd, r, specs[i], 40 + 5 * i, 100 + (uint32_t)i, NULL);
+    }
+    for (int i = 0; i < N_CONC; i++)
         pthread_create(&th[i], NULL, prefill_thread, &cs[i].a);
-    for (int i = 0; i < N; i++) {
+    int n_full = 0;
+    for (int i = 0; i < N_CONC; i++) {
         pthread_join(th[i], NULL);
+        if (!cs[i].a.resp && cs[i].a.st.code == GRPC_STATUS_RESOURCE_EXHAUSTED) {
+            n_full++;
+            resv_close(&cs[i].rv);
+            ref_free(&cs[i].x);
+            continue;
+        }
         pcase_check(&cs[i]);
     }
+    n_queue_full += n_full;
+    CHECK(n_full <= N_CONC - 1 - QUEUE, "%d of %d concurrent calls refused; at most %d may be",
+          n_full, N_CONC, N_CONC - 1 - QUEUE);
     free(cs);
 }
 
@@ -727,6 +746,7 @@ static void case_queue(node *nd, ref_model *r)
     c.rid = "queue C";
     char want[64];
     snprintf(want, sizeof want, "prefill queue full (%d waiting)", QUEUE);
+    n_queue_full++;
     expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, want);
 
     close(fd);
@@ -972,7 +992,7 @@ int main(void)
     sampled.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
     sampled.seed = 7;
     case_policy(&na, &ra, "snapkv:budget=40,obs=8", 100, 8, &sampled);
-    case_concurrent(&na, &ra, policies, n_pol);
+    case_concurrent(&na, &ra);
     case_invalid(&na, &ra);
     case_refusals(&na, &ra);
     case_policy(&na, &ra, "full", MAX_PROMPT, 13, NULL); /* the pool survived the refusals */
@@ -984,9 +1004,10 @@ int main(void)
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
           "/metrics OK requests %g, want %d",
           metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
-    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 1 &&
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") ==
+                  n_queue_full &&
               metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
-          "/metrics: one queue refusal, one pool overflow");
+          "/metrics: %d queue refusals, one pool overflow", n_queue_full);
     CHECK(metric(na.p.http, "kvrelay_kv_blocks_used") == 0, "/metrics: every block back");
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
           "/metrics: queue B's handler saw its deadline pass in the queue");
