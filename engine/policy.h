@@ -87,8 +87,8 @@ struct kr_policy_ops {
     /* The decode-side window of list (layer, kv_head): decode keeps the list's pinned entries
      * and at most this many others; -1 when decode never trims the list. `s` is the sequence
      * when there is one (its per-sequence state and pinned counts may refine the value), NULL
-     * for the policy's own value. NULL op: decode_window when >= 0, else -1 (only families whose
-     * decode rule is their own, KR_DECODE_OWN, need the op). */
+     * for the policy's own value. NULL op: decode_window when >= 0, else -1 (families whose
+     * decode rule is their own, KR_DECODE_OWN, or differs per head need the op). */
     int (*list_window)(const kr_policy *p, const kr_seq *s, int layer, int kv_head);
     /* kr_seq_set_next_pos just closed a sequence filled by kr_seq_list_append: rebuild the
      * per-sequence state the decode rule reads, as kr_prefill would have left it for a context
