@@ -290,7 +290,8 @@ int main(int argc, char **argv)
     atomic_store(&n->draining, 1);
     atomic_store(&n->since_unix_ms, unix_ms());
     kc_health_set_serving(health, 0);
-    /* Cancels every call: queued jobs leave the queue, a running one skips its transfer. */
+    /* Cancels every call and waits for their handlers: queued jobs leave the queue, a job in
+     * prefill skips its transfer, a send in flight runs to its end (ack, failure, timeout). */
     kc_server_destroy(srv);
     kc_health_free(health);
     pf_queue_stop(n);
@@ -300,6 +301,8 @@ int main(int argc, char **argv)
     pf_service_free(n);
     kc_registry_free(n->reg);
     kr_model_free(n->model);
+    close(stop_pipe[0]);
+    close(stop_pipe[1]);
     kc_info(NULL, "stopped");
     return 0;
 }
