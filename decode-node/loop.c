@@ -15,7 +15,6 @@
  */
 #include "node.h"
 
-#include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -25,10 +24,6 @@
 
 #include "kvrelay/v1/internal.pb-c.h"
 #include "log.h"
-
-/* Sampled ids held back while the client is behind are sent together, at the latest when this
- * many are waiting (dn_job.pending's capacity). */
-#define DN_PENDING_MAX ((int)(sizeof(((dn_job *)0)->pending) / sizeof(int32_t)))
 
 typedef struct dn_loop {
     dn_node *n;
@@ -101,8 +96,9 @@ static const char *reason_name(Kvrelay__V1__FinishReason r)
     }
 }
 
-/* Ends a job: with `reason` (code OK) the remaining tokens and the DecodeFinish go out first.
- * Frees the sequence (its blocks go back to the pool now), the reservation and the job. */
+/* Ends a job's call with `code` (details from fmt unless OK; for OK, finish_ok has queued the
+ * DecodeFinish, which gRPC sends before the status), logs the outcome, and frees the sequence
+ * (its blocks go back to the pool now), the reservation and the job. */
 __attribute__((format(printf, 4, 5))) static void finish(dn_loop *L, dn_job *j,
                                                          grpc_status_code code, const char *fmt,
                                                          ...)
@@ -265,6 +261,14 @@ static void admit(dn_loop *L, dn_job *j)
         return;
     }
     kc_histogram_observe(n->m.import_s, dn_now() - t0);
+    /* service.c held every list to the policy's largest list; heads and hsft bound their
+     * streaming heads' lists tighter than that, so a bundle could still bring more than its
+     * reservation covers: it must not keep blocks promised to others. */
+    if (kr_seq_blocks(j->seq) > j->resv->blocks) {
+        finish(L, j, GRPC_STATUS_FAILED_PRECONDITION, "the KV bundle takes %d blocks, more than "
+               "the %" PRId64 " its reservation holds", kr_seq_blocks(j->seq), j->resv->blocks);
+        return;
+    }
     /* The bundle's bytes are in the pool now: the staging buffer can go. */
     free(j->resv->buf);
     j->resv->buf = NULL;
@@ -300,7 +304,7 @@ static void drop(dn_loop *L, int i)
     pthread_mutex_unlock(&L->n->lock);
 }
 
-/* Token `id` was sampled for run[i]: stream it or stop. Returns 1 when the job ended. */
+/* Token `id` was sampled for job j: stream it or stop. Returns 1 when the job ended. */
 static int take_token(dn_loop *L, dn_job *j, int32_t id)
 {
     dn_node *n = L->n;

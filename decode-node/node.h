@@ -32,6 +32,7 @@
 #define DN_REQUEST_ID_MAX 64 /* request ids are cut to this for logs */
 #define DN_MAX_STOP_IDS 1024
 #define DN_MAX_TTL_MS 600000 /* a Reserve may ask for at most 10 minutes */
+#define DN_PENDING_MAX 64 /* most token ids in one DecodeTokens message */
 
 /* Immutable after start-up: what the flags said. */
 typedef struct dn_config {
@@ -73,7 +74,6 @@ typedef struct dn_resv {
     uint64_t cap, len; /* len: bytes that arrived (READY) */
     int xfer_open; /* the transport still holds buf (its callback has not run) */
     int cancel; /* DECODING: Release asked to end it */
-    int waiters; /* Decode calls waiting for the bundle (they hold no pointer, only the id) */
     double expires; /* monotonic seconds: an unused READY reservation is dropped then */
     double failed_at; /* FAILED: when (tombstones are dropped a while later) */
     int64_t expires_unix_ms;
@@ -98,7 +98,7 @@ typedef struct dn_job {
     kr_seq *seq;
     int32_t next_in; /* the token fed at the next step */
     int n_gen; /* completion tokens so far, the first included */
-    int32_t pending[64]; /* sampled ids not yet sent (the client is behind) */
+    int32_t pending[DN_PENDING_MAX]; /* sampled ids not yet sent (the client is behind) */
     int n_pending;
     double t_join, t_last; /* monotonic: joined the batch, last token */
     int released; /* its reservation's cancel flag, as the loop last read it */

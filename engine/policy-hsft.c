@@ -307,30 +307,42 @@ static void hsft_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *e
     hsft_trim(hp, s, layer, p->decode_window >= 0 ? p->decode_window : st->window[layer]);
 }
 
-/* Dense heads hold everything; a model without dense heads holds, per streaming head, what
- * prefill left (sinks + window at n_prompt) and during decode sinks + the decode window plus
- * the token being added. */
-static int hsft_max_entries(const kr_policy *p, int n_prompt, int n_generate)
+/* Dense heads hold everything; a streaming head holds what prefill left (sinks + its layer's
+ * window rescaled for n_prompt) and during decode sinks + the decode window plus the token
+ * being added. */
+static void hsft_list_max_entries(const kr_policy *p, int n_prompt, int n_generate, int *most)
 {
     const hsft_params *hp = p->params;
-    const int total = n_prompt + n_generate;
-    int *w = hp->n_dense ? NULL : malloc(sizeof(int) * (size_t)p->n_layers);
-    if (!w) return total; /* dense heads, or no memory: the safe bound */
-    kr_hsft_rescale(hp->learned, p->n_layers, hp->n_dense, hp->n_stream, hp->sink, hp->budget, n_prompt, w);
-    int most = 0;
+    const int total = n_prompt + n_generate, H = p->n_kv_heads;
+    int *w = malloc(sizeof(int) * (size_t)p->n_layers);
+    if (w) kr_hsft_rescale(hp->learned, p->n_layers, hp->n_dense, hp->n_stream, hp->sink, hp->budget, n_prompt, w);
     for (int l = 0; l < p->n_layers; l++) {
-        int after = w[l] == KR_HSFT_ALL ? n_prompt : (int)stream_entries(n_prompt, hp->sink, w[l]);
-        int during = after;
-        if (n_generate > 0 && p->decode_window == -1) { /* decode=grow */
-            during = after + n_generate;
-        } else if (n_generate > 0) {
-            int dw = p->decode_window >= 0 ? p->decode_window : w[l];
-            during = dw == KR_HSFT_ALL ? total : (int)stream_entries(total, hp->sink, dw + 1);
+        int held = total; /* no memory: the safe bound */
+        if (w) {
+            int after = w[l] == KR_HSFT_ALL ? n_prompt : (int)stream_entries(n_prompt, hp->sink, w[l]);
+            int during = after;
+            if (n_generate > 0 && p->decode_window == -1) { /* decode=grow */
+                during = after + n_generate;
+            } else if (n_generate > 0) {
+                int dw = p->decode_window >= 0 ? p->decode_window : w[l];
+                during = dw == KR_HSFT_ALL ? total : (int)stream_entries(total, hp->sink, dw + 1);
+            }
+            held = after > during ? after : during;
         }
-        int held = after > during ? after : during;
-        most = held > most ? held : most;
+        for (int g = 0; g < H; g++) most[l * H + g] = hp->is_dense[l * H + g] ? total : held;
     }
     free(w);
+}
+
+static int hsft_max_entries(const kr_policy *p, int n_prompt, int n_generate)
+{
+    const int lists = p->n_layers * p->n_kv_heads;
+    int *each = malloc(sizeof(int) * (size_t)lists), most = n_prompt + n_generate;
+    if (!each) return most; /* the safe bound */
+    hsft_list_max_entries(p, n_prompt, n_generate, each);
+    most = 0;
+    for (int i = 0; i < lists; i++) most = each[i] > most ? each[i] : most;
+    free(each);
     return most;
 }
 
@@ -374,6 +386,7 @@ const kr_policy_ops kr_policy_hsft = {
     .after_chunk = hsft_after_chunk,
     .after_step = hsft_after_step,
     .max_entries = hsft_max_entries,
+    .list_max_entries = hsft_list_max_entries,
     .list_window = hsft_list_window,
     .imported = hsft_imported,
     .free_params = hsft_free,

@@ -107,15 +107,19 @@ static void sage_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *e
     }
 }
 
-/* Between steps the cache holds at most B + 1 entries; inside a step the new token's entry may
- * make it B + 2 until the trim. */
+/* Own rule: between steps the cache holds at most B + 1 entries; inside a step the new token's
+ * entry may make it B + 2 until the trim. */
 static int sage_max_entries(const kr_policy *p, int n_prompt, int n_generate)
 {
     const sage_params *sp = p->params;
     int after = n_prompt < sp->budget + 1 ? n_prompt : sp->budget + 1;
     if (n_generate == 0) return after;
     if (p->decode_window == -1) return after + n_generate;
-    if (p->decode_window >= 0) return after + p->decode_window + 1;
+    if (p->decode_window >= 0) { /* pinned (at most S + G k = B - R) + W, or the first step's transient */
+        int pinned = n_prompt < sp->budget - sp->recent ? n_prompt : sp->budget - sp->recent;
+        int kept = pinned + p->decode_window + 1;
+        return kept > after + 1 ? kept : after + 1;
+    }
     int total = n_prompt + n_generate;
     return total < sp->budget + 2 ? total : sp->budget + 2;
 }

@@ -312,6 +312,23 @@ static int heads_max_entries(const kr_policy *p, int n_prompt, int n_generate)
     return n_prompt + n_generate; /* dense heads hold everything */
 }
 
+/* Dense heads hold everything; a streaming head holds at most sinks + window after each chunk
+ * and, during decode, sinks + the decode window plus the token being added. */
+static void heads_list_max_entries(const kr_policy *p, int n_prompt, int n_generate, int *most)
+{
+    const heads_params *hp = p->params;
+    const int64_t total = (int64_t)n_prompt + n_generate;
+    int64_t after = (int64_t)hp->sink + hp->window < n_prompt ? (int64_t)hp->sink + hp->window : n_prompt;
+    int64_t held = after;
+    if (n_generate > 0 && p->decode_window < 0) {
+        held = after + n_generate;
+    } else if (n_generate > 0) {
+        int64_t kept = (int64_t)hp->sink + p->decode_window > after ? (int64_t)hp->sink + p->decode_window : after;
+        held = kept + 1 < total ? kept + 1 : total;
+    }
+    for (int i = 0; i < p->n_layers * p->n_kv_heads; i++) most[i] = hp->dense[i] ? (int)total : (int)held;
+}
+
 static void heads_free(kr_policy *p)
 {
     heads_params *hp = p->params;
@@ -326,6 +343,7 @@ const kr_policy_ops kr_policy_heads = {
     .after_chunk = heads_after_chunk,
     .after_step = heads_after_step,
     .max_entries = heads_max_entries,
+    .list_max_entries = heads_list_max_entries,
     .list_window = heads_list_window,
     .free_params = heads_free,
 };

@@ -80,11 +80,15 @@ struct kr_policy_ops {
      * is there before the step's trim, and counts. NULL: the pinned set of a full prompt plus
      * the decode window and the new entry (or everything when decode grows). */
     int (*max_entries)(const kr_policy *p, int n_prompt, int n_generate);
+    /* The same per list, into most[n_layers * n_kv_heads] (layer-major), for families whose
+     * lists differ (dense and streaming heads): block reservations sum it. NULL: max_entries
+     * for every list. */
+    void (*list_max_entries)(const kr_policy *p, int n_prompt, int n_generate, int *most);
     /* The decode-side window of list (layer, kv_head): decode keeps the list's pinned entries
      * and at most this many others; -1 when decode never trims the list. `s` is the sequence
      * when there is one (its per-sequence state and pinned counts may refine the value), NULL
-     * for the policy's own value. NULL op: decode_window when >= 0, else -1 (only families whose
-     * decode rule is their own, KR_DECODE_OWN, need the op). */
+     * for the policy's own value. NULL op: decode_window when >= 0, else -1 (families whose
+     * decode rule is their own, KR_DECODE_OWN, or differs per head need the op). */
     int (*list_window)(const kr_policy *p, const kr_seq *s, int layer, int kv_head);
     /* kr_seq_set_next_pos just closed a sequence filled by kr_seq_list_append: rebuild the
      * per-sequence state the decode rule reads, as kr_prefill would have left it for a context

@@ -10,6 +10,7 @@
  */
 #include "policy.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static int check_list(const kr_seq *s, int layer, int kv_head, const char *what, char *err)
@@ -100,23 +101,32 @@ int kr_seq_set_next_pos(kr_seq *s, int next_pos, char *err)
     return KR_OK;
 }
 
-/* A list holds at most E entries at any moment of decode (kr_policy_max_entries counts the new
- * entry a step adds before its trim). Its entries sit in slots [off, off + len) of its blocks.
- * A list that arrived through kr_seq_list_append starts at off 0, and only a trim that drops
- * the front (kr_seq_keep_ends) moves off, to at most block_size - 1: a list decode never trims
- * spans ceil(E / B) blocks, one it trims up to ceil((E + B - 1) / B). */
+/* List i holds at most E_i entries at any moment of decode (kr_policy_max_entries, per list
+ * where the family says more, counts the new entry a step adds before its trim). Its entries
+ * sit in slots [off, off + len) of its blocks. A list that arrived through kr_seq_list_append
+ * starts at off 0, and only a trim that drops the front (kr_seq_keep_ends) moves off, to at
+ * most block_size - 1: a list decode never trims spans ceil(E_i / B) blocks, one it trims up
+ * to ceil((E_i + B - 1) / B). */
 int64_t kr_seq_blocks_bound(const kr_kv_pool *pool, const kr_policy *p, int n_layers, int n_kv_heads,
                             int n_prompt, int n_generate)
 {
     if (!pool || n_layers <= 0 || n_kv_heads <= 0 || n_prompt < 0 || n_generate < 0) return -1;
     if (p && (p->n_layers != n_layers || p->n_kv_heads != n_kv_heads)) return -1;
+    const int lists = n_layers * n_kv_heads;
+    int *most = malloc(sizeof(int) * (size_t)lists);
+    if (!most) return -1;
+    if (p && p->ops->list_max_entries) {
+        p->ops->list_max_entries(p, n_prompt, n_generate, most);
+    } else {
+        int64_t all = p ? kr_policy_max_entries(p, n_prompt, n_generate) : (int64_t)n_prompt + n_generate;
+        for (int i = 0; i < lists; i++) most[i] = all > INT32_MAX ? INT32_MAX : (int)all;
+    }
     const int64_t B = pool->block_size;
-    int64_t most = p ? kr_policy_max_entries(p, n_prompt, n_generate) : (int64_t)n_prompt + n_generate;
     int64_t total = 0;
-    for (int l = 0; l < n_layers; l++)
-        for (int g = 0; g < n_kv_heads; g++) {
-            int64_t span = kr_policy_list_window(p, l, g) < 0 ? most : most + B - 1;
-            total += (span + B - 1) / B;
-        }
+    for (int i = 0; i < lists; i++) {
+        int64_t span = kr_policy_list_window(p, i / n_kv_heads, i % n_kv_heads) < 0 ? most[i] : most[i] + B - 1;
+        total += (span + B - 1) / B;
+    }
+    free(most);
     return total;
 }

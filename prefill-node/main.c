@@ -70,8 +70,7 @@ static void die(int status, const char *fmt, ...)
 
 static const char *flag_value(int argc, char **argv, int *i)
 {
-    if (*i + 1 >= argc)
-        die(2, "%s needs a value (see --help)", argv[*i]);
+    if (*i + 1 >= argc) die(2, "%s needs a value (see --help)", argv[*i]);
     return argv[++*i];
 }
 
@@ -98,9 +97,16 @@ static double flag_double(const char *flag, const char *s, double lo, double hi)
 /* Flags that depend on the model are -1 until the model is loaded. */
 static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level)
 {
-    *c = (pf_config){.listen = "127.0.0.1:7101", .http = "127.0.0.1:9101", .id = "prefill-0",
-                     .chunk = 512, .queue = 64, .kv_dtype = KT_DTYPE_F32, .max_prompt = -1,
-                     .kv_blocks = -1, .transfer_timeout_s = 30.0, .backend = KR_BACKEND_CPU};
+    *c = (pf_config){.listen = "127.0.0.1:7101",
+                     .http = "127.0.0.1:9101",
+                     .id = "prefill-0",
+                     .chunk = 512,
+                     .queue = 64,
+                     .kv_dtype = KT_DTYPE_F32,
+                     .max_prompt = -1,
+                     .kv_blocks = -1,
+                     .transfer_timeout_s = 30.0,
+                     .backend = KR_BACKEND_CPU};
     *level = KC_LOG_INFO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -115,8 +121,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             c->http = flag_value(argc, argv, &i);
         } else if (!strcmp(a, "--id")) {
             c->id = flag_value(argc, argv, &i);
-            if (!*c->id || strlen(c->id) > 128)
-                die(2, "--id: give 1 to 128 characters");
+            if (!*c->id || strlen(c->id) > 128) die(2, "--id: give 1 to 128 characters");
         } else if (!strcmp(a, "--threads")) {
             c->threads = (int)flag_long(a, flag_value(argc, argv, &i), 1, 1024);
         } else if (!strcmp(a, "--chunk")) {
@@ -155,14 +160,12 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             die(2, "unknown argument '%s' (see --help)", a);
         }
     }
-    if (!c->model_dir)
-        die(2, "--model DIR is required (see --help)");
+    if (!c->model_dir) die(2, "--model DIR is required (see --help)");
     char host[256];
     int port;
-    if (pf_parse_hostport(c->http, 0, host, sizeof host, &port) != 0)
+    if (pf_parse_hostport(c->http, 0, 1, host, sizeof host, &port) != 0)
         die(2, "--http: '%s' is not HOST:PORT", c->http);
-    if (!strrchr(c->listen, ':'))
-        die(2, "--listen: '%s' is not HOST:PORT", c->listen);
+    if (!strrchr(c->listen, ':')) die(2, "--listen: '%s' is not HOST:PORT", c->listen);
 }
 
 /* --max-prompt and --kv-blocks against the model. */
@@ -184,10 +187,12 @@ static void size_for_model(pf_config *c, const kr_config *m)
                 c->max_prompt, (long long)blocks);
         c->kv_blocks = (int)blocks;
     } else if (c->kv_blocks < need) {
-        die(2, "--kv-blocks %d cannot hold a --max-prompt %d prompt under the full policy: it "
+        die(2,
+            "--kv-blocks %d cannot hold a --max-prompt %d prompt under the full policy: it "
             "needs %lld blocks of %d entries (%d layers x %d KV heads); raise --kv-blocks or "
-            "lower --max-prompt", c->kv_blocks, c->max_prompt, (long long)need, PF_BLOCK_SIZE,
-            m->n_layers, m->n_kv_heads);
+            "lower --max-prompt",
+            c->kv_blocks, c->max_prompt, (long long)need, PF_BLOCK_SIZE, m->n_layers,
+            m->n_kv_heads);
     }
 }
 
@@ -234,16 +239,13 @@ int main(int argc, char **argv)
     n->cfg = &cfg;
     char err[KR_ERR_MAX];
     kr_model_opts mo = {.verbose = 1};
-    if (kr_model_load(cfg.model_dir, &mo, &n->model, err) != KR_OK)
-        die(1, "%s", err);
+    if (kr_model_load(cfg.model_dir, &mo, &n->model, err) != KR_OK) die(1, "%s", err);
     n->mcfg = kr_model_config(n->model);
     size_for_model(&cfg, n->mcfg);
-    if (pf_run_init(n, err) != 0)
-        die(1, "%s", err);
+    if (pf_run_init(n, err) != 0) die(1, "%s", err);
 
     kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = NULL, .name = cfg.id};
-    if (kt_transport_create(&tc, &n->tx, err) != 0)
-        die(1, "%s", err);
+    if (kt_transport_create(&tc, &n->tx, err) != 0) die(1, "%s", err);
     n->reg = kc_registry_create();
     if (!n->reg || pf_metrics_register(n) != 0)
         die(1, "cannot register the metrics (out of memory)");
@@ -261,24 +263,22 @@ int main(int argc, char **argv)
     int listen_host_len = (int)(strrchr(cfg.listen, ':') - cfg.listen);
     snprintf(n->grpc_address, sizeof n->grpc_address, "%.*s:%d", listen_host_len, cfg.listen,
              grpc_port);
-    if (pf_queue_start(n, err) != 0)
-        die(1, "%s", err);
-    if (kc_server_start(srv, &st) != 0)
-        die(1, "starting the gRPC server: %s", st.details);
+    if (pf_queue_start(n, err) != 0) die(1, "%s", err);
+    if (kc_server_start(srv, &st) != 0) die(1, "starting the gRPC server: %s", st.details);
     char http_host[256], http_err[256];
     int http_port, http_bound;
-    pf_parse_hostport(cfg.http, 0, http_host, sizeof http_host, &http_port);
+    pf_parse_hostport(cfg.http, 0, 1, http_host, sizeof http_host, &http_port);
     kc_http *http = kc_http_start(http_host, http_port, n->reg, kc_health_http_check, health,
                                   &http_bound, http_err);
-    if (!http)
-        die(1, "--http %s: %s", cfg.http, http_err);
+    if (!http) die(1, "--http %s: %s", cfg.http, http_err);
     atomic_store(&n->since_unix_ms, unix_ms());
 
-    kc_info(NULL, "model %s (%s, %d layers, %d KV heads x %d), chunk %d, queue %d, max prompt %d, "
+    kc_info(NULL,
+            "model %s (%s, %d layers, %d KV heads x %d), chunk %d, queue %d, max prompt %d, "
             "%d KV blocks, payload %s, %d threads",
-            cfg.model_dir, kr_model_fingerprint(n->model), n->mcfg->n_layers,
-            n->mcfg->n_kv_heads, n->mcfg->head_dim, cfg.chunk, cfg.queue, cfg.max_prompt,
-            cfg.kv_blocks, kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx));
+            cfg.model_dir, kr_model_fingerprint(n->model), n->mcfg->n_layers, n->mcfg->n_kv_heads,
+            n->mcfg->head_dim, cfg.chunk, cfg.queue, cfg.max_prompt, cfg.kv_blocks,
+            kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx));
     printf("prefill %s: serving grpc %s http %s:%d\n", cfg.id, n->grpc_address, http_host,
            http_bound);
     fflush(stdout);
@@ -290,7 +290,8 @@ int main(int argc, char **argv)
     atomic_store(&n->draining, 1);
     atomic_store(&n->since_unix_ms, unix_ms());
     kc_health_set_serving(health, 0);
-    /* Cancels every call: queued jobs leave the queue, a running one skips its transfer. */
+    /* Cancels every call and waits for their handlers: queued jobs leave the queue, a job in
+     * prefill skips its transfer, a send in flight runs to its end (ack, failure, timeout). */
     kc_server_destroy(srv);
     kc_health_free(health);
     pf_queue_stop(n);
@@ -300,6 +301,8 @@ int main(int argc, char **argv)
     pf_service_free(n);
     kc_registry_free(n->reg);
     kr_model_free(n->model);
+    close(stop_pipe[0]);
+    close(stop_pipe[1]);
     kc_info(NULL, "stopped");
     return 0;
 }

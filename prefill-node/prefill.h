@@ -24,31 +24,31 @@
 #include "transport.h"
 
 #define PF_BLOCK_SIZE 16 /* KV pool block size (entries) */
-#define PF_ROWS 64 /* entries copied out of a list per kr_seq_list_read into the bundle */
+#define PF_ROWS 64       /* entries copied out of a list per kr_seq_list_read into the bundle */
 #define PF_N_CODES (GRPC_STATUS_UNAUTHENTICATED + 1) /* gRPC status codes 0..16 */
 
 /* Flags (main.c parses them; --help lists them with their defaults). */
 typedef struct pf_config {
     const char *model_dir;
-    const char *listen; /* gRPC HOST:PORT */
-    const char *http; /* HTTP HOST:PORT (/metrics, /healthz) */
-    const char *id; /* node id, in logs, usage and Status */
-    int threads; /* kr_ctx threads; 0: all online CPUs */
-    int chunk; /* prefill chunk (tokens), also the context's max_chunk */
-    int queue; /* most jobs waiting behind the running one */
-    kt_dtype kv_dtype; /* bundle payload */
-    int max_prompt; /* longest prompt accepted (tokens) */
-    int kv_blocks; /* KV pool blocks */
+    const char *listen;        /* gRPC HOST:PORT */
+    const char *http;          /* HTTP HOST:PORT (/metrics, /healthz) */
+    const char *id;            /* node id, in logs, usage and Status */
+    int threads;               /* kr_ctx threads; 0: all online CPUs */
+    int chunk;                 /* prefill chunk (tokens), also the context's max_chunk */
+    int queue;                 /* most jobs waiting behind the running one */
+    kt_dtype kv_dtype;         /* bundle payload */
+    int max_prompt;            /* longest prompt accepted (tokens) */
+    int kv_blocks;             /* KV pool blocks */
     double transfer_timeout_s; /* cap on one bundle send */
     kr_backend_kind backend;
 } pf_config;
 
 /* What a finished prefill reports (PrefillUsage without the node id). */
 typedef struct pf_usage {
-    double prefill_s; /* kr_prefill, the first token's sampling, writing the bundle */
-    double transfer_s; /* the send, until the decode node acknowledged the bundle */
-    uint64_t kv_entries; /* entries shipped, summed over every (layer, KV head) */
-    uint64_t kv_bytes; /* K + V payload bytes of those entries (framing not counted) */
+    double prefill_s;       /* kr_prefill, the first token's sampling, writing the bundle */
+    double transfer_s;      /* the send, until the decode node acknowledged the bundle */
+    uint64_t kv_entries;    /* entries shipped, summed over every (layer, KV head) */
+    uint64_t kv_bytes;      /* K + V payload bytes of those entries (framing not counted) */
     kr_footprint footprint; /* the sequence's, after prefill */
 } pf_usage;
 
@@ -61,16 +61,16 @@ typedef enum pf_job_state {
 /* One Prefill call's work. Lives on its handler's stack; every pointer is the handler's. */
 typedef struct pf_job {
     /* the validated request */
-    const char *request_id; /* NULL when the request had none */
+    const char *request_id;  /* NULL when the request had none */
     const char *decode_node; /* for logs */
-    const int32_t *tokens; /* [n_tokens], every id inside the vocabulary */
+    const int32_t *tokens;   /* [n_tokens], every id inside the vocabulary */
     int n_tokens;
     const kr_policy *policy; /* outlives the job (cached, or freed by the handler after it) */
-    kr_sampling sampling; /* checked with kr_sampling_check */
-    char host[256]; /* transfer address */
+    kr_sampling sampling;    /* checked with kr_sampling_check */
+    char host[256];          /* transfer address */
     uint16_t port;
     uint64_t reservation_id; /* never 0 */
-    kc_call *call; /* deadline and cancellation */
+    kc_call *call;           /* deadline and cancellation */
     /* queue (the node's lock) */
     struct pf_job *next;
     pf_job_state state;
@@ -95,9 +95,9 @@ typedef struct pf_node {
     const pf_config *cfg;
     kr_model *model;
     const kr_config *mcfg;
-    kt_transport *tx; /* send-only */
-    char grpc_address[300]; /* as bound: HOST:PORT */
-    _Atomic int draining; /* shutting down: Status says DRAINING */
+    kt_transport *tx;              /* send-only */
+    char grpc_address[300];        /* as bound: HOST:PORT */
+    _Atomic int draining;          /* shutting down: Status says DRAINING */
     _Atomic int64_t since_unix_ms; /* when the current state began */
     kc_registry *reg;
     pf_metrics metrics;
@@ -105,11 +105,11 @@ typedef struct pf_node {
     /* the worker's: only the worker thread touches these after start-up */
     kr_ctx *ctx;
     kr_kv_pool *pool;
-    float *logits; /* [vocab_size] */
-    int32_t *rows_pos; /* [PF_ROWS] */
+    float *logits;          /* [vocab_size] */
+    int32_t *rows_pos;      /* [PF_ROWS] */
     float *rows_k, *rows_v; /* [PF_ROWS][head_dim] */
-    kt_bundle_list *lists; /* [n_layers * n_kv_heads] */
-    uint8_t *bundle; /* 64-byte aligned, grown to the largest bundle so far */
+    kt_bundle_list *lists;  /* [n_layers * n_kv_heads] */
+    uint8_t *bundle;        /* 64-byte aligned, grown to the largest bundle so far */
     size_t bundle_cap;
     pthread_t worker;
 
@@ -117,8 +117,8 @@ typedef struct pf_node {
     pthread_mutex_t mu;
     pthread_cond_t work; /* a job was queued, or stopping */
     pf_job *head, *tail;
-    int n_waiting; /* jobs in the queue (not the running one) */
-    int running; /* 0 or 1 */
+    int n_waiting;               /* jobs in the queue (not the running one) */
+    int running;                 /* 0 or 1 */
     uint64_t outstanding_tokens; /* prompt tokens waiting or running */
     int stopping;
 
@@ -154,8 +154,10 @@ grpc_status_code pf_call_gone_code(kc_call *call);
 int pf_metrics_register(pf_node *n);
 int pf_service_register(pf_node *n, kc_server *srv);
 void pf_service_free(pf_node *n); /* the policy cache; after the server is destroyed */
-/* "HOST:PORT" with a port in [min_port, 65535] and a non-empty host without ':'; 0 or -1. */
-int pf_parse_hostport(const char *s, int min_port, char *host, size_t host_cap, int *port);
+/* "HOST:PORT" with a port in [min_port, 65535] and a non-empty host without ':' (or, with
+ * ipv6_ok, a bracketed one: "[::1]:9101", host "[::1]"); 0 or -1. */
+int pf_parse_hostport(const char *s, int min_port, int ipv6_ok, char *host, size_t host_cap,
+                      int *port);
 double pf_now(void); /* monotonic seconds */
 
 #endif /* PF_PREFILL_H */

@@ -30,12 +30,10 @@ static void *worker_main(void *arg)
     for (;;) {
         while (!n->head && !n->stopping)
             pthread_cond_wait(&n->work, &n->mu);
-        if (!n->head)
-            break; /* stopping, and nothing left */
+        if (!n->head) break; /* stopping, and nothing left */
         pf_job *j = n->head;
         n->head = j->next;
-        if (!n->head)
-            n->tail = NULL;
+        if (!n->head) n->tail = NULL;
         n->n_waiting--;
         n->running = 1;
         j->state = PF_JOB_RUNNING;
@@ -119,14 +117,12 @@ static void unlink_job(pf_node *n, pf_job *j)
 {
     pf_job *prev = NULL;
     for (pf_job *q = n->head; q; prev = q, q = q->next) {
-        if (q != j)
-            continue;
+        if (q != j) continue;
         if (prev)
             prev->next = j->next;
         else
             n->head = j->next;
-        if (n->tail == j)
-            n->tail = prev;
+        if (n->tail == j) n->tail = prev;
         n->n_waiting--;
         n->outstanding_tokens -= (uint64_t)j->n_tokens;
         update_gauges(n);

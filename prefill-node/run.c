@@ -40,10 +40,9 @@ grpc_status_code pf_call_gone_code(kc_call *call)
 int pf_run_init(pf_node *n, char *err)
 {
     const kr_config *c = n->mcfg;
-    kr_ctx_params cp = {.backend = n->cfg->backend, .n_threads = n->cfg->threads,
-                        .max_chunk = n->cfg->chunk};
-    if (kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK)
-        return -1;
+    kr_ctx_params cp = {
+        .backend = n->cfg->backend, .n_threads = n->cfg->threads, .max_chunk = n->cfg->chunk};
+    if (kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) return -1;
     if (kr_kv_pool_create(c->head_dim, PF_BLOCK_SIZE, n->cfg->kv_blocks, &n->pool, err) != KR_OK)
         return -1;
     size_t rows = (size_t)PF_ROWS * (size_t)c->head_dim;
@@ -88,15 +87,13 @@ static void job_fail(pf_job *j, grpc_status_code code, const char *fmt, ...)
  * 64-byte aligned relative to it, so rows land aligned). */
 static int bundle_room(pf_node *n, uint64_t size, char *err)
 {
-    if (size <= n->bundle_cap)
-        return 0;
+    if (size <= n->bundle_cap) return 0;
     size_t cap = n->bundle_cap ? n->bundle_cap : 1u << 20;
     while (cap < size)
         cap *= 2;
     uint8_t *b = aligned_alloc(64, cap);
     if (!b) {
-        snprintf(err, KR_ERR_MAX, "out of memory for a %llu-byte bundle",
-                 (unsigned long long)size);
+        snprintf(err, KR_ERR_MAX, "out of memory for a %llu-byte bundle", (unsigned long long)size);
         return -1;
     }
     free(n->bundle);
@@ -127,31 +124,29 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int32_t 
             int len, pinned;
             kr_seq_list_shape(seq, l, kv, &len, &pinned);
             int w = kr_policy_list_window(j->policy, l, kv);
-            n->lists[l * c->n_kv_heads + kv] = (kt_bundle_list){
-                .count = (uint32_t)len, .pinned = (uint32_t)pinned,
-                .window = w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w};
+            n->lists[l * c->n_kv_heads + kv] =
+                (kt_bundle_list){.count = (uint32_t)len,
+                                 .pinned = (uint32_t)pinned,
+                                 .window = w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w};
             entries += (uint64_t)len;
         }
     uint64_t size;
-    if (kt_bundle_size(&h, n->lists, &size, err) != 0 || bundle_room(n, size, err) != 0)
-        return -1;
+    if (kt_bundle_size(&h, n->lists, &size, err) != 0 || bundle_room(n, size, err) != 0) return -1;
     kt_bundle_writer w;
-    if (kt_bundle_writer_begin(&w, &h, n->lists, n->bundle, n->bundle_cap, err) != 0)
-        return -1;
+    if (kt_bundle_writer_begin(&w, &h, n->lists, n->bundle, n->bundle_cap, err) != 0) return -1;
     for (int l = 0; l < c->n_layers; l++)
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
             int len = (int)n->lists[l * c->n_kv_heads + kv].count;
             for (int at = 0; at < len; at += PF_ROWS) {
                 int m = len - at < PF_ROWS ? len - at : PF_ROWS;
-                if (kr_seq_list_read(seq, l, kv, at, m, n->rows_pos, n->rows_k, n->rows_v,
-                                     err) != KR_OK ||
+                if (kr_seq_list_read(seq, l, kv, at, m, n->rows_pos, n->rows_k, n->rows_v, err) !=
+                        KR_OK ||
                     kt_bundle_writer_put(&w, (uint32_t)l, (uint32_t)kv, (uint32_t)m, n->rows_pos,
                                          KT_DTYPE_F32, n->rows_k, n->rows_v, err) != 0)
                     return -1;
             }
         }
-    if (kt_bundle_writer_finish(&w, size_out, err) != 0)
-        return -1;
+    if (kt_bundle_writer_finish(&w, size_out, err) != 0) return -1;
     *entries_out = entries;
     return 0;
 }
@@ -186,9 +181,10 @@ void pf_run(pf_node *n, pf_job *j)
      * try again later". */
     if (kr_prefill(n->ctx, seq, j->tokens, j->n_tokens, n->cfg->chunk, KR_LOGITS_LAST, n->logits,
                    err) != KR_OK) {
-        job_fail(j, GRPC_STATUS_FAILED_PRECONDITION, "%s (this node's --kv-blocks %d is too "
-                 "small for this prompt under kv_policy %s)", err, n->cfg->kv_blocks,
-                 kr_policy_spec(j->policy));
+        job_fail(j, GRPC_STATUS_FAILED_PRECONDITION,
+                 "%s (this node's --kv-blocks %d is too "
+                 "small for this prompt under kv_policy %s)",
+                 err, n->cfg->kv_blocks, kr_policy_spec(j->policy));
         goto out;
     }
     if (kr_sampler_create(&j->sampling, c->vocab_size, &sampler, err) != KR_OK) {
@@ -221,16 +217,16 @@ void pf_run(pf_node *n, pf_job *j)
         goto out;
     }
     double timeout = n->cfg->transfer_timeout_s;
-    if ((double)ms_left / 1000.0 < timeout)
-        timeout = (double)ms_left / 1000.0;
+    if ((double)ms_left / 1000.0 < timeout) timeout = (double)ms_left / 1000.0;
     double t1 = pf_now();
     int rc = kt_transport_send_wait(n->tx, j->host, j->port, j->reservation_id, n->bundle, size,
                                     timeout, err);
     j->usage.transfer_s = pf_now() - t1;
     if (rc != 0) {
         /* the transport reports a timeout at its deadline; anything earlier is the peer */
-        grpc_status_code code = j->usage.transfer_s >= timeout * 0.999 ? GRPC_STATUS_DEADLINE_EXCEEDED
-                                                           : GRPC_STATUS_UNAVAILABLE;
+        grpc_status_code code = j->usage.transfer_s >= timeout * 0.999
+                                    ? GRPC_STATUS_DEADLINE_EXCEEDED
+                                    : GRPC_STATUS_UNAVAILABLE;
         job_fail(j, code, "KV bundle for reservation %llu at %s:%u (%s): %s",
                  (unsigned long long)j->reservation_id, j->host, j->port,
                  j->decode_node && *j->decode_node ? j->decode_node : "decode node", err);
@@ -241,11 +237,11 @@ void pf_run(pf_node *n, pf_job *j)
     kc_info(j->request_id,
             "prefilled %d tokens (%s): first token %d; %llu entries, %llu bytes (%s) to "
             "reservation %llu at %s:%u (%s); prefill %.3f s, transfer %.3f s",
-            j->n_tokens, kr_policy_spec(j->policy), j->first_token,
-            (unsigned long long)entries, (unsigned long long)size,
-            kt_dtype_name(n->cfg->kv_dtype), (unsigned long long)j->reservation_id, j->host,
-            j->port, j->decode_node && *j->decode_node ? j->decode_node : "-",
-            j->usage.prefill_s, j->usage.transfer_s);
+            j->n_tokens, kr_policy_spec(j->policy), j->first_token, (unsigned long long)entries,
+            (unsigned long long)size, kt_dtype_name(n->cfg->kv_dtype),
+            (unsigned long long)j->reservation_id, j->host, j->port,
+            j->decode_node && *j->decode_node ? j->decode_node : "-", j->usage.prefill_s,
+            j->usage.transfer_s);
 out:
     kr_sampler_free(sampler);
     if (seq) {

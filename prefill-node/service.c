@@ -28,9 +28,14 @@ struct pf_policy_entry {
 
 /* The codes Prefill answers with, each a series of kvrelay_requests_total. */
 static const grpc_status_code pf_codes[] = {
-    GRPC_STATUS_OK, GRPC_STATUS_INVALID_ARGUMENT, GRPC_STATUS_RESOURCE_EXHAUSTED,
-    GRPC_STATUS_FAILED_PRECONDITION, GRPC_STATUS_UNAVAILABLE, GRPC_STATUS_DEADLINE_EXCEEDED,
-    GRPC_STATUS_CANCELLED, GRPC_STATUS_INTERNAL,
+    GRPC_STATUS_OK,
+    GRPC_STATUS_INVALID_ARGUMENT,
+    GRPC_STATUS_RESOURCE_EXHAUSTED,
+    GRPC_STATUS_FAILED_PRECONDITION,
+    GRPC_STATUS_UNAVAILABLE,
+    GRPC_STATUS_DEADLINE_EXCEEDED,
+    GRPC_STATUS_CANCELLED,
+    GRPC_STATUS_INTERNAL,
 };
 
 /* Names and meanings: docs/observability.md (the naming standard); kvrelay_prefill_seconds and
@@ -42,31 +47,31 @@ int pf_metrics_register(pf_node *n)
     for (size_t i = 0; i < sizeof pf_codes / sizeof pf_codes[0]; i++) {
         char label[64];
         snprintf(label, sizeof label, "status=\"%s\"", kc_status_name(pf_codes[i]));
-        m->requests[pf_codes[i]] = kc_counter_add(r, "kvrelay_requests_total",
-                                                  "Prefill calls finished, by final gRPC status.",
-                                                  label);
-        if (!m->requests[pf_codes[i]])
-            return -1;
+        m->requests[pf_codes[i]] = kc_counter_add(
+            r, "kvrelay_requests_total", "Prefill calls finished, by final gRPC status.", label);
+        if (!m->requests[pf_codes[i]]) return -1;
     }
     m->prompt_tokens = kc_counter_add(r, "kvrelay_prompt_tokens_total",
                                       "Prompt tokens prefilled by calls answered OK.", NULL);
     m->kv_entries = kc_counter_add(r, "kvrelay_kv_entries_shipped_total",
                                    "KV entries (one position of one layer and KV head) in the "
-                                   "bundles sent.", NULL);
+                                   "bundles sent.",
+                                   NULL);
     m->kv_bytes = kc_counter_add(r, "kvrelay_kv_bytes_shipped_total",
                                  "K and V payload bytes of the KV bundles sent (entries x 2 x "
-                                 "head_dim x dtype size; framing not counted).", NULL);
+                                 "head_dim x dtype size; framing not counted).",
+                                 NULL);
     m->prefill_s = kc_histogram_add(r, "kvrelay_prefill_seconds",
                                     "One call's chunked prefill, first-token sampling and bundle "
                                     "writing, for calls answered OK.",
                                     NULL, kc_latency_buckets, kc_n_latency_buckets);
     m->transfer_s = kc_histogram_add(r, "kvrelay_kv_transfer_seconds",
                                      "One bundle's transfer, from the start of the send to the "
-                                     "decode node's acknowledgement.", NULL, kc_latency_buckets,
-                                     kc_n_latency_buckets);
-    m->queue_depth = kc_gauge_add(r, "kvrelay_queue_depth",
-                                  "Prefill requests waiting in the FIFO behind the running one.",
-                                  NULL);
+                                     "decode node's acknowledgement.",
+                                     NULL, kc_latency_buckets, kc_n_latency_buckets);
+    m->queue_depth =
+        kc_gauge_add(r, "kvrelay_queue_depth",
+                     "Prefill requests waiting in the FIFO behind the running one.", NULL);
     m->running = kc_gauge_add(r, "kvrelay_running_sequences",
                               "Sequences being prefilled now (0 or 1).", NULL);
     m->blocks_used = kc_gauge_add(r, "kvrelay_kv_blocks_used",
@@ -101,22 +106,21 @@ static int refuse(pf_node *n, kc_call *call, const char *rid, grpc_status_code c
     return kc_call_error(call, code, "%s", msg);
 }
 
-int pf_parse_hostport(const char *s, int min_port, char *host, size_t host_cap, int *port)
+int pf_parse_hostport(const char *s, int min_port, int ipv6_ok, char *host, size_t host_cap,
+                      int *port)
 {
     const char *colon = strrchr(s, ':');
-    if (!colon || colon == s || memchr(s, ':', (size_t)(colon - s)))
-        return -1;
+    if (!colon || colon == s) return -1;
     size_t hl = (size_t)(colon - s), pl = strlen(colon + 1);
-    if (hl >= host_cap || pl < 1 || pl > 5)
-        return -1;
+    int bracketed = ipv6_ok && s[0] == '[' && colon[-1] == ']' && hl > 2;
+    if (!bracketed && memchr(s, ':', hl)) return -1;
+    if (hl >= host_cap || pl < 1 || pl > 5) return -1;
     long v = 0;
     for (const char *p = colon + 1; *p; p++) {
-        if (*p < '0' || *p > '9')
-            return -1;
+        if (*p < '0' || *p > '9') return -1;
         v = v * 10 + (*p - '0');
     }
-    if (v < min_port || v > 65535)
-        return -1;
+    if (v < min_port || v > 65535) return -1;
     memcpy(host, s, hl);
     host[hl] = 0;
     *port = (int)v;
@@ -124,41 +128,33 @@ int pf_parse_hostport(const char *s, int min_port, char *host, size_t host_cap, 
 }
 
 /* The parsed policy for `spec` ("" = full): cached, or when the cache is full parsed into
- * *owned (the caller frees it after the job). NULL with err on a bad spec. */
+ * *owned (the caller frees it after the job). NULL with err on a bad spec. Parsing happens under
+ * the cache's lock: kr_policy_parse is not reentrant (engine/policy.c splits the spec with
+ * strtok), and handlers run on concurrent threads. */
 static const kr_policy *policy_get(pf_node *n, const char *spec, kr_policy **owned, char *err)
 {
-    if (!*spec)
-        spec = "full";
+    if (!*spec) spec = "full";
+    const kr_policy *found = NULL;
     pthread_mutex_lock(&n->policy_mu);
-    for (pf_policy_entry *e = n->policies; e; e = e->next)
-        if (!strcmp(e->spec, spec)) {
-            pthread_mutex_unlock(&n->policy_mu);
-            return e->policy;
+    for (pf_policy_entry *e = n->policies; e && !found; e = e->next)
+        if (!strcmp(e->spec, spec)) found = e->policy;
+    kr_policy *p = NULL;
+    if (!found && kr_policy_parse(spec, n->mcfg, &p, err) == KR_OK) {
+        /* bad specs are never cached: a client cannot fill the cache with them */
+        pf_policy_entry *e = n->n_policies < PF_POLICY_CACHE ? malloc(sizeof *e) : NULL;
+        char *copy = e ? strdup(spec) : NULL;
+        if (e && copy) {
+            *e = (pf_policy_entry){.spec = copy, .policy = p, .next = n->policies};
+            n->policies = e;
+            n->n_policies++;
+        } else {
+            free(e);
+            *owned = p;
         }
-    pthread_mutex_unlock(&n->policy_mu);
-    kr_policy *p;
-    if (kr_policy_parse(spec, n->mcfg, &p, err) != KR_OK)
-        return NULL; /* bad specs are not cached: a client cannot fill the cache with them */
-    pthread_mutex_lock(&n->policy_mu);
-    for (pf_policy_entry *e = n->policies; e; e = e->next)
-        if (!strcmp(e->spec, spec)) { /* another call parsed it meanwhile */
-            pthread_mutex_unlock(&n->policy_mu);
-            kr_policy_free(p);
-            return e->policy;
-        }
-    pf_policy_entry *e = n->n_policies < PF_POLICY_CACHE ? malloc(sizeof *e) : NULL;
-    char *copy = e ? strdup(spec) : NULL;
-    if (!e || !copy) {
-        pthread_mutex_unlock(&n->policy_mu);
-        free(e);
-        *owned = p;
-        return p;
+        found = p;
     }
-    *e = (pf_policy_entry){.spec = copy, .policy = p, .next = n->policies};
-    n->policies = e;
-    n->n_policies++;
     pthread_mutex_unlock(&n->policy_mu);
-    return p;
+    return found;
 }
 
 void pf_service_free(pf_node *n)
@@ -177,8 +173,7 @@ void pf_service_free(pf_node *n)
 static uint64_t random_seed(void)
 {
     uint64_t s;
-    if (getrandom(&s, sizeof s, GRND_NONBLOCK) == (ssize_t)sizeof s)
-        return s;
+    if (getrandom(&s, sizeof s, GRND_NONBLOCK) == (ssize_t)sizeof s) return s;
     struct timespec ts; /* no entropy yet (early boot): the clock will do for sampling */
     clock_gettime(CLOCK_REALTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000000007u ^ (uint64_t)ts.tv_nsec;
@@ -197,8 +192,8 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
     if (nt > (size_t)n->cfg->max_prompt) /* main.c keeps --max-prompt inside the context */
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
                       "token_ids: %zu tokens exceed this node's --max-prompt %d (the model's "
-                      "context: max_position_embeddings %d - 1)", nt, n->cfg->max_prompt,
-                      c->max_position_embeddings);
+                      "context: max_position_embeddings %d - 1)",
+                      nt, n->cfg->max_prompt, c->max_position_embeddings);
     for (size_t i = 0; i < nt; i++)
         if (req->token_ids[i] >= (uint32_t)c->vocab_size)
             return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
@@ -226,7 +221,7 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
         s->top_k = (int)rs->top_k;
         s->top_p = rs->top_p == 0.0f ? 1.0f : rs->top_p; /* proto: 0 = off */
         s->seed = rs->seed_choice_case == KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED ? rs->seed
-                                                                                 : random_seed();
+                                                                                  : random_seed();
     }
     /* greedy when sampling is absent or its temperature is exactly 0 (the proto's default) */
     s->greedy = !rs || rs->temperature == 0.0f;
@@ -234,7 +229,7 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
 
     int port;
-    if (pf_parse_hostport(req->transfer_address, 1, j->host, sizeof j->host, &port) != 0)
+    if (pf_parse_hostport(req->transfer_address, 1, 0, j->host, sizeof j->host, &port) != 0)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
                       "transfer_address '%.128s' is not HOST:PORT (port 1..65535)",
                       req->transfer_address);
@@ -267,8 +262,7 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     int32_t *tokens = NULL;
     kr_policy *owned = NULL;
     int code = validate(n, call, req, &j, &tokens, &owned);
-    if (code != GRPC_STATUS_OK)
-        goto out;
+    if (code != GRPC_STATUS_OK) goto out;
     int waiting;
     if (pf_queue_submit(n, &j, &waiting) != 0) {
         code = refuse(n, call, j.request_id, GRPC_STATUS_RESOURCE_EXHAUSTED,

@@ -70,11 +70,11 @@ static Kvrelay__V1__Node *status(node *nd)
     return (Kvrelay__V1__Node *)resp;
 }
 
-/* Polls Status until nothing is reserved, used, running or queued (up to ~5 s). */
+/* Polls Status until nothing is reserved, used, running or queued (up to ~10 s). */
 static int idle(node *nd)
 {
     Kvrelay__V1__Node *s = NULL;
-    for (int i = 0; i < 100; i++) {
+    for (int i = 0; i < 200; i++) {
         kc_message_free((ProtobufCMessage *)s);
         s = status(nd);
         if (s && s->reserved_kv_blocks == 0 && s->free_kv_blocks == s->total_kv_blocks &&
@@ -173,12 +173,15 @@ static void node_start(node *nd, const char *bin, const char *model)
     }
 }
 
+/* SIGTERM twice (an impatient operator): the second must not kill the shutdown under way. */
 static void node_stop(node *nd)
 {
     kc_channel_destroy(nd->ch);
+    kill(nd->proc.pid, SIGTERM);
     int st = test_proc_stop(&nd->proc, SIGTERM, 20.0);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM: clean exit 0 (status %d)",
-          st);
+    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+          "SIGTERM twice: clean exit 0 (status %d%s)", st,
+          st >= 0 && WIFSIGNALED(st) ? ", killed by a signal" : "");
 }
 
 /* ------------------------------------------------------------------ the router's calls */
@@ -472,8 +475,32 @@ static int ship(engine *e, node *nd, uint64_t id, request *rq, char *err)
 
 /* ------------------------------------------------------------------ tests */
 
-/* Several policies decoded at once in one batch (max-batch 4: two forward calls per step with
- * six sequences), each equal to one-process generation. */
+/* Files the heads and hsft policies read (the node reads the same paths): per layer, KV head
+ * gates (every other head dense) and a learned window. */
+static char heads_spec[300], hsft_spec[500];
+
+static void policy_files(const kr_config *c, const char *dir)
+{
+    char gates[200], windows[200];
+    snprintf(gates, sizeof gates, "%s/gates.tsv", dir);
+    snprintf(windows, sizeof windows, "%s/windows.txt", dir);
+    FILE *g = fopen(gates, "w"), *w = fopen(windows, "w");
+    REQUIRE(g && w, "policy files in %s", dir);
+    for (int l = 0; l < c->n_layers; l++) {
+        for (int h = 0; h < c->n_kv_heads; h++)
+            fprintf(g, "%s%.2f", h ? "\t" : "", (h + l) % 2 ? 0.9 : 0.1 + 0.01 * h);
+        fprintf(g, "\n");
+        fprintf(w, "%d\n", 6 + 2 * l);
+    }
+    fclose(g);
+    fclose(w);
+    snprintf(heads_spec, sizeof heads_spec, "heads:pattern=%s,sparsity=0.5,sink=2,window=8", gates);
+    snprintf(hsft_spec, sizeof hsft_spec, "hsft:windows=%s,pattern=%s,budget=0.5,sink=2", windows,
+             gates);
+}
+
+/* Many policies decoded at once in one batch (max-batch 4: several forward calls per step),
+ * each equal to one-process generation. */
 static void test_batch_equals_one_process(engine *e, node *nd, const char *model)
 {
     request rq[] = {
@@ -488,6 +515,8 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
         {.policy = "streaming:sink=4,window=16", .n_prompt = 33, .max_tokens = 40, .stop_at = 6},
         {.policy = "full", .n_prompt = 25, .max_tokens = 12, .decode_max = 50},
         {.policy = "full", .n_prompt = 21, .max_tokens = 1},
+        {.policy = heads_spec, .n_prompt = 40, .max_tokens = 30},
+        {.policy = hsft_spec, .n_prompt = 44, .max_tokens = 30},
     };
     enum { N = sizeof rq / sizeof rq[0] };
     uint64_t ids[N];
@@ -714,10 +743,11 @@ static void test_expiry(engine *e, node *nd)
                            out.st.code == GRPC_STATUS_NOT_FOUND),
           "Decode of an expired reservation: %s %s", kc_status_name(out.st.code), out.st.details);
 
-    /* Expiry after the bundle arrived (no Decode ever comes). */
-    id = reserve(nd, "expire-ready", 20, 8, "full", 400, &st);
-    REQUIRE(id, "Reserve: %s", st.details);
+    /* Expiry after the bundle arrived (no Decode ever comes). The bundle is made first so that
+     * only the send has to fit in the ttl, and the ttl is long enough for a loaded machine. */
     prefill(e, &rq, 301, 0);
+    id = reserve(nd, "expire-ready", 20, 8, "full", 2000, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
     REQUIRE(ship(e, nd, id, &rq, err) == 0, "%s", err);
     CHECK(idle(nd), "a received but unused reservation expires too");
     CHECK(metric(nd, "kvrelay_decode_reservations_expired_total") >= 2, "expiries counted");
@@ -744,6 +774,9 @@ int main(void)
         }
         engine e;
         engine_init(&e, dir);
+        char tmp[] = "/tmp/kvrelay-test-decode-XXXXXX";
+        REQUIRE(mkdtemp(tmp), "mkdtemp");
+        policy_files(e.cfg, tmp);
         node nd;
         node_start(&nd, bin, dir);
         test_batch_equals_one_process(&e, &nd, models[mi]);
@@ -754,6 +787,12 @@ int main(void)
         }
         node_stop(&nd);
         engine_free(&e);
+        char path[200];
+        snprintf(path, sizeof path, "%s/gates.tsv", tmp);
+        unlink(path);
+        snprintf(path, sizeof path, "%s/windows.txt", tmp);
+        unlink(path);
+        rmdir(tmp);
     }
     return kt_done("test_decode_node");
 }

@@ -1,6 +1,6 @@
 /*
  * test_prefill_node.c - kvrelay-prefill as a black box: the real program on fixture models
- * (llama3-tiny with f32 bundles and --queue 1, mistral-tiny with bf16 bundles and --queue 0),
+ * (llama3-tiny with f32 bundles and --queue 8, mistral-tiny with bf16 bundles and --queue 0),
  * with this test playing both of its peers: the router (Prefill and Status over real gRPC) and
  * the decode node (a UCX listener that reserves room for each bundle, as large as the decode
  * node's bound, with KT_RESERVE_PARSE).
@@ -8,12 +8,12 @@
  * and chunk list by list (positions, pinned, windows, K and V bit for bit; bf16 payloads equal
  * the f32 reference rounded), its header and the first token (greedy argmax, and a seeded
  * sampler), the usage counts; every invalid field refused with INVALID_ARGUMENT naming it; the
- * receiver's refusals and a dead address as UNAVAILABLE with the transport's message; the queue
- * bound (RESOURCE_EXHAUSTED) and a deadline that passes in the queue, made deterministic by
- * a transfer address that accepts TCP but never speaks UCX (the worker is stuck in its send
- * until the test closes it) and by polling Status; garbage bytes; gRPC health and /metrics;
- * SIGTERM -> exit 0, idle and with a call in flight.
- * Run: ctest -R test_prefill_node (about 15 s under the sanitizers). Exit 77 (SKIPPED) when
+ * receiver's refusals and a dead address as UNAVAILABLE with the transport's message; a pool
+ * overflow; concurrent calls; the queue bound (RESOURCE_EXHAUSTED), FIFO order and a deadline
+ * that passes in the queue, made deterministic by a transfer address that accepts TCP but never
+ * speaks UCX (the worker is stuck in its send until the test closes it) and by polling Status;
+ * garbage bytes; gRPC health and /metrics; SIGTERM -> exit 0, idle and with a call in flight.
+ * Run: ctest -R test_prefill_node (a few seconds under the sanitizers). Exit 77 (SKIPPED) when
  * kvrelay-prefill is not built, a fixture model is missing, or UCX cannot listen on loopback.
  */
 #include "kr_test.h"
@@ -23,6 +23,7 @@
 #include <inttypes.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sys/socket.h>
 
 #include "bundle.h"
@@ -37,6 +38,8 @@
 #define CHUNK 16
 #define MAX_PROMPT 200
 #define BLOCK 16
+#define QUEUE 8 /* node A's --queue */
+#define QUEUE_S "8"
 
 static const char *bin_dir, *fixtures;
 static kt_transport *rx; /* this test's decode-node side */
@@ -59,15 +62,19 @@ typedef struct resv {
     uint8_t *buf;
     uint64_t cap;
     int done, status;
+    int order; /* completions before this one, over all reservations */
     uint64_t bytes;
     char msg[KT_ERR_MAX];
 } resv;
+
+static atomic_int n_completed;
 
 static void resv_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
 {
     resv *r = arg;
     pthread_mutex_lock(&r->m);
     r->done = 1;
+    r->order = atomic_fetch_add(&n_completed, 1);
     r->status = status;
     r->bytes = bytes;
     snprintf(r->msg, sizeof r->msg, "%s", err ? err : "");
@@ -85,8 +92,9 @@ static void resv_open(resv *r, uint64_t cap)
     r->cap = cap;
     r->buf = malloc(cap);
     char err[KT_ERR_MAX];
-    REQUIRE(r->buf && kt_transport_reserve(rx, r->id, r->buf, cap, 60.0, KT_RESERVE_PARSE,
-                                           resv_cb, r, err) == 0, "reserve: %s", err);
+    REQUIRE(r->buf && kt_transport_reserve(rx, r->id, r->buf, cap, 60.0, KT_RESERVE_PARSE, resv_cb,
+                                           r, err) == 0,
+            "reserve: %s", err);
 }
 
 /* Waits for the reservation's outcome (it comes at once after a successful Prefill: the sender
@@ -164,9 +172,11 @@ static void ref_prefill(ref_model *r, const char *spec, const int32_t *tok, int 
     REQUIRE(kr_policy_parse(spec, r->c, &out->p, err) == KR_OK, "policy %s: %s", spec, err);
     int per_list = (n + kr_policy_appended(out->p, n) + 2 * BLOCK) / BLOCK;
     REQUIRE(kr_kv_pool_create(r->c->head_dim, BLOCK, per_list * r->c->n_layers * r->c->n_kv_heads,
-                              &out->pool, err) == KR_OK, "%s", err);
+                              &out->pool, err) == KR_OK,
+            "%s", err);
     REQUIRE(kr_seq_create(out->pool, r->c->n_layers, r->c->n_kv_heads, &out->s, err) == KR_OK &&
-            kr_seq_set_policy(out->s, out->p, err) == KR_OK, "%s", err);
+                kr_seq_set_policy(out->s, out->p, err) == KR_OK,
+            "%s", err);
     out->logits = malloc(sizeof(float) * (size_t)r->c->vocab_size);
     REQUIRE(out->logits, "out of memory");
     REQUIRE(kr_prefill(r->ctx, out->s, tok, n, CHUNK, KR_LOGITS_LAST, out->logits, err) == KR_OK,
@@ -207,8 +217,8 @@ static uint64_t decode_bound(ref_model *r, const kr_policy *p, int n)
     int n_lists = r->c->n_layers * r->c->n_kv_heads;
     kt_bundle_list *lists = calloc((size_t)n_lists, sizeof *lists);
     for (int i = 0; i < n_lists; i++)
-        lists[i] = (kt_bundle_list){.count = (uint32_t)(cap < n ? cap : n), .pinned = 0,
-                                    .window = KT_BUNDLE_WINDOW_DENSE};
+        lists[i] = (kt_bundle_list){
+            .count = (uint32_t)(cap < n ? cap : n), .pinned = 0, .window = KT_BUNDLE_WINDOW_DENSE};
     uint64_t size = 0;
     char err[KT_ERR_MAX];
     REQUIRE(kt_bundle_size(&h, lists, &size, err) == 0, "%s", err);
@@ -218,10 +228,8 @@ static uint64_t decode_bound(ref_model *r, const kr_policy *p, int n)
 
 static float round_to(kt_dtype t, float x)
 {
-    if (t == KT_DTYPE_BF16)
-        return kt_bf16_to_f32(kt_f32_to_bf16(x));
-    if (t == KT_DTYPE_F16)
-        return kt_f16_to_f32(kt_f32_to_f16(x));
+    if (t == KT_DTYPE_BF16) return kt_bf16_to_f32(kt_f32_to_bf16(x));
+    if (t == KT_DTYPE_F16) return kt_f16_to_f32(kt_f32_to_f16(x));
     return x;
 }
 
@@ -258,16 +266,18 @@ static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtyp
             REQUIRE(kt_bundle_view_list(&v, (uint32_t)l, (uint32_t)h, &lv, err) == 0, "%s", err);
             if (lv.count != (uint32_t)len || lv.pinned != (uint32_t)pinned ||
                 lv.window != (w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w)) {
-                CHECK(0, "%s: list (%d,%d): count/pinned/window %u/%u/%u, reference %d/%d/%d",
-                      what, l, h, lv.count, lv.pinned, lv.window, len, pinned, w);
+                CHECK(0, "%s: list (%d,%d): count/pinned/window %u/%u/%u, reference %d/%d/%d", what,
+                      l, h, lv.count, lv.pinned, lv.window, len, pinned, w);
                 bad = 1;
                 break;
             }
-            if (!len)
-                continue;
-            int32_t *rp = malloc(sizeof(int32_t) * (size_t)len), *bp = malloc(sizeof(int32_t) * (size_t)len);
-            float *rk = malloc(sizeof(float) * (size_t)len * hd), *rv_ = malloc(sizeof(float) * (size_t)len * hd);
-            float *bk = malloc(sizeof(float) * (size_t)len * hd), *bv = malloc(sizeof(float) * (size_t)len * hd);
+            if (!len) continue;
+            int32_t *rp = malloc(sizeof(int32_t) * (size_t)len),
+                    *bp = malloc(sizeof(int32_t) * (size_t)len);
+            float *rk = malloc(sizeof(float) * (size_t)len * hd),
+                  *rv_ = malloc(sizeof(float) * (size_t)len * hd);
+            float *bk = malloc(sizeof(float) * (size_t)len * hd),
+                  *bv = malloc(sizeof(float) * (size_t)len * hd);
             REQUIRE(rp && bp && rk && rv_ && bk && bv, "out of memory");
             REQUIRE(kr_seq_list_read(x->s, l, h, 0, len, rp, rk, rv_, err) == KR_OK, "%s", err);
             REQUIRE(kt_bundle_list_read(&v, &lv, 0, (uint32_t)len, bp, bk, bv, err) == 0, "%s",
@@ -301,23 +311,42 @@ typedef struct node {
     kt_dtype dtype;
 } node;
 
-static void node_start(node *nd, ref_model *r, const char *id, const char *queue,
-                       const char *dtype)
+static void node_start(node *nd, ref_model *r, const char *id, const char *queue, const char *dtype,
+                       const char *transfer_timeout_s)
 {
     char exe[1024], max_prompt[16], chunk[16];
     snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
     snprintf(max_prompt, sizeof max_prompt, "%d", MAX_PROMPT);
     snprintf(chunk, sizeof chunk, "%d", CHUNK);
-    char *argv[] = {exe, "--model", r->dir, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                    "--id", (char *)id, "--threads", "1", "--chunk", chunk, "--queue",
-                    (char *)queue, "--kv-dtype", (char *)dtype, "--max-prompt", max_prompt,
-                    "--transfer-timeout-s", "60", NULL};
+    char *argv[] = {exe,
+                    "--model",
+                    r->dir,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--http",
+                    "127.0.0.1:0",
+                    "--id",
+                    (char *)id,
+                    "--threads",
+                    "1",
+                    "--chunk",
+                    chunk,
+                    "--queue",
+                    (char *)queue,
+                    "--kv-dtype",
+                    (char *)dtype,
+                    "--max-prompt",
+                    max_prompt,
+                    "--transfer-timeout-s",
+                    (char *)transfer_timeout_s,
+                    NULL};
     REQUIRE(test_proc_start(argv, 60, &nd->p) == 0, "kvrelay-prefill %s did not start", id);
     kc_status st;
     REQUIRE(kc_channel_create(nd->p.grpc, 0, &nd->ch, &st) == 0, "channel: %s", st.details);
     nd->id = id;
-    nd->dtype = !strcmp(dtype, "bf16") ? KT_DTYPE_BF16 : !strcmp(dtype, "f16") ? KT_DTYPE_F16
-                                                                                : KT_DTYPE_F32;
+    nd->dtype = !strcmp(dtype, "bf16")  ? KT_DTYPE_BF16
+                : !strcmp(dtype, "f16") ? KT_DTYPE_F16
+                                        : KT_DTYPE_F32;
 }
 
 static void node_stop(node *nd, const char *how)
@@ -358,8 +387,7 @@ static int prefill(call_args *a)
     req.decode_node = "test-decode";
     a->resp = NULL;
     int rc = kc_unary(a->nd->ch, PREFILL, &req.base, &kvrelay__v1__prefill_response__descriptor,
-                      a->timeout_ms ? a->timeout_ms : 60000, (ProtobufCMessage **)&a->resp,
-                      &a->st);
+                      a->timeout_ms ? a->timeout_ms : 60000, (ProtobufCMessage **)&a->resp, &a->st);
     free(ids);
     return rc;
 }
@@ -391,8 +419,7 @@ static int wait_load(node *nd, uint32_t running, uint32_t queued)
         Kvrelay__V1__Node *s = status(nd);
         int ok = s && s->running_requests == running && s->queued_requests == queued;
         kc_message_free((ProtobufCMessage *)s);
-        if (ok)
-            return 1;
+        if (ok) return 1;
         struct timespec ts = {0, 2000000};
         nanosleep(&ts, NULL);
     }
@@ -413,69 +440,145 @@ static void make_prompt(int32_t *tok, int n, int vocab, uint32_t seed)
 
 static uint64_t bytes_ok; /* kv_bytes_shipped summed over node A's OK answers */
 static int n_ok;
+static int n_queue_full; /* RESOURCE_EXHAUSTED answers node A gave */
 
-/* One prefill with `spec` compared with the reference; sampling NULL = greedy. */
-static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_t seed,
-                        const Kvrelay__V1__Sampling *sampling)
-{
+/* One Prefill compared with the reference: prepared (reference run, reservation, request),
+ * called (alone or with others at once), then checked. */
+typedef struct pcase {
+    node *nd;
+    ref_model *r;
     int32_t tok[MAX_PROMPT];
-    make_prompt(tok, n, r->c->vocab_size, seed);
-    ref_run x;
-    ref_prefill(r, *spec ? spec : "full", tok, n, &x);
-    resv rv;
-    resv_open(&rv, decode_bound(r, x.p, n));
+    int n;
+    const Kvrelay__V1__Sampling *sampling; /* NULL: greedy */
     char what[160];
-    snprintf(what, sizeof what, "%s '%s' n=%d%s", r->name, spec, n, sampling ? " sampled" : "");
-    call_args a = {.nd = nd, .rid = what, .policy = spec, .tok = tok, .n = n, .resv = rv.id,
-                   .sampling = sampling};
-    if (prefill(&a) != 0) {
-        CHECK(0, "%s: Prefill failed: %s %s", what, kc_status_name(a.st.code), a.st.details);
+    ref_run x;
+    resv rv;
+    call_args a;
+} pcase;
+
+static void pcase_prepare(pcase *c, node *nd, ref_model *r, const char *spec, int n, uint32_t seed,
+                          const Kvrelay__V1__Sampling *sampling)
+{
+    c->nd = nd;
+    c->r = r;
+    c->n = n;
+    c->sampling = sampling;
+    make_prompt(c->tok, n, r->c->vocab_size, seed);
+    ref_prefill(r, *spec ? spec : "full", c->tok, n, &c->x);
+    resv_open(&c->rv, decode_bound(r, c->x.p, n));
+    snprintf(c->what, sizeof c->what, "%s '%s' n=%d seed=%u%s", r->name, spec, n, seed,
+             sampling ? " sampled" : "");
+    c->a = (call_args){.nd = nd,
+                       .rid = c->what,
+                       .policy = spec,
+                       .tok = c->tok,
+                       .n = n,
+                       .resv = c->rv.id,
+                       .sampling = sampling};
+}
+
+static void pcase_check(pcase *c)
+{
+    const char *what = c->what;
+    ref_model *r = c->r;
+    ref_run *x = &c->x;
+    call_args *a = &c->a;
+    if (!a->resp) {
+        CHECK(0, "%s: Prefill failed: %s %s", what, kc_status_name(a->st.code), a->st.details);
         goto out;
     }
-    REQUIRE(resv_wait(&rv), "%s: the reservation never completed", what);
-    CHECK(rv.status == 0, "%s: receive failed: %s", what, rv.msg);
-    int32_t want = x.greedy;
-    if (sampling) {
+    REQUIRE(resv_wait(&c->rv), "%s: the reservation never completed", what);
+    CHECK(c->rv.status == 0, "%s: receive failed: %s", what, c->rv.msg);
+    int32_t want = x->greedy;
+    if (c->sampling) {
         kr_sampling s;
         kr_sampling_default(&s);
-        s.temperature = sampling->temperature;
-        s.top_k = (int)sampling->top_k;
-        s.top_p = sampling->top_p == 0 ? 1.0f : sampling->top_p;
-        s.seed = sampling->seed;
+        s.temperature = c->sampling->temperature;
+        s.top_k = (int)c->sampling->top_k;
+        s.top_p = c->sampling->top_p == 0 ? 1.0f : c->sampling->top_p;
+        s.seed = c->sampling->seed;
         kr_sampler *sp;
         char err[KR_ERR_MAX];
         REQUIRE(kr_sampler_create(&s, r->c->vocab_size, &sp, err) == KR_OK, "%s", err);
-        want = kr_sampler_sample(sp, x.logits);
+        want = kr_sampler_sample(sp, x->logits);
         kr_sampler_free(sp);
     }
-    CHECK((int32_t)a.resp->first_token == want, "%s: first token %u, reference %d", what,
-          a.resp->first_token, want);
-    if (rv.status == 0)
-        check_bundle(r, &x, &rv, nd->dtype, n, (int32_t)a.resp->first_token, what);
-    const Kvrelay__V1__PrefillUsage *u = a.resp->usage;
+    CHECK((int32_t)a->resp->first_token == want, "%s: first token %u, reference %d", what,
+          a->resp->first_token, want);
+    if (c->rv.status == 0)
+        check_bundle(r, x, &c->rv, c->nd->dtype, c->n, (int32_t)a->resp->first_token, what);
+    const Kvrelay__V1__PrefillUsage *u = a->resp->usage;
     REQUIRE(u, "%s: no usage", what);
-    uint64_t entry_bytes = 2u * (uint64_t)r->c->head_dim * kt_dtype_size(nd->dtype);
-    CHECK(u->prompt_tokens == (uint32_t)n, "%s: prompt_tokens %u", what, u->prompt_tokens);
-    CHECK(u->kv_entries_shipped == x.entries, "%s: kv_entries_shipped %" PRIu64 ", reference %"
-          PRIu64, what, u->kv_entries_shipped, x.entries);
-    CHECK(u->kv_bytes_shipped == x.entries * entry_bytes, "%s: kv_bytes_shipped %" PRIu64
-          ", want %" PRIu64 " x %" PRIu64, what, u->kv_bytes_shipped, x.entries, entry_bytes);
-    CHECK(u->peak_kv_entries == (uint64_t)x.fp.peak_entries, "%s: peak %" PRIu64 " vs %" PRId64,
-          what, u->peak_kv_entries, x.fp.peak_entries);
-    CHECK(u->footprint_full == x.fp.full && u->footprint_attended == x.fp.attended,
+    uint64_t entry_bytes = 2u * (uint64_t)r->c->head_dim * kt_dtype_size(c->nd->dtype);
+    CHECK(u->prompt_tokens == (uint32_t)c->n, "%s: prompt_tokens %u", what, u->prompt_tokens);
+    CHECK(u->kv_entries_shipped == x->entries,
+          "%s: kv_entries_shipped %" PRIu64 ", reference %" PRIu64, what, u->kv_entries_shipped,
+          x->entries);
+    CHECK(u->kv_bytes_shipped == x->entries * entry_bytes,
+          "%s: kv_bytes_shipped %" PRIu64 ", want %" PRIu64 " x %" PRIu64, what,
+          u->kv_bytes_shipped, x->entries, entry_bytes);
+    CHECK(u->peak_kv_entries == (uint64_t)x->fp.peak_entries, "%s: peak %" PRIu64 " vs %" PRId64,
+          what, u->peak_kv_entries, x->fp.peak_entries);
+    CHECK(u->footprint_full == x->fp.full && u->footprint_attended == x->fp.attended,
           "%s: footprint %g/%g, reference %g/%g", what, u->footprint_attended, u->footprint_full,
-          x.fp.attended, x.fp.full);
-    CHECK(u->footprint_entry_steps == (uint64_t)llround(x.fp.attended), "%s: entry steps %" PRIu64,
+          x->fp.attended, x->fp.full);
+    CHECK(u->footprint_entry_steps == (uint64_t)llround(x->fp.attended), "%s: entry steps %" PRIu64,
           what, u->footprint_entry_steps);
-    CHECK(!strcmp(u->prefill_node, nd->id), "%s: prefill_node '%s'", what, u->prefill_node);
+    CHECK(!strcmp(u->prefill_node, c->nd->id), "%s: prefill_node '%s'", what, u->prefill_node);
     CHECK(u->prefill_s > 0 && u->transfer_s > 0, "%s: prefill_s %g transfer_s %g", what,
           u->prefill_s, u->transfer_s);
     bytes_ok += u->kv_bytes_shipped;
     n_ok++;
 out:
-    kc_message_free((ProtobufCMessage *)a.resp);
-    resv_close(&rv);
-    ref_free(&x);
+    kc_message_free((ProtobufCMessage *)a->resp);
+    resv_close(&c->rv);
+    ref_free(x);
+}
+
+static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_t seed,
+                        const Kvrelay__V1__Sampling *sampling)
+{
+    pcase *c = calloc(1, sizeof *c);
+    pcase_prepare(c, nd, r, spec, n, seed, sampling);
+    prefill(&c->a);
+    pcase_check(c);
+    free(c);
+}
+
+/* N_CONC calls at once, each with a policy spec the node has not seen (so the handlers parse
+ * specs concurrently) and its own length: the worker takes them one by one, QUEUE wait, the
+ * rest are refused RESOURCE_EXHAUSTED. Whatever is answered OK must match its reference: prompts,
+ * policies, bundles and answers must not get mixed up. */
+#define N_CONC 32
+static void case_concurrent(node *nd, ref_model *r)
+{
+    pcase *cs = calloc(N_CONC, sizeof *cs);
+    static char specs[N_CONC][64];
+    pthread_t th[N_CONC];
+    for (int i = 0; i < N_CONC; i++) {
+        if (i % 2)
+            snprintf(specs[i], sizeof specs[i], "snapkv:budget=%d,obs=8", 30 + i);
+        else
+            snprintf(specs[i], sizeof specs[i], "streaming:sink=%d,window=%d", 2 + i, 20 + i);
+        pcase_prepare(&cs[i], nd, r, specs[i], 40 + 5 * i, 100 + (uint32_t)i, NULL);
+    }
+    for (int i = 0; i < N_CONC; i++)
+        pthread_create(&th[i], NULL, prefill_thread, &cs[i].a);
+    int n_full = 0;
+    for (int i = 0; i < N_CONC; i++) {
+        pthread_join(th[i], NULL);
+        if (!cs[i].a.resp && cs[i].a.st.code == GRPC_STATUS_RESOURCE_EXHAUSTED) {
+            n_full++;
+            resv_close(&cs[i].rv);
+            ref_free(&cs[i].x);
+            continue;
+        }
+        pcase_check(&cs[i]);
+    }
+    n_queue_full += n_full;
+    CHECK(n_full <= N_CONC - 1 - QUEUE, "%d of %d concurrent calls refused; at most %d may be",
+          n_full, N_CONC, N_CONC - 1 - QUEUE);
+    free(cs);
 }
 
 /* A Prefill that must fail with `code` and details containing `needle`. */
@@ -516,8 +619,14 @@ static void case_invalid(node *nd, ref_model *r)
     a.rid = "negative temperature", a.sampling = &bad;
     expect_fail(&a, IA, "temperature");
     a.sampling = NULL;
-    static const char *addrs[] = {"", "127.0.0.1", "127.0.0.1:", ":7000", "127.0.0.1:0",
-                                  "127.0.0.1:65536", "127.0.0.1:7x", "[::1]:7000"};
+    static const char *addrs[] = {"",
+                                  "127.0.0.1",
+                                  "127.0.0.1:",
+                                  ":7000",
+                                  "127.0.0.1:0",
+                                  "127.0.0.1:65536",
+                                  "127.0.0.1:7x",
+                                  "[::1]:7000"};
     for (size_t i = 0; i < sizeof addrs / sizeof addrs[0]; i++) {
         char rid[64];
         snprintf(rid, sizeof rid, "transfer_address '%s'", addrs[i]);
@@ -552,7 +661,8 @@ static void case_refusals(node *nd, ref_model *r)
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sa;
     REQUIRE(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
-            getsockname(fd, (struct sockaddr *)&sa, &sl) == 0, "probe socket");
+                getsockname(fd, (struct sockaddr *)&sa, &sl) == 0,
+            "probe socket");
     char dead[64];
     snprintf(dead, sizeof dead, "127.0.0.1:%u", ntohs(sa.sin_port));
     close(fd); /* bound once, never listened: nobody is there */
@@ -565,7 +675,11 @@ static void case_refusals(node *nd, ref_model *r)
      * node serving on (the next case_* calls succeed). */
     int32_t big[MAX_PROMPT];
     make_prompt(big, MAX_PROMPT, r->c->vocab_size, 6);
-    call_args p = {.nd = nd, .rid = "pool exhausted", .tok = big, .n = MAX_PROMPT, .resv = 6,
+    call_args p = {.nd = nd,
+                   .rid = "pool exhausted",
+                   .tok = big,
+                   .n = MAX_PROMPT,
+                   .resv = 6,
                    .policy = "snapkv:ratio=0,obs=64"};
     expect_fail(&p, GRPC_STATUS_FAILED_PRECONDITION, "KV pool exhausted");
     CHECK(strstr(p.st.details, "--kv-blocks") != NULL, "names the flag: %s", p.st.details);
@@ -584,21 +698,25 @@ static int blocker_open(char *addr, size_t cap)
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sa;
     REQUIRE(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(fd, 8) == 0 &&
-            getsockname(fd, (struct sockaddr *)&sa, &sl) == 0, "blocker socket");
+                getsockname(fd, (struct sockaddr *)&sa, &sl) == 0,
+            "blocker socket");
     snprintf(addr, cap, "127.0.0.1:%u", ntohs(sa.sin_port));
     return fd;
 }
 
-/* --queue 1: A runs (stuck in its send), B with a short deadline waits and is dropped from the
- * queue when its deadline passes, B2 waits, C is refused; closing the blocker fails A and B2. */
-static void case_queue1(node *nd, ref_model *r)
+/* --queue QUEUE: A runs (stuck in its send to the blocker); B with a short deadline waits and is
+ * dropped from the queue when its deadline passes; QUEUE more calls to real reservations wait,
+ * one at a time so their arrival order is known; one more is refused. Closing the blocker fails
+ * A; the waiting calls then run in arrival order (the receiver sees their bundles in that order)
+ * and each is checked against the reference. */
+static void case_queue(node *nd, ref_model *r)
 {
     char blk[64];
     int fd = blocker_open(blk, sizeof blk);
     int32_t tok[30];
     make_prompt(tok, 30, r->c->vocab_size, 11);
     call_args a = {.nd = nd, .rid = "queue A", .tok = tok, .n = 30, .resv = 1, .addr = blk};
-    pthread_t ta, tb2;
+    pthread_t ta, tq[QUEUE];
     pthread_create(&ta, NULL, prefill_thread, &a);
     wait_load(nd, 1, 0);
 
@@ -610,27 +728,42 @@ static void case_queue1(node *nd, ref_model *r)
     kc_message_free((ProtobufCMessage *)b.resp);
     wait_load(nd, 1, 0); /* B left the queue: only its own handler could have taken it out */
 
-    call_args b2 = a;
-    b2.rid = "queue B2";
-    pthread_create(&tb2, NULL, prefill_thread, &b2);
-    wait_load(nd, 1, 1);
+    pcase *q = calloc(QUEUE, sizeof *q);
+    uint64_t outstanding = 30;
+    for (int i = 0; i < QUEUE; i++) {
+        pcase_prepare(&q[i], nd, r, i % 2 ? "streaming:sink=4,window=24" : "full", 20 + i,
+                      200 + (uint32_t)i, NULL);
+        pthread_create(&tq[i], NULL, prefill_thread, &q[i].a);
+        wait_load(nd, 1, (uint32_t)i + 1);
+        outstanding += (uint64_t)q[i].n;
+    }
     Kvrelay__V1__Node *s = status(nd);
-    CHECK(s && s->outstanding_prefill_tokens == 60, "outstanding prefill tokens %" PRIu64
-          ", want 30 running + 30 queued", s ? s->outstanding_prefill_tokens : 0);
+    CHECK(s && s->outstanding_prefill_tokens == outstanding,
+          "outstanding prefill tokens %" PRIu64 ", want %" PRIu64,
+          s ? s->outstanding_prefill_tokens : 0, outstanding);
     kc_message_free((ProtobufCMessage *)s);
     call_args c = a;
     c.rid = "queue C";
-    expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, "prefill queue full (1 waiting)");
+    char want[64];
+    snprintf(want, sizeof want, "prefill queue full (%d waiting)", QUEUE);
+    n_queue_full++;
+    expect_fail(&c, GRPC_STATUS_RESOURCE_EXHAUSTED, want);
 
     close(fd);
     pthread_join(ta, NULL);
-    pthread_join(tb2, NULL);
     CHECK(a.st.code == GRPC_STATUS_UNAVAILABLE, "A after the blocker closed: %s %s",
           kc_status_name(a.st.code), a.st.details);
-    CHECK(b2.st.code == GRPC_STATUS_UNAVAILABLE, "B2 to a closed address: %s %s",
-          kc_status_name(b2.st.code), b2.st.details);
     kc_message_free((ProtobufCMessage *)a.resp);
-    kc_message_free((ProtobufCMessage *)b2.resp);
+    for (int i = 0; i < QUEUE; i++) {
+        pthread_join(tq[i], NULL);
+        REQUIRE(resv_wait(&q[i].rv), "%s: the reservation never completed", q[i].what);
+        CHECK(i == 0 || q[i].rv.order > q[i - 1].rv.order,
+              "FIFO: queued call %d's bundle arrived as number %d, call %d's as %d", i,
+              q[i].rv.order, i - 1, q[i - 1].rv.order);
+    }
+    for (int i = 0; i < QUEUE; i++)
+        pcase_check(&q[i]);
+    free(q);
     wait_load(nd, 0, 0);
 }
 
@@ -666,6 +799,20 @@ static void case_queue0(node *nd, ref_model *r, int then_sigterm)
     kc_message_free((ProtobufCMessage *)a.resp);
 }
 
+/* The node's own send timeout (the call's deadline is far): DEADLINE_EXCEEDED with the
+ * transport's message, and the node serves on. */
+static void case_send_timeout(node *nd, ref_model *r)
+{
+    char blk[64];
+    int fd = blocker_open(blk, sizeof blk);
+    int32_t tok[20];
+    make_prompt(tok, 20, r->c->vocab_size, 14);
+    call_args a = {.nd = nd, .rid = "send timeout", .tok = tok, .n = 20, .resv = 3, .addr = blk};
+    expect_fail(&a, GRPC_STATUS_DEADLINE_EXCEEDED, "timed out");
+    close(fd);
+    wait_load(nd, 0, 0);
+}
+
 static void case_garbage_and_health(node *nd)
 {
     static const uint8_t junk[] = {0xff, 0xff, 0xff, 0x0f, 0x01};
@@ -675,15 +822,15 @@ static void case_garbage_and_health(node *nd)
         kc_status st;
         int rc = kc_unary_bytes(nd->ch, paths[i], junk, sizeof junk,
                                 &kvrelay__v1__prefill_response__descriptor, 5000, &resp, &st);
-        CHECK(rc != 0 && st.code == GRPC_STATUS_INVALID_ARGUMENT, "garbage to %s: %s %s",
-              paths[i], kc_status_name(st.code), st.details);
+        CHECK(rc != 0 && st.code == GRPC_STATUS_INVALID_ARGUMENT, "garbage to %s: %s %s", paths[i],
+              kc_status_name(st.code), st.details);
         kc_message_free(resp);
     }
     Kvrelay__V1__Node *s = status(nd);
     CHECK(s && s->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL &&
-          s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING && !strcmp(s->id, nd->id) &&
-          !strcmp(s->grpc_address, nd->p.grpc) && s->running_requests == 0 &&
-          s->queued_requests == 0 && s->outstanding_prefill_tokens == 0 && s->since_unix_ms > 0,
+              s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING && !strcmp(s->id, nd->id) &&
+              !strcmp(s->grpc_address, nd->p.grpc) && s->running_requests == 0 &&
+              s->queued_requests == 0 && s->outstanding_prefill_tokens == 0 && s->since_unix_ms > 0,
           "Status after garbage: the node still serves and reports itself");
     kc_message_free((ProtobufCMessage *)s);
 
@@ -697,6 +844,72 @@ static void case_garbage_and_health(node *nd)
     CHECK(rc == 0 && hr->status == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING,
           "health: %s %s", kc_status_name(st.code), st.details);
     kc_message_free((ProtobufCMessage *)hr);
+}
+
+/* Runs kvrelay-prefill with `args` (NULL-terminated, after the program name) to its exit;
+ * returns the exit status (-1 if killed) with stdout and stderr in out. */
+static int run_exit(const char *const *args, char *out, size_t cap)
+{
+    char exe[1024];
+    snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
+    char *argv[32] = {exe};
+    for (int i = 0; args[i] && i < 30; i++)
+        argv[i + 1] = (char *)args[i];
+    int fds[2];
+    REQUIRE(pipe(fds) == 0, "pipe");
+    pid_t pid = fork();
+    REQUIRE(pid >= 0, "fork");
+    if (pid == 0) {
+        dup2(fds[1], 1);
+        dup2(fds[1], 2);
+        close(fds[0]);
+        close(fds[1]);
+        execv(exe, argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t len = 0;
+    ssize_t got;
+    while ((got = read(fds[0], out + len, cap - 1 - len)) > 0 && len + 1 < cap)
+        len += (size_t)got;
+    out[len] = 0;
+    close(fds[0]);
+    int status;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* Flags: --help, and start-up refusals that name the flag (exit 2) or the cause (exit 1). */
+static void case_flags(ref_model *r)
+{
+    static char out[1 << 16];
+    const char *help[] = {"--help", NULL};
+    CHECK(run_exit(help, out, sizeof out) == 0 && strstr(out, "--transfer-timeout-s"),
+          "--help exits 0 and lists the flags");
+    char blk[64];
+    int fd = blocker_open(blk, sizeof blk); /* a busy TCP port */
+    struct {
+        const char *args[8];
+        int status;
+        const char *needle;
+    } bad[] = {
+        {{"--model", r->dir, "--bogus", NULL}, 2, "--bogus"},
+        {{"--listen", "127.0.0.1:0", NULL}, 2, "--model"},
+        {{"--model", r->dir, "--kv-dtype", "f64", NULL}, 2, "--kv-dtype"},
+        {{"--model", r->dir, "--queue", "-1", NULL}, 2, "--queue"},
+        {{"--model", r->dir, "--http", "nohost", NULL}, 2, "--http"},
+        {{"--model", r->dir, "--max-prompt", "40000", NULL}, 2, "max_position_embeddings"},
+        {{"--model", r->dir, "--max-prompt", "100", "--kv-blocks", "8", NULL}, 2, "--kv-blocks"},
+        {{"--model", "/nonexistent", NULL}, 1, "/nonexistent"},
+        {{"--model", r->dir, "--listen", blk, NULL}, 1, blk},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int st = run_exit(bad[i].args, out, sizeof out);
+        CHECK(st == bad[i].status && strstr(out, bad[i].needle),
+              "flags case %zu: exit %d (want %d), output lacks '%s'? %s", i, st, bad[i].status,
+              bad[i].needle, out);
+    }
+    close(fd);
 }
 
 /* GET /metrics; the value of the sample line starting with `series` + ' ', or -1. */
@@ -750,8 +963,10 @@ int main(void)
         }
     }
     char err[KT_ERR_MAX];
-    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = "127.0.0.1",
-                              .listen_port = 0, .name = "test-decode"};
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM,
+                              .listen_host = "127.0.0.1",
+                              .listen_port = 0,
+                              .name = "test-decode"};
     if (kt_transport_create(&tc, &rx, err) != 0) {
         printf("SKIP: UCX cannot listen on loopback: %s\n", err);
         return KT_SKIP;
@@ -767,7 +982,7 @@ int main(void)
     ref_model ra;
     ref_open(&ra, "llama3-tiny");
     node na;
-    node_start(&na, &ra, "prefill-a", "1", "f32");
+    node_start(&na, &ra, "prefill-a", QUEUE_S, "f32", "60");
     for (int i = 0; i < n_pol; i++)
         case_policy(&na, &ra, policies[i], 100, 1 + (uint32_t)i, NULL);
     case_policy(&na, &ra, "streaming:sink=4,window=24", 5, 7, NULL); /* one chunk, no eviction */
@@ -777,10 +992,11 @@ int main(void)
     sampled.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
     sampled.seed = 7;
     case_policy(&na, &ra, "snapkv:budget=40,obs=8", 100, 8, &sampled);
+    case_concurrent(&na, &ra);
     case_invalid(&na, &ra);
     case_refusals(&na, &ra);
     case_policy(&na, &ra, "full", MAX_PROMPT, 13, NULL); /* the pool survived the refusals */
-    case_queue1(&na, &ra);
+    case_queue(&na, &ra);
     case_garbage_and_health(&na);
     CHECK(metric(na.p.http, "kvrelay_kv_bytes_shipped_total") == (double)bytes_ok,
           "/metrics kv bytes %g, usage says %" PRIu64,
@@ -788,14 +1004,15 @@ int main(void)
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
           "/metrics OK requests %g, want %d",
           metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
-    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") == 1 &&
-          metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
-          "/metrics: one queue refusal, one pool overflow");
+    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") ==
+                  n_queue_full &&
+              metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
+          "/metrics: %d queue refusals, one pool overflow", n_queue_full);
     CHECK(metric(na.p.http, "kvrelay_kv_blocks_used") == 0, "/metrics: every block back");
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
           "/metrics: queue B's handler saw its deadline pass in the queue");
     CHECK(metric(na.p.http, "kvrelay_queue_depth") == 0 &&
-          metric(na.p.http, "kvrelay_running_sequences") == 0,
+              metric(na.p.http, "kvrelay_running_sequences") == 0,
           "/metrics queue depth and running back to 0");
     node_stop(&na, "idle");
     ref_close(&ra);
@@ -803,12 +1020,19 @@ int main(void)
     /* mistral-tiny: bf16 bundles, --queue 0 */
     ref_model rb;
     ref_open(&rb, "mistral-tiny");
+    case_flags(&rb);
     node nb;
-    node_start(&nb, &rb, "prefill-b", "0", "bf16");
+    node_start(&nb, &rb, "prefill-b", "0", "bf16", "60");
     for (int i = 1; i < n_pol; i++)
         case_policy(&nb, &rb, policies[i], 120, 20 + (uint32_t)i, NULL);
     case_queue0(&nb, &rb, 0);
     case_queue0(&nb, &rb, 1); /* stops the node */
+
+    /* --transfer-timeout-s 1: a send that is never acknowledged ends DEADLINE_EXCEEDED */
+    node nc;
+    node_start(&nc, &rb, "prefill-c", "0", "f32", "1");
+    case_send_timeout(&nc, &rb);
+    node_stop(&nc, "after a timed-out send");
     ref_close(&rb);
 
     kt_transport_destroy(rx);
