@@ -43,19 +43,6 @@ __attribute__((format(printf, 4, 5))) static int refuse(kc_call *call, const cha
     return kc_call_error(call, code, "%s", msg);
 }
 
-/* kr_policy_parse tokenizes the spec with strtok (engine/policy.c), whose state is global: two
- * handler threads parsing at once corrupted each other's specs (a window key silently lost,
- * seen in test_decode_node). Serialized here until the engine uses strtok_r. */
-static pthread_mutex_t policy_parse_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static int policy_parse(const char *spec, const kr_config *c, kr_policy **out, char *err)
-{
-    pthread_mutex_lock(&policy_parse_lock);
-    int rc = kr_policy_parse(spec, c, out, err);
-    pthread_mutex_unlock(&policy_parse_lock);
-    return rc;
-}
-
 static void count(kc_counter **by_status, int code)
 {
     if (code >= 0 && code <= GRPC_STATUS_UNAUTHENTICATED)
@@ -90,7 +77,7 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     const char *spec = req->kv_policy && req->kv_policy[0] ? req->kv_policy : "full";
     char err[KT_ERR_MAX > KR_ERR_MAX ? KT_ERR_MAX : KR_ERR_MAX];
     kr_policy *policy = NULL;
-    if (policy_parse(spec, c, &policy, err) != KR_OK)
+    if (kr_policy_parse(spec, c, &policy, err) != KR_OK)
         return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%s': %s", spec, err);
     int ttl_ms = req->ttl_ms ? (int)req->ttl_ms : n->cfg.ttl_ms;
     uint64_t id = 0;
@@ -252,7 +239,7 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
                              "the KV bundle is for another model than this node's (%s, "
                              "fingerprint %s): %s", n->cfg.model_dir, n->fingerprint, err);
     const kt_bundle_header *h = &v->hdr;
-    if (policy_parse(h->policy, c, &job->policy, err) != KR_OK)
+    if (kr_policy_parse(h->policy, c, &job->policy, err) != KR_OK)
         return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
                              "the KV bundle's policy '%s' does not parse here: %s", h->policy, err);
     if (strcmp(kr_policy_spec(job->policy), kr_policy_spec(r->policy)) != 0)

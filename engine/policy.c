@@ -127,7 +127,8 @@ int kr_policy_parse(const char *spec, const kr_config *cfg, kr_policy **out, cha
         kr_policy_free(p);
         return -1;
     }
-    for (char *kv = args ? strtok(args, ",") : NULL; kv; kv = strtok(NULL, ",")) {
+    char *save = NULL; /* strtok_r: nodes parse specs on many handler threads at once */
+    for (char *kv = args ? strtok_r(args, ",", &save) : NULL; kv; kv = strtok_r(NULL, ",", &save)) {
         char *eq = strchr(kv, '=');
         if (!eq || eq == kv) {
             kr_policy_free(p);

@@ -123,7 +123,7 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int32_t 
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
             int len, pinned;
             kr_seq_list_shape(seq, l, kv, &len, &pinned);
-            int w = kr_policy_list_window(j->policy, l, kv);
+            int w = kr_seq_list_window(seq, l, kv);
             n->lists[l * c->n_kv_heads + kv] =
                 (kt_bundle_list){.count = (uint32_t)len,
                                  .pinned = (uint32_t)pinned,

@@ -129,8 +129,7 @@ int pf_parse_hostport(const char *s, int min_port, int ipv6_ok, char *host, size
 
 /* The parsed policy for `spec` ("" = full): cached, or when the cache is full parsed into
  * *owned (the caller frees it after the job). NULL with err on a bad spec. Parsing happens under
- * the cache's lock: kr_policy_parse is not reentrant (engine/policy.c splits the spec with
- * strtok), and handlers run on concurrent threads. */
+ * the cache's lock, so two handlers never parse and insert the same spec twice. */
 static const kr_policy *policy_get(pf_node *n, const char *spec, kr_policy **owned, char *err)
 {
     if (!*spec) spec = "full";

@@ -14,7 +14,7 @@ set -uo pipefail
 
 bin=${KR_BIN:?KR_BIN must be the build directory}
 src=${KR_SRC:?KR_SRC must be the source directory}
-fixtures=${KR_FIXTURES:?KR_FIXTURES must be tests/fixtures}
+fixtures=$(cd "${KR_FIXTURES:?KR_FIXTURES must be tests/fixtures}" && pwd)
 for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli kvrelay-generate; do
   [ -x "$bin/$p" ] || { echo "SKIP: $bin/$p is not built"; exit 77; }
 done
@@ -61,10 +61,12 @@ for ((i = 0; i < n_req; i++)); do
   echo "$ids" >"$KRC_DIR/req/$i.ids"
   echo "${policies[$((i % ${#policies[@]}))]}" >"$KRC_DIR/req/$i.policy"
 done
+clients=()
 for ((i = 0; i < n_req; i++)); do
   cli generate --ids "$(cat "$KRC_DIR/req/$i.ids")" --max-tokens "$max_tokens" \
     --policy "$(cat "$KRC_DIR/req/$i.policy")" --timeout-ms 600000 --json \
     >"$KRC_DIR/req/$i.got" 2>"$KRC_DIR/req/$i.err" &
+  clients+=($!)
 done
 # the references, computed while the cluster works
 for ((i = 0; i < n_req; i++)); do
@@ -73,8 +75,7 @@ for ((i = 0; i < n_req; i++)); do
     --threads 1 --json --stats >"$KRC_DIR/req/$i.want" 2>"$KRC_DIR/req/$i.want.err" ||
     fail "kvrelay-generate for request $i: $(tail -n1 "$KRC_DIR/req/$i.want.err")"
 done
-wait_clients() { local p; for p in $(jobs -p); do wait "$p" || true; done; }
-wait_clients
+for p in "${clients[@]}"; do wait "$p" || true; done
 head_dim=$("$py" -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])' "$model/config.json")
 out=$("$py" - "$KRC_DIR/req" "$n_req" "$head_dim" <<'EOF'
 import json, os, sys
