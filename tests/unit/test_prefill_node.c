@@ -261,7 +261,7 @@ static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtyp
         for (int h = 0; h < r->c->n_kv_heads && !bad; h++) {
             int len, pinned;
             kr_seq_list_shape(x->s, l, h, &len, &pinned);
-            int w = kr_policy_list_window(x->p, l, h);
+            int w = kr_seq_list_window(x->s, l, h);
             kt_bundle_list_view lv;
             REQUIRE(kt_bundle_view_list(&v, (uint32_t)l, (uint32_t)h, &lv, err) == 0, "%s", err);
             if (lv.count != (uint32_t)len || lv.pinned != (uint32_t)pinned ||
