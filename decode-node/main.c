@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "signals.h"
 
 static void usage(FILE *f)
 {
@@ -225,45 +226,6 @@ static int metrics_init(dn_metrics *m)
     return 0;
 }
 
-/* SIGINT/SIGTERM: a handler that writes the signal number into a pipe main reads. Not sigwait:
- * OpenBLAS starts its threads when the library loads, before main can block signals, so a
- * signal arriving while main is not in sigwait (a second SIGTERM during shutdown, one during
- * start-up) would take its default action on such a thread and kill the process. */
-static int signal_pipe[2] = {-1, -1};
-
-static void on_signal(int sig)
-{
-    unsigned char c = (unsigned char)sig;
-    ssize_t r = write(signal_pipe[1], &c, 1); /* async-signal-safe; a full pipe is fine */
-    (void)r;
-}
-
-static void signals_init(void)
-{
-    if (pipe(signal_pipe) != 0)
-        die("pipe: %s", strerror(errno));
-    fcntl(signal_pipe[1], F_SETFL, O_NONBLOCK);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
-}
-
-/* Blocks until SIGINT or SIGTERM; returns it. */
-static int signals_wait(void)
-{
-    unsigned char c = 0;
-    while (read(signal_pipe[0], &c, 1) != 1) {
-        if (errno != EINTR)
-            return SIGTERM;
-    }
-    return c;
-}
-
 static int healthy(void *user, char *reason, size_t cap)
 {
     dn_node *n = user;
@@ -288,7 +250,8 @@ int main(int argc, char **argv)
     const dn_config *c = &n->cfg;
     kc_log_init(c->id, level);
 
-    signals_init();
+    if (kc_signals_init() != 0)
+        die("signal pipe: %s", strerror(errno));
 
     char thost[128], hhost[128], ghost[128];
     int tport, hport, gport;
@@ -375,7 +338,7 @@ int main(int argc, char **argv)
     printf("decode %s: serving grpc %s http %s\n", c->id, n->grpc_addr, n->http_addr);
     fflush(stdout);
 
-    int sig = signals_wait();
+    int sig = kc_signals_wait();
     kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
     kc_health_set_serving(n->health, 0);
     dn_loop_stop(n); /* ends every stream (UNAVAILABLE) and frees their sequences */

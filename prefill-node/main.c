@@ -22,6 +22,7 @@
 #include "health.h"
 #include "http.h"
 #include "log.h"
+#include "signals.h"
 
 #define PF_DEFAULT_MAX_PROMPT 8192
 
@@ -203,17 +204,6 @@ static int64_t unix_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static int stop_pipe[2]; /* SIGINT/SIGTERM -> the main thread */
-
-static void on_stop_signal(int sig)
-{
-    unsigned char b = (unsigned char)sig;
-    int saved = errno;
-    ssize_t w = write(stop_pipe[1], &b, 1); /* a second signal may find the pipe full: fine */
-    (void)w;
-    errno = saved;
-}
-
 int main(int argc, char **argv)
 {
     pf_config cfg;
@@ -221,18 +211,7 @@ int main(int argc, char **argv)
     parse_flags(argc, argv, &cfg, &level);
     kc_log_init(cfg.id, level);
 
-    /* SIGINT/SIGTERM only write to a pipe the main thread reads: libraries start threads
-     * before main (OpenBLAS) whose signal masks we do not control, so a handler, not
-     * sigwait, is what keeps any thread from being killed by the default action. */
-    if (pipe(stop_pipe) != 0 || fcntl(stop_pipe[1], F_SETFL, O_NONBLOCK) != 0)
-        die(1, "signal pipe: %s", strerror(errno));
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    if (kc_signals_init() != 0) die(1, "signal pipe: %s", strerror(errno));
 
     static pf_node node; /* static: zeroed, and large */
     pf_node *n = &node;
@@ -283,9 +262,7 @@ int main(int argc, char **argv)
            http_bound);
     fflush(stdout);
 
-    unsigned char sig = 0;
-    while (read(stop_pipe[0], &sig, 1) < 0 && errno == EINTR) {
-    }
+    int sig = kc_signals_wait();
     kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
     atomic_store(&n->draining, 1);
     atomic_store(&n->since_unix_ms, unix_ms());
@@ -301,8 +278,6 @@ int main(int argc, char **argv)
     pf_service_free(n);
     kc_registry_free(n->reg);
     kr_model_free(n->model);
-    close(stop_pipe[0]);
-    close(stop_pipe[1]);
     kc_info(NULL, "stopped");
     return 0;
 }

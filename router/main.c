@@ -12,6 +12,7 @@
 #include "health.h"
 #include "http.h"
 #include "router.h"
+#include "signals.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -162,17 +163,6 @@ static void metrics_init(rt_router *rt)
         die("cannot register metrics");
 }
 
-static int sig_pipe[2]; /* signal handler -> main */
-
-static void on_signal(int sig)
-{
-    int saved = errno;
-    unsigned char b = (unsigned char)sig;
-    if (write(sig_pipe[1], &b, 1) < 0) { /* the pipe is full: a signal is already pending */
-    }
-    errno = saved;
-}
-
 static int64_t unix_ms(void)
 {
     struct timespec t;
@@ -228,18 +218,7 @@ int main(int argc, char **argv)
     pthread_cond_init(&rt->cv, NULL);
     metrics_init(rt);
 
-    /* SIGINT/SIGTERM write to a pipe that main waits on. A handler, not sigwait: threads that
-     * OpenBLAS starts before main keep the default mask, so a blocked signal could still reach
-     * one of them and kill the process (a second Ctrl-C, or one during start-up). */
-    if (pipe(sig_pipe) != 0) die("pipe: %s", strerror(errno));
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    if (kc_signals_init() != 0) die("signal pipe: %s", strerror(errno));
 
     kc_server *srv;
     kc_status st;
@@ -277,9 +256,7 @@ int main(int argc, char **argv)
            http_host, strchr(http_host, ':') ? "]" : "", http_bound);
     fflush(stdout);
 
-    unsigned char sig = 0;
-    while (read(sig_pipe[0], &sig, 1) < 0 && errno == EINTR) {
-    }
+    int sig = kc_signals_wait();
     kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
     pthread_mutex_lock(&rt->mu);
     rt->draining = 1;
