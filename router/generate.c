@@ -46,7 +46,7 @@ typedef struct gen_req {
     int n_prompt;
     uint32_t max_tokens;
     Kvrelay__V1__Sampling sampling; /* as forwarded: the seed always present */
-    const char *policy; /* the client's spec ("" = full), borrowed from the request */
+    char policy[1024]; /* the client's spec ("" = full), file keys resolved (rt_policy_resolve) */
     uint64_t kv_entries_bound; /* informational, for Reserve */
     const uint32_t *stop_ids; /* borrowed */
     size_t n_stop_ids;
@@ -199,9 +199,9 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
     r->max_tokens = q->max_tokens;
 
     kr_policy *p;
-    if (kr_policy_parse(q->kv_policy[0] ? q->kv_policy : "full", cfg, &p, err) != KR_OK)
+    if (rt_policy_resolve(q->kv_policy, rt->policy_dir, r->policy, sizeof r->policy, err, sizeof err) != 0 ||
+        kr_policy_parse(r->policy[0] ? r->policy : "full", cfg, &p, err) != KR_OK)
         return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", q->kv_policy, err), st->code;
-    r->policy = q->kv_policy;
     r->kv_entries_bound = (uint64_t)kr_policy_max_entries(p, r->n_prompt, (int)r->max_tokens) *
                           (uint64_t)cfg->n_layers * (uint64_t)cfg->n_kv_heads;
     kr_policy_free(p);

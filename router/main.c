@@ -45,6 +45,9 @@ static void usage(FILE *f)
             "  --max-prompt N          longest prompt in tokens (default: the model's\n"
             "                          max_position_embeddings - 1)\n"
             "  --default-timeout-ms MS deadline of a request whose client set none (default 300000)\n"
+            "  --policy-dir DIR        where policy files (heads pattern=, hsft windows=) live: clients\n"
+            "                          name them by bare file name; without it such keys are refused\n"
+            "                          (every node must see DIR at the same path)\n"
             "  --log-level L           debug, info, warn or error (default info)\n"
             "  -h, --help              this help\n"
             "\n"
@@ -65,7 +68,7 @@ static void die(const char *fmt, ...)
 }
 
 typedef struct router_opts {
-    const char *model, *nodes, *listen, *http, *id, *placement, *log_level;
+    const char *model, *nodes, *listen, *http, *id, *placement, *log_level, *policy_dir;
     long max_tokens_limit, max_prompt, default_timeout_ms;
 } router_opts;
 
@@ -116,6 +119,7 @@ static void parse(int argc, char **argv, router_opts *o)
         else if (!strcmp(a, "--http")) o->http = v;
         else if (!strcmp(a, "--id")) o->id = v;
         else if (!strcmp(a, "--placement")) o->placement = v;
+        else if (!strcmp(a, "--policy-dir")) o->policy_dir = v;
         else if (!strcmp(a, "--log-level")) o->log_level = v;
         else if (!strcmp(a, "--max-tokens-limit")) o->max_tokens_limit = parse_long(a, v, 1, 1 << 24);
         else if (!strcmp(a, "--max-prompt")) o->max_prompt = parse_long(a, v, 1, 1 << 30);
@@ -204,6 +208,7 @@ int main(int argc, char **argv)
         die("--model: %s/config.json: max_position_embeddings %d leaves no room to generate", o.model,
             rt->cfg.max_position_embeddings);
     long ctx_room = rt->cfg.max_position_embeddings - 1;
+    rt->policy_dir = o.policy_dir;
     rt->max_prompt = (uint32_t)(o.max_prompt > 0 && o.max_prompt < ctx_room ? o.max_prompt : ctx_room);
     rt->max_tokens_limit = (uint32_t)o.max_tokens_limit;
     rt->default_timeout_ms = o.default_timeout_ms;

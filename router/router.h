@@ -79,6 +79,7 @@ typedef struct rt_router {
     uint32_t max_tokens_limit;
     uint32_t max_prompt; /* tokens; also capped by max_position_embeddings - 1 */
     int64_t default_timeout_ms; /* the deadline of a request whose client set none */
+    const char *policy_dir; /* --policy-dir: where file-valued policy keys may point; NULL: none */
     int64_t started_unix_ms;
     rt_node *nodes; /* n_prefill prefill nodes, then n_decode decode nodes */
     int n_prefill, n_decode;
@@ -129,5 +130,12 @@ void *rt_watcher_main(void *arg);
 
 /* Monotonic milliseconds. */
 int64_t rt_now_ms(void);
+
+/* A client's policy spec with its file-valued keys (pattern=, windows=: heads and hsft) checked
+ * and resolved: a client names a file by its bare name, which must exist in `policy_dir`, and
+ * the nodes are given DIR/name. Without a policy dir, file keys are refused: a remote client must
+ * not make the cluster open paths of its choosing. Writes the spec to use into out (cap bytes).
+ * Returns 0, or -1 with err. */
+int rt_policy_resolve(const char *spec, const char *policy_dir, char *out, size_t cap, char *err, size_t err_cap);
 
 #endif /* RT_ROUTER_H */
