@@ -13,7 +13,11 @@
  *   - refusals: Release of an unknown id (released=false), Reserve over capacity
  *     (RESOURCE_EXHAUSTED), bad Reserve fields (INVALID_ARGUMENT naming them), a bundle for
  *     another model (FAILED_PRECONDITION naming both fingerprints), garbage bytes on all four
- *     RPCs (INVALID_ARGUMENT), after all of which the node still serves; SIGTERM exits 0.
+ *     RPCs (INVALID_ARGUMENT), after all of which the node still serves;
+ *   - issue 5: a node killed with SIGKILL and restarted on the same ports serves the same
+ *     sender again; SIGTERM drains (running and reserved work finishes with one-process tokens,
+ *     new Reserves UNAVAILABLE "draining", health NOT_SERVING, Status DRAINING, exit 0); an
+ *     endless stream is cut UNAVAILABLE by --drain-timeout-s or by a second SIGTERM.
  * Not here: the router and prefill node processes (tests/integration), throughput.
  * Skips (77) when kvrelay-decode is not built or the fixtures are absent.
  * Run: ctest -R test_decode_node (about 10 s with sanitizers).
@@ -129,14 +133,17 @@ static double metric(const node *nd, const char *name)
     return p ? strtod(p + strlen(key), NULL) : -1;
 }
 
-static void node_start(node *nd, const char *bin, const char *model)
+/* Starts the node on `listen` and `transfer` (HOST:PORT; port 0: any free) with
+ * --drain-timeout-s `drain_s`. */
+static void node_start(node *nd, const char *bin, const char *model, const char *listen,
+                       const char *transfer, const char *drain_s)
 {
     char blocks[32];
     snprintf(blocks, sizeof blocks, "%d", KV_BLOCKS);
     char *argv[] = {(char *)bin, "--model", (char *)model, "--id", "decode-t", "--listen",
-                    "127.0.0.1:0", "--transfer", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                    (char *)listen, "--transfer", (char *)transfer, "--http", "127.0.0.1:0",
                     "--kv-blocks", blocks, "--threads", "1", "--max-batch", "4",
-                    "--reservation-ttl-ms", "20000", NULL};
+                    "--reservation-ttl-ms", "20000", "--drain-timeout-s", (char *)drain_s, NULL};
     REQUIRE(test_proc_start(argv, 60.0, &nd->proc) == 0, "kvrelay-decode starts on %s", model);
     kc_status st;
     REQUIRE(kc_channel_create(nd->proc.grpc, 0, &nd->ch, &st) == 0, "%s", st.details);
@@ -173,15 +180,20 @@ static void node_start(node *nd, const char *bin, const char *model)
     }
 }
 
-/* SIGTERM twice (an impatient operator): the second must not kill the shutdown under way. */
-static void node_stop(node *nd)
+/* grpc.health.v1 Check of the Decode service: 1 SERVING, 0 anything else, -1 no answer. */
+static int health_serving(node *nd)
 {
-    kc_channel_destroy(nd->ch);
-    kill(nd->proc.pid, SIGTERM);
-    int st = test_proc_stop(&nd->proc, SIGTERM, 20.0);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
-          "SIGTERM twice: clean exit 0 (status %d%s)", st,
-          st >= 0 && WIFSIGNALED(st) ? ", killed by a signal" : "");
+    Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    hreq.service = "kvrelay.v1.Decode";
+    ProtobufCMessage *resp = NULL;
+    kc_status st;
+    if (kc_unary(nd->ch, "/grpc.health.v1.Health/Check", &hreq.base,
+                 &grpc__health__v1__health_check_response__descriptor, 5000, &resp, &st) != 0)
+        return -1;
+    int serving = ((const Grpc__Health__V1__HealthCheckResponse *)resp)->status ==
+                  GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+    kc_message_free(resp);
+    return serving;
 }
 
 /* ------------------------------------------------------------------ the router's calls */
@@ -754,6 +766,173 @@ static void test_expiry(engine *e, node *nd)
     CHECK(metric(nd, "kvrelay_kv_blocks_reserved") == 0, "/metrics: nothing reserved");
 }
 
+/* Reserves, prefills (with the one-process continuation when `oracle`) and ships one
+ * request; returns the reservation id. */
+static uint64_t ready(engine *e, node *nd, request *rq, const char *rid, int salt, int oracle)
+{
+    kc_status st;
+    char err[KT_ERR_MAX];
+    uint64_t id = reserve(nd, rid, (uint32_t)rq->n_prompt, (uint32_t)rq->max_tokens, rq->policy,
+                          0, &st);
+    REQUIRE(id, "Reserve %s: %s %s", rid, kc_status_name(st.code), st.details);
+    prefill(e, rq, salt, oracle);
+    REQUIRE(ship(e, nd, id, rq, err) == 0, "ship %s: %s", rid, err);
+    return id;
+}
+
+/* A finished stream against its one-process continuation. */
+static void check_stream(kc_stream *s, const request *rq, const char *what)
+{
+    streamed out;
+    decode_read(s, &out);
+    kc_stream_close(s);
+    int same = out.n == rq->n_want;
+    for (int i = 0; same && i < out.n; i++)
+        same = out.ids[i] == rq->want[i];
+    CHECK(out.rc == 0 && out.n_finish == 1 && same, "%s: ended %s %s with %d tokens (%d from "
+          "one process, %s)", what, kc_status_name(out.st.code), out.st.details, out.n,
+          rq->n_want, same ? "equal" : "different");
+}
+
+/* Issue 5: a decode node killed with SIGKILL and started again on the same gRPC and UCX
+ * ports serves a sender (this test's transport, standing for a prefill node) that had sent
+ * bundles to the old process: the transport drops the dead endpoint and makes a new one. */
+static void test_restart(engine *e, node *nd, const char *bin, const char *model)
+{
+    request rq = {.policy = "full", .n_prompt = 24, .max_tokens = 12};
+    uint64_t id = ready(e, nd, &rq, "before-kill", 400, 1);
+    check_stream(decode_open(nd, id, "before-kill", 12, NULL, 30000), &rq, "before the kill");
+
+    char listen[128], transfer[160];
+    snprintf(listen, sizeof listen, "%s", nd->proc.grpc);
+    snprintf(transfer, sizeof transfer, "%s:%u", nd->xfer_host, nd->xfer_port);
+    kc_channel_destroy(nd->ch);
+    int st = test_proc_stop(&nd->proc, SIGKILL, 10.0);
+    CHECK(st >= 0 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "SIGKILL: status %d", st);
+
+    /* A send to the dead node fails (it does not hang to its timeout: no assert on time). */
+    char err[KT_ERR_MAX];
+    request dead = {.policy = "full", .n_prompt = 20, .max_tokens = 4};
+    prefill(e, &dead, 401, 0);
+    CHECK(ship(e, nd, 12345, &dead, err) != 0, "a bundle to the killed node fails");
+
+    node_start(nd, bin, model, listen, transfer, "30");
+    CHECK(strcmp(nd->proc.grpc, listen) == 0, "restarted on the same gRPC address %s (%s)",
+          listen, nd->proc.grpc);
+    request again = {.policy = "streaming:sink=4,window=16", .n_prompt = 30, .max_tokens = 16};
+    id = ready(e, nd, &again, "after-restart", 402, 1);
+    check_stream(decode_open(nd, id, "after-restart", 16, NULL, 30000), &again,
+                 "after the restart on the same ports");
+    CHECK(idle(nd), "after the restart: every block back");
+}
+
+/* Issue 5: SIGTERM drains. A stream running at the signal and a reservation whose Decode
+ * comes after it are decoded to their end (same tokens as one process); a new Reserve is
+ * refused UNAVAILABLE "draining"; health says NOT_SERVING, /healthz 503 "draining", Status
+ * DRAINING; then the node exits 0 by itself. */
+static void test_drain(engine *e, node *nd)
+{
+    request a = {.policy = "full", .n_prompt = 30, .max_tokens = 40};
+    request b = {.policy = "streaming:sink=4,window=16", .n_prompt = 26, .max_tokens = 30};
+    uint64_t ida = ready(e, nd, &a, "drain-running", 500, 1);
+    uint64_t idb = ready(e, nd, &b, "drain-reserved", 501, 1);
+    kc_stream *sa = decode_open(nd, ida, "drain-running", 40, NULL, 60000);
+    ProtobufCMessage *m;
+    kc_status st;
+    REQUIRE(kc_stream_next(sa, &kvrelay__v1__decode_response__descriptor, &m, &st) == 1,
+            "the running stream's first message: %s", st.details);
+    /* Put the message back in the comparison: read_rest below starts after it. */
+    const Kvrelay__V1__DecodeResponse *r0 = (const void *)m;
+    int n0 = r0->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS ? (int)r0->tokens->n_ids
+                                                                          : 0;
+    int32_t first[MAX_OUT];
+    for (int i = 0; i < n0 && i < MAX_OUT; i++)
+        first[i] = (int32_t)r0->tokens->ids[i];
+    kc_message_free(m);
+
+    kill(nd->proc.pid, SIGTERM);
+    Kvrelay__V1__Node *s = NULL;
+    for (int i = 0; i < 100; i++) { /* the signal is read by the node's main thread */
+        kc_message_free((ProtobufCMessage *)s);
+        s = status(nd);
+        if (s && s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING)
+            break;
+        sleep_ms(20);
+    }
+    CHECK(s && s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING, "Status: DRAINING");
+    kc_message_free((ProtobufCMessage *)s);
+    const char *hz = http_get(nd, "/healthz");
+    CHECK(strstr(hz, " 503 ") && strstr(hz, "draining"), "/healthz while draining: %.80s", hz);
+    CHECK(health_serving(nd) == 0, "grpc.health.v1: NOT_SERVING while draining");
+    CHECK(reserve(nd, "drain-new", 20, 8, "full", 0, &st) == 0 &&
+          st.code == GRPC_STATUS_UNAVAILABLE && strstr(st.details, "draining"),
+          "Reserve while draining: %s %s", kc_status_name(st.code), st.details);
+
+    check_stream(decode_open(nd, idb, "drain-reserved", 30, NULL, 60000), &b,
+                 "a reservation made before the drain, decoded during it");
+    streamed out;
+    decode_read(sa, &out);
+    kc_stream_close(sa);
+    int same = n0 + out.n == a.n_want;
+    for (int i = 0; same && i < n0 + out.n; i++)
+        same = (i < n0 ? first[i] : out.ids[i - n0]) == a.want[i];
+    CHECK(out.rc == 0 && out.n_finish == 1 && same, "the stream running at SIGTERM: ended %s "
+          "%s with %d tokens (%d from one process, %s)", kc_status_name(out.st.code),
+          out.st.details, n0 + out.n, a.n_want, same ? "equal" : "different");
+
+    kc_channel_destroy(nd->ch);
+    int code = test_proc_stop(&nd->proc, 0, 30.0); /* signal 0: just wait for the exit */
+    CHECK(code >= 0 && WIFEXITED(code) && WEXITSTATUS(code) == 0,
+          "the drained node exits 0 by itself (status %d)", code);
+}
+
+/* Work that does not end by itself during a drain (a Decode waiting for a bundle nobody
+ * sends; a running stream could meet EOS): it ends UNAVAILABLE when --drain-timeout-s passes
+ * (second == 0) or at a second SIGTERM (second == 1, an impatient operator: the shutdown under
+ * way must not die of it); the node exits 0 either way. */
+static void test_drain_cut(node *nd, int second)
+{
+    kc_status st;
+    uint64_t id = reserve(nd, "drain-cut", 20, 10, "full", 60000, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    kc_stream *s = decode_open(nd, id, "drain-cut", 10, NULL, 120000);
+    Kvrelay__V1__Node *w = NULL;
+    for (int i = 0; i < 100 && !(w && w->queued_requests == 1); i++) {
+        kc_message_free((ProtobufCMessage *)w);
+        sleep_ms(20);
+        w = status(nd);
+    }
+    CHECK(w && w->queued_requests == 1, "the Decode call waits for its bundle");
+    kc_message_free((ProtobufCMessage *)w);
+    kill(nd->proc.pid, SIGTERM);
+    if (second) {
+        Kvrelay__V1__Node *ns = NULL;
+        for (int i = 0; i < 100; i++) {
+            kc_message_free((ProtobufCMessage *)ns);
+            ns = status(nd);
+            if (ns && ns->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING)
+                break;
+            sleep_ms(20);
+        }
+        CHECK(ns && ns->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING,
+              "draining with the Decode call waiting");
+        kc_message_free((ProtobufCMessage *)ns);
+        kill(nd->proc.pid, SIGTERM);
+    }
+    streamed out;
+    decode_read(s, &out);
+    kc_stream_close(s);
+    /* The details are the node's "... shutting down", or gRPC's own when the server's
+     * shutdown cancelled the call before the node's status went out (docs/decode-node.md). */
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_UNAVAILABLE, "a stream cut by %s: %s %s",
+          second ? "a second SIGTERM" : "the drain timeout", kc_status_name(out.st.code),
+          out.st.details);
+    kc_channel_destroy(nd->ch);
+    int code = test_proc_stop(&nd->proc, 0, 30.0);
+    CHECK(code >= 0 && WIFEXITED(code) && WEXITSTATUS(code) == 0,
+          "exit 0 after %s (status %d)", second ? "a second SIGTERM" : "the drain timeout", code);
+}
+
 int main(void)
 {
     const char *bin_dir = kt_env("KR_BIN"), *fix = kt_env("KR_FIXTURES");
@@ -778,14 +957,23 @@ int main(void)
         REQUIRE(mkdtemp(tmp), "mkdtemp");
         policy_files(e.cfg, tmp);
         node nd;
-        node_start(&nd, bin, dir);
+        node_start(&nd, bin, dir, "127.0.0.1:0", "127.0.0.1:0", "30");
         test_batch_equals_one_process(&e, &nd, models[mi]);
         if (mi == 0) { /* the node's behaviour does not depend on the model: once is enough */
             test_cancel_and_deadline(&e, &nd);
             test_refusals(&e, &nd);
             test_expiry(&e, &nd);
+            test_restart(&e, &nd, bin, dir);
+            test_drain(&e, &nd);
+            node_start(&nd, bin, dir, "127.0.0.1:0", "127.0.0.1:0", "1");
+            test_drain_cut(&nd, 0);
+            node_start(&nd, bin, dir, "127.0.0.1:0", "127.0.0.1:0", "30");
+            test_drain_cut(&nd, 1);
+        } else {
+            kc_channel_destroy(nd.ch);
+            int st = test_proc_stop(&nd.proc, SIGTERM, 30.0);
+            CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM: exit 0 (%d)", st);
         }
-        node_stop(&nd);
         engine_free(&e);
         char path[200];
         snprintf(path, sizeof path, "%s/gates.tsv", tmp);
