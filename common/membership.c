@@ -637,7 +637,8 @@ static int watch_relist(kc_watch *w, const kc_etcd_range_result *r)
         return -1;
     }
     set_clear(w->set, w->n);
-    memcpy(w->set, fresh, n * sizeof *fresh);
+    if (n)
+        memcpy(w->set, fresh, n * sizeof *fresh);
     w->n = n;
     free(fresh);
     return changed;
@@ -837,6 +838,13 @@ int kc_watch_start_cfg(const kc_etcd_config *cfg, const char *cluster, kc_member
     }
     w->fn = fn;
     w->user = user;
+    if (set_reserve(w, 16) != 0) { /* also: the callback never gets NULL, even for 0 members */
+        err_set(err, "out of memory");
+        kc_etcd_destroy(w->etcd);
+        free(w->set);
+        free(w);
+        return -1;
+    }
     pthread_mutex_init(&w->mu, NULL);
     cond_init_monotonic(&w->cond);
     if (pthread_create(&w->thread, NULL, watch_thread, w) != 0) {
@@ -844,6 +852,8 @@ int kc_watch_start_cfg(const kc_etcd_config *cfg, const char *cluster, kc_member
         pthread_cond_destroy(&w->cond);
         pthread_mutex_destroy(&w->mu);
         kc_etcd_destroy(w->etcd);
+        free(w->set);
+        free(w->scratch);
         free(w);
         return -1;
     }
