@@ -259,6 +259,65 @@ static void test_etcd_death(kc_etcd *c)
     kc_etcd_watch_close(w2);
 }
 
+/* Auth (needs etcdctl to enable it): a client with user/password works, including after etcd's
+ * restart invalidated its token (it authenticates again); a wrong password or no user fails. */
+static void test_auth(void)
+{
+    if (access(TEST_ETCDCTL_BIN, X_OK) != 0) {
+        fprintf(stderr, "no %s: auth not tested\n", TEST_ETCDCTL_BIN);
+        return;
+    }
+    char cmd[512];
+    snprintf(cmd, sizeof cmd,
+             "%s --endpoints=%s user add root:rootpw >/dev/null && "
+             "%s --endpoints=%s auth enable >/dev/null",
+             TEST_ETCDCTL_BIN, g_etcd.endpoint, TEST_ETCDCTL_BIN, g_etcd.endpoint);
+    REQUIRE(system(cmd) == 0, "%s failed", cmd);
+    kc_status st;
+    kc_etcd *c = NULL;
+    kc_etcd_config cfg = {.endpoints = g_etcd.endpoint, .user = "root", .password = "rootpw"};
+    REQUIRE(kc_etcd_create(&cfg, &c, &st) == 0, "create: %s", st.details);
+    CHECK(kc_etcd_put(c, "/t/auth", "a", 1, 0, NULL, &st) == 0, "put with auth: %s", st.details);
+    kc_etcd_watch *w = NULL;
+    CHECK(kc_etcd_watch_open(c, "/t/auth", 0, 0, 0, &w, &st) == 0, "watch with auth: %s",
+          st.details);
+    kc_etcd_watch_close(w);
+
+    kc_etcd *bad = NULL;
+    kc_etcd_config badcfg = {.endpoints = g_etcd.endpoint, .user = "root", .password = "wrong"};
+    REQUIRE(kc_etcd_create(&badcfg, &bad, &st) == 0, "create: %s", st.details);
+    CHECK(kc_etcd_put(bad, "/t/auth", "b", 1, 0, NULL, &st) != 0, "put with a wrong password");
+    CHECK_ERR_HAS(st.details, "Authenticate");
+    printf("wrong password: %s\n", st.details);
+    kc_etcd_destroy(bad);
+    kc_etcd_config none = {.endpoints = g_etcd.endpoint};
+    REQUIRE(kc_etcd_create(&none, &bad, &st) == 0, "create: %s", st.details);
+    CHECK(kc_etcd_put(bad, "/t/auth", "b", 1, 0, NULL, &st) != 0, "put without a user");
+    printf("no user: %s\n", st.details);
+    kc_etcd_destroy(bad);
+
+    /* etcd's simple tokens do not survive a restart: the client must authenticate again */
+    test_etcd_kill(&g_etcd, SIGKILL);
+    REQUIRE(test_etcd_start(&g_etcd) == 0, "etcd did not restart");
+    int ok = 0;
+    double t0 = test_now();
+    while (!ok && test_now() - t0 < 15) {
+        ok = kc_etcd_put(c, "/t/auth", "c", 1, 0, NULL, &st) == 0;
+        if (!ok)
+            kc_etcd_wait_ready(c, 250);
+    }
+    CHECK(ok, "put with auth after a restart: %s", st.details);
+    /* auth disabled and enabled again drops every token: the next call must re-authenticate */
+    snprintf(cmd, sizeof cmd,
+             "%s --endpoints=%s --user root:rootpw auth disable >/dev/null && "
+             "%s --endpoints=%s auth enable >/dev/null",
+             TEST_ETCDCTL_BIN, g_etcd.endpoint, TEST_ETCDCTL_BIN, g_etcd.endpoint);
+    REQUIRE(system(cmd) == 0, "%s failed", cmd);
+    CHECK(kc_etcd_put(c, "/t/auth", "d", 1, 0, NULL, &st) == 0, "put after the token was dropped: "
+          "%s", st.details);
+    kc_etcd_destroy(c);
+}
+
 int main(void)
 {
     test_bad_config();
@@ -286,5 +345,6 @@ int main(void)
     test_compaction(c);
     test_etcd_death(c);
     kc_etcd_destroy(c);
+    test_auth();
     return kt_done("test_etcd");
 }
