@@ -144,7 +144,7 @@ int kc_channel_create_opts(const char *target, const kc_channel_opts *opts, kc_c
         return -1;
     }
     grpc_init(); /* reference-counted; matched in kc_channel_destroy */
-    grpc_arg args[7];
+    grpc_arg args[8];
     size_t n = 0;
     args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
                            .value.integer = lim};
@@ -155,6 +155,9 @@ int kc_channel_create_opts(const char *target, const kc_channel_opts *opts, kc_c
                                .value.integer = opts->keepalive_ms};
         args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
                                .value.integer = opts->keepalive_ms};
+        /* keep pinging a quiet stream (a watch with no events): gRPC stops after 2 by default */
+        args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER,
+                               .key = GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, .value.integer = 0};
     }
     if (opts->max_reconnect_backoff_ms > 0) {
         int b = opts->max_reconnect_backoff_ms;
