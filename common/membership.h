@@ -58,8 +58,9 @@ int kc_register_start_cfg(const kc_etcd_config *cfg, const char *cluster, const 
 int kc_register_update(kc_registration *r, const kc_member *m);
 /* 1 while the key is believed to be in etcd under a live lease. */
 int kc_register_live(kc_registration *r);
-/* Stops the thread, revokes the lease (short timeout; the key disappears at once) and frees.
- * NULL is fine. */
+/* Stops the thread (waiting for at most the etcd call it is in, 2 s by default), revokes the
+ * lease (1 s deadline; the key disappears at once) and frees. Not concurrently with
+ * kc_register_update on the same registration. NULL is fine. */
 void kc_register_stop(kc_registration *r);
 /* Tests only: stops the thread and frees WITHOUT revoking, as a killed process would; the key
  * disappears when the lease expires. NULL is fine. */
