@@ -54,6 +54,16 @@ static void usage(FILE *f)
             "                           existing ones are decoded to their end; after S seconds\n"
             "                           (default 30) what still runs ends UNAVAILABLE. A second\n"
             "                           signal stops at once\n"
+            "  --etcd ENDPOINTS         register in etcd (\"127.0.0.1:2379,...\") under a lease:\n"
+            "                           /kvrelay/CLUSTER/nodes/decode/ID; etcd being down does\n"
+            "                           not stop serving (registration retries)\n"
+            "  --cluster NAME           etcd cluster name (default \"default\")\n"
+            "  --lease-ttl S            etcd lease TTL in seconds (default 10, at least 2)\n"
+            "  --etcd-ca FILE           TLS to etcd: CA bundle (PEM)\n"
+            "  --etcd-cert FILE         TLS client certificate (with --etcd-key)\n"
+            "  --etcd-key FILE          TLS client key\n"
+            "  --etcd-user NAME         etcd auth user (with --etcd-password)\n"
+            "  --etcd-password PW       etcd auth password\n"
             "  --backend cpu|cuda       compute backend (default cpu)\n"
             "  --log-level LEVEL        debug, info (default), warn, error\n"
             "  -h, --help               this help\n"
@@ -139,6 +149,8 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
     c->max_batch = 32;
     c->ttl_ms = 30000;
     c->drain_timeout_s = 30;
+    c->cluster = "default";
+    c->lease_ttl_s = 10;
     c->backend = KR_BACKEND_CPU;
     *level = KC_LOG_INFO;
     for (int i = 1; i < argc; i++) {
@@ -161,6 +173,14 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
             c->ttl_ms = (int)number(a, value(argc, argv, &i), 1, DN_MAX_TTL_MS);
         else if (!strcmp(a, "--drain-timeout-s"))
             c->drain_timeout_s = (double)number(a, value(argc, argv, &i), 0, 86400);
+        else if (!strcmp(a, "--etcd")) c->etcd.endpoints = value(argc, argv, &i);
+        else if (!strcmp(a, "--cluster")) c->cluster = value(argc, argv, &i);
+        else if (!strcmp(a, "--lease-ttl")) c->lease_ttl_s = (int)number(a, value(argc, argv, &i), 2, 3600);
+        else if (!strcmp(a, "--etcd-ca")) c->etcd.ca_file = value(argc, argv, &i);
+        else if (!strcmp(a, "--etcd-cert")) c->etcd.cert_file = value(argc, argv, &i);
+        else if (!strcmp(a, "--etcd-key")) c->etcd.key_file = value(argc, argv, &i);
+        else if (!strcmp(a, "--etcd-user")) c->etcd.user = value(argc, argv, &i);
+        else if (!strcmp(a, "--etcd-password")) c->etcd.password = value(argc, argv, &i);
         else if (!strcmp(a, "--backend")) {
             const char *b = value(argc, argv, &i);
             if (!strcmp(b, "cpu")) c->backend = KR_BACKEND_CPU;
@@ -176,6 +196,24 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
         die("--model DIR is required (see --help)");
     if (!c->id[0] || strlen(c->id) > 64)
         die("--id: '%s' must be 1 to 64 characters", c->id);
+    if (!c->etcd.endpoints && (c->etcd.ca_file || c->etcd.cert_file || c->etcd.key_file ||
+                               c->etcd.user || c->etcd.password))
+        die("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password need --etcd");
+}
+
+/* What this node puts in etcd (membership.h). */
+static void member(const dn_node *n, const char *state, kc_member *m)
+{
+    memset(m, 0, sizeof *m);
+    snprintf(m->id, sizeof m->id, "%s", n->cfg.id);
+    snprintf(m->role, sizeof m->role, "decode");
+    snprintf(m->state, sizeof m->state, "%s", state);
+    snprintf(m->grpc, sizeof m->grpc, "%s", n->grpc_addr);
+    snprintf(m->transfer, sizeof m->transfer, "%s", n->transfer_addr);
+    snprintf(m->fingerprint, sizeof m->fingerprint, "%s", n->fingerprint);
+    m->kv_capacity = (uint64_t)n->total_blocks;
+    snprintf(m->version, sizeof m->version, "%s", KVRELAY_VERSION);
+    m->start_unix_ms = n->since_unix_ms;
 }
 
 /* ------------------------------------------------------------------ metrics */
@@ -268,6 +306,12 @@ static void drain(dn_node *n, int sig)
     int live = n->n_resvs, running = n->n_running;
     pthread_mutex_unlock(&n->lock);
     kc_health_set_serving(n->health, 0);
+    if (n->registration) {
+        kc_member m;
+        member(n, "draining", &m);
+        if (kc_register_update(n->registration, &m) != 0)
+            kc_warn(NULL, "etcd: state 'draining' not written yet (retried in the background)");
+    }
     kc_info(NULL, "%s: draining: new reservations refused; %d reservations and %d running "
             "sequences may finish (at most %.0f s; another signal stops at once)",
             sig == SIGINT ? "SIGINT" : "SIGTERM", live, running, n->cfg.drain_timeout_s);
@@ -306,6 +350,9 @@ int main(int argc, char **argv)
     hostport("--http", c->http, hhost, sizeof hhost, &hport);
     hostport("--listen", c->listen, ghost, sizeof ghost, &gport);
     const char *adv = c->advertise ? c->advertise : thost;
+    if (c->etcd.endpoints && !c->advertise && !strcmp(ghost, "0.0.0.0"))
+        die("--listen %s listens on every interface: give --advertise HOST, the address the "
+            "router reaches this node at (it is registered in etcd)", c->listen);
     if (strlen(adv) >= sizeof thost)
         die("--advertise: '%s' is longer than %zu characters", adv, sizeof thost - 1);
     if (!strcmp(adv, "0.0.0.0"))
@@ -380,6 +427,18 @@ int main(int argc, char **argv)
     }
     snprintf(n->http_addr, sizeof n->http_addr, "%s:%d", hhost, hport);
     n->since_unix_ms = dn_unix_ms();
+    if (c->etcd.endpoints) {
+        kc_member m;
+        member(n, "serving", &m);
+        char rerr[KC_MEMBER_ERR_LEN];
+        if (kc_register_start_cfg(&c->etcd, c->cluster, &m, c->lease_ttl_s, &n->registration,
+                                  rerr) != 0) {
+            kc_error(NULL, "--etcd %s: %s", c->etcd.endpoints, rerr);
+            return 2;
+        }
+        kc_info(NULL, "registering in etcd %s as /kvrelay/%s/nodes/decode/%s (lease %d s)",
+                c->etcd.endpoints, c->cluster, c->id, c->lease_ttl_s);
+    }
     kc_info(NULL, "serving kvrelay.v1.Decode on %s, KV bundles on %s, metrics on http://%s",
             n->grpc_addr, n->transfer_addr, n->http_addr);
     printf("decode %s: serving grpc %s http %s\n", c->id, n->grpc_addr, n->http_addr);
@@ -387,6 +446,7 @@ int main(int argc, char **argv)
 
     drain(n, kc_signals_wait());
     dn_loop_stop(n); /* ends every stream left (UNAVAILABLE) and frees their sequences */
+    kc_register_stop(n->registration); /* revokes the lease: the key goes at once */
     kc_server_destroy(n->server); /* waits for every handler */
     dn_resv_release_all(n);
     kt_transport_destroy(n->transport);

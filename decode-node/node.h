@@ -25,6 +25,7 @@
 #include "health.h"
 #include "http.h"
 #include "kr.h"
+#include "membership.h"
 #include "metrics.h"
 #include "rpc.h"
 #include "transport.h"
@@ -49,6 +50,9 @@ typedef struct dn_config {
     int max_batch; /* most sequences per kr_forward_batch call */
     int ttl_ms; /* default reservation expiry */
     double drain_timeout_s; /* the longest a SIGTERM'd node waits for its work to end */
+    kc_etcd_config etcd; /* etcd.endpoints NULL: no registration */
+    const char *cluster;
+    int lease_ttl_s;
     kr_backend_kind backend;
 } dn_config;
 
@@ -129,6 +133,7 @@ typedef struct dn_node {
     kc_server *server;
     kc_health *health;
     kc_http *http;
+    kc_registration *registration; /* NULL without --etcd */
     dn_metrics m;
     char grpc_addr[160], transfer_addr[160], http_addr[160]; /* HOST:PORT, host <= 127 chars */
     int64_t since_unix_ms;

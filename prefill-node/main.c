@@ -54,6 +54,18 @@ static void usage(FILE *f)
             "                          queued and running ones finish; after S seconds (default\n"
             "                          30) those left end UNAVAILABLE. A second signal stops at\n"
             "                          once\n"
+            "  --advertise HOST        host registered in etcd (default: the --listen host;\n"
+            "                          required with --etcd when that is 0.0.0.0)\n"
+            "  --etcd ENDPOINTS        register in etcd (\"127.0.0.1:2379,...\") under a lease:\n"
+            "                          /kvrelay/CLUSTER/nodes/prefill/ID; etcd being down does\n"
+            "                          not stop serving (registration retries)\n"
+            "  --cluster NAME          etcd cluster name (default \"default\")\n"
+            "  --lease-ttl S           etcd lease TTL in seconds (default 10, at least 2)\n"
+            "  --etcd-ca FILE          TLS to etcd: CA bundle (PEM)\n"
+            "  --etcd-cert FILE        TLS client certificate (with --etcd-key)\n"
+            "  --etcd-key FILE         TLS client key\n"
+            "  --etcd-user NAME        etcd auth user (with --etcd-password)\n"
+            "  --etcd-password PW      etcd auth password\n"
             "  --backend B             cpu (default) or cuda\n"
             "  --log-level L           debug, info (default), warn, error\n"
             "  -h, --help              this help\n",
@@ -112,6 +124,8 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
                      .kv_blocks = -1,
                      .transfer_timeout_s = 30.0,
                      .drain_timeout_s = 30.0,
+                     .cluster = "default",
+                     .lease_ttl_s = 10,
                      .backend = KR_BACKEND_CPU};
     *level = KC_LOG_INFO;
     for (int i = 1; i < argc; i++) {
@@ -152,6 +166,24 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             c->transfer_timeout_s = flag_double(a, flag_value(argc, argv, &i), 0.001, 86400);
         } else if (!strcmp(a, "--drain-timeout-s")) {
             c->drain_timeout_s = flag_double(a, flag_value(argc, argv, &i), 0, 86400);
+        } else if (!strcmp(a, "--advertise")) {
+            c->advertise = flag_value(argc, argv, &i);
+        } else if (!strcmp(a, "--etcd")) {
+            c->etcd.endpoints = flag_value(argc, argv, &i);
+        } else if (!strcmp(a, "--cluster")) {
+            c->cluster = flag_value(argc, argv, &i);
+        } else if (!strcmp(a, "--lease-ttl")) {
+            c->lease_ttl_s = (int)flag_long(a, flag_value(argc, argv, &i), 2, 3600);
+        } else if (!strcmp(a, "--etcd-ca")) {
+            c->etcd.ca_file = flag_value(argc, argv, &i);
+        } else if (!strcmp(a, "--etcd-cert")) {
+            c->etcd.cert_file = flag_value(argc, argv, &i);
+        } else if (!strcmp(a, "--etcd-key")) {
+            c->etcd.key_file = flag_value(argc, argv, &i);
+        } else if (!strcmp(a, "--etcd-user")) {
+            c->etcd.user = flag_value(argc, argv, &i);
+        } else if (!strcmp(a, "--etcd-password")) {
+            c->etcd.password = flag_value(argc, argv, &i);
         } else if (!strcmp(a, "--backend")) {
             const char *v = flag_value(argc, argv, &i);
             if (!strcmp(v, "cpu"))
@@ -174,6 +206,26 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     if (pf_parse_hostport(c->http, 0, 1, host, sizeof host, &port) != 0)
         die(2, "--http: '%s' is not HOST:PORT", c->http);
     if (!strrchr(c->listen, ':')) die(2, "--listen: '%s' is not HOST:PORT", c->listen);
+    if (!c->etcd.endpoints && (c->etcd.ca_file || c->etcd.cert_file || c->etcd.key_file ||
+                               c->etcd.user || c->etcd.password))
+        die(2, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password need --etcd");
+    if (c->etcd.endpoints && !c->advertise && !strncmp(c->listen, "0.0.0.0:", 8))
+        die(2, "--listen %s listens on every interface: give --advertise HOST, the address the "
+            "router reaches this node at (it is registered in etcd)", c->listen);
+}
+
+/* What this node puts in etcd (membership.h). */
+static void member(const pf_node *n, const char *state, kc_member *m)
+{
+    memset(m, 0, sizeof *m);
+    snprintf(m->id, sizeof m->id, "%s", n->cfg->id);
+    snprintf(m->role, sizeof m->role, "prefill");
+    snprintf(m->state, sizeof m->state, "%s", state);
+    snprintf(m->grpc, sizeof m->grpc, "%.255s", n->grpc_address);
+    snprintf(m->fingerprint, sizeof m->fingerprint, "%s", kr_model_fingerprint(n->model));
+    m->kv_capacity = (uint64_t)n->cfg->max_prompt;
+    snprintf(m->version, sizeof m->version, "%s", KVRELAY_VERSION);
+    m->start_unix_ms = atomic_load(&n->since_unix_ms);
 }
 
 /* --max-prompt and --kv-blocks against the model. */
@@ -232,9 +284,13 @@ static int idle(void *user)
  * signal) end what is left with UNAVAILABLE before the server cancels the calls. */
 static void drain(pf_node *n, int sig)
 {
+    kc_member m;
+    member(n, "draining", &m); /* start_unix_ms: the process's start, not the drain's */
     atomic_store(&n->draining, 1);
     atomic_store(&n->since_unix_ms, unix_ms());
     kc_health_set_serving(n->health, 0);
+    if (n->registration && kc_register_update(n->registration, &m) != 0)
+        kc_warn(NULL, "etcd: state 'draining' not written yet (retried in the background)");
     int running, waiting;
     uint64_t tokens;
     pf_queue_load(n, &running, &waiting, &tokens);
@@ -290,8 +346,11 @@ int main(int argc, char **argv)
     if (pf_service_register(n, srv) != 0 || !(n->health = kc_health_register(srv, services)))
         die(1, "cannot register the gRPC methods");
     int listen_host_len = (int)(strrchr(cfg.listen, ':') - cfg.listen);
-    snprintf(n->grpc_address, sizeof n->grpc_address, "%.*s:%d", listen_host_len, cfg.listen,
-             grpc_port);
+    if (cfg.advertise)
+        snprintf(n->grpc_address, sizeof n->grpc_address, "%.255s:%d", cfg.advertise, grpc_port);
+    else
+        snprintf(n->grpc_address, sizeof n->grpc_address, "%.*s:%d", listen_host_len, cfg.listen,
+                 grpc_port);
     if (pf_queue_start(n, err) != 0) die(1, "%s", err);
     if (kc_server_start(srv, &st) != 0) die(1, "starting the gRPC server: %s", st.details);
     char http_host[256], http_err[256];
@@ -312,10 +371,22 @@ int main(int argc, char **argv)
            http_bound);
     fflush(stdout);
 
+    if (cfg.etcd.endpoints) {
+        kc_member m;
+        member(n, "serving", &m);
+        char rerr[KC_MEMBER_ERR_LEN];
+        if (kc_register_start_cfg(&cfg.etcd, cfg.cluster, &m, cfg.lease_ttl_s, &n->registration,
+                                  rerr) != 0)
+            die(2, "--etcd %s: %s", cfg.etcd.endpoints, rerr);
+        kc_info(NULL, "registering in etcd %s as /kvrelay/%s/nodes/prefill/%s (lease %d s)",
+                cfg.etcd.endpoints, cfg.cluster, cfg.id, cfg.lease_ttl_s);
+    }
+
     drain(n, kc_signals_wait());
     /* Cancels every call left and waits for their handlers: queued jobs leave the queue, a job
      * in prefill skips its transfer, a send in flight runs to its end (ack, failure, timeout). */
     kc_server_destroy(srv);
+    kc_register_stop(n->registration); /* revokes the lease: the key goes at once */
     kc_health_free(n->health);
     pf_queue_stop(n);
     kc_http_stop(http);

@@ -20,6 +20,7 @@
 #include "bundle.h"
 #include "health.h"
 #include "kr.h"
+#include "membership.h"
 #include "metrics.h"
 #include "rpc.h"
 #include "transport.h"
@@ -42,6 +43,10 @@ typedef struct pf_config {
     int kv_blocks;             /* KV pool blocks */
     double transfer_timeout_s; /* cap on one bundle send */
     double drain_timeout_s;    /* the longest a SIGTERM'd node waits for its jobs */
+    const char *advertise;     /* host registered in etcd instead of the --listen host */
+    kc_etcd_config etcd;       /* etcd.endpoints NULL: no registration */
+    const char *cluster;
+    int lease_ttl_s;
     kr_backend_kind backend;
 } pf_config;
 
@@ -104,6 +109,7 @@ typedef struct pf_node {
     _Atomic int64_t since_unix_ms; /* when the current state began */
     kc_registry *reg;
     kc_health *health; /* grpc.health.v1 */
+    kc_registration *registration; /* NULL without --etcd */
     pf_metrics metrics;
 
     /* the worker's: only the worker thread touches these after start-up */
