@@ -4,8 +4,9 @@
  * /metrics + /healthz over HTTP; sends each request to a decode node (Reserve, Decode) and a
  * prefill node (Prefill) chosen by its placement. It loads the model's config.json and
  * tokenizer.json only: it never runs the model.
- * Not here: etcd membership (the nodes come from a static file), TLS, several routers sharing
- * load information.
+ * Membership comes from a static file and may change while it runs (router/nodes.c); failed
+ * nodes are handled as docs/failures.md says (circuit breaker, prefill retry, decode failure or
+ * --migrate). Not here: TLS, several routers sharing load information.
  * Run: kvrelay-router --model DIR --nodes nodes.json --listen 127.0.0.1:7100 --http 127.0.0.1:9100
  * docs/router.md describes the flags, the request flow and its retry rules.
  */
@@ -48,6 +49,16 @@ static void usage(FILE *f)
             "  --policy-dir DIR        where policy files (heads pattern=, hsft windows=) live: clients\n"
             "                          name them by bare file name; without it such keys are refused\n"
             "                          (every node must see DIR at the same path)\n"
+            "  --breaker-failures N    consecutive failed calls (UNAVAILABLE, DEADLINE_EXCEEDED) that\n"
+            "                          make a node SUSPECT: skipped until a probe answers (default 3)\n"
+            "  --breaker-cooldown-ms MS  time before the half-open probe (one Status) of a suspect\n"
+            "                          node (default 2000)\n"
+            "  --prefill-timeout-ms MS cap on one Prefill call: a node silent this long has failed\n"
+            "                          and the request is retried once elsewhere (default 60000)\n"
+            "  --decode-stall-ms MS    a decode stream with no message this long has failed\n"
+            "                          (default 5000)\n"
+            "  --migrate               a failed decode stream continues on another decode node (re-\n"
+            "                          prefill of the prompt and the tokens sent) instead of failing\n"
             "  --log-level L           debug, info, warn or error (default info)\n"
             "  -h, --help              this help\n"
             "\n"
@@ -70,6 +81,8 @@ static void die(const char *fmt, ...)
 typedef struct router_opts {
     const char *model, *nodes, *listen, *http, *id, *placement, *log_level, *policy_dir;
     long max_tokens_limit, max_prompt, default_timeout_ms;
+    long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
+    int migrate;
 } router_opts;
 
 static long parse_long(const char *flag, const char *s, long lo, long hi)
@@ -103,7 +116,9 @@ static void parse(int argc, char **argv, router_opts *o)
 {
     *o = (router_opts){.listen = "127.0.0.1:7100", .http = "127.0.0.1:9100", .id = "router-0",
                        .placement = "least-loaded", .log_level = "info", .max_tokens_limit = 4096,
-                       .max_prompt = -1, .default_timeout_ms = 300000};
+                       .max_prompt = -1, .default_timeout_ms = 300000,
+                       .breaker_failures = 3, .breaker_cooldown_ms = 2000, .prefill_timeout_ms = 60000,
+                       .decode_stall_ms = 5000};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -111,6 +126,10 @@ static void parse(int argc, char **argv, router_opts *o)
             exit(0);
         }
         if (a[0] != '-' || a[1] != '-') die("unexpected argument '%s' (see --help)", a);
+        if (!strcmp(a, "--migrate")) {
+            o->migrate = 1;
+            continue;
+        }
         if (i + 1 >= argc) die("%s needs a value (see --help)", a);
         const char *v = argv[++i];
         if (!strcmp(a, "--model")) o->model = v;
@@ -124,6 +143,10 @@ static void parse(int argc, char **argv, router_opts *o)
         else if (!strcmp(a, "--max-tokens-limit")) o->max_tokens_limit = parse_long(a, v, 1, 1 << 24);
         else if (!strcmp(a, "--max-prompt")) o->max_prompt = parse_long(a, v, 1, 1 << 30);
         else if (!strcmp(a, "--default-timeout-ms")) o->default_timeout_ms = parse_long(a, v, 1, 86400000L);
+        else if (!strcmp(a, "--breaker-failures")) o->breaker_failures = parse_long(a, v, 1, 1000);
+        else if (!strcmp(a, "--breaker-cooldown-ms")) o->breaker_cooldown_ms = parse_long(a, v, 1, 3600000L);
+        else if (!strcmp(a, "--prefill-timeout-ms")) o->prefill_timeout_ms = parse_long(a, v, 1, 86400000L);
+        else if (!strcmp(a, "--decode-stall-ms")) o->decode_stall_ms = parse_long(a, v, 1, 86400000L);
         else die("unknown flag '%s' (see --help)", a);
     }
     if (!o->model) die("--model DIR is required (see --help)");
@@ -213,14 +236,25 @@ int main(int argc, char **argv)
     rt->max_tokens_limit = (uint32_t)o.max_tokens_limit;
     rt->default_timeout_ms = o.default_timeout_ms;
     rt->started_unix_ms = unix_ms();
+    rt->breaker_failures = (int)o.breaker_failures;
+    rt->breaker_cooldown_ms = o.breaker_cooldown_ms;
+    rt->prefill_timeout_ms = o.prefill_timeout_ms;
+    rt->decode_stall_ms = o.decode_stall_ms;
+    rt->migrate = o.migrate;
+    pthread_mutex_init(&rt->mu, NULL);
+    pthread_cond_init(&rt->cv, NULL);
 
     rt_members ms;
     char merr[RT_MEMBERS_ERR_MAX];
     if (rt_members_load(o.nodes, &ms, merr) != 0) die("--nodes: %s", merr);
-    if (rt_nodes_init(rt, &ms, err) != 0) die("--nodes: %s", err);
+    rt_member_info info[2 * RT_MEMBERS_MAX];
+    int n_info = 0;
+    for (int i = 0; i < ms.n_prefill; i++)
+        info[n_info++] = (rt_member_info){.role = RT_ROLE_PREFILL, .id = ms.prefill[i].id, .address = ms.prefill[i].address};
+    for (int i = 0; i < ms.n_decode; i++)
+        info[n_info++] = (rt_member_info){.role = RT_ROLE_DECODE, .id = ms.decode[i].id, .address = ms.decode[i].address};
+    if (rt_nodes_apply(rt, info, n_info, err) != 0) die("--nodes: %s", err);
     rt_members_free(&ms);
-    pthread_mutex_init(&rt->mu, NULL);
-    pthread_cond_init(&rt->cv, NULL);
     metrics_init(rt);
 
     if (kc_signals_init() != 0) die("signal pipe: %s", strerror(errno));
@@ -253,10 +287,15 @@ int main(int argc, char **argv)
         pthread_create(&rt->watcher, NULL, rt_watcher_main, rt) != 0)
         die("cannot start the router's threads");
     if (kc_server_start(srv, &st) != 0) die("cannot start the gRPC server: %s", st.details);
-    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s", o.model,
+    int n_prefill = 0, n_decode = 0;
+    pthread_mutex_lock(&rt->mu);
+    for (int i = 0; i < rt->n_nodes; i++) n_prefill += rt->nodes[i]->role == RT_ROLE_PREFILL;
+    n_decode = rt->n_nodes - n_prefill;
+    pthread_mutex_unlock(&rt->mu);
+    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s%s", o.model,
             rt->cfg.arch_name, rt->cfg.vocab_size, rt->cfg.max_position_embeddings,
-            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", rt->n_prefill, rt->n_decode,
-            rt->placement->name);
+            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", n_prefill, n_decode, rt->placement->name,
+            rt->migrate ? ", --migrate" : "");
     printf("router %s: serving grpc %s http %s%s%s:%d\n", rt->id, rt->grpc_address, strchr(http_host, ':') ? "[" : "",
            http_host, strchr(http_host, ':') ? "]" : "", http_bound);
     fflush(stdout);
