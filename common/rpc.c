@@ -127,6 +127,14 @@ struct kc_channel {
 int kc_channel_create(const char *target, size_t max_message_bytes, kc_channel **out,
                       kc_status *st)
 {
+    kc_channel_opts opts = {.max_message_bytes = max_message_bytes};
+    return kc_channel_create_opts(target, &opts, out, st);
+}
+
+int kc_channel_create_opts(const char *target, const kc_channel_opts *opts, kc_channel **out,
+                           kc_status *st)
+{
+    size_t max_message_bytes = opts->max_message_bytes;
     if (max_message_bytes == 0)
         max_message_bytes = KC_MAX_MESSAGE_DEFAULT;
     int lim = max_message_bytes > INT_MAX ? INT_MAX : (int)max_message_bytes;
@@ -136,14 +144,35 @@ int kc_channel_create(const char *target, size_t max_message_bytes, kc_channel *
         return -1;
     }
     grpc_init(); /* reference-counted; matched in kc_channel_destroy */
-    grpc_arg args[2] = {
-        {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, .value.integer = lim},
-        {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, .value.integer = lim},
-    };
-    grpc_channel_args cargs = {.num_args = 2, .args = args};
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    grpc_arg args[7];
+    size_t n = 0;
+    args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+                           .value.integer = lim};
+    args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
+                           .value.integer = lim};
+    if (opts->keepalive_ms > 0) {
+        args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_KEEPALIVE_TIME_MS,
+                               .value.integer = opts->keepalive_ms};
+        args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                               .value.integer = opts->keepalive_ms};
+    }
+    if (opts->max_reconnect_backoff_ms > 0) {
+        int b = opts->max_reconnect_backoff_ms;
+        args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+                               .value.integer = b};
+        args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER,
+                               .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+                               .value.integer = b < 200 ? b : 200};
+        args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+                               .value.integer = b < 200 ? b : 200};
+    }
+    grpc_channel_args cargs = {.num_args = n, .args = args};
+    grpc_channel_credentials *creds = opts->creds;
+    if (!creds)
+        creds = grpc_insecure_credentials_create();
     ch->channel = grpc_channel_create(target, creds, &cargs);
-    grpc_channel_credentials_release(creds);
+    if (!opts->creds)
+        grpc_channel_credentials_release(creds);
     if (!ch->channel) { /* 1.51 returns a lame channel rather than NULL; be safe anyway */
         status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "cannot create a channel to '%s'", target);
         grpc_shutdown();
@@ -203,15 +232,45 @@ static int pluck(grpc_completion_queue *cq, void *tag)
     return ev.type == GRPC_OP_COMPLETE && ev.success;
 }
 
+/* Copies `md` into `out` (slices owned by the caller: md_free). */
+static grpc_metadata *md_copy(const kc_md *md, size_t n)
+{
+    if (n == 0)
+        return NULL;
+    grpc_metadata *out = calloc(n, sizeof *out);
+    if (!out)
+        return NULL;
+    for (size_t i = 0; i < n; i++) {
+        out[i].key = grpc_slice_from_copied_string(md[i].key);
+        out[i].value = grpc_slice_from_copied_string(md[i].value);
+    }
+    return out;
+}
+
+static void md_free(grpc_metadata *md, size_t n)
+{
+    for (size_t i = 0; md && i < n; i++) {
+        grpc_slice_unref(md[i].key);
+        grpc_slice_unref(md[i].value);
+    }
+    free(md);
+}
+
 /* ------------------------------------------------------------------ unary */
 
 static int unary_bb(kc_channel *ch, const char *path, grpc_byte_buffer *req_bb,
                     const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
-                    ProtobufCMessage **resp, kc_status *st)
+                    const kc_md *md, size_t n_md, ProtobufCMessage **resp, kc_status *st)
 {
+    grpc_metadata *send_md = md_copy(md, n_md);
+    if (n_md && !send_md) {
+        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        return -1;
+    }
     grpc_completion_queue *cq;
     grpc_call *call = call_create(ch, path, timeout_ms, &cq);
     if (!call) {
+        md_free(send_md, n_md);
         status_set(st, GRPC_STATUS_INTERNAL, "%s: cannot create the call", path);
         return -1;
     }
@@ -224,6 +283,8 @@ static int unary_bb(kc_channel *ch, const char *path, grpc_byte_buffer *req_bb,
     grpc_op ops[6];
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = n_md;
+    ops[0].data.send_initial_metadata.metadata = send_md;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = req_bb;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -263,6 +324,7 @@ out:
     grpc_metadata_array_destroy(&trailing_md);
     grpc_metadata_array_destroy(&initial_md);
     call_destroy(call, cq);
+    md_free(send_md, n_md);
     return rc;
 }
 
@@ -270,10 +332,17 @@ int kc_unary(kc_channel *ch, const char *path, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
              ProtobufCMessage **resp, kc_status *st)
 {
+    return kc_unary_md(ch, path, req, resp_desc, timeout_ms, NULL, 0, resp, st);
+}
+
+int kc_unary_md(kc_channel *ch, const char *path, const ProtobufCMessage *req,
+                const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms, const kc_md *md,
+                size_t n_md, ProtobufCMessage **resp, kc_status *st)
+{
     grpc_byte_buffer *bb;
     if (kc_message_pack(req, ch->max_message_bytes, &bb, st) != 0)
         return -1;
-    int rc = unary_bb(ch, path, bb, resp_desc, timeout_ms, resp, st);
+    int rc = unary_bb(ch, path, bb, resp_desc, timeout_ms, md, n_md, resp, st);
     grpc_byte_buffer_destroy(bb);
     return rc;
 }
@@ -285,20 +354,22 @@ int kc_unary_bytes(kc_channel *ch, const char *path, const void *req, size_t len
     grpc_slice slice = grpc_slice_from_copied_buffer(req, len);
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&slice, 1);
     grpc_slice_unref(slice);
-    int rc = unary_bb(ch, path, bb, resp_desc, timeout_ms, resp, st);
+    int rc = unary_bb(ch, path, bb, resp_desc, timeout_ms, NULL, 0, resp, st);
     grpc_byte_buffer_destroy(bb);
     return rc;
 }
 
-/* ------------------------------------------------------------------ server streaming */
+/* ------------------------------------------------------------------ streams */
 
-enum { TAG_SEND = 1, TAG_STATUS = 2, TAG_RECV = 3 };
+enum { TAG_SEND = 1, TAG_STATUS = 2, TAG_RECV = 3, TAG_MSG = 4 };
 
 struct kc_stream {
     kc_channel *ch;
     grpc_call *call;
     grpc_completion_queue *cq;
-    grpc_byte_buffer *req_bb;       /* alive until the send batch completes */
+    grpc_byte_buffer *req_bb;       /* alive until the send batch completes (NULL: bidi) */
+    grpc_metadata *send_md;         /* alive until the send batch completes */
+    size_t n_md;
     grpc_metadata_array initial_md; /* filled with the first message */
     grpc_metadata_array trailing_md;
     grpc_status_code code;
@@ -308,8 +379,11 @@ struct kc_stream {
     int ended; /* the status batch was plucked */
 };
 
-int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req,
-                   int64_t timeout_ms, kc_stream **out, kc_status *st)
+/* Server streaming (`req` set: metadata, the request, half-close) or bidirectional (`req` NULL:
+ * metadata only) start of a call, with the status asked for at once. */
+static int stream_start(kc_channel *ch, const char *path, const ProtobufCMessage *req,
+                        const kc_md *md, size_t n_md, int64_t timeout_ms, kc_stream **out,
+                        kc_status *st)
 {
     kc_stream *s = calloc(1, sizeof *s);
     if (!s) {
@@ -321,7 +395,13 @@ int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req
     s->code = GRPC_STATUS_UNKNOWN;
     grpc_metadata_array_init(&s->initial_md);
     grpc_metadata_array_init(&s->trailing_md);
-    if (kc_message_pack(req, ch->max_message_bytes, &s->req_bb, st) != 0)
+    s->send_md = md_copy(md, n_md);
+    s->n_md = n_md;
+    if (n_md && !s->send_md) {
+        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        goto err_free;
+    }
+    if (req && kc_message_pack(req, ch->max_message_bytes, &s->req_bb, st) != 0)
         goto err_free;
     s->call = call_create(ch, path, timeout_ms, &s->cq);
     if (!s->call) {
@@ -330,11 +410,16 @@ int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req
     }
     grpc_op ops[3];
     memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = s->req_bb;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    if (grpc_call_start_batch(s->call, ops, 3, (void *)TAG_SEND, NULL) != GRPC_CALL_OK) {
+    size_t n = 0;
+    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[n].data.send_initial_metadata.count = n_md;
+    ops[n++].data.send_initial_metadata.metadata = s->send_md;
+    if (req) {
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = s->req_bb;
+        ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    }
+    if (grpc_call_start_batch(s->call, ops, n, (void *)TAG_SEND, NULL) != GRPC_CALL_OK) {
         status_set(st, GRPC_STATUS_INTERNAL, "%s: start_batch (send) failed", path);
         goto err_call;
     }
@@ -359,12 +444,26 @@ int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req
 err_call:
     call_destroy(s->call, s->cq);
 err_bb:
-    grpc_byte_buffer_destroy(s->req_bb);
+    if (s->req_bb)
+        grpc_byte_buffer_destroy(s->req_bb);
 err_free:
+    md_free(s->send_md, s->n_md);
     grpc_metadata_array_destroy(&s->trailing_md);
     grpc_metadata_array_destroy(&s->initial_md);
     free(s);
     return -1;
+}
+
+int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req,
+                   int64_t timeout_ms, kc_stream **out, kc_status *st)
+{
+    return stream_start(ch, path, req, NULL, 0, timeout_ms, out, st);
+}
+
+int kc_bidi_open(kc_channel *ch, const char *path, const kc_md *md, size_t n_md,
+                 int64_t timeout_ms, kc_stream **out, kc_status *st)
+{
+    return stream_start(ch, path, NULL, md, n_md, timeout_ms, out, st);
 }
 
 /* Waits for the status and reports it: 0 for OK, -1 otherwise. */
@@ -378,15 +477,49 @@ static int stream_end(kc_stream *s, kc_status *st)
     return s->code == GRPC_STATUS_OK ? 0 : -1;
 }
 
-int kc_stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc, ProtobufCMessage **msg,
-                   kc_status *st)
+static void stream_pluck_send(kc_stream *s)
 {
-    if (s->ended)
-        return stream_end(s, st);
     if (!s->send_plucked) {
         pluck(s->cq, (void *)TAG_SEND); /* a failed send shows up in the status */
         s->send_plucked = 1;
     }
+}
+
+int kc_stream_send(kc_stream *s, const ProtobufCMessage *msg, kc_status *st)
+{
+    if (s->ended) {
+        stream_end(s, st);
+        if (st->code == GRPC_STATUS_OK)
+            status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "send on a stream that ended");
+        return -1;
+    }
+    stream_pluck_send(s);
+    grpc_byte_buffer *bb;
+    if (kc_message_pack(msg, s->ch->max_message_bytes, &bb, st) != 0)
+        return -1;
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_MESSAGE;
+    op.data.send_message.send_message = bb;
+    int ok = grpc_call_start_batch(s->call, &op, 1, (void *)TAG_MSG, NULL) == GRPC_CALL_OK &&
+             pluck(s->cq, (void *)TAG_MSG);
+    grpc_byte_buffer_destroy(bb);
+    if (ok)
+        return 0;
+    /* the call is over (or broken): its status says why */
+    grpc_call_cancel(s->call, NULL);
+    stream_end(s, st);
+    if (st->code == GRPC_STATUS_OK)
+        status_set(st, GRPC_STATUS_UNAVAILABLE, "the stream ended before the message was sent");
+    return -1;
+}
+
+static int stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc,
+                       ProtobufCMessage **msg, int64_t timeout_ms, kc_status *st)
+{
+    if (s->ended)
+        return stream_end(s, st);
+    stream_pluck_send(s);
     grpc_byte_buffer *bb = NULL;
     grpc_op ops[2];
     memset(ops, 0, sizeof ops);
@@ -404,7 +537,24 @@ int kc_stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc, Protobu
         status_set(st, GRPC_STATUS_INTERNAL, "start_batch (receive) failed");
         return -1;
     }
-    int ok = pluck(s->cq, (void *)TAG_RECV);
+    int ok;
+    if (timeout_ms > 0) {
+        grpc_event ev = grpc_completion_queue_pluck(s->cq, (void *)TAG_RECV,
+                                                    deadline_after(timeout_ms), NULL);
+        if (ev.type == GRPC_QUEUE_TIMEOUT) {
+            grpc_call_cancel(s->call, NULL);
+            pluck(s->cq, (void *)TAG_RECV);
+            if (bb)
+                grpc_byte_buffer_destroy(bb);
+            stream_end(s, st);
+            status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "no message within %lld ms",
+                       (long long)timeout_ms);
+            return -1;
+        }
+        ok = ev.type == GRPC_OP_COMPLETE && ev.success;
+    } else {
+        ok = pluck(s->cq, (void *)TAG_RECV);
+    }
     if (!ok || !bb) { /* end of stream, or the call failed: the status says which */
         if (bb)
             grpc_byte_buffer_destroy(bb);
@@ -424,6 +574,18 @@ int kc_stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc, Protobu
     return 1;
 }
 
+int kc_stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc, ProtobufCMessage **msg,
+                   kc_status *st)
+{
+    return stream_next(s, desc, msg, 0, st);
+}
+
+int kc_stream_next_within(kc_stream *s, const ProtobufCMessageDescriptor *desc,
+                          ProtobufCMessage **msg, int64_t timeout_ms, kc_status *st)
+{
+    return stream_next(s, desc, msg, timeout_ms, st);
+}
+
 void kc_stream_cancel(kc_stream *s)
 {
     if (s)
@@ -441,7 +603,9 @@ void kc_stream_close(kc_stream *s)
     if (!s->send_plucked)
         pluck(s->cq, (void *)TAG_SEND);
     call_destroy(s->call, s->cq);
-    grpc_byte_buffer_destroy(s->req_bb);
+    if (s->req_bb)
+        grpc_byte_buffer_destroy(s->req_bb);
+    md_free(s->send_md, s->n_md);
     grpc_slice_unref(s->details);
     grpc_metadata_array_destroy(&s->trailing_md);
     grpc_metadata_array_destroy(&s->initial_md);

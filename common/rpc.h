@@ -4,8 +4,10 @@
  * completion-queue thread, one thread per call for handlers, UNIMPLEMENTED for unknown methods,
  * a clean shutdown), and a client (insecure channel, blocking unary call, server-streaming
  * reader, cancellation).
- * Not here: TLS, client-streaming or bidirectional calls, retries, load balancing, metadata
- * beyond what gRPC sends itself (the request id travels in the messages).
+ * Also, for the etcd client (common/etcd.c): channels with TLS credentials, keepalive and a
+ * short reconnect backoff, call metadata (etcd's auth token), bidirectional streams.
+ * Not here: server-side TLS, client-streaming calls, retries, load balancing (the request id
+ * travels in the messages, not in metadata).
  * Threads, ownership and cancellation are spelled out in docs/rpc.md. Test: ctest -R test_grpc.
  */
 #ifndef KC_RPC_H
@@ -124,8 +126,26 @@ typedef struct kc_stream kc_stream;
  * Connects lazily. `max_message_bytes` 0 = default. Thread-safe: share one per peer. */
 int kc_channel_create(const char *target, size_t max_message_bytes, kc_channel **out,
                       kc_status *st);
+/* Channel options beyond the defaults (a zeroed struct = kc_channel_create's behaviour). */
+typedef struct kc_channel_opts {
+    size_t max_message_bytes;          /* 0 = default */
+    grpc_channel_credentials *creds;   /* NULL = insecure; borrowed (the channel takes a ref) */
+    int keepalive_ms;                  /* > 0: HTTP/2 pings every so often while calls are open,
+                                        * so a hung peer fails open streams (0 = none) */
+    int max_reconnect_backoff_ms;      /* > 0: cap on gRPC's reconnect backoff (default 120 s),
+                                        * so a restarted peer is found again quickly */
+} kc_channel_opts;
+int kc_channel_create_opts(const char *target, const kc_channel_opts *opts, kc_channel **out,
+                           kc_status *st);
 /* Destroy only after every call and stream on it is closed. NULL is fine. */
 void kc_channel_destroy(kc_channel *ch);
+
+/* One metadata entry sent with a call (key lower-case ASCII, e.g. "token"); copied by the
+ * functions that take it. */
+typedef struct kc_md {
+    const char *key;
+    const char *value;
+} kc_md;
 
 /* A blocking unary call to `path` with a deadline of `timeout_ms` (<= 0 = none). On OK returns 0
  * and *resp (a `resp_desc` message, free with kc_message_free); otherwise -1 with `st` (the
@@ -133,6 +153,10 @@ void kc_channel_destroy(kc_channel *ch);
 int kc_unary(kc_channel *ch, const char *path, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
              ProtobufCMessage **resp, kc_status *st);
+/* kc_unary with `n_md` metadata entries sent with the call. */
+int kc_unary_md(kc_channel *ch, const char *path, const ProtobufCMessage *req,
+                const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms, const kc_md *md,
+                size_t n_md, ProtobufCMessage **resp, kc_status *st);
 /* Same with the request given as raw bytes (tests send malformed requests with it). */
 int kc_unary_bytes(kc_channel *ch, const char *path, const void *req, size_t len,
                    const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
@@ -148,6 +172,18 @@ int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req
  * set whenever 0 or -1 is returned. */
 int kc_stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc, ProtobufCMessage **msg,
                    kc_status *st);
+/* Starts a bidirectional stream: sends the metadata only; messages go with kc_stream_send and
+ * come with kc_stream_next / kc_stream_next_within. Sends and receives are made by one thread at
+ * a time (send, then read the answer); kc_stream_cancel from any thread. */
+int kc_bidi_open(kc_channel *ch, const char *path, const kc_md *md, size_t n_md,
+                 int64_t timeout_ms, kc_stream **out, kc_status *st);
+/* Sends one message on a bidirectional stream and waits until gRPC took it. Returns 0, or -1
+ * when the call is over (`st` says why: the call's status, UNAVAILABLE when it broke). */
+int kc_stream_send(kc_stream *s, const ProtobufCMessage *msg, kc_status *st);
+/* kc_stream_next waiting at most `timeout_ms` (<= 0: forever): with no message by then the call
+ * is cancelled and -1 returned with DEADLINE_EXCEEDED (the stream is over). */
+int kc_stream_next_within(kc_stream *s, const ProtobufCMessageDescriptor *desc,
+                          ProtobufCMessage **msg, int64_t timeout_ms, kc_status *st);
 /* Cancels the call (the server's handler sees kc_call_cancelled). Thread-safe, idempotent,
  * valid until kc_stream_close. */
 void kc_stream_cancel(kc_stream *s);
