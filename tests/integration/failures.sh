@@ -9,7 +9,8 @@
 #   (b) the same kill through the --migrate router: every stream completes with the ids of
 #       kvrelay-generate --greedy on the same prompt;
 #   (c) kill -9 a prefill node (--threads 1) holding queued long prompts: all complete;
-#   (e) SIGSTOP a decode node: ClusterStatus shows it suspect, requests succeed on the other;
+#   (e) SIGSTOP a decode node while it streams: its streams end UNAVAILABLE after
+#       --decode-stall-ms, ClusterStatus shows it suspect, requests succeed on the other;
 #       SIGCONT: serving again and used again.
 # After each scenario every live decode node's used + reserved KV blocks return to 0. The
 # detect/recover times are printed (docs/failures.md quotes them); none is asserted except the
@@ -127,7 +128,9 @@ for ((i = 0; i < n_streams; i++)); do
   read -r rc t_end <"$d/$i.end"
   if [ "$rc" = 0 ]; then
     by=$(served_by "$d/$i.got" decode_node)
-    [ "$by" = decode-1 ] || fail "(a) stream $i completed on '$by' (decode-0 was killed)"
+    # (one that ended by EOS before the kill may have been on decode-0)
+    [ "$by" = decode-1 ] || "$py" -c "import sys; sys.exit(0 if $t_end < $t_kill else 1)" ||
+      fail "(a) stream $i completed on '$by' after decode-0 was killed"
   else
     affected=$((affected + 1))
     grep -q "UNAVAILABLE" "$d/$i.err" && grep -q "decode node decode-0 failed after [0-9]* tokens were sent" "$d/$i.err" ||
@@ -219,10 +222,26 @@ t_suspect=$(wait_state "$router" prefill-0 10 suspect) || fail "(c) prefill-0 no
 echo "(c) prefill-0 killed with ${q:-0} queued: all $n_long requests completed ($retried retried on prefill-1), the last $(elapsed "$t_kill" "$t_last") s after the kill; prefill-0 suspect by $(elapsed "$t_kill" "${t_suspect:-$t_kill}") s"
 check_blocks "(c)" decode-0 decode-1
 
-# ---- (e) a frozen decode node (SIGSTOP: its sockets stay open, nothing answers)
+# ---- (e) a frozen decode node (SIGSTOP: its sockets stay open, nothing answers), stopped while
+# it streams: its streams end after --decode-stall-ms (default 5 s), the others complete
+d=$KRC_DIR/e; mkdir -p "$d"
+for ((i = 0; i < 4; i++)); do gen "$d" "$i" "$router" $max_tokens "$(prompt $((600 + i)))"; done
+wait_busy decode-1 || fail "(e) decode-1 never ran a sequence"
+sleep 0.3
 t_stop=$(now)
 krc_signal decode-1 STOP
 t_suspect=$(wait_state "$router" decode-1 20 suspect) || fail "(e) decode-1 not suspect after SIGSTOP"
+wait_clients
+stalled=0 worst=0
+for ((i = 0; i < 4; i++)); do
+  read -r rc t_end <"$d/$i.end"
+  [ "$rc" = 0 ] && continue
+  stalled=$((stalled + 1))
+  grep -q "decode node decode-1 failed after [0-9]* tokens were sent: no message for" "$d/$i.err" ||
+    fail "(e) stream $i: expected UNAVAILABLE naming decode-1 and the stall, got: $(tail -n1 "$d/$i.err")"
+  worst=$("$py" -c "print(max($worst, $(elapsed "$t_stop" "$t_end")))")
+done
+[ $stalled -gt 0 ] || fail "(e) no stream was on decode-1 when it was stopped"
 for ((i = 0; i < 4; i++)); do
   "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((400 + i)))" --max-tokens 8 --json >"$KRC_DIR/e.got" 2>"$KRC_DIR/e.err" ||
     fail "(e) request $i while decode-1 is stopped: $(tail -n1 "$KRC_DIR/e.err")"
@@ -238,7 +257,7 @@ for ((i = 0; i < 8 && used1 == 0; i++)); do
   [ "$(served_by "$KRC_DIR/e.got" decode_node)" = decode-1 ] && used1=1
 done
 [ $used1 = 1 ] || fail "(e) decode-1 not used again after SIGCONT"
-echo "(e) decode-1 SIGSTOPped: suspect after $(elapsed "$t_stop" "${t_suspect:-$t_stop}") s; after SIGCONT serving again in $(elapsed "$t_cont" "${t_back:-$t_cont}") s and used again: $used1"
+echo "(e) decode-1 SIGSTOPped: $stalled streams on it ended UNAVAILABLE (stall), the last ${worst} s after the stop; suspect after $(elapsed "$t_stop" "${t_suspect:-$t_stop}") s; after SIGCONT serving again in $(elapsed "$t_cont" "${t_back:-$t_cont}") s and used again: $used1"
 check_blocks "(e)" decode-0 decode-1
 
 if [ $fails -gt 0 ]; then
