@@ -49,7 +49,7 @@ static void view_update(rt_node *n)
 {
     Kvrelay__V1__NodeState v;
     if (n->gone) v = KVRELAY__V1__NODE_STATE__NODE_STATE_GONE;
-    else if (n->open) v = KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT;
+    else if (n->breaker.open) v = KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT;
     else if (n->polled && !n->reachable) v = KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE;
     else if (n->member_draining || n->refused_draining || (n->reachable && n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING))
         v = KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING;
@@ -65,15 +65,12 @@ static void view_update(rt_node *n)
 /* One failed or successful call (rt->mu held). */
 static void breaker_record(rt_router *rt, rt_node *n, int failed)
 {
-    if (!failed) {
-        n->failures = 0;
-        n->open = 0;
-    } else if (++n->failures >= rt->breaker_failures) {
-        if (!n->open) kc_warn(NULL, "node %s: circuit breaker open after %d failed calls (%s); probing in %" PRId64 " ms",
-                              n->id, n->failures, n->error, rt->breaker_cooldown_ms);
-        n->open = 1;
-        n->open_until_ms = rt_now_ms() + rt->breaker_cooldown_ms;
-    }
+    int change = rt_breaker_record(&n->breaker, failed, rt->breaker_failures, rt->breaker_cooldown_ms, rt_now_ms());
+    if (change > 0)
+        kc_warn(NULL, "node %s: circuit breaker open after %d failed calls (%s); probing every %" PRId64 " ms",
+                n->id, n->breaker.failures, n->error, rt->breaker_cooldown_ms);
+    else if (change < 0)
+        kc_info(NULL, "node %s: circuit breaker closed (a call answered)", n->id);
     view_update(n);
 }
 
@@ -180,8 +177,7 @@ int rt_nodes_apply(rt_router *rt, const rt_member_info *ms, int n, char *err)
             x->ch = ch;
             snprintf(x->address, sizeof x->address, "%s", m->address);
             x->polled = 0;
-            x->failures = 0;
-            x->open = 0;
+            x->breaker = (rt_breaker){0};
         }
         if (x->gone) kc_info(NULL, "node %s is a member again", x->id);
         x->gone = 0;
@@ -230,7 +226,6 @@ static void *poll_one(void *arg)
     pthread_mutex_lock(&rt->mu);
     int64_t tokens = n->own_tokens, running = n->own_running, blocks = n->own_blocks;
     kc_channel *ch = n->ch;
-    int probe = n->open;
     pthread_mutex_unlock(&rt->mu);
 
     Kvrelay__V1__NodeStatusRequest req = KVRELAY__V1__NODE_STATUS_REQUEST__INIT;
@@ -241,7 +236,6 @@ static void *poll_one(void *arg)
                       (ProtobufCMessage **)&resp, &st);
 
     pthread_mutex_lock(&rt->mu);
-    int was_reachable = n->reachable || !n->polled;
     n->polled = 1;
     if (rc == 0) {
         n->reachable = 1;
@@ -262,17 +256,10 @@ static void *poll_one(void *arg)
         n->reachable = 0;
         snprintf(n->error, sizeof n->error, "%s: %s", kc_status_name(st.code), st.details);
     }
-    int now_reachable = n->reachable;
     /* a Status answer closes the breaker (the half-open probe, when it was open); a failure
      * counts like any failed call, and re-opens an open one for another cooldown */
-    if (probe) kc_info(NULL, "node %s: half-open probe %s", n->id, rc == 0 ? "answered: breaker closed" : "failed: breaker stays open");
     breaker_record(rt, n, rc != 0);
     pthread_mutex_unlock(&rt->mu);
-    /* log transitions only: a dead node must not fill the log twice a second */
-    if (was_reachable && !now_reachable)
-        kc_warn(NULL, "node %s (%s) unreachable: %s: %s", n->id, n->address, kc_status_name(st.code), st.details);
-    else if (!was_reachable && now_reachable)
-        kc_info(NULL, "node %s (%s) reachable again", n->id, n->address);
     kc_message_free((ProtobufCMessage *)resp); /* NULL when the call failed */
     return NULL;
 }
@@ -286,9 +273,7 @@ void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
     for (int i = 0; i < rt->n_nodes; i++) {
         rt_node *x = rt->nodes[i];
         if (x->gone) continue;
-        if (x->open && now < x->open_until_ms) continue; /* cooling down: no calls at all */
-        if (x->open) x->open_until_ms = now + rt->breaker_cooldown_ms; /* one probe per cooldown */
-        todo[n++] = x;
+        if (rt_breaker_allow(&x->breaker, rt->breaker_cooldown_ms, now)) todo[n++] = x; /* or the probe */
     }
     pthread_mutex_unlock(&rt->mu);
     if (!n) return;
@@ -350,7 +335,7 @@ int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip
     pthread_mutex_lock(&rt->mu);
     for (int i = 0; i < rt->n_nodes; i++) {
         rt_node *x = rt->nodes[i];
-        if (x->role != role || x->gone || x->open || x->fingerprint_bad) continue;
+        if (x->role != role || x->gone || x->breaker.open || x->fingerprint_bad) continue;
         int skipped = 0;
         for (int k = 0; k < n_skip; k++) skipped |= skip[k] == x;
         if (skipped) continue;
@@ -389,7 +374,7 @@ int rt_nodes_healthy(void *user, char *reason, size_t cap)
     pthread_mutex_lock(&rt->mu);
     for (int i = 0; i < rt->n_nodes; i++) {
         const rt_node *x = rt->nodes[i];
-        if ((x->polled && !x->reachable) || x->gone || x->open || x->fingerprint_bad) continue;
+        if ((x->polled && !x->reachable) || x->gone || x->breaker.open || x->fingerprint_bad) continue;
         if (x->role == RT_ROLE_PREFILL) prefill++;
         else decode++;
     }

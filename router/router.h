@@ -5,12 +5,13 @@
  *               placement, Admin.ClusterStatus
  *   generate.c  Generation.Generate (validate, reserve, prefill, relay the decode stream) and
  *               Generation.Tokenize
- *   members.c, placement.c, stop.c: the pure parts (their own headers, unit-tested)
+ *   members.c, placement.c, stop.c, breaker.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
  */
 #ifndef RT_ROUTER_H
 #define RT_ROUTER_H
 
+#include "breaker.h"
 #include "health.h"
 #include "kr.h"
 #include "log.h"
@@ -57,10 +58,7 @@ typedef struct rt_node {
     int refused_draining; /* a call was answered UNAVAILABLE "draining" (cleared by a SERVING Status) */
     int fingerprint_bad; /* the member's model differs from the router's: never chosen */
 
-    /* the circuit breaker (docs/failures.md) */
-    int failures; /* consecutive failed calls */
-    int open; /* SUSPECT: skipped by placement */
-    int64_t open_until_ms; /* rt_now_ms() after which the poller sends the half-open probe */
+    rt_breaker breaker; /* open: SUSPECT, skipped by placement (docs/failures.md) */
 
     /* what the router says about it, and since when (unix ms) */
     Kvrelay__V1__NodeState view;
