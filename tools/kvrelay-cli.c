@@ -427,8 +427,9 @@ static int cmd_status(int argc, char **argv, int i)
         for (size_t k = 0; k < resp->n_nodes; k++) {
             const Kvrelay__V1__Node *n = resp->nodes[k];
             char tokens[32] = "-", blocks[48] = "-", reserved[32] = "-", running[16] = "-", queued[16] = "-";
-            int up = n->state != KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE &&
-                     n->state != KVRELAY__V1__NODE_STATE__NODE_STATE_GONE;
+            /* load numbers only for nodes that answered (unreachable, suspect, gone: none) */
+            int up = n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING ||
+                     n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING;
             char since[24] = "-"; /* seconds in the current state */
             if (n->since_unix_ms > 0) snprintf(since, sizeof since, "%.1f", (double)(now_ms - n->since_unix_ms) / 1000.0);
             if (up) {
