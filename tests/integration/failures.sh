@@ -11,7 +11,9 @@
 #   (c) kill -9 a prefill node (--threads 1) holding queued long prompts: all complete;
 #   (e) SIGSTOP a decode node while it streams: its streams end UNAVAILABLE after
 #       --decode-stall-ms, ClusterStatus shows it suspect, requests succeed on the other;
-#       SIGCONT: serving again and used again.
+#       SIGCONT: serving again and used again;
+#   (f) SIGTERM a decode node while it streams: the router sees it draining, its streams finish,
+#       new requests go to the other.
 # After each scenario every live decode node's used + reserved KV blocks return to 0. The
 # detect/recover times are printed (docs/failures.md quotes them); none is asserted except the
 # 5 s bound the issue sets for (a), with slack for the sanitizer build.
@@ -259,6 +261,26 @@ done
 [ $used1 = 1 ] || fail "(e) decode-1 not used again after SIGCONT"
 echo "(e) decode-1 SIGSTOPped: $stalled streams on it ended UNAVAILABLE (stall), the last ${worst} s after the stop; suspect after $(elapsed "$t_stop" "${t_suspect:-$t_stop}") s; after SIGCONT serving again in $(elapsed "$t_cont" "${t_back:-$t_cont}") s and used again: $used1"
 check_blocks "(e)" decode-0 decode-1
+
+# ---- (f) a decode node drains on SIGTERM: its streams finish, new requests go to the other
+d=$KRC_DIR/f; mkdir -p "$d"
+for ((i = 0; i < 4; i++)); do gen "$d" "$i" "$router" 200 "$(prompt $((700 + i)))"; done
+wait_busy decode-0 || fail "(f) decode-0 never ran a sequence"
+t_term=$(now)
+krc_signal decode-0 TERM
+t_drain=$(wait_state "$router" decode-0 10 draining) || fail "(f) the router never saw decode-0 draining"
+for ((i = 0; i < 4; i++)); do
+  "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((800 + i)))" --max-tokens 8 --json >"$KRC_DIR/f.got" 2>"$KRC_DIR/f.err" ||
+    fail "(f) request $i while decode-0 drains: $(tail -n1 "$KRC_DIR/f.err")"
+  [ "$(served_by "$KRC_DIR/f.got" decode_node)" = decode-1 ] || fail "(f) request $i went to $(served_by "$KRC_DIR/f.got" decode_node)"
+done
+wait_clients
+for ((i = 0; i < 4; i++)); do
+  read -r rc t_end <"$d/$i.end"
+  [ "$rc" = 0 ] || fail "(f) stream $i did not finish while decode-0 drained: $(tail -n1 "$d/$i.err")"
+done
+echo "(f) decode-0 SIGTERMed: draining at the router after $(elapsed "$t_term" "${t_drain:-$t_term}") s; its streams finished, new requests went to decode-1"
+check_blocks "(f)" decode-1
 
 if [ $fails -gt 0 ]; then
   echo "$fails failures (logs: $KRC_DIR, kept)"
