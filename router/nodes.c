@@ -340,8 +340,9 @@ int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip
         for (int k = 0; k < n_skip; k++) skipped |= skip[k] == x;
         if (skipped) continue;
         rt_load *l = &loads[n];
-        /* never polled yet: optimistic, so the first requests after start-up are not refused */
-        l->healthy = !x->polled || (x->reachable && x->view == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING);
+        /* serving: answered its last Status, or was never polled yet (optimistic, so the first
+         * requests after start-up are not refused), and not draining */
+        l->healthy = x->view == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
         l->prefill_tokens = corrected(x->prefill_tokens, x->own_tokens, x->own_tokens_polled);
         l->running = corrected((uint64_t)x->running + (role == RT_ROLE_PREFILL ? x->queued : 0),
                                x->own_running, x->own_running_polled);
