@@ -13,7 +13,9 @@
 #       --decode-stall-ms, ClusterStatus shows it suspect, requests succeed on the other;
 #       SIGCONT: serving again and used again;
 #   (f) SIGTERM a decode node while it streams: the router sees it draining, its streams finish,
-#       new requests go to the other.
+#       new requests go to the other;
+#   (g) when etcd is installed: a router with --etcd follows member keys written with etcdctl
+#       (added, draining, deleted: gone, another model fingerprint: not used, back).
 # After each scenario every live decode node's used + reserved KV blocks return to 0. The
 # detect/recover times are printed (docs/failures.md quotes them); none is asserted except the
 # 5 s bound the issue sets for (a), with slack for the sanitizer build.
@@ -281,6 +283,50 @@ for ((i = 0; i < 4; i++)); do
 done
 echo "(f) decode-0 SIGTERMed: draining at the router after $(elapsed "$t_term" "${t_drain:-$t_term}") s; its streams finished, new requests went to decode-1"
 check_blocks "(f)" decode-1
+
+# ---- (g) membership from etcd (only when etcd is installed): the router follows member keys
+# written with etcdctl for the live nodes: added, draining, deleted (gone), another model
+if "$bin/kvrelay-router" --help | grep -q -- '--etcd' && krc_etcd_start; then
+  ectl() { etcdctl --endpoints "$KRC_ETCD" --dial-timeout 2s "$@" >/dev/null; }
+  member() { # member ROLE ID STATE FINGERPRINT
+    printf '{"id": "%s", "role": "%s", "state": "%s", "grpc": "%s", "transfer": "", "fingerprint": "%s", "kv_capacity": 0, "version": "test", "start_unix_ms": 0}' \
+      "$2" "$1" "$3" "$(krc_addr "$2")" "$4"
+  }
+  fp=00000000000000aa
+  ectl put /kvrelay/t/nodes/prefill/prefill-1 "$(member prefill prefill-1 serving $fp)"
+  ectl put /kvrelay/t/nodes/decode/decode-1 "$(member decode decode-1 serving $fp)"
+  krc_spawn router-e "$bin/kvrelay-router" --model "$model" --id router-e --etcd "$KRC_ETCD" --cluster t \
+    --listen 127.0.0.1:0 --http 127.0.0.1:0
+  krc_wait_serving router-e "$(krc_pid router-e)" >/dev/null || fail "(g) router-e did not start"
+  router_e=$(krc_addr router-e)
+  wait_state "$router_e" decode-1 10 serving >/dev/null || fail "(g) decode-1 not serving from etcd membership"
+  "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 900)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
+    fail "(g) a request through etcd membership: $(tail -n1 "$KRC_DIR/g.err")"
+  t0=$(now)
+  ectl put /kvrelay/t/nodes/decode/decode-1 "$(member decode decode-1 draining $fp)"
+  t_drain=$(wait_state "$router_e" decode-1 10 draining) || fail "(g) draining in etcd not seen"
+  t1=$(now)
+  ectl del /kvrelay/t/nodes/decode/decode-1
+  t_gone=$(wait_state "$router_e" decode-1 10 gone) || fail "(g) a deleted member is not gone"
+  if "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 901)" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err"; then
+    fail "(g) a request was served with no decode member"
+  fi
+  ectl put /kvrelay/t/nodes/decode/decode-1 "$(member decode decode-1 serving 00000000000000bb)"
+  sleep 1
+  if "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 902)" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err"; then
+    fail "(g) a member with another model fingerprint was used"
+  fi
+  grep -q "decode-1 serves model fingerprint 00000000000000bb" "$KRC_DIR/router-e.log" || fail "(g) the fingerprint mismatch was not logged"
+  ectl put /kvrelay/t/nodes/decode/decode-1 "$(member decode decode-1 serving $fp)"
+  t2=$(now)
+  t_back=$(wait_state "$router_e" decode-1 10 serving) || fail "(g) decode-1 not back"
+  "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 903)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
+    fail "(g) a request after the member came back: $(tail -n1 "$KRC_DIR/g.err")"
+  echo "(g) etcd membership: draining seen after $(elapsed "$t0" "${t_drain:-$t0}") s, a deleted key gone after $(elapsed "$t1" "${t_gone:-$t1}") s, back after $(elapsed "$t2" "${t_back:-$t2}") s"
+  krc_etcd_stop
+else
+  echo "(g) skipped: etcd is not installed or the router has no --etcd"
+fi
 
 if [ $fails -gt 0 ]; then
   echo "$fails failures (logs: $KRC_DIR, kept)"
