@@ -299,6 +299,20 @@ static void current_set(kc_etcd *c, int i)
     pthread_mutex_unlock(&c->mu);
 }
 
+int kc_etcd_wait_ready(kc_etcd *c, int64_t timeout_ms)
+{
+    int start = current_get(c);
+    int64_t share = timeout_ms / c->n > 0 ? timeout_ms / c->n : 1;
+    for (int i = 0; i < c->n; i++) {
+        int idx = (start + i) % c->n;
+        if (kc_channel_wait_connected(c->channels[idx], share)) {
+            current_set(c, idx);
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* The endpoint did not answer (as opposed to answering with an error): try the next one. */
 static int endpoint_down(grpc_status_code code)
 {
@@ -365,41 +379,42 @@ static int etcd_unary(kc_etcd *c, const char *path, const ProtobufCMessage *req,
         timeout_ms = c->timeout_ms;
     int start = current_get(c), reauthed = 0;
     kc_status last = {GRPC_STATUS_UNAVAILABLE, "no endpoint tried"};
+    char all[1024] = ""; /* every endpoint's failure, for the final message */
+    size_t used = 0;
     for (int i = 0; i < c->n; i++) {
         int idx = (start + i) % c->n;
         char tok[ETCD_TOKEN_MAX];
-        if (token_get(c, idx, tok, &last) != 0) {
-            if (endpoint_down(last.code))
+        int rc = token_get(c, idx, tok, &last);
+        if (rc == 0) {
+            kc_md md = {"token", tok};
+            rc = kc_unary_md(c->channels[idx], path, req, resp_desc, timeout_ms,
+                             tok[0] ? &md : NULL, tok[0] ? 1 : 0, resp, &last);
+            if (rc == 0) {
+                current_set(c, idx);
+                *st = last;
+                return 0;
+            }
+            if (last.code == GRPC_STATUS_UNAUTHENTICATED && c->user && !reauthed) {
+                token_drop(c, tok);
+                reauthed = 1;
+                i--; /* the same endpoint again, with a new token */
                 continue;
-            *st = last;
-            return -1;
-        }
-        kc_md md = {"token", tok};
-        if (kc_unary_md(c->channels[idx], path, req, resp_desc, timeout_ms, tok[0] ? &md : NULL,
-                        tok[0] ? 1 : 0, resp, &last) == 0) {
-            current_set(c, idx);
-            *st = last;
-            return 0;
-        }
-        if (last.code == GRPC_STATUS_UNAUTHENTICATED && c->user && !reauthed) {
-            token_drop(c, tok);
-            reauthed = 1;
-            i--; /* the same endpoint again, with a new token */
-            continue;
+            }
+            status_name(&last, c, idx, path);
         }
         if (!endpoint_down(last.code)) {
             current_set(c, idx); /* it answered: an error of the request, not of the endpoint */
-            status_name(&last, c, idx, path);
             *st = last;
             return -1;
         }
-        status_name(&last, c, idx, path);
+        int w = snprintf(all + used, sizeof all - used, "%s%s", used ? "; " : "", last.details);
+        if (w > 0)
+            used = used + (size_t)w < sizeof all ? used + (size_t)w : sizeof all - 1;
     }
     *st = last;
     if (c->n > 1) {
-        char buf[1024];
-        snprintf(buf, sizeof buf, "no etcd endpoint answered (%d tried; last: %s)", c->n,
-                 last.details);
+        char buf[1200];
+        snprintf(buf, sizeof buf, "no etcd endpoint answered: %s", all);
         details_set(st, buf);
     }
     return -1;

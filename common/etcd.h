@@ -39,6 +39,11 @@ typedef struct kc_etcd_config {
 int kc_etcd_create(const kc_etcd_config *cfg, kc_etcd **out, kc_status *st);
 /* Only after every stream made from it was closed. NULL is fine. */
 void kc_etcd_destroy(kc_etcd *c);
+/* Waits up to `timeout_ms` for a connection to an endpoint (the current one first; each gets a
+ * share of the time): 1 when one is ready (it becomes the current one), 0 otherwise. Retry loops
+ * wait here instead of sleeping, so that a restarted etcd is found at once (see rpc.h,
+ * kc_channel_wait_connected). */
+int kc_etcd_wait_ready(kc_etcd *c, int64_t timeout_ms);
 /* The endpoint the client currently uses ("127.0.0.1:2379"). */
 const char *kc_etcd_endpoint(const kc_etcd *c);
 

@@ -163,8 +163,10 @@ int kc_channel_create_opts(const char *target, const kc_channel_opts *opts, kc_c
         args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER,
                                .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
                                .value.integer = b < 200 ? b : 200};
+        /* also the least time a connection attempt gets (default 20 s): a peer that accepts
+         * while it is still starting can hold an attempt that long */
         args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
-                               .value.integer = b < 200 ? b : 200};
+                               .value.integer = 2 * b};
     }
     grpc_channel_args cargs = {.num_args = n, .args = args};
     grpc_channel_credentials *creds = opts->creds;
@@ -198,6 +200,31 @@ static gpr_timespec deadline_after(int64_t timeout_ms)
     if (timeout_ms <= 0)
         return gpr_inf_future(GPR_CLOCK_MONOTONIC);
     return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+}
+
+int kc_channel_wait_connected(kc_channel *ch, int64_t timeout_ms)
+{
+    gpr_timespec deadline = deadline_after(timeout_ms);
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    int ready = 0;
+    for (;;) {
+        grpc_connectivity_state s = grpc_channel_check_connectivity_state(ch->channel, 1);
+        if (s == GRPC_CHANNEL_READY) {
+            ready = 1;
+            break;
+        }
+        if (gpr_time_cmp(gpr_now(GPR_CLOCK_MONOTONIC), deadline) >= 0)
+            break;
+        /* completes on a state change or at the deadline; waiting on it polls the channel */
+        grpc_channel_watch_connectivity_state(ch->channel, s, deadline, cq, (void *)ch);
+        grpc_event ev = grpc_completion_queue_pluck(cq, (void *)ch,
+                                                    gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type != GRPC_OP_COMPLETE || !ev.success)
+            break; /* the deadline passed */
+    }
+    grpc_completion_queue_shutdown(cq);
+    grpc_completion_queue_destroy(cq);
+    return ready;
 }
 
 /* A call on its own pluck queue. The queue is shut down and destroyed with the call: every batch

@@ -139,6 +139,12 @@ int kc_channel_create_opts(const char *target, const kc_channel_opts *opts, kc_c
                            kc_status *st);
 /* Destroy only after every call and stream on it is closed. NULL is fine. */
 void kc_channel_destroy(kc_channel *ch);
+/* Asks the channel to connect and waits up to `timeout_ms` for it to be ready: 1 when ready,
+ * 0 otherwise. Retry loops should wait here rather than sleep: gRPC C core makes progress on a
+ * connection only while some thread waits on a completion queue that cares about it (otherwise
+ * only its 5-second backup poller does), so a fail-fast call loop with sleeps in between can
+ * miss a peer that came back for many seconds. */
+int kc_channel_wait_connected(kc_channel *ch, int64_t timeout_ms);
 
 /* One metadata entry sent with a call (key lower-case ASCII, e.g. "token"); copied by the
  * functions that take it. */
