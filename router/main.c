@@ -12,6 +12,7 @@
  */
 #include "health.h"
 #include "http.h"
+#include "membership.h"
 #include "router.h"
 #include "signals.h"
 
@@ -28,7 +29,7 @@
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvrelay-router --model DIR --nodes FILE [options]\n"
+            "usage: kvrelay-router --model DIR (--nodes FILE | --etcd ENDPOINTS) [options]\n"
             "\n"
             "Serves the kvrelay gRPC API (kvrelay.v1.Generation, kvrelay.v1.Admin, grpc.health.v1)\n"
             "and sends each request to a decode node and a prefill node of the membership file.\n"
@@ -38,6 +39,11 @@ static void usage(FILE *f)
             "  --nodes FILE            static membership, JSON: {\"prefill\": [{\"id\": \"prefill-0\",\n"
             "                          \"address\": \"127.0.0.1:7101\"}], \"decode\": [{\"id\": \"decode-0\",\n"
             "                          \"address\": \"127.0.0.1:7201\"}]}\n"
+            "  --etcd ENDPOINTS        membership from etcd instead: \"127.0.0.1:2379,...\" (watches\n"
+            "                          /kvrelay/CLUSTER/nodes/; nodes come and go at run time)\n"
+            "  --cluster NAME          the etcd cluster name (default \"default\")\n"
+            "  --fingerprint HEX       the model fingerprint members must report (etcd membership;\n"
+            "                          default: the first one a member reports)\n"
             "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
             "  --http HOST:PORT        /metrics and /healthz (default 127.0.0.1:9100)\n"
             "  --id NAME               this router's name in logs and ClusterStatus (default router-0)\n"
@@ -80,6 +86,7 @@ static void die(const char *fmt, ...)
 
 typedef struct router_opts {
     const char *model, *nodes, *listen, *http, *id, *placement, *log_level, *policy_dir;
+    const char *etcd, *cluster, *fingerprint;
     long max_tokens_limit, max_prompt, default_timeout_ms;
     long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
     int migrate;
@@ -117,7 +124,7 @@ static void parse(int argc, char **argv, router_opts *o)
     *o = (router_opts){.listen = "127.0.0.1:7100", .http = "127.0.0.1:9100", .id = "router-0",
                        .placement = "least-loaded", .log_level = "info", .max_tokens_limit = 4096,
                        .max_prompt = -1, .default_timeout_ms = 300000,
-                       .breaker_failures = 3, .breaker_cooldown_ms = 2000, .prefill_timeout_ms = 60000,
+                       .cluster = "default", .breaker_failures = 3, .breaker_cooldown_ms = 2000, .prefill_timeout_ms = 60000,
                        .decode_stall_ms = 5000};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -135,6 +142,9 @@ static void parse(int argc, char **argv, router_opts *o)
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--nodes")) o->nodes = v;
         else if (!strcmp(a, "--listen")) o->listen = v;
+        else if (!strcmp(a, "--etcd")) o->etcd = v;
+        else if (!strcmp(a, "--cluster")) o->cluster = v;
+        else if (!strcmp(a, "--fingerprint")) o->fingerprint = v;
         else if (!strcmp(a, "--http")) o->http = v;
         else if (!strcmp(a, "--id")) o->id = v;
         else if (!strcmp(a, "--placement")) o->placement = v;
@@ -150,7 +160,9 @@ static void parse(int argc, char **argv, router_opts *o)
         else die("unknown flag '%s' (see --help)", a);
     }
     if (!o->model) die("--model DIR is required (see --help)");
-    if (!o->nodes) die("--nodes FILE is required (see --help)");
+    if (!o->nodes == !o->etcd) die("give exactly one of --nodes FILE and --etcd ENDPOINTS (see --help)");
+    if (o->fingerprint && (strlen(o->fingerprint) != 16 || strspn(o->fingerprint, "0123456789abcdef") != 16))
+        die("--fingerprint: '%s' is not 16 lower-case hex digits (the nodes log theirs at start-up)", o->fingerprint);
     size_t idlen = strlen(o->id);
     if (idlen == 0 || idlen > 63) die("--id: '%s' must be 1-63 characters", o->id);
 }
@@ -195,6 +207,31 @@ static int64_t unix_ms(void)
     struct timespec t;
     clock_gettime(CLOCK_REALTIME, &t);
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* kc_watch's callback: the whole membership from etcd. */
+static void on_members(void *user, const kc_member *ms, int n)
+{
+    rt_router *rt = user;
+    rt_member_info *info = calloc((size_t)n + 1, sizeof *info);
+    if (!info) {
+        kc_error(NULL, "etcd membership: out of memory; keeping the last set");
+        return;
+    }
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        const kc_member *m = &ms[i];
+        if (strlen(m->id) > 63) {
+            kc_warn(NULL, "etcd membership: node id '%.80s...' is over 63 characters: left out", m->id);
+            continue;
+        }
+        info[k++] = (rt_member_info){.role = strcmp(m->role, "prefill") == 0 ? RT_ROLE_PREFILL : RT_ROLE_DECODE,
+                                     .id = m->id, .address = m->grpc, .draining = strcmp(m->state, "draining") == 0,
+                                     .fingerprint = m->fingerprint};
+    }
+    char err[KR_ERR_MAX];
+    if (rt_nodes_apply(rt, info, k, err) != 0) kc_warn(NULL, "etcd membership: %s", err);
+    free(info);
 }
 
 int main(int argc, char **argv)
@@ -244,17 +281,24 @@ int main(int argc, char **argv)
     pthread_mutex_init(&rt->mu, NULL);
     pthread_cond_init(&rt->cv, NULL);
 
-    rt_members ms;
-    char merr[RT_MEMBERS_ERR_MAX];
-    if (rt_members_load(o.nodes, &ms, merr) != 0) die("--nodes: %s", merr);
-    rt_member_info info[2 * RT_MEMBERS_MAX];
-    int n_info = 0;
-    for (int i = 0; i < ms.n_prefill; i++)
-        info[n_info++] = (rt_member_info){.role = RT_ROLE_PREFILL, .id = ms.prefill[i].id, .address = ms.prefill[i].address};
-    for (int i = 0; i < ms.n_decode; i++)
-        info[n_info++] = (rt_member_info){.role = RT_ROLE_DECODE, .id = ms.decode[i].id, .address = ms.decode[i].address};
-    if (rt_nodes_apply(rt, info, n_info, err) != 0) die("--nodes: %s", err);
-    rt_members_free(&ms);
+    if (o.fingerprint) snprintf(rt->fingerprint, sizeof rt->fingerprint, "%s", o.fingerprint);
+    kc_watch *watch = NULL;
+    if (o.nodes) {
+        rt_members ms;
+        char merr[RT_MEMBERS_ERR_MAX];
+        if (rt_members_load(o.nodes, &ms, merr) != 0) die("--nodes: %s", merr);
+        static rt_member_info info[2 * RT_MEMBERS_MAX];
+        int n_info = 0;
+        for (int i = 0; i < ms.n_prefill; i++)
+            info[n_info++] = (rt_member_info){.role = RT_ROLE_PREFILL, .id = ms.prefill[i].id, .address = ms.prefill[i].address};
+        for (int i = 0; i < ms.n_decode; i++)
+            info[n_info++] = (rt_member_info){.role = RT_ROLE_DECODE, .id = ms.decode[i].id, .address = ms.decode[i].address};
+        if (rt_nodes_apply(rt, info, n_info, err) != 0) die("--nodes: %s", err);
+        rt_members_free(&ms);
+    } else {
+        char werr[KC_MEMBER_ERR_LEN];
+        if (kc_watch_start(o.etcd, o.cluster, on_members, rt, &watch, werr) != 0) die("--etcd %s: %s", o.etcd, werr);
+    }
     metrics_init(rt);
 
     if (kc_signals_init() != 0) die("signal pipe: %s", strerror(errno));
@@ -313,6 +357,7 @@ int main(int argc, char **argv)
     pthread_mutex_unlock(&rt->mu);
     pthread_join(rt->watcher, NULL);
     pthread_join(rt->poller, NULL);
+    kc_watch_stop(watch); /* before the table goes: it calls into it */
     kc_health_free(health);
     kc_http_stop(http);
     rt_nodes_free(rt);
