@@ -4,7 +4,8 @@
  * /metrics + /healthz over HTTP; sends each request to a decode node (Reserve, Decode) and a
  * prefill node (Prefill) chosen by its placement. It loads the model's config.json and
  * tokenizer.json only: it never runs the model.
- * Membership comes from a static file and may change while it runs (router/nodes.c); failed
+ * Membership comes from a static file (--nodes) or from etcd (--etcd: it changes while the
+ * router runs; router/nodes.c keeps the table); failed
  * nodes are handled as docs/failures.md says (circuit breaker, prefill retry, decode failure or
  * --migrate). Not here: TLS, several routers sharing load information.
  * Run: kvrelay-router --model DIR --nodes nodes.json --listen 127.0.0.1:7100 --http 127.0.0.1:9100
