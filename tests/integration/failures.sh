@@ -15,7 +15,8 @@
 #   (f) SIGTERM a decode node while it streams: the router sees it draining, its streams finish,
 #       new requests go to the other;
 #   (g) when etcd is installed: a router with --etcd follows member keys written with etcdctl
-#       (added, draining, deleted: gone, another model fingerprint: not used, back).
+#       (added, draining, deleted: gone, another model fingerprint: not used, back); etcd
+#       stopped: requests keep succeeding; restarted: the router sees changes again.
 # After each scenario every live decode node's used + reserved KV blocks return to 0. The
 # detect/recover times are printed (docs/failures.md quotes them); none is asserted except the
 # 5 s bound the issue sets for (a), with slack for the sanitizer build.
@@ -323,6 +324,20 @@ if "$bin/kvrelay-router" --help | grep -q -- '--etcd' && krc_etcd_start; then
   "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 903)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
     fail "(g) a request after the member came back: $(tail -n1 "$KRC_DIR/g.err")"
   echo "(g) etcd membership: draining seen after $(elapsed "$t0" "${t_drain:-$t0}") s, a deleted key gone after $(elapsed "$t1" "${t_gone:-$t1}") s, back after $(elapsed "$t2" "${t_back:-$t2}") s"
+  # etcd goes away: the router serves on the last membership; back on the same ports (same data):
+  # the router watches again by itself
+  ports="$KRC_ETCD_CLIENT_PORT $KRC_ETCD_PEER_PORT"
+  krc_etcd_stop
+  for ((i = 0; i < 3; i++)); do
+    "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt $((910 + i)))" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err" ||
+      fail "(g) request $i with etcd down: $(tail -n1 "$KRC_DIR/g.err")"
+  done
+  # shellcheck disable=SC2086
+  krc_etcd_start $ports || fail "(g) etcd did not restart"
+  t3=$(now)
+  ectl del /kvrelay/t/nodes/decode/decode-1
+  t_rewatch=$(wait_state "$router_e" decode-1 30 gone) || fail "(g) after etcd restarted the router did not see a change"
+  echo "(g) etcd stopped: requests kept succeeding; restarted: a change seen $(elapsed "$t3" "${t_rewatch:-$t3}") s after the restart"
   krc_etcd_stop
 else
   echo "(g) skipped: etcd is not installed or the router has no --etcd"
