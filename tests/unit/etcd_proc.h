@@ -28,6 +28,8 @@ typedef struct test_etcd {
     int client_port;
     int peer_port;
     char endpoint[64];  /* "127.0.0.1:PORT" */
+    const char *tls_cert; /* set before the first start: serve clients over TLS with these PEM */
+    const char *tls_key;  /* files (then readiness is "the port accepts", not /health) */
 } test_etcd;
 
 static double test_now(void)
@@ -52,7 +54,7 @@ static int test_free_port(void)
     return port;
 }
 
-/* 1 when GET /health on the client port says healthy. */
+/* 1 when GET /health on the client port says healthy (with TLS: when the port accepts). */
 static int test_etcd_healthy(const test_etcd *e)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -63,7 +65,10 @@ static int test_etcd_healthy(const test_etcd *e)
     struct timeval tv = {.tv_sec = 1};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     int ok = 0;
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+    int connected = connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    if (connected && e->tls_cert) {
+        ok = 1;
+    } else if (connected) {
         static const char req[] = "GET /health HTTP/1.0\r\n\r\n";
         char buf[1024];
         size_t n = 0;
@@ -96,7 +101,8 @@ static int test_etcd_start(test_etcd *e)
     char data[300], log[300], client[64], peer[64], cluster[80];
     snprintf(data, sizeof data, "%s/data", e->dir);
     snprintf(log, sizeof log, "%s/etcd.log", e->dir);
-    snprintf(client, sizeof client, "http://127.0.0.1:%d", e->client_port);
+    snprintf(client, sizeof client, "%s://127.0.0.1:%d", e->tls_cert ? "https" : "http",
+             e->client_port);
     snprintf(peer, sizeof peer, "http://127.0.0.1:%d", e->peer_port);
     snprintf(cluster, sizeof cluster, "t=%s", peer);
     pid_t pid = fork();
@@ -109,10 +115,17 @@ static int test_etcd_start(test_etcd *e)
             dup2(fd, 2);
             close(fd);
         }
-        execl(TEST_ETCD_BIN, TEST_ETCD_BIN, "--name", "t", "--data-dir", data,
-              "--listen-client-urls", client, "--advertise-client-urls", client,
-              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-              "--initial-cluster", cluster, (char *)NULL);
+        if (e->tls_cert)
+            execl(TEST_ETCD_BIN, TEST_ETCD_BIN, "--name", "t", "--data-dir", data,
+                  "--listen-client-urls", client, "--advertise-client-urls", client,
+                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                  "--initial-cluster", cluster, "--cert-file", e->tls_cert, "--key-file",
+                  e->tls_key, (char *)NULL);
+        else
+            execl(TEST_ETCD_BIN, TEST_ETCD_BIN, "--name", "t", "--data-dir", data,
+                  "--listen-client-urls", client, "--advertise-client-urls", client,
+                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                  "--initial-cluster", cluster, (char *)NULL);
         _exit(127);
     }
     e->pid = pid;
