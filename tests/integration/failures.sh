@@ -14,6 +14,8 @@
 #       SIGCONT: serving again and used again;
 #   (f) SIGTERM a decode node while it streams: the router sees it draining, its streams finish,
 #       new requests go to the other;
+#   (h) SIGSTOP a prefill node holding queued requests: they time out (--prefill-timeout-ms)
+#       and complete on the other prefill node;
 #   (g) when etcd is installed: a router with --etcd follows member keys written with etcdctl
 #       (added, draining, deleted: gone, another model fingerprint: not used, back); etcd
 #       stopped: requests keep succeeding; restarted: the router sees changes again.
@@ -48,7 +50,7 @@ KRC_ROUTER_ARGS=(--max-tokens-limit 512 --prefill-timeout-ms 20000)
 KRC_START_TIMEOUT=1200
 krc_start "$bin" "$model" 2 2 127.0.0.1:0 --threads 1 || { echo "FAIL: the cluster did not start"; exit 1; }
 krc_spawn router-m "$bin/kvrelay-router" --model "$model" --id router-m --nodes "$KRC_DIR/nodes.json" \
-  --listen 127.0.0.1:0 --http 127.0.0.1:0 --max-tokens-limit 512 --prefill-timeout-ms 20000 --migrate
+  --listen 127.0.0.1:0 --http 127.0.0.1:0 --max-tokens-limit 512 --prefill-timeout-ms 3000 --migrate
 krc_wait_serving router-m "$(krc_pid router-m)" >/dev/null || { echo "FAIL: router-m did not start"; exit 1; }
 router=$KRC_ROUTER
 router_m=$(krc_addr router-m)
@@ -284,6 +286,33 @@ for ((i = 0; i < 4; i++)); do
 done
 echo "(f) decode-0 SIGTERMed: draining at the router after $(elapsed "$t_term" "${t_drain:-$t_term}") s; its streams finished, new requests went to decode-1"
 check_blocks "(f)" decode-1
+
+# ---- (h) a frozen prefill node (SIGSTOP) holding queued requests: each times out after the
+# --migrate router's --prefill-timeout-ms (3 s) and is retried once on the other prefill node
+krc_restart prefill-0 --listen "$(krc_addr prefill-0)" --http "$(krc_http prefill-0)" || fail "(h) prefill-0 did not restart"
+wait_state "$router_m" prefill-0 30 serving >/dev/null || fail "(h) router-m does not see prefill-0 serving"
+wait_state "$router_m" decode-1 30 serving >/dev/null || fail "(h) router-m does not see decode-1 serving"
+d=$KRC_DIR/h; mkdir -p "$d"
+for ((i = 0; i < 8; i++)); do gen "$d" "$i" "$router_m" 4 "$(prompt $((1000 + i)) 900)"; done
+for ((t = 0; t < 300; t++)); do
+  q=$("$bin/kvrelay-cli" --router "$router_m" status --json 2>/dev/null |
+    "$py" -c 'import json,sys; print(next(n["queued_requests"] for n in json.load(sys.stdin)["nodes"] if n["id"] == "prefill-1"))' 2>/dev/null)
+  [ "${q:-0}" -gt 0 ] && break
+  sleep 0.1
+done
+[ "${q:-0}" -gt 0 ] || fail "(h) prefill-1 never had a queue"
+t_stop=$(now)
+krc_signal prefill-1 STOP
+wait_clients
+for ((i = 0; i < 8; i++)); do
+  read -r rc t_end <"$d/$i.end"
+  [ "$rc" = 0 ] || fail "(h) request $i failed: $(tail -n1 "$d/$i.err")"
+done
+t_last=$(cat "$d"/*.end | awk '{ print $2 }' | sort -n | tail -n1)
+timed_out=$(grep -c "no answer within --prefill-timeout-ms" "$KRC_DIR/router-m.log")
+krc_signal prefill-1 CONT
+echo "(h) prefill-1 SIGSTOPped with ${q:-0} queued: all 8 requests completed ($timed_out timed out and were retried), the last $(elapsed "$t_stop" "$t_last") s after the stop"
+check_blocks "(h)" decode-1
 
 # ---- (g) membership from etcd (only when etcd is installed): the router follows member keys
 # written with etcdctl for the live nodes: added, draining, deleted (gone), another model
