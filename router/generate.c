@@ -820,6 +820,7 @@ static grpc_status_code start(gen_req *r, int *done, kc_status *st)
         r->pu.kv_bytes_shipped += u->kv_bytes_shipped;
         r->pu.kv_entries_shipped += u->kv_entries_shipped;
         r->pu.transfer_s = u->transfer_s;
+        kc_counter_inc(rt->m.kv_bytes_shipped, (double)u->kv_bytes_shipped); /* shipped, whatever follows */
     }
     uint32_t first = pr->first_token;
     kc_message_free(&pr->base);
@@ -895,7 +896,6 @@ static grpc_status_code serve(gen_req *r, kc_status *st)
         if (code == GRPC_STATUS_OK) break;
         if (!r->decode_failed || !r->rt->migrate || migrate(r, st) != 0) return code;
     }
-    kc_counter_inc(r->rt->m.kv_bytes_shipped, (double)r->pu.kv_bytes_shipped);
     if (relay_flush(r, st) != 0) return st->code;
     send_finish(r);
     return GRPC_STATUS_OK;
