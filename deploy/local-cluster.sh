@@ -10,6 +10,11 @@
 #   krc_stop            SIGTERM every process it started (SIGKILL after 10 s), newest first
 #   krc_addr ID         the gRPC address a started process printed
 #   krc_http ID         its HTTP address
+#   krc_pid ID          the pid of the (latest) process started as ID
+#   krc_signal ID SIG   sends SIG (KILL, STOP, CONT, ...) to it
+#   krc_restart ID ARGS...  starts ID again with the same program and arguments plus ARGS (e.g.
+#                       --listen and --transfer of its old ports: the last flag wins), waits for
+#                       it to serve; its earlier log is kept as ID.log.N
 #
 # Membership in etcd (docs/cluster.md): when KRC_ETCD is set (host:port, e.g. by
 # krc_etcd_start), krc_start gives every node --etcd KRC_ETCD --cluster KRC_CLUSTER (default
@@ -43,12 +48,33 @@ krc_wait_serving() {
   return 1
 }
 
-# krc_spawn ID PROGRAM ARGS... : starts one process in the background, records it.
+# krc_spawn ID PROGRAM ARGS... : starts one process in the background, records it (and its
+# command line, for krc_restart).
+declare -A KRC_CMDS=()
 krc_spawn() {
   local id=$1; shift
   "$@" >"$KRC_DIR/$id.out" 2>"$KRC_DIR/$id.log" &
   KRC_PIDS+=($!)
   KRC_IDS+=("$id")
+  KRC_CMDS[$id]=$(printf '%q ' "$@")
+}
+
+krc_pid() {
+  local i
+  for ((i = ${#KRC_IDS[@]} - 1; i >= 0; i--)); do
+    [ "${KRC_IDS[$i]}" = "$1" ] && { echo "${KRC_PIDS[$i]}"; return 0; }
+  done
+  return 1
+}
+
+krc_signal() { kill -"$2" "$(krc_pid "$1")"; }
+
+krc_restart() {
+  local id=$1 n=1; shift
+  while [ -e "$KRC_DIR/$id.log.$n" ]; do n=$((n + 1)); done
+  mv "$KRC_DIR/$id.log" "$KRC_DIR/$id.log.$n"
+  eval "krc_spawn $id ${KRC_CMDS[$id]} $(printf '%q ' "$@")"
+  krc_wait_serving "$id" "${KRC_PIDS[-1]}" >/dev/null
 }
 
 krc_addr() { sed -nE 's/.*serving grpc ([^ ]+) http.*/\1/p' "$KRC_DIR/$1.out" | head -n1; }
