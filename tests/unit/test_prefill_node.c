@@ -12,7 +12,9 @@
  * overflow; concurrent calls; the queue bound (RESOURCE_EXHAUSTED), FIFO order and a deadline
  * that passes in the queue, made deterministic by a transfer address that accepts TCP but never
  * speaks UCX (the worker is stuck in its send until the test closes it) and by polling Status;
- * garbage bytes; gRPC health and /metrics; SIGTERM -> exit 0, idle and with a call in flight.
+ * garbage bytes; gRPC health and /metrics; SIGTERM -> exit 0, idle and with a call in flight;
+ * the SIGTERM drain (issue 5): new calls UNAVAILABLE "draining", health NOT_SERVING, Status
+ * DRAINING, the queued job runs to its end, or ends UNAVAILABLE at --drain-timeout-s.
  * Run: ctest -R test_prefill_node (a few seconds under the sanitizers). Exit 77 (SKIPPED) when
  * kvrelay-prefill is not built, a fixture model is missing, or UCX cannot listen on loopback.
  */
@@ -312,7 +314,7 @@ typedef struct node {
 } node;
 
 static void node_start(node *nd, ref_model *r, const char *id, const char *queue, const char *dtype,
-                       const char *transfer_timeout_s)
+                       const char *transfer_timeout_s, const char *drain_timeout_s)
 {
     char exe[1024], max_prompt[16], chunk[16];
     snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
@@ -339,6 +341,8 @@ static void node_start(node *nd, ref_model *r, const char *id, const char *queue
                     max_prompt,
                     "--transfer-timeout-s",
                     (char *)transfer_timeout_s,
+                    "--drain-timeout-s",
+                    (char *)drain_timeout_s,
                     NULL};
     REQUIRE(test_proc_start(argv, 60, &nd->p) == 0, "kvrelay-prefill %s did not start", id);
     kc_status st;
@@ -913,7 +917,8 @@ static void case_flags(ref_model *r)
 }
 
 /* GET /metrics; the value of the sample line starting with `series` + ' ', or -1. */
-static double metric(const char *http, const char *series)
+/* GET `path` (the whole response, malloc'd). */
+static char *http_get(const char *http, const char *path)
 {
     char host[64];
     int port;
@@ -922,7 +927,8 @@ static double metric(const char *http, const char *series)
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     inet_pton(AF_INET, host, &sa.sin_addr);
     REQUIRE(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0, "connect %s", http);
-    const char *req = "GET /metrics HTTP/1.0\r\n\r\n";
+    char req[128];
+    snprintf(req, sizeof req, "GET %s HTTP/1.0\r\n\r\n", path);
     REQUIRE(write(fd, req, strlen(req)) == (ssize_t)strlen(req), "write");
     size_t cap = 1 << 16, len = 0;
     char *buf = malloc(cap);
@@ -931,6 +937,12 @@ static double metric(const char *http, const char *series)
         len += (size_t)got;
     buf[len] = 0;
     close(fd);
+    return buf;
+}
+
+static double metric(const char *http, const char *series)
+{
+    char *buf = http_get(http, "/metrics");
     double v = -1;
     size_t sl = strlen(series);
     for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
@@ -940,6 +952,85 @@ static double metric(const char *http, const char *series)
         }
     free(buf);
     return v;
+}
+
+/* Issue 5: SIGTERM drains. A runs (stuck in its send to the blocker) and Q waits behind it when
+ * the signal comes; the node says DRAINING (Status), 503 "draining" (/healthz), NOT_SERVING
+ * (grpc.health.v1) and refuses a new call UNAVAILABLE "draining". Without a timeout
+ * (timeout == 0): closing the blocker ends A, Q runs and is checked against the reference,
+ * and the node exits 0 by itself. With --drain-timeout-s 1 (timeout == 1): Q ends UNAVAILABLE
+ * "prefill node shutting down" while A still hangs; closing the blocker lets the node exit 0. */
+static void case_drain(node *nd, ref_model *r, int timeout)
+{
+    char blk[64];
+    int fd = blocker_open(blk, sizeof blk);
+    int32_t tok[30];
+    make_prompt(tok, 30, r->c->vocab_size, 15);
+    call_args a = {.nd = nd, .rid = "drain A", .tok = tok, .n = 30, .resv = 1, .addr = blk};
+    pthread_t ta, tq;
+    pthread_create(&ta, NULL, prefill_thread, &a);
+    wait_load(nd, 1, 0);
+    pcase *q = calloc(1, sizeof *q);
+    pcase_prepare(q, nd, r, "streaming:sink=4,window=24", 40, 300, NULL);
+    pthread_create(&tq, NULL, prefill_thread, &q->a);
+    wait_load(nd, 1, 1);
+
+    kill(nd->p.pid, SIGTERM);
+    Kvrelay__V1__Node *s = NULL;
+    for (int i = 0; i < 500; i++) {
+        kc_message_free((ProtobufCMessage *)s);
+        s = status(nd);
+        if (!s || s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING) break;
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    CHECK(s && s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING, "%s: Status DRAINING",
+          nd->id);
+    kc_message_free((ProtobufCMessage *)s);
+    char *hz = http_get(nd->p.http, "/healthz");
+    CHECK(strstr(hz, " 503 ") && strstr(hz, "draining"), "/healthz while draining: %.80s", hz);
+    free(hz);
+    Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    hreq.service = "kvrelay.v1.Prefill";
+    ProtobufCMessage *hresp = NULL;
+    kc_status st;
+    CHECK(kc_unary(nd->ch, "/grpc.health.v1.Health/Check", &hreq.base,
+                   &grpc__health__v1__health_check_response__descriptor, 5000, &hresp, &st) == 0 &&
+              ((Grpc__Health__V1__HealthCheckResponse *)hresp)->status ==
+                  GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING,
+          "grpc.health.v1: NOT_SERVING while draining (%s)", st.details);
+    kc_message_free(hresp);
+    call_args d = a;
+    d.rid = "drain D";
+    d.addr = rx_addr;
+    expect_fail(&d, GRPC_STATUS_UNAVAILABLE, "draining");
+
+    if (!timeout) {
+        close(fd);
+        pthread_join(ta, NULL);
+        CHECK(a.st.code == GRPC_STATUS_UNAVAILABLE, "drain A after the blocker closed: %s %s",
+              kc_status_name(a.st.code), a.st.details);
+        kc_message_free((ProtobufCMessage *)a.resp);
+        pthread_join(tq, NULL);
+        pcase_check(q); /* queued before the signal: prefilled and shipped during the drain */
+    } else {
+        pthread_join(tq, NULL);
+        CHECK(q->a.st.code == GRPC_STATUS_UNAVAILABLE &&
+                  strstr(q->a.st.details, "prefill node shutting down"),
+              "queued at the drain timeout: %s %s", kc_status_name(q->a.st.code), q->a.st.details);
+        kc_message_free((ProtobufCMessage *)q->a.resp);
+        resv_close(&q->rv);
+        ref_free(&q->x);
+        close(fd);
+        pthread_join(ta, NULL);
+        kc_message_free((ProtobufCMessage *)a.resp);
+    }
+    free(q);
+    kc_channel_destroy(nd->ch);
+    nd->ch = NULL;
+    int code = test_proc_stop(&nd->p, 0, 60); /* signal 0: only wait */
+    CHECK(code != -1 && WIFEXITED(code) && WEXITSTATUS(code) == 0,
+          "%s: exit 0 after the drain%s, got status %d", nd->id, timeout ? " timeout" : "", code);
 }
 
 int main(void)
@@ -982,7 +1073,7 @@ int main(void)
     ref_model ra;
     ref_open(&ra, "llama3-tiny");
     node na;
-    node_start(&na, &ra, "prefill-a", QUEUE_S, "f32", "60");
+    node_start(&na, &ra, "prefill-a", QUEUE_S, "f32", "60", "60");
     for (int i = 0; i < n_pol; i++)
         case_policy(&na, &ra, policies[i], 100, 1 + (uint32_t)i, NULL);
     case_policy(&na, &ra, "streaming:sink=4,window=24", 5, 7, NULL); /* one chunk, no eviction */
@@ -1014,7 +1105,10 @@ int main(void)
     CHECK(metric(na.p.http, "kvrelay_queue_depth") == 0 &&
               metric(na.p.http, "kvrelay_running_sequences") == 0,
           "/metrics queue depth and running back to 0");
-    node_stop(&na, "idle");
+    case_drain(&na, &ra, 0);
+    node nd1;
+    node_start(&nd1, &ra, "prefill-d", "4", "f32", "60", "1");
+    case_drain(&nd1, &ra, 1);
     ref_close(&ra);
 
     /* mistral-tiny: bf16 bundles, --queue 0 */
@@ -1022,7 +1116,7 @@ int main(void)
     ref_open(&rb, "mistral-tiny");
     case_flags(&rb);
     node nb;
-    node_start(&nb, &rb, "prefill-b", "0", "bf16", "60");
+    node_start(&nb, &rb, "prefill-b", "0", "bf16", "60", "60");
     for (int i = 1; i < n_pol; i++)
         case_policy(&nb, &rb, policies[i], 120, 20 + (uint32_t)i, NULL);
     case_queue0(&nb, &rb, 0);
@@ -1030,7 +1124,7 @@ int main(void)
 
     /* --transfer-timeout-s 1: a send that is never acknowledged ends DEADLINE_EXCEEDED */
     node nc;
-    node_start(&nc, &rb, "prefill-c", "0", "f32", "1");
+    node_start(&nc, &rb, "prefill-c", "0", "f32", "1", "60");
     case_send_timeout(&nc, &rb);
     node_stop(&nc, "after a timed-out send");
     ref_close(&rb);
