@@ -2,11 +2,12 @@
  * main.c - kvrelay-decode: the decode node of a kvrelay cluster (DESIGN.md section 2). It loads
  * the model, owns one KV block pool, receives KV bundles from prefill nodes over UCX into
  * reservations, and decodes every admitted sequence in one continuous batch, streaming tokens
- * to the router. This file: flags, start-up, the serving line, metrics registration, and the
- * shutdown on SIGINT/SIGTERM. The rest: node.h. Docs: docs/decode-node.md.
+ * to the router. This file: flags, start-up, the serving line, metrics registration, the etcd
+ * registration (--etcd), and the drain then shutdown on SIGINT/SIGTERM. The rest: node.h.
+ * Docs: docs/decode-node.md.
  * Run: kvrelay-decode --model DIR [--listen 127.0.0.1:7201] [--transfer 127.0.0.1:7202]
  *      [--http 127.0.0.1:7203] [--kv-blocks N | --kv-memory 1G] ...   (--help lists all)
- * Not here: membership (etcd), TLS, CUDA graphs; a node serves one model.
+ * Not here: TLS on its own gRPC, CUDA graphs; a node serves one model.
  */
 #include "node.h"
 

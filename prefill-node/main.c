@@ -3,8 +3,9 @@
  * model, serves Prefill.Prefill (chunked prefill with the request's KV policy, the first token,
  * the compressed KV shipped over UCX to the decode node's reservation, usage back) and
  * Prefill.Status over gRPC, grpc.health.v1, and /metrics + /healthz over HTTP.
- * Prints "prefill ID: serving grpc HOST:PORT http HOST:PORT" once it serves; SIGINT or SIGTERM
- * stop it cleanly (exit 0). Run: kvrelay-prefill --model DIR --listen 127.0.0.1:0 --http
+ * Prints "prefill ID: serving grpc HOST:PORT http HOST:PORT" once it serves; registers in etcd
+ * with --etcd; SIGINT or SIGTERM drain it (new calls refused, queued ones run) and stop it
+ * cleanly (exit 0). Run: kvrelay-prefill --model DIR --listen 127.0.0.1:0 --http
  * 127.0.0.1:0. Test: ctest -R test_prefill_node.
  */
 #include "prefill.h"
