@@ -12,5 +12,13 @@
 int kc_signals_init(void);
 /* Blocks until SIGINT or SIGTERM arrives (or arrived since kc_signals_init); returns it. */
 int kc_signals_wait(void);
+/* Waits up to timeout_ms for SIGINT or SIGTERM; returns it, or 0 when none came. */
+int kc_signals_wait_ms(int timeout_ms);
+
+/* A node's drain after its first stop signal: polls idle(user) every 100 ms until it answers
+ * non-zero (KC_DRAIN_DONE), timeout_s passes (KC_DRAIN_TIMEOUT) or another stop signal arrives
+ * (KC_DRAIN_SIGNAL: the operator wants it to stop at once). */
+typedef enum kc_drain_end { KC_DRAIN_DONE = 0, KC_DRAIN_TIMEOUT = 1, KC_DRAIN_SIGNAL = 2 } kc_drain_end;
+kc_drain_end kc_signals_drain(int (*idle)(void *user), void *user, double timeout_s);
 
 #endif /* KC_SIGNALS_H */

@@ -50,6 +50,10 @@ static void usage(FILE *f)
             "                           more running sequences take several calls per step)\n"
             "  --reservation-ttl-ms MS  expiry of a reservation whose Reserve gave no ttl_ms\n"
             "                           (default 30000)\n"
+            "  --drain-timeout-s S      on SIGTERM/SIGINT the node drains: no new reservations,\n"
+            "                           existing ones are decoded to their end; after S seconds\n"
+            "                           (default 30) what still runs ends UNAVAILABLE. A second\n"
+            "                           signal stops at once\n"
             "  --backend cpu|cuda       compute backend (default cpu)\n"
             "  --log-level LEVEL        debug, info (default), warn, error\n"
             "  -h, --help               this help\n"
@@ -134,6 +138,7 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
     c->block_size = 16;
     c->max_batch = 32;
     c->ttl_ms = 30000;
+    c->drain_timeout_s = 30;
     c->backend = KR_BACKEND_CPU;
     *level = KC_LOG_INFO;
     for (int i = 1; i < argc; i++) {
@@ -154,6 +159,8 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
         else if (!strcmp(a, "--max-batch")) c->max_batch = (int)number(a, value(argc, argv, &i), 1, 4096);
         else if (!strcmp(a, "--reservation-ttl-ms"))
             c->ttl_ms = (int)number(a, value(argc, argv, &i), 1, DN_MAX_TTL_MS);
+        else if (!strcmp(a, "--drain-timeout-s"))
+            c->drain_timeout_s = (double)number(a, value(argc, argv, &i), 0, 86400);
         else if (!strcmp(a, "--backend")) {
             const char *b = value(argc, argv, &i);
             if (!strcmp(b, "cpu")) c->backend = KR_BACKEND_CPU;
@@ -230,13 +237,53 @@ static int healthy(void *user, char *reason, size_t cap)
 {
     dn_node *n = user;
     pthread_mutex_lock(&n->lock);
-    int stopping = n->stopping, alive = n->loop_alive;
+    int stopping = n->stopping, draining = n->draining, alive = n->loop_alive;
     pthread_mutex_unlock(&n->lock);
-    if (stopping)
-        snprintf(reason, cap, "shutting down");
+    if (stopping || draining)
+        snprintf(reason, cap, stopping ? "shutting down" : "draining");
     else if (!alive)
         snprintf(reason, cap, "the batching loop has stopped");
-    return !stopping && alive;
+    return !stopping && !draining && alive;
+}
+
+/* The drain is over when no reservation is left but failed ones' tombstones: every Decode
+ * stream has ended, and unused reservations were released or expired. */
+static int drained(void *user)
+{
+    dn_node *n = user;
+    int live = 0;
+    pthread_mutex_lock(&n->lock);
+    for (dn_resv *r = n->resvs; r; r = r->next)
+        live += r->state != DN_RESV_FAILED;
+    int running = n->n_running;
+    pthread_mutex_unlock(&n->lock);
+    return live == 0 && running == 0;
+}
+
+/* SIGTERM/SIGINT: stop taking reservations, let the ones made be decoded, then stop. */
+static void drain(dn_node *n, int sig)
+{
+    pthread_mutex_lock(&n->lock);
+    n->draining = 1;
+    int live = n->n_resvs, running = n->n_running;
+    pthread_mutex_unlock(&n->lock);
+    kc_health_set_serving(n->health, 0);
+    kc_info(NULL, "%s: draining: new reservations refused; %d reservations and %d running "
+            "sequences may finish (at most %.0f s; another signal stops at once)",
+            sig == SIGINT ? "SIGINT" : "SIGTERM", live, running, n->cfg.drain_timeout_s);
+    double t0 = dn_now();
+    kc_drain_end end = kc_signals_drain(drained, n, n->cfg.drain_timeout_s);
+    pthread_mutex_lock(&n->lock);
+    live = n->n_resvs;
+    running = n->n_running;
+    pthread_mutex_unlock(&n->lock);
+    if (end == KC_DRAIN_DONE)
+        kc_info(NULL, "drained in %.1f s: shutting down", dn_now() - t0);
+    else
+        kc_warn(NULL, "%s after %.1f s: shutting down with %d reservations and %d running "
+                "sequences (their streams end UNAVAILABLE)",
+                end == KC_DRAIN_SIGNAL ? "second stop signal" : "drain timeout",
+                dn_now() - t0, live, running);
 }
 
 /* ------------------------------------------------------------------ main */
@@ -338,10 +385,8 @@ int main(int argc, char **argv)
     printf("decode %s: serving grpc %s http %s\n", c->id, n->grpc_addr, n->http_addr);
     fflush(stdout);
 
-    int sig = kc_signals_wait();
-    kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
-    kc_health_set_serving(n->health, 0);
-    dn_loop_stop(n); /* ends every stream (UNAVAILABLE) and frees their sequences */
+    drain(n, kc_signals_wait());
+    dn_loop_stop(n); /* ends every stream left (UNAVAILABLE) and frees their sequences */
     kc_server_destroy(n->server); /* waits for every handler */
     dn_resv_release_all(n);
     kt_transport_destroy(n->transport);

@@ -48,6 +48,7 @@ typedef struct dn_config {
     int threads; /* 0: all online CPUs */
     int max_batch; /* most sequences per kr_forward_batch call */
     int ttl_ms; /* default reservation expiry */
+    double drain_timeout_s; /* the longest a SIGTERM'd node waits for its work to end */
     kr_backend_kind backend;
 } dn_config;
 
@@ -134,7 +135,8 @@ typedef struct dn_node {
 
     pthread_mutex_t lock;
     pthread_cond_t cond; /* loop wake-ups, bundle arrivals, releases */
-    int stopping; /* no new reservations or decodes; the loop drains and exits */
+    int draining; /* SIGTERM: no new reservations; existing ones are still decoded */
+    int stopping; /* no new reservations or decodes; the loop ends every stream and exits */
     int loop_alive; /* cleared by the loop thread on exit (health) */
     dn_resv *resvs;
     int n_resvs;

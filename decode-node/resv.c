@@ -208,10 +208,11 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     r->expires_unix_ms = dn_unix_ms() + ttl_ms;
 
     pthread_mutex_lock(&n->lock);
-    if (n->stopping) {
+    if (n->stopping || n->draining) {
         pthread_mutex_unlock(&n->lock);
         dn_resv_free(r);
-        snprintf(err, KT_ERR_MAX, "decode node %s is shutting down", n->cfg.id);
+        snprintf(err, KT_ERR_MAX, "decode node %s is %s", n->cfg.id,
+                 n->stopping ? "shutting down" : "draining");
         return GRPC_STATUS_UNAVAILABLE;
     }
     int64_t free_blocks = n->total_blocks - n->reserved_sum;

@@ -387,7 +387,7 @@ static int on_status(kc_call *call, const ProtobufCMessage *msg, void *user)
     node.grpc_address = n->grpc_addr;
     node.transfer_address = n->transfer_addr;
     pthread_mutex_lock(&n->lock);
-    node.state = n->stopping ? KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING
+    node.state = n->stopping || n->draining ? KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING
                              : KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
     node.running_requests = (uint32_t)n->n_running;
     node.queued_requests = (uint32_t)(n->n_pending + n->n_waiting);

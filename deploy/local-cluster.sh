@@ -10,6 +10,20 @@
 #   krc_stop            SIGTERM every process it started (SIGKILL after 10 s), newest first
 #   krc_addr ID         the gRPC address a started process printed
 #   krc_http ID         its HTTP address
+#   krc_pid ID          the pid of the (latest) process started as ID
+#   krc_signal ID SIG   sends SIG (KILL, STOP, CONT, ...) to it
+#   krc_restart ID ARGS...  starts ID again with the same program and arguments plus ARGS (e.g.
+#                       --listen and --transfer of its old ports: the last flag wins), waits for
+#                       it to serve; its earlier log is kept as ID.log.N
+#
+# Membership in etcd (docs/cluster.md): when KRC_ETCD is set (host:port, e.g. by
+# krc_etcd_start), krc_start gives every node --etcd KRC_ETCD --cluster KRC_CLUSTER (default
+# "local") and the router --etcd instead of --nodes when its --help offers --etcd.
+#   krc_etcd_start [CLIENT_PORT PEER_PORT]
+#       starts /usr/bin/etcd with its data in $KRC_DIR/etcd (kept across restarts) on the given
+#       loopback ports (default: free ones); sets KRC_ETCD, KRC_ETCD_PID, KRC_ETCD_CLIENT_PORT,
+#       KRC_ETCD_PEER_PORT. Returns 1 when etcd is not installed or did not come up.
+#   krc_etcd_stop       SIGTERM it (SIGKILL after 10 s); the data dir stays
 
 KRC_PIDS=()
 KRC_IDS=()
@@ -34,12 +48,33 @@ krc_wait_serving() {
   return 1
 }
 
-# krc_spawn ID PROGRAM ARGS... : starts one process in the background, records it.
+# krc_spawn ID PROGRAM ARGS... : starts one process in the background, records it (and its
+# command line, for krc_restart).
+declare -A KRC_CMDS=()
 krc_spawn() {
   local id=$1; shift
   "$@" >"$KRC_DIR/$id.out" 2>"$KRC_DIR/$id.log" &
   KRC_PIDS+=($!)
   KRC_IDS+=("$id")
+  KRC_CMDS[$id]=$(printf '%q ' "$@")
+}
+
+krc_pid() {
+  local i
+  for ((i = ${#KRC_IDS[@]} - 1; i >= 0; i--)); do
+    [ "${KRC_IDS[$i]}" = "$1" ] && { echo "${KRC_PIDS[$i]}"; return 0; }
+  done
+  return 1
+}
+
+krc_signal() { kill -"$2" "$(krc_pid "$1")"; }
+
+krc_restart() {
+  local id=$1 n=1; shift
+  while [ -e "$KRC_DIR/$id.log.$n" ]; do n=$((n + 1)); done
+  mv "$KRC_DIR/$id.log" "$KRC_DIR/$id.log.$n"
+  eval "krc_spawn $id ${KRC_CMDS[$id]} $(printf '%q ' "$@")"
+  krc_wait_serving "$id" "${KRC_PIDS[-1]}" >/dev/null
 }
 
 krc_addr() { sed -nE 's/.*serving grpc ([^ ]+) http.*/\1/p' "$KRC_DIR/$1.out" | head -n1; }
@@ -49,18 +84,19 @@ krc_start() {
   local bin=$1 model=$2 np=$3 nd=$4 listen=$5; shift 5
   KRC_DIR=${KRC_DIR:-$(mktemp -d -t kvrelay-cluster.XXXXXX)}
   mkdir -p "$KRC_DIR"
-  local i id nodes="$KRC_DIR/nodes.json" dec=() pre=()
+  local i id nodes="$KRC_DIR/nodes.json" dec=() pre=() reg=()
+  [ -z "${KRC_ETCD:-}" ] || reg=(--etcd "$KRC_ETCD" --cluster "${KRC_CLUSTER:-local}")
   # decode nodes first: prefill nodes and the router need nothing from them at start, but the
   # router's membership file lists their addresses
   for ((i = 0; i < nd; i++)); do
     id=decode-$i
     krc_spawn "$id" "$bin/kvrelay-decode" --model "$model" --id "$id" --listen 127.0.0.1:0 \
-      --transfer 127.0.0.1:0 --http 127.0.0.1:0 "${KRC_DECODE_ARGS[@]}" "$@"
+      --transfer 127.0.0.1:0 --http 127.0.0.1:0 "${reg[@]}" "${KRC_DECODE_ARGS[@]}" "$@"
   done
   for ((i = 0; i < np; i++)); do
     id=prefill-$i
     krc_spawn "$id" "$bin/kvrelay-prefill" --model "$model" --id "$id" --listen 127.0.0.1:0 \
-      --http 127.0.0.1:0 "${KRC_PREFILL_ARGS[@]}" "$@"
+      --http 127.0.0.1:0 "${reg[@]}" "${KRC_PREFILL_ARGS[@]}" "$@"
   done
   for ((i = 0; i < ${#KRC_IDS[@]}; i++)); do
     krc_wait_serving "${KRC_IDS[$i]}" "${KRC_PIDS[$i]}" >/dev/null || return 1
@@ -72,7 +108,11 @@ krc_start() {
   local IFS=,
   echo "{\"prefill\": [${pre[*]}], \"decode\": [${dec[*]}]}" >"$nodes"
   unset IFS
-  krc_spawn router "$bin/kvrelay-router" --model "$model" --id router --nodes "$nodes" \
+  local members=(--nodes "$nodes")
+  if [ -n "${KRC_ETCD:-}" ] && "$bin/kvrelay-router" --help 2>/dev/null | grep -q -- '--etcd'; then
+    members=(--etcd "$KRC_ETCD" --cluster "${KRC_CLUSTER:-local}")
+  fi
+  krc_spawn router "$bin/kvrelay-router" --model "$model" --id router "${members[@]}" \
     --listen "$listen" --http 127.0.0.1:0 "${KRC_ROUTER_ARGS[@]}"
   krc_wait_serving router "${KRC_PIDS[-1]}" >/dev/null || return 1
   KRC_ROUTER=$(krc_addr router)
@@ -91,4 +131,52 @@ krc_stop() {
   done
   KRC_PIDS=()
   KRC_IDS=()
+}
+
+# ------------------------------------------------------------------ etcd
+
+# Two free loopback TCP ports (the kernel's choice; released just before etcd binds them).
+krc_free_ports() {
+  /usr/bin/python3 -c '
+import socket
+s = [socket.socket() for _ in range(2)]
+for x in s: x.bind(("127.0.0.1", 0))
+print(" ".join(str(x.getsockname()[1]) for x in s))'
+}
+
+krc_etcd_start() {
+  [ -x /usr/bin/etcd ] || command -v etcd >/dev/null 2>&1 || return 1
+  KRC_DIR=${KRC_DIR:-$(mktemp -d -t kvrelay-cluster.XXXXXX)}
+  local c=${1:-} p=${2:-} i
+  if [ -z "$c" ] || [ -z "$p" ]; then
+    read -r c p < <(krc_free_ports) || return 1
+  fi
+  local peer=http://127.0.0.1:$p client=http://127.0.0.1:$c
+  etcd --name kvrelay --data-dir "$KRC_DIR/etcd" --listen-client-urls "$client" \
+    --advertise-client-urls "$client" --listen-peer-urls "$peer" \
+    --initial-advertise-peer-urls "$peer" --initial-cluster "kvrelay=$peer" \
+    >>"$KRC_DIR/etcd.log" 2>&1 &
+  KRC_ETCD_PID=$!
+  for ((i = 0; i < 100; i++)); do
+    if etcdctl --endpoints "$client" --dial-timeout 1s endpoint health >/dev/null 2>&1; then
+      KRC_ETCD=127.0.0.1:$c KRC_ETCD_CLIENT_PORT=$c KRC_ETCD_PEER_PORT=$p
+      return 0
+    fi
+    kill -0 "$KRC_ETCD_PID" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "kvrelay: etcd did not come up on $client; the end of $KRC_DIR/etcd.log:" >&2
+  tail -n 10 "$KRC_DIR/etcd.log" >&2
+  krc_etcd_stop
+  return 1
+}
+
+krc_etcd_stop() {
+  local i
+  [ -n "${KRC_ETCD_PID:-}" ] || return 0
+  kill -TERM "$KRC_ETCD_PID" 2>/dev/null || true
+  for ((i = 0; i < 100; i++)); do kill -0 "$KRC_ETCD_PID" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$KRC_ETCD_PID" 2>/dev/null || true
+  wait "$KRC_ETCD_PID" 2>/dev/null || true
+  KRC_ETCD_PID=
 }

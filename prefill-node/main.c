@@ -50,6 +50,10 @@ static void usage(FILE *f)
             "                          prompt needs under the full policy, plus one per list)\n"
             "  --transfer-timeout-s S  cap on one bundle send (default 30; the call's deadline\n"
             "                          caps it too)\n"
+            "  --drain-timeout-s S     on SIGTERM/SIGINT new Prefill calls are refused and the\n"
+            "                          queued and running ones finish; after S seconds (default\n"
+            "                          30) those left end UNAVAILABLE. A second signal stops at\n"
+            "                          once\n"
             "  --backend B             cpu (default) or cuda\n"
             "  --log-level L           debug, info (default), warn, error\n"
             "  -h, --help              this help\n",
@@ -107,6 +111,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
                      .max_prompt = -1,
                      .kv_blocks = -1,
                      .transfer_timeout_s = 30.0,
+                     .drain_timeout_s = 30.0,
                      .backend = KR_BACKEND_CPU};
     *level = KC_LOG_INFO;
     for (int i = 1; i < argc; i++) {
@@ -145,6 +150,8 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             c->kv_blocks = (int)flag_long(a, flag_value(argc, argv, &i), 1, INT32_MAX);
         } else if (!strcmp(a, "--transfer-timeout-s")) {
             c->transfer_timeout_s = flag_double(a, flag_value(argc, argv, &i), 0.001, 86400);
+        } else if (!strcmp(a, "--drain-timeout-s")) {
+            c->drain_timeout_s = flag_double(a, flag_value(argc, argv, &i), 0, 86400);
         } else if (!strcmp(a, "--backend")) {
             const char *v = flag_value(argc, argv, &i);
             if (!strcmp(v, "cpu"))
@@ -204,6 +211,50 @@ static int64_t unix_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* /healthz: 503 "draining" once a stop signal came. */
+static int healthy(void *user, char *reason, size_t cap)
+{
+    pf_node *n = user;
+    if (!atomic_load(&n->draining)) return 1;
+    snprintf(reason, cap, "draining");
+    return 0;
+}
+
+static int idle(void *user)
+{
+    int running, waiting;
+    uint64_t tokens;
+    pf_queue_load(user, &running, &waiting, &tokens);
+    return running == 0 && waiting == 0;
+}
+
+/* SIGTERM/SIGINT: refuse new calls, let the queue run empty, then (timeout, or a second
+ * signal) end what is left with UNAVAILABLE before the server cancels the calls. */
+static void drain(pf_node *n, int sig)
+{
+    atomic_store(&n->draining, 1);
+    atomic_store(&n->since_unix_ms, unix_ms());
+    kc_health_set_serving(n->health, 0);
+    int running, waiting;
+    uint64_t tokens;
+    pf_queue_load(n, &running, &waiting, &tokens);
+    kc_info(NULL, "%s: draining: new Prefill calls refused; %d running and %d queued jobs may "
+            "finish (at most %.0f s; another signal stops at once)",
+            sig == SIGINT ? "SIGINT" : "SIGTERM", running, waiting, n->cfg->drain_timeout_s);
+    double t0 = pf_now();
+    kc_drain_end end = kc_signals_drain(idle, n, n->cfg->drain_timeout_s);
+    if (end == KC_DRAIN_DONE) {
+        kc_info(NULL, "drained in %.1f s: shutting down", pf_now() - t0);
+        return;
+    }
+    pf_queue_load(n, &running, &waiting, &tokens);
+    kc_warn(NULL, "%s after %.1f s: shutting down; %d running and %d queued jobs end UNAVAILABLE",
+            end == KC_DRAIN_SIGNAL ? "second stop signal" : "drain timeout", pf_now() - t0,
+            running, waiting);
+    atomic_store(&n->aborting, 1);
+    pf_queue_abort(n);
+}
+
 int main(int argc, char **argv)
 {
     pf_config cfg;
@@ -236,8 +287,7 @@ int main(int argc, char **argv)
     if (kc_server_create(cfg.listen, NULL, &srv, &grpc_port, &st) != 0)
         die(1, "--listen %s: %s", cfg.listen, st.details);
     static const char *const services[] = {"kvrelay.v1.Prefill", NULL};
-    kc_health *health = NULL;
-    if (pf_service_register(n, srv) != 0 || !(health = kc_health_register(srv, services)))
+    if (pf_service_register(n, srv) != 0 || !(n->health = kc_health_register(srv, services)))
         die(1, "cannot register the gRPC methods");
     int listen_host_len = (int)(strrchr(cfg.listen, ':') - cfg.listen);
     snprintf(n->grpc_address, sizeof n->grpc_address, "%.*s:%d", listen_host_len, cfg.listen,
@@ -247,8 +297,8 @@ int main(int argc, char **argv)
     char http_host[256], http_err[256];
     int http_port, http_bound;
     pf_parse_hostport(cfg.http, 0, 1, http_host, sizeof http_host, &http_port);
-    kc_http *http = kc_http_start(http_host, http_port, n->reg, kc_health_http_check, health,
-                                  &http_bound, http_err);
+    kc_http *http = kc_http_start(http_host, http_port, n->reg, healthy, n, &http_bound,
+                                  http_err);
     if (!http) die(1, "--http %s: %s", cfg.http, http_err);
     atomic_store(&n->since_unix_ms, unix_ms());
 
@@ -262,15 +312,11 @@ int main(int argc, char **argv)
            http_bound);
     fflush(stdout);
 
-    int sig = kc_signals_wait();
-    kc_info(NULL, "%s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
-    atomic_store(&n->draining, 1);
-    atomic_store(&n->since_unix_ms, unix_ms());
-    kc_health_set_serving(health, 0);
-    /* Cancels every call and waits for their handlers: queued jobs leave the queue, a job in
-     * prefill skips its transfer, a send in flight runs to its end (ack, failure, timeout). */
+    drain(n, kc_signals_wait());
+    /* Cancels every call left and waits for their handlers: queued jobs leave the queue, a job
+     * in prefill skips its transfer, a send in flight runs to its end (ack, failure, timeout). */
     kc_server_destroy(srv);
-    kc_health_free(health);
+    kc_health_free(n->health);
     pf_queue_stop(n);
     kc_http_stop(http);
     kt_transport_destroy(n->tx);

@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "bundle.h"
+#include "health.h"
 #include "kr.h"
 #include "metrics.h"
 #include "rpc.h"
@@ -40,6 +41,7 @@ typedef struct pf_config {
     int max_prompt;            /* longest prompt accepted (tokens) */
     int kv_blocks;             /* KV pool blocks */
     double transfer_timeout_s; /* cap on one bundle send */
+    double drain_timeout_s;    /* the longest a SIGTERM'd node waits for its jobs */
     kr_backend_kind backend;
 } pf_config;
 
@@ -97,9 +99,11 @@ typedef struct pf_node {
     const kr_config *mcfg;
     kt_transport *tx;              /* send-only */
     char grpc_address[300];        /* as bound: HOST:PORT */
-    _Atomic int draining;          /* shutting down: Status says DRAINING */
+    _Atomic int draining;          /* SIGTERM: new Prefill calls refused, queued jobs run */
+    _Atomic int aborting;          /* the drain is over: jobs not yet sent end UNAVAILABLE */
     _Atomic int64_t since_unix_ms; /* when the current state began */
     kc_registry *reg;
+    kc_health *health; /* grpc.health.v1 */
     pf_metrics metrics;
 
     /* the worker's: only the worker thread touches these after start-up */
@@ -132,6 +136,9 @@ typedef struct pf_node {
 int pf_queue_start(pf_node *n, char *err);
 /* Stops the worker after the running job (the queue must be empty: the server is gone). */
 void pf_queue_stop(pf_node *n);
+/* The drain is over (n->aborting): wakes the handlers of queued jobs, which end them
+ * UNAVAILABLE, and waits up to a second for them (a running job ends at its next check). */
+void pf_queue_abort(pf_node *n);
 /* Queues `j` (state QUEUED) unless more than cfg->queue jobs would be waiting; returns 0, or
  * -1 with *waiting set to the jobs waiting. */
 int pf_queue_submit(pf_node *n, pf_job *j, int *waiting);
@@ -149,6 +156,7 @@ void pf_run(pf_node *n, pf_job *j);
  * CANCELLED. */
 #define PF_DEADLINE_SLACK_MS 100
 grpc_status_code pf_call_gone_code(kc_call *call);
+#define PF_SHUTDOWN_MSG "prefill node shutting down"
 
 /* service.c: the gRPC methods and the metrics they keep. */
 int pf_metrics_register(pf_node *n);

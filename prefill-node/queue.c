@@ -134,6 +134,15 @@ void pf_queue_wait(pf_node *n, pf_job *j)
 {
     pthread_mutex_lock(&n->mu);
     while (j->state != PF_JOB_DONE) {
+        if (j->state == PF_JOB_QUEUED && atomic_load(&n->aborting)) {
+            unlink_job(n, j);
+            j->state = PF_JOB_DONE;
+            j->code = GRPC_STATUS_UNAVAILABLE;
+            snprintf(j->details, sizeof j->details, "%s before this request's prefill started",
+                     PF_SHUTDOWN_MSG);
+            kc_warn(j->request_id, "dropped from the queue: %s", j->details);
+            break;
+        }
         if (j->state == PF_JOB_QUEUED && kc_call_cancelled(j->call)) {
             unlink_job(n, j);
             j->state = PF_JOB_DONE;
@@ -156,6 +165,19 @@ void pf_queue_wait(pf_node *n, pf_job *j)
     }
     pthread_mutex_unlock(&n->mu);
     pthread_cond_destroy(&j->done);
+}
+
+void pf_queue_abort(pf_node *n)
+{
+    for (int i = 0; i < 50; i++) {
+        pthread_mutex_lock(&n->mu);
+        int waiting = n->n_waiting;
+        pthread_mutex_unlock(&n->mu);
+        if (waiting == 0)
+            return;
+        struct timespec ts = {0, PF_POLL_MS * 1000000L};
+        nanosleep(&ts, NULL);
+    }
 }
 
 void pf_queue_load(pf_node *n, int *running, int *waiting, uint64_t *outstanding_tokens)

@@ -165,6 +165,11 @@ void pf_run(pf_node *n, pf_job *j)
         job_fail(j, pf_call_gone_code(j->call), "call ended before its prefill started");
         return;
     }
+    if (atomic_load(&n->aborting)) {
+        job_fail(j, GRPC_STATUS_UNAVAILABLE, "%s before this request's prefill started",
+                 PF_SHUTDOWN_MSG);
+        return;
+    }
     const kr_config *c = n->mcfg;
     double t0 = pf_now();
     kr_seq *seq = NULL;
@@ -196,6 +201,11 @@ void pf_run(pf_node *n, pf_job *j)
     pool_gauges(n);
     if (kc_call_cancelled(j->call)) {
         job_fail(j, pf_call_gone_code(j->call), "call ended during prefill; bundle not sent");
+        goto out;
+    }
+    if (atomic_load(&n->aborting)) {
+        job_fail(j, GRPC_STATUS_UNAVAILABLE, "%s during this request's prefill; bundle not sent",
+                 PF_SHUTDOWN_MSG);
         goto out;
     }
 

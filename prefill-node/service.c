@@ -260,7 +260,10 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     j.call = call;
     int32_t *tokens = NULL;
     kr_policy *owned = NULL;
-    int code = validate(n, call, req, &j, &tokens, &owned);
+    int code = atomic_load(&n->draining)
+                   ? refuse(n, call, j.request_id, GRPC_STATUS_UNAVAILABLE,
+                            "prefill node %s is draining", n->cfg->id)
+                   : validate(n, call, req, &j, &tokens, &owned);
     if (code != GRPC_STATUS_OK) goto out;
     int waiting;
     if (pf_queue_submit(n, &j, &waiting) != 0) {

@@ -34,6 +34,8 @@ enum {
 struct rt_active {
     kc_call *call;
     kc_stream *stream;
+    _Atomic int64_t last_ms; /* rt_now_ms() of the stream's last message (or its opening) */
+    atomic_int stalled; /* the watcher cancelled it: silent for --decode-stall-ms */
     rt_active *next;
 };
 
@@ -55,8 +57,20 @@ typedef struct gen_req {
     double t_arrival, t_first, t_last; /* seconds, monotonic */
     int64_t deadline_ms; /* rt_now_ms() clock */
 
+    /* what is being placed: the prompt, or after a migration the prompt and the tokens sent */
+    int32_t *pf; /* n_pf; == prompt, or malloc'd by a migration */
+    int n_pf;
+    uint32_t left_tokens; /* max_tokens still to generate, the first token of the prefill included */
+    uint32_t *sent; /* n_sent ids sent to the client (migrations re-prefill them) */
+    size_t n_sent, cap_sent;
+    int migrations;
+
     /* placement */
     rt_node *pnode, *dnode;
+    rt_node *skip_p[RT_NODES_MAX], *skip_d[RT_NODES_MAX]; /* failed in this request */
+    int n_skip_p, n_skip_d;
+    int prefill_failures; /* prefill node failures in this placement: one retry, docs/failures.md */
+    int decode_failed; /* the decode stream failed on the node's side (st says how) */
     int reserved; /* a reservation is held on dnode */
     uint64_t reservation;
     int64_t reserved_blocks;
@@ -293,7 +307,7 @@ static grpc_status_code reservation_end(gen_req *r, int call)
         req.request_id = r->id;
         Kvrelay__V1__ReleaseResponse *resp = NULL;
         kc_status st;
-        if (kc_unary(r->dnode->ch, "/kvrelay.v1.Decode/Release", &req.base, &kvrelay__v1__release_response__descriptor,
+        if (kc_unary(rt_node_channel(r->rt, r->dnode), "/kvrelay.v1.Decode/Release", &req.base, &kvrelay__v1__release_response__descriptor,
                      RT_RELEASE_TIMEOUT_MS, (ProtobufCMessage **)&resp, &st) == 0) {
             kc_debug(r->id, "released reservation %" PRIu64 " on %s (%s)", r->reservation, r->dnode->id,
                      resp->released ? "freed" : "already gone");
@@ -309,30 +323,33 @@ static grpc_status_code reservation_end(gen_req *r, int call)
     return code;
 }
 
-static attempt reserve(gen_req *r, const char *excluded, kc_status *st)
+static attempt reserve(gen_req *r, kc_status *st)
 {
     rt_router *rt = r->rt;
-    int n, order[RT_MEMBERS_MAX];
-    rt_node *nodes = rt_nodes_of(rt, RT_ROLE_DECODE, &n);
-    rt_nodes_order(rt, RT_ROLE_DECODE, order);
+    rt_node *order[RT_NODES_MAX];
+    int n = rt_nodes_order(rt, RT_ROLE_DECODE, r->skip_d, r->n_skip_d, order);
     int full = 0, tried = 0;
-    kc_status last = {GRPC_STATUS_UNAVAILABLE, "every decode node failed earlier in this request"};
+    kc_status last = {GRPC_STATUS_UNAVAILABLE, "none is serving (gone, suspect, or failed earlier in this request)"};
     for (int k = 0; k < n; k++) {
-        rt_node *node = &nodes[order[k]];
-        if (excluded[order[k]]) continue;
+        rt_node *node = order[k];
         tried++;
         Kvrelay__V1__ReserveRequest req = KVRELAY__V1__RESERVE_REQUEST__INIT;
         req.request_id = r->id;
-        req.prompt_tokens = (uint32_t)r->n_prompt;
-        req.max_tokens = r->max_tokens;
+        req.prompt_tokens = (uint32_t)r->n_pf;
+        req.max_tokens = r->left_tokens;
         req.kv_entries = r->kv_entries_bound;
         req.kv_policy = (char *)r->policy;
-        int64_t ttl = ms_left(r);
+        /* it must outlive the prefill (queue included), and no more: a reservation whose answer
+         * was lost (the call timed out) frees itself this soon */
+        int64_t ttl = ms_left(r) < rt->prefill_timeout_ms + 5000 ? ms_left(r) : rt->prefill_timeout_ms + 5000;
         req.ttl_ms = (uint32_t)(ttl < 1000 ? 1000 : ttl > RT_RESERVE_TTL_MAX_MS ? RT_RESERVE_TTL_MAX_MS : ttl);
         Kvrelay__V1__ReserveResponse *resp = NULL;
         kc_status s;
-        if (kc_unary(node->ch, "/kvrelay.v1.Decode/Reserve", &req.base, &kvrelay__v1__reserve_response__descriptor,
-                     hop_timeout(r), (ProtobufCMessage **)&resp, &s) == 0) {
+        int64_t hop = hop_timeout(r) < RT_RESERVE_TIMEOUT_MS ? hop_timeout(r) : RT_RESERVE_TIMEOUT_MS;
+        int rc = kc_unary(rt_node_channel(rt, node), "/kvrelay.v1.Decode/Reserve", &req.base,
+                          &kvrelay__v1__reserve_response__descriptor, hop, (ProtobufCMessage **)&resp, &s);
+        rt_node_outcome(rt, node, rc == 0 ? GRPC_STATUS_OK : s.code, s.details);
+        if (rc == 0) {
             r->dnode = node;
             r->reserved = 1;
             r->reservation = resp->reservation_id;
@@ -344,7 +361,8 @@ static attempt reserve(gen_req *r, const char *excluded, kc_status *st)
                     r->reserved_blocks, node->id, r->reservation, r->transfer_address);
             return ATTEMPT_DONE;
         }
-        if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED || s.code == GRPC_STATUS_UNAVAILABLE) {
+        if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED || s.code == GRPC_STATUS_UNAVAILABLE ||
+            (s.code == GRPC_STATUS_DEADLINE_EXCEEDED && ms_left(r) > 0)) {
             kc_debug(r->id, "decode node %s refused: %s: %s", node->id, kc_status_name(s.code), s.details);
             full |= s.code == GRPC_STATUS_RESOURCE_EXHAUSTED;
             status_set(&last, s.code, "%s: %s", node->id, s.details);
@@ -361,25 +379,33 @@ static attempt reserve(gen_req *r, const char *excluded, kc_status *st)
     return ATTEMPT_FAIL;
 }
 
-/* Prefill on the first prefill node (in placement order, not excluded) that takes it. On
- * anything but success the reservation is released; a node that failed UNAVAILABLE is excluded
- * (the decode node instead, when its Release fails too: the transfer's peer is what died). */
-static attempt prefill(gen_req *r, char *excluded_p, char *excluded_d, Kvrelay__V1__PrefillResponse **out, kc_status *st)
+static void skip_add(rt_node **skip, int *n, rt_node *node)
+{
+    for (int i = 0; i < *n; i++)
+        if (skip[i] == node) return;
+    if (*n < RT_NODES_MAX) skip[(*n)++] = node;
+}
+
+/* Prefill on the first prefill node (in placement order, not skipped) that takes it. On
+ * anything but success the reservation is released. A prefill node that failed (UNAVAILABLE, or
+ * no answer within --prefill-timeout-ms) is skipped from then on and the request placed again,
+ * once: a second failure fails the request. When the Release fails too, the transfer's peer is
+ * what died: the decode node is skipped instead, and that does not use up the retry. */
+static attempt prefill(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *st)
 {
     rt_router *rt = r->rt;
-    int n, order[RT_MEMBERS_MAX];
-    rt_node *nodes = rt_nodes_of(rt, RT_ROLE_PREFILL, &n);
-    rt_nodes_order(rt, RT_ROLE_PREFILL, order);
-    uint32_t *ids = malloc((size_t)r->n_prompt * sizeof *ids);
+    rt_node *order[RT_NODES_MAX];
+    int n = rt_nodes_order(rt, RT_ROLE_PREFILL, r->skip_p, r->n_skip_p, order);
+    uint32_t *ids = malloc((size_t)r->n_pf * sizeof *ids);
     if (!ids) {
         reservation_end(r, 1);
         status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
         return ATTEMPT_FAIL;
     }
-    for (int i = 0; i < r->n_prompt; i++) ids[i] = (uint32_t)r->prompt[i];
+    for (int i = 0; i < r->n_pf; i++) ids[i] = (uint32_t)r->pf[i];
     Kvrelay__V1__PrefillRequest req = KVRELAY__V1__PREFILL_REQUEST__INIT;
     req.request_id = r->id;
-    req.n_token_ids = (size_t)r->n_prompt;
+    req.n_token_ids = (size_t)r->n_pf;
     req.token_ids = ids;
     req.sampling = &r->sampling;
     req.kv_policy = (char *)r->policy;
@@ -388,38 +414,53 @@ static attempt prefill(gen_req *r, char *excluded_p, char *excluded_d, Kvrelay__
     req.decode_node = r->dnode->id;
     int full = 0;
     attempt a = ATTEMPT_FAIL;
-    kc_status last = {GRPC_STATUS_UNAVAILABLE, "every prefill node failed earlier in this request"};
+    kc_status last = {GRPC_STATUS_UNAVAILABLE, "none is serving (gone, suspect, or failed earlier in this request)"};
     for (int k = 0; k < n; k++) {
-        int idx = order[k];
-        rt_node *node = &nodes[idx];
-        if (excluded_p[idx]) continue;
+        rt_node *node = order[k];
         Kvrelay__V1__PrefillResponse *resp = NULL;
         kc_status s;
-        rt_node_account(rt, node, r->n_prompt, 1, 0);
-        int rc = kc_unary(node->ch, "/kvrelay.v1.Prefill/Prefill", &req.base, &kvrelay__v1__prefill_response__descriptor,
-                          hop_timeout(r), (ProtobufCMessage **)&resp, &s);
-        rt_node_account(rt, node, -r->n_prompt, -1, 0);
+        int64_t left = hop_timeout(r);
+        int capped = left > rt->prefill_timeout_ms;
+        rt_node_account(rt, node, r->n_pf, 1, 0);
+        int rc = kc_unary(rt_node_channel(rt, node), "/kvrelay.v1.Prefill/Prefill", &req.base,
+                          &kvrelay__v1__prefill_response__descriptor, capped ? rt->prefill_timeout_ms : left,
+                          (ProtobufCMessage **)&resp, &s);
+        rt_node_account(rt, node, -r->n_pf, -1, 0);
+        int timed_out = rc != 0 && s.code == GRPC_STATUS_DEADLINE_EXCEEDED && capped;
+        if (rc == 0 || s.code == GRPC_STATUS_UNAVAILABLE || timed_out)
+            rt_node_outcome(rt, node, rc == 0 ? GRPC_STATUS_OK : s.code, s.details);
         if (rc == 0) {
             r->pnode = node;
             *out = resp;
             free(ids);
             return ATTEMPT_DONE;
         }
-        if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED) { /* its queue is full: the next one */
-            kc_debug(r->id, "prefill node %s refused: %s", node->id, s.details);
-            full = 1;
+        if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED || (s.code == GRPC_STATUS_UNAVAILABLE && strstr(s.details, "draining"))) {
+            kc_debug(r->id, "prefill node %s refused: %s", node->id, s.details); /* the next one */
+            full |= s.code == GRPC_STATUS_RESOURCE_EXHAUSTED;
             status_set(&last, s.code, "%s: %s", node->id, s.details);
             continue;
         }
-        if (s.code == GRPC_STATUS_UNAVAILABLE) {
-            kc_warn(r->id, "prefill on %s failed: UNAVAILABLE: %s; placing the request again", node->id, s.details);
-            int n_decode;
-            rt_node *decode_nodes = rt_nodes_of(rt, RT_ROLE_DECODE, &n_decode);
-            if (reservation_end(r, 1) == GRPC_STATUS_UNAVAILABLE) excluded_d[r->dnode - decode_nodes] = 1;
-            else excluded_p[idx] = 1;
+        if (s.code == GRPC_STATUS_UNAVAILABLE || timed_out) {
+            if (timed_out) snprintf(s.details, sizeof s.details, "no answer within --prefill-timeout-ms %" PRId64, rt->prefill_timeout_ms);
+            rt_node *dnode = r->dnode;
+            if (reservation_end(r, 1) == GRPC_STATUS_UNAVAILABLE) {
+                kc_warn(r->id, "prefill on %s failed: %s: %s; decode node %s is gone too: placing the request again",
+                        node->id, kc_status_name(s.code), s.details, dnode->id);
+                skip_add(r->skip_d, &r->n_skip_d, dnode);
+            } else if (r->prefill_failures++ == 0) {
+                kc_warn(r->id, "prefill on %s failed: %s: %s; retrying once on another prefill node", node->id,
+                        kc_status_name(s.code), s.details);
+                skip_add(r->skip_p, &r->n_skip_p, node);
+            } else {
+                status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill failed twice (last on %s: %s: %s)", node->id,
+                           kc_status_name(s.code), s.details);
+                free(ids);
+                return ATTEMPT_FAIL;
+            }
             kc_counter_inc(rt->m.retries, 1);
             free(ids);
-            status_set(st, s.code, "prefill node %s: %s", node->id, s.details);
+            status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill node %s: %s", node->id, s.details);
             return ATTEMPT_AGAIN;
         }
         status_set(st, s.code, "prefill node %s: %s", node->id, s.details);
@@ -439,30 +480,20 @@ out:
     return a;
 }
 
-static int count_free(const char *excluded, int n)
-{
-    int k = 0;
-    for (int i = 0; i < n; i++) k += !excluded[i];
-    return k;
-}
-
-/* Reserve + prefill, retried as docs/router.md says, until done or the deadline. */
+/* Reserve + prefill, retried as docs/router.md and docs/failures.md say, until done or the
+ * deadline. */
 static grpc_status_code place(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *st)
 {
     rt_router *rt = r->rt;
-    char excluded_p[RT_MEMBERS_MAX] = {0}, excluded_d[RT_MEMBERS_MAX] = {0};
     int64_t backoff = RT_BACKOFF_MIN_MS;
+    r->prefill_failures = 0;
     for (;;) {
         if (kc_call_cancelled(r->call)) {
             client_gone(r, st, "before the request was placed");
             return st->code;
         }
-        if (!count_free(excluded_p, rt->n_prefill)) {
-            status_set(st, GRPC_STATUS_UNAVAILABLE, "no prefill node can take the request (last: %s)", st->details);
-            return st->code;
-        }
-        attempt a = reserve(r, excluded_d, st);
-        if (a == ATTEMPT_DONE) a = prefill(r, excluded_p, excluded_d, out, st);
+        attempt a = reserve(r, st);
+        if (a == ATTEMPT_DONE) a = prefill(r, out, st);
         if (a == ATTEMPT_DONE) return GRPC_STATUS_OK;
         if (a == ATTEMPT_FAIL) return st->code;
         if (a == ATTEMPT_AGAIN) continue;
@@ -540,6 +571,18 @@ static int relay(gen_req *r, const uint32_t *ids, size_t n, kc_status *st)
     int sent = kc_call_send(r->call, &msg.base);
     free(text);
     r->completion += (uint32_t)kept;
+    if (r->n_sent + kept > r->cap_sent) { /* kept for a migration's re-prefill */
+        size_t cap = (r->n_sent + kept) * 2 + 16;
+        uint32_t *grown = realloc(r->sent, cap * sizeof *grown);
+        if (!grown) {
+            status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+            return -1;
+        }
+        r->sent = grown;
+        r->cap_sent = cap;
+    }
+    memcpy(r->sent + r->n_sent, ids, kept * sizeof *ids);
+    r->n_sent += kept;
     r->t_last = now_s();
     if (sent != 0) {
         client_gone(r, st, "while tokens were streamed");
@@ -623,8 +666,12 @@ void *rt_watcher_main(void *arg)
     rt_router *rt = arg;
     pthread_mutex_lock(&rt->mu);
     while (!rt->stopping) {
-        for (rt_active *a = rt->active; a; a = a->next)
+        int64_t now = rt_now_ms();
+        for (rt_active *a = rt->active; a; a = a->next) {
             if (kc_call_cancelled(a->call)) kc_stream_cancel(a->stream); /* idempotent */
+            else if (now - atomic_load(&a->last_ms) > rt->decode_stall_ms && !atomic_exchange(&a->stalled, 1))
+                kc_stream_cancel(a->stream); /* a frozen node keeps its socket open: give up on it */
+        }
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
         until.tv_nsec += RT_WATCH_MS * 1000000L;
@@ -642,18 +689,22 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
     Kvrelay__V1__DecodeRequest req = KVRELAY__V1__DECODE_REQUEST__INIT;
     req.reservation_id = r->reservation;
     req.request_id = r->id;
-    req.max_tokens = r->max_tokens;
+    req.max_tokens = r->left_tokens;
     req.sampling = &r->sampling;
     req.n_stop_ids = r->n_stop_ids;
     req.stop_ids = (uint32_t *)r->stop_ids;
     kc_stream *s;
     kc_status s_st;
-    if (kc_stream_open(r->dnode->ch, "/kvrelay.v1.Decode/Decode", &req.base, hop_timeout(r), &s, &s_st) != 0) {
+    r->decode_failed = 0;
+    if (kc_stream_open(rt_node_channel(r->rt, r->dnode), "/kvrelay.v1.Decode/Decode", &req.base, hop_timeout(r), &s,
+                       &s_st) != 0) {
         status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
         reservation_end(r, 1);
         return st->code;
     }
     rt_active active = {.call = r->call, .stream = s};
+    atomic_init(&active.last_ms, rt_now_ms());
+    atomic_init(&active.stalled, 0);
     active_add(r->rt, &active);
     grpc_status_code code = GRPC_STATUS_OK;
     for (;;) {
@@ -667,11 +718,25 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
             break;
         }
         if (rc < 0) {
-            if (kc_call_cancelled(r->call)) client_gone(r, st, "while tokens were streamed");
-            else status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
+            if (kc_call_cancelled(r->call)) {
+                client_gone(r, st, "while tokens were streamed");
+            } else if (atomic_load(&active.stalled) || s_st.code == GRPC_STATUS_UNAVAILABLE ||
+                       s_st.code == GRPC_STATUS_DEADLINE_EXCEEDED) {
+                char cause[300];
+                if (atomic_load(&active.stalled))
+                    snprintf(cause, sizeof cause, "no message for %" PRId64 " ms (--decode-stall-ms)", r->rt->decode_stall_ms);
+                else snprintf(cause, sizeof cause, "%s: %s", kc_status_name(s_st.code), s_st.details);
+                status_set(st, GRPC_STATUS_UNAVAILABLE, "decode node %s failed after %u tokens were sent: %s",
+                           r->dnode->id, r->completion, cause);
+                rt_node_outcome(r->rt, r->dnode, atomic_load(&active.stalled) ? GRPC_STATUS_DEADLINE_EXCEEDED : s_st.code, cause);
+                r->decode_failed = 1;
+            } else {
+                status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
+            }
             code = st->code;
             break;
         }
+        atomic_store(&active.last_ms, rt_now_ms());
         if (m->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS && !r->have_decode_finish) {
             int k = relay(r, m->tokens->ids, m->tokens->n_ids, st);
             if (k != 0) {
@@ -690,8 +755,10 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
     active_remove(r->rt, &active);
     kc_stream_close(s);
     /* a stream that ended with its finish has freed the reservation on the node; otherwise
-     * Release it (idempotent) so the blocks come back even if the cancel did not arrive */
-    reservation_end(r, !(code == GRPC_STATUS_OK && r->have_decode_finish && !r->stopped));
+     * Release it (idempotent) so the blocks come back even if the cancel did not arrive. Not on
+     * a failed node: it is dead (the Release would fail) or frozen (it would wait), and the
+     * cancelled stream frees the sequence when it wakes up. */
+    reservation_end(r, !r->decode_failed && !(code == GRPC_STATUS_OK && r->have_decode_finish && !r->stopped));
     return code;
 }
 
@@ -732,58 +799,102 @@ static void send_finish(gen_req *r)
     kc_counter_inc(rt->m.generated_tokens, r->completion);
     static const char *reasons[] = {"unspecified", "length", "stop", "eos", "context"};
     kc_info(r->id, "finished: %s, %u prompt + %u completion tokens, ttft %.4f s, tpot %.4f s, kv footprint %.3f, "
-            "%" PRIu64 " bytes shipped, %s -> %s",
+            "%" PRIu64 " bytes shipped, %s -> %s, %d migrations",
             (unsigned)r->reason < 5 ? reasons[r->reason] : "?", u.prompt_tokens, u.completion_tokens, u.ttft_s,
-            u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, r->dnode->id);
+            u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, r->dnode->id, r->migrations);
 }
 
-/* Everything after validation. */
-static grpc_status_code serve(gen_req *r, kc_status *st)
+/* Places r->pf (reserve + prefill) and relays the prefill's first token. Returns OK with *done
+ * set when generation is over already (EOS, a stop id or string, the last token allowed). */
+static grpc_status_code start(gen_req *r, int *done, kc_status *st)
 {
     rt_router *rt = r->rt;
     Kvrelay__V1__PrefillResponse *pr = NULL;
     grpc_status_code code = place(r, &pr, st);
     if (code != GRPC_STATUS_OK) return code;
-    r->pu = pr->usage ? *pr->usage : (Kvrelay__V1__PrefillUsage)KVRELAY__V1__PREFILL_USAGE__INIT;
-    r->pu.prefill_node = NULL; /* numbers only: pr is freed below */
-    r->pu.base.unknown_fields = NULL;
-    r->pu.base.n_unknown_fields = 0;
+    const Kvrelay__V1__PrefillUsage *u = pr->usage;
+    if (u) { /* summed over a migration's prefills */
+        r->pu.footprint_attended += u->footprint_attended;
+        r->pu.footprint_full += u->footprint_full;
+        if (u->peak_kv_entries > r->pu.peak_kv_entries) r->pu.peak_kv_entries = u->peak_kv_entries;
+        r->pu.kv_bytes_shipped += u->kv_bytes_shipped;
+        r->pu.kv_entries_shipped += u->kv_entries_shipped;
+        r->pu.transfer_s = u->transfer_s;
+        kc_counter_inc(rt->m.kv_bytes_shipped, (double)u->kv_bytes_shipped); /* shipped, whatever follows */
+    }
     uint32_t first = pr->first_token;
     kc_message_free(&pr->base);
-    kc_counter_inc(rt->m.kv_bytes_shipped, (double)r->pu.kv_bytes_shipped);
-    kc_info(r->id, "prefilled on %s: first token %u, %" PRIu64 " KV entries (%" PRIu64 " bytes) shipped to %s in %.4f s",
-            r->pnode->id, first, r->pu.kv_entries_shipped, r->pu.kv_bytes_shipped, r->dnode->id, r->pu.transfer_s);
+    kc_info(r->id, "prefilled %d tokens on %s: first token %u, %" PRIu64 " KV entries shipped to %s in %.4f s", r->n_pf,
+            r->pnode->id, first, r->pu.kv_entries_shipped, r->dnode->id, r->pu.transfer_s);
     if (first >= (uint32_t)rt->cfg.vocab_size) {
         reservation_end(r, 1);
         status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, outside the vocabulary", r->pnode->id, first);
         return st->code;
     }
-
-    /* the first token goes out now: TTFT ends here */
     int k = relay(r, &first, 1, st);
-    r->t_first = r->t_last;
-    kc_histogram_observe(rt->m.ttft, r->t_first - r->t_arrival);
+    if (r->t_first == 0) { /* the first token goes out now: TTFT ends here */
+        r->t_first = r->t_last;
+        kc_histogram_observe(rt->m.ttft, r->t_first - r->t_arrival);
+    }
     if (k < 0) {
         reservation_end(r, 1);
         return st->code;
     }
-    int done = k == 1;
-    if (!done && (int32_t)first == rt->cfg.eos_token_id) {
+    *done = k == 1;
+    if (!*done && (int32_t)first == rt->cfg.eos_token_id) {
         r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
-        done = 1;
-    } else if (!done && is_stop_id(r, first)) {
+        *done = 1;
+    } else if (!*done && is_stop_id(r, first)) {
         r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
-        done = 1;
-    } else if (!done && r->max_tokens == 1) {
+        *done = 1;
+    } else if (!*done && r->left_tokens == 1) {
         r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH;
-        done = 1;
+        *done = 1;
     }
-    if (done) {
+    if (*done) {
         r->stopped = 1;
         reservation_end(r, 1); /* the bundle was shipped to the reservation: free it */
-    } else {
-        code = decode(r, st);
+    }
+    return GRPC_STATUS_OK;
+}
+
+/* --migrate: the decode stream failed; continue on another decode node by prefilling the prompt
+ * and every token sent so far (docs/failures.md). Returns 0 when the request can go on. */
+static int migrate(gen_req *r, kc_status *st)
+{
+    if (r->completion >= r->max_tokens || ms_left(r) <= 0 || kc_call_cancelled(r->call)) return -1;
+    size_t n = (size_t)r->n_prompt + r->n_sent;
+    if (n > (size_t)r->rt->cfg.max_position_embeddings - 1) return -1;
+    int32_t *pf = malloc(n * sizeof *pf);
+    if (!pf) return -1;
+    memcpy(pf, r->prompt, (size_t)r->n_prompt * sizeof *pf);
+    for (size_t i = 0; i < r->n_sent; i++) pf[(size_t)r->n_prompt + i] = (int32_t)r->sent[i];
+    if (r->pf != r->prompt) free(r->pf);
+    r->pf = pf;
+    r->n_pf = (int)n;
+    r->left_tokens = r->max_tokens - r->completion;
+    skip_add(r->skip_d, &r->n_skip_d, r->dnode);
+    r->have_decode_finish = 0;
+    r->migrations++;
+    kc_warn(r->id, "migrating: %s; re-prefilling %d tokens for the %u still to generate", st->details, r->n_pf,
+            r->left_tokens);
+    return 0;
+}
+
+/* Everything after validation. */
+static grpc_status_code serve(gen_req *r, kc_status *st)
+{
+    r->pf = r->prompt;
+    r->n_pf = r->n_prompt;
+    r->left_tokens = r->max_tokens;
+    for (;;) {
+        int done = 0;
+        grpc_status_code code = start(r, &done, st);
         if (code != GRPC_STATUS_OK) return code;
+        if (done) break;
+        code = decode(r, st);
+        if (code == GRPC_STATUS_OK) break;
+        if (!r->decode_failed || !r->rt->migrate || migrate(r, st) != 0) return code;
     }
     if (relay_flush(r, st) != 0) return st->code;
     send_finish(r);
@@ -821,7 +932,9 @@ int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
     atomic_fetch_sub(&rt->in_flight, 1);
     rt_stop_free(&r->stop);
     kr_detok_free(r->detok);
+    if (r->pf != r->prompt) free(r->pf);
     free(r->prompt);
+    free(r->sent);
     free(r);
     if (code == GRPC_STATUS_OK) return GRPC_STATUS_OK;
     return kc_call_error(call, code, "%s", st.details);

@@ -4,13 +4,16 @@
  * /metrics + /healthz over HTTP; sends each request to a decode node (Reserve, Decode) and a
  * prefill node (Prefill) chosen by its placement. It loads the model's config.json and
  * tokenizer.json only: it never runs the model.
- * Not here: etcd membership (the nodes come from a static file), TLS, several routers sharing
- * load information.
+ * Membership comes from a static file (--nodes) or from etcd (--etcd: it changes while the
+ * router runs; router/nodes.c keeps the table); failed
+ * nodes are handled as docs/failures.md says (circuit breaker, prefill retry, decode failure or
+ * --migrate). Not here: TLS, several routers sharing load information.
  * Run: kvrelay-router --model DIR --nodes nodes.json --listen 127.0.0.1:7100 --http 127.0.0.1:9100
  * docs/router.md describes the flags, the request flow and its retry rules.
  */
 #include "health.h"
 #include "http.h"
+#include "membership.h"
 #include "router.h"
 #include "signals.h"
 
@@ -27,7 +30,7 @@
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvrelay-router --model DIR --nodes FILE [options]\n"
+            "usage: kvrelay-router --model DIR (--nodes FILE | --etcd ENDPOINTS) [options]\n"
             "\n"
             "Serves the kvrelay gRPC API (kvrelay.v1.Generation, kvrelay.v1.Admin, grpc.health.v1)\n"
             "and sends each request to a decode node and a prefill node of the membership file.\n"
@@ -37,6 +40,11 @@ static void usage(FILE *f)
             "  --nodes FILE            static membership, JSON: {\"prefill\": [{\"id\": \"prefill-0\",\n"
             "                          \"address\": \"127.0.0.1:7101\"}], \"decode\": [{\"id\": \"decode-0\",\n"
             "                          \"address\": \"127.0.0.1:7201\"}]}\n"
+            "  --etcd ENDPOINTS        membership from etcd instead: \"127.0.0.1:2379,...\" (watches\n"
+            "                          /kvrelay/CLUSTER/nodes/; nodes come and go at run time)\n"
+            "  --cluster NAME          the etcd cluster name (default \"default\")\n"
+            "  --fingerprint HEX       the model fingerprint members must report (etcd membership;\n"
+            "                          default: the first one a member reports)\n"
             "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
             "  --http HOST:PORT        /metrics and /healthz (default 127.0.0.1:9100)\n"
             "  --id NAME               this router's name in logs and ClusterStatus (default router-0)\n"
@@ -48,6 +56,16 @@ static void usage(FILE *f)
             "  --policy-dir DIR        where policy files (heads pattern=, hsft windows=) live: clients\n"
             "                          name them by bare file name; without it such keys are refused\n"
             "                          (every node must see DIR at the same path)\n"
+            "  --breaker-failures N    consecutive failed calls (UNAVAILABLE, DEADLINE_EXCEEDED) that\n"
+            "                          make a node SUSPECT: skipped until a probe answers (default 3)\n"
+            "  --breaker-cooldown-ms MS  time before the half-open probe (one Status) of a suspect\n"
+            "                          node (default 2000)\n"
+            "  --prefill-timeout-ms MS cap on one Prefill call: a node silent this long has failed\n"
+            "                          and the request is retried once elsewhere (default 60000)\n"
+            "  --decode-stall-ms MS    a decode stream with no message this long has failed\n"
+            "                          (default 5000)\n"
+            "  --migrate               a failed decode stream continues on another decode node (re-\n"
+            "                          prefill of the prompt and the tokens sent) instead of failing\n"
             "  --log-level L           debug, info, warn or error (default info)\n"
             "  -h, --help              this help\n"
             "\n"
@@ -69,7 +87,10 @@ static void die(const char *fmt, ...)
 
 typedef struct router_opts {
     const char *model, *nodes, *listen, *http, *id, *placement, *log_level, *policy_dir;
+    const char *etcd, *cluster, *fingerprint;
     long max_tokens_limit, max_prompt, default_timeout_ms;
+    long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
+    int migrate;
 } router_opts;
 
 static long parse_long(const char *flag, const char *s, long lo, long hi)
@@ -103,7 +124,9 @@ static void parse(int argc, char **argv, router_opts *o)
 {
     *o = (router_opts){.listen = "127.0.0.1:7100", .http = "127.0.0.1:9100", .id = "router-0",
                        .placement = "least-loaded", .log_level = "info", .max_tokens_limit = 4096,
-                       .max_prompt = -1, .default_timeout_ms = 300000};
+                       .max_prompt = -1, .default_timeout_ms = 300000,
+                       .cluster = "default", .breaker_failures = 3, .breaker_cooldown_ms = 2000, .prefill_timeout_ms = 60000,
+                       .decode_stall_ms = 5000};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -111,11 +134,18 @@ static void parse(int argc, char **argv, router_opts *o)
             exit(0);
         }
         if (a[0] != '-' || a[1] != '-') die("unexpected argument '%s' (see --help)", a);
+        if (!strcmp(a, "--migrate")) {
+            o->migrate = 1;
+            continue;
+        }
         if (i + 1 >= argc) die("%s needs a value (see --help)", a);
         const char *v = argv[++i];
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--nodes")) o->nodes = v;
         else if (!strcmp(a, "--listen")) o->listen = v;
+        else if (!strcmp(a, "--etcd")) o->etcd = v;
+        else if (!strcmp(a, "--cluster")) o->cluster = v;
+        else if (!strcmp(a, "--fingerprint")) o->fingerprint = v;
         else if (!strcmp(a, "--http")) o->http = v;
         else if (!strcmp(a, "--id")) o->id = v;
         else if (!strcmp(a, "--placement")) o->placement = v;
@@ -124,10 +154,16 @@ static void parse(int argc, char **argv, router_opts *o)
         else if (!strcmp(a, "--max-tokens-limit")) o->max_tokens_limit = parse_long(a, v, 1, 1 << 24);
         else if (!strcmp(a, "--max-prompt")) o->max_prompt = parse_long(a, v, 1, 1 << 30);
         else if (!strcmp(a, "--default-timeout-ms")) o->default_timeout_ms = parse_long(a, v, 1, 86400000L);
+        else if (!strcmp(a, "--breaker-failures")) o->breaker_failures = parse_long(a, v, 1, 1000);
+        else if (!strcmp(a, "--breaker-cooldown-ms")) o->breaker_cooldown_ms = parse_long(a, v, 1, 3600000L);
+        else if (!strcmp(a, "--prefill-timeout-ms")) o->prefill_timeout_ms = parse_long(a, v, 1, 86400000L);
+        else if (!strcmp(a, "--decode-stall-ms")) o->decode_stall_ms = parse_long(a, v, 1, 86400000L);
         else die("unknown flag '%s' (see --help)", a);
     }
     if (!o->model) die("--model DIR is required (see --help)");
-    if (!o->nodes) die("--nodes FILE is required (see --help)");
+    if (!o->nodes == !o->etcd) die("give exactly one of --nodes FILE and --etcd ENDPOINTS (see --help)");
+    if (o->fingerprint && (strlen(o->fingerprint) != 16 || strspn(o->fingerprint, "0123456789abcdef") != 16))
+        die("--fingerprint: '%s' is not 16 lower-case hex digits (the nodes log theirs at start-up)", o->fingerprint);
     size_t idlen = strlen(o->id);
     if (idlen == 0 || idlen > 63) die("--id: '%s' must be 1-63 characters", o->id);
 }
@@ -174,6 +210,31 @@ static int64_t unix_ms(void)
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
+/* kc_watch's callback: the whole membership from etcd. */
+static void on_members(void *user, const kc_member *ms, int n)
+{
+    rt_router *rt = user;
+    rt_member_info *info = calloc((size_t)n + 1, sizeof *info);
+    if (!info) {
+        kc_error(NULL, "etcd membership: out of memory; keeping the last set");
+        return;
+    }
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        const kc_member *m = &ms[i];
+        if (strlen(m->id) > 63) {
+            kc_warn(NULL, "etcd membership: node id '%.80s...' is over 63 characters: left out", m->id);
+            continue;
+        }
+        info[k++] = (rt_member_info){.role = strcmp(m->role, "prefill") == 0 ? RT_ROLE_PREFILL : RT_ROLE_DECODE,
+                                     .id = m->id, .address = m->grpc, .draining = strcmp(m->state, "draining") == 0,
+                                     .fingerprint = m->fingerprint};
+    }
+    char err[KR_ERR_MAX];
+    if (rt_nodes_apply(rt, info, k, err) != 0) kc_warn(NULL, "etcd membership: %s", err);
+    free(info);
+}
+
 int main(int argc, char **argv)
 {
     router_opts o;
@@ -213,14 +274,32 @@ int main(int argc, char **argv)
     rt->max_tokens_limit = (uint32_t)o.max_tokens_limit;
     rt->default_timeout_ms = o.default_timeout_ms;
     rt->started_unix_ms = unix_ms();
-
-    rt_members ms;
-    char merr[RT_MEMBERS_ERR_MAX];
-    if (rt_members_load(o.nodes, &ms, merr) != 0) die("--nodes: %s", merr);
-    if (rt_nodes_init(rt, &ms, err) != 0) die("--nodes: %s", err);
-    rt_members_free(&ms);
+    rt->breaker_failures = (int)o.breaker_failures;
+    rt->breaker_cooldown_ms = o.breaker_cooldown_ms;
+    rt->prefill_timeout_ms = o.prefill_timeout_ms;
+    rt->decode_stall_ms = o.decode_stall_ms;
+    rt->migrate = o.migrate;
     pthread_mutex_init(&rt->mu, NULL);
     pthread_cond_init(&rt->cv, NULL);
+
+    if (o.fingerprint) snprintf(rt->fingerprint, sizeof rt->fingerprint, "%s", o.fingerprint);
+    kc_watch *watch = NULL;
+    if (o.nodes) {
+        rt_members ms;
+        char merr[RT_MEMBERS_ERR_MAX];
+        if (rt_members_load(o.nodes, &ms, merr) != 0) die("--nodes: %s", merr);
+        static rt_member_info info[2 * RT_MEMBERS_MAX];
+        int n_info = 0;
+        for (int i = 0; i < ms.n_prefill; i++)
+            info[n_info++] = (rt_member_info){.role = RT_ROLE_PREFILL, .id = ms.prefill[i].id, .address = ms.prefill[i].address};
+        for (int i = 0; i < ms.n_decode; i++)
+            info[n_info++] = (rt_member_info){.role = RT_ROLE_DECODE, .id = ms.decode[i].id, .address = ms.decode[i].address};
+        if (rt_nodes_apply(rt, info, n_info, err) != 0) die("--nodes: %s", err);
+        rt_members_free(&ms);
+    } else {
+        char werr[KC_MEMBER_ERR_LEN];
+        if (kc_watch_start(o.etcd, o.cluster, on_members, rt, &watch, werr) != 0) die("--etcd %s: %s", o.etcd, werr);
+    }
     metrics_init(rt);
 
     if (kc_signals_init() != 0) die("signal pipe: %s", strerror(errno));
@@ -253,10 +332,15 @@ int main(int argc, char **argv)
         pthread_create(&rt->watcher, NULL, rt_watcher_main, rt) != 0)
         die("cannot start the router's threads");
     if (kc_server_start(srv, &st) != 0) die("cannot start the gRPC server: %s", st.details);
-    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s", o.model,
+    int n_prefill = 0, n_decode = 0;
+    pthread_mutex_lock(&rt->mu);
+    for (int i = 0; i < rt->n_nodes; i++) n_prefill += rt->nodes[i]->role == RT_ROLE_PREFILL;
+    n_decode = rt->n_nodes - n_prefill;
+    pthread_mutex_unlock(&rt->mu);
+    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s%s", o.model,
             rt->cfg.arch_name, rt->cfg.vocab_size, rt->cfg.max_position_embeddings,
-            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", rt->n_prefill, rt->n_decode,
-            rt->placement->name);
+            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", n_prefill, n_decode, rt->placement->name,
+            rt->migrate ? ", --migrate" : "");
     printf("router %s: serving grpc %s http %s%s%s:%d\n", rt->id, rt->grpc_address, strchr(http_host, ':') ? "[" : "",
            http_host, strchr(http_host, ':') ? "]" : "", http_bound);
     fflush(stdout);
@@ -274,6 +358,7 @@ int main(int argc, char **argv)
     pthread_mutex_unlock(&rt->mu);
     pthread_join(rt->watcher, NULL);
     pthread_join(rt->poller, NULL);
+    kc_watch_stop(watch); /* before the table goes: it calls into it */
     kc_health_free(health);
     kc_http_stop(http);
     rt_nodes_free(rt);

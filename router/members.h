@@ -5,7 +5,7 @@
  * Both lists are required and non-empty; ids are unique across both, [A-Za-z0-9._-], at most
  * 63 characters; addresses are HOST:PORT (HOST may be [v6]) and unique; unknown keys are errors
  * (a typo must not silently drop a node). Every error names the file, the entry and the field.
- * Not here: etcd membership (a later issue). Pure: tested by tests/unit/test_router_members.c.
+ * Not here: etcd membership (main.c's kc_watch callback feeds rt_nodes_apply directly). Pure: tested by tests/unit/test_router_members.c.
  */
 #ifndef RT_MEMBERS_H
 #define RT_MEMBERS_H

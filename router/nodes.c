@@ -5,9 +5,14 @@
  * started or finished on it since that answer was asked for, so a burst of requests between two
  * polls does not all land on the node that looked emptiest. Several routers would each see only
  * their own corrections (a known limit, docs/router.md).
+ * The table changes at run time (rt_nodes_apply, from the static file or etcd); each node has a
+ * circuit breaker fed by every call's outcome (rt_node_outcome) and the router's view of its
+ * state (serving, draining, unreachable, suspect, gone) with the time it entered it
+ * (docs/failures.md).
  */
 #include "router.h"
 
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,45 +25,189 @@ int64_t rt_now_ms(void)
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
-int rt_nodes_init(rt_router *rt, const rt_members *ms, char *err)
+static int64_t unix_now_ms(void)
 {
-    int n = ms->n_prefill + ms->n_decode;
-    rt->nodes = calloc((size_t)n, sizeof *rt->nodes);
-    if (!rt->nodes) {
-        snprintf(err, KR_ERR_MAX, "out of memory");
-        return -1;
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static const char *view_name(Kvrelay__V1__NodeState s)
+{
+    switch (s) {
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING: return "serving";
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING: return "draining";
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE: return "unreachable";
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT: return "suspect";
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_GONE: return "gone";
+    default: return "unknown";
     }
-    rt->n_prefill = ms->n_prefill;
-    rt->n_decode = ms->n_decode;
+}
+
+/* Recomputes the router's view of n (rt->mu held); logs and stamps a change. */
+static void view_update(rt_node *n)
+{
+    Kvrelay__V1__NodeState v;
+    if (n->gone) v = KVRELAY__V1__NODE_STATE__NODE_STATE_GONE;
+    else if (n->breaker.open) v = KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT;
+    else if (n->polled && !n->reachable) v = KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE;
+    else if (n->member_draining || n->refused_draining || (n->reachable && n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING))
+        v = KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING;
+    else v = KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
+    if (v == n->view) return;
+    kc_info(NULL, "node %s (%s): %s -> %s%s%s", n->id, n->address, view_name(n->view), view_name(v),
+            n->error[0] && (v == KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT || v == KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE) ? ": " : "",
+            v == KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT || v == KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE ? n->error : "");
+    n->view = v;
+    n->view_since_unix_ms = unix_now_ms();
+}
+
+/* One failed or successful call (rt->mu held). */
+static void breaker_record(rt_router *rt, rt_node *n, int failed)
+{
+    int change = rt_breaker_record(&n->breaker, failed, rt->breaker_failures, rt->breaker_cooldown_ms, rt_now_ms());
+    if (change > 0)
+        kc_warn(NULL, "node %s: circuit breaker open after %d failed calls (%s); probing every %" PRId64 " ms",
+                n->id, n->breaker.failures, n->error, rt->breaker_cooldown_ms);
+    else if (change < 0)
+        kc_info(NULL, "node %s: circuit breaker closed (a call answered)", n->id);
+    view_update(n);
+}
+
+static int is_failure(grpc_status_code code)
+{
+    return code == GRPC_STATUS_UNAVAILABLE || code == GRPC_STATUS_DEADLINE_EXCEEDED;
+}
+
+void rt_node_outcome(rt_router *rt, rt_node *n, grpc_status_code code, const char *details)
+{
+    pthread_mutex_lock(&rt->mu);
+    if (code == GRPC_STATUS_UNAVAILABLE && details && strstr(details, "draining")) {
+        n->refused_draining = 1; /* it answered: alive, but taking nothing new */
+        breaker_record(rt, n, 0);
+    } else {
+        if (is_failure(code)) snprintf(n->error, sizeof n->error, "%s: %s", kc_status_name(code), details ? details : "");
+        breaker_record(rt, n, is_failure(code));
+    }
+    pthread_mutex_unlock(&rt->mu);
+}
+
+kc_channel *rt_node_channel(rt_router *rt, rt_node *n)
+{
+    pthread_mutex_lock(&rt->mu);
+    kc_channel *ch = n->ch;
+    pthread_mutex_unlock(&rt->mu);
+    return ch;
+}
+
+/* ------------------------------------------------------------------ membership */
+
+static const char *role_word(rt_role r)
+{
+    return r == RT_ROLE_PREFILL ? "prefill" : "decode";
+}
+
+/* Whether a member's fingerprint rules it out (rt->mu held): the first one seen becomes the
+ * reference when the router could not compute its own (docs/failures.md). */
+static int fingerprint_mismatch(rt_router *rt, const char *fp)
+{
+    if (!fp || !fp[0]) return 0;
+    if (!rt->fingerprint[0]) {
+        snprintf(rt->fingerprint, sizeof rt->fingerprint, "%s", fp);
+        rt->fingerprint_from_node = 1;
+        kc_info(NULL, "model fingerprint %s taken from the first member that reported one", fp);
+        return 0;
+    }
+    return strcmp(rt->fingerprint, fp) != 0;
+}
+
+int rt_nodes_apply(rt_router *rt, const rt_member_info *ms, int n, char *err)
+{
+    int rc = 0;
+    pthread_mutex_lock(&rt->mu);
+    int n_old = rt->n_nodes; /* the nodes before this call: those not in ms become gone */
+    char *seen = calloc((size_t)n_old + 1, 1);
     for (int i = 0; i < n; i++) {
-        rt_node *node = &rt->nodes[i];
-        const rt_member *m = i < ms->n_prefill ? &ms->prefill[i] : &ms->decode[i - ms->n_prefill];
-        node->role = i < ms->n_prefill ? RT_ROLE_PREFILL : RT_ROLE_DECODE;
-        snprintf(node->id, sizeof node->id, "%s", m->id);
-        snprintf(node->address, sizeof node->address, "%s", m->address);
-        snprintf(node->error, sizeof node->error, "not polled yet");
-        kc_status st;
-        if (kc_channel_create(node->address, 0, &node->ch, &st) != 0) {
-            snprintf(err, KR_ERR_MAX, "node %s (%.200s): %.200s", node->id, node->address, st.details);
-            rt_nodes_free(rt);
-            return -1;
+        const rt_member_info *m = &ms[i];
+        rt_node *x = NULL;
+        for (int k = 0; k < rt->n_nodes; k++)
+            if (rt->nodes[k]->role == m->role && !strcmp(rt->nodes[k]->id, m->id)) {
+                x = rt->nodes[k];
+                if (seen && k < n_old) seen[k] = 1;
+                break;
+            }
+        if (!x) {
+            if (rt->n_nodes >= RT_NODES_MAX) {
+                snprintf(err, KR_ERR_MAX, "node %s: the router knows %d nodes already (at most %d)", m->id, rt->n_nodes, RT_NODES_MAX);
+                rc = -1;
+                continue;
+            }
+            kc_channel *ch;
+            kc_status st;
+            if (kc_channel_create(m->address, 0, &ch, &st) != 0) {
+                snprintf(err, KR_ERR_MAX, "node %s (%.200s): %.200s", m->id, m->address, st.details);
+                rc = -1;
+                continue;
+            }
+            x = calloc(1, sizeof *x);
+            if (!x) {
+                kc_channel_destroy(ch);
+                snprintf(err, KR_ERR_MAX, "out of memory");
+                rc = -1;
+                continue;
+            }
+            x->role = m->role;
+            snprintf(x->id, sizeof x->id, "%s", m->id);
+            snprintf(x->address, sizeof x->address, "%s", m->address);
+            snprintf(x->error, sizeof x->error, "not polled yet");
+            x->ch = ch;
+            x->view_since_unix_ms = unix_now_ms();
+            rt->nodes[rt->n_nodes++] = x;
+            kc_info(NULL, "member %s node %s at %s", role_word(m->role), x->id, x->address);
+        } else if (strcmp(x->address, m->address) != 0) {
+            kc_channel *ch;
+            kc_status st;
+            if (rt->n_retired >= RT_NODES_MAX || kc_channel_create(m->address, 0, &ch, &st) != 0) {
+                snprintf(err, KR_ERR_MAX, "node %s: cannot move to %.200s", m->id, m->address);
+                rc = -1;
+                continue;
+            }
+            kc_info(NULL, "node %s moved from %s to %s", x->id, x->address, m->address);
+            rt->retired[rt->n_retired++] = x->ch; /* calls in flight may still use it */
+            x->ch = ch;
+            snprintf(x->address, sizeof x->address, "%s", m->address);
+            x->polled = 0;
+            x->breaker = (rt_breaker){0};
         }
+        if (x->gone) kc_info(NULL, "node %s is a member again", x->id);
+        x->gone = 0;
+        x->member_draining = m->draining;
+        int bad = fingerprint_mismatch(rt, m->fingerprint);
+        if (bad && !x->fingerprint_bad)
+            kc_warn(NULL, "node %s serves model fingerprint %s, the router's is %s: not used", x->id, m->fingerprint, rt->fingerprint);
+        x->fingerprint_bad = bad;
+        view_update(x);
     }
-    return 0;
+    for (int k = 0; seen && k < n_old; k++) {
+        rt_node *x = rt->nodes[k];
+        if (seen[k] || x->gone) continue;
+        x->gone = 1; /* calls in flight on it go on; placement never picks it again */
+        x->gone_unix_ms = unix_now_ms();
+        view_update(x);
+    }
+    free(seen);
+    pthread_mutex_unlock(&rt->mu);
+    return rc;
 }
 
 void rt_nodes_free(rt_router *rt)
 {
-    if (!rt->nodes) return;
-    for (int i = 0; i < rt->n_prefill + rt->n_decode; i++) kc_channel_destroy(rt->nodes[i].ch);
-    free(rt->nodes);
-    rt->nodes = NULL;
-}
-
-rt_node *rt_nodes_of(rt_router *rt, rt_role role, int *n)
-{
-    *n = role == RT_ROLE_PREFILL ? rt->n_prefill : rt->n_decode;
-    return role == RT_ROLE_PREFILL ? rt->nodes : rt->nodes + rt->n_prefill;
+    for (int i = 0; i < rt->n_nodes; i++) {
+        kc_channel_destroy(rt->nodes[i]->ch);
+        free(rt->nodes[i]);
+    }
+    for (int i = 0; i < rt->n_retired; i++) kc_channel_destroy(rt->retired[i]);
+    rt->n_nodes = rt->n_retired = 0;
 }
 
 /* ------------------------------------------------------------------ polling */
@@ -76,17 +225,17 @@ static void *poll_one(void *arg)
     rt_node *n = job->node;
     pthread_mutex_lock(&rt->mu);
     int64_t tokens = n->own_tokens, running = n->own_running, blocks = n->own_blocks;
+    kc_channel *ch = n->ch;
     pthread_mutex_unlock(&rt->mu);
 
     Kvrelay__V1__NodeStatusRequest req = KVRELAY__V1__NODE_STATUS_REQUEST__INIT;
     Kvrelay__V1__Node *resp = NULL;
     kc_status st;
     const char *path = n->role == RT_ROLE_PREFILL ? "/kvrelay.v1.Prefill/Status" : "/kvrelay.v1.Decode/Status";
-    int rc = kc_unary(n->ch, path, &req.base, &kvrelay__v1__node__descriptor, job->timeout_ms,
+    int rc = kc_unary(ch, path, &req.base, &kvrelay__v1__node__descriptor, job->timeout_ms,
                       (ProtobufCMessage **)&resp, &st);
 
     pthread_mutex_lock(&rt->mu);
-    int was_reachable = n->reachable || !n->polled;
     n->polled = 1;
     if (rc == 0) {
         n->reachable = 1;
@@ -98,7 +247,7 @@ static void *poll_one(void *arg)
         n->free_blocks = resp->free_kv_blocks;
         n->total_blocks = resp->total_kv_blocks;
         n->reserved_blocks = resp->reserved_kv_blocks;
-        n->since_unix_ms = resp->since_unix_ms;
+        if (resp->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING) n->refused_draining = 0;
         n->own_tokens_polled = tokens;
         n->own_running_polled = running;
         n->own_blocks_polled = blocks;
@@ -107,20 +256,27 @@ static void *poll_one(void *arg)
         n->reachable = 0;
         snprintf(n->error, sizeof n->error, "%s: %s", kc_status_name(st.code), st.details);
     }
-    int now_reachable = n->reachable;
+    /* a Status answer closes the breaker (the half-open probe, when it was open); a failure
+     * counts like any failed call, and re-opens an open one for another cooldown */
+    breaker_record(rt, n, rc != 0);
     pthread_mutex_unlock(&rt->mu);
-    /* log transitions only: a dead node must not fill the log twice a second */
-    if (was_reachable && !now_reachable)
-        kc_warn(NULL, "node %s (%s) unreachable: %s: %s", n->id, n->address, kc_status_name(st.code), st.details);
-    else if (!was_reachable && now_reachable)
-        kc_info(NULL, "node %s (%s) reachable again", n->id, n->address);
     kc_message_free((ProtobufCMessage *)resp); /* NULL when the call failed */
     return NULL;
 }
 
 void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
 {
-    int n = rt->n_prefill + rt->n_decode;
+    rt_node *todo[RT_NODES_MAX];
+    int n = 0;
+    int64_t now = rt_now_ms();
+    pthread_mutex_lock(&rt->mu);
+    for (int i = 0; i < rt->n_nodes; i++) {
+        rt_node *x = rt->nodes[i];
+        if (x->gone) continue;
+        if (rt_breaker_allow(&x->breaker, rt->breaker_cooldown_ms, now)) todo[n++] = x; /* or the probe */
+    }
+    pthread_mutex_unlock(&rt->mu);
+    if (!n) return;
     poll_job *jobs = calloc((size_t)n, sizeof *jobs);
     pthread_t *threads = calloc((size_t)n, sizeof *threads);
     char *started = calloc((size_t)n, 1);
@@ -131,7 +287,7 @@ void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
         return; /* the last known state stays; the next poll tries again */
     }
     for (int i = 0; i < n; i++) {
-        jobs[i] = (poll_job){.rt = rt, .node = &rt->nodes[i], .timeout_ms = timeout_ms};
+        jobs[i] = (poll_job){.rt = rt, .node = todo[i], .timeout_ms = timeout_ms};
         started[i] = pthread_create(&threads[i], NULL, poll_one, &jobs[i]) == 0;
         if (!started[i]) poll_one(&jobs[i]);
     }
@@ -171,26 +327,36 @@ static uint64_t corrected(uint64_t polled, int64_t own_now, int64_t own_then)
     return v < 0 ? 0 : (uint64_t)v;
 }
 
-void rt_nodes_order(rt_router *rt, rt_role role, int *order)
+int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip, rt_node **out)
 {
-    int n;
-    rt_node *nodes = rt_nodes_of(rt, role, &n);
-    rt_load loads[RT_MEMBERS_MAX];
+    rt_load loads[RT_NODES_MAX];
+    rt_node *cand[RT_NODES_MAX];
+    int n = 0;
     pthread_mutex_lock(&rt->mu);
-    for (int i = 0; i < n; i++) {
-        const rt_node *x = &nodes[i];
-        rt_load *l = &loads[i];
-        /* never polled yet: optimistic, so the first requests after start-up are not refused */
-        l->healthy = !x->polled || (x->reachable && x->state != KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING);
+    for (int i = 0; i < rt->n_nodes; i++) {
+        rt_node *x = rt->nodes[i];
+        if (x->role != role || x->gone || x->breaker.open || x->fingerprint_bad) continue;
+        int skipped = 0;
+        for (int k = 0; k < n_skip; k++) skipped |= skip[k] == x;
+        if (skipped) continue;
+        rt_load *l = &loads[n];
+        /* serving: answered its last Status, or was never polled yet (optimistic, so the first
+         * requests after start-up are not refused), and not draining */
+        l->healthy = x->view == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
         l->prefill_tokens = corrected(x->prefill_tokens, x->own_tokens, x->own_tokens_polled);
         l->running = corrected((uint64_t)x->running + (role == RT_ROLE_PREFILL ? x->queued : 0),
                                x->own_running, x->own_running_polled);
         int64_t free_now = (int64_t)x->free_blocks - (x->own_blocks - x->own_blocks_polled);
         l->free_blocks = free_now < 0 ? 0 : (uint64_t)free_now;
+        cand[n++] = x;
     }
     pthread_mutex_unlock(&rt->mu);
+    if (!n) return 0;
+    int order[RT_NODES_MAX];
     uint64_t turn = atomic_fetch_add(&rt->turn[role], 1);
     rt->placement->order(loads, n, role, turn, order);
+    for (int i = 0; i < n; i++) out[i] = cand[order[i]];
+    return n;
 }
 
 void rt_node_account(rt_router *rt, rt_node *n, int64_t tokens, int64_t running, int64_t blocks)
@@ -207,9 +373,9 @@ int rt_nodes_healthy(void *user, char *reason, size_t cap)
     rt_router *rt = user;
     int prefill = 0, decode = 0;
     pthread_mutex_lock(&rt->mu);
-    for (int i = 0; i < rt->n_prefill + rt->n_decode; i++) {
-        const rt_node *x = &rt->nodes[i];
-        if (x->polled && !x->reachable) continue;
+    for (int i = 0; i < rt->n_nodes; i++) {
+        const rt_node *x = rt->nodes[i];
+        if ((x->polled && !x->reachable) || x->gone || x->breaker.open || x->fingerprint_bad) continue;
         if (x->role == RT_ROLE_PREFILL) prefill++;
         else decode++;
     }
@@ -230,7 +396,9 @@ int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user)
     if (timeout > 1000) timeout = 1000;
     rt_nodes_refresh(rt, timeout > 0 ? timeout : 1);
 
-    int n = rt->n_prefill + rt->n_decode;
+    pthread_mutex_lock(&rt->mu);
+    int n = rt->n_nodes; /* only grows: a node added after this is left out of this answer */
+    pthread_mutex_unlock(&rt->mu);
     Kvrelay__V1__Node *nodes = calloc((size_t)n + 1, sizeof *nodes);
     Kvrelay__V1__Node **ptrs = calloc((size_t)n + 1, sizeof *ptrs);
     char (*transfer)[256] = calloc((size_t)n + 1, sizeof *transfer);
@@ -251,34 +419,35 @@ int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user)
     ptrs[0] = self;
     pthread_mutex_lock(&rt->mu);
     self->state = rt->draining ? KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING : KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
+    int64_t now = unix_now_ms();
+    size_t k = 1;
     for (int i = 0; i < n; i++) {
-        const rt_node *x = &rt->nodes[i];
-        Kvrelay__V1__Node *o = &nodes[i + 1];
+        const rt_node *x = rt->nodes[i];
+        if (x->gone && now - x->gone_unix_ms > RT_GONE_LISTED_MS) continue;
+        Kvrelay__V1__Node *o = &nodes[k];
         *o = (Kvrelay__V1__Node)KVRELAY__V1__NODE__INIT;
         o->id = (char *)x->id;
         o->role = x->role == RT_ROLE_PREFILL ? KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL : KVRELAY__V1__NODE_ROLE__NODE_ROLE_DECODE;
         o->grpc_address = (char *)x->address;
+        o->state = x->view;
+        o->since_unix_ms = x->view_since_unix_ms;
         if (x->reachable) {
-            o->state = x->state;
-            snprintf(transfer[i + 1], sizeof transfer[i + 1], "%s", x->transfer_address);
-            o->transfer_address = transfer[i + 1];
+            snprintf(transfer[k], sizeof transfer[k], "%s", x->transfer_address);
+            o->transfer_address = transfer[k];
             o->running_requests = x->running;
             o->queued_requests = x->queued;
             o->outstanding_prefill_tokens = x->prefill_tokens;
             o->free_kv_blocks = x->free_blocks;
             o->total_kv_blocks = x->total_blocks;
             o->reserved_kv_blocks = x->reserved_blocks;
-            o->since_unix_ms = x->since_unix_ms;
-        } else {
-            o->state = KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE;
         }
-        ptrs[i + 1] = o;
+        ptrs[k++] = o;
     }
-    pthread_mutex_unlock(&rt->mu);
     Kvrelay__V1__ClusterStatusResponse resp = KVRELAY__V1__CLUSTER_STATUS_RESPONSE__INIT;
-    resp.n_nodes = (size_t)n + 1;
+    resp.n_nodes = k;
     resp.nodes = ptrs;
-    kc_call_send(call, &resp.base); /* packed at once: the arrays may go */
+    kc_call_send(call, &resp.base); /* packed at once (never blocks), before an address can change */
+    pthread_mutex_unlock(&rt->mu);
     free(transfer);
     free(ptrs);
     free(nodes);

@@ -5,12 +5,13 @@
  *               placement, Admin.ClusterStatus
  *   generate.c  Generation.Generate (validate, reserve, prefill, relay the decode stream) and
  *               Generation.Tokenize
- *   members.c, placement.c, stop.c: the pure parts (their own headers, unit-tested)
+ *   members.c, placement.c, stop.c, breaker.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
  */
 #ifndef RT_ROUTER_H
 #define RT_ROUTER_H
 
+#include "breaker.h"
 #include "health.h"
 #include "kr.h"
 #include "log.h"
@@ -27,19 +28,43 @@
 #include <stdint.h>
 
 /* Node-to-node RPC timeouts that do not depend on a client's deadline. */
-#define RT_STATUS_TIMEOUT_MS 400 /* one Status call of the poller */
+#define RT_STATUS_TIMEOUT_MS 400 /* one Status call of the poller (a stopped node cannot stall it) */
 #define RT_POLL_INTERVAL_MS 500
 #define RT_RELEASE_TIMEOUT_MS 2000 /* Release runs even after the client's deadline passed */
+#define RT_RESERVE_TIMEOUT_MS 2000 /* Reserve is bookkeeping: a node that takes longer is failing */
+#define RT_NODES_MAX (2 * RT_MEMBERS_MAX) /* nodes ever known, gone ones included */
+#define RT_GONE_LISTED_MS 300000 /* a gone node stays in ClusterStatus this long */
 
-/* One node of the membership file. The immutable part is set at start-up; the rest is guarded
- * by rt_router.mu. */
+/* One member as a membership source gives it (the static file, or etcd). */
+typedef struct rt_member_info {
+    rt_role role;
+    const char *id, *address;
+    int draining; /* the member itself says it is draining */
+    const char *fingerprint; /* "" or NULL: not known */
+} rt_member_info;
+
+/* One node the router knows of. Nodes are created by membership and never freed while the
+ * router runs (a gone node may still have calls in flight); every field below `role`/`id` is
+ * guarded by rt_router.mu. */
 typedef struct rt_node {
     rt_role role;
     char id[64];
-    char address[256];
-    kc_channel *ch; /* shared by every call to this node */
 
-    /* its last Status (guarded) */
+    char address[256];
+    kc_channel *ch; /* shared by every call to this node; read with rt_node_channel */
+    int gone; /* left membership: never chosen */
+    int64_t gone_unix_ms;
+    int member_draining; /* membership says draining */
+    int refused_draining; /* a call was answered UNAVAILABLE "draining" (cleared by a SERVING Status) */
+    int fingerprint_bad; /* the member's model differs from the router's: never chosen */
+
+    rt_breaker breaker; /* open: SUSPECT, skipped by placement (docs/failures.md) */
+
+    /* what the router says about it, and since when (unix ms) */
+    Kvrelay__V1__NodeState view;
+    int64_t view_since_unix_ms;
+
+    /* its last Status */
     int polled; /* a Status call has completed (answered or failed) */
     int reachable; /* the last one answered */
     char error[320]; /* why the last one failed */
@@ -47,10 +72,9 @@ typedef struct rt_node {
     char transfer_address[256];
     uint32_t running, queued;
     uint64_t prefill_tokens, free_blocks, total_blocks, reserved_blocks;
-    int64_t since_unix_ms;
 
     /* what this router has in flight on the node now, and had when the last Status was sent:
-     * the load estimate is the node's answer plus our change since (guarded) */
+     * the load estimate is the node's answer plus our change since */
     int64_t own_tokens, own_running, own_blocks;
     int64_t own_tokens_polled, own_running_polled, own_blocks_polled;
 } rt_node;
@@ -81,12 +105,21 @@ typedef struct rt_router {
     int64_t default_timeout_ms; /* the deadline of a request whose client set none */
     const char *policy_dir; /* --policy-dir: where file-valued policy keys may point; NULL: none */
     int64_t started_unix_ms;
-    rt_node *nodes; /* n_prefill prefill nodes, then n_decode decode nodes */
-    int n_prefill, n_decode;
+    int breaker_failures; /* --breaker-failures */
+    int64_t breaker_cooldown_ms; /* --breaker-cooldown-ms */
+    int64_t prefill_timeout_ms; /* --prefill-timeout-ms: the cap on one Prefill call */
+    int64_t decode_stall_ms; /* --decode-stall-ms: a decode stream silent this long has failed */
+    int migrate; /* --migrate: a failed decode stream continues on another node */
+    char fingerprint[17]; /* the router's model's, "" when not known yet (docs/failures.md) */
+    int fingerprint_from_node; /* taken from the first member that reported one */
     rt_metrics m;
     kc_health *health; /* grpc.health.v1; NOT_SERVING while draining */
 
-    pthread_mutex_t mu; /* the guarded parts of the nodes, and the active list */
+    pthread_mutex_t mu; /* the node table, the guarded parts of the nodes, and the active list */
+    rt_node *nodes[RT_NODES_MAX]; /* append-only: a node's pointer stays valid until exit */
+    int n_nodes;
+    kc_channel *retired[RT_NODES_MAX]; /* channels replaced by an address change (freed at exit) */
+    int n_retired;
     pthread_cond_t cv; /* `stopping` changed */
     int stopping; /* the poller and the watcher end */
     int draining; /* shutting down: /healthz and ClusterStatus say so */
@@ -99,21 +132,28 @@ typedef struct rt_router {
 
 /* ------------------------------------------------------------------ nodes.c */
 
-/* Creates one channel per member. Returns 0, or -1 with a message in err (KR_ERR_MAX bytes). */
-int rt_nodes_init(rt_router *rt, const rt_members *ms, char *err);
+/* Makes the node table match `ms` (the whole membership): new members are added, addresses
+ * and draining flags updated, nodes missing from `ms` marked GONE. Thread-safe. Returns 0, or -1
+ * with err when a channel cannot be made (the rest is applied). */
+int rt_nodes_apply(rt_router *rt, const rt_member_info *ms, int n, char *err);
 void rt_nodes_free(rt_router *rt);
 /* Calls every node's Status at once (one thread each) with `timeout_ms`, updating what the
- * router knows; returns when all answered or failed. */
+ * router knows; returns when all answered or failed. A node whose breaker is open is asked only
+ * once its cooldown is over (the half-open probe). */
 void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms);
 /* The poller: rt_nodes_refresh every RT_POLL_INTERVAL_MS until rt->stopping. */
 void *rt_poller_main(void *arg);
-/* The nodes of `role` (first index into rt->nodes and count). */
-rt_node *rt_nodes_of(rt_router *rt, rt_role role, int *n);
-/* The nodes of `role` in the order the placement wants them tried (order gets n indices into
- * the role's nodes). */
-void rt_nodes_order(rt_router *rt, rt_role role, int *order);
+/* The usable nodes of `role` (not gone, suspect or of another model, not in `skip[0, n_skip)`)
+ * in the order the placement wants them tried; returns how many were written to out. */
+int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip, rt_node **out);
+/* The node's channel now (its address may change under membership). */
+kc_channel *rt_node_channel(rt_router *rt, rt_node *n);
 /* The router's own in-flight accounting (deltas, may be negative). */
 void rt_node_account(rt_router *rt, rt_node *n, int64_t tokens, int64_t running, int64_t blocks);
+/* The outcome of one call to the node, for its circuit breaker: UNAVAILABLE and
+ * DEADLINE_EXCEEDED count as failures (except UNAVAILABLE "draining", which marks it draining),
+ * anything else closes the count. */
+void rt_node_outcome(rt_router *rt, rt_node *n, grpc_status_code code, const char *details);
 /* /healthz: healthy while gRPC health says SERVING and at least one prefill and one decode node
  * answered its last Status. */
 int rt_nodes_healthy(void *rt, char *reason, size_t cap);

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { MAX_STOPS = 64 };
 
@@ -369,6 +370,8 @@ static const char *state_name(Kvrelay__V1__NodeState s)
     case KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING: return "serving";
     case KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING: return "draining";
     case KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE: return "unreachable";
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT: return "suspect";
+    case KVRELAY__V1__NODE_STATE__NODE_STATE_GONE: return "gone";
     default: return "unspecified";
     }
 }
@@ -416,12 +419,19 @@ static int cmd_status(int argc, char **argv, int i)
         free(s);
         cJSON_Delete(root);
     } else {
-        printf("%-16s %-8s %-12s %-22s %7s %6s %14s %17s %9s\n", "ID", "ROLE", "STATE", "ADDRESS", "RUNNING",
-               "QUEUED", "PREFILL_TOKENS", "KV_FREE/TOTAL", "RESERVED");
+        printf("%-16s %-8s %-12s %8s %-22s %7s %6s %14s %17s %9s\n", "ID", "ROLE", "STATE", "SINCE_S", "ADDRESS",
+               "RUNNING", "QUEUED", "PREFILL_TOKENS", "KV_FREE/TOTAL", "RESERVED");
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        int64_t now_ms = (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
         for (size_t k = 0; k < resp->n_nodes; k++) {
             const Kvrelay__V1__Node *n = resp->nodes[k];
             char tokens[32] = "-", blocks[48] = "-", reserved[32] = "-", running[16] = "-", queued[16] = "-";
-            int up = n->state != KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE;
+            /* load numbers only for nodes that answered (unreachable, suspect, gone: none) */
+            int up = n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING ||
+                     n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING;
+            char since[24] = "-"; /* seconds in the current state */
+            if (n->since_unix_ms > 0) snprintf(since, sizeof since, "%.1f", (double)(now_ms - n->since_unix_ms) / 1000.0);
             if (up) {
                 snprintf(running, sizeof running, "%u", n->running_requests);
                 snprintf(queued, sizeof queued, "%u", n->queued_requests);
@@ -432,8 +442,8 @@ static int cmd_status(int argc, char **argv, int i)
                 snprintf(blocks, sizeof blocks, "%" PRIu64 "/%" PRIu64, n->free_kv_blocks, n->total_kv_blocks);
                 snprintf(reserved, sizeof reserved, "%" PRIu64, n->reserved_kv_blocks);
             }
-            printf("%-16s %-8s %-12s %-22s %7s %6s %14s %17s %9s\n", n->id, role_name(n->role), state_name(n->state),
-                   n->grpc_address, running, queued, tokens, blocks, reserved);
+            printf("%-16s %-8s %-12s %8s %-22s %7s %6s %14s %17s %9s\n", n->id, role_name(n->role),
+                   state_name(n->state), since, n->grpc_address, running, queued, tokens, blocks, reserved);
         }
     }
     kc_message_free(&resp->base);
