@@ -47,19 +47,6 @@ struct kc_etcd_watch {
     kc_stream *s;
 };
 
-static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
-{
-    if (!st)
-        return;
-    st->code = code;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(st->details, sizeof st->details, fmt, ap);
-    va_end(ap);
-}
-
 /* Copies `text` into the details, cut to fit. */
 static void details_set(kc_status *st, const char *text)
 {
@@ -86,7 +73,7 @@ static char *read_text_file(const char *path, kc_status *st)
 {
     FILE *f = fopen(path, "rb");
     if (!f) {
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "cannot read '%s': %s", path, strerror(errno));
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "cannot read '%s': %s", path, strerror(errno));
         return NULL;
     }
     char *buf = NULL;
@@ -98,7 +85,7 @@ static char *read_text_file(const char *path, kc_status *st)
             if (!nb) {
                 free(buf);
                 fclose(f);
-                status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory reading '%s'", path);
+                kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory reading '%s'", path);
                 return NULL;
             }
             buf = nb;
@@ -112,7 +99,7 @@ static char *read_text_file(const char *path, kc_status *st)
     fclose(f);
     if (bad || len == 0) {
         free(buf);
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "'%s' is %s", path,
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "'%s' is %s", path,
                    bad ? "unreadable" : "empty");
         return NULL;
     }
@@ -151,19 +138,19 @@ static int parse_endpoints(const char *list, char **out, int *any_https, kc_stat
         for (size_t i = 0; port_ok && i < port_len; i++)
             port_ok = last[1 + i] >= '0' && last[1 + i] <= '9';
         if (!port_ok) {
-            status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+            kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
                        "etcd endpoint '%.*s' in '%s' is not HOST:PORT (optionally with http:// or "
                        "https://)", (int)len, p, list);
             goto err;
         }
         if (n == ETCD_MAX_ENDPOINTS) {
-            status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "more than %d etcd endpoints in '%s'",
+            kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "more than %d etcd endpoints in '%s'",
                        ETCD_MAX_ENDPOINTS, list);
             goto err;
         }
         out[n] = strndup(p, len);
         if (!out[n]) {
-            status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+            kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
             goto err;
         }
         n++;
@@ -172,7 +159,7 @@ static int parse_endpoints(const char *list, char **out, int *any_https, kc_stat
         p = end + 1;
     }
     if (n == 0) {
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "no etcd endpoint in '%s'", list);
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "no etcd endpoint in '%s'", list);
         return -1;
     }
     return n;
@@ -187,7 +174,7 @@ static grpc_channel_credentials *tls_credentials(const kc_etcd_config *cfg, kc_s
     char *ca = NULL, *cert = NULL, *key = NULL;
     grpc_channel_credentials *creds = NULL;
     if ((cfg->cert_file && *cfg->cert_file) != (cfg->key_file && *cfg->key_file)) {
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
                    "an etcd client certificate needs both the cert and the key file");
         return NULL;
     }
@@ -201,7 +188,7 @@ static grpc_channel_credentials *tls_credentials(const kc_etcd_config *cfg, kc_s
     grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
     creds = grpc_ssl_credentials_create(ca, cert ? &pair : NULL, NULL, NULL);
     if (!creds)
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "gRPC refused the etcd TLS files");
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "gRPC refused the etcd TLS files");
 out:
     free(ca);
     free(cert);
@@ -212,16 +199,16 @@ out:
 int kc_etcd_create(const kc_etcd_config *cfg, kc_etcd **out, kc_status *st)
 {
     if (!cfg || !cfg->endpoints || !*cfg->endpoints) {
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "no etcd endpoints given");
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "no etcd endpoints given");
         return -1;
     }
     if ((cfg->user && *cfg->user) != (cfg->password && *cfg->password)) {
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "etcd auth needs both a user and a password");
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "etcd auth needs both a user and a password");
         return -1;
     }
     kc_etcd *c = calloc(1, sizeof *c);
     if (!c) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         return -1;
     }
     int any_https = 0;
@@ -244,7 +231,7 @@ int kc_etcd_create(const kc_etcd_config *cfg, kc_etcd **out, kc_status *st)
         c->user = strdup(cfg->user);
         c->password = strdup(cfg->password);
         if (!c->user || !c->password) {
-            status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+            kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
             goto err;
         }
     }
@@ -346,7 +333,7 @@ static int token_get(kc_etcd *c, int idx, char *tok, kc_status *st)
     const Etcdserverpb__AuthenticateResponse *ar = (const Etcdserverpb__AuthenticateResponse *)resp;
     if (!ar->token || !*ar->token || strlen(ar->token) >= ETCD_TOKEN_MAX) {
         kc_message_free(resp);
-        status_set(st, GRPC_STATUS_UNAUTHENTICATED, "etcd %s Authenticate: no usable token",
+        kc_status_set(st, GRPC_STATUS_UNAUTHENTICATED, "etcd %s Authenticate: no usable token",
                    c->endpoints[idx]);
         return -1;
     }
@@ -483,7 +470,7 @@ static ProtobufCBinaryData bytes_of(const void *p, size_t n)
 
 static int oom(kc_status *st)
 {
-    status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return -1;
 }
 
@@ -617,7 +604,7 @@ int kc_etcd_lease_grant(kc_etcd *c, int64_t ttl_s, int64_t *id, int64_t *granted
         return -1;
     const Etcdserverpb__LeaseGrantResponse *r = (const Etcdserverpb__LeaseGrantResponse *)m;
     if ((r->error && *r->error) || r->id == 0) {
-        status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "etcd %s LeaseGrant(ttl %lld): %s",
+        kc_status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "etcd %s LeaseGrant(ttl %lld): %s",
                    kc_etcd_endpoint(c), (long long)ttl_s,
                    r->error && *r->error ? r->error : "no lease id");
         kc_message_free(m);
@@ -698,7 +685,7 @@ int kc_etcd_keepalive(kc_etcd *c, int64_t id, int64_t *ttl, kc_status *st)
         }
         /* the stream broke (or ended): drop it; the next keep-alive opens a new one */
         if (st->code == GRPC_STATUS_OK)
-            status_set(st, GRPC_STATUS_UNAVAILABLE, "the keep-alive stream ended");
+            kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "the keep-alive stream ended");
         kc_stream_close(c->ka);
         c->ka = NULL;
         status_name(st, c, idx, path);
@@ -759,12 +746,12 @@ int kc_etcd_watch_open(kc_etcd *c, const char *key, int prefix, int64_t start_re
                 rc = 0;
                 break;
             }
-            status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "watch not created: %s",
+            kc_status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "watch not created: %s",
                        r->cancel_reason && *r->cancel_reason ? r->cancel_reason
                                                              : "no reason given");
             kc_message_free(m);
         } else if (st->code == GRPC_STATUS_OK) {
-            status_set(st, GRPC_STATUS_UNAVAILABLE, "the watch stream ended at once");
+            kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "the watch stream ended at once");
         }
         kc_stream_close(w->s);
         w->s = NULL;
@@ -809,13 +796,13 @@ int kc_etcd_watch_next(kc_etcd_watch *w, kc_etcd_watch_batch *out, kc_status *st
         int rc = kc_stream_next(w->s, &etcdserverpb__watch_response__descriptor, &m, st);
         if (rc != 1) {
             if (rc == 0) /* etcd never ends a watch stream with OK by itself */
-                status_set(st, GRPC_STATUS_UNAVAILABLE, "the watch stream ended");
+                kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "the watch stream ended");
             status_name(st, w->c, w->endpoint, "/etcdserverpb.Watch/Watch");
             return -1;
         }
         const Etcdserverpb__WatchResponse *r = (const Etcdserverpb__WatchResponse *)m;
         if (r->canceled && r->compact_revision <= 0) {
-            status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "etcd %s cancelled the watch: %s",
+            kc_status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "etcd %s cancelled the watch: %s",
                        w->c->endpoints[w->endpoint],
                        r->cancel_reason && *r->cancel_reason ? r->cancel_reason : "no reason");
             kc_message_free(m);

@@ -46,10 +46,12 @@ static int64_t now_ms(void)
 /* ------------------------------------------------------------------ member and keys */
 
 /* A key segment: 1-100 bytes of [A-Za-z0-9._-] (no '/', so keys cannot nest or escape). */
-static int segment_ok(const char *s)
+#define KC_SEGMENT_OK(s) kc_name_ok((s), 100)
+
+int kc_name_ok(const char *s, size_t max_len)
 {
     size_t n = strlen(s);
-    if (n == 0 || n > 100)
+    if (n == 0 || n > max_len)
         return 0;
     for (size_t i = 0; i < n; i++) {
         char c = s[i];
@@ -76,7 +78,7 @@ static int member_check(const kc_member *m, char *err)
     TERMINATED(fingerprint)
     TERMINATED(version)
 #undef TERMINATED
-    if (!segment_ok(m->id)) {
+    if (!KC_SEGMENT_OK(m->id)) {
         err_set(err, "member id \"%s\" must be 1-100 characters of A-Z a-z 0-9 . _ -", m->id);
         return -1;
     }
@@ -407,7 +409,7 @@ int kc_register_start_cfg(const kc_etcd_config *cfg, const char *cluster, const 
         err_set(err, "no etcd endpoints given");
         return -1;
     }
-    if (!cluster || !segment_ok(cluster)) {
+    if (!cluster || !KC_SEGMENT_OK(cluster)) {
         err_set(err, "cluster name \"%s\" must be 1-100 characters of A-Z a-z 0-9 . _ -",
                 cluster ? cluster : "(null)");
         return -1;
@@ -812,7 +814,7 @@ int kc_watch_start_cfg(const kc_etcd_config *cfg, const char *cluster, kc_member
         err_set(err, "no etcd endpoints given");
         return -1;
     }
-    if (!cluster || !segment_ok(cluster)) {
+    if (!cluster || !KC_SEGMENT_OK(cluster)) {
         err_set(err, "cluster name \"%s\" must be 1-100 characters of A-Z a-z 0-9 . _ -",
                 cluster ? cluster : "(null)");
         return -1;

@@ -87,4 +87,7 @@ int kc_watch_start_cfg(const kc_etcd_config *cfg, const char *cluster, kc_member
  * fine. */
 void kc_watch_stop(kc_watch *w);
 
+/* 1 when s is 1..max_len bytes of [A-Za-z0-9._-]: node ids, cluster names, key segments. */
+int kc_name_ok(const char *s, size_t max_len);
+
 #endif /* KC_MEMBERSHIP_H */

@@ -18,9 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
+void kc_status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
 {
     if (!st)
         return;
@@ -63,7 +61,7 @@ int kc_message_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buf
         max_bytes = KC_MAX_MESSAGE_DEFAULT;
     size_t n = protobuf_c_message_get_packed_size(msg);
     if (n > max_bytes) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s of %zu bytes is over the %zu-byte limit",
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s of %zu bytes is over the %zu-byte limit",
                    msg->descriptor->name, n, max_bytes);
         return -1;
     }
@@ -71,7 +69,7 @@ int kc_message_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buf
     size_t packed = protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(slice));
     if (packed != n) { /* a protobuf-c bug or a message mutated concurrently */
         grpc_slice_unref(slice);
-        status_set(st, GRPC_STATUS_INTERNAL, "%s packed to %zu bytes, expected %zu",
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "%s packed to %zu bytes, expected %zu",
                    msg->descriptor->name, packed, n);
         return -1;
     }
@@ -87,7 +85,7 @@ int kc_message_unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *de
         max_bytes = KC_MAX_MESSAGE_DEFAULT;
     grpc_byte_buffer_reader reader;
     if (!grpc_byte_buffer_reader_init(&reader, bb)) { /* e.g. undecompressable */
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "%s: unreadable (compressed?) payload",
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "%s: unreadable (compressed?) payload",
                    desc->name);
         return -1;
     }
@@ -96,14 +94,14 @@ int kc_message_unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *de
     size_t n = GRPC_SLICE_LENGTH(slice);
     if (n > max_bytes) {
         grpc_slice_unref(slice);
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s of %zu bytes is over the %zu-byte limit",
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s of %zu bytes is over the %zu-byte limit",
                    desc->name, n, max_bytes);
         return -1;
     }
     ProtobufCMessage *msg = protobuf_c_message_unpack(desc, NULL, n, GRPC_SLICE_START_PTR(slice));
     grpc_slice_unref(slice);
     if (!msg) {
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "malformed %s (%zu bytes do not parse)",
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "malformed %s (%zu bytes do not parse)",
                    desc->name, n);
         return -1;
     }
@@ -140,7 +138,7 @@ int kc_channel_create_opts(const char *target, const kc_channel_opts *opts, kc_c
     int lim = max_message_bytes > INT_MAX ? INT_MAX : (int)max_message_bytes;
     kc_channel *ch = calloc(1, sizeof *ch);
     if (!ch) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         return -1;
     }
     grpc_init(); /* reference-counted; matched in kc_channel_destroy */
@@ -179,7 +177,7 @@ int kc_channel_create_opts(const char *target, const kc_channel_opts *opts, kc_c
     if (!opts->creds)
         grpc_channel_credentials_release(creds);
     if (!ch->channel) { /* 1.51 returns a lame channel rather than NULL; be safe anyway */
-        status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "cannot create a channel to '%s'", target);
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "cannot create a channel to '%s'", target);
         grpc_shutdown();
         free(ch);
         return -1;
@@ -294,14 +292,14 @@ static int unary_bb(kc_channel *ch, const char *path, grpc_byte_buffer *req_bb,
 {
     grpc_metadata *send_md = md_copy(md, n_md);
     if (n_md && !send_md) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         return -1;
     }
     grpc_completion_queue *cq;
     grpc_call *call = call_create(ch, path, timeout_ms, &cq);
     if (!call) {
         md_free(send_md, n_md);
-        status_set(st, GRPC_STATUS_INTERNAL, "%s: cannot create the call", path);
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "%s: cannot create the call", path);
         return -1;
     }
     grpc_metadata_array initial_md, trailing_md;
@@ -329,7 +327,7 @@ static int unary_bb(kc_channel *ch, const char *path, grpc_byte_buffer *req_bb,
     int rc = -1;
     grpc_call_error e = grpc_call_start_batch(call, ops, 6, (void *)1, NULL);
     if (e != GRPC_CALL_OK) {
-        status_set(st, GRPC_STATUS_INTERNAL, "%s: start_batch failed (%d)", path, (int)e);
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "%s: start_batch failed (%d)", path, (int)e);
         goto out;
     }
     pluck(cq, (void *)1); /* the status op always completes, success or not */
@@ -338,14 +336,14 @@ static int unary_bb(kc_channel *ch, const char *path, grpc_byte_buffer *req_bb,
         goto out;
     }
     if (!resp_bb) {
-        status_set(st, GRPC_STATUS_INTERNAL, "%s: OK without a response message", path);
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "%s: OK without a response message", path);
         goto out;
     }
     if (kc_message_unpack(resp_bb, resp_desc, ch->max_message_bytes, resp, st) != 0) {
         st->code = GRPC_STATUS_INTERNAL; /* the server's fault, not the caller's argument */
         goto out;
     }
-    status_set(st, GRPC_STATUS_OK, "%s", "");
+    kc_status_set(st, GRPC_STATUS_OK, "%s", "");
     rc = 0;
 out:
     if (resp_bb)
@@ -417,7 +415,7 @@ static int stream_start(kc_channel *ch, const char *path, const ProtobufCMessage
 {
     kc_stream *s = calloc(1, sizeof *s);
     if (!s) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         return -1;
     }
     s->ch = ch;
@@ -428,14 +426,14 @@ static int stream_start(kc_channel *ch, const char *path, const ProtobufCMessage
     s->send_md = md_copy(md, n_md);
     s->n_md = n_md;
     if (n_md && !s->send_md) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         goto err_free;
     }
     if (req && kc_message_pack(req, ch->max_message_bytes, &s->req_bb, st) != 0)
         goto err_free;
     s->call = call_create(ch, path, timeout_ms, &s->cq);
     if (!s->call) {
-        status_set(st, GRPC_STATUS_INTERNAL, "%s: cannot create the call", path);
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "%s: cannot create the call", path);
         goto err_bb;
     }
     grpc_op ops[3];
@@ -450,7 +448,7 @@ static int stream_start(kc_channel *ch, const char *path, const ProtobufCMessage
         ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     }
     if (grpc_call_start_batch(s->call, ops, n, (void *)TAG_SEND, NULL) != GRPC_CALL_OK) {
-        status_set(st, GRPC_STATUS_INTERNAL, "%s: start_batch (send) failed", path);
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "%s: start_batch (send) failed", path);
         goto err_call;
     }
     /* The status is asked for at once, as gRPC wants: it completes when the call ends for any
@@ -465,7 +463,7 @@ static int stream_start(kc_channel *ch, const char *path, const ProtobufCMessage
         /* the send batch is in flight: cancel and wait for it before freeing */
         grpc_call_cancel(s->call, NULL);
         pluck(s->cq, (void *)TAG_SEND);
-        status_set(st, GRPC_STATUS_INTERNAL, "%s: start_batch (status) failed", path);
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "%s: start_batch (status) failed", path);
         goto err_call;
     }
     *out = s;
@@ -520,7 +518,7 @@ int kc_stream_send(kc_stream *s, const ProtobufCMessage *msg, kc_status *st)
     if (s->ended) {
         stream_end(s, st);
         if (st->code == GRPC_STATUS_OK)
-            status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "send on a stream that ended");
+            kc_status_set(st, GRPC_STATUS_FAILED_PRECONDITION, "send on a stream that ended");
         return -1;
     }
     stream_pluck_send(s);
@@ -540,7 +538,7 @@ int kc_stream_send(kc_stream *s, const ProtobufCMessage *msg, kc_status *st)
     grpc_call_cancel(s->call, NULL);
     stream_end(s, st);
     if (st->code == GRPC_STATUS_OK)
-        status_set(st, GRPC_STATUS_UNAVAILABLE, "the stream ended before the message was sent");
+        kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "the stream ended before the message was sent");
     return -1;
 }
 
@@ -564,7 +562,7 @@ static int stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc,
     if (grpc_call_start_batch(s->call, ops, n, (void *)TAG_RECV, NULL) != GRPC_CALL_OK) {
         grpc_call_cancel(s->call, NULL);
         stream_end(s, st);
-        status_set(st, GRPC_STATUS_INTERNAL, "start_batch (receive) failed");
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "start_batch (receive) failed");
         return -1;
     }
     int ok;
@@ -577,7 +575,7 @@ static int stream_next(kc_stream *s, const ProtobufCMessageDescriptor *desc,
             if (bb)
                 grpc_byte_buffer_destroy(bb);
             stream_end(s, st);
-            status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "no message within %lld ms",
+            kc_status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "no message within %lld ms",
                        (long long)timeout_ms);
             return -1;
         }

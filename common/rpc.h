@@ -196,6 +196,10 @@ void kc_stream_cancel(kc_stream *s);
 /* Cancels the call if it has not ended, waits for its operations, frees. NULL is fine. */
 void kc_stream_close(kc_stream *s);
 
+/* Sets st->code and formats st->details (truncated to fit). NULL st is fine. */
+void kc_status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* The canonical upper-case name of a status code ("DEADLINE_EXCEEDED"), for messages. */
 const char *kc_status_name(grpc_status_code code);
 

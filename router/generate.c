@@ -97,24 +97,13 @@ static int64_t ms_left(const gen_req *r)
     return r->deadline_ms - rt_now_ms();
 }
 
-static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)
-{
-    st->code = code;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(st->details, sizeof st->details, fmt, ap);
-    va_end(ap);
-}
-
 /* The call is over on the client's side: its deadline passed, or it cancelled (or went away). */
 static void client_gone(const gen_req *r, kc_status *st, const char *when)
 {
     if (kc_call_ms_left(r->call) <= 0)
-        status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "the client's deadline passed %s", when);
+        kc_status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "the client's deadline passed %s", when);
     else
-        status_set(st, GRPC_STATUS_CANCELLED, "the client went away %s", when);
+        kc_status_set(st, GRPC_STATUS_CANCELLED, "the client went away %s", when);
 }
 
 /* ------------------------------------------------------------------ validation */
@@ -157,10 +146,10 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
     /* the request id first, so every later message can carry it */
     size_t idlen = strlen(q->request_id);
     if (idlen > RT_MAX_REQUEST_ID)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: %zu bytes (at most %d)", idlen, RT_MAX_REQUEST_ID), st->code;
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: %zu bytes (at most %d)", idlen, RT_MAX_REQUEST_ID), st->code;
     for (size_t i = 0; i < idlen; i++)
         if (q->request_id[i] <= ' ' || q->request_id[i] > '~')
-            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: byte %zu is not printable ASCII (spaces are not allowed either)", i), st->code;
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: byte %zu is not printable ASCII (spaces are not allowed either)", i), st->code;
     if (idlen) snprintf(r->id, sizeof r->id, "%s", q->request_id);
     else snprintf(r->id, sizeof r->id, "%s-%" PRIx64 "-%" PRIu64, rt->id, (uint64_t)rt->started_unix_ms,
                   (uint64_t)atomic_fetch_add(&rt->next_request, 1));
@@ -168,54 +157,54 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
     /* the prompt */
     if (q->prompt_case == KVRELAY__V1__GENERATE_REQUEST__PROMPT_TEXT) {
         if (!rt->tok)
-            return status_set(st, GRPC_STATUS_FAILED_PRECONDITION,
+            return kc_status_set(st, GRPC_STATUS_FAILED_PRECONDITION,
                               "prompt.text: the router's model %s has no tokenizer.json; send prompt.token_ids instead",
                               rt->model_dir), st->code;
-        if (!q->text[0]) return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: empty"), st->code;
+        if (!q->text[0]) return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: empty"), st->code;
         if (kr_tokenizer_encode(rt->tok, q->text, strlen(q->text), q->add_special, &r->prompt, &r->n_prompt, err) != KR_OK)
-            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: %s", err), st->code;
-        if (r->n_prompt == 0) return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: no tokens"), st->code;
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: %s", err), st->code;
+        if (r->n_prompt == 0) return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.text: no tokens"), st->code;
     } else if (q->prompt_case == KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS) {
         size_t n = q->token_ids->n_ids;
-        if (n == 0) return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.token_ids: empty"), st->code;
+        if (n == 0) return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt.token_ids: empty"), st->code;
         if (n > (size_t)cfg->max_position_embeddings)
-            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
                               "prompt.token_ids: %zu tokens exceed the model's context (max_position_embeddings %d)",
                               n, cfg->max_position_embeddings), st->code;
         r->prompt = malloc(n * sizeof *r->prompt);
-        if (!r->prompt) return status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory"), st->code;
+        if (!r->prompt) return kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory"), st->code;
         for (size_t i = 0; i < n; i++) {
             uint32_t id = q->token_ids->ids[i];
             if (id >= (uint32_t)cfg->vocab_size)
-                return status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
                                   "prompt.token_ids[%zu]: %u is outside the model's vocabulary [0, %d)", i, id,
                                   cfg->vocab_size), st->code;
             r->prompt[i] = (int32_t)id;
         }
         r->n_prompt = (int)n;
     } else {
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: missing (set prompt.text or prompt.token_ids)"), st->code;
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: missing (set prompt.text or prompt.token_ids)"), st->code;
     }
     int ctx_room = cfg->max_position_embeddings - 1; /* at least one position to generate into */
     if (r->n_prompt > ctx_room)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
                           "prompt: %d tokens exceed the model's context (max_position_embeddings %d leaves room for %d)",
                           r->n_prompt, cfg->max_position_embeddings, ctx_room), st->code;
     if ((uint32_t)r->n_prompt > rt->max_prompt)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: %d tokens > the router's limit %u (--max-prompt)",
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: %d tokens > the router's limit %u (--max-prompt)",
                           r->n_prompt, rt->max_prompt), st->code;
 
     if (q->max_tokens == 0)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: 0 (must be 1..%u)", rt->max_tokens_limit), st->code;
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: 0 (must be 1..%u)", rt->max_tokens_limit), st->code;
     if (q->max_tokens > rt->max_tokens_limit)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: %u > the router's limit %u (--max-tokens-limit)",
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: %u > the router's limit %u (--max-tokens-limit)",
                           q->max_tokens, rt->max_tokens_limit), st->code;
     r->max_tokens = q->max_tokens;
 
     kr_policy *p;
     if (rt_policy_resolve(q->kv_policy, rt->policy_dir, r->policy, sizeof r->policy, err, sizeof err) != 0 ||
         kr_policy_parse(r->policy[0] ? r->policy : "full", cfg, &p, err) != KR_OK)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", q->kv_policy, err), st->code;
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", q->kv_policy, err), st->code;
     r->kv_entries_bound = (uint64_t)kr_policy_max_entries(p, r->n_prompt, (int)r->max_tokens) *
                           (uint64_t)cfg->n_layers * (uint64_t)cfg->n_kv_heads;
     kr_policy_free(p);
@@ -236,7 +225,7 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
         r->sampling.seed = pick_seed(rt);
     }
     if (r->sampling.top_k > (uint32_t)cfg->vocab_size)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "sampling.top_k: %u > the vocabulary size %d",
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "sampling.top_k: %u > the vocabulary size %d",
                           r->sampling.top_k, cfg->vocab_size), st->code;
     kr_sampling ks;
     kr_sampling_default(&ks);
@@ -246,36 +235,36 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
     ks.top_k = (int)r->sampling.top_k;
     ks.seed = r->sampling.seed;
     if (kr_sampling_check(&ks, err) != KR_OK)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "%s", err), st->code; /* "sampling: ..." */
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "%s", err), st->code; /* "sampling: ..." */
 
     /* stops */
     if (q->n_stop > RT_MAX_STOPS)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop: %zu strings (at most %d)", q->n_stop, RT_MAX_STOPS), st->code;
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop: %zu strings (at most %d)", q->n_stop, RT_MAX_STOPS), st->code;
     if (q->n_stop && !rt->tok)
-        return status_set(st, GRPC_STATUS_FAILED_PRECONDITION,
+        return kc_status_set(st, GRPC_STATUS_FAILED_PRECONDITION,
                           "stop: stop strings need text, and the router's model %s has no tokenizer.json (use stop_ids)",
                           rt->model_dir), st->code;
     for (size_t i = 0; i < q->n_stop; i++) {
         size_t n = strlen(q->stop[i]);
-        if (n == 0) return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: empty", i), st->code;
+        if (n == 0) return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: empty", i), st->code;
         if (n > RT_MAX_STOP_LEN)
-            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: %zu bytes (at most %d)", i, n, RT_MAX_STOP_LEN), st->code;
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: %zu bytes (at most %d)", i, n, RT_MAX_STOP_LEN), st->code;
         if (!utf8_valid((const unsigned char *)q->stop[i], n))
-            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: not valid UTF-8", i), st->code;
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: not valid UTF-8", i), st->code;
     }
     if (q->n_stop_ids > RT_MAX_STOP_IDS)
-        return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop_ids: %zu ids (at most %d)", q->n_stop_ids, RT_MAX_STOP_IDS), st->code;
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop_ids: %zu ids (at most %d)", q->n_stop_ids, RT_MAX_STOP_IDS), st->code;
     for (size_t i = 0; i < q->n_stop_ids; i++)
         if (q->stop_ids[i] >= (uint32_t)cfg->vocab_size)
-            return status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop_ids[%zu]: %u is outside the model's vocabulary [0, %d)",
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop_ids[%zu]: %u is outside the model's vocabulary [0, %d)",
                               i, q->stop_ids[i], cfg->vocab_size), st->code;
     r->stop_ids = q->stop_ids;
     r->n_stop_ids = q->n_stop_ids;
 
     if (rt->tok && kr_detok_create(rt->tok, 1, &r->detok, err) != KR_OK)
-        return status_set(st, GRPC_STATUS_INTERNAL, "detokenizer: %s", err), st->code;
+        return kc_status_set(st, GRPC_STATUS_INTERNAL, "detokenizer: %s", err), st->code;
     if (rt_stop_init(&r->stop, q->stop, (int)q->n_stop) != 0)
-        return status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory"), st->code;
+        return kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory"), st->code;
     return GRPC_STATUS_OK;
 }
 
@@ -365,17 +354,17 @@ static attempt reserve(gen_req *r, kc_status *st)
             (s.code == GRPC_STATUS_DEADLINE_EXCEEDED && ms_left(r) > 0)) {
             kc_debug(r->id, "decode node %s refused: %s: %s", node->id, kc_status_name(s.code), s.details);
             full |= s.code == GRPC_STATUS_RESOURCE_EXHAUSTED;
-            status_set(&last, s.code, "%s: %s", node->id, s.details);
+            kc_status_set(&last, s.code, "%s: %s", node->id, s.details);
             continue;
         }
-        status_set(st, s.code, "decode node %s: %s", node->id, s.details);
+        kc_status_set(st, s.code, "decode node %s: %s", node->id, s.details);
         return ATTEMPT_FAIL;
     }
     if (full) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "every decode node is full (last: %s)", last.details);
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "every decode node is full (last: %s)", last.details);
         return ATTEMPT_LATER;
     }
-    status_set(st, GRPC_STATUS_UNAVAILABLE, "no decode node can take the request (%d tried; last: %s)", tried, last.details);
+    kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "no decode node can take the request (%d tried; last: %s)", tried, last.details);
     return ATTEMPT_FAIL;
 }
 
@@ -399,7 +388,7 @@ static attempt prefill(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status
     uint32_t *ids = malloc((size_t)r->n_pf * sizeof *ids);
     if (!ids) {
         reservation_end(r, 1);
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
         return ATTEMPT_FAIL;
     }
     for (int i = 0; i < r->n_pf; i++) ids[i] = (uint32_t)r->pf[i];
@@ -438,7 +427,7 @@ static attempt prefill(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status
         if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED || (s.code == GRPC_STATUS_UNAVAILABLE && strstr(s.details, "draining"))) {
             kc_debug(r->id, "prefill node %s refused: %s", node->id, s.details); /* the next one */
             full |= s.code == GRPC_STATUS_RESOURCE_EXHAUSTED;
-            status_set(&last, s.code, "%s: %s", node->id, s.details);
+            kc_status_set(&last, s.code, "%s: %s", node->id, s.details);
             continue;
         }
         if (s.code == GRPC_STATUS_UNAVAILABLE || timed_out) {
@@ -453,25 +442,25 @@ static attempt prefill(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status
                         kc_status_name(s.code), s.details);
                 skip_add(r->skip_p, &r->n_skip_p, node);
             } else {
-                status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill failed twice (last on %s: %s: %s)", node->id,
+                kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill failed twice (last on %s: %s: %s)", node->id,
                            kc_status_name(s.code), s.details);
                 free(ids);
                 return ATTEMPT_FAIL;
             }
             kc_counter_inc(rt->m.retries, 1);
             free(ids);
-            status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill node %s: %s", node->id, s.details);
+            kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill node %s: %s", node->id, s.details);
             return ATTEMPT_AGAIN;
         }
-        status_set(st, s.code, "prefill node %s: %s", node->id, s.details);
+        kc_status_set(st, s.code, "prefill node %s: %s", node->id, s.details);
         a = ATTEMPT_FAIL;
         goto out;
     }
     if (full) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "every prefill node's queue is full (last: %s)", last.details);
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "every prefill node's queue is full (last: %s)", last.details);
         a = ATTEMPT_LATER;
     } else {
-        status_set(st, GRPC_STATUS_UNAVAILABLE, "no prefill node can take the request (last: %s)", last.details);
+        kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "no prefill node can take the request (last: %s)", last.details);
         a = ATTEMPT_FAIL;
     }
 out:
@@ -501,7 +490,7 @@ static grpc_status_code place(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc
         if (ms_left(r) <= backoff) {
             char why[sizeof st->details];
             snprintf(why, sizeof why, "%s", st->details);
-            status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up at the request's deadline", why);
+            kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up at the request's deadline", why);
             return st->code;
         }
         kc_debug(r->id, "%s; retrying in %" PRId64 " ms", st->details, backoff);
@@ -538,13 +527,13 @@ static int relay(gen_req *r, const uint32_t *ids, size_t n, kc_status *st)
         char err[KR_ERR_MAX];
         if (kr_detok_push(r->detok, (int32_t)ids[i], &delta, &dlen, err) != KR_OK) {
             free(text);
-            status_set(st, GRPC_STATUS_INTERNAL, "detokenizing generated token %u: %s", ids[i], err);
+            kc_status_set(st, GRPC_STATUS_INTERNAL, "detokenizing generated token %u: %s", ids[i], err);
             return -1;
         }
         int m = rt_stop_push(&r->stop, delta, dlen, &emit, &elen);
         if (m < 0) {
             free(text);
-            status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+            kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
             return -1;
         }
         matched = m;
@@ -552,7 +541,7 @@ static int relay(gen_req *r, const uint32_t *ids, size_t n, kc_status *st)
             char *grown = realloc(text, text_len + elen + 1);
             if (!grown) {
                 free(text);
-                status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+                kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
                 return -1;
             }
             memcpy(grown + text_len, emit, elen);
@@ -575,7 +564,7 @@ static int relay(gen_req *r, const uint32_t *ids, size_t n, kc_status *st)
         size_t cap = (r->n_sent + kept) * 2 + 16;
         uint32_t *grown = realloc(r->sent, cap * sizeof *grown);
         if (!grown) {
-            status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+            kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
             return -1;
         }
         r->sent = grown;
@@ -605,12 +594,12 @@ static int relay_flush(gen_req *r, kc_status *st)
     kr_detok_flush(r->detok, &delta, &dlen);
     int m = rt_stop_push(&r->stop, delta, dlen, &emit, &elen);
     if (m < 0) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
         return -1;
     }
     char *text = malloc(elen + 1 + (m ? 0 : r->stop.len));
     if (!text) {
-        status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
         return -1;
     }
     memcpy(text, emit, elen);
@@ -698,7 +687,7 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
     r->decode_failed = 0;
     if (kc_stream_open(rt_node_channel(r->rt, r->dnode), "/kvrelay.v1.Decode/Decode", &req.base, hop_timeout(r), &s,
                        &s_st) != 0) {
-        status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
+        kc_status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
         reservation_end(r, 1);
         return st->code;
     }
@@ -712,7 +701,7 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
         int rc = kc_stream_next(s, &kvrelay__v1__decode_response__descriptor, (ProtobufCMessage **)&m, &s_st);
         if (rc == 0) {
             if (!r->have_decode_finish) {
-                status_set(st, GRPC_STATUS_INTERNAL, "decode node %s ended the stream without a finish", r->dnode->id);
+                kc_status_set(st, GRPC_STATUS_INTERNAL, "decode node %s ended the stream without a finish", r->dnode->id);
                 code = st->code;
             }
             break;
@@ -726,12 +715,12 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
                 if (atomic_load(&active.stalled))
                     snprintf(cause, sizeof cause, "no message for %" PRId64 " ms (--decode-stall-ms)", r->rt->decode_stall_ms);
                 else snprintf(cause, sizeof cause, "%s: %s", kc_status_name(s_st.code), s_st.details);
-                status_set(st, GRPC_STATUS_UNAVAILABLE, "decode node %s failed after %u tokens were sent: %s",
+                kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "decode node %s failed after %u tokens were sent: %s",
                            r->dnode->id, r->completion, cause);
                 rt_node_outcome(r->rt, r->dnode, atomic_load(&active.stalled) ? GRPC_STATUS_DEADLINE_EXCEEDED : s_st.code, cause);
                 r->decode_failed = 1;
             } else {
-                status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
+                kc_status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
             }
             code = st->code;
             break;
@@ -828,7 +817,7 @@ static grpc_status_code start(gen_req *r, int *done, kc_status *st)
             r->pnode->id, first, r->pu.kv_entries_shipped, r->dnode->id, r->pu.transfer_s);
     if (first >= (uint32_t)rt->cfg.vocab_size) {
         reservation_end(r, 1);
-        status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, outside the vocabulary", r->pnode->id, first);
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, outside the vocabulary", r->pnode->id, first);
         return st->code;
     }
     int k = relay(r, &first, 1, st);

@@ -1,5 +1,6 @@
 /* members.c - the static membership file; see members.h. */
 #include "members.h"
+#include "membership.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -7,6 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* a node id in the file: 1..63 bytes of [A-Za-z0-9._-] */
+#define RT_VALID_ID(s) kc_name_ok((s), 63)
 
 static int fail(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(char *err, const char *fmt, ...)
@@ -16,19 +20,6 @@ static int fail(char *err, const char *fmt, ...)
     vsnprintf(err, RT_MEMBERS_ERR_MAX, fmt, ap);
     va_end(ap);
     return -1;
-}
-
-static int valid_id(const char *s)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n > 63) return 0;
-    for (size_t i = 0; i < n; i++) {
-        char c = s[i];
-        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-              c == '.' || c == '_' || c == '-'))
-            return 0;
-    }
-    return 1;
 }
 
 /* HOST:PORT with a non-empty host without spaces (a [v6] host in brackets) and a port in
@@ -79,7 +70,7 @@ static int parse_role(const cJSON *arr, const char *role, const char *path, rt_m
             fail(err, "%s: %s[%d].id is %s (expected a string)", path, role, i, id ? "not a string" : "missing");
             goto err_free;
         }
-        if (!valid_id(id->valuestring)) {
+        if (!RT_VALID_ID(id->valuestring)) {
             fail(err, "%s: %s[%d].id '%.80s' must be 1-63 characters of A-Z a-z 0-9 . _ -", path, role, i, id->valuestring);
             goto err_free;
         }
