@@ -200,6 +200,17 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
     if (!c->etcd.endpoints && (c->etcd.ca_file || c->etcd.cert_file || c->etcd.key_file ||
                                c->etcd.user || c->etcd.password))
         die("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password need --etcd");
+    if (c->etcd.endpoints) { /* what registration would refuse later, refused before start-up */
+        kc_etcd *probe = NULL;
+        kc_status st;
+        if (kc_etcd_create(&c->etcd, &probe, &st) != 0)
+            die("--etcd %s: %s", c->etcd.endpoints, st.details);
+        kc_etcd_destroy(probe);
+        if (!kc_name_ok(c->cluster, 100))
+            die("--cluster: '%s' is not 1 to 100 of [A-Za-z0-9._-]", c->cluster);
+        if (!kc_name_ok(c->id, 63))
+            die("--id: '%s' is not 1 to 63 of [A-Za-z0-9._-] (it is an etcd key segment)", c->id);
+    }
 }
 
 /* What this node puts in etcd (membership.h). */

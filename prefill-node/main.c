@@ -210,6 +210,18 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     if (!c->etcd.endpoints && (c->etcd.ca_file || c->etcd.cert_file || c->etcd.key_file ||
                                c->etcd.user || c->etcd.password))
         die(2, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password need --etcd");
+    if (c->etcd.endpoints) { /* what registration would refuse later, refused before start-up */
+        kc_etcd *probe = NULL;
+        kc_status st;
+        if (kc_etcd_create(&c->etcd, &probe, &st) != 0)
+            die(2, "--etcd %s: %s", c->etcd.endpoints, st.details);
+        kc_etcd_destroy(probe);
+        if (!kc_name_ok(c->cluster, 100))
+            die(2, "--cluster: '%s' is not 1 to 100 of [A-Za-z0-9._-]", c->cluster);
+        if (!kc_name_ok(c->id, 63))
+            die(2, "--id: '%s' is not 1 to 63 of [A-Za-z0-9._-] (it is an etcd key segment)",
+                c->id);
+    }
     if (c->etcd.endpoints && !c->advertise && !strncmp(c->listen, "0.0.0.0:", 8))
         die(2, "--listen %s listens on every interface: give --advertise HOST, the address the "
             "router reaches this node at (it is registered in etcd)", c->listen);
