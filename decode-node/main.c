@@ -63,8 +63,8 @@ static void usage(FILE *f)
             "  --etcd-ca FILE           TLS to etcd: CA bundle (PEM)\n"
             "  --etcd-cert FILE         TLS client certificate (with --etcd-key)\n"
             "  --etcd-key FILE          TLS client key\n"
-            "  --etcd-user NAME         etcd auth user (with --etcd-password)\n"
-            "  --etcd-password PW       etcd auth password\n"
+            "  --etcd-user NAME         etcd auth user; the password comes from the environment\n"
+            "                           variable KVRELAY_ETCD_PASSWORD (not a flag: ps shows flags)\n"
             "  --backend cpu|cuda       compute backend (default cpu)\n"
             "  --log-level LEVEL        debug, info (default), warn, error\n"
             "  -h, --help               this help\n"
@@ -181,7 +181,6 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
         else if (!strcmp(a, "--etcd-cert")) c->etcd.cert_file = value(argc, argv, &i);
         else if (!strcmp(a, "--etcd-key")) c->etcd.key_file = value(argc, argv, &i);
         else if (!strcmp(a, "--etcd-user")) c->etcd.user = value(argc, argv, &i);
-        else if (!strcmp(a, "--etcd-password")) c->etcd.password = value(argc, argv, &i);
         else if (!strcmp(a, "--backend")) {
             const char *b = value(argc, argv, &i);
             if (!strcmp(b, "cpu")) c->backend = KR_BACKEND_CPU;
@@ -198,8 +197,10 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
     if (!c->id[0] || strlen(c->id) > 64)
         die("--id: '%s' must be 1 to 64 characters", c->id);
     if (!c->etcd.endpoints && (c->etcd.ca_file || c->etcd.cert_file || c->etcd.key_file ||
-                               c->etcd.user || c->etcd.password))
-        die("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password need --etcd");
+                               c->etcd.user))
+        die("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user need --etcd");
+    if (c->etcd.user)
+        c->etcd.password = getenv("KVRELAY_ETCD_PASSWORD");
     if (c->etcd.endpoints) { /* what registration would refuse later, refused before start-up */
         kc_etcd *probe = NULL;
         kc_status st;

@@ -65,8 +65,8 @@ static void usage(FILE *f)
             "  --etcd-ca FILE          TLS to etcd: CA bundle (PEM)\n"
             "  --etcd-cert FILE        TLS client certificate (with --etcd-key)\n"
             "  --etcd-key FILE         TLS client key\n"
-            "  --etcd-user NAME        etcd auth user (with --etcd-password)\n"
-            "  --etcd-password PW      etcd auth password\n"
+            "  --etcd-user NAME        etcd auth user; the password comes from the environment\n"
+            "                          variable KVRELAY_ETCD_PASSWORD (not a flag: ps shows flags)\n"
             "  --backend B             cpu (default) or cuda\n"
             "  --log-level L           debug, info (default), warn, error\n"
             "  -h, --help              this help\n",
@@ -183,8 +183,6 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             c->etcd.key_file = flag_value(argc, argv, &i);
         } else if (!strcmp(a, "--etcd-user")) {
             c->etcd.user = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--etcd-password")) {
-            c->etcd.password = flag_value(argc, argv, &i);
         } else if (!strcmp(a, "--backend")) {
             const char *v = flag_value(argc, argv, &i);
             if (!strcmp(v, "cpu"))
@@ -208,8 +206,10 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
         die(2, "--http: '%s' is not HOST:PORT", c->http);
     if (!strrchr(c->listen, ':')) die(2, "--listen: '%s' is not HOST:PORT", c->listen);
     if (!c->etcd.endpoints && (c->etcd.ca_file || c->etcd.cert_file || c->etcd.key_file ||
-                               c->etcd.user || c->etcd.password))
-        die(2, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password need --etcd");
+                               c->etcd.user))
+        die(2, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user need --etcd");
+    if (c->etcd.user)
+        c->etcd.password = getenv("KVRELAY_ETCD_PASSWORD");
     if (c->etcd.endpoints) { /* what registration would refuse later, refused before start-up */
         kc_etcd *probe = NULL;
         kc_status st;
