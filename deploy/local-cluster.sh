@@ -180,3 +180,15 @@ krc_etcd_stop() {
   wait "$KRC_ETCD_PID" 2>/dev/null || true
   KRC_ETCD_PID=
 }
+
+# krc_model_copy SRC DST CMD... : a variant of the model directory SRC in DST for tests: every
+# file symlinked, except config.json, written through the filter CMD (stdin -> stdout), and
+# generation_config.json, left out (its defaults would repeat what CMD changed).
+krc_model_copy() {
+  local src=$1 dst=$2 f; shift 2
+  mkdir -p "$dst"
+  for f in "$src"/*; do
+    case ${f##*/} in config.json | generation_config.json) ;; *) ln -s "$f" "$dst/" ;; esac
+  done
+  "$@" <"$src/config.json" >"$dst/config.json"
+}

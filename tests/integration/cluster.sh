@@ -32,11 +32,7 @@ fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 # the computation (llama3 scaling uses original_max_position_embeddings), and every process
 # here loads this same directory.
 model=$KRC_DIR/model
-mkdir -p "$model"
-for f in "$fixtures/models/llama3-tiny"/*; do ln -s "$f" "$model/"; done
-rm "$model/config.json"
-sed -E 's/"max_position_embeddings": *[0-9]+/"max_position_embeddings": 160/' \
-  "$fixtures/models/llama3-tiny/config.json" >"$model/config.json"
+krc_model_copy "$fixtures/models/llama3-tiny" "$model" sed -E 's/"max_position_embeddings": *[0-9]+/"max_position_embeddings": 160/'
 grep -q '"max_position_embeddings": 160' "$model/config.json" || { echo "FAIL: could not edit config.json"; exit 1; }
 
 chunk=32

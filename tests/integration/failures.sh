@@ -42,7 +42,13 @@ fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 now() { date +%s.%N; }
 elapsed() { "$py" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")' "$1" "$2"; }
 
-model=$fixtures/models/llama3-tiny
+# The fixture without an end-of-sequence token (eos_token_id removed from its config), so every
+# stream runs to max_tokens and is surely still streaming when a node is killed or stopped: with
+# EOS, a random tiny model ends some streams early and unpredictably. The weights are the
+# fixture's own files; every process and the one-process references load this directory.
+model=$KRC_DIR/model
+krc_model_copy "$fixtures/models/llama3-tiny" "$model" grep -v '"eos_token_id"'
+grep -q eos_token_id "$model/config.json" && { echo "FAIL: could not remove eos_token_id"; exit 1; }
 chunk=32
 KRC_PREFILL_ARGS=(--chunk "$chunk")
 KRC_DECODE_ARGS=()

@@ -38,7 +38,9 @@ ttl=3
 
 krc_etcd_start || { echo "FAIL: etcd did not start (log: $KRC_DIR/etcd.log)"; exit 1; }
 echo "etcd at $KRC_ETCD"
-model=$fixtures/models/llama3-tiny
+# without an end-of-sequence token, so the streams drained in (c) surely run when SIGTERM comes
+model=$KRC_DIR/model
+krc_model_copy "$fixtures/models/llama3-tiny" "$model" grep -v '"eos_token_id"'
 KRC_CLUSTER=m
 KRC_PREFILL_ARGS=(--lease-ttl "$ttl")
 KRC_DECODE_ARGS=(--lease-ttl "$ttl" --kv-blocks 4000)
