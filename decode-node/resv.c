@@ -215,6 +215,14 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
                  n->stopping ? "shutting down" : "draining");
         return GRPC_STATUS_UNAVAILABLE;
     }
+    if (need > n->total_blocks) { /* waiting would not help: say so, so the router does not wait */
+        pthread_mutex_unlock(&n->lock);
+        snprintf(err, KT_ERR_MAX, "need %" PRId64 " blocks, more than this node's whole pool of %" PRId64
+                 " for %d prompt tokens + %d max_tokens under policy %.200s", need, n->total_blocks,
+                 prompt_tokens, max_tokens, kr_policy_spec(policy));
+        dn_resv_free(r);
+        return GRPC_STATUS_OUT_OF_RANGE;
+    }
     int64_t free_blocks = n->total_blocks - n->reserved_sum;
     if (need > free_blocks) {
         pthread_mutex_unlock(&n->lock);

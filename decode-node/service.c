@@ -36,6 +36,7 @@ __attribute__((format(printf, 4, 5))) static int refuse(kc_call *call, const cha
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     if (code == GRPC_STATUS_INVALID_ARGUMENT || code == GRPC_STATUS_RESOURCE_EXHAUSTED ||
+        code == GRPC_STATUS_OUT_OF_RANGE ||
         code == GRPC_STATUS_NOT_FOUND)
         kc_info(rid, "%s refused (%s): %s", kc_call_method(call), kc_status_name(code), msg);
     else

@@ -351,7 +351,9 @@ static attempt reserve(gen_req *r, kc_status *st)
             return ATTEMPT_DONE;
         }
         if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED || s.code == GRPC_STATUS_UNAVAILABLE ||
-            (s.code == GRPC_STATUS_DEADLINE_EXCEEDED && ms_left(r) > 0)) {
+            s.code == GRPC_STATUS_OUT_OF_RANGE || (s.code == GRPC_STATUS_DEADLINE_EXCEEDED && ms_left(r) > 0)) {
+            /* OUT_OF_RANGE: larger than that node's whole pool; another node may be bigger, but
+             * waiting for this one would not help (only RESOURCE_EXHAUSTED makes us wait) */
             kc_debug(r->id, "decode node %s refused: %s: %s", node->id, kc_status_name(s.code), s.details);
             full |= s.code == GRPC_STATUS_RESOURCE_EXHAUSTED;
             kc_status_set(&last, s.code, "%s: %s", node->id, s.details);
@@ -364,7 +366,8 @@ static attempt reserve(gen_req *r, kc_status *st)
         kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "every decode node is full (last: %s)", last.details);
         return ATTEMPT_LATER;
     }
-    kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "no decode node can take the request (%d tried; last: %s)", tried, last.details);
+    kc_status_set(st, last.code == GRPC_STATUS_OUT_OF_RANGE ? GRPC_STATUS_OUT_OF_RANGE : GRPC_STATUS_UNAVAILABLE,
+                  "no decode node can take the request (%d tried; last: %s)", tried, last.details);
     return ATTEMPT_FAIL;
 }
 

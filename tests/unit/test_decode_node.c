@@ -644,11 +644,19 @@ static void test_refusals(engine *e, node *nd)
     CHECK(release(nd, 12345) == 0, "Release of an unknown id: released=false");
     CHECK(release(nd, 0) == 0, "Release of id 0: released=false");
 
-    /* Over capacity, and bad fields, each named. */
+    /* Larger than the whole pool: OUT_OF_RANGE (waiting would not help); larger than what is
+     * free now: RESOURCE_EXHAUSTED (the router waits or tries another node). Bad fields, each
+     * named. */
     CHECK(reserve(nd, "big", 100000, 10, "full", 0, &st) == 0 &&
-          st.code == GRPC_STATUS_RESOURCE_EXHAUSTED, "over capacity: %s", kc_status_name(st.code));
+          st.code == GRPC_STATUS_OUT_OF_RANGE, "over the pool: %s", kc_status_name(st.code));
     CHECK_ERR_HAS(st.details, "need ");
+    CHECK_ERR_HAS(st.details, "whole pool");
+    uint64_t half = reserve(nd, "half", 6900, 10, "full", 0, &st);
+    CHECK(half != 0, "a reservation of most of the pool: %s %s", kc_status_name(st.code), st.details);
+    CHECK(reserve(nd, "full-now", 6900, 10, "full", 0, &st) == 0 &&
+          st.code == GRPC_STATUS_RESOURCE_EXHAUSTED, "over what is free: %s", kc_status_name(st.code));
     CHECK_ERR_HAS(st.details, " free");
+    CHECK(release(nd, half) == 1, "release of the big reservation");
     CHECK(reserve(nd, "bad", 0, 10, "full", 0, &st) == 0 &&
           st.code == GRPC_STATUS_INVALID_ARGUMENT, "prompt_tokens 0: %s", kc_status_name(st.code));
     CHECK_ERR_HAS(st.details, "prompt_tokens");
