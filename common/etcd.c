@@ -859,3 +859,39 @@ void kc_etcd_watch_close(kc_etcd_watch *w)
     kc_stream_close(w->s);
     free(w);
 }
+
+/* ------------------------------------------------------------------ process flags */
+
+int kc_etcd_flag(kc_etcd_config *c, const char *flag, const char *v)
+{
+    const char **slot = !strcmp(flag, "--etcd")        ? &c->endpoints
+                        : !strcmp(flag, "--etcd-ca")   ? &c->ca_file
+                        : !strcmp(flag, "--etcd-cert") ? &c->cert_file
+                        : !strcmp(flag, "--etcd-key")  ? &c->key_file
+                        : !strcmp(flag, "--etcd-user") ? &c->user
+                                                       : NULL;
+    if (!slot)
+        return 0;
+    *slot = v;
+    return 1;
+}
+
+int kc_etcd_flags_finish(kc_etcd_config *c, char *err)
+{
+    if (!c->endpoints && (c->ca_file || c->cert_file || c->key_file || c->user)) {
+        snprintf(err, 256, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user need --etcd");
+        return -1;
+    }
+    if (c->user)
+        c->password = getenv("KVRELAY_ETCD_PASSWORD");
+    if (!c->endpoints)
+        return 0;
+    kc_etcd *probe = NULL;
+    kc_status st;
+    if (kc_etcd_create(c, &probe, &st) != 0) {
+        snprintf(err, 256, "--etcd %.64s: %.180s", c->endpoints, st.details);
+        return -1;
+    }
+    kc_etcd_destroy(probe);
+    return 0;
+}

@@ -60,11 +60,7 @@ static void usage(FILE *f)
             "                           not stop serving (registration retries)\n"
             "  --cluster NAME           etcd cluster name (default \"default\")\n"
             "  --lease-ttl S            etcd lease TTL in seconds (default 10, at least 2)\n"
-            "  --etcd-ca FILE           TLS to etcd: CA bundle (PEM)\n"
-            "  --etcd-cert FILE         TLS client certificate (with --etcd-key)\n"
-            "  --etcd-key FILE          TLS client key\n"
-            "  --etcd-user NAME         etcd auth user; the password comes from the environment\n"
-            "                           variable KVRELAY_ETCD_PASSWORD (not a flag: ps shows flags)\n"
+            KC_ETCD_FLAGS_HELP
             "  --backend cpu|cuda       compute backend (default cpu)\n"
             "  --log-level LEVEL        debug, info (default), warn, error\n"
             "  -h, --help               this help\n"
@@ -174,13 +170,9 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
             c->ttl_ms = (int)number(a, value(argc, argv, &i), 1, DN_MAX_TTL_MS);
         else if (!strcmp(a, "--drain-timeout-s"))
             c->drain_timeout_s = (double)number(a, value(argc, argv, &i), 0, 86400);
-        else if (!strcmp(a, "--etcd")) c->etcd.endpoints = value(argc, argv, &i);
         else if (!strcmp(a, "--cluster")) c->cluster = value(argc, argv, &i);
         else if (!strcmp(a, "--lease-ttl")) c->lease_ttl_s = (int)number(a, value(argc, argv, &i), 2, 3600);
-        else if (!strcmp(a, "--etcd-ca")) c->etcd.ca_file = value(argc, argv, &i);
-        else if (!strcmp(a, "--etcd-cert")) c->etcd.cert_file = value(argc, argv, &i);
-        else if (!strcmp(a, "--etcd-key")) c->etcd.key_file = value(argc, argv, &i);
-        else if (!strcmp(a, "--etcd-user")) c->etcd.user = value(argc, argv, &i);
+        else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&c->etcd, a, value(argc, argv, &i))) continue;
         else if (!strcmp(a, "--backend")) {
             const char *b = value(argc, argv, &i);
             if (!strcmp(b, "cpu")) c->backend = KR_BACKEND_CPU;
@@ -196,17 +188,10 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
         die("--model DIR is required (see --help)");
     if (!c->id[0] || strlen(c->id) > 64)
         die("--id: '%s' must be 1 to 64 characters", c->id);
-    if (!c->etcd.endpoints && (c->etcd.ca_file || c->etcd.cert_file || c->etcd.key_file ||
-                               c->etcd.user))
-        die("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user need --etcd");
-    if (c->etcd.user)
-        c->etcd.password = getenv("KVRELAY_ETCD_PASSWORD");
+    char eerr[256];
+    if (kc_etcd_flags_finish(&c->etcd, eerr) != 0)
+        die("%s", eerr);
     if (c->etcd.endpoints) { /* what registration would refuse later, refused before start-up */
-        kc_etcd *probe = NULL;
-        kc_status st;
-        if (kc_etcd_create(&c->etcd, &probe, &st) != 0)
-            die("--etcd %s: %s", c->etcd.endpoints, st.details);
-        kc_etcd_destroy(probe);
         if (!kc_name_ok(c->cluster, 100))
             die("--cluster: '%s' is not 1 to 100 of [A-Za-z0-9._-]", c->cluster);
         if (!kc_name_ok(c->id, 63))

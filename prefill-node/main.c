@@ -62,11 +62,7 @@ static void usage(FILE *f)
             "                          not stop serving (registration retries)\n"
             "  --cluster NAME          etcd cluster name (default \"default\")\n"
             "  --lease-ttl S           etcd lease TTL in seconds (default 10, at least 2)\n"
-            "  --etcd-ca FILE          TLS to etcd: CA bundle (PEM)\n"
-            "  --etcd-cert FILE        TLS client certificate (with --etcd-key)\n"
-            "  --etcd-key FILE         TLS client key\n"
-            "  --etcd-user NAME        etcd auth user; the password comes from the environment\n"
-            "                          variable KVRELAY_ETCD_PASSWORD (not a flag: ps shows flags)\n"
+            KC_ETCD_FLAGS_HELP
             "  --backend B             cpu (default) or cuda\n"
             "  --log-level L           debug, info (default), warn, error\n"
             "  -h, --help              this help\n",
@@ -169,20 +165,12 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             c->drain_timeout_s = flag_double(a, flag_value(argc, argv, &i), 0, 86400);
         } else if (!strcmp(a, "--advertise")) {
             c->advertise = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--etcd")) {
-            c->etcd.endpoints = flag_value(argc, argv, &i);
         } else if (!strcmp(a, "--cluster")) {
             c->cluster = flag_value(argc, argv, &i);
         } else if (!strcmp(a, "--lease-ttl")) {
             c->lease_ttl_s = (int)flag_long(a, flag_value(argc, argv, &i), 2, 3600);
-        } else if (!strcmp(a, "--etcd-ca")) {
-            c->etcd.ca_file = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--etcd-cert")) {
-            c->etcd.cert_file = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--etcd-key")) {
-            c->etcd.key_file = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--etcd-user")) {
-            c->etcd.user = flag_value(argc, argv, &i);
+        } else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&c->etcd, a, flag_value(argc, argv, &i))) {
+            continue;
         } else if (!strcmp(a, "--backend")) {
             const char *v = flag_value(argc, argv, &i);
             if (!strcmp(v, "cpu"))
@@ -205,17 +193,9 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     if (pf_parse_hostport(c->http, 0, 1, host, sizeof host, &port) != 0)
         die(2, "--http: '%s' is not HOST:PORT", c->http);
     if (!strrchr(c->listen, ':')) die(2, "--listen: '%s' is not HOST:PORT", c->listen);
-    if (!c->etcd.endpoints && (c->etcd.ca_file || c->etcd.cert_file || c->etcd.key_file ||
-                               c->etcd.user))
-        die(2, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user need --etcd");
-    if (c->etcd.user)
-        c->etcd.password = getenv("KVRELAY_ETCD_PASSWORD");
+    char eerr[256];
+    if (kc_etcd_flags_finish(&c->etcd, eerr) != 0) die(2, "%s", eerr);
     if (c->etcd.endpoints) { /* what registration would refuse later, refused before start-up */
-        kc_etcd *probe = NULL;
-        kc_status st;
-        if (kc_etcd_create(&c->etcd, &probe, &st) != 0)
-            die(2, "--etcd %s: %s", c->etcd.endpoints, st.details);
-        kc_etcd_destroy(probe);
         if (!kc_name_ok(c->cluster, 100))
             die(2, "--cluster: '%s' is not 1 to 100 of [A-Za-z0-9._-]", c->cluster);
         if (!kc_name_ok(c->id, 63))

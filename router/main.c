@@ -43,6 +43,7 @@ static void usage(FILE *f)
             "  --etcd ENDPOINTS        membership from etcd instead: \"127.0.0.1:2379,...\" (watches\n"
             "                          /kvrelay/CLUSTER/nodes/; nodes come and go at run time)\n"
             "  --cluster NAME          the etcd cluster name (default \"default\")\n"
+            KC_ETCD_FLAGS_HELP
             "  --fingerprint HEX       the model fingerprint members must report (etcd membership;\n"
             "                          default: the first one a member reports)\n"
             "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
@@ -87,7 +88,8 @@ static void die(const char *fmt, ...)
 
 typedef struct router_opts {
     const char *model, *nodes, *listen, *http, *id, *placement, *log_level, *policy_dir;
-    const char *etcd, *cluster, *fingerprint;
+    const char *cluster, *fingerprint;
+    kc_etcd_config etcd; /* --etcd and its TLS/auth flags (etcd.h) */
     long max_tokens_limit, max_prompt, default_timeout_ms;
     long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
     int migrate;
@@ -143,7 +145,7 @@ static void parse(int argc, char **argv, router_opts *o)
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--nodes")) o->nodes = v;
         else if (!strcmp(a, "--listen")) o->listen = v;
-        else if (!strcmp(a, "--etcd")) o->etcd = v;
+        else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&o->etcd, a, v)) continue;
         else if (!strcmp(a, "--cluster")) o->cluster = v;
         else if (!strcmp(a, "--fingerprint")) o->fingerprint = v;
         else if (!strcmp(a, "--http")) o->http = v;
@@ -161,7 +163,9 @@ static void parse(int argc, char **argv, router_opts *o)
         else die("unknown flag '%s' (see --help)", a);
     }
     if (!o->model) die("--model DIR is required (see --help)");
-    if (!o->nodes == !o->etcd) die("give exactly one of --nodes FILE and --etcd ENDPOINTS (see --help)");
+    if (!o->nodes == !o->etcd.endpoints) die("give exactly one of --nodes FILE and --etcd ENDPOINTS (see --help)");
+    char eerr[256];
+    if (kc_etcd_flags_finish(&o->etcd, eerr) != 0) die("%s", eerr);
     if (o->fingerprint && (strlen(o->fingerprint) != 16 || strspn(o->fingerprint, "0123456789abcdef") != 16))
         die("--fingerprint: '%s' is not 16 lower-case hex digits (the nodes log theirs at start-up)", o->fingerprint);
     size_t idlen = strlen(o->id);
@@ -298,7 +302,8 @@ int main(int argc, char **argv)
         rt_members_free(&ms);
     } else {
         char werr[KC_MEMBER_ERR_LEN];
-        if (kc_watch_start(o.etcd, o.cluster, on_members, rt, &watch, werr) != 0) die("--etcd %s: %s", o.etcd, werr);
+        if (kc_watch_start_cfg(&o.etcd, o.cluster, on_members, rt, &watch, werr) != 0)
+            die("--etcd %s: %s", o.etcd.endpoints, werr);
     }
     metrics_init(rt);
 
