@@ -48,6 +48,8 @@
 /* Bundles above this go by rendezvous, forced: over TCP alone UCX 1.13's automatic choice kept
  * even 256 MiB eager (reassembled in UCX's memory, then copied), measured here. */
 #define KT_RNDV_MIN_BYTES 16384
+/* Seconds the progress thread polls before sleeping while transfers are in flight. */
+#define KT_SPIN_S 100e-6
 
 /* Records the failing statement, function, file and line, then jumps to the cleanup label. */
 #define KT_UCS_CHECK(stmt, err, label)                                                          \
@@ -844,9 +846,19 @@ static void *kt_progress_main(void *arg)
             break;
         if (delivered)
             continue;
-        /* Anything UCX still has to say before we may sleep? */
+        /* Anything UCX still has to say before we may sleep? While transfers are in flight, poll
+         * for a short while first: the next event (an ack, the next fragment) usually follows
+         * within microseconds, and waking from the event fd costs more than that. */
         if (ucp_worker_progress(t->worker) != 0)
             continue;
+        if (t->ops || t->acks || t->resvs) {
+            double until = kt_now() + KT_SPIN_S;
+            int got = 0;
+            while (!got && kt_now() < until && atomic_load(&t->api_waiting) == 0)
+                got = ucp_worker_progress(t->worker) != 0;
+            if (got)
+                continue;
+        }
         ucs_status_t st = ucp_worker_arm(t->worker);
         if (st == UCS_ERR_BUSY)
             continue;
