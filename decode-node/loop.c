@@ -13,6 +13,7 @@
  * This thread alone touches the KV pool, the kr_ctx and the sequences.
  * Not here: admission (resv.c) and request checks (service.c).
  */
+#include "names.h"
 #include "node.h"
 
 #include <inttypes.h>
@@ -85,17 +86,6 @@ static int send_pending(dn_job *j)
     return kc_call_send(j->call, &m.base);
 }
 
-static const char *reason_name(Kvrelay__V1__FinishReason r)
-{
-    switch (r) {
-    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
-    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
-    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS: return "eos";
-    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_CONTEXT: return "context";
-    default: return "?";
-    }
-}
-
 /* Ends a job's call with `code` (details from fmt unless OK; for OK, finish_ok has queued the
  * DecodeFinish, which gRPC sends before the status), logs the outcome, and frees the sequence
  * (its blocks go back to the pool now), the reservation and the job. */
@@ -157,7 +147,7 @@ static void finish_ok(dn_loop *L, dn_job *j, Kvrelay__V1__FinishReason reason)
         finish(L, j, GRPC_STATUS_CANCELLED, "the client went away before the end");
         return;
     }
-    finish(L, j, GRPC_STATUS_OK, "%s", reason_name(reason));
+    finish(L, j, GRPC_STATUS_OK, "%s", kc_finish_reason_name(reason));
 }
 
 /* A call that is over from the client's side: which status to record. */

@@ -10,6 +10,7 @@
  * state (serving, draining, unreachable, suspect, gone) with the time it entered it
  * (docs/failures.md).
  */
+#include "names.h"
 #include "router.h"
 
 #include <inttypes.h>
@@ -32,18 +33,6 @@ static int64_t unix_now_ms(void)
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
-static const char *view_name(Kvrelay__V1__NodeState s)
-{
-    switch (s) {
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING: return "serving";
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING: return "draining";
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE: return "unreachable";
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT: return "suspect";
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_GONE: return "gone";
-    default: return "unknown";
-    }
-}
-
 /* Recomputes the router's view of n (rt->mu held); logs and stamps a change. */
 static void view_update(rt_node *n)
 {
@@ -55,7 +44,7 @@ static void view_update(rt_node *n)
         v = KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING;
     else v = KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
     if (v == n->view) return;
-    kc_info(NULL, "node %s (%s): %s -> %s%s%s", n->id, n->address, view_name(n->view), view_name(v),
+    kc_info(NULL, "node %s (%s): %s -> %s%s%s", n->id, n->address, kc_node_state_name(n->view), kc_node_state_name(v),
             n->error[0] && (v == KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT || v == KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE) ? ": " : "",
             v == KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT || v == KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE ? n->error : "");
     n->view = v;

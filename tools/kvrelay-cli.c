@@ -6,6 +6,7 @@
  * Run: kvrelay-cli --router 127.0.0.1:7100 generate --prompt "The relay" --max-tokens 32
  */
 #include "cli.h"
+#include "names.h"
 #include "rpc.h"
 
 #include "kvrelay/v1/kvrelay.pb-c.h"
@@ -158,17 +159,6 @@ static void result_add(gen_result *g, const Kvrelay__V1__TokenDelta *d)
     g->text_len += tl;
 }
 
-static const char *reason_name(Kvrelay__V1__FinishReason r)
-{
-    switch (r) {
-    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
-    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
-    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS: return "eos";
-    case KVRELAY__V1__FINISH_REASON__FINISH_REASON_CONTEXT: return "context";
-    default: return "unspecified";
-    }
-}
-
 static void print_json(const gen_result *g)
 {
     cJSON *root = cJSON_CreateObject();
@@ -176,7 +166,7 @@ static void print_json(const gen_result *g)
     for (size_t i = 0; i < g->n_ids; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(g->ids[i]));
     cJSON_AddStringToObject(root, "text", g->text ? g->text : "");
     const Kvrelay__V1__Finish *f = g->finish_msg ? g->finish_msg->finish : NULL;
-    cJSON_AddStringToObject(root, "finish_reason", g->cancelled ? "cancelled" : reason_name(f->reason));
+    cJSON_AddStringToObject(root, "finish_reason", g->cancelled ? "cancelled" : kc_finish_reason_name(f->reason));
     if (f && f->usage) {
         const Kvrelay__V1__Usage *u = f->usage;
         cJSON *ju = cJSON_AddObjectToObject(root, "usage");
@@ -208,13 +198,13 @@ static void print_usage_line(const gen_result *g)
     const Kvrelay__V1__Finish *f = g->finish_msg->finish;
     const Kvrelay__V1__Usage *u = f->usage;
     if (!u) {
-        fprintf(stderr, "finish: %s (no usage) [%s]\n", reason_name(f->reason), f->request_id);
+        fprintf(stderr, "finish: %s (no usage) [%s]\n", kc_finish_reason_name(f->reason), f->request_id);
         return;
     }
     fprintf(stderr,
             "finish: %s | prompt %u + completion %u tokens | ttft %.1f ms | tpot %.2f ms | kv footprint %.3f | "
             "peak kv %" PRIu64 " entries | shipped %" PRIu64 " bytes (%" PRIu64 " entries) | %s -> %s | %s\n",
-            reason_name(f->reason), u->prompt_tokens, u->completion_tokens, u->ttft_s * 1e3, u->tpot_s * 1e3,
+            kc_finish_reason_name(f->reason), u->prompt_tokens, u->completion_tokens, u->ttft_s * 1e3, u->tpot_s * 1e3,
             u->kv_footprint, u->peak_kv_entries, u->kv_bytes_shipped, u->kv_entries_shipped,
             u->served_by ? u->served_by->prefill_node : "?", u->served_by ? u->served_by->decode_node : "?",
             f->request_id);
@@ -354,28 +344,6 @@ static int cmd_tokenize(int argc, char **argv, int i)
 
 /* ------------------------------------------------------------------ status */
 
-static const char *role_name(Kvrelay__V1__NodeRole r)
-{
-    switch (r) {
-    case KVRELAY__V1__NODE_ROLE__NODE_ROLE_ROUTER: return "router";
-    case KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL: return "prefill";
-    case KVRELAY__V1__NODE_ROLE__NODE_ROLE_DECODE: return "decode";
-    default: return "unspecified";
-    }
-}
-
-static const char *state_name(Kvrelay__V1__NodeState s)
-{
-    switch (s) {
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING: return "serving";
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING: return "draining";
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE: return "unreachable";
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT: return "suspect";
-    case KVRELAY__V1__NODE_STATE__NODE_STATE_GONE: return "gone";
-    default: return "unspecified";
-    }
-}
-
 static int cmd_status(int argc, char **argv, int i)
 {
     int json = 0;
@@ -401,8 +369,8 @@ static int cmd_status(int argc, char **argv, int i)
             const Kvrelay__V1__Node *n = resp->nodes[k];
             cJSON *o = cJSON_CreateObject();
             cJSON_AddStringToObject(o, "id", n->id);
-            cJSON_AddStringToObject(o, "role", role_name(n->role));
-            cJSON_AddStringToObject(o, "state", state_name(n->state));
+            cJSON_AddStringToObject(o, "role", kc_node_role_name(n->role));
+            cJSON_AddStringToObject(o, "state", kc_node_state_name(n->state));
             cJSON_AddStringToObject(o, "grpc_address", n->grpc_address);
             cJSON_AddStringToObject(o, "transfer_address", n->transfer_address);
             cJSON_AddNumberToObject(o, "running_requests", n->running_requests);
@@ -442,8 +410,8 @@ static int cmd_status(int argc, char **argv, int i)
                 snprintf(blocks, sizeof blocks, "%" PRIu64 "/%" PRIu64, n->free_kv_blocks, n->total_kv_blocks);
                 snprintf(reserved, sizeof reserved, "%" PRIu64, n->reserved_kv_blocks);
             }
-            printf("%-16s %-8s %-12s %8s %-22s %7s %6s %14s %17s %9s\n", n->id, role_name(n->role),
-                   state_name(n->state), since, n->grpc_address, running, queued, tokens, blocks, reserved);
+            printf("%-16s %-8s %-12s %8s %-22s %7s %6s %14s %17s %9s\n", n->id, kc_node_role_name(n->role),
+                   kc_node_state_name(n->state), since, n->grpc_address, running, queued, tokens, blocks, reserved);
         }
     }
     kc_message_free(&resp->base);
