@@ -106,8 +106,20 @@ template <int DMAX> struct row_state {
     float acc[ROWS_PER_WARP][DMAX / 32]; /* lane holds columns lane + 32 * k */
 };
 
+/* This lane's key (row `lane` of sk) against the warp's first NR query rows (warp + WARPS * rr). */
+template <int DMAX, int NR>
+__device__ __forceinline__ void dots(const float *sq, const float *sk, int d, float *s)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int c = 0; c < d; c++) {
+        float kc = sk[lane * (DMAX + 1) + c];
+#pragma unroll
+        for (int rr = 0; rr < NR; rr++) s[rr] += sq[(warp + WARPS * rr) * DMAX + c] * kc;
+    }
+}
+
 /* Attends entries [e0, e1) of one list (ids, off) with the block's ROWS rows whose queries are
- * in sq. Every thread of the block calls it (it synchronises). Masking: entry e counts for row
+ * in sq; the valid rows are a prefix of the ROWS. Every thread of the block calls it (it synchronises). Masking: entry e counts for row
  * r when e < hi[r] and (window <= 0 or its position > qpos[r] - window); the block's range
  * [e0, e1) must cover every row's visible entries that this block is responsible for. */
 template <int DMAX>
@@ -117,6 +129,8 @@ __device__ void attend_range(const pool_view &p, const int32_t *ids, int off, in
                              row_state<DMAX> &st)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = p.d;
+    int nr = 0; /* valid rows of this warp */
+    while (nr < ROWS_PER_WARP && valid[warp + WARPS * nr]) nr++;
     for (int t0 = e0; t0 < e1; t0 += BN) {
         /* load the tile: warp w copies entries w, w + WARPS, ... (one coalesced row each) */
         for (int j = warp; j < BN; j += WARPS) {
@@ -135,15 +149,14 @@ __device__ void attend_range(const pool_view &p, const int32_t *ids, int off, in
         }
         __syncthreads();
         const int e = t0 + lane;
-        float s[ROWS_PER_WARP];
-#pragma unroll
-        for (int rr = 0; rr < ROWS_PER_WARP; rr++) s[rr] = 0.0f;
-        if (e < e1)
-            for (int c = 0; c < d; c++) {
-                float kc = sk[lane * (DMAX + 1) + c];
-#pragma unroll
-                for (int rr = 0; rr < ROWS_PER_WARP; rr++) s[rr] += sq[(warp + WARPS * rr) * DMAX + c] * kc;
-            }
+        float s[ROWS_PER_WARP] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (e < e1) {
+            /* only this warp's valid rows (a prefix: decode blocks often hold fewer than ROWS) */
+            if (nr == 1) dots<DMAX, 1>(sq, sk, d, s);
+            else if (nr == 2) dots<DMAX, 2>(sq, sk, d, s);
+            else if (nr == 3) dots<DMAX, 3>(sq, sk, d, s);
+            else if (nr == 4) dots<DMAX, 4>(sq, sk, d, s);
+        }
 #pragma unroll
         for (int rr = 0; rr < ROWS_PER_WARP; rr++) {
             const int r = warp + WARPS * rr;
