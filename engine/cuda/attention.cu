@@ -6,30 +6,38 @@
  * entries at positions <= pos - window when window > 0; scale 1/sqrt(head_dim); softmax in fp32
  * with a running max and sum (online softmax), so no score matrix of the context exists.
  *
- * Two kernels share one tile routine (attend_tile: K/V tile in shared memory, one score per lane,
- * online softmax and P.V in registers):
- * - chunk_kernel (chunks of more than DECODE_MAX_TOKENS tokens): a block per (tile of ROWS
- *   (query, head) rows, KV head); the rows are consecutive queries times the query heads of the
- *   GQA group, so every head of a group uses the K/V tile the block loaded once.
+ * Three paths:
+ * - chunk_tc_kernel (chunks of more than DECODE_MAX_TOKENS tokens, head_dim 64 or 128): a block
+ *   per (tile of TC_ROWS (query, head) rows, KV head), flash-attention style on tensor cores
+ *   (wmma bf16 x bf16 -> f32): K/V tiles converted to bf16 in shared memory once for every query
+ *   head of the GQA group, S = Q K^T and O += P V as 16x16x16 mma, online softmax in fp32.
+ * - chunk_kernel (the same chunks for other head sizes, up to 256): the same rows and tiles with
+ *   fp32 dot products on the CUDA cores (attend_range: one entry per lane, online softmax and
+ *   P.V in registers).
  * - split_kernel + merge_kernel (decode batches, and chunks of at most DECODE_MAX_TOKENS tokens,
- *   so a one-token `attention` row is bit-identical to its `attention_batch` row): a block per
- *   (split of `split` entries, (row, KV head), chunk of ROWS query heads of the group); each
- *   split writes its unnormalised partial result (max, sum, output) to b->dev_scratch and
- *   merge_kernel combines them in split order (flash-decoding). A list with a single split is
- *   written directly. The split length of a list depends only on its visible length, head_dim,
- *   the group and the scratch size, never on the other rows of the batch: rows are computed the
- *   same whatever the batch holds.
+ *   so a one-token `attention` row is bit-identical to its `attention_batch` row), fp32 through
+ *   attend_range: a block per (split of `split` entries, (row, KV head), chunk of ROWS query
+ *   heads of the group); each split writes its unnormalised partial result (max, sum, output)
+ *   to b->dev_scratch and merge_kernel combines them in split order (flash-decoding). A list
+ *   with a single split is written directly. The split length of a list depends only on its
+ *   visible length, head_dim, n_heads and the scratch size, never on the other rows of the
+ *   batch: rows are computed the same whatever the batch holds.
+ * Each kernel's comment gives its grid, block and shared memory.
  *
  * The lists' block ids, lengths and offsets and the query positions are host memory: each call
- * copies what it needs into b->host_tables and uploads it with one cudaMemcpyAsync on b->stream.
- * K, V and positions of the pool are read where they are (CUDA managed memory).
+ * copies what it needs into b->host_tables and uploads it with one cudaMemcpyAsync on b->stream
+ * (kr_cuda_tables_reserve waits for the previous upload first). K, V and positions of the pool
+ * are read where they are (CUDA managed memory). Window lower bounds are found on the device
+ * (binary search over the positions), so the host never reads the managed pool here.
  *
- * Not done here: tensor cores. K/V are f32 in the pool and the dot products run on the fp32
- * cores; prefill attention at long contexts wants a bf16 mma version of chunk_kernel (the
- * obvious next step, measured against this one). Not run on a GPU yet (written in a session
- * without one): the op tests check it against the CPU on the first GPU session.
+ * Limits: the tensor-core path is plain wmma (no cp.async pipelining, no wgmma): correct first,
+ * to be measured; decode reads the f32 pool on the CUDA cores, which is bandwidth-bound anyway.
+ * Not run on a GPU yet (written in a session without one): the op tests check it against the
+ * CPU on the first GPU session.
  */
 #include "cuda.h"
+
+#include <mma.h>
 
 #include <math.h>
 #include <stdio.h>
@@ -259,6 +267,175 @@ chunk_kernel(pool_view p, tables t, const float *q, float *out, int n, int n_hea
             int c = lane + 32 * k;
             if (c < d) o[c] = st.acc[rr][k] * inv;
         }
+    }
+}
+
+/*
+ * chunk_tc_kernel: the chunk path on tensor cores for head_dim 64 and 128 (the shapes of the
+ * models users run): bf16 operands, fp32 accumulation (wmma m16n16k16), same rows and masking
+ * as chunk_kernel. grid.x = ceil(n * group / TC_ROWS) tiles of (query, head) rows ri = i * group
+ * + h, taken in reverse (the longest first); grid.y = KV head g. block = TC_WARPS * 32 threads;
+ * warp w owns rows 16w .. 16w + 15 of the tile. Dynamic shared memory tc_layout<D>::bytes:
+ * Q [TC_ROWS][D] bf16, K and V tiles [TC_BN][D] bf16 (converted from the f32 pool on load,
+ * shared by every head of the group), scores [TC_ROWS][TC_BN] f32, probabilities [TC_ROWS][TC_BN]
+ * bf16, the output accumulator [TC_ROWS][D] f32 (rescaled in shared memory when a row's max
+ * grows: wmma accumulators have no defined element layout), positions [TC_BN]. Each row's
+ * running max and sum live in registers (every lane holds the warp's 16 rows' values).
+ * The rows of a warp are touched by that warp only, so only K/V loads need block barriers.
+ */
+constexpr int TC_WARPS = 4;
+constexpr int TC_ROWS = TC_WARPS * 16;
+constexpr int TC_BN = 64;
+
+template <int D> struct tc_layout {
+    static constexpr int LDB = D + 8; /* bf16 row stride of Q, K, V: rows stay 32-byte aligned per 16 */
+    static constexpr int LDP = TC_BN + 8; /* bf16 row stride of the probabilities */
+    static constexpr size_t q_off = 0;
+    static constexpr size_t k_off = q_off + sizeof(__nv_bfloat16) * TC_ROWS * LDB;
+    static constexpr size_t v_off = k_off + sizeof(__nv_bfloat16) * TC_BN * LDB;
+    static constexpr size_t s_off = v_off + sizeof(__nv_bfloat16) * TC_BN * LDB;
+    static constexpr size_t p_off = s_off + sizeof(float) * TC_ROWS * TC_BN;
+    static constexpr size_t o_off = p_off + sizeof(__nv_bfloat16) * TC_ROWS * LDP;
+    static constexpr size_t pos_off = o_off + sizeof(float) * TC_ROWS * D;
+    static constexpr size_t bytes = pos_off + sizeof(int32_t) * TC_BN;
+};
+
+template <int D>
+__global__ void __launch_bounds__(TC_WARPS * 32)
+chunk_tc_kernel(pool_view p, tables t, const float *q, float *out, int n, int n_heads, int n_kv,
+                int window, float scale)
+{
+    using L = tc_layout<D>;
+    namespace wmma = nvcuda::wmma;
+    extern __shared__ __align__(128) unsigned char tc_smem[];
+    __nv_bfloat16 *sq = (__nv_bfloat16 *)(tc_smem + L::q_off), *sk = (__nv_bfloat16 *)(tc_smem + L::k_off);
+    __nv_bfloat16 *sv = (__nv_bfloat16 *)(tc_smem + L::v_off), *sp = (__nv_bfloat16 *)(tc_smem + L::p_off);
+    float *ss = (float *)(tc_smem + L::s_off), *so = (float *)(tc_smem + L::o_off);
+    int32_t *spos = (int32_t *)(tc_smem + L::pos_off);
+    __shared__ int hi[TC_ROWS];
+    __shared__ int32_t qpos[TC_ROWS];
+    __shared__ bool valid[TC_ROWS];
+    __shared__ int range[2];
+    const int g = blockIdx.y, group = n_heads / n_kv, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tile = gridDim.x - 1 - blockIdx.x, rows = n * group;
+    const int32_t *rec = t.rec + (size_t)g * REC; /* query 0's record of list g */
+    const int len = rec[REC_HI] + n - 1, off = rec[REC_OFF];
+    const int32_t *ids = t.ids + rec[REC_IDS];
+
+    for (int r = threadIdx.x; r < TC_ROWS; r += blockDim.x) {
+        int ri = tile * TC_ROWS + r;
+        valid[r] = ri < rows;
+        int i = ri < rows ? ri / group : 0;
+        hi[r] = len - n + i + 1;
+        qpos[r] = t.qpos[i];
+    }
+    for (int x = threadIdx.x; x < TC_ROWS * D; x += blockDim.x) {
+        int r = x / D, c = x % D, ri = tile * TC_ROWS + r;
+        float v = ri < rows ? q[((size_t)(ri / group) * n_heads + (size_t)g * group + ri % group) * D + c] : 0.0f;
+        sq[r * L::LDB + c] = __float2bfloat16(v);
+        so[x] = 0.0f;
+    }
+    if (threadIdx.x == 0) {
+        int i_first = tile * TC_ROWS / group, last = min(rows, (tile + 1) * TC_ROWS) - 1;
+        range[0] = window > 0 ? first_after(p, ids, off, len - n + i_first + 1, t.qpos[i_first] - window) : 0;
+        range[1] = len - n + last / group + 1;
+    }
+    __syncthreads();
+    float m[16], l[16]; /* rows 16 * warp + rr: the same in every lane */
+#pragma unroll
+    for (int rr = 0; rr < 16; rr++) m[rr] = -INFINITY, l[rr] = 0.0f;
+    const int e0 = range[0], e1 = range[1];
+    for (int t0 = e0; t0 < e1; t0 += TC_BN) {
+        for (int j = warp; j < TC_BN; j += TC_WARPS) {
+            int e = t0 + j;
+            if (e < e1) {
+                size_t s = slot_of(p, ids, off, e);
+                const float *kr = p.k + s * D, *vr = p.v + s * D;
+                for (int c = lane; c < D; c += 32) {
+                    sk[j * L::LDB + c] = __float2bfloat16(kr[c]);
+                    sv[j * L::LDB + c] = __float2bfloat16(vr[c]);
+                }
+                if (lane == 0) spos[j] = p.pos[s];
+            } else { /* zeros: a masked probability times garbage could still be NaN */
+                for (int c = lane; c < D; c += 32) {
+                    sk[j * L::LDB + c] = __float2bfloat16(0.0f);
+                    sv[j * L::LDB + c] = __float2bfloat16(0.0f);
+                }
+            }
+        }
+        __syncthreads();
+        /* S = Q K^T for this warp's 16 rows */
+        {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+#pragma unroll
+            for (int nb = 0; nb < TC_BN / 16; nb++) {
+                wmma::fill_fragment(fc, 0.0f);
+#pragma unroll
+                for (int k = 0; k < D / 16; k++) {
+                    wmma::load_matrix_sync(fa, sq + warp * 16 * L::LDB + k * 16, L::LDB);
+                    wmma::load_matrix_sync(fb, sk + nb * 16 * L::LDB + k * 16, L::LDB);
+                    wmma::mma_sync(fc, fa, fb, fc);
+                }
+                wmma::store_matrix_sync(ss + warp * 16 * TC_BN + nb * 16, fc, TC_BN, wmma::mem_row_major);
+            }
+        }
+        __syncwarp();
+        /* online softmax of each row; lanes hold entries lane and lane + 32 */
+#pragma unroll
+        for (int rr = 0; rr < 16; rr++) {
+            const int r = warp * 16 + rr;
+            float x[2], pr[2];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                int j = lane + 32 * u, e = t0 + j;
+                bool vis = valid[r] && e < e1 && e < hi[r] && (window <= 0 || spos[j] > qpos[r] - window);
+                x[u] = vis ? ss[r * TC_BN + j] * scale : -INFINITY;
+            }
+            float m_new = fmaxf(m[rr], warp_max(fmaxf(x[0], x[1])));
+            float corr = 1.0f;
+            if (m_new == -INFINITY) { /* nothing seen yet (or an invalid row): warp-uniform */
+                pr[0] = pr[1] = 0.0f;
+            } else {
+                pr[0] = expf(x[0] - m_new); /* exp(-inf) = 0 for masked entries */
+                pr[1] = expf(x[1] - m_new);
+                corr = expf(m[rr] - m_new);
+                l[rr] = l[rr] * corr + warp_sum(pr[0] + pr[1]);
+                m[rr] = m_new;
+            }
+            sp[r * L::LDP + lane] = __float2bfloat16(pr[0]);
+            sp[r * L::LDP + lane + 32] = __float2bfloat16(pr[1]);
+            if (corr != 1.0f)
+                for (int c = lane; c < D; c += 32) so[r * D + c] *= corr;
+        }
+        __syncwarp();
+        /* O += P V for this warp's rows */
+        {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+#pragma unroll
+            for (int cb = 0; cb < D / 16; cb++) {
+                wmma::load_matrix_sync(fc, so + warp * 16 * D + cb * 16, D, wmma::mem_row_major);
+#pragma unroll
+                for (int k = 0; k < TC_BN / 16; k++) {
+                    wmma::load_matrix_sync(fa, sp + warp * 16 * L::LDP + k * 16, L::LDP);
+                    wmma::load_matrix_sync(fb, sv + k * 16 * L::LDB + cb * 16, L::LDB);
+                    wmma::mma_sync(fc, fa, fb, fc);
+                }
+                wmma::store_matrix_sync(so + warp * 16 * D + cb * 16, fc, D, wmma::mem_row_major);
+            }
+        }
+        __syncthreads(); /* the next tile overwrites K, V and positions */
+    }
+#pragma unroll
+    for (int rr = 0; rr < 16; rr++) {
+        const int r = warp * 16 + rr, ri = tile * TC_ROWS + r;
+        if (!valid[r]) continue;
+        const float inv = 1.0f / l[rr];
+        float *o = out + ((size_t)(ri / group) * n_heads + (size_t)g * group + ri % group) * D;
+        for (int c = lane; c < D; c += 32) o[c] = so[r * D + c] * inv;
     }
 }
 
@@ -546,22 +723,35 @@ void check_shape(const kr_kv_pool *pool, int n_heads, int n_kv)
     if (n_kv <= 0 || n_heads % n_kv != 0) fail("n_heads must be a multiple of n_kv_heads");
 }
 
+/* The chunk path: tensor cores for head_dim 64 and 128, the fp32 kernel for other sizes. */
 template <int DMAX>
 void chunk(kr_backend *b, const kr_seq *s, const float *q, int n, int n_heads, int window, size_t n_ints,
            float *out)
 {
     const kr_kv_pool *pool = s->pool;
-    const int n_kv = s->n_kv_heads, group = n_heads / n_kv;
+    const int n_kv = s->n_kv_heads, group = n_heads / n_kv, d = pool->head_dim;
+    const float scale = 1.0f / sqrtf((float)d);
     tables t;
     t.rec = b->dev_tables;
     t.qpos = b->dev_tables + (size_t)n * n_kv * REC;
     t.ids = t.qpos + n;
     KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_tables, b->host_tables, n_ints * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, b->stream));
-    set_smem<DMAX>((const void *)chunk_kernel<DMAX>);
-    dim3 grid((unsigned)(((size_t)n * group + ROWS - 1) / ROWS), (unsigned)n_kv);
-    chunk_kernel<DMAX><<<grid, WARPS * 32, smem_bytes<DMAX>(), b->stream>>>(
-        view_of(pool), t, q, out, n, n_heads, n_kv, window, 1.0f / sqrtf((float)pool->head_dim));
+    const size_t rows = (size_t)n * group;
+    if (d == DMAX && (DMAX == 64 || DMAX == 128)) {
+        constexpr int D = DMAX == 64 ? 64 : 128; /* instantiates the tensor-core kernel only for 64/128 */
+        const size_t bytes = tc_layout<D>::bytes;
+        KR_CUDA_CHECK(cudaFuncSetAttribute((const void *)chunk_tc_kernel<D>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+        dim3 grid((unsigned)((rows + TC_ROWS - 1) / TC_ROWS), (unsigned)n_kv);
+        chunk_tc_kernel<D><<<grid, TC_WARPS * 32, bytes, b->stream>>>(view_of(pool), t, q, out, n, n_heads,
+                                                                     n_kv, window, scale);
+    } else {
+        set_smem<DMAX>((const void *)chunk_kernel<DMAX>);
+        dim3 grid((unsigned)((rows + ROWS - 1) / ROWS), (unsigned)n_kv);
+        chunk_kernel<DMAX><<<grid, WARPS * 32, smem_bytes<DMAX>(), b->stream>>>(view_of(pool), t, q, out, n,
+                                                                             n_heads, n_kv, window, scale);
+    }
     KR_CUDA_CHECK(cudaGetLastError());
 }
 
