@@ -9,7 +9,7 @@
  * must survive the op; outputs must be finite; the cache ops must leave other lists, other
  * layers and other sequences alone.
  *
- * Error budgets, CUDA vs CPU (u = 2^-9, the unit roundoff of bf16's 8-bit significand; the CPU
+ * Error budgets, CUDA vs CPU (u = 2^-8, the unit roundoff of bf16's 8-bit significand; the CPU
  * upcasts bf16 weights exactly and keeps activations f32; the CUDA backend rounds a GEMM's
  * activations to bf16 too and accumulates in f32):
  *
@@ -21,7 +21,11 @@
  *   matmul(_rows)      8u sqrt(sum_k (x_k w_k)^2) + 2^-20 (sum_k   each product off by <= u
  *                      |x_k w_k| + |y0| + |bias|)                  relative (x rounded), errors
  *                                                                  of random sign: a sqrt(K)
- *                                                                  walk; 8u is ~14 sigma
+ *                                                                  walk, so about u sqrt(K)
+ *                                                                  relative to a typical output;
+ *                                                                  the CPU backend with x
+ *                                                                  rounded to bf16 stays within
+ *                                                                  a quarter of this budget here
  *   attention(_batch)  1e-2 max|ref| of the (token, head) row      softmax weights ~1e-2
  *                                                                  relative if scores are
  *                                                                  rounded (brief: 1e-2)
@@ -326,8 +330,8 @@ static void test_matmul(env *e, const char *wname, const kr_tensor *w, const kr_
     (rows ? GPU->matmul_rows : GPU->matmul)(e->gb, w, bias, xd, n, accumulate, yd);
     (rows ? CPU->matmul_rows : CPU->matmul)(e->cb, w, bias, x, n, accumulate, ref);
     float *got = dev_get(e, yd, ny);
-    double *tol = malloc(sizeof(double) * ny);
-    const double u = 0x1.0p-9;
+    double *tol = calloc(ny, sizeof(double));
+    const double u = 0x1.0p-8;
     for (int t = 0; t < n; t++)
         for (int o = 0; o < out; o++) {
             double sq = 0, ab = 0;
@@ -485,8 +489,7 @@ static void test_kv_store(env *e, int total, int n, int dropping)
     snap before[64];
     for (int g = 0; g < kvh && g < 32; g++) before[g] = snap_take(other, 1, g), before[32 + g] = snap_take(sg, 0, g);
     REQUIRE(kr_seq_grow(sc, n, err) == KR_OK && kr_seq_grow(sg, n, err) == KR_OK, "%s", err);
-    for (int l = 0; l < e->cfg->n_layers; l++)
-        for (int g = 0; g < kvh; g++) kr_seq_list(sc, l, g)->len += n, kr_seq_list(sg, l, g)->len += n;
+    for (int g = 0; g < kvh; g++) kr_seq_list(sc, 1, g)->len += n, kr_seq_list(sg, 1, g)->len += n;
     size_t cnt = (size_t)n * kvh * hd;
     float *k = rand_host(cnt, 3), *v = rand_host(cnt, 1);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
@@ -519,7 +522,7 @@ static void test_kv_store(env *e, int total, int n, int dropping)
 /* budget of attention outputs: 1e-2 of the largest |ref| of each (token, head) row */
 static double *attention_tol(const float *ref, size_t rows, int hd)
 {
-    double *tol = malloc(sizeof(double) * rows * (size_t)hd);
+    double *tol = calloc(rows * (size_t)hd, sizeof(double));
     for (size_t r = 0; r < rows; r++) {
         double mx = 0;
         for (int i = 0; i < hd; i++) mx = fmax(mx, fabs((double)ref[r * hd + i]));
