@@ -140,19 +140,34 @@ __device__ void attend_range(const pool_view &p, const int32_t *ids, int off, in
     int nr = 0; /* valid rows of this warp */
     while (nr < ROWS_PER_WARP && valid[warp + WARPS * nr]) nr++;
     for (int t0 = e0; t0 < e1; t0 += BN) {
-        /* load the tile: warp w copies entries w, w + WARPS, ... (one coalesced row each) */
+        /* load the tile: warp w copies entries w, w + WARPS, ... (one coalesced row each); all
+         * of a row's loads are issued before its stores, two rows at a time, so that decode
+         * (bandwidth-bound) keeps many loads in flight */
+#pragma unroll 2
         for (int j = warp; j < BN; j += WARPS) {
-            int e = t0 + j;
+            const int e = t0 + j;
+            float kv[DMAX / 32], vv[DMAX / 32];
             if (e < e1) {
                 size_t s = slot_of(p, ids, off, e);
                 const float *kr = p.k + s * (size_t)d, *vr = p.v + s * (size_t)d;
-                for (int c = lane; c < d; c += 32) {
-                    sk[j * (DMAX + 1) + c] = kr[c];
-                    sv[j * DMAX + c] = vr[c];
+#pragma unroll
+                for (int k = 0; k < DMAX / 32; k++) {
+                    int c = lane + 32 * k;
+                    kv[k] = c < d ? kr[c] : 0.0f;
+                    vv[k] = c < d ? vr[c] : 0.0f;
                 }
                 if (lane == 0) spos[j] = p.pos[s];
             } else {
-                for (int c = lane; c < d; c += 32) sv[j * DMAX + c] = 0.0f; /* p = 0 times it */
+#pragma unroll
+                for (int k = 0; k < DMAX / 32; k++) kv[k] = vv[k] = 0.0f; /* p = 0 times it */
+            }
+#pragma unroll
+            for (int k = 0; k < DMAX / 32; k++) {
+                int c = lane + 32 * k;
+                if (c < d) {
+                    sk[j * (DMAX + 1) + c] = kv[k];
+                    sv[j * DMAX + c] = vv[k];
+                }
             }
         }
         __syncthreads();
