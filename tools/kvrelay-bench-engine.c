@@ -280,7 +280,7 @@ int main(int argc, char **argv)
     int nth = kr_ctx_n_threads(b.ctx);
     int blocks = ((longest + kr_policy_appended(pol, longest) + 2 * BLOCK - 1) / BLOCK) * cfg->n_layers *
                  cfg->n_kv_heads;
-    if (kr_kv_pool_create(cfg->head_dim, BLOCK, blocks, &b.pool, err) != KR_OK) cli_die(1, "%s", err);
+    if (kr_ctx_kv_pool_create(b.ctx, BLOCK, blocks, &b.pool, err) != KR_OK) cli_die(1, "%s", err);
     b.tokens = malloc(sizeof(int32_t) * (size_t)longest);
     b.logits = malloc(sizeof(float) * (size_t)cfg->vocab_size);
     uint64_t x = 88172645463325252ull;

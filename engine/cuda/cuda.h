@@ -1,5 +1,5 @@
 /*
- * cuda.h - the CUDA backend's state, shared by engine/cuda/*.cu only (each op in its own file,
+ * cuda.h - the CUDA backend's state, shared by engine/cuda's .cu files only (each op in its own file,
  * STYLE.md). The CUDA backend fills the same op table as the CPU backend (backend.h) with bf16
  * weights uploaded once, float32 activations in device memory (the op table's contract),
  * fp32 accumulation, cuBLAS for every GEMM (activations converted to bf16 in a scratch first),
@@ -70,6 +70,9 @@ void kr_cuda_embed(kr_backend *b, const kr_tensor *emb, const int32_t *tokens, i
 void kr_cuda_rmsnorm(kr_backend *b, const float *x, const kr_tensor *w, int n, int d, float eps, float *y);
 void kr_cuda_matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
                     int accumulate, float *y);
+/* matmul with row i of y depending on row i of x only, bit for bit (backend.h's matmul_rows) */
+void kr_cuda_matmul_rows(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,
+                         int accumulate, float *y);
 void kr_cuda_swiglu(kr_backend *b, float *g, const float *u, size_t count);
 void kr_cuda_rope(kr_backend *b, float *x, int n, int n_heads, int head_dim, const float *cos_sin);
 void kr_cuda_kv_store(kr_backend *b, kr_seq *s, int layer, const float *k, const float *v, int n,
