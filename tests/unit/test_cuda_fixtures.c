@@ -128,10 +128,16 @@ static void check_batch(kr_ctx *ctx, kr_kv_pool *pool, const kr_config *cfg, con
     free(seqs), free(batch), free(tok), free(who), free(lg);
 }
 
+/* DIR/MODEL + tail into path (4096 bytes) */
+static void model_path(char *path, const char *dir, const char *model, const char *tail)
+{
+    REQUIRE(snprintf(path, 4096, "%s/%s%s", dir, model, tail) < 4096, "path too long: %s/%s", dir, model);
+}
+
 static void check_model(const char *dir, const char *model)
 {
     char path[4096], err[KR_ERR_MAX];
-    snprintf(path, sizeof path, "%s/%s", dir, model);
+    model_path(path, dir, model, "");
     kr_model *m;
     REQUIRE(kr_model_load(path, NULL, &m, err) == KR_OK, "load %s: %s", path, err);
     const kr_config *cfg = kr_model_config(m);
@@ -142,9 +148,9 @@ static void check_model(const char *dir, const char *model)
     REQUIRE(kr_ctx_kv_pool_create(ctx, 16, 8192, &pool, err) == KR_OK, "%s", err);
 
     size_t len;
-    snprintf(path, sizeof path, "%s/%s/cases.json", dir, model);
+    model_path(path, dir, model, "/cases.json");
     char *json = slurp(path, &len);
-    snprintf(path, sizeof path, "%s/%s/logits.bin", dir, model);
+    model_path(path, dir, model, "/logits.bin");
     float *ref = (float *)slurp(path, &len);
     cJSON *root = cJSON_Parse(json);
     REQUIRE(root, "bad cases.json for %s", model);
