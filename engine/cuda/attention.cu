@@ -27,8 +27,9 @@
  * The lists' block ids, lengths and offsets and the query positions are host memory: each call
  * copies what it needs into b->host_tables and uploads it with one cudaMemcpyAsync on b->stream
  * (kr_cuda_tables_reserve waits for the previous upload first). K, V and positions of the pool
- * are read where they are (CUDA managed memory). Window lower bounds are found on the device
- * (binary search over the positions), so the host never reads the managed pool here.
+ * are read where they are (CUDA managed memory). The window is applied on the device (chunk
+ * blocks binary-search their first entry, decode splits check their newest one, and every
+ * entry is masked by its position), so the host never reads the managed pool here.
  *
  * Limits: the tensor-core path is plain wmma (no cp.async pipelining, no wgmma): correct first,
  * to be measured; decode reads the f32 pool on the CUDA cores, which is bandwidth-bound anyway.
@@ -461,7 +462,7 @@ chunk_tc_kernel(pool_view p, tables t, const float *q, float *out, int n, int n_
  * grid.z = row i - row0 of this launch. block = WARPS * 32 threads, dynamic shared memory
  * smem_bytes<DMAX>(). Row i's record for g gives its visible count hi, off, block ids, split
  * length and partial base; the block attends [s * split, min((s + 1) * split, hi)) less the
- * window (lo found by binary search). One split: writes the normalised row to out. Several:
+ * entries the window hides. One split: writes the normalised row to out. Several:
  * writes (max, sum, unnormalised output[d]) for each query head at
  * part[((base + s) * group + h) * (d + 2)], for merge_kernel.
  */
@@ -498,10 +499,13 @@ split_kernel(pool_view p, tables t, const float *q, float *out, float *part, int
         sq[x] = h0 + r < group && c < d ? qrow[(size_t)r * d + c] : 0.0f;
     }
     if (threadIdx.x == 0) {
-        int lo = window > 0 ? first_after(p, ids, off, len, qp - window) : 0;
+        /* a split wholly behind the window (its newest entry hidden) attends nothing; the one
+         * split the window's edge cuts is masked entry by entry in attend_range (one read here
+         * instead of a binary search per block: decode blocks are short) */
         int a = s * split, b = min(a + split, len);
-        range[0] = max(a, lo);
-        range[1] = b;
+        bool hidden = window > 0 && b > a && p.pos[slot_of(p, ids, off, b - 1)] <= qp - window;
+        range[0] = a;
+        range[1] = hidden ? a : b;
     }
     __syncthreads();
     row_state<DMAX> st;
@@ -798,6 +802,8 @@ void kr_cuda_attention_batch(kr_backend *b, const kr_seq *const *seqs, int layer
     const kr_kv_pool *pool = seqs[0]->pool;
     const int n_kv = seqs[0]->n_kv_heads;
     check_shape(pool, n_heads, n_kv);
+    for (int i = 1; i < n; i++) /* the kernels take one pool's K, V and positions */
+        if (seqs[i]->pool != pool || seqs[i]->n_kv_heads != n_kv) fail("a decode batch's sequences must share one KV pool");
     const size_t n_ints = fill_tables(b, NULL, seqs, layer, n, pos);
     const int d = pool->head_dim;
     if (d <= 64) run_split<64>(b, pool, q, n, n_heads, n_kv, window, n_ints, out);
