@@ -102,18 +102,21 @@ static void host_free(float *p, size_t n, const char *what)
     free(p - GUARD);
 }
 
+/* cudaMemcpy from pageable memory may return before the data reaches the device, and the
+ * backend's stream does not wait for the legacy stream (cudaStreamNonBlocking): synchronize */
+static void dev_put(float *d, const float *h, size_t n)
+{
+    KT_CUDA_REQUIRE(cudaMemcpy(d, h, sizeof(float) * n, cudaMemcpyHostToDevice));
+    KT_CUDA_REQUIRE(cudaDeviceSynchronize());
+}
 static float *dev_new(env *e, size_t n)
 {
     float *base = GPU->act_alloc(e->gb, n + 2 * GUARD);
     REQUIRE(base, "act_alloc of %zu floats failed", n + 2 * GUARD);
     float *h = host_new(n);
-    KT_CUDA_REQUIRE(cudaMemcpy(base, h - GUARD, sizeof(float) * (n + 2 * GUARD), cudaMemcpyHostToDevice));
+    dev_put(base, h - GUARD, n + 2 * GUARD);
     free(h - GUARD);
     return base + GUARD;
-}
-static void dev_put(float *d, const float *h, size_t n)
-{
-    KT_CUDA_REQUIRE(cudaMemcpy(d, h, sizeof(float) * n, cudaMemcpyHostToDevice));
 }
 static float *dev_get(env *e, const float *d, size_t n) /* a host copy (plain malloc) */
 {
