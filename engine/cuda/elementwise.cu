@@ -6,6 +6,8 @@
  */
 #include "cuda.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { THREADS = 256 };
