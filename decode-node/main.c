@@ -374,8 +374,8 @@ int main(int argc, char **argv)
     kr_ctx_params cp = {.backend = c->backend, .n_threads = c->threads,
                         .max_chunk = c->max_batch};
     if (!n->zero_logits ||
-        kr_kv_pool_create(n->mcfg->head_dim, c->block_size, (int)blocks, &n->pool, err) != KR_OK ||
-        kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) {
+        kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK ||
+        kr_ctx_kv_pool_create(n->ctx, c->block_size, (int)blocks, &n->pool, err) != KR_OK) {
         kc_error(NULL, "%s", n->zero_logits ? err : "out of memory");
         return 1;
     }

@@ -8,7 +8,7 @@
  * Shapes: `n` tokens per call; x[n][d]; linear weights [out][in] (kr_tensor, dtype as loaded).
  * A call's rows belong to one sequence (prefill chunks, single decode) or, in a decode batch, row
  * i to sequence i: the element-wise and weight ops do not care, the cache ops say which they take.
- * Every slot is required.
+ * Every slot is required except kv_alloc, kv_free and sync.
  */
 #ifndef KR_BACKEND_H
 #define KR_BACKEND_H
@@ -25,6 +25,15 @@ typedef struct kr_backend_ops {
     float *(*act_alloc)(kr_backend *b, size_t n_floats); /* NULL when out of memory */
     void (*act_free)(kr_backend *b, float *p);
     void (*to_host)(kr_backend *b, const float *src, size_t n_floats, float *dst);
+    /* Optional (NULL: malloc/free): memory for the KV pool's keys, values and positions, which
+     * both the host (kv.c, policies, sequence import/export) and the ops address. kv_free takes
+     * no backend: a pool may outlive the context that made it. */
+    void *(*kv_alloc)(kr_backend *b, size_t bytes); /* NULL when out of memory */
+    void (*kv_free)(void *p);
+    /* Optional (NULL: ops finish before they return): waits until every op issued so far is
+     * done. forward.c calls it before host code reads or edits pool memory (a policy's rule)
+     * and before kr_forward returns. */
+    void (*sync)(kr_backend *b);
 
     /* x[i] = emb[tokens[i]] upcast to f32 */
     void (*embed)(kr_backend *b, const kr_tensor *emb, const int32_t *tokens, int n, float *x);
@@ -77,5 +86,8 @@ typedef struct kr_backend_ops {
 } kr_backend_ops;
 
 extern const kr_backend_ops kr_cpu_backend;
+#ifdef KR_HAVE_CUDA
+extern const kr_backend_ops kr_cuda_backend; /* engine/cuda/backend.cu */
+#endif
 
 #endif

@@ -156,8 +156,13 @@ int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char 
 {
     kr_ctx_params def = {.backend = KR_BACKEND_CPU, .n_threads = 0, .max_chunk = 0};
     if (!p) p = &def;
+#ifdef KR_HAVE_CUDA
+    const kr_backend_ops *ops = p->backend == KR_BACKEND_CUDA ? &kr_cuda_backend : &kr_cpu_backend;
+#else
+    const kr_backend_ops *ops = &kr_cpu_backend;
     if (p->backend != KR_BACKEND_CPU)
         return kr_errf(err, "backend 'cuda' is not available in this build (use --backend cpu)");
+#endif
     const kr_config *cfg = &m->cfg;
     int threads = p->n_threads > 0 ? p->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (threads < 1) threads = 1;
@@ -165,7 +170,7 @@ int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char 
     kr_ctx *c = calloc(1, sizeof *c);
     if (!c) return kr_errf(err, "context: out of memory");
     c->model = m;
-    c->ops = &kr_cpu_backend;
+    c->ops = ops;
     c->max_chunk = chunk;
     if (c->ops->create(m, threads, chunk, &c->be, err) != KR_OK) {
         free(c);
@@ -191,6 +196,26 @@ int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char 
 int kr_ctx_n_threads(const kr_ctx *c)
 {
     return c->ops->n_threads(c->be);
+}
+
+/* kv.c's allocator signature over the context's backend op */
+typedef struct kv_alloc_ctx {
+    const kr_backend_ops *ops;
+    kr_backend *be;
+} kv_alloc_ctx;
+
+static void *kv_alloc_via(void *ctx, size_t bytes)
+{
+    const kv_alloc_ctx *a = ctx;
+    return a->ops->kv_alloc(a->be, bytes);
+}
+
+int kr_ctx_kv_pool_create(const kr_ctx *c, int block_size, int n_blocks, kr_kv_pool **out, char *err)
+{
+    const int hd = c->model->cfg.head_dim;
+    if (!c->ops->kv_alloc) return kr_kv_pool_create(hd, block_size, n_blocks, out, err);
+    kv_alloc_ctx a = {.ops = c->ops, .be = c->be};
+    return kr_kv_pool_create_in(hd, block_size, n_blocks, kv_alloc_via, &a, c->ops->kv_free, out, err);
 }
 
 static void fill_rope(kr_ctx *c, int n)
@@ -305,6 +330,7 @@ static int run_layers(kr_ctx *c, seq_rows *sr, int n_seqs, kr_seq *const *seqs, 
         for (int i = 0; i < n_seqs; i++) {
             kr_seq *s = sr[i].s;
             if (!s->policy) continue;
+            if (ops->sync) ops->sync(be); /* the rule reads and moves cache entries on the host */
             /* a policy may trim earlier layers too (TAKE's delayed eviction) */
             if (run_policy(c, s, l, sr[i].n_real, sr[i].n - sr[i].n_real, ci, err) != KR_OK) return -1;
             sr[i].held = kr_seq_entries(s);
@@ -316,6 +342,7 @@ static int run_layers(kr_ctx *c, seq_rows *sr, int n_seqs, kr_seq *const *seqs, 
         ops->swiglu(be, c->gate, c->up, (size_t)n * cfg->intermediate_size);
         mm(be, &w->w_down, NULL, c->gate, n, 1, c->x);
     }
+    if (ops->sync) ops->sync(be); /* callers may read the cache on the host (sequence export) */
     return KR_OK;
 }
 

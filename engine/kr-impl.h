@@ -10,6 +10,10 @@
 #include <stdarg.h>
 #include <stdio.h>
 
+#ifdef __cplusplus /* the CUDA sources include this through backend.h */
+extern "C" {
+#endif
+
 /* printf-style error message into err (KR_ERR_MAX bytes; err may be NULL). Returns -1 so that
  * callers can write `return kr_errf(err, ...)`. */
 int kr_errf(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -108,7 +112,14 @@ struct kr_kv_pool {
     int32_t *pos; /* [n_blocks][block_size] */
     int32_t *free_ids; /* stack of free block ids, [n_blocks] */
     int n_free;
+    void (*release)(void *p); /* frees k, v and pos: free, or the backend's kv_free */
 };
+
+/* kr_kv_pool_create with k, v and pos from `alloc` (host memory, or memory a backend's kernels
+ * and the host can both address: CUDA managed memory), released by `release`. */
+int kr_kv_pool_create_in(int head_dim, int block_size, int n_blocks,
+                         void *(*alloc)(void *ctx, size_t bytes), void *alloc_ctx,
+                         void (*release)(void *p), kr_kv_pool **out, char *err);
 
 /* One (layer, KV head) of a sequence: `len` entries in order, entry i in slot off + i of the
  * concatenated blocks (off < block_size: dropping the oldest entries can release whole blocks
@@ -205,5 +216,9 @@ void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, cons
  * The paths are only used in messages. */
 int kr_tokenizer_parse(const char *json, size_t len, const char *path, const char *config_json,
                        size_t config_len, const char *config_path, kr_tokenizer **out, char *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* KR_IMPL_H */

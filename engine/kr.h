@@ -219,6 +219,11 @@ typedef struct kr_ctx_params {
 int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char *err);
 void kr_ctx_free(kr_ctx *c);
 int kr_ctx_n_threads(const kr_ctx *c);
+/* kr_kv_pool_create for the context's model (its head_dim) in memory the context's backend
+ * computes on: host memory on the CPU, CUDA managed memory on the CUDA backend. Pools that a
+ * context's kr_forward/kr_prefill use must come from here (a host pool on the CPU only). The
+ * pool may outlive the context; free it with kr_kv_pool_free. */
+int kr_ctx_kv_pool_create(const kr_ctx *c, int block_size, int n_blocks, kr_kv_pool **out, char *err);
 
 typedef enum kr_logits_mode {
     KR_LOGITS_NONE = 0, /* no logits (an intermediate prefill chunk) */

@@ -9,7 +9,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+static void *host_alloc(void *ctx, size_t bytes)
+{
+    return malloc(bytes);
+}
+
 int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_kv_pool **out, char *err)
+{
+    return kr_kv_pool_create_in(head_dim, block_size, n_blocks, host_alloc, NULL, free, out, err);
+}
+
+int kr_kv_pool_create_in(int head_dim, int block_size, int n_blocks,
+                         void *(*alloc)(void *ctx, size_t bytes), void *alloc_ctx,
+                         void (*release)(void *p), kr_kv_pool **out, char *err)
 {
     if (head_dim <= 0 || block_size <= 0 || n_blocks <= 0)
         return kr_errf(err, "KV pool: head_dim %d, block_size %d, n_blocks %d must be positive",
@@ -20,9 +32,10 @@ int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_kv_pool **o
     p->head_dim = head_dim;
     p->block_size = block_size;
     p->n_blocks = n_blocks;
-    p->k = malloc(entries * (size_t)head_dim * sizeof(float));
-    p->v = malloc(entries * (size_t)head_dim * sizeof(float));
-    p->pos = malloc(entries * sizeof(int32_t));
+    p->release = release;
+    p->k = alloc(alloc_ctx, entries * (size_t)head_dim * sizeof(float));
+    p->v = alloc(alloc_ctx, entries * (size_t)head_dim * sizeof(float));
+    p->pos = alloc(alloc_ctx, entries * sizeof(int32_t));
     p->free_ids = malloc((size_t)n_blocks * sizeof(int32_t));
     if (!p->k || !p->v || !p->pos || !p->free_ids) {
         kr_kv_pool_free(p);
@@ -40,9 +53,9 @@ int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_kv_pool **o
 void kr_kv_pool_free(kr_kv_pool *p)
 {
     if (!p) return;
-    free(p->k);
-    free(p->v);
-    free(p->pos);
+    if (p->k) p->release(p->k);
+    if (p->v) p->release(p->v);
+    if (p->pos) p->release(p->pos);
     free(p->free_ids);
     free(p);
 }

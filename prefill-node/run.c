@@ -43,7 +43,7 @@ int pf_run_init(pf_node *n, char *err)
     kr_ctx_params cp = {
         .backend = n->cfg->backend, .n_threads = n->cfg->threads, .max_chunk = n->cfg->chunk};
     if (kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) return -1;
-    if (kr_kv_pool_create(c->head_dim, PF_BLOCK_SIZE, n->cfg->kv_blocks, &n->pool, err) != KR_OK)
+    if (kr_ctx_kv_pool_create(n->ctx, PF_BLOCK_SIZE, n->cfg->kv_blocks, &n->pool, err) != KR_OK)
         return -1;
     size_t rows = (size_t)PF_ROWS * (size_t)c->head_dim;
     n->logits = malloc(sizeof(float) * (size_t)c->vocab_size);

@@ -1,8 +1,10 @@
 /*
  * kvrelay-bench-engine - engine speed against the machine's own limits, measured in the same
- * run: prefill tokens/s as a fraction of the sgemm peak (OpenBLAS, one sgemm per thread, as the
- * engine runs it), and decode tokens/s as a fraction of the memory-bandwidth bound (bytes a
- * decode step must read: weights + the KV cache, over a measured memcpy bandwidth).
+ * run: prefill tokens/s as a fraction of the GEMM peak (CPU: OpenBLAS, one sgemm per thread, as
+ * the engine runs it; CUDA: one large cuBLAS bf16 GEMM with f32 accumulation), and decode
+ * tokens/s, alone or in batches (kr_forward_batch), as a fraction of the memory-bandwidth bound
+ * (bytes a decode step must read: weights + the KV cache of every sequence of the batch, over a
+ * measured memcpy / device-to-device copy bandwidth).
  *   kvrelay-bench-engine (--model DIR | --random CONFIG.json) [--dtype bf16] [--threads N]
  * Progress goes to stderr, results to stdout (a table, or one JSON object with --json).
  */
@@ -16,6 +18,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef KR_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#endif
+
 enum { MAX_LIST = 16, BLOCK = 16 };
 
 static void usage(FILE *f)
@@ -24,7 +31,7 @@ static void usage(FILE *f)
             "usage: kvrelay-bench-engine (--model DIR | --random CONFIG.json) [options]\n"
             "\n"
             "Measures prefill and decode speed and prints each as a fraction of a limit\n"
-            "measured in the same run (sgemm peak for prefill, memory bandwidth for decode).\n"
+            "measured in the same run (GEMM peak for prefill, memory bandwidth for decode).\n"
             "\n"
             "  --model DIR          a Hugging Face model directory\n"
             "  --random CONFIG      a config.json: that shape with random weights (no checkpoint)\n"
@@ -36,6 +43,7 @@ static void usage(FILE *f)
             "                       pyramidkv, take, sage; name:key=value,... (docs/policies.md)\n"
             "  --prefill LIST       prompt lengths to time prefill at (default 512)\n"
             "  --contexts LIST      contexts to time decode at (default 128,2048)\n"
+            "  --batch LIST         sequences decoded together (default 1)\n"
             "  --decode-tokens N    decode steps timed per context (default 32)\n"
             "  --chunk C            prefill chunk size (default 512)\n"
             "  --repeat R           best of R timings (default 3)\n"
@@ -140,6 +148,76 @@ static double measure_gemm_peak(int threads)
     return best;
 }
 
+#ifdef KR_HAVE_CUDA
+static void cuda_ok(cudaError_t e, const char *what)
+{
+    if (e != cudaSuccess) cli_die(1, "%s: %s", what, cudaGetErrorString(e));
+}
+
+/* device-to-device copy bandwidth (bytes read + written per second), 1 GiB each way */
+static double measure_copy_bandwidth_cuda(void)
+{
+    const size_t bytes = (size_t)1 << 30;
+    void *src, *dst;
+    cudaEvent_t e0, e1;
+    cuda_ok(cudaMalloc(&src, bytes), "cudaMalloc");
+    cuda_ok(cudaMalloc(&dst, bytes), "cudaMalloc");
+    cuda_ok(cudaMemset(src, 1, bytes), "cudaMemset");
+    cuda_ok(cudaEventCreate(&e0), "cudaEventCreate");
+    cuda_ok(cudaEventCreate(&e1), "cudaEventCreate");
+    double best = 0;
+    for (int rep = 0; rep < 6; rep++) { /* the first warms up */
+        float ms;
+        cuda_ok(cudaEventRecord(e0, 0), "cudaEventRecord");
+        cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0), "cudaMemcpyAsync");
+        cuda_ok(cudaEventRecord(e1, 0), "cudaEventRecord");
+        cuda_ok(cudaEventSynchronize(e1), "cudaEventSynchronize");
+        cuda_ok(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+        double bw = 2.0 * (double)bytes / (ms * 1e-3);
+        if (rep > 0 && bw > best) best = bw;
+    }
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    cudaFree(src), cudaFree(dst);
+    return best;
+}
+
+/* FLOP/s of one 8192^3 cuBLAS GEMM with bf16 inputs and f32 accumulation and output, as the
+ * CUDA backend runs its GEMMs */
+static double measure_gemm_peak_cuda(void)
+{
+    const int n = 8192;
+    void *a, *b, *c;
+    cublasHandle_t h;
+    cudaEvent_t e0, e1;
+    const float one = 1.0f, zero = 0.0f;
+    cuda_ok(cudaMalloc(&a, (size_t)n * n * 2), "cudaMalloc");
+    cuda_ok(cudaMalloc(&b, (size_t)n * n * 2), "cudaMalloc");
+    cuda_ok(cudaMalloc(&c, (size_t)n * n * 4), "cudaMalloc");
+    cuda_ok(cudaMemset(a, 0x3c, (size_t)n * n * 2), "cudaMemset"); /* bf16 0x3c3c: about 0.0115 */
+    cuda_ok(cudaMemset(b, 0x3c, (size_t)n * n * 2), "cudaMemset");
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) cli_die(1, "cublasCreate failed");
+    cuda_ok(cudaEventCreate(&e0), "cudaEventCreate");
+    cuda_ok(cudaEventCreate(&e1), "cudaEventCreate");
+    double best = 0;
+    for (int rep = 0; rep < 6; rep++) { /* the first warms up */
+        float ms;
+        cuda_ok(cudaEventRecord(e0, 0), "cudaEventRecord");
+        if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n,
+                         &zero, c, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+            cli_die(1, "cublasGemmEx failed");
+        cuda_ok(cudaEventRecord(e1, 0), "cudaEventRecord");
+        cuda_ok(cudaEventSynchronize(e1), "cudaEventSynchronize");
+        cuda_ok(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+        double f = 2.0 * n * n * (double)n / (ms * 1e-3);
+        if (rep > 0 && f > best) best = f;
+    }
+    cublasDestroy(h);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    cudaFree(a), cudaFree(b), cudaFree(c);
+    return best;
+}
+#endif
+
 /* ---- engine timings */
 
 typedef struct bench {
@@ -184,29 +262,44 @@ typedef struct decode_run {
     double footprint; /* the sequence's KV footprint at the end */
 } decode_run;
 
-/* decode steps at context `ctx_len` (best of repeat runs of `steps` steps) */
-static decode_run time_decode(bench *b, int ctx_len, int steps)
+/* decode steps of `batch` sequences at context `ctx_len` (best of repeat runs of `steps` steps;
+ * one sequence through kr_forward, more through kr_forward_batch); entries and footprint summed
+ * and averaged over the batch */
+static decode_run time_decode(bench *b, int ctx_len, int steps, int batch)
 {
     char err[KR_ERR_MAX];
-    kr_seq *s = new_seq(b);
-    if (kr_prefill(b->ctx, s, b->tokens, ctx_len, b->chunk, KR_LOGITS_LAST, b->logits, err) != KR_OK)
-        cli_die(1, "prefill: %s", err);
+    kr_seq **s = malloc(sizeof(kr_seq *) * (size_t)batch);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)batch);
+    float *lg = malloc(sizeof(float) * (size_t)batch * (size_t)b->cfg->vocab_size);
+    if (!s || !tok || !lg) cli_die(1, "out of memory for a batch of %d", batch);
+    for (int j = 0; j < batch; j++) {
+        s[j] = new_seq(b);
+        if (kr_prefill(b->ctx, s[j], b->tokens, ctx_len, b->chunk, KR_LOGITS_LAST, b->logits, err) != KR_OK)
+            cli_die(1, "prefill: %s", err);
+    }
     decode_run run = {.seconds = 1e30};
     double held = 0;
     for (int r = 0; r < b->repeat; r++) {
         double t0 = cli_now();
-        for (int i = 0; i < steps; i++)
-            if (kr_forward(b->ctx, s, &b->tokens[ctx_len + r * steps + i], 1, KR_LOGITS_LAST, b->logits, err) != KR_OK)
-                cli_die(1, "decode: %s", err);
+        for (int i = 0; i < steps; i++) {
+            for (int j = 0; j < batch; j++) tok[j] = b->tokens[ctx_len + r * steps + i];
+            int rc = batch == 1 ? kr_forward(b->ctx, s[0], tok, 1, KR_LOGITS_LAST, lg, err)
+                                : kr_forward_batch(b->ctx, s, tok, batch, lg, err);
+            if (rc != KR_OK) cli_die(1, "decode: %s", err);
+        }
         double dt = (cli_now() - t0) / steps;
         if (dt < run.seconds) run.seconds = dt;
-        held += (double)kr_seq_entries(s);
+        for (int j = 0; j < batch; j++) held += (double)kr_seq_entries(s[j]);
     }
     run.entries = held / b->repeat;
-    kr_footprint fp;
-    kr_seq_footprint(s, &fp);
-    run.footprint = fp.full > 0 ? fp.attended / fp.full : 1.0;
-    kr_seq_free(s);
+    run.footprint = 0;
+    for (int j = 0; j < batch; j++) {
+        kr_footprint fp;
+        kr_seq_footprint(s[j], &fp);
+        run.footprint += (fp.full > 0 ? fp.attended / fp.full : 1.0) / batch;
+        kr_seq_free(s[j]);
+    }
+    free(s), free(tok), free(lg);
     return run;
 }
 
@@ -218,8 +311,8 @@ int main(int argc, char **argv)
     kr_model_opts mo = {.verbose = 1};
     kr_backend_kind backend = KR_BACKEND_CPU;
     long threads = 0, decode_tokens = 32, chunk = 512, repeat = 3;
-    int prefill_lens[MAX_LIST] = {512}, contexts[MAX_LIST] = {128, 2048};
-    int n_prefill = 1, n_contexts = 2, json = 0;
+    int prefill_lens[MAX_LIST] = {512}, contexts[MAX_LIST] = {128, 2048}, batches[MAX_LIST] = {1};
+    int n_prefill = 1, n_contexts = 2, n_batches = 1, json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -239,6 +332,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--policy")) policy = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--prefill")) n_prefill = parse_list(a, cli_value(argc, argv, &i), prefill_lens);
         else if (!strcmp(a, "--contexts")) n_contexts = parse_list(a, cli_value(argc, argv, &i), contexts);
+        else if (!strcmp(a, "--batch")) n_batches = parse_list(a, cli_value(argc, argv, &i), batches);
         else if (!strcmp(a, "--decode-tokens")) decode_tokens = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
         else if (!strcmp(a, "--chunk")) chunk = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
         else if (!strcmp(a, "--repeat")) repeat = cli_long(a, cli_value(argc, argv, &i), 1, 100);
@@ -277,10 +371,12 @@ int main(int argc, char **argv)
     bench b = {.cfg = cfg, .policy = pol, .chunk = (int)chunk, .repeat = (int)repeat};
     kr_ctx_params cp = {.backend = backend, .n_threads = (int)threads, .max_chunk = (int)chunk};
     if (kr_ctx_create(m, &cp, &b.ctx, err) != KR_OK) cli_die(1, "%s", err);
-    int nth = kr_ctx_n_threads(b.ctx);
+    int nth = kr_ctx_n_threads(b.ctx), most_batch = 1;
+    for (int i = 0; i < n_batches; i++) most_batch = batches[i] > most_batch ? batches[i] : most_batch;
+    if (most_batch > chunk) cli_die(2, "--batch: %d is more than --chunk %ld (a batch is one step)", most_batch, chunk);
     int blocks = ((longest + kr_policy_appended(pol, longest) + 2 * BLOCK - 1) / BLOCK) * cfg->n_layers *
-                 cfg->n_kv_heads;
-    if (kr_kv_pool_create(cfg->head_dim, BLOCK, blocks, &b.pool, err) != KR_OK) cli_die(1, "%s", err);
+                 cfg->n_kv_heads * most_batch;
+    if (kr_ctx_kv_pool_create(b.ctx, BLOCK, blocks, &b.pool, err) != KR_OK) cli_die(1, "%s", err);
     b.tokens = malloc(sizeof(int32_t) * (size_t)longest);
     b.logits = malloc(sizeof(float) * (size_t)cfg->vocab_size);
     uint64_t x = 88172645463325252ull;
@@ -289,9 +385,21 @@ int main(int argc, char **argv)
         b.tokens[i] = (int32_t)(x % (uint64_t)cfg->vocab_size);
     }
 
-    fprintf(stderr, "bench: measuring memory bandwidth and sgemm peak on %d threads\n", nth);
-    double bw = measure_copy_bandwidth(nth);
-    double peak = measure_gemm_peak(nth);
+    double bw, peak;
+    const char *bw_what, *peak_what;
+    if (backend == KR_BACKEND_CUDA) {
+#ifdef KR_HAVE_CUDA
+        fprintf(stderr, "bench: measuring device copy bandwidth and cuBLAS bf16 GEMM peak\n");
+        bw = measure_copy_bandwidth_cuda(), bw_what = "device-to-device copy";
+        peak = measure_gemm_peak_cuda(), peak_what = "cuBLAS bf16 GEMM";
+#else
+        cli_die(1, "--backend cuda: built without CUDA"); /* kr_ctx_create refused it already */
+#endif
+    } else {
+        fprintf(stderr, "bench: measuring memory bandwidth and sgemm peak on %d threads\n", nth);
+        bw = measure_copy_bandwidth(nth), bw_what = "memcpy";
+        peak = measure_gemm_peak(nth), peak_what = "sgemm";
+    }
     double params = 0;
     /* FLOPs per token: 2 per weight of every matrix a token multiplies (the embedding is a lookup) */
     const double d = cfg->hidden_size, f = cfg->intermediate_size, hd = cfg->head_dim;
@@ -308,13 +416,17 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(root, "params_per_token", params);
     cJSON_AddNumberToObject(root, "weight_bytes", (double)kr_model_weight_bytes(m));
     cJSON_AddNumberToObject(root, "load_seconds", t_load);
+    cJSON_AddStringToObject(root, "backend", backend == KR_BACKEND_CUDA ? "cuda" : "cpu");
+    cJSON_AddStringToObject(root, "copy_bandwidth_of", bw_what);
     cJSON_AddNumberToObject(root, "copy_bandwidth_GBps", bw / 1e9);
-    cJSON_AddNumberToObject(root, "sgemm_peak_GFLOPs", peak / 1e9);
+    cJSON_AddStringToObject(root, "gemm_peak_of", peak_what);
+    cJSON_AddNumberToObject(root, "gemm_peak_GFLOPs", peak / 1e9);
     if (!json) {
         printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads, policy %s\n",
                model_dir ? model_dir : random_cfg, kr_dtype_name(kr_model_weight_dtype(m)), params / 1e6,
                kr_model_weight_bytes(m) / 1048576.0, nth, kr_policy_spec(pol));
-        printf("limits: memcpy bandwidth %.1f GB/s (read+write), sgemm peak %.1f GFLOP/s\n", bw / 1e9, peak / 1e9);
+        printf("limits: %s bandwidth %.1f GB/s (read+write), %s peak %.1f GFLOP/s\n", bw_what, bw / 1e9,
+               peak_what, peak / 1e9);
     }
     cJSON *pre = cJSON_AddArrayToObject(root, "prefill");
     for (int i = 0; i < n_prefill; i++) {
@@ -331,36 +443,37 @@ int main(int argc, char **argv)
         cJSON_AddNumberToObject(e, "tokens", n);
         cJSON_AddNumberToObject(e, "seconds", dt);
         cJSON_AddNumberToObject(e, "tokens_per_second", n / dt);
-        cJSON_AddNumberToObject(e, "fraction_of_sgemm_peak", frac);
+        cJSON_AddNumberToObject(e, "fraction_of_gemm_peak", frac);
         cJSON_AddItemToArray(pre, e);
         if (!json)
-            printf("prefill %5d tokens: %9.1f tokens/s  %6.1f GFLOP/s = %.2f of sgemm peak\n", n, n / dt,
-                   flops / dt / 1e9, frac);
+            printf("prefill %5d tokens: %9.1f tokens/s  %6.1f GFLOP/s = %.2f of %s peak\n", n, n / dt,
+                   flops / dt / 1e9, frac, peak_what);
     }
     cJSON *dec = cJSON_AddArrayToObject(root, "decode");
-    for (int i = 0; i < n_contexts; i++) {
-        int c = contexts[i];
-        fprintf(stderr, "bench: decode at context %d (%ld steps x %ld)\n", c, decode_tokens, repeat);
-        decode_run run = time_decode(&b, c, (int)decode_tokens);
+    for (int i = 0; i < n_contexts * n_batches; i++) {
+        int c = contexts[i / n_batches], nb = batches[i % n_batches];
+        fprintf(stderr, "bench: decode at context %d, batch %d (%ld steps x %ld)\n", c, nb, decode_tokens, repeat);
+        decode_run run = time_decode(&b, c, (int)decode_tokens, nb);
         double dt = run.seconds;
-        /* bytes a step must read: every weight matrix once (one embedding row, negligible) and
-         * every cached K and V entry the policy holds, f32 */
+        /* bytes a step must read: every weight matrix once (one embedding row per sequence,
+         * negligible) and every cached K and V entry the policy holds in the batch, f32 */
         double kv = run.entries * hd * 2 * 4;
         double bytes = weight_bytes_read + kv;
         double frac = bytes / dt / bw;
         cJSON *e = cJSON_CreateObject();
         cJSON_AddNumberToObject(e, "context", c);
-        cJSON_AddNumberToObject(e, "seconds_per_token", dt);
-        cJSON_AddNumberToObject(e, "tokens_per_second", 1.0 / dt);
-        cJSON_AddNumberToObject(e, "bytes_per_token", bytes);
+        cJSON_AddNumberToObject(e, "batch", nb);
+        cJSON_AddNumberToObject(e, "seconds_per_step", dt);
+        cJSON_AddNumberToObject(e, "tokens_per_second", nb / dt);
+        cJSON_AddNumberToObject(e, "bytes_per_step", bytes);
         cJSON_AddNumberToObject(e, "fraction_of_bandwidth", frac);
         cJSON_AddNumberToObject(e, "kv_entries", run.entries);
         cJSON_AddNumberToObject(e, "kv_footprint", run.footprint);
         cJSON_AddItemToArray(dec, e);
         if (!json)
-            printf("decode at %5d: %9.1f tokens/s  %6.1f MB read per token, %5.1f GB/s = %.2f of memcpy "
-                   "bandwidth; KV footprint %.3f\n", c, 1.0 / dt, bytes / 1e6, bytes / dt / 1e9, frac,
-                   run.footprint);
+            printf("decode at %5d, batch %2d: %9.1f tokens/s  %6.1f MB read per step, %5.1f GB/s = %.2f of "
+                   "%s bandwidth; KV footprint %.3f\n", c, nb, nb / dt, bytes / 1e6, bytes / dt / 1e9, frac,
+                   bw_what, run.footprint);
     }
     if (json) {
         char *s = cJSON_Print(root);

@@ -76,7 +76,7 @@ int main(int argc, char **argv)
     kr_seq *seq;
     enum { BLOCK = 16 };
     int blocks = ((n + BLOCK - 1) / BLOCK) * cfg->n_layers * cfg->n_kv_heads;
-    if (kr_kv_pool_create(cfg->head_dim, BLOCK, blocks, &pool, err) != KR_OK ||
+    if (kr_ctx_kv_pool_create(ctx, BLOCK, blocks, &pool, err) != KR_OK ||
         kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &seq, err) != KR_OK)
         cli_die(1, "%s", err);
 

@@ -8,58 +8,15 @@
  * Then every policy whose budget holds the whole sequence (every family: KEEP_ALL) must reproduce
  * the same references (prompt logits through chunked prefill of 7, and the greedy steps).
  */
-#include "kr_test.h"
+#include "fixture_io.h"
 
 #include "kr.h"
 
-#include <cjson/cJSON.h>
-#include <stdint.h>
 #include <unistd.h>
 
 static const double TOL_REF = 1e-4; /* fixture README: 15x the oracles' disagreement */
 static const double TOL_CHUNK = 2e-5; /* same engine, different summation order */
 static double worst_ref, worst_chunk; /* largest differences seen, for the report */
-
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    REQUIRE(f, "cannot open %s", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    REQUIRE(fread(buf, 1, (size_t)n, f) == (size_t)n, "short read %s", path);
-    buf[n] = 0;
-    fclose(f);
-    *len = (size_t)n;
-    return buf;
-}
-
-static int32_t *json_ids(const cJSON *arr, int *n)
-{
-    *n = cJSON_GetArraySize(arr);
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(*n > 0 ? *n : 1));
-    for (int i = 0; i < *n; i++) ids[i] = (int32_t)cJSON_GetArrayItem(arr, i)->valuedouble;
-    return ids;
-}
-
-static double max_diff(const float *a, const float *b, int n)
-{
-    double m = 0;
-    for (int i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - (double)b[i]);
-        if (!(d <= m)) m = d; /* NaN propagates as failure */
-    }
-    return m;
-}
-
-static int argmax(const float *x, int n)
-{
-    int b = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[b]) b = i;
-    return b;
-}
 
 typedef struct run {
     kr_ctx *ctx;
