@@ -88,16 +88,6 @@ __device__ int first_after(const pool_view &p, const int32_t *ids, int off, int 
     return lo;
 }
 
-__device__ __forceinline__ float warp_max(float x)
-{
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ float warp_sum(float x)
-{
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
 
 /* Shared memory of both kernels (dynamic, floats): q rows [ROWS][DMAX], keys [BN][DMAX + 1]
  * (padded: lane j reads key row j column c, conflict-free), values [BN][DMAX], positions [BN]. */

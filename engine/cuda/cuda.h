@@ -86,4 +86,16 @@ void kr_cuda_score(kr_backend *b, const kr_seq *s, int layer, const float *q_obs
 void kr_cuda_score_past(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
                         int n_heads, int per_head, int n_hidden, float *scores, size_t stride);
 
+/* Max and sum over the 32 lanes of a warp (every lane gets the result); for the kernels. */
+__device__ __forceinline__ float warp_max(float x)
+{
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float warp_sum(float x)
+{
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
 #endif /* KR_CUDA_H */

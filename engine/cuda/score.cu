@@ -53,16 +53,6 @@ __device__ __forceinline__ int visible_of(const score_args &a, int len, int i)
     return a.hidden < 0 ? len - a.n_obs + i + 1 : len - a.hidden;
 }
 
-__device__ __forceinline__ float warp_max(float x)
-{
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ float warp_sum(float x)
-{
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
 
 /* Loads keys of entries [t0, t0 + TILE) (those < end) of list g into sk[TILE][d + 1] (padded:
  * lane j reading row j is conflict-free); warp w copies rows w, w + WARPS, ... */
