@@ -402,8 +402,10 @@ static void *reg_thread(void *arg)
     return NULL;
 }
 
-int kc_register_start_cfg(const kc_etcd_config *cfg, const char *cluster, const kc_member *m,
-                          int ttl_s, kc_registration **out, char *err)
+/* What registration and watch both start with: endpoints given, a valid cluster name, and a
+ * client with `default_timeout_ms` per call unless the config sets one. */
+static int start_client(const kc_etcd_config *cfg, const char *cluster, int64_t default_timeout_ms,
+                        kc_etcd **out, char *err)
 {
     if (!cfg || !cfg->endpoints || !*cfg->endpoints) {
         err_set(err, "no etcd endpoints given");
@@ -414,28 +416,39 @@ int kc_register_start_cfg(const kc_etcd_config *cfg, const char *cluster, const 
                 cluster ? cluster : "(null)");
         return -1;
     }
+    kc_etcd_config c = *cfg;
+    if (c.timeout_ms <= 0)
+        c.timeout_ms = default_timeout_ms;
+    kc_status st;
+    if (kc_etcd_create(&c, out, &st) != 0) {
+        err_set(err, "%s", st.details);
+        return -1;
+    }
+    return 0;
+}
+
+int kc_register_start_cfg(const kc_etcd_config *cfg, const char *cluster, const kc_member *m,
+                          int ttl_s, kc_registration **out, char *err)
+{
     if (ttl_s < 2) {
         err_set(err, "lease TTL %d s is below the minimum of 2 s", ttl_s);
         return -1;
     }
     if (member_check(m, err) != 0)
         return -1;
+    kc_etcd *e;
+    if (start_client(cfg, cluster, REGISTER_TIMEOUT_MS, &e, err) != 0)
+        return -1;
     kc_registration *r = calloc(1, sizeof *r);
     if (!r) {
         err_set(err, "out of memory");
+        kc_etcd_destroy(e);
         return -1;
     }
+    r->etcd = e;
     if (kc_member_key(cluster, m, r->key, sizeof r->key) != 0) {
         err_set(err, "member key for \"%s\" is too long", m->id);
-        free(r);
-        return -1;
-    }
-    kc_etcd_config c = *cfg;
-    if (c.timeout_ms <= 0)
-        c.timeout_ms = REGISTER_TIMEOUT_MS;
-    kc_status st;
-    if (kc_etcd_create(&c, &r->etcd, &st) != 0) {
-        err_set(err, "%s", st.details);
+        kc_etcd_destroy(e);
         free(r);
         return -1;
     }
@@ -810,34 +823,21 @@ static void *watch_thread(void *arg)
 int kc_watch_start_cfg(const kc_etcd_config *cfg, const char *cluster, kc_members_fn fn,
                        void *user, kc_watch **out, char *err)
 {
-    if (!cfg || !cfg->endpoints || !*cfg->endpoints) {
-        err_set(err, "no etcd endpoints given");
-        return -1;
-    }
-    if (!cluster || !KC_SEGMENT_OK(cluster)) {
-        err_set(err, "cluster name \"%s\" must be 1-100 characters of A-Z a-z 0-9 . _ -",
-                cluster ? cluster : "(null)");
-        return -1;
-    }
     if (!fn) {
         err_set(err, "no members callback given");
         return -1;
     }
+    kc_etcd *e;
+    if (start_client(cfg, cluster, WATCH_TIMEOUT_MS, &e, err) != 0)
+        return -1;
     kc_watch *w = calloc(1, sizeof *w);
     if (!w) {
         err_set(err, "out of memory");
+        kc_etcd_destroy(e);
         return -1;
     }
+    w->etcd = e;
     kc_member_prefix(cluster, w->prefix, sizeof w->prefix);
-    kc_etcd_config c = *cfg;
-    if (c.timeout_ms <= 0)
-        c.timeout_ms = WATCH_TIMEOUT_MS;
-    kc_status st;
-    if (kc_etcd_create(&c, &w->etcd, &st) != 0) {
-        err_set(err, "%s", st.details);
-        free(w);
-        return -1;
-    }
     w->fn = fn;
     w->user = user;
     if (set_reserve(w, 16) != 0) { /* also: the callback never gets NULL, even for 0 members */
