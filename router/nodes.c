@@ -255,14 +255,14 @@ static void *poll_one(void *arg)
 
 void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
 {
-    rt_node *todo[RT_NODES_MAX];
+    rt_node *due[RT_NODES_MAX];
     int n = 0;
     int64_t now = rt_now_ms();
     pthread_mutex_lock(&rt->mu);
     for (int i = 0; i < rt->n_nodes; i++) {
         rt_node *x = rt->nodes[i];
         if (x->gone) continue;
-        if (rt_breaker_allow(&x->breaker, rt->breaker_cooldown_ms, now)) todo[n++] = x; /* or the probe */
+        if (rt_breaker_allow(&x->breaker, rt->breaker_cooldown_ms, now)) due[n++] = x; /* or the probe */
     }
     pthread_mutex_unlock(&rt->mu);
     if (!n) return;
@@ -276,7 +276,7 @@ void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
         return; /* the last known state stays; the next poll tries again */
     }
     for (int i = 0; i < n; i++) {
-        jobs[i] = (poll_job){.rt = rt, .node = todo[i], .timeout_ms = timeout_ms};
+        jobs[i] = (poll_job){.rt = rt, .node = due[i], .timeout_ms = timeout_ms};
         started[i] = pthread_create(&threads[i], NULL, poll_one, &jobs[i]) == 0;
         if (!started[i]) poll_one(&jobs[i]);
     }
