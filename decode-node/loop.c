@@ -6,8 +6,10 @@
  *   2. ends sequences whose call was cancelled (client gone, deadline) or whose reservation was
  *      released, freeing their blocks at once;
  *   3. runs one kr_forward_batch over every running sequence (chunks of --max-batch), samples
- *      each row, streams the tokens and ends the sequences that stopped (EOS, a stop id,
- *      max_tokens, or the reservation's bound: CONTEXT).
+ *      each row (a forced sequence takes its next given id instead; either may add the id's
+ *      log-probability and the row's argmax), streams the tokens and ends the sequences that
+ *      stopped (EOS, a stop id, max_tokens, or the reservation's bound: CONTEXT). Forced and
+ *      sampled sequences share a batch: they differ only in how a row becomes an id.
  * When nothing runs it sleeps on the node's condition variable (woken by a hand-over, a
  * release or shutdown; at the latest at the next reservation expiry, which it also enforces).
  * This thread alone touches the KV pool, the kr_ctx and the sequences.
@@ -46,6 +48,7 @@ void dn_job_free(dn_job *job)
     kr_policy_free(job->policy);
     kr_sampler_free(job->sampler);
     free(job->stop_ids);
+    free(job->forced);
     free(job);
 }
 
@@ -79,6 +82,11 @@ static int send_pending(dn_job *j)
     Kvrelay__V1__DecodeTokens toks = KVRELAY__V1__DECODE_TOKENS__INIT;
     toks.n_ids = (size_t)j->n_pending;
     toks.ids = ids;
+    if (j->logprobs) {
+        toks.n_logprobs = toks.n_top_ids = (size_t)j->n_pending;
+        toks.logprobs = j->pending_lp;
+        toks.top_ids = j->pending_top;
+    }
     Kvrelay__V1__DecodeResponse m = KVRELAY__V1__DECODE_RESPONSE__INIT;
     m.event_case = KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS;
     m.tokens = &toks;
@@ -156,12 +164,13 @@ static grpc_status_code gone_code(dn_job *j)
     return kc_call_ms_left(j->call) <= 0 ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_CANCELLED;
 }
 
-/* After token `id` joined the completion: the reason to stop, or 0 to go on. */
+/* After token `id` joined the completion: the reason to stop, or 0 to go on. A forced
+ * continuation is scored to its end: EOS and stop ids inside it do not stop it. */
 static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_t id)
 {
-    if (id == n->mcfg->eos_token_id)
+    if (!j->forced && id == n->mcfg->eos_token_id)
         return KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
-    for (int i = 0; i < j->n_stop; i++)
+    for (int i = 0; !j->forced && i < j->n_stop; i++)
         if (j->stop_ids[i] == id)
             return KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
     if (j->n_gen >= j->max_tokens)
@@ -294,13 +303,19 @@ static void drop(dn_loop *L, int i)
     pthread_mutex_unlock(&L->n->lock);
 }
 
-/* Token `id` was sampled for job j: stream it or stop. Returns 1 when the job ended. */
-static int take_token(dn_loop *L, dn_job *j, int32_t id)
+/* Token `id` was chosen for job j from logits row `row`: stream it or stop. Returns 1 when the
+ * job ended. */
+static int take_token(dn_loop *L, dn_job *j, int32_t id, const float *row)
 {
     dn_node *n = L->n;
     j->n_gen++;
     j->t_last = dn_now();
     kc_counter_inc(n->m.tokens, 1);
+    if (j->logprobs) {
+        int32_t top;
+        j->pending_lp[j->n_pending] = kr_logprob(row, n->mcfg->vocab_size, id, &top);
+        j->pending_top[j->n_pending] = (uint32_t)top;
+    }
     j->pending[j->n_pending++] = id;
     Kvrelay__V1__FinishReason why = stop_reason(n, j, id);
     if (why) {
@@ -343,7 +358,13 @@ static void step_chunk(dn_loop *L, int lo, int nb)
     }
     for (int i = 0; i < nb; i++) {
         dn_job *j = L->run[lo + i];
-        if (j && take_token(L, j, kr_sampler_sample(j->sampler, L->logits + (size_t)i * vocab)))
+        if (!j)
+            continue;
+        const float *row = L->logits + (size_t)i * vocab;
+        /* n_gen tokens so far, the prefill node's first included: this is forced[n_gen - 1]
+         * (stop_reason ended the job at max_tokens, so the index is inside the list) */
+        int32_t id = j->forced ? j->forced[j->n_gen - 1] : kr_sampler_sample(j->sampler, row);
+        if (take_token(L, j, id, row))
             L->run[lo + i] = NULL;
     }
 }

@@ -8,7 +8,8 @@
  *              buffers, the transport's completion callback, release, expiry
  *   service.c  the Decode service's handlers (Reserve, Decode, Release, Status)
  *   loop.c     the continuous-batching thread: imports bundles into sequences, one
- *              kr_forward_batch per step over every running sequence, sampling, streaming
+ *              kr_forward_batch per step over every running sequence, sampling (or the forced
+ *              ids of a scoring request, with log-probabilities), streaming
  *
  * Threads: gRPC handler threads (one per call), the transport's progress thread (callbacks),
  * the batching loop thread, libmicrohttpd's threads, and main (waits for a signal). Everything
@@ -97,6 +98,9 @@ typedef struct dn_job {
     kr_sampler *sampler;
     int32_t *stop_ids; /* [n_stop] */
     int n_stop;
+    int32_t *forced; /* [max_tokens - 1]: the ids after the first, fed instead of sampled; NULL:
+                        sample. Forced jobs ignore EOS and stop ids (they end at max_tokens) */
+    int logprobs; /* stream logprobs and top_ids with the ids (always when forced) */
     int max_tokens; /* completion tokens allowed, the first included */
     int budget_tokens; /* what the reservation's blocks cover (CONTEXT beyond it) */
     /* loop only, from the import on */
@@ -104,6 +108,8 @@ typedef struct dn_job {
     int32_t next_in; /* the token fed at the next step */
     int n_gen; /* completion tokens so far, the first included */
     int32_t pending[DN_PENDING_MAX]; /* sampled ids not yet sent (the client is behind) */
+    float pending_lp[DN_PENDING_MAX]; /* with logprobs: theirs, and each step's argmax */
+    uint32_t pending_top[DN_PENDING_MAX];
     int n_pending;
     double t_join, t_last; /* monotonic: joined the batch, last token */
     int released; /* its reservation's cancel flag, as the loop last read it */

@@ -297,6 +297,16 @@ static int decode(kc_call *call, const Kvrelay__V1__DecodeRequest *req, dn_node 
             return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT,
                                  "stop_ids[%zu] = %u is outside the vocabulary [0, %d)", i,
                                  req->stop_ids[i], c->vocab_size);
+    /* forcing: the ids after the prefill node's first, one per decode step to the end */
+    if (req->n_forced && req->n_forced != (size_t)req->max_tokens - 1)
+        return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "forced: %zu ids, but max_tokens %u needs exactly %u after the first token",
+                      req->n_forced, req->max_tokens, req->max_tokens - 1);
+    for (size_t i = 0; i < req->n_forced; i++)
+        if (req->forced[i] >= (uint32_t)c->vocab_size)
+            return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                          "forced[%zu] = %u is outside the vocabulary [0, %d)", i,
+                          req->forced[i], c->vocab_size);
 
     dn_job *job = calloc(1, sizeof *job);
     if (!job)
@@ -314,6 +324,16 @@ static int decode(kc_call *call, const Kvrelay__V1__DecodeRequest *req, dn_node 
             job->stop_ids[i] = (int32_t)req->stop_ids[i];
         job->n_stop = (int)req->n_stop_ids;
     }
+    if (req->n_forced) {
+        job->forced = malloc(req->n_forced * sizeof *job->forced);
+        if (!job->forced) {
+            dn_job_free(job);
+            return refuse(call, rid, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        }
+        for (size_t i = 0; i < req->n_forced; i++)
+            job->forced[i] = (int32_t)req->forced[i];
+    }
+    job->logprobs = req->logprobs || req->n_forced > 0;
     if (kr_sampler_create(&sampling, c->vocab_size, &job->sampler, err) != KR_OK) {
         dn_job_free(job);
         return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);

@@ -339,6 +339,15 @@ void kr_sampler_free(kr_sampler *sp);
 /* Draws a token id from a row of logits. Does not allocate. */
 int32_t kr_sampler_sample(kr_sampler *sp, const float *logits);
 
+/* The argmax of a row of `vocab` logits, lowest id on ties (what greedy sampling takes). */
+int32_t kr_argmax(const float *logits, int vocab);
+/* log softmax(logits)[id] at temperature 1: the natural log-probability of `id` under the full
+ * distribution, by log-sum-exp with the row's max subtracted, summed in double (finite and
+ * <= 0 for any finite row; NaN in, NaN out). The row's argmax goes to *top_id when not NULL.
+ * A plain function of the row: equal rows give bit-equal results, which is what lets the
+ * cluster's scores equal kvrelay-generate's. Does not allocate. */
+float kr_logprob(const float *logits, int vocab, int32_t id, int32_t *top_id);
+
 #ifdef __cplusplus
 }
 #endif

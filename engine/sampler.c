@@ -2,7 +2,8 @@
  * sampler.c - next-token choice from a row of logits: greedy (argmax, lowest id on ties), or
  * temperature, then top-k, then top-p (nucleus) over the softmax, drawn with a seeded
  * generator (splitmix64 -> xoshiro256**), so a seed reproduces a run. Buffers are sized at
- * creation; sampling does not allocate.
+ * creation; sampling does not allocate. Also the log-probability of a token under a row's full
+ * softmax (kr_logprob), which forced-token scoring reports.
  */
 #include "kr-impl.h"
 
@@ -95,6 +96,22 @@ static int32_t argmax(const float *logits, int n)
     for (int i = 1; i < n; i++)
         if (logits[i] > logits[best]) best = i;
     return best;
+}
+
+int32_t kr_argmax(const float *logits, int vocab)
+{
+    return argmax(logits, vocab);
+}
+
+float kr_logprob(const float *logits, int vocab, int32_t id, int32_t *top_id)
+{
+    int32_t best = argmax(logits, vocab);
+    if (top_id) *top_id = best;
+    /* every term exp(l - max) is in (0, 1] and the max's own term is 1, so the sum is in
+     * [1, vocab]: no overflow, and log(sum) >= 0 keeps the result <= 0 */
+    double mx = (double)logits[best], sum = 0.0;
+    for (int i = 0; i < vocab; i++) sum += exp((double)logits[i] - mx);
+    return (float)(((double)logits[id] - mx) - log(sum));
 }
 
 /* order: larger prob first, then lower id (deterministic) */

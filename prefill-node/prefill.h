@@ -74,6 +74,8 @@ typedef struct pf_job {
     int n_tokens;
     const kr_policy *policy; /* outlives the job (cached, or freed by the handler after it) */
     kr_sampling sampling;    /* checked with kr_sampling_check */
+    int32_t forced_first;    /* -1: sample the first token; else this id (in the vocabulary) */
+    int logprobs;            /* report first_logprob / first_top_id (set when forcing too) */
     char host[256];          /* transfer address */
     uint16_t port;
     uint64_t reservation_id; /* never 0 */
@@ -86,6 +88,8 @@ typedef struct pf_job {
     grpc_status_code code;
     char details[256]; /* when code != OK */
     int32_t first_token;
+    float first_logprob;  /* when logprobs: kr_logprob of first_token on the last row */
+    int32_t first_top_id; /* when logprobs: that row's argmax */
     pf_usage usage;
 } pf_job;
 

@@ -1,6 +1,7 @@
 /*
  * run.c - one prefill job on the worker thread (prefill.h): chunked prefill with the request's
- * policy on the node's one kr_ctx, the first token, the KV bundle written straight from the
+ * policy on the node's one kr_ctx, the first token (sampled, or forced; with its log-probability
+ * and the row's argmax when asked), the KV bundle written straight from the
  * sequence's lists, the send to the decode node's reservation, and the usage.
  *
  * The bundle goes into one worker-owned buffer grown to the largest bundle so far (a request
@@ -192,11 +193,17 @@ void pf_run(pf_node *n, pf_job *j)
                  err, n->cfg->kv_blocks, kr_policy_spec(j->policy));
         goto out;
     }
-    if (kr_sampler_create(&j->sampling, c->vocab_size, &sampler, err) != KR_OK) {
-        job_fail(j, GRPC_STATUS_INTERNAL, "%s", err);
-        goto out;
+    if (j->forced_first >= 0) {
+        j->first_token = j->forced_first;
+    } else {
+        if (kr_sampler_create(&j->sampling, c->vocab_size, &sampler, err) != KR_OK) {
+            job_fail(j, GRPC_STATUS_INTERNAL, "%s", err);
+            goto out;
+        }
+        j->first_token = kr_sampler_sample(sampler, n->logits);
     }
-    j->first_token = kr_sampler_sample(sampler, n->logits);
+    if (j->logprobs)
+        j->first_logprob = kr_logprob(n->logits, c->vocab_size, j->first_token, &j->first_top_id);
     kr_seq_footprint(seq, &j->usage.footprint);
     pool_gauges(n);
     if (kc_call_cancelled(j->call)) {

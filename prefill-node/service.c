@@ -227,6 +227,17 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
     if (kr_sampling_check(s, err) != KR_OK)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
 
+    /* forcing: the first token is given, not drawn (the sampling above is then unused) */
+    j->forced_first = -1;
+    if (req->forced_first_choice_case == KVRELAY__V1__PREFILL_REQUEST__FORCED_FIRST_CHOICE_FORCED_FIRST) {
+        if (req->forced_first >= (uint32_t)c->vocab_size)
+            return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                          "forced_first: id %u is outside the model's vocabulary [0, %d)",
+                          req->forced_first, c->vocab_size);
+        j->forced_first = (int32_t)req->forced_first;
+    }
+    j->logprobs = req->logprobs || j->forced_first >= 0;
+
     int port;
     if (pf_parse_hostport(req->transfer_address, 1, 0, j->host, sizeof j->host, &port) != 0)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
@@ -292,6 +303,10 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     Kvrelay__V1__PrefillResponse r = KVRELAY__V1__PREFILL_RESPONSE__INIT;
     r.first_token = (uint32_t)j.first_token;
     r.usage = &u;
+    if (j.logprobs) {
+        r.first_logprob = j.first_logprob;
+        r.first_top_id = (uint32_t)j.first_top_id;
+    }
     kc_call_send(call, &r.base); /* fails only when the call is already over */
     kc_counter_inc(n->metrics.prompt_tokens, j.n_tokens);
     kc_counter_inc(n->metrics.kv_entries, (double)j.usage.kv_entries);

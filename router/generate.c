@@ -5,6 +5,9 @@
  * node with the reservation's transfer address (UNAVAILABLE before anything was streamed ->
  * Release and place again elsewhere); send the first token; relay the decode node's stream as
  * text deltas with stop strings matched on the text; end with Finish{reason, usage}.
+ * Scoring requests (`forced`) pass their ids on instead of sampling: the first to the prefill
+ * node, the rest to the decode node, and log-probabilities come back with every token
+ * (docs/rpc.md); they ignore sampling and stops and always run to their last forced id.
  * Every hop gets the time left before the request's deadline. A client that goes away has its
  * decode stream cancelled by the watcher thread (the decode node frees the slot at once) and its
  * reservation Released.
@@ -50,8 +53,11 @@ typedef struct gen_req {
     Kvrelay__V1__Sampling sampling; /* as forwarded: the seed always present */
     char policy[1024]; /* the client's spec ("" = full), file keys resolved (rt_policy_resolve) */
     uint64_t kv_entries_bound; /* informational, for Reserve */
-    const uint32_t *stop_ids; /* borrowed */
+    const uint32_t *stop_ids; /* borrowed; none when forcing */
     size_t n_stop_ids;
+    const uint32_t *forced; /* borrowed: the ids to emit instead of sampling, max_tokens of them;
+                               NULL: sample */
+    int logprobs; /* relay logprobs and top_ids (always when forcing) */
     kr_detok *detok; /* NULL without a tokenizer */
     rt_stop stop;
     double t_arrival, t_first, t_last; /* seconds, monotonic */
@@ -194,12 +200,37 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: %d tokens > the router's limit %u (--max-prompt)",
                           r->n_prompt, rt->max_prompt), st->code;
 
-    if (q->max_tokens == 0)
-        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: 0 (must be 1..%u)", rt->max_tokens_limit), st->code;
-    if (q->max_tokens > rt->max_tokens_limit)
-        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: %u > the router's limit %u (--max-tokens-limit)",
-                          q->max_tokens, rt->max_tokens_limit), st->code;
-    r->max_tokens = q->max_tokens;
+    if (q->forced && q->forced->n_ids > 0) {
+        /* scoring: the forced ids are the completion, so they fix its length */
+        size_t n = q->forced->n_ids;
+        if (q->max_tokens != 0 && q->max_tokens != n)
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                              "max_tokens: %u, but forced has %zu ids (a forced request generates exactly its forced ids: set max_tokens to 0 or %zu)",
+                              q->max_tokens, n, n), st->code;
+        if (n > rt->max_tokens_limit)
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                              "max_tokens: %zu (the length of forced) > the router's limit %u (--max-tokens-limit)", n,
+                              rt->max_tokens_limit), st->code;
+        if ((size_t)r->n_prompt + n > (size_t)cfg->max_position_embeddings)
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                              "forced: %d prompt + %zu forced tokens exceed the model's context (max_position_embeddings %d)",
+                              r->n_prompt, n, cfg->max_position_embeddings), st->code;
+        for (size_t i = 0; i < n; i++)
+            if (q->forced->ids[i] >= (uint32_t)cfg->vocab_size)
+                return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                                  "forced.ids[%zu]: %u is outside the model's vocabulary [0, %d)", i, q->forced->ids[i],
+                                  cfg->vocab_size), st->code;
+        r->forced = q->forced->ids;
+        r->max_tokens = (uint32_t)n;
+    } else {
+        if (q->max_tokens == 0)
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: 0 (must be 1..%u)", rt->max_tokens_limit), st->code;
+        if (q->max_tokens > rt->max_tokens_limit)
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: %u > the router's limit %u (--max-tokens-limit)",
+                              q->max_tokens, rt->max_tokens_limit), st->code;
+        r->max_tokens = q->max_tokens;
+    }
+    r->logprobs = q->logprobs || r->forced;
 
     kr_policy *p;
     if (rt_policy_resolve(q->kv_policy, rt->policy_dir, r->policy, sizeof r->policy, err, sizeof err) != 0 ||
@@ -211,7 +242,7 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
 
     /* sampling: absent = greedy; temperature 0 = greedy; top_p 0 = off; seed absent = ours */
     r->sampling = (Kvrelay__V1__Sampling)KVRELAY__V1__SAMPLING__INIT;
-    if (q->sampling) {
+    if (q->sampling && !r->forced) { /* forcing ignores sampling: the nodes get greedy */
         r->sampling.temperature = q->sampling->temperature;
         r->sampling.top_p = q->sampling->top_p;
         r->sampling.top_k = q->sampling->top_k;
@@ -237,14 +268,15 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
     if (kr_sampling_check(&ks, err) != KR_OK)
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "%s", err), st->code; /* "sampling: ..." */
 
-    /* stops */
-    if (q->n_stop > RT_MAX_STOPS)
+    /* stops (a forced request ignores them: it is scored to its last id) */
+    size_t n_stop = r->forced ? 0 : q->n_stop;
+    if (n_stop > RT_MAX_STOPS)
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop: %zu strings (at most %d)", q->n_stop, RT_MAX_STOPS), st->code;
-    if (q->n_stop && !rt->tok)
+    if (n_stop && !rt->tok)
         return kc_status_set(st, GRPC_STATUS_FAILED_PRECONDITION,
                           "stop: stop strings need text, and the router's model %s has no tokenizer.json (use stop_ids)",
                           rt->model_dir), st->code;
-    for (size_t i = 0; i < q->n_stop; i++) {
+    for (size_t i = 0; i < n_stop; i++) {
         size_t n = strlen(q->stop[i]);
         if (n == 0) return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: empty", i), st->code;
         if (n > RT_MAX_STOP_LEN)
@@ -252,18 +284,19 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
         if (!utf8_valid((const unsigned char *)q->stop[i], n))
             return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop[%zu]: not valid UTF-8", i), st->code;
     }
-    if (q->n_stop_ids > RT_MAX_STOP_IDS)
+    size_t n_stop_ids = r->forced ? 0 : q->n_stop_ids;
+    if (n_stop_ids > RT_MAX_STOP_IDS)
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop_ids: %zu ids (at most %d)", q->n_stop_ids, RT_MAX_STOP_IDS), st->code;
-    for (size_t i = 0; i < q->n_stop_ids; i++)
+    for (size_t i = 0; i < n_stop_ids; i++)
         if (q->stop_ids[i] >= (uint32_t)cfg->vocab_size)
             return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "stop_ids[%zu]: %u is outside the model's vocabulary [0, %d)",
                               i, q->stop_ids[i], cfg->vocab_size), st->code;
     r->stop_ids = q->stop_ids;
-    r->n_stop_ids = q->n_stop_ids;
+    r->n_stop_ids = n_stop_ids;
 
     if (rt->tok && kr_detok_create(rt->tok, 1, &r->detok, err) != KR_OK)
         return kc_status_set(st, GRPC_STATUS_INTERNAL, "detokenizer: %s", err), st->code;
-    if (rt_stop_init(&r->stop, q->stop, (int)q->n_stop) != 0)
+    if (rt_stop_init(&r->stop, q->stop, (int)n_stop) != 0)
         return kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory"), st->code;
     return GRPC_STATUS_OK;
 }
@@ -404,6 +437,11 @@ static attempt prefill(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status
     req.transfer_address = r->transfer_address;
     req.reservation_id = r->reservation;
     req.decode_node = r->dnode->id;
+    if (r->forced) { /* the next id to emit: after a migration, the first not yet sent */
+        req.forced_first_choice_case = KVRELAY__V1__PREFILL_REQUEST__FORCED_FIRST_CHOICE_FORCED_FIRST;
+        req.forced_first = r->forced[r->completion];
+    }
+    req.logprobs = r->logprobs;
     int full = 0;
     attempt a = ATTEMPT_FAIL;
     kc_status last = {GRPC_STATUS_UNAVAILABLE, "none is serving (gone, suspect, or failed earlier in this request)"};
@@ -515,10 +553,11 @@ static int is_stop_id(const gen_req *r, uint32_t id)
     return 0;
 }
 
-/* Sends ids[0, n) to the client with the text they complete, cut at a stop string. Returns 0,
- * 1 when a stop string matched (later ids are dropped; r->stopped set), -1 when the client is
- * gone (st CANCELLED) or the detokenizer failed (st INTERNAL). */
-static int relay(gen_req *r, const uint32_t *ids, size_t n, kc_status *st)
+/* Sends ids[0, n) to the client with the text they complete, cut at a stop string, and with
+ * r->logprobs their lps[0, n) and tops[0, n). Returns 0, 1 when a stop string matched (later
+ * ids are dropped; r->stopped set), -1 when the client is gone (st CANCELLED) or the
+ * detokenizer failed (st INTERNAL). */
+static int relay(gen_req *r, const uint32_t *ids, const float *lps, const uint32_t *tops, size_t n, kc_status *st)
 {
     char *text = NULL;
     size_t text_len = 0, kept = 0;
@@ -557,6 +596,11 @@ static int relay(gen_req *r, const uint32_t *ids, size_t n, kc_status *st)
     delta.n_ids = kept;
     delta.ids = (uint32_t *)ids;
     delta.text = text ? text : "";
+    if (r->logprobs) {
+        delta.n_logprobs = delta.n_top_ids = kept;
+        delta.logprobs = (float *)lps;
+        delta.top_ids = (uint32_t *)tops;
+    }
     Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
     msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA;
     msg.delta = &delta;
@@ -685,6 +729,11 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
     req.sampling = &r->sampling;
     req.n_stop_ids = r->n_stop_ids;
     req.stop_ids = (uint32_t *)r->stop_ids;
+    if (r->forced) { /* the rest after the prefill's first token (start() relayed it) */
+        req.n_forced = r->max_tokens - r->completion;
+        req.forced = (uint32_t *)r->forced + r->completion;
+    }
+    req.logprobs = r->logprobs;
     kc_stream *s;
     kc_status s_st;
     r->decode_failed = 0;
@@ -730,7 +779,16 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
         }
         atomic_store(&active.last_ms, rt_now_ms());
         if (m->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS && !r->have_decode_finish) {
-            int k = relay(r, m->tokens->ids, m->tokens->n_ids, st);
+            const Kvrelay__V1__DecodeTokens *t = m->tokens;
+            if (r->logprobs && (t->n_logprobs != t->n_ids || t->n_top_ids != t->n_ids)) {
+                kc_stream_cancel(s);
+                kc_status_set(st, GRPC_STATUS_INTERNAL, "decode node %s sent %zu logprobs and %zu top_ids for %zu ids",
+                              r->dnode->id, t->n_logprobs, t->n_top_ids, t->n_ids);
+                code = st->code;
+                kc_message_free(&m->base);
+                break;
+            }
+            int k = relay(r, t->ids, t->logprobs, t->top_ids, t->n_ids, st);
             if (k != 0) {
                 kc_stream_cancel(s); /* a stop string, or the client is gone: the node frees the slot */
                 code = k < 0 ? st->code : GRPC_STATUS_OK;
@@ -814,7 +872,8 @@ static grpc_status_code start(gen_req *r, int *done, kc_status *st)
         r->pu.transfer_s = u->transfer_s;
         kc_counter_inc(rt->m.kv_bytes_shipped, (double)u->kv_bytes_shipped); /* shipped, whatever follows */
     }
-    uint32_t first = pr->first_token;
+    uint32_t first = pr->first_token, first_top = pr->first_top_id;
+    float first_lp = pr->first_logprob;
     kc_message_free(&pr->base);
     kc_info(r->id, "prefilled %d tokens on %s: first token %u, %" PRIu64 " KV entries shipped to %s in %.4f s", r->n_pf,
             r->pnode->id, first, r->pu.kv_entries_shipped, r->dnode->id, r->pu.transfer_s);
@@ -823,7 +882,13 @@ static grpc_status_code start(gen_req *r, int *done, kc_status *st)
         kc_status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, outside the vocabulary", r->pnode->id, first);
         return st->code;
     }
-    int k = relay(r, &first, 1, st);
+    if (r->forced && first != r->forced[r->completion]) {
+        reservation_end(r, 1);
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, not the forced %u (a node without forcing?)",
+                      r->pnode->id, first, r->forced[r->completion]);
+        return st->code;
+    }
+    int k = relay(r, &first, &first_lp, &first_top, 1, st);
     if (r->t_first == 0) { /* the first token goes out now: TTFT ends here */
         r->t_first = r->t_last;
         kc_histogram_observe(rt->m.ttft, r->t_first - r->t_arrival);
@@ -833,7 +898,7 @@ static grpc_status_code start(gen_req *r, int *done, kc_status *st)
         return st->code;
     }
     *done = k == 1;
-    if (!*done && (int32_t)first == rt->cfg.eos_token_id) {
+    if (!*done && !r->forced && (int32_t)first == rt->cfg.eos_token_id) { /* forcing scores past EOS */
         r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
         *done = 1;
     } else if (!*done && is_stop_id(r, first)) {
@@ -911,8 +976,9 @@ int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
     grpc_status_code code = validate(rt, q, r, &st);
     if (code == GRPC_STATUS_OK) {
         kc_counter_inc(rt->m.prompt_tokens, r->n_prompt);
-        kc_info(r->id, "accepted: %d prompt tokens, max_tokens %u, kv_policy '%s', %zu stop strings, %zu stop ids",
-                r->n_prompt, r->max_tokens, r->policy[0] ? r->policy : "full", q->n_stop, q->n_stop_ids);
+        kc_info(r->id, "accepted: %d prompt tokens, max_tokens %u%s%s, kv_policy '%s', %zu stop strings, %zu stop ids",
+                r->n_prompt, r->max_tokens, r->forced ? " (forced)" : "", r->logprobs ? ", logprobs" : "",
+                r->policy[0] ? r->policy : "full", r->forced ? (size_t)0 : q->n_stop, r->n_stop_ids);
         code = serve(r, &st);
     }
     if (code != GRPC_STATUS_OK) {

@@ -40,6 +40,11 @@ static void usage(FILE *f)
             "  --policy SPEC        KV policy, e.g. streaming:sink=4,window=64 (default full)\n"
             "  --stop STR           stop string, not included in the output (repeatable)\n"
             "  --stop-id N          stop token id (repeatable)\n"
+            "  --force-ids LIST     score these continuation ids instead of sampling: exactly\n"
+            "                       that many tokens (--max-tokens then defaults to their count);\n"
+            "                       implies --logprobs\n"
+            "  --logprobs           each token's log-probability and the step's argmax id: one\n"
+            "                       line per token on stderr, or \"logprobs\"/\"top_ids\" in --json\n"
             "  --raw                do not add the tokenizer's special tokens (BOS) to --prompt\n"
             "  --request-id ID      the request's id (default: the router makes one)\n"
             "  --timeout-ms MS      deadline for the whole request (default: the router's)\n"
@@ -74,9 +79,9 @@ static kc_channel *connect_router(void)
 /* ------------------------------------------------------------------ generate */
 
 typedef struct gen_opts {
-    const char *prompt, *ids_s, *policy, *request_id;
+    const char *prompt, *ids_s, *policy, *request_id, *force_s;
     long max_tokens, timeout_ms, cancel_after;
-    int json, raw, has_sampling, has_seed;
+    int json, raw, has_sampling, has_seed, logprobs, max_tokens_given;
     double temperature, top_p;
     long top_k;
     uint64_t seed;
@@ -99,7 +104,11 @@ static void parse_generate(int argc, char **argv, int i, gen_opts *o)
         } else if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--prompt")) o->prompt = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--ids")) o->ids_s = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--max-tokens")) o->max_tokens = cli_long(a, cli_value(argc, argv, &i), 0, UINT32_MAX);
+        else if (!strcmp(a, "--max-tokens")) {
+            o->max_tokens = cli_long(a, cli_value(argc, argv, &i), 0, UINT32_MAX);
+            o->max_tokens_given = 1;
+        } else if (!strcmp(a, "--force-ids")) o->force_s = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--logprobs")) o->logprobs = 1;
         else if (!strcmp(a, "--temperature")) {
             o->temperature = cli_double(a, cli_value(argc, argv, &i), 0, 100);
             o->has_sampling = 1;
@@ -133,6 +142,9 @@ static void parse_generate(int argc, char **argv, int i, gen_opts *o)
 typedef struct gen_result {
     uint32_t *ids;
     size_t n_ids, cap_ids;
+    float *logprobs; /* [n_ids] when the deltas carried them */
+    uint32_t *top_ids;
+    size_t n_logprobs;
     char *text;
     size_t text_len;
     Kvrelay__V1__GenerateResponse *finish_msg; /* owns the Finish */
@@ -150,6 +162,19 @@ static void result_add(gen_result *g, const Kvrelay__V1__TokenDelta *d)
         g->cap_ids = cap;
     }
     if (d->n_ids) memcpy(g->ids + g->n_ids, d->ids, d->n_ids * sizeof *d->ids);
+    if (d->n_logprobs == d->n_ids && d->n_top_ids == d->n_ids && d->n_ids) {
+        float *lp = realloc(g->logprobs, g->cap_ids * sizeof *lp);
+        if (lp) g->logprobs = lp;
+        uint32_t *tp = realloc(g->top_ids, g->cap_ids * sizeof *tp);
+        if (tp) g->top_ids = tp;
+        if (!lp || !tp) cli_die(1, "out of memory");
+        /* aligned with ids as long as every delta with ids carried them */
+        if (g->n_logprobs == g->n_ids) {
+            memcpy(g->logprobs + g->n_ids, d->logprobs, d->n_ids * sizeof *lp);
+            memcpy(g->top_ids + g->n_ids, d->top_ids, d->n_ids * sizeof *tp);
+            g->n_logprobs += d->n_ids;
+        }
+    }
     g->n_ids += d->n_ids;
     size_t tl = strlen(d->text);
     char *grown = realloc(g->text, g->text_len + tl + 1);
@@ -165,6 +190,14 @@ static void print_json(const gen_result *g)
     cJSON *ids = cJSON_AddArrayToObject(root, "ids");
     for (size_t i = 0; i < g->n_ids; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(g->ids[i]));
     cJSON_AddStringToObject(root, "text", g->text ? g->text : "");
+    if (g->n_logprobs) {
+        cJSON *jl = cJSON_AddArrayToObject(root, "logprobs");
+        cJSON *jt = cJSON_AddArrayToObject(root, "top_ids");
+        for (size_t i = 0; i < g->n_logprobs; i++) {
+            cJSON_AddItemToArray(jl, cJSON_CreateNumber((double)g->logprobs[i]));
+            cJSON_AddItemToArray(jt, cJSON_CreateNumber(g->top_ids[i]));
+        }
+    }
     const Kvrelay__V1__Finish *f = g->finish_msg ? g->finish_msg->finish : NULL;
     cJSON_AddStringToObject(root, "finish_reason", g->cancelled ? "cancelled" : kc_finish_reason_name(f->reason));
     if (f && f->usage) {
@@ -234,6 +267,23 @@ static int cmd_generate(int argc, char **argv, int i)
         req.token_ids = &tids;
     }
     req.max_tokens = (uint32_t)o.max_tokens;
+    Kvrelay__V1__TokenIds fids = KVRELAY__V1__TOKEN_IDS__INIT;
+    uint32_t *forced = NULL;
+    if (o.force_s) {
+        int n;
+        int32_t *v = cli_ids("--force-ids", o.force_s, &n);
+        if (n == 0) cli_die(2, "generate: --force-ids: no ids");
+        forced = malloc((size_t)n * sizeof *forced);
+        if (!forced) cli_die(1, "out of memory");
+        for (int k = 0; k < n; k++) forced[k] = (uint32_t)v[k];
+        free(v);
+        fids.n_ids = (size_t)n;
+        fids.ids = forced;
+        req.forced = &fids;
+        /* the server takes 0 as "as many as forced"; a given --max-tokens is sent for it to check */
+        if (!o.max_tokens_given) req.max_tokens = 0;
+    }
+    req.logprobs = o.logprobs;
     Kvrelay__V1__Sampling sampling = KVRELAY__V1__SAMPLING__INIT;
     if (o.has_sampling) {
         sampling.temperature = (float)o.temperature;
@@ -300,12 +350,17 @@ static int cmd_generate(int argc, char **argv, int i)
             for (size_t k = 0; k < g.n_ids; k++) printf("%s%u", k ? " " : "", g.ids[k]);
         putchar('\n');
         fflush(stdout);
+        for (size_t k = 0; k < g.n_logprobs; k++)
+            fprintf(stderr, "token %zu: id %u logprob %.9g top_id %u\n", k, g.ids[k], (double)g.logprobs[k], g.top_ids[k]);
         print_usage_line(&g);
     }
     kc_message_free(g.finish_msg ? &g.finish_msg->base : NULL);
     free(g.ids);
+    free(g.logprobs);
+    free(g.top_ids);
     free(g.text);
     free(ids);
+    free(forced);
     return 0;
 }
 

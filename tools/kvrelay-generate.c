@@ -5,6 +5,9 @@
  * Stopping: --max-tokens, --stop-id, and for text prompts the tokenizer's EOS (--ignore-eos
  * turns that off). With --ids the program is a raw engine probe: no BOS is added and EOS does
  * not stop it unless given with --stop-id (see docs/engine.md).
+ * Scoring: --force-ids feeds given continuation ids instead of sampling and --logprobs reports
+ * each emitted id's log-probability and the step's argmax (kr_logprob), the single-process
+ * reference for what the cluster's Generate returns with `forced` / `logprobs`.
  */
 #include "cli.h"
 #include "kr.h"
@@ -21,6 +24,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: kvrelay-generate --model DIR (--prompt TEXT | --ids \"1 2 3\") --max-tokens N [options]\n"
+            "       kvrelay-generate --model DIR (--prompt TEXT | --ids LIST) --force-ids LIST [options]\n"
             "\n"
             "Runs chunked prefill and decode in one process and prints the generated text.\n"
             "\n"
@@ -28,7 +32,13 @@ static void usage(FILE *f)
             "                     tokenizer.json for --prompt and for text output)\n"
             "  --prompt TEXT      prompt text; tokenized with the BOS the tokenizer config asks for\n"
             "  --ids LIST         prompt token ids, fed as given (no BOS added)\n"
-            "  --max-tokens N     tokens to generate (required)\n"
+            "  --max-tokens N     tokens to generate (required unless --force-ids)\n"
+            "  --force-ids LIST   score these continuation ids: the i-th generated token is the\n"
+            "                     i-th id (no sampling; stop ids and EOS do not end it); implies\n"
+            "                     --logprobs and the count (--max-tokens, if given, must equal it)\n"
+            "  --logprobs         report each generated id's log-probability under the full\n"
+            "                     softmax at temperature 1 and the step's argmax id (in --json:\n"
+            "                     \"logprobs\" and \"top_ids\"; otherwise one line per token on stderr)\n"
             "  --greedy           argmax decoding (same as --temperature 0)\n"
             "  --temperature T    sampling temperature (default 1; 0 = greedy)\n"
             "  --top-k K          keep the K most likely tokens (default 0 = off)\n"
@@ -52,9 +62,9 @@ static void usage(FILE *f)
 }
 
 typedef struct gen_opts {
-    const char *model_dir, *prompt, *ids_s, *policy;
+    const char *model_dir, *prompt, *ids_s, *policy, *force_s;
     long max_tokens, chunk, threads;
-    int json, stats, ignore_eos;
+    int json, stats, ignore_eos, logprobs;
     kr_backend_kind backend;
     kr_sampling sampling;
     int32_t stop[MAX_STOP];
@@ -90,13 +100,16 @@ static void parse(int argc, char **argv, gen_opts *o)
         else if (!strcmp(a, "--chunk")) o->chunk = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
         else if (!strcmp(a, "--threads")) o->threads = cli_long(a, cli_value(argc, argv, &i), 1, 1024);
         else if (!strcmp(a, "--backend")) o->backend = (kr_backend_kind)cli_backend(cli_value(argc, argv, &i));
+        else if (!strcmp(a, "--force-ids")) o->force_s = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--logprobs")) o->logprobs = 1;
         else if (!strcmp(a, "--stats")) o->stats = 1;
         else if (!strcmp(a, "--json")) o->json = 1;
         else cli_die(2, "unknown argument '%s' (see --help)", a);
     }
     if (!o->model_dir) cli_die(2, "--model is required (see --help)");
     if (!o->prompt == !o->ids_s) cli_die(2, "give exactly one of --prompt and --ids");
-    if (o->max_tokens < 0) cli_die(2, "--max-tokens is required");
+    if (o->max_tokens < 0 && !o->force_s) cli_die(2, "--max-tokens is required");
+    if (o->force_s) o->logprobs = 1;
 }
 
 static int is_stop(const gen_opts *o, int32_t id)
@@ -146,6 +159,17 @@ int main(int argc, char **argv)
         prompt = cli_ids("--ids", o.ids_s, &n_prompt);
     }
     if (n_prompt == 0) cli_die(2, "the prompt is empty");
+    int32_t *forced = NULL;
+    int n_forced = 0;
+    if (o.force_s) {
+        forced = cli_ids("--force-ids", o.force_s, &n_forced);
+        if (n_forced == 0) cli_die(2, "--force-ids: no ids");
+        if (o.max_tokens >= 0 && o.max_tokens != n_forced)
+            cli_die(2, "--max-tokens %ld differs from the %d ids of --force-ids (give one or make them equal)",
+                    o.max_tokens, n_forced);
+        o.max_tokens = n_forced;
+        o.n_stop = 0; /* a forced continuation is scored to its end, EOS or not */
+    }
 
     kr_model *m;
     kr_model_opts mo = {.verbose = 0};
@@ -154,6 +178,9 @@ int main(int argc, char **argv)
     for (int i = 0; i < n_prompt; i++)
         if (prompt[i] >= cfg->vocab_size)
             cli_die(2, "prompt token %d (index %d) is outside the model's vocabulary [0, %d)", prompt[i], i, cfg->vocab_size);
+    for (int i = 0; i < n_forced; i++)
+        if (forced[i] >= cfg->vocab_size)
+            cli_die(2, "--force-ids: id %d (index %d) is outside the model's vocabulary [0, %d)", forced[i], i, cfg->vocab_size);
     if (tok && kr_tokenizer_n_vocab(tok) > cfg->vocab_size)
         cli_die(1, "%s: the tokenizer has %d ids but the model only %d", o.model_dir, kr_tokenizer_n_vocab(tok), cfg->vocab_size);
 
@@ -180,9 +207,11 @@ int main(int argc, char **argv)
 
     float *logits = malloc(sizeof(float) * (size_t)cfg->vocab_size);
     int32_t *out = malloc(sizeof(int32_t) * (size_t)(o.max_tokens + 1));
+    int32_t *top_ids = malloc(sizeof(int32_t) * (size_t)(o.max_tokens + 1));
+    float *lps = malloc(sizeof(float) * (size_t)(o.max_tokens + 1));
     char *text = calloc(1, 1);
     size_t text_len = 0;
-    if (!logits || !out || !text) cli_die(1, "out of memory");
+    if (!logits || !out || !top_ids || !lps || !text) cli_die(1, "out of memory");
 
     double t0 = cli_now();
     int n_out = 0;
@@ -196,7 +225,8 @@ int main(int argc, char **argv)
     while (n_out < o.max_tokens) {
         if (n_out > 0 && kr_forward(ctx, seq, &out[n_out - 1], 1, KR_LOGITS_LAST, logits, err) != KR_OK)
             cli_die(1, "decode: %s", err);
-        int32_t id = kr_sampler_sample(sp, logits);
+        int32_t id = forced ? forced[n_out] : kr_sampler_sample(sp, logits);
+        if (o.logprobs) lps[n_out] = kr_logprob(logits, cfg->vocab_size, id, &top_ids[n_out]);
         out[n_out++] = id;
         if (dt) {
             const char *delta;
@@ -246,6 +276,15 @@ int main(int argc, char **argv)
         cJSON *ids = cJSON_AddArrayToObject(root, "ids");
         for (int i = 0; i < n_out; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(out[i]));
         cJSON_AddStringToObject(root, "text", text);
+        if (o.logprobs) {
+            /* a float widened to double: cJSON prints it so that it parses back exactly */
+            cJSON *jl = cJSON_AddArrayToObject(root, "logprobs");
+            cJSON *jt = cJSON_AddArrayToObject(root, "top_ids");
+            for (int i = 0; i < n_out; i++) {
+                cJSON_AddItemToArray(jl, cJSON_CreateNumber((double)lps[i]));
+                cJSON_AddItemToArray(jt, cJSON_CreateNumber(top_ids[i]));
+            }
+        }
         if (o.stats) cJSON_AddItemToObject(root, "stats", stats);
         else cJSON_Delete(stats);
         char *s = cJSON_PrintUnformatted(root);
@@ -254,6 +293,9 @@ int main(int argc, char **argv)
         cJSON_Delete(root);
     } else {
         putchar('\n');
+        fflush(stdout);
+        for (int i = 0; o.logprobs && i < n_out; i++)
+            fprintf(stderr, "token %d: id %d logprob %.9g top_id %d\n", i, out[i], (double)lps[i], top_ids[i]);
         if (o.stats) {
             char *s = cJSON_Print(stats);
             fprintf(stderr, "%s\n", s);
@@ -263,6 +305,9 @@ int main(int argc, char **argv)
     }
     free(text);
     free(out);
+    free(top_ids);
+    free(lps);
+    free(forced);
     free(logits);
     kr_detok_free(dt);
     kr_sampler_free(sp);

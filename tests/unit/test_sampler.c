@@ -2,7 +2,8 @@
  * test_sampler.c - the sampler on logits small enough to reason about: greedy takes the argmax
  * and the lowest id on ties; top-k 1 and temperature 0 are greedy; a seed reproduces a stream and
  * another seed changes it; top-k and top-p never draw outside the allowed set; frequencies follow
- * softmax(logits / T) (a chi-square bound that a wrong temperature fails); bad settings are refused.
+ * softmax(logits / T) (a chi-square bound that a wrong temperature fails); bad settings are refused;
+ * kr_logprob matches a long-double log-softmax, sums to 1, and stays finite on huge logits.
  */
 #include "kr_test.h"
 
@@ -122,5 +123,34 @@ int main(void)
     s.top_k = -2;
     CHECK(kr_sampler_create(&s, V, &sp, err) == -1, "negative top_k accepted");
     CHECK_ERR_HAS(err, "top_k");
+
+    /* log-probabilities: against a long-double reference, normalized, and stable where a naive
+     * exp overflows */
+    double total = 0.0;
+    for (int id = 0; id < V; id++) {
+        int32_t top = -1;
+        float lp = kr_logprob(logits, V, id, &top);
+        long double z = 0.0L;
+        for (int i = 0; i < V; i++) z += expl((long double)logits[i]);
+        double want = (double)((long double)logits[id] - logl(z));
+        CHECK(isfinite(lp) && lp <= 0.0f, "logprob of %d: %g", id, lp);
+        CHECK(fabs(lp - want) < 1e-6, "logprob of %d: %.9g, want %.9g", id, lp, want);
+        CHECK(top == 1, "top id %d: the argmax is 1 (lowest id on ties)", top);
+        total += exp((double)lp);
+    }
+    CHECK(fabs(total - 1.0) < 1e-6, "probabilities sum to %.9f", total);
+    CHECK(kr_argmax(logits, V) == 1, "kr_argmax takes the lowest id on ties");
+    CHECK(kr_logprob(logits, V, 1, NULL) == kr_logprob(logits, V, 1, NULL), "not a pure function");
+    const float huge[4] = {1000.0f, 999.0f, -1000.0f, 1000.0f}; /* exp(1000) overflows float */
+    int32_t top = -1;
+    float lp0 = kr_logprob(huge, 4, 0, &top), lp2 = kr_logprob(huge, 4, 2, NULL);
+    double want0 = -log(2.0 + exp(-1.0));
+    CHECK(isfinite(lp0) && fabs(lp0 - want0) < 1e-6, "large logits: %.9g, want %.9g", lp0, want0);
+    CHECK(isfinite(lp2) && lp2 < -1999.0f && lp2 > -2001.0f, "a far tail: %g", lp2);
+    CHECK(top == 0, "top id with large logits: %d", top);
+    const float flat[3] = {0.5f, 0.5f, 0.5f};
+    CHECK(fabs(kr_logprob(flat, 3, 2, NULL) + log(3.0)) < 1e-6, "uniform row: -log 3");
+    const float one[1] = {-7.0f};
+    CHECK(kr_logprob(one, 1, 0, NULL) == 0.0f, "a one-token vocabulary has log-probability 0");
     return kt_done("test_sampler");
 }
