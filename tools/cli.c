@@ -140,3 +140,9 @@ int cli_backend(const char *s)
     if (!strcmp(s, "cuda")) return 1;
     cli_die(2, "--backend: '%s' is not a backend (cpu or cuda)", s);
 }
+
+void cli_json_exact(double v, char *buf, size_t cap)
+{
+    if (isfinite(v)) snprintf(buf, cap, "%.17g", v);
+    else snprintf(buf, cap, "null");
+}

@@ -33,6 +33,10 @@ char *cli_read_file(FILE *f, size_t *len_out);
 char *cli_read_stdin(size_t *len_out);
 /* "cpu" or "cuda" as a kr_backend_kind (int); dies on anything else. */
 int cli_backend(const char *s);
+/* A JSON number that parses back to exactly `v` ("%.17g"; cJSON's own printer settles for 15
+ * digits when they compare nearly equal), or "null" when v is not finite. For values that
+ * must compare bit for bit, e.g. log-probabilities (float32 widened to double). */
+void cli_json_exact(double v, char *buf, size_t cap);
 /* Seconds on a monotonic clock. */
 double cli_now(void);
 

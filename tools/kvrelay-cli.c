@@ -194,7 +194,9 @@ static void print_json(const gen_result *g)
         cJSON *jl = cJSON_AddArrayToObject(root, "logprobs");
         cJSON *jt = cJSON_AddArrayToObject(root, "top_ids");
         for (size_t i = 0; i < g->n_logprobs; i++) {
-            cJSON_AddItemToArray(jl, cJSON_CreateNumber((double)g->logprobs[i]));
+            char num[40];
+            cli_json_exact((double)g->logprobs[i], num, sizeof num);
+            cJSON_AddItemToArray(jl, cJSON_CreateRaw(num));
             cJSON_AddItemToArray(jt, cJSON_CreateNumber(g->top_ids[i]));
         }
     }

@@ -277,11 +277,14 @@ int main(int argc, char **argv)
         for (int i = 0; i < n_out; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(out[i]));
         cJSON_AddStringToObject(root, "text", text);
         if (o.logprobs) {
-            /* a float widened to double: cJSON prints it so that it parses back exactly */
+            /* float32 widened to double, printed to parse back exactly (compared bit for bit
+             * with the cluster's TokenDelta.logprobs) */
             cJSON *jl = cJSON_AddArrayToObject(root, "logprobs");
             cJSON *jt = cJSON_AddArrayToObject(root, "top_ids");
             for (int i = 0; i < n_out; i++) {
-                cJSON_AddItemToArray(jl, cJSON_CreateNumber((double)lps[i]));
+                char num[40];
+                cli_json_exact((double)lps[i], num, sizeof num);
+                cJSON_AddItemToArray(jl, cJSON_CreateRaw(num));
                 cJSON_AddItemToArray(jt, cJSON_CreateNumber(top_ids[i]));
             }
         }
