@@ -6,7 +6,9 @@
  * and checks:
  *   - streamed tokens equal an in-process one-sequence decode (kr_forward), token for token, for
  *     several policies at once in one batch (greedy, and one seeded sampled stream), on
- *     llama3-tiny and mistral-tiny, plus finish reason and completion_tokens;
+ *     llama3-tiny and mistral-tiny, plus finish reason and completion_tokens; forced (scoring)
+ *     sequences in the same batch stream their forced ids past EOS and a stop id, with
+ *     logprobs and top ids equal to kr_logprob on the one-process logits bit for bit;
  *   - a stream cancelled mid-way, a deadline passing mid-stream and while waiting for a bundle,
  *     an expired reservation, a released one: each leaves Status with zero reserved and used
  *     blocks (polled for a few seconds, no timing asserted);
@@ -239,11 +241,14 @@ static int release(node *nd, uint64_t id)
     return released;
 }
 
-static kc_stream *decode_open_stop(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
-                                   const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms,
-                                   uint32_t *stop_ids, size_t n_stop)
+static kc_stream *decode_open_forced(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
+                                     const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms,
+                                     uint32_t *stop_ids, size_t n_stop, uint32_t *forced,
+                                     size_t n_forced)
 {
     Kvrelay__V1__DecodeRequest req = KVRELAY__V1__DECODE_REQUEST__INIT;
+    req.forced = forced;
+    req.n_forced = n_forced;
     req.reservation_id = id;
     req.request_id = (char *)rid;
     req.max_tokens = max_tokens;
@@ -257,6 +262,14 @@ static kc_stream *decode_open_stop(node *nd, uint64_t id, const char *rid, uint3
     return s;
 }
 
+static kc_stream *decode_open_stop(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
+                                   const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms,
+                                   uint32_t *stop_ids, size_t n_stop)
+{
+    return decode_open_forced(nd, id, rid, max_tokens, sampling, timeout_ms, stop_ids, n_stop,
+                              NULL, 0);
+}
+
 static kc_stream *decode_open(node *nd, uint64_t id, const char *rid, uint32_t max_tokens,
                               const Kvrelay__V1__Sampling *sampling, int64_t timeout_ms)
 {
@@ -266,7 +279,9 @@ static kc_stream *decode_open(node *nd, uint64_t id, const char *rid, uint32_t m
 /* What one Decode stream said. */
 typedef struct streamed {
     int32_t ids[MAX_OUT];
-    int n, n_msgs, n_finish;
+    float lps[MAX_OUT]; /* n_lps of them, with top ids, when the messages carried them */
+    uint32_t tops[MAX_OUT];
+    int n, n_lps, n_msgs, n_finish;
     Kvrelay__V1__FinishReason reason;
     uint32_t completion_tokens;
     double footprint_full;
@@ -283,8 +298,13 @@ static void decode_read(kc_stream *s, streamed *out)
         const Kvrelay__V1__DecodeResponse *r = (const void *)m;
         if (r->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS) {
             out->n_msgs++;
-            for (size_t i = 0; i < r->tokens->n_ids && out->n < MAX_OUT; i++)
-                out->ids[out->n++] = (int32_t)r->tokens->ids[i];
+            const Kvrelay__V1__DecodeTokens *t = r->tokens;
+            for (size_t i = 0; i < t->n_logprobs && i < t->n_top_ids && out->n_lps < MAX_OUT; i++) {
+                out->lps[out->n_lps] = t->logprobs[i];
+                out->tops[out->n_lps++] = t->top_ids[i];
+            }
+            for (size_t i = 0; i < t->n_ids && out->n < MAX_OUT; i++)
+                out->ids[out->n++] = (int32_t)t->ids[i];
         } else if (r->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_FINISH) {
             out->n_finish++;
             out->reason = r->finish->reason;
@@ -334,6 +354,11 @@ typedef struct request {
     const char *fingerprint; /* NULL: the model's */
     int decode_max; /* Decode's max_tokens when it differs from the reservation's (CONTEXT) */
     int stop_at; /* > 0: the id one process generated at this index is a stop id */
+    int forced; /* scoring: the first token and the decode node's ids are given (EOS among them),
+                   a stop id too: none of it ends the stream, and logprobs come back */
+    uint32_t forced_ids[MAX_OUT]; /* the ids after the first: max_tokens - 1 */
+    float want_lps[MAX_OUT]; /* kr_logprob of each, and each row's argmax */
+    uint32_t want_tops[MAX_OUT];
     /* results */
     int32_t first;
     int32_t want[MAX_OUT]; /* one-process continuation after the first token */
@@ -390,6 +415,13 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
     REQUIRE(kr_prefill(e->ctx, seq, prompt, rq->n_prompt, 16, KR_LOGITS_LAST, e->logits, err) ==
             KR_OK, "prefill %s: %s", rq->policy, err);
     rq->first = kr_sampler_sample(sp, e->logits);
+    if (rq->forced) {
+        REQUIRE(rq->max_tokens - 1 <= MAX_OUT, "forced length");
+        rq->first = (rq->first + 1) % (c->vocab_size - 2);
+        for (int i = 0; i < rq->max_tokens - 1; i++)
+            rq->forced_ids[i] = (uint32_t)((rq->first * 7 + i * 13) % (c->vocab_size - 2));
+        rq->forced_ids[2] = (uint32_t)c->eos_token_id; /* scored past, not stopped at */
+    }
 
     kt_bundle_header h;
     memset(&h, 0, sizeof h);
@@ -442,9 +474,20 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
         rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH;
         if (last == c->eos_token_id)
             rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
-        while (n_gen < rq->max_tokens && last != c->eos_token_id) {
+        if (rq->forced)
+            rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+        while (n_gen < rq->max_tokens && (rq->forced || last != c->eos_token_id)) {
             REQUIRE(kr_forward(e->ctx, seq, &last, 1, KR_LOGITS_LAST, e->logits, err) == KR_OK,
                     "decode %s: %s", rq->policy, err);
+            if (rq->forced) {
+                int32_t top;
+                last = (int32_t)rq->forced_ids[n_gen - 1];
+                rq->want_lps[rq->n_want] = kr_logprob(e->logits, c->vocab_size, last, &top);
+                rq->want_tops[rq->n_want] = (uint32_t)top;
+                rq->want[rq->n_want++] = last;
+                n_gen++;
+                continue;
+            }
             last = kr_sampler_sample(sp, e->logits);
             rq->want[rq->n_want++] = last;
             n_gen++;
@@ -452,7 +495,7 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
                 rq->want_reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
         }
     }
-    if (oracle && rq->stop_at > 0 && rq->stop_at < rq->n_want) {
+    if (oracle && !rq->forced && rq->stop_at > 0 && rq->stop_at < rq->n_want) {
         /* The router's stop ids: generation ends at the first occurrence. */
         int32_t stop = rq->want[rq->stop_at];
         if (rq->first == stop) {
@@ -529,6 +572,10 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
         {.policy = "full", .n_prompt = 21, .max_tokens = 1},
         {.policy = heads_spec, .n_prompt = 40, .max_tokens = 30},
         {.policy = hsft_spec, .n_prompt = 44, .max_tokens = 30},
+        /* scoring sequences in the same batch as the sampled ones above */
+        {.policy = "full", .n_prompt = 35, .max_tokens = 20, .forced = 1, .stop_at = 4},
+        {.policy = "snapkv:mode=patched,obs=8,budget=16", .n_prompt = 47, .max_tokens = 25,
+         .forced = 1},
     };
     enum { N = sizeof rq / sizeof rq[0] };
     uint64_t ids[N];
@@ -551,10 +598,11 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
     sampled.seed = 7;
     for (int i = 0; i < N; i++) {
         uint32_t stop = rq[i].stop_at > 0 ? (uint32_t)rq[i].want[rq[i].stop_at] : 0;
-        s[i] = decode_open_stop(nd, ids[i], rid[i],
-                                (uint32_t)(rq[i].decode_max ? rq[i].decode_max : rq[i].max_tokens),
-                                rq[i].sampled ? &sampled : NULL, 30000, &stop,
-                                rq[i].stop_at > 0);
+        s[i] = decode_open_forced(nd, ids[i], rid[i],
+                                  (uint32_t)(rq[i].decode_max ? rq[i].decode_max : rq[i].max_tokens),
+                                  rq[i].sampled ? &sampled : NULL, 30000, &stop,
+                                  rq[i].stop_at > 0, rq[i].forced ? rq[i].forced_ids : NULL,
+                                  rq[i].forced ? (size_t)rq[i].max_tokens - 1 : 0);
     }
     for (int i = 0; i < N; i++) {
         streamed out;
@@ -575,6 +623,16 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
         CHECK(out.reason == rq[i].want_reason, "%s: finish reason %d, want %d", rq[i].policy,
               out.reason, rq[i].want_reason);
         CHECK(out.n <= 1 || out.footprint_full > 0, "decode footprint reported");
+        if (!rq[i].forced) {
+            CHECK(out.n_lps == 0, "%s: logprobs sent unasked", rq[i].policy);
+            continue;
+        }
+        int same = out.n_lps == rq[i].n_want;
+        for (int k = 0; same && k < out.n_lps; k++) /* bit for bit; NaN fails */
+            same = out.lps[k] == rq[i].want_lps[k] && out.tops[k] == rq[i].want_tops[k] &&
+                   out.lps[k] <= 0.0f;
+        CHECK(same, "%s (forced): %d logprobs; they or the top ids differ from one process's",
+              rq[i].policy, out.n_lps);
     }
     CHECK(idle(nd), "%s: every block back after the batch", model);
     double sum = metric(nd, "kvrelay_batch_size_sum"), cnt = metric(nd, "kvrelay_batch_size_count");
@@ -681,6 +739,21 @@ static void test_refusals(engine *e, node *nd)
     kc_stream_close(s);
     CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_NOT_FOUND, "Decode of an unknown id: %s",
           kc_status_name(out.st.code));
+    /* Forced ids: exactly max_tokens - 1 of them, each in the vocabulary (checked before the
+     * reservation is looked at). */
+    uint32_t forced[3] = {1, 2, (uint32_t)e->cfg->vocab_size};
+    s = decode_open_forced(nd, 777, "forced-count", 10, NULL, 5000, NULL, 0, forced, 2);
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_INVALID_ARGUMENT,
+          "2 forced ids for max_tokens 10: %s", kc_status_name(out.st.code));
+    CHECK_ERR_HAS(out.st.details, "forced");
+    s = decode_open_forced(nd, 777, "forced-vocab", 4, NULL, 5000, NULL, 0, forced, 3);
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_INVALID_ARGUMENT,
+          "a forced id outside the vocabulary: %s", kc_status_name(out.st.code));
+    CHECK_ERR_HAS(out.st.details, "forced[2]");
 
     /* A bundle for another model: a clear error naming both fingerprints, blocks returned. */
     request rq = {.policy = "full", .n_prompt = 20, .max_tokens = 8,

@@ -6,8 +6,9 @@
  * node's bound, with KT_RESERVE_PARSE).
  * Checked: each received bundle parses and matches an in-process kr_prefill with the same policy
  * and chunk list by list (positions, pinned, windows, K and V bit for bit; bf16 payloads equal
- * the f32 reference rounded), its header and the first token (greedy argmax, and a seeded
- * sampler), the usage counts; every invalid field refused with INVALID_ARGUMENT naming it; the
+ * the f32 reference rounded), its header and the first token (greedy argmax, a seeded
+ * sampler, and a forced id whose first_logprob and first_top_id equal kr_logprob on the
+ * reference's logits bit for bit), the usage counts; every invalid field refused with INVALID_ARGUMENT naming it; the
  * receiver's refusals and a dead address as UNAVAILABLE with the transport's message; a pool
  * overflow; concurrent calls; the queue bound (RESOURCE_EXHAUSTED), FIFO order and a deadline
  * that passes in the queue, made deterministic by a transfer address that accepts TCP but never
@@ -370,6 +371,8 @@ typedef struct call_args {
     uint64_t resv;
     const Kvrelay__V1__Sampling *sampling;
     int64_t timeout_ms;
+    int has_forced, logprobs; /* scoring: forced_first = forced (when has_forced), logprobs */
+    uint32_t forced;
     /* outcome */
     kc_status st;
     Kvrelay__V1__PrefillResponse *resp;
@@ -389,6 +392,11 @@ static int prefill(call_args *a)
     req.transfer_address = (char *)(a->addr ? a->addr : rx_addr);
     req.reservation_id = a->resv;
     req.decode_node = "test-decode";
+    if (a->has_forced) {
+        req.forced_first_choice_case = KVRELAY__V1__PREFILL_REQUEST__FORCED_FIRST_CHOICE_FORCED_FIRST;
+        req.forced_first = a->forced;
+    }
+    req.logprobs = a->logprobs;
     a->resp = NULL;
     int rc = kc_unary(a->nd->ch, PREFILL, &req.base, &kvrelay__v1__prefill_response__descriptor,
                       a->timeout_ms ? a->timeout_ms : 60000, (ProtobufCMessage **)&a->resp, &a->st);
@@ -507,8 +515,22 @@ static void pcase_check(pcase *c)
         want = kr_sampler_sample(sp, x->logits);
         kr_sampler_free(sp);
     }
+    if (a->has_forced)
+        want = (int32_t)a->forced;
     CHECK((int32_t)a->resp->first_token == want, "%s: first token %u, reference %d", what,
           a->resp->first_token, want);
+    if (a->has_forced || a->logprobs) { /* the same kr_logprob on bit-identical logits */
+        int32_t top;
+        float lp = kr_logprob(x->logits, r->c->vocab_size, want, &top);
+        CHECK(a->resp->first_logprob == lp && isfinite(lp) && lp <= 0.0f,
+              "%s: first_logprob %.9g, reference %.9g", what, a->resp->first_logprob, lp);
+        CHECK(a->resp->first_top_id == (uint32_t)top && top == x->greedy,
+              "%s: first_top_id %u, reference %d", what, a->resp->first_top_id, top);
+    } else {
+        CHECK(a->resp->first_logprob == 0.0f && a->resp->first_top_id == 0,
+              "%s: logprobs sent unasked (%g, %u)", what, a->resp->first_logprob,
+              a->resp->first_top_id);
+    }
     if (c->rv.status == 0)
         check_bundle(r, x, &c->rv, c->nd->dtype, c->n, (int32_t)a->resp->first_token, what);
     const Kvrelay__V1__PrefillUsage *u = a->resp->usage;
@@ -544,6 +566,30 @@ static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_
 {
     pcase *c = calloc(1, sizeof *c);
     pcase_prepare(c, nd, r, spec, n, seed, sampling);
+    prefill(&c->a);
+    pcase_check(c);
+    free(c);
+}
+
+/* Scoring: a forced first token (not the greedy one, and with sampling given, which forcing
+ * ignores) comes back as the first token with kr_logprob of it and the row's argmax; logprobs
+ * alone report the sampled token's. */
+static void case_scoring(node *nd, ref_model *r, const char *spec)
+{
+    Kvrelay__V1__Sampling sampled = KVRELAY__V1__SAMPLING__INIT;
+    sampled.temperature = 0.9f;
+    sampled.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
+    sampled.seed = 5;
+    pcase *c = calloc(1, sizeof *c);
+    pcase_prepare(c, nd, r, spec, 90, 31, NULL);
+    c->a.has_forced = 1;
+    c->a.forced = (uint32_t)((c->x.greedy + 1) % r->c->vocab_size);
+    c->a.sampling = &sampled;
+    prefill(&c->a);
+    pcase_check(c);
+    memset(c, 0, sizeof *c);
+    pcase_prepare(c, nd, r, spec, 90, 32, NULL);
+    c->a.logprobs = 1;
     prefill(&c->a);
     pcase_check(c);
     free(c);
@@ -623,6 +669,10 @@ static void case_invalid(node *nd, ref_model *r)
     a.rid = "negative temperature", a.sampling = &bad;
     expect_fail(&a, IA, "temperature");
     a.sampling = NULL;
+    a.rid = "forced id outside the vocabulary", a.has_forced = 1;
+    a.forced = (uint32_t)r->c->vocab_size;
+    expect_fail(&a, IA, "forced_first");
+    a.has_forced = 0;
     static const char *addrs[] = {"",
                                   "127.0.0.1",
                                   "127.0.0.1:",
@@ -1085,6 +1135,7 @@ int main(void)
     case_policy(&na, &ra, "snapkv:budget=40,obs=8", 100, 8, &sampled);
     case_concurrent(&na, &ra);
     case_invalid(&na, &ra);
+    case_scoring(&na, &ra, "snapkv:budget=40,obs=8");
     case_refusals(&na, &ra);
     case_policy(&na, &ra, "full", MAX_PROMPT, 13, NULL); /* the pool survived the refusals */
     case_queue(&na, &ra);
