@@ -418,7 +418,10 @@ def parse_args():
     ap.add_argument("--probe-frac", type=float, default=0.1)
     ap.add_argument("--attn-layer", type=int, default=1)
     ap.add_argument("--attn-weight", type=float, default=1.0)
-    ap.add_argument("--advance-at", type=float, default=0.9, help="answer accuracy that ends a curriculum stage")
+    ap.add_argument("--advance-at", type=float, default=0.9,
+                    help="key-value answer accuracy that ends a curriculum stage")
+    ap.add_argument("--advance-copy-at", type=float, default=0.7,
+                    help="copy answer accuracy that ends a curriculum stage (copy is learned later)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
@@ -520,7 +523,7 @@ def main():
             if tot:
                 st["ema"][kind] = 0.95 * st["ema"][kind] + 0.05 * hit / tot
         if (st["stage"] + 1 < len(stages) and st["ema"]["kv"] >= args.advance_at
-                and st["ema"]["copy"] >= args.advance_at):
+                and st["ema"]["copy"] >= args.advance_copy_at):
             st["stage"] += 1
             st["ema"] = {"kv": 0.0, "copy": 0.0}
             log("curriculum: sequences up to %d tokens from step %d" % (stages[st["stage"]], st["step"]))
