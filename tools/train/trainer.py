@@ -295,6 +295,7 @@ def run(args, out, work, info, stages, log):
         model.load_state_dict(ck["model"])
         probes.load_state_dict(ck["probes"])
         opt.load_state_dict(ck["opt"])
+        torch.set_rng_state(ck["torch_rng"])  # the probes' position sampling goes on as unbroken
         st = ck["state"]
         log("resumed at step %d (%.1f M tokens, stage %d)" % (st["step"], st["tokens"] / 1e6, st["stage"]))
     tv_task = {"keys": set(int(k) for k in tv.keys), "all": torch.tensor(sorted(tv.task_ids))}
@@ -310,6 +311,7 @@ def run(args, out, work, info, stages, log):
         export(model, cfg, tok_dir, out, meta, os.path.join(work, "heldout.txt"))
         tmp = ckpt + ".tmp"
         torch.save({"model": model.state_dict(), "probes": probes.state_dict(),
+                    "torch_rng": torch.get_rng_state(),
                     "opt": opt.state_dict(), "state": st}, tmp)
         os.replace(tmp, ckpt)
 
