@@ -92,10 +92,11 @@ def kv_case(rng, tv, stream, length, depth, n_distract=3):
     return [int(x) for x in out], [int(vals[0])]
 
 
-def copy_case(rng, tv, stream, length, depth, span=COPY_SPAN):
+def copy_case(rng, tv, stream, length, depth, span=COPY_SPAN, answer=None):
     """A copy case of exactly `length` prompt tokens: "<cp> s1..sN" at `depth`, text, then "<cp>".
 
-    The answer is the span s1..sN again (N distinct value tokens). Returns (prompt, answer).
+    The answer is the span again (N distinct value tokens): all of it, or its first `answer`
+    tokens. Returns (prompt, answer).
     """
     n_fill = length - 1 - (1 + span) - 1
     if n_fill < 0:
@@ -105,7 +106,7 @@ def copy_case(rng, tv, stream, length, depth, span=COPY_SPAN):
     cut = int(round(min(max(depth, 0.0), 1.0) * n_fill))
     out = [tv.bos] + list(fill[:cut]) + [tv.cp] + list(s) + list(fill[cut:]) + [tv.cp]
     assert len(out) == length
-    return [int(x) for x in out], [int(x) for x in s]
+    return [int(x) for x in out], [int(x) for x in s[:answer]]
 
 
 # ------------------------------------------------------------------ training sequences

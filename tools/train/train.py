@@ -161,6 +161,9 @@ def parse_args():
     ap.add_argument("--max-pos", type=int, default=4096)
     ap.add_argument("--max-len", type=int, default=1024, help="longest training sequence (the last curriculum stage)")
     ap.add_argument("--tokens", type=float, default=60e6, help="training tokens in all")
+    ap.add_argument("--stop-step", type=int, default=0,
+                    help="stop (final evaluation and export) after this step, with the learning-rate "
+                         "schedule of --tokens (0: run all --tokens)")
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=100)
@@ -189,6 +192,8 @@ def parse_args():
         ap.error("--max-len must be one of %s and at most --max-pos" % (STAGES,))
     if a.tokens <= 0 or a.batch_tokens < a.max_len // 2:
         ap.error("--tokens must be positive and --batch-tokens at least half of --max-len")
+    if a.stop_step < 0:
+        ap.error("--stop-step must be 0 (off) or a step count")
     if not (0 <= a.p_kv and 0 <= a.p_copy and a.p_kv + a.p_copy <= 1):
         ap.error("--p-kv and --p-copy are shares that sum to at most 1")
     return a

@@ -318,7 +318,7 @@ def run(args, out, work, info, stages, log):
     t0 = time.time()
     t_ck, tok0 = t0, st["tokens"]
     agg = {"loss": 0.0, "lm": 0.0, "probe": 0.0, "attn": 0.0, "n": 0}
-    while st["tokens"] < args.tokens:
+    while st["tokens"] < args.tokens and not (args.stop_step and st["step"] >= args.stop_step):
         frac = st["tokens"] / args.tokens
         lr = args.lr * min(1.0, (st["step"] + 1) / args.warmup)
         if frac > 0.8:  # linear decay to a tenth over the last fifth
