@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# eval_quick.sh - kvrelay-eval through a real cluster on the trained default model.
+#
+# 1. `kvrelay-eval --quick` (it starts ./kvrelay up --bin KR_BIN itself): every policy family at
+#    one budget, kv/copy/text; its --check asserts the exactness contract (full = one-process
+#    kvrelay-generate, answers and forced log-probabilities bit for bit; full's footprint 1; a
+#    streaming window holding the whole prompt = full). Here: exit 0, the JSON holds a record per
+#    (policy, task, length) with finite numbers, the plot and the markdown are written, and an
+#    eviction policy ships fewer bytes than full.
+# 2. Bad input against a running cluster: an unknown task, a text file that is not UTF-8, one
+#    too short, one holding task tokens, a missing file, a budget the policy refuses, a gate
+#    file the router does not serve: each exits 2 with a message saying what is wrong, and the
+#    cluster then still answers a good run with full accuracy. A broken gate file through a
+#    cluster the evaluator starts: exit 2, the parser's message.
+# Skips (77) without Debian's python3-grpcio, numpy, matplotlib or the stub generator.
+# Env (set by ctest): KR_BIN, KR_SRC.
+set -euo pipefail
+PY=/usr/bin/python3 # not the python3 on PATH: a pyenv interpreter there may lack grpc
+EVAL=$KR_SRC/tools/kvrelay-eval
+
+if ! "$PY" -c 'import grpc, google.protobuf, numpy, matplotlib' 2>/dev/null; then
+  echo "SKIP: python3-grpcio, python3-numpy or python3-matplotlib missing (the README's test command installs them)"
+  exit 77
+fi
+if ! command -v protoc >/dev/null || [ ! -x /usr/bin/grpc_python_plugin ]; then
+  echo "SKIP: protoc or grpc_python_plugin missing (the README's test command installs them)"
+  exit 77
+fi
+tmp=$(mktemp -d)
+up_pid=
+cleanup() {
+  [ -z "$up_pid" ] || { kill -TERM "$up_pid" 2>/dev/null || true; wait "$up_pid" 2>/dev/null || true; }
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail=0
+bad() { echo "FAIL: $*" >&2; fail=1; }
+
+# ---- 1. the quick sweep with its checks
+if "$PY" "$EVAL" --quick --bin "$KR_BIN" --families streaming,snapkv,pyramidkv,take,sage,heads \
+  --gates "$KR_SRC/tools/data/kjv-2l128-gates.tsv" --out "$tmp/q.json" --markdown "$tmp/q.md" \
+  --plot "$tmp/q.png" >"$tmp/quick.out" 2>"$tmp/quick.err"; then
+  grep -q 'checks passed' "$tmp/quick.err" || bad "--quick did not report its checks"
+else
+  bad "kvrelay-eval --quick failed: $(tail -n 20 "$tmp/quick.err")"
+fi
+"$PY" - "$tmp/q.json" <<'EOF' || fail=1
+import json, math, sys
+d = json.load(open(sys.argv[1]))
+recs = d["records"]
+fams = {r["family"] for r in recs}
+want = {"full", "streaming", "snapkv", "pyramidkv", "take", "sage", "heads"}
+errs = []
+if not want <= fams:
+    errs.append("families %s, want %s" % (sorted(fams), sorted(want)))
+for r in recs:
+    nums = [r["kv_footprint"], r["kv_bytes_shipped"]] + [r[k] for k in ("accuracy", "ppl", "top1_agreement") if k in r]
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in nums):
+        errs.append("non-finite number in %s" % r)
+    if not (0 < r["kv_footprint"] <= 1 and r["cases"] == 6):
+        errs.append("footprint/cases out of range: %s" % r)
+    if r["task"] == "text" and not r["ppl"] >= 1:
+        errs.append("perplexity below 1: %s" % r)
+for task in ("kv", "copy", "text"):
+    for length in (128, 256):
+        full = [r for r in recs if (r["task"], r["length"], r["policy"]) == (task, length, "full")]
+        snap = [r for r in recs if (r["task"], r["length"], r["family"]) == (task, length, "snapkv")]
+        if len(full) != 1 or len(snap) != 1:
+            errs.append("%s/%d: %d full and %d snapkv records" % (task, length, len(full), len(snap)))
+            continue
+        if not snap[0]["kv_bytes_shipped"] < full[0]["kv_bytes_shipped"]:
+            errs.append("%s/%d: snapkv shipped no fewer bytes than full" % (task, length))
+kv_full = [r["accuracy"] for r in recs if r["task"] == "kv" and r["policy"] == "full"]
+if not all(a >= 0.8 for a in kv_full):  # the trained model retrieves at these lengths
+    errs.append("full-cache kv accuracy %s" % kv_full)
+if not {c["family"] for c in d["critical"]} >= want - {"full"}:
+    errs.append("critical footprints for %s only" % sorted({c["family"] for c in d["critical"]}))
+for e in errs:
+    print("FAIL: " + e, file=sys.stderr)
+sys.exit(1 if errs else 0)
+EOF
+[ -s "$tmp/q.png" ] && [ "$(head -c 4 "$tmp/q.png" | od -An -c | tr -d ' ')" = '211PNG' ] || bad "no PNG plot written"
+grep -q '^| `full` | kv | 128 |' "$tmp/q.md" || bad "the markdown table lacks the full/kv/128 row"
+
+# ---- 2. bad input, against one running cluster
+"$KR_SRC/kvrelay" up --bin "$KR_BIN" --port 0 --no-etcd --chunk 64 >"$tmp/up.out" 2>"$tmp/up.err" &
+up_pid=$!
+router=
+for _ in $(seq 600); do
+  router=$(sed -n 's/^router: //p' "$tmp/up.out")
+  [ -n "$router" ] && break
+  kill -0 "$up_pid" 2>/dev/null || break
+  sleep 0.1
+done
+[ -n "$router" ] || { bad "./kvrelay up did not start: $(tail -n 20 "$tmp/up.err")"; exit 1; }
+
+expect_error() { # expect_error PATTERN ARGS...
+  local pat=$1 rc=0; shift
+  "$PY" "$EVAL" --router "$router" --lengths 128 --cases 2 --no-sweep "$@" >"$tmp/e.out" 2>"$tmp/e.err" || rc=$?
+  [ "$rc" = 2 ] || bad "kvrelay-eval $* exited $rc, not 2: $(tail -n 5 "$tmp/e.err")"
+  grep -q -- "$pat" "$tmp/e.err" || bad "kvrelay-eval $*: no '$pat' in: $(tail -n 5 "$tmp/e.err")"
+  ! grep -q Traceback "$tmp/e.err" || bad "kvrelay-eval $*: a Python traceback instead of a message"
+}
+printf 'text \377\376 not utf-8\n' >"$tmp/binary.txt"
+echo "In the beginning God created the heaven and the earth." >"$tmp/short.txt"
+{ for i in $(seq 200); do echo "And the LORD spake unto Moses, saying <q><k07> again and again."; done; } >"$tmp/tasky.txt"
+printf '1\t1\tx\n' >"$tmp/broken-gates.tsv"
+expect_error "unknown task 'poems'" --tasks poems
+expect_error "not UTF-8" --text "$tmp/binary.txt"
+expect_error "tokens; the longest case needs" --text "$tmp/short.txt"
+expect_error "holds task tokens" --text "$tmp/tasky.txt"
+expect_error "No such file" --text "$tmp/no-such-file.txt"
+expect_error "budget" --tasks kv --policy "snapkv:budget=8,obs=16"
+expect_error "no policy files" --tasks kv --policy "heads:pattern=broken-gates.tsv"
+expect_error "unknown policy family" --families snapkv,nonsense
+
+# a broken gate file, through a cluster the evaluator starts with the file's directory as --policy-dir
+rc=0
+"$PY" "$EVAL" --bin "$KR_BIN" --gates "$tmp/broken-gates.tsv" --families heads --tasks kv \
+  --lengths 128 --cases 2 --budgets 0.5 >"$tmp/e.out" 2>"$tmp/e.err" || rc=$?
+[ "$rc" = 2 ] && grep -q 'broken-gates.tsv: row 1, column 3 is not a number' "$tmp/e.err" ||
+  bad "a broken gate file: exit $rc, $(tail -n 3 "$tmp/e.err")"
+
+# the cluster still serves: a good run on the same router
+"$PY" "$EVAL" --router "$router" --lengths 256 --cases 4 --tasks kv --no-sweep \
+  --policy snapkv:budget=64,obs=16 --out "$tmp/after.json" >"$tmp/after.out" 2>"$tmp/after.err" ||
+  bad "a good run after the bad ones failed: $(tail -n 5 "$tmp/after.err")"
+"$PY" -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+acc = [r["accuracy"] for r in d["records"]]
+sys.exit(0 if len(acc) == 2 and all(a >= 0.75 for a in acc) else "after the bad runs: accuracies %s" % acc)
+' "$tmp/after.json" || fail=1
+
+[ $fail = 0 ] && echo "eval_quick: all checks passed"
+exit $fail
