@@ -149,6 +149,8 @@ def parse_args():
     ap.add_argument("--out", required=True, help="model directory to write (refused if it exists, unless --resume)")
     ap.add_argument("--work", help="checkpoint and data directory (default: build/train/NAME)")
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
+    ap.add_argument("--init", help="start from this model directory's weights (same shape and tokenizer; "
+                                   "the optimizer and the auxiliary probes start fresh)")
     ap.add_argument("--bin", default="build", help="directory with kvrelay-make-model and kvrelay-tokenize")
     ap.add_argument("--corpus", default="kjv", help="'kjv' (Debian's bible-kjv) or a UTF-8 text file")
     ap.add_argument("--bpe-vocab", type=int, default=2048, help="BPE vocabulary with specials, before the task tokens")
@@ -210,8 +212,16 @@ def main():
     elif os.path.exists(out) or os.path.exists(ckpt):
         die("%s exists: refusing to overwrite (--resume continues its run; or remove it)"
             % (out if os.path.exists(out) else ckpt))
+    if args.init and not os.path.isfile(os.path.join(args.init, "model.safetensors")):
+        die("--init %s: no model.safetensors there" % args.init)
     os.makedirs(work, exist_ok=True)
     info = prepare(args, work)
+    if args.init:
+        with open(os.path.join(args.init, "tokenizer.json"), "rb") as a, \
+                open(os.path.join(work, "tokenizer", "tokenizer.json"), "rb") as b:
+            if a.read() != b.read():
+                die("--init %s: its tokenizer.json differs from the one this run made (another "
+                    "corpus or --bpe-vocab?)" % args.init)
     import trainer  # torch: imported only once the arguments and directories are known good
     try:
         trainer.run(args, out, work, info, [s for s in STAGES if s <= args.max_len], log)

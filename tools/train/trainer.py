@@ -122,6 +122,43 @@ class Llama(nn.Module):
         return s
 
 
+def read_safetensors(path):
+    """{name: float32 tensor} of a safetensors file of bf16/f32 tensors (as export writes)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, h in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = h["data_offsets"]
+        if h["dtype"] == "BF16":
+            t = torch.from_numpy(np.frombuffer(data[a:b], dtype=np.int16).copy()).view(torch.bfloat16)
+        elif h["dtype"] == "F32":
+            t = torch.from_numpy(np.frombuffer(data[a:b], dtype=np.float32).copy())
+        else:
+            raise RuntimeError("%s: tensor %s is %s (bf16 or f32 expected)" % (path, name, h["dtype"]))
+        out[name] = t.float().reshape(h["shape"])
+    return out
+
+
+def load_init(model, cfg, init):
+    """Starts from the weights of model directory `init` (same shape and vocabulary)."""
+    with open(os.path.join(init, "config.json")) as f:
+        ic = json.load(f)
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "rope_theta"):
+        if ic.get(k) != cfg[k]:
+            raise RuntimeError("--init %s: %s is %s, this run's is %s" % (init, k, ic.get(k), cfg[k]))
+    w = read_safetensors(os.path.join(init, "model.safetensors"))
+    with torch.no_grad():
+        for name, p in model.hf_state().items():
+            if name not in w or tuple(w[name].shape) != tuple(p.shape):
+                raise RuntimeError("--init %s: tensor %s missing or of another shape" % (init, name))
+            p.copy_(w[name])
+
+
 def model_config(args, n_vocab, tok_dir):
     with open(os.path.join(tok_dir, "config.json")) as f:
         made = json.load(f)
@@ -298,6 +335,9 @@ def run(args, out, work, info, stages, log):
         torch.set_rng_state(ck["torch_rng"])  # the probes' position sampling goes on as unbroken
         st = ck["state"]
         log("resumed at step %d (%.1f M tokens, stage %d)" % (st["step"], st["tokens"] / 1e6, st["stage"]))
+    elif args.init:
+        load_init(model, cfg, args.init)
+        log("weights from %s" % args.init)
     tv_task = {"keys": set(int(k) for k in tv.keys), "all": torch.tensor(sorted(tv.task_ids))}
     n_params = sum(p.numel() for p in model.parameters())
     log("model: %d layers, hidden %d, %d/%d heads, vocab %d, %.2f M parameters; %s tokens of text "
