@@ -80,7 +80,7 @@ for e in errs:
 sys.exit(1 if errs else 0)
 EOF
 [ -s "$tmp/q.png" ] && [ "$(head -c 4 "$tmp/q.png" | od -An -c | tr -d ' ')" = '211PNG' ] || bad "no PNG plot written"
-grep -q '^| `full` | kv | 128 |' "$tmp/q.md" || bad "the markdown table lacks the full/kv/128 row"
+grep -q '^### kv, 128 tokens' "$tmp/q.md" && grep -q '^| snapkv | ' "$tmp/q.md" || bad "the markdown lacks the kv/128 table or its snapkv row"
 
 # ---- 2. bad input, against one running cluster
 "$KR_SRC/kvrelay" up --bin "$KR_BIN" --port 0 --no-etcd --chunk 64 >"$tmp/up.out" 2>"$tmp/up.err" &
