@@ -24,6 +24,7 @@ N_KEYS = 32
 N_VALUES = 128
 MARKERS = ("<rec>", "<q>", "<cp>")
 COPY_SPAN = 16
+COPY_ANSWER = 4  # evaluation scores a copy case on the span's first tokens (docs/eval.md)
 
 
 def task_token_strings():

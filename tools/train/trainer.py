@@ -290,7 +290,8 @@ def losses(model, ids, w, seqs, tv_task, args, probes):
 
 @torch.no_grad()
 def quick_eval(model, tv, stream, lengths, cases, seed):
-    """Full-cache accuracy on kv and copy cases from held-out text (greedy, teacher-forced copy)."""
+    """Full-cache accuracy on kv and copy cases from held-out text (greedy, teacher-forced copy
+    of the span's first kvtasks.COPY_ANSWER tokens, as kvrelay-eval scores it)."""
     model.eval()
     res = {}
     for L in lengths:
@@ -298,7 +299,10 @@ def quick_eval(model, tv, stream, lengths, cases, seed):
         for kind, make in (("kv", kvtasks.kv_case), ("copy", kvtasks.copy_case)):
             ok = 0
             for i in range(cases):
-                p, a = make(rng, tv, stream, L, (i + 0.5) / cases)
+                if kind == "copy":
+                    p, a = make(rng, tv, stream, L, (i + 0.5) / cases, answer=kvtasks.COPY_ANSWER)
+                else:
+                    p, a = make(rng, tv, stream, L, (i + 0.5) / cases)
                 ids = torch.tensor([p + a[:-1]])
                 pred = model(ids)[0][0, len(p) - 1:].argmax(-1).tolist()
                 ok += pred == a
