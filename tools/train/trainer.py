@@ -258,17 +258,17 @@ def losses(model, ids, w, seqs, tv_task, args, probes):
         hit = tot = 0
         for b, s in enumerate(seqs):
             if s.answers and (s.ids[s.answers[0]] in tv_task["keys"]) == (kind == "kv"):
-                a = torch.tensor(s.answers)
+                a = torch.tensor(s.answers, device=ids.device)
                 hit += int((pred[b, a] == y[b, a]).sum())
                 tot += len(s.answers)
         stats[kind] = (hit, tot)
     # probes: the probe layer's stream must hold the tokens one and two positions back
     h = keep["h%d" % pl]
     T = x.shape[1]
-    probe = torch.zeros(())
+    probe = torch.zeros((), device=ids.device)
     for back, P in ((1, probes[0]), (2, probes[1])):
         hh, tgt = h[:, back:], x[:, :T - back]
-        sel = torch.isin(tgt, tv_task["all"]) | (torch.rand(tgt.shape) < args.probe_frac)
+        sel = torch.isin(tgt, tv_task["all"]) | (torch.rand(tgt.shape).to(tgt.device) < args.probe_frac)
         if sel.any():
             probe = probe + F.cross_entropy(P(hh[sel]), tgt[sel])
     # retrieval head: head 0 of the attention layer attends to the token to be retrieved
@@ -279,10 +279,12 @@ def losses(model, ids, w, seqs, tv_task, args, probes):
             for k in ks:
                 bi.append(b), qi.append(q), ki.append(k), gi.append(g)
             g += 1
-    attn = torch.zeros(())
+    attn = torch.zeros((), device=ids.device)
     if g:
-        p = att[torch.tensor(bi), torch.tensor(qi), torch.tensor(ki)]
-        mass = torch.zeros(g).index_add(0, torch.tensor(gi), p)
+        def t(v):
+            return torch.tensor(v, device=att.device)
+        p = att[t(bi), t(qi), t(ki)]
+        mass = torch.zeros(g, device=att.device).index_add(0, t(gi), p)
         attn = -(mass + 1e-9).log().mean()
     total = lm + args.probe_weight * probe + args.attn_weight * attn
     return total, lm, probe, attn, stats
@@ -303,7 +305,7 @@ def quick_eval(model, tv, stream, lengths, cases, seed):
                     p, a = make(rng, tv, stream, L, (i + 0.5) / cases, answer=kvtasks.COPY_ANSWER)
                 else:
                     p, a = make(rng, tv, stream, L, (i + 0.5) / cases)
-                ids = torch.tensor([p + a[:-1]])
+                ids = torch.tensor([p + a[:-1]], device=model.inv_freq.device)
                 pred = model(ids)[0][0, len(p) - 1:].argmax(-1).tolist()
                 ok += pred == a
             res["%s@%d" % (kind, L)] = ok / cases
@@ -321,9 +323,10 @@ def run(args, out, work, info, stages, log):
     train_ids = np.load(os.path.join(work, "train.npy"))
     held_ids = np.load(os.path.join(work, "heldout.npy"))
     cfg = model_config(args, info["n_vocab"], tok_dir)
-    model = Llama(cfg)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = Llama(cfg).to(dev)
     V = cfg["vocab_size"]
-    probes = nn.ModuleList([nn.Linear(args.hidden, V, bias=False) for _ in range(2)])
+    probes = nn.ModuleList([nn.Linear(args.hidden, V, bias=False) for _ in range(2)]).to(dev)
     params = list(model.parameters()) + list(probes.parameters())
     decay = [p for p in params if p.dim() >= 2]
     nodecay = [p for p in params if p.dim() < 2]
@@ -332,7 +335,7 @@ def run(args, out, work, info, stages, log):
                             lr=args.lr, betas=(0.9, 0.98))
     st = {"step": 0, "tokens": 0, "stage": 0, "ema": {"kv": 0.0, "copy": 0.0}, "evals": []}
     if args.resume:
-        ck = torch.load(ckpt)
+        ck = torch.load(ckpt, map_location="cpu")
         model.load_state_dict(ck["model"])
         probes.load_state_dict(ck["probes"])
         opt.load_state_dict(ck["opt"])
@@ -342,11 +345,13 @@ def run(args, out, work, info, stages, log):
     elif args.init:
         load_init(model, cfg, args.init)
         log("weights from %s" % args.init)
-    tv_task = {"keys": set(int(k) for k in tv.keys), "all": torch.tensor(sorted(tv.task_ids))}
+    tv_task = {"keys": set(int(k) for k in tv.keys), "all": torch.tensor(sorted(tv.task_ids), device=dev)}
     n_params = sum(p.numel() for p in model.parameters())
     log("model: %d layers, hidden %d, %d/%d heads, vocab %d, %.2f M parameters; %s tokens of text "
-        "(%d held out); %d thread(s)" % (args.layers, args.hidden, args.heads, args.kv_heads, V,
-                                         n_params / 1e6, len(train_ids), len(held_ids), args.threads))
+        "(%d held out); %s" % (args.layers, args.hidden, args.heads, args.kv_heads, V, n_params / 1e6,
+                               len(train_ids), len(held_ids),
+                               torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                               else "CPU, %d thread(s)" % args.threads))
 
     def save(final=False):
         meta = {"args": {k: v for k, v in vars(args).items() if k not in ("resume",)},
@@ -370,6 +375,7 @@ def run(args, out, work, info, stages, log):
         for g in opt.param_groups:
             g["lr"] = lr
         ids, w, seqs = make_batch(st["step"], args, tv, train_ids, stages[st["stage"]])
+        ids, w = ids.to(dev), w.to(dev)
         total, lm, probe, attn, stats = losses(model, ids, w, seqs, tv_task, args, probes)
         opt.zero_grad(set_to_none=True)
         total.backward()
