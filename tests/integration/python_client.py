@@ -16,7 +16,6 @@ Run through python_client.sh (it generates the stubs); every process is killed a
 import argparse
 import json
 import os
-import select
 import subprocess
 import sys
 import time
@@ -28,67 +27,17 @@ ap.add_argument("--model", required=True)
 ap.add_argument("--work", required=True)
 args = ap.parse_args()
 sys.path.insert(0, args.stubs)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
+from krprocs import check, failures, stop_all  # noqa: E402
+import krprocs  # noqa: E402
 from kvhealth import health_pb2, health_pb2_grpc  # noqa: E402
 
 MAX_PROMPT = 64
 MAX_TOKENS_LIMIT = 256
-failures = []
-procs = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL: " + what, file=sys.stderr)
-
-
-def start(name, argv):
-    """Starts a process (stderr to WORK/name.log), waits for its serving line, returns
-    (grpc address, http address)."""
-    log = open(os.path.join(args.work, name + ".log"), "wb")
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
-    procs.append((name, p))
-    with open(os.path.join(args.work, "pids"), "a") as f:
-        f.write("%d\n" % p.pid)
-    deadline = time.time() + 60
-    line = b""
-    while time.time() < deadline:
-        r, _, _ = select.select([p.stdout], [], [], 0.5)
-        if r:
-            ch = os.read(p.stdout.fileno(), 1)  # unbuffered: select must see what is left
-            if not ch:
-                break
-            if ch != b"\n":
-                line += ch
-                continue
-            words = line.decode().split()
-            if "serving" in words and "grpc" in words and "http" in words:
-                return words[words.index("grpc") + 1], words[words.index("http") + 1]
-            line = b""
-        elif p.poll() is not None:
-            break
-    raise RuntimeError("%s printed no serving line (exit %s); see its log" % (name, p.poll()))
-
-
-def stop_all():
-    for name, p in reversed(procs):
-        if p.poll() is None:
-            p.terminate()
-    for name, p in reversed(procs):
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            failures.append("%s did not stop on SIGTERM within 20 s" % name)
-        if p.returncode != 0:  # SIGTERM must be a clean shutdown
-            failures.append("%s exited with %s" % (name, p.returncode))
-
-
 def one_process(ids, max_tokens, extra):
     """kvrelay-generate's ids for the same request, in one process."""
     out = subprocess.run([os.path.join(args.bin, "kvrelay-generate"), "--model", args.model,
@@ -141,16 +90,16 @@ def wait_blocks_back(admin, what):
 def main():
     cfg = json.load(open(os.path.join(args.model, "config.json")))
     b = args.bin
-    dec, _ = start("decode", [b + "/kvrelay-decode", "--model", args.model, "--id", "decode-0",
+    dec, _ = krprocs.start(args.work, "decode", [b + "/kvrelay-decode", "--model", args.model, "--id", "decode-0",
                               "--listen", "127.0.0.1:0", "--transfer", "127.0.0.1:0",
                               "--http", "127.0.0.1:0", "--kv-memory", "64M", "--threads", "1"])
-    pre, _ = start("prefill", [b + "/kvrelay-prefill", "--model", args.model, "--id", "prefill-0",
+    pre, _ = krprocs.start(args.work, "prefill", [b + "/kvrelay-prefill", "--model", args.model, "--id", "prefill-0",
                                "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--threads", "1"])
     nodes = os.path.join(args.work, "nodes.json")
     with open(nodes, "w") as f:
         json.dump({"prefill": [{"id": "prefill-0", "address": pre}],
                    "decode": [{"id": "decode-0", "address": dec}]}, f)
-    router, _ = start("router", [b + "/kvrelay-router", "--model", args.model, "--nodes", nodes,
+    router, _ = krprocs.start(args.work, "router", [b + "/kvrelay-router", "--model", args.model, "--nodes", nodes,
                                  "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                                  "--max-prompt", str(MAX_PROMPT),
                                  "--max-tokens-limit", str(MAX_TOKENS_LIMIT)])

@@ -26,11 +26,9 @@ import argparse
 import json
 import math
 import os
-import select
 import subprocess
 import sys
 import threading
-import time
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--bin", required=True)
@@ -39,68 +37,18 @@ ap.add_argument("--model", required=True)
 ap.add_argument("--work", required=True)
 args = ap.parse_args()
 sys.path.insert(0, args.stubs)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
+from krprocs import check, failures, stop_all  # noqa: E402
+import krprocs  # noqa: E402
 
 CONTEXT = 256
 CHUNK = 16
 MAX_TOKENS_LIMIT = 64
 POLICIES = ["full", "snapkv:mode=patched,budget=40,obs=8", "streaming:sink=4,window=16"]
-failures = []
-procs = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL: " + what, file=sys.stderr)
-
-
-def start(name, argv):
-    """Starts a process (stderr to WORK/name.log), waits for its serving line, returns its gRPC
-    address."""
-    log = open(os.path.join(args.work, name + ".log"), "wb")
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
-    procs.append((name, p))
-    with open(os.path.join(args.work, "pids"), "a") as f:
-        f.write("%d\n" % p.pid)
-    deadline = time.time() + 120
-    line = b""
-    while time.time() < deadline:
-        r, _, _ = select.select([p.stdout], [], [], 0.5)
-        if r:
-            ch = os.read(p.stdout.fileno(), 1)
-            if not ch:
-                break
-            if ch != b"\n":
-                line += ch
-                continue
-            words = line.decode().split()
-            if "serving" in words and "grpc" in words:
-                return words[words.index("grpc") + 1]
-            line = b""
-        elif p.poll() is not None:
-            break
-    raise RuntimeError("%s printed no serving line (exit %s); see its log" % (name, p.poll()))
-
-
-def stop_all():
-    for name, p in reversed(procs):
-        if p.poll() is None:
-            p.terminate()
-    for name, p in reversed(procs):
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            failures.append("%s did not stop on SIGTERM within 20 s" % name)
-        if p.returncode != 0:
-            failures.append("%s exited with %s" % (name, p.returncode))
-
-
 def model_copy(src, dst):
     """The model with max_position_embeddings CONTEXT; every other file linked."""
     os.makedirs(dst)
@@ -176,17 +124,17 @@ def main():
     cfg = model_copy(args.model, model)
     vocab, eos = cfg["vocab_size"], cfg["eos_token_id"]
     b = args.bin
-    dec = start("decode", [b + "/kvrelay-decode", "--model", model, "--id", "decode-0",
+    dec, _ = krprocs.start(args.work, "decode", [b + "/kvrelay-decode", "--model", model, "--id", "decode-0",
                            "--listen", "127.0.0.1:0", "--transfer", "127.0.0.1:0",
                            "--http", "127.0.0.1:0", "--kv-memory", "64M", "--threads", "1"])
-    pre = start("prefill", [b + "/kvrelay-prefill", "--model", model, "--id", "prefill-0",
+    pre, _ = krprocs.start(args.work, "prefill", [b + "/kvrelay-prefill", "--model", model, "--id", "prefill-0",
                             "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--threads", "1",
                             "--chunk", str(CHUNK)])
     nodes = os.path.join(args.work, "nodes.json")
     with open(nodes, "w") as f:
         json.dump({"prefill": [{"id": "prefill-0", "address": pre}],
                    "decode": [{"id": "decode-0", "address": dec}]}, f)
-    router = start("router", [b + "/kvrelay-router", "--model", model, "--nodes", nodes,
+    router, _ = krprocs.start(args.work, "router", [b + "/kvrelay-router", "--model", model, "--nodes", nodes,
                               "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                               "--max-tokens-limit", str(MAX_TOKENS_LIMIT)])
     channel = grpc.insecure_channel(router)

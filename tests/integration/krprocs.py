@@ -1,0 +1,64 @@
+"""krprocs.py - what the Python cluster tests share: a failure list with check(), and kvrelay
+processes started from their command lines (each waits for its serving line) and stopped with
+SIGTERM, which must be a clean shutdown. Every pid is appended to WORK/pids, so the calling
+shell script can kill what is left if Python itself dies.
+"""
+import os
+import select
+import subprocess
+import sys
+import time
+
+failures = []
+_procs = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL: " + what, file=sys.stderr)
+
+
+def start(work, name, argv, timeout=120):
+    """Starts a process (stderr to WORK/name.log), waits for its serving line, returns
+    (grpc address, http address)."""
+    log = open(os.path.join(work, name + ".log"), "wb")
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
+    _procs.append((name, p))
+    with open(os.path.join(work, "pids"), "a") as f:
+        f.write("%d\n" % p.pid)
+    deadline = time.time() + timeout
+    line = b""
+    while time.time() < deadline:
+        r, _, _ = select.select([p.stdout], [], [], 0.5)
+        if r:
+            ch = os.read(p.stdout.fileno(), 1)  # unbuffered: select must see what is left
+            if not ch:
+                break
+            if ch != b"\n":
+                line += ch
+                continue
+            words = line.decode().split()
+            if "serving" in words and "grpc" in words and "http" in words:
+                return words[words.index("grpc") + 1], words[words.index("http") + 1]
+            line = b""
+        elif p.poll() is not None:
+            break
+    raise RuntimeError("%s printed no serving line (exit %s); see its log" % (name, p.poll()))
+
+
+def stop_all():
+    """SIGTERM to every started process, newest first; a process that does not stop within
+    20 s or exits non-zero is a failure."""
+    for name, p in reversed(_procs):
+        if p.poll() is None:
+            p.terminate()
+    for name, p in reversed(_procs):
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            failures.append("%s did not stop on SIGTERM within 20 s" % name)
+        if p.returncode != 0:
+            failures.append("%s exited with %s" % (name, p.returncode))
