@@ -2,7 +2,7 @@
 # eval_quick.sh - kvrelay-eval through a real cluster on the trained default model.
 #
 # 1. `kvrelay-eval --quick` (it starts ./kvrelay up --bin KR_BIN itself): every policy family at
-#    one budget, kv/copy/text; its --check asserts the exactness contract (full = one-process
+#    one budget (heads with the default model's gate file), kv/copy/text; its --check asserts the exactness contract (full = one-process
 #    kvrelay-generate, answers and forced log-probabilities bit for bit; full's footprint 1; a
 #    streaming window holding the whole prompt = full). Here: exit 0, the JSON holds a record per
 #    (policy, task, length) with finite numbers, the plot and the markdown are written, and an
@@ -37,8 +37,7 @@ fail=0
 bad() { echo "FAIL: $*" >&2; fail=1; }
 
 # ---- 1. the quick sweep with its checks
-if "$PY" "$EVAL" --quick --bin "$KR_BIN" --families streaming,snapkv,pyramidkv,take,sage,heads \
-  --gates "$KR_SRC/tools/data/kjv-2l128-gates.tsv" --out "$tmp/q.json" --markdown "$tmp/q.md" \
+if "$PY" "$EVAL" --quick --bin "$KR_BIN" --out "$tmp/q.json" --markdown "$tmp/q.md" \
   --plot "$tmp/q.png" >"$tmp/quick.out" 2>"$tmp/quick.err"; then
   grep -q 'checks passed' "$tmp/quick.err" || bad "--quick did not report its checks"
 else

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# trained_model.sh - the committed default model (models/kjv-2l128) is the one its SHA256SUMS
-# names, it loads and retrieves, and the trainer refuses bad runs before it touches anything.
+# trained_model.sh - the committed models are the ones their SHA256SUMS name: the default
+# (models/kjv-2l128-2k) and the base it was fine-tuned from (models/kjv-2l128); the default
+# loads and retrieves, and the trainer refuses bad runs before it touches anything.
 #
-# Checked: sha256 of every model file; kvtasks' self-check on the model's tokenizer; 24
-# key-value cases at 512 tokens (held-out filler, needle at every depth, seed fixed) answered
-# by kvrelay-generate in one process with the full cache: at least 0.8 correct (docs/models.md
-# gives the measured figure); the demo's retrieval prompt gives <v093>; the trainer's
-# refusals: an existing --out without --resume, --resume without a checkpoint, a bad shape, an
-# unreadable corpus (each exit status and message). torch is not needed: the trainer checks
-# everything before it imports torch. Skips (77) without Debian's python3-numpy.
+# Checked: sha256 of every file of both models; kvtasks' self-check on the default's tokenizer;
+# key-value cases (held-out filler, needle at every depth, seed fixed) answered by
+# kvrelay-generate in one process with the full cache: at least 0.8 correct of 24 at 512 tokens
+# and of 8 at 2048 (docs/models.md gives the measured figures); the demo's retrieval prompt
+# gives <v093>; the trainer's refusals: an existing --out without --resume, --resume without a
+# checkpoint, a bad shape, an unreadable corpus, an --init directory without weights (each exit
+# status and message). torch is not needed: the trainer checks everything before it imports
+# torch. Skips (77) without Debian's python3-numpy.
 # Env (set by ctest): KR_BIN, KR_SRC.
 set -euo pipefail
 PY=/usr/bin/python3 # not the python3 on PATH: a pyenv interpreter there may lack numpy
-MODEL=$KR_SRC/models/kjv-2l128
+MODEL=$KR_SRC/models/kjv-2l128-2k
 TRAIN=$KR_SRC/tools/train/train.py
 
 if ! "$PY" -c 'import numpy' 2>/dev/null; then
@@ -24,7 +26,9 @@ trap 'rm -rf "$tmp"' EXIT
 fail=0
 bad() { echo "FAIL: $*" >&2; fail=1; }
 
-(cd "$MODEL" && sha256sum --quiet -c SHA256SUMS) || bad "models/kjv-2l128 does not match its SHA256SUMS"
+for m in kjv-2l128-2k kjv-2l128; do
+  (cd "$KR_SRC/models/$m" && sha256sum --quiet -c SHA256SUMS) || bad "models/$m does not match its SHA256SUMS"
+done
 "$PY" "$KR_SRC/tools/train/kvtasks.py" "$MODEL" || bad "kvtasks self-check"
 
 # Retrieval with the full cache, one process: the cases come from kvtasks, as kvrelay-eval's do.
@@ -39,17 +43,21 @@ with open(model + "/heldout.txt", "rb") as f:
                                      capture_output=True).stdout.split(), dtype=np.int64)
 tv = kvtasks.TaskVocab(model)
 rng = np.random.default_rng(20261124)
-cases, ok = 24, 0
-for i in range(cases):
-    prompt, answer = kvtasks.kv_case(rng, tv, stream, 512, (i + 0.5) / cases)
-    out = subprocess.run([gen, "--model", model, "--ids", " ".join(map(str, prompt)),
-                          "--max-tokens", "1", "--greedy", "--json"], check=True,
-                         capture_output=True, text=True).stdout
-    ok += json.loads(out)["ids"] == answer
-acc = ok / cases
-print("kv@512, full cache, one process: %d/%d = %.3f" % (ok, cases, acc))
-if not acc >= 0.8:  # written so that NaN fails too
-    sys.exit("FAIL: kv@512 accuracy %.3f < 0.8" % acc)
+failed = False
+for length, cases in ((512, 24), (2048, 8)):
+    ok = 0
+    for i in range(cases):
+        prompt, answer = kvtasks.kv_case(rng, tv, stream, length, (i + 0.5) / cases)
+        out = subprocess.run([gen, "--model", model, "--ids", " ".join(map(str, prompt)),
+                              "--max-tokens", "1", "--greedy", "--json"], check=True,
+                             capture_output=True, text=True).stdout
+        ok += json.loads(out)["ids"] == answer
+    acc = ok / cases
+    print("kv@%d, full cache, one process: %d/%d = %.3f" % (length, ok, cases, acc))
+    if not acc >= 0.8:  # written so that NaN fails too
+        print("FAIL: kv@%d accuracy %.3f < 0.8" % (length, acc), file=sys.stderr)
+        failed = True
+sys.exit(1 if failed else 0)
 EOF
 demo='<rec><k07><v093> The LORD is my shepherd; I shall not want. He maketh me to lie down in green pastures: he leadeth me beside the still waters.<q><k07>'
 got=$("$KR_BIN/kvrelay-generate" --model "$MODEL" --prompt "$demo" --max-tokens 1 --greedy 2>/dev/null)
@@ -69,6 +77,7 @@ expect 2 "no checkpoint" --out "$tmp/new" --work "$tmp/w2" --resume
 expect 2 "must divide" --out "$tmp/new" --work "$tmp/w3" --hidden 128 --heads 5
 expect 2 "max-len" --out "$tmp/new" --work "$tmp/w4" --max-len 300
 expect 1 "no-such-corpus" --out "$tmp/new" --work "$tmp/w5" --corpus "$tmp/no-such-corpus"
+expect 2 "no model.safetensors" --out "$tmp/new" --work "$tmp/w6" --init "$tmp/exists"
 [ ! -e "$tmp/new" ] || bad "a refused run created --out"
 
 [ $fail = 0 ] && echo "trained_model: all checks passed"
