@@ -12,6 +12,8 @@
 #    file the router does not serve: each exits 2 with a message saying what is wrong, and the
 #    cluster then still answers a good run with full accuracy. A broken gate file through a
 #    cluster the evaluator starts: exit 2, the parser's message.
+# Between the two: --calibrate-gates writes a gate file of the model's shape that the heads
+# policy accepts.
 # Skips (77) without Debian's python3-grpcio, numpy, matplotlib or the stub generator.
 # Env (set by ctest): KR_BIN, KR_SRC.
 set -euo pipefail
@@ -80,6 +82,25 @@ sys.exit(1 if errs else 0)
 EOF
 [ -s "$tmp/q.png" ] && [ "$(head -c 4 "$tmp/q.png" | od -An -c | tr -d ' ')" = '211PNG' ] || bad "no PNG plot written"
 grep -q '^### kv, 128 tokens' "$tmp/q.md" && grep -q '^| snapkv | ' "$tmp/q.md" || bad "the markdown lacks the kv/128 table or its snapkv row"
+
+# ---- gate calibration: a gate file the heads policy takes, gates in [0, 1], the largest 1
+if "$PY" "$EVAL" --bin "$KR_BIN" --calibrate-gates "$tmp/gates.tsv" --lengths 128 --cases 2 \
+  --seed 99 >"$tmp/cal.out" 2>"$tmp/cal.err"; then
+  "$PY" - "$tmp/gates.tsv" "$KR_SRC/models/kjv-2l128-2k/config.json" <<'EOF' || fail=1
+import json, math, sys
+rows = [l.split("\t") for l in open(sys.argv[1]) if l.strip() and not l.startswith("#")]
+cfg = json.load(open(sys.argv[2]))
+g = [float(x) for r in rows for x in r]
+ok = (len(rows) == cfg["num_hidden_layers"] and all(len(r) == cfg["num_key_value_heads"] for r in rows)
+      and all(math.isfinite(x) and 0 <= x <= 1 for x in g) and max(g) == 1.0)
+sys.exit(0 if ok else "FAIL: calibrated gates %s" % rows)
+EOF
+  "$KR_BIN/kvrelay-generate" --model "$KR_SRC/models/kjv-2l128-2k" --prompt "And God said" \
+    --max-tokens 4 --policy "heads:pattern=$tmp/gates.tsv,sparsity=0.5,sink=4,window=8" >/dev/null ||
+    bad "the heads policy refused the calibrated gate file"
+else
+  bad "--calibrate-gates failed: $(tail -n 5 "$tmp/cal.err")"
+fi
 
 # ---- 2. bad input, against one running cluster
 "$KR_SRC/kvrelay" up --bin "$KR_BIN" --port 0 --no-etcd --chunk 64 >"$tmp/up.out" 2>"$tmp/up.err" &
