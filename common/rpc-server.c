@@ -3,7 +3,8 @@
  * a request for each registered method as soon as a call to it arrives, keeps one generic request
  * armed to answer unknown methods with UNIMPLEMENTED (without it such a call hangs until the
  * client's deadline: STACK.md), reads requests, and completes sends and statuses. Handlers run on
- * a thread per call, so one slow handler never holds up the queue or another call.
+ * a thread per call, so one slow handler never holds up the queue or another call; the server's
+ * auth hook (kc_server_set_auth), when set, runs on that thread first.
  * Not here: client-streaming or bidi methods, thread pools, TLS. Test: ctest -R test_grpc.
  *
  * Call lifetime: a kc_call holds a reference count under its mutex; each outstanding batch, the
@@ -26,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #define KC_MAX_CALLS_DEFAULT 1024
@@ -85,6 +87,8 @@ struct kc_server {
     int max_calls;
     kc_method *methods;
     int n_methods;
+    kc_auth_fn auth; /* NULL: every call goes to its handler */
+    void *auth_user;
     kc_tag shutdown_tag;
 
     pthread_mutex_t mu; /* guards the fields below */
@@ -344,6 +348,22 @@ const char *kc_call_method(const kc_call *c)
     return c->m->path;
 }
 
+/* c->md was filled by gRPC when the call arrived and is never written again, so no lock. */
+const char *kc_call_metadata(const kc_call *c, const char *key, size_t *len)
+{
+    size_t klen = strlen(key);
+    for (size_t i = 0; i < c->md.count; i++) {
+        const grpc_slice *k = &c->md.metadata[i].key;
+        if (GRPC_SLICE_LENGTH(*k) == klen &&
+            strncasecmp((const char *)GRPC_SLICE_START_PTR(*k), key, klen) == 0) {
+            const grpc_slice *v = &c->md.metadata[i].value;
+            *len = GRPC_SLICE_LENGTH(*v);
+            return (const char *)GRPC_SLICE_START_PTR(*v);
+        }
+    }
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ handler threads */
 
 static void *handler_main(void *arg)
@@ -351,6 +371,17 @@ static void *handler_main(void *arg)
     kc_call *c = arg;
     ProtobufCMessage *req = NULL;
     kc_status st;
+    kc_server *srv = c->srv;
+    if (srv->auth) { /* before decoding: a refused client's bytes reach no parser */
+        char details[sizeof c->details];
+        details[0] = '\0';
+        int code = srv->auth(srv->auth_user, c, details, sizeof details);
+        if (code != GRPC_STATUS_OK) {
+            call_finish(c, (grpc_status_code)code, details);
+            call_unref(c);
+            return NULL;
+        }
+    }
     if (kc_message_unpack(c->recv_bb, c->m->req_desc, c->srv->max_message_bytes, &req, &st) != 0) {
         call_finish(c, st.code, st.details); /* malformed: the handler never sees it */
         call_unref(c);
@@ -744,6 +775,15 @@ int kc_server_add_stream(kc_server *srv, const char *path,
                          const ProtobufCMessageDescriptor *req_desc, kc_handler fn, void *user)
 {
     return add_method(srv, path, req_desc, fn, user, 1);
+}
+
+int kc_server_set_auth(kc_server *srv, kc_auth_fn fn, void *user)
+{
+    if (srv->started)
+        return -1;
+    srv->auth = fn;
+    srv->auth_user = user;
+    return 0;
 }
 
 int kc_server_start(kc_server *srv, kc_status *st)

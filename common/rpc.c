@@ -488,6 +488,13 @@ int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req
     return stream_start(ch, path, req, NULL, 0, timeout_ms, out, st);
 }
 
+int kc_stream_open_md(kc_channel *ch, const char *path, const ProtobufCMessage *req,
+                      const kc_md *md, size_t n_md, int64_t timeout_ms, kc_stream **out,
+                      kc_status *st)
+{
+    return stream_start(ch, path, req, md, n_md, timeout_ms, out, st);
+}
+
 int kc_bidi_open(kc_channel *ch, const char *path, const kc_md *md, size_t n_md,
                  int64_t timeout_ms, kc_stream **out, kc_status *st)
 {

@@ -5,7 +5,8 @@
  * a clean shutdown), and a client (insecure channel, blocking unary call, server-streaming
  * reader, cancellation).
  * Also, for the etcd client (common/etcd.c): channels with TLS credentials, keepalive and a
- * short reconnect backoff, call metadata (etcd's auth token), bidirectional streams.
+ * short reconnect backoff, call metadata (etcd's auth token), bidirectional streams; and for the
+ * router's API keys: a server-wide auth hook run before handlers, and reading request metadata.
  * Not here: server-side TLS, client-streaming calls, retries, load balancing (the request id
  * travels in the messages, not in metadata).
  * Threads, ownership and cancellation are spelled out in docs/rpc.md. Test: ctest -R test_grpc.
@@ -78,6 +79,17 @@ int kc_server_add_unary(kc_server *srv, const char *path, const ProtobufCMessage
                         kc_handler fn, void *user);
 int kc_server_add_stream(kc_server *srv, const char *path,
                          const ProtobufCMessageDescriptor *req_desc, kc_handler fn, void *user);
+/* A server-wide check run before the handler of every registered method: it sees the method
+ * (kc_call_method) and the client's request metadata (kc_call_metadata) and returns
+ * GRPC_STATUS_OK to let the call through, or the status to refuse it with (e.g.
+ * UNAUTHENTICATED) after writing the details the client gets into `details` (`cap` bytes,
+ * NUL-terminated). A refused call is answered at once: its request is never decoded and its
+ * handler never runs. The hook runs on the call's own thread, one per call, so it must be
+ * thread-safe; it decides which methods it covers (return OK for the others). */
+typedef int (*kc_auth_fn)(void *user, const kc_call *call, char *details, size_t cap);
+/* Installs the hook (NULL: none, the default) before kc_server_start. Returns 0, or -1 when the
+ * server already started. */
+int kc_server_set_auth(kc_server *srv, kc_auth_fn fn, void *user);
 /* Starts serving: the completion-queue thread runs from here to kc_server_destroy. */
 int kc_server_start(kc_server *srv, kc_status *st);
 /* Stops accepting calls, cancels those in flight, waits for every handler to return and every
@@ -116,6 +128,11 @@ int kc_call_wait(kc_call *call, int64_t ms);
 int64_t kc_call_ms_left(kc_call *call);
 /* The method path this call was made to. */
 const char *kc_call_method(const kc_call *call);
+/* The value of the client's request metadata `key` (compared ignoring case; gRPC sends keys in
+ * lower case, e.g. "authorization"): the first entry with that key, or NULL when there is none.
+ * The value is NOT NUL-terminated: *len is its length. It points into the call and stays valid
+ * until the call ends (for a handler: until it returns; a detached call: until kc_call_finish). */
+const char *kc_call_metadata(const kc_call *call, const char *key, size_t *len);
 
 /* ------------------------------------------------------------------ client */
 
@@ -172,6 +189,10 @@ int kc_unary_bytes(kc_channel *ch, const char *path, const void *req, size_t len
  * `st`. One thread reads it; any thread may kc_stream_cancel it. */
 int kc_stream_open(kc_channel *ch, const char *path, const ProtobufCMessage *req,
                    int64_t timeout_ms, kc_stream **out, kc_status *st);
+/* kc_stream_open with `n_md` metadata entries sent with the call. */
+int kc_stream_open_md(kc_channel *ch, const char *path, const ProtobufCMessage *req,
+                      const kc_md *md, size_t n_md, int64_t timeout_ms, kc_stream **out,
+                      kc_status *st);
 /* Blocks for the next message: 1 with *msg (a `desc` message, free with kc_message_free);
  * 0 when the stream ended with OK; -1 when it ended otherwise (`st` says how: the server's
  * status, CANCELLED after kc_stream_cancel, DEADLINE_EXCEEDED, a malformed message). `st` is

@@ -4,7 +4,11 @@
  * once, a sleeping handler giving the client DEADLINE_EXCEEDED (and seeing the deadline), a stream
  * of N messages in order then OK, a client cancel seen by the streaming handler, a detached stream
  * fed from another thread (the decode loop's pattern), malformed request bytes answered
- * INVALID_ARGUMENT with a message, a busy port refused, and shutdown with calls in flight.
+ * INVALID_ARGUMENT with a message, a busy port refused, and shutdown with calls in flight; a
+ * server auth hook (kc_server_set_auth) with request metadata (kc_call_metadata, sent by
+ * kc_unary_md and kc_stream_open_md): calls without or with a wrong token refused with the hook's
+ * status and details before decoding and without running the handler, an exempt method open,
+ * the right token let through with the handler seeing the metadata.
  * Not tested: TLS, message-size limits over the wire, many concurrent clients (the integration
  * tests do that with the real processes). Leaks are checked by the sanitizer build (LSan).
  * Run: ctest -R test_grpc (about 2 s).
@@ -417,6 +421,146 @@ static void test_shutdown_unary_in_flight(void)
     kc_channel_destroy(ch);
 }
 
+/* ------------------------------------------------------------------ the auth hook */
+
+static atomic_int echo_calls;  /* md_echo ran */
+static atomic_int auth_calls;  /* the hook ran */
+
+/* Decode.Reserve on the auth server: answers the "x-echo" metadata it was sent (or "(none)") as
+ * the transfer address, so the client sees what the handler saw. */
+static int md_echo(kc_call *call, const ProtobufCMessage *req, void *user)
+{
+    atomic_fetch_add(&echo_calls, 1);
+    size_t len = 0;
+    const char *v = kc_call_metadata(call, "X-Echo", &len); /* keys match ignoring case */
+    char buf[128];
+    snprintf(buf, sizeof buf, "%.*s", v ? (int)len : 6, v ? v : "(none)");
+    Kvrelay__V1__ReserveResponse resp = KVRELAY__V1__RESERVE_RESPONSE__INIT;
+    resp.transfer_address = buf;
+    kc_call_send(call, &resp.base);
+    return GRPC_STATUS_OK;
+}
+
+/* Health is open; everything else needs "authorization: Bearer sesame". */
+static int auth_hook(void *user, const kc_call *call, char *details, size_t cap)
+{
+    atomic_fetch_add(&auth_calls, 1);
+    CHECK(user == &auth_calls, "the hook got user %p", user);
+    if (strncmp(kc_call_method(call), "/grpc.health.v1.", 16) == 0)
+        return GRPC_STATUS_OK;
+    size_t len;
+    const char *v = kc_call_metadata(call, "authorization", &len);
+    if (!v) {
+        snprintf(details, cap, "missing token");
+        return GRPC_STATUS_UNAUTHENTICATED;
+    }
+    if (len != strlen("Bearer sesame") || memcmp(v, "Bearer sesame", len) != 0) {
+        snprintf(details, cap, "invalid token");
+        return GRPC_STATUS_UNAUTHENTICATED;
+    }
+    return GRPC_STATUS_OK;
+}
+
+/* One Reserve call with `md`: its status code; *echo gets the echoed metadata on OK. */
+static grpc_status_code reserve_md(kc_channel *ch, const kc_md *md, size_t n_md, char *echo,
+                                   kc_status *st)
+{
+    Kvrelay__V1__ReserveRequest req = KVRELAY__V1__RESERVE_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    echo[0] = '\0';
+    if (kc_unary_md(ch, RESERVE, &req.base, &kvrelay__v1__reserve_response__descriptor, 5000, md,
+                    n_md, &resp, st) == 0) {
+        snprintf(echo, 128, "%s", ((const Kvrelay__V1__ReserveResponse *)resp)->transfer_address);
+        kc_message_free(resp);
+    }
+    return st->code;
+}
+
+/* Reads a Decode stream to its end: the number of messages; *st the final status. */
+static int decode_md(kc_channel *ch, const kc_md *md, size_t n_md, kc_status *st)
+{
+    Kvrelay__V1__DecodeRequest req = KVRELAY__V1__DECODE_REQUEST__INIT;
+    req.max_tokens = 5;
+    kc_stream *s;
+    REQUIRE(kc_stream_open_md(ch, DECODE, &req.base, md, n_md, 5000, &s, st) == 0, "%s",
+            st->details);
+    int n = 0, rc;
+    ProtobufCMessage *m;
+    while ((rc = kc_stream_next(s, &kvrelay__v1__decode_response__descriptor, &m, st)) == 1) {
+        n++;
+        kc_message_free(m);
+    }
+    kc_stream_close(s);
+    return n;
+}
+
+static void test_auth(void)
+{
+    kc_status st;
+    kc_server *srv;
+    int port;
+    REQUIRE(kc_server_create("127.0.0.1:0", NULL, &srv, &port, &st) == 0, "%s", st.details);
+    REQUIRE(kc_server_add_unary(srv, HEALTH_CHECK, &grpc__health__v1__health_check_request__descriptor,
+                                health_check, NULL) == 0, "add Check");
+    REQUIRE(kc_server_add_unary(srv, RESERVE, &kvrelay__v1__reserve_request__descriptor, md_echo,
+                                NULL) == 0, "add Reserve");
+    REQUIRE(kc_server_add_stream(srv, DECODE, &kvrelay__v1__decode_request__descriptor,
+                                 decode_stream, NULL) == 0, "add Decode");
+    REQUIRE(kc_server_set_auth(srv, auth_hook, &auth_calls) == 0, "set auth");
+    REQUIRE(kc_server_start(srv, &st) == 0, "%s", st.details);
+    CHECK(kc_server_set_auth(srv, NULL, NULL) == -1, "set_auth after start is refused");
+    kc_channel *ch = channel_to(port);
+    char echo[128];
+
+    /* an exempt method: no metadata needed */
+    test_unary(ch);
+    CHECK(atomic_load(&auth_calls) >= 1, "the hook did not run for Check");
+
+    /* no metadata: refused with the hook's status and details; the handler never ran */
+    CHECK(reserve_md(ch, NULL, 0, echo, &st) == GRPC_STATUS_UNAUTHENTICATED, "no token: %s %s",
+          kc_status_name(st.code), st.details);
+    CHECK(strcmp(st.details, "missing token") == 0, "details '%s'", st.details);
+    /* other metadata only */
+    kc_md other[] = {{"x-echo", "hello"}};
+    CHECK(reserve_md(ch, other, 1, echo, &st) == GRPC_STATUS_UNAUTHENTICATED, "other md: %s",
+          kc_status_name(st.code));
+    /* a wrong token, and a prefix of the right one */
+    kc_md wrong[] = {{"authorization", "Bearer sesam"}};
+    CHECK(reserve_md(ch, wrong, 1, echo, &st) == GRPC_STATUS_UNAUTHENTICATED, "wrong: %s",
+          kc_status_name(st.code));
+    CHECK(strcmp(st.details, "invalid token") == 0, "details '%s'", st.details);
+    /* malformed bytes without a token: the hook answers before the request is decoded */
+    static const unsigned char junk[] = {0xff, 0xff, 0xff, 0x01, 0x02};
+    ProtobufCMessage *resp = NULL;
+    CHECK(kc_unary_bytes(ch, RESERVE, junk, sizeof junk, &kvrelay__v1__reserve_response__descriptor,
+                         5000, &resp, &st) == -1 && st.code == GRPC_STATUS_UNAUTHENTICATED,
+          "junk without a token: %s %s", kc_status_name(st.code), st.details);
+    CHECK(atomic_load(&echo_calls) == 0, "the handler ran %d times for refused calls",
+          atomic_load(&echo_calls));
+
+    /* the right token; the handler sees the other metadata too */
+    kc_md good[] = {{"x-echo", "hello"}, {"authorization", "Bearer sesame"}};
+    CHECK(reserve_md(ch, good, 2, echo, &st) == GRPC_STATUS_OK, "good: %s %s",
+          kc_status_name(st.code), st.details);
+    CHECK(strcmp(echo, "hello") == 0, "the handler saw x-echo '%s'", echo);
+    CHECK(reserve_md(ch, good + 1, 1, echo, &st) == GRPC_STATUS_OK, "good alone: %s",
+          kc_status_name(st.code));
+    CHECK(strcmp(echo, "(none)") == 0, "absent metadata read as '%s'", echo);
+    CHECK(atomic_load(&echo_calls) == 2, "the handler ran %d times", atomic_load(&echo_calls));
+
+    /* a streaming method: refused before any message, or the whole stream with the token */
+    int n = decode_md(ch, NULL, 0, &st);
+    CHECK(n == 0 && st.code == GRPC_STATUS_UNAUTHENTICATED, "stream without a token: %d messages, %s",
+          n, kc_status_name(st.code));
+    CHECK(strcmp(st.details, "missing token") == 0, "stream details '%s'", st.details);
+    n = decode_md(ch, good, 2, &st);
+    CHECK(n == 6 && st.code == GRPC_STATUS_OK, "stream with the token: %d messages, %s %s", n,
+          kc_status_name(st.code), st.details);
+
+    kc_channel_destroy(ch);
+    kc_server_destroy(srv);
+}
+
 int main(void)
 {
     int port;
@@ -434,6 +578,7 @@ int main(void)
     kc_server_destroy(srv);
     test_shutdown_in_flight();
     test_shutdown_unary_in_flight();
+    test_auth();
     if (kt_failures)
         fprintf(stderr, "test_grpc: %d failure(s)\n", kt_failures);
     return kt_failures ? 1 : 0;
