@@ -67,6 +67,11 @@ static void usage(FILE *f)
             "                          (default 5000)\n"
             "  --migrate               a failed decode stream continues on another decode node (re-\n"
             "                          prefill of the prompt and the tokens sent) instead of failing\n"
+            "  --api-key KEY           an API key clients must send as 'authorization: Bearer KEY'\n"
+            "                          (repeatable; visible in ps: prefer the file or the variable)\n"
+            "  --api-key-file FILE     API keys, one per line ('#' comments, blank lines skipped;\n"
+            "                          repeatable). KVRELAY_API_KEY in the environment adds one more.\n"
+            "                          With no key the API is open; grpc.health.v1 always is\n"
             "  --log-level L           debug, info, warn or error (default info)\n"
             "  -h, --help              this help\n"
             "\n"
@@ -93,6 +98,8 @@ typedef struct router_opts {
     long max_tokens_limit, max_prompt, default_timeout_ms;
     long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
     int migrate;
+    const char *api_keys[64], *api_key_files[64]; /* --api-key, --api-key-file (argv strings) */
+    int n_api_keys, n_api_key_files;
 } router_opts;
 
 static long parse_long(const char *flag, const char *s, long lo, long hi)
@@ -144,7 +151,13 @@ static void parse(int argc, char **argv, router_opts *o)
         const char *v = argv[++i];
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--nodes")) o->nodes = v;
-        else if (!strcmp(a, "--listen")) o->listen = v;
+        else if (!strcmp(a, "--api-key")) {
+            if (o->n_api_keys == 64) die("--api-key: at most 64 (use --api-key-file for more)");
+            o->api_keys[o->n_api_keys++] = v;
+        } else if (!strcmp(a, "--api-key-file")) {
+            if (o->n_api_key_files == 64) die("--api-key-file: at most 64");
+            o->api_key_files[o->n_api_key_files++] = v;
+        } else if (!strcmp(a, "--listen")) o->listen = v;
         else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&o->etcd, a, v)) continue;
         else if (!strcmp(a, "--cluster")) o->cluster = v;
         else if (!strcmp(a, "--fingerprint")) o->fingerprint = v;
@@ -272,6 +285,11 @@ int main(int argc, char **argv)
     if (rt->cfg.max_position_embeddings < 2)
         die("--model: %s/config.json: max_position_embeddings %d leaves no room to generate", o.model,
             rt->cfg.max_position_embeddings);
+    rt_apikeys *api_keys; /* NULL: no key from any source, the API is open */
+    if (rt_apikeys_load(o.api_keys, o.n_api_keys, o.api_key_files, o.n_api_key_files, getenv("KVRELAY_API_KEY"),
+                        &api_keys, err, sizeof err) != 0)
+        die("%s", err);
+    rt->keys = api_keys;
     long ctx_room = rt->cfg.max_position_embeddings - 1;
     rt->policy_dir = o.policy_dir;
     rt->max_prompt = (uint32_t)(o.max_prompt > 0 && o.max_prompt < ctx_room ? o.max_prompt : ctx_room);
@@ -320,6 +338,9 @@ int main(int argc, char **argv)
         kc_server_add_unary(srv, "/kvrelay.v1.Admin/ClusterStatus",
                             &kvrelay__v1__cluster_status_request__descriptor, rt_cluster_status, rt))
         die("cannot register the gRPC methods");
+    static rt_apikeys_grpc auth; /* static: the server's threads read it until exit */
+    auth = (rt_apikeys_grpc){.keys = rt->keys, .generate_refused = rt->m.requests[GRPC_STATUS_UNAUTHENTICATED]};
+    if (rt->keys && kc_server_set_auth(srv, rt_apikeys_grpc_auth, &auth) != 0) die("cannot install the API key check");
     static const char *const services[] = {"kvrelay.v1.Generation", "kvrelay.v1.Admin", NULL};
     kc_health *health = kc_health_register(srv, services);
     if (!health) die("cannot register grpc.health.v1");
@@ -346,6 +367,9 @@ int main(int argc, char **argv)
             rt->cfg.arch_name, rt->cfg.vocab_size, rt->cfg.max_position_embeddings,
             rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", n_prefill, n_decode, rt->placement->name,
             rt->migrate ? ", --migrate" : "");
+    char keys_desc[160];
+    rt_apikeys_describe(rt->keys, keys_desc, sizeof keys_desc);
+    kc_info(NULL, "API keys: %s%s", keys_desc, rt->keys ? "" : ": the API is open to every client");
     printf("router %s: serving grpc %s http %s%s%s:%d\n", rt->id, rt->grpc_address, strchr(http_host, ':') ? "[" : "",
            http_host, strchr(http_host, ':') ? "]" : "", http_bound);
     fflush(stdout);
@@ -369,6 +393,7 @@ int main(int argc, char **argv)
     rt_nodes_free(rt);
     kc_registry_free(rt->m.reg);
     kr_tokenizer_free(rt->tok);
+    rt_apikeys_free(api_keys); /* the HTTP and gRPC servers that read it are gone */
     pthread_cond_destroy(&rt->cv);
     pthread_mutex_destroy(&rt->mu);
     kc_info(NULL, "stopped");

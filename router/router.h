@@ -11,6 +11,7 @@
 #ifndef RT_ROUTER_H
 #define RT_ROUTER_H
 
+#include "apikey.h"
 #include "breaker.h"
 #include "health.h"
 #include "kr.h"
@@ -104,6 +105,7 @@ typedef struct rt_router {
     uint32_t max_prompt; /* tokens; also capped by max_position_embeddings - 1 */
     int64_t default_timeout_ms; /* the deadline of a request whose client set none */
     const char *policy_dir; /* --policy-dir: where file-valued policy keys may point; NULL: none */
+    const rt_apikeys *keys; /* NULL: no API keys: everything open */
     int64_t started_unix_ms;
     int breaker_failures; /* --breaker-failures */
     int64_t breaker_cooldown_ms; /* --breaker-cooldown-ms */
