@@ -2,7 +2,8 @@
  * kvrelay-cli - a command-line client of the public gRPC API that kvrelay-router serves
  * (kvrelay.v1.Generation and kvrelay.v1.Admin): generate streams text to the terminal as it
  * arrives (or prints one JSON object), tokenize prints token ids, status prints the cluster's
- * nodes. It talks gRPC only; it loads no model. docs/cli.md is its manual.
+ * nodes. It talks gRPC only; it loads no model. With --api-key (or KVRELAY_API_KEY) every call
+ * carries "authorization: Bearer KEY". docs/cli.md is its manual.
  * Run: kvrelay-cli --router 127.0.0.1:7100 generate --prompt "The relay" --max-tokens 32
  */
 #include "cli.h"
@@ -20,17 +21,26 @@
 
 enum { MAX_STOPS = 64 };
 
-/* --router, which may come before or after the command */
+/* --router and --api-key, which may come before or after the command */
 static const char *router_addr;
+static const char *api_key; /* NULL: none (the router must then have no keys) */
+static const char *api_key_src = "--api-key"; /* where it came from, for messages */
+
+/* The metadata every call carries: "authorization: Bearer KEY" when there is a key. */
+static kc_md auth_md[1];
+static size_t n_auth_md;
+static char auth_value[300];
 
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvrelay-cli [--router HOST:PORT] COMMAND [options]\n"
+            "usage: kvrelay-cli [--router HOST:PORT] [--api-key KEY] COMMAND [options]\n"
             "\n"
             "A client of kvrelay-router's gRPC API.\n"
             "\n"
             "  --router HOST:PORT   the router (default $KVRELAY_ROUTER, else 127.0.0.1:7100)\n"
+            "  --api-key KEY        the router's API key, sent as 'authorization: Bearer KEY' on\n"
+            "                       every call (default $KVRELAY_API_KEY; none when both are unset)\n"
             "\n"
             "generate (--prompt TEXT | --ids \"1 2 3\") [options]\n"
             "  streams the generated text to stdout as it arrives (token ids when the router's\n"
@@ -65,11 +75,37 @@ static void usage(FILE *f)
 static void fail_status(const kc_status *st)
 {
     fprintf(stderr, "kvrelay-cli: %s: %s\n", kc_status_name(st->code), st->details);
+    if (st->code == GRPC_STATUS_UNAUTHENTICATED)
+        fprintf(stderr, "kvrelay-cli: the router wants an API key: %s\n",
+                api_key ? "the one given (--api-key or $KVRELAY_API_KEY) is not one of its keys"
+                        : "give it with --api-key KEY or $KVRELAY_API_KEY");
     exit(1);
+}
+
+static void set_api_key(const char *v)
+{
+    api_key = v;
+    api_key_src = "--api-key";
+}
+
+/* Checks the key as the router would (so that gRPC does not refuse it as metadata with a vaguer
+ * error) and makes the metadata. The key itself is never printed. */
+static void auth_init(void)
+{
+    if (!api_key) return;
+    size_t n = strlen(api_key);
+    if (n == 0 || n > 256) cli_die(2, "%s: the key must be 1-256 bytes (it is %zu)", api_key_src, n);
+    for (size_t k = 0; k < n; k++)
+        if (api_key[k] <= ' ' || api_key[k] > '~')
+            cli_die(2, "%s: byte %zu of the key is a space or not printable ASCII", api_key_src, k + 1);
+    snprintf(auth_value, sizeof auth_value, "Bearer %s", api_key);
+    auth_md[0] = (kc_md){.key = "authorization", .value = auth_value};
+    n_auth_md = 1;
 }
 
 static kc_channel *connect_router(void)
 {
+    auth_init(); /* every command connects once, after its flags are parsed */
     kc_channel *ch;
     kc_status st;
     if (kc_channel_create(router_addr, 0, &ch, &st) != 0) fail_status(&st);
@@ -102,6 +138,7 @@ static void parse_generate(int argc, char **argv, int i, gen_opts *o)
             usage(stdout);
             exit(0);
         } else if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--api-key")) set_api_key(cli_value(argc, argv, &i));
         else if (!strcmp(a, "--prompt")) o->prompt = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--ids")) o->ids_s = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--max-tokens")) {
@@ -307,7 +344,9 @@ static int cmd_generate(int argc, char **argv, int i)
     kc_channel *ch = connect_router();
     kc_stream *s;
     kc_status st;
-    if (kc_stream_open(ch, "/kvrelay.v1.Generation/Generate", &req.base, o.timeout_ms, &s, &st) != 0) fail_status(&st);
+    if (kc_stream_open_md(ch, "/kvrelay.v1.Generation/Generate", &req.base, auth_md, n_auth_md, o.timeout_ms, &s,
+                          &st) != 0)
+        fail_status(&st);
     gen_result g = {0};
     int any_text = 0;
     for (;;) {
@@ -378,6 +417,7 @@ static int cmd_tokenize(int argc, char **argv, int i)
             usage(stdout);
             exit(0);
         } else if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, &i);
+        else if (!strcmp(a, "--api-key")) set_api_key(cli_value(argc, argv, &i));
         else if (!strcmp(a, "--text")) text = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--add-special")) add_special = 1;
         else cli_die(2, "tokenize: unknown argument '%s' (see --help)", a);
@@ -389,8 +429,8 @@ static int cmd_tokenize(int argc, char **argv, int i)
     kc_channel *ch = connect_router();
     Kvrelay__V1__TokenizeResponse *resp;
     kc_status st;
-    if (kc_unary(ch, "/kvrelay.v1.Generation/Tokenize", &req.base, &kvrelay__v1__tokenize_response__descriptor,
-                 30000, (ProtobufCMessage **)&resp, &st) != 0)
+    if (kc_unary_md(ch, "/kvrelay.v1.Generation/Tokenize", &req.base, &kvrelay__v1__tokenize_response__descriptor,
+                    30000, auth_md, n_auth_md, (ProtobufCMessage **)&resp, &st) != 0)
         fail_status(&st);
     for (size_t k = 0; k < resp->n_ids; k++) printf("%s%u", k ? " " : "", resp->ids[k]);
     putchar('\n');
@@ -409,6 +449,7 @@ static int cmd_status(int argc, char **argv, int i)
             usage(stdout);
             exit(0);
         } else if (!strcmp(argv[i], "--router")) router_addr = cli_value(argc, argv, &i);
+        else if (!strcmp(argv[i], "--api-key")) set_api_key(cli_value(argc, argv, &i));
         else if (!strcmp(argv[i], "--json")) json = 1;
         else cli_die(2, "status: unknown argument '%s' (see --help)", argv[i]);
     }
@@ -416,8 +457,9 @@ static int cmd_status(int argc, char **argv, int i)
     Kvrelay__V1__ClusterStatusRequest req = KVRELAY__V1__CLUSTER_STATUS_REQUEST__INIT;
     Kvrelay__V1__ClusterStatusResponse *resp;
     kc_status st;
-    if (kc_unary(ch, "/kvrelay.v1.Admin/ClusterStatus", &req.base, &kvrelay__v1__cluster_status_response__descriptor,
-                 30000, (ProtobufCMessage **)&resp, &st) != 0)
+    if (kc_unary_md(ch, "/kvrelay.v1.Admin/ClusterStatus", &req.base,
+                    &kvrelay__v1__cluster_status_response__descriptor, 30000, auth_md, n_auth_md,
+                    (ProtobufCMessage **)&resp, &st) != 0)
         fail_status(&st);
     if (json) {
         cJSON *root = cJSON_CreateObject();
@@ -481,12 +523,16 @@ int main(int argc, char **argv)
     cli_init(argv);
     const char *router = getenv("KVRELAY_ROUTER");
     if (!router || !*router) router = "127.0.0.1:7100";
+    api_key = getenv("KVRELAY_API_KEY"); /* --api-key, before or after the command, wins */
+    if (api_key && !*api_key) api_key = NULL;
+    if (api_key) api_key_src = "KVRELAY_API_KEY";
     int i = 1;
     for (; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
             return 0;
         } else if (!strcmp(argv[i], "--router")) router = cli_value(argc, argv, &i);
+        else if (!strcmp(argv[i], "--api-key")) set_api_key(cli_value(argc, argv, &i));
         else break;
     }
     if (i >= argc) cli_die(2, "give a command: generate, tokenize or status (see --help)");
