@@ -348,6 +348,57 @@ int32_t kr_argmax(const float *logits, int vocab);
  * cluster's scores equal kvrelay-generate's. Does not allocate. */
 float kr_logprob(const float *logits, int vocab, int32_t id, int32_t *top_id);
 
+/* ------------------------------------------------------------------ chat templates
+ * Hugging Face chat templates (tokenizer_config.json "chat_template", Jinja2) rendered by a
+ * renderer of the Jinja subset real templates use, with jinja2's whitespace rules as
+ * transformers sets them (trim_blocks, lstrip_blocks). docs/chat-templates.md lists the subset
+ * and the known differences from jinja2. A compiled template is immutable: renders of one
+ * template may run concurrently. */
+
+typedef struct kr_chat_template kr_chat_template;
+typedef struct kr_chat_message {
+    const char *role; /* NULL renders as None */
+    const char *content; /* NULL renders as None */
+} kr_chat_message;
+
+/* kr_chat_template_render's status when the template called raise_exception(msg): err is
+ * exactly msg (cut to KR_ERR_MAX - 1 bytes), a message for the client. Other failures are -1. */
+#define KR_CHAT_RAISED (-2)
+
+/* Compiles template source `src` (NUL-terminated); bos/eos are the strings bound to bos_token
+ * and eos_token (NULL: ""). On failure err names the line and column and what is wrong
+ * (unterminated tags, unknown filters or tags, bad syntax). Free *out with
+ * kr_chat_template_free. */
+int kr_chat_template_parse(const char *src, const char *bos, const char *eos, kr_chat_template **out, char *err);
+/* The model directory's template: tokenizer_config.json "chat_template" (a string, or a list
+ * of {"name", "template"} objects: the one named "default", else the first) with its
+ * bos_token/eos_token (strings or {"content": ...}); when the file has none, a built-in
+ * template chosen by config.json "model_type": "llama" -> Llama 3 headers, "qwen2" -> ChatML,
+ * "mistral" -> Mistral [INST] (bos/eos from tokenizer_config.json when it names them, else the
+ * format's own). Any other model type is an error saying the model has no chat template. */
+int kr_chat_template_load(const char *model_dir, kr_chat_template **out, char *err);
+/* A built-in template by name ("llama3", "chatml", "mistral"); bos/eos NULL: the format's own
+ * ("<|begin_of_text|>"/"<|eot_id|>", ""/"<|im_end|>", "<s>"/"</s>"). */
+int kr_chat_template_builtin(const char *name, const char *bos, const char *eos, kr_chat_template **out, char *err);
+/* Where the template came from, for logs and docs: "tokenizer_config.json", "built-in llama3",
+ * "built-in chatml", "built-in mistral", or "template" (kr_chat_template_parse). Static. */
+const char *kr_chat_template_source(const kr_chat_template *t);
+/* The Jinja source it was compiled from, and its bos_token / eos_token (owned by t). */
+const char *kr_chat_template_text(const kr_chat_template *t);
+const char *kr_chat_template_bos(const kr_chat_template *t);
+const char *kr_chat_template_eos(const kr_chat_template *t);
+/* Renders with messages = msgs[0, n) (a list of {"role", "content"} dicts),
+ * add_generation_prompt, bos_token and eos_token bound, and tools = documents = None as
+ * transformers' apply_chat_template binds them without tools. On success *out is malloc'd and
+ * NUL-terminated (caller frees) and *out_len (may be NULL) its length. On failure returns
+ * KR_CHAT_RAISED (raise_exception; see above) or -1 with err naming the line and what failed
+ * (type errors, undefined values used, output over 16 MiB, more than 1,000,000 loop
+ * iterations, 256 MiB of intermediate values); *out is untouched. */
+int kr_chat_template_render(const kr_chat_template *t, const kr_chat_message *msgs, int n, int add_generation_prompt,
+                            char **out, size_t *out_len, char *err);
+void kr_chat_template_free(kr_chat_template *t);
+/* ------------------------------------------------------------------ end of chat templates */
+
 #ifdef __cplusplus
 }
 #endif
