@@ -5,7 +5,9 @@
  * the port read back with MHD_DAEMON_INFO_BIND_PORT. libmicrohttpd's own error messages are
  * caught by a logger: while starting they become the caller's error text (a busy port says
  * "Address already in use"), afterwards they go to kc_log.
- * Not here: TLS, keep-alive tuning, any route besides the two, request bodies.
+ * A process may add its own routes (kc_http_start_app): their request bodies are gathered here,
+ * up to a cap, and handed over whole.
+ * Not here: TLS, keep-alive tuning.
  * Test: ctest -R test_http.
  */
 #include "http.h"
@@ -26,6 +28,8 @@
 
 /* Connections served at once, each on its own thread; more are refused by libmicrohttpd. */
 #define KC_HTTP_MAX_CONNECTIONS 64
+/* The default cap on an app route's request body. */
+#define KC_HTTP_MAX_BODY (1u << 20)
 /* Seconds a connection may stay idle before it is closed. */
 #define KC_HTTP_IDLE_TIMEOUT_S 10
 
@@ -39,6 +43,7 @@ struct kc_http {
     kc_registry *reg;
     kc_health_fn health;
     void *health_user;
+    kc_http_app app; /* fn NULL: no routes of the process's own */
     atomic_int starting;   /* 1 while MHD_start_daemon runs: errors go to start_error */
     char start_error[200]; /* libmicrohttpd's first complaint while starting */
 };
@@ -96,11 +101,67 @@ static enum MHD_Result serve_healthz(kc_http *h, struct MHD_Connection *conn)
     return respond_text(conn, MHD_HTTP_SERVICE_UNAVAILABLE, body);
 }
 
+/* An app route's request as it arrives: the body gathered up to the cap. */
+typedef struct app_request {
+    char *body; /* len bytes + NUL */
+    size_t len, cap;
+    int too_large; /* over the cap: the rest is read and dropped */
+} app_request;
+
+/* Gathers the body of an app route's request over libmicrohttpd's calls, then hands it over. */
+static enum MHD_Result serve_app(kc_http *h, struct MHD_Connection *conn, const char *url, const char *method,
+                                 const char *upload_data, size_t *upload_data_size, void **con_cls)
+{
+    app_request *q = *con_cls;
+    if (!q) { /* the headers are in: the body (if any) comes next */
+        q = calloc(1, sizeof *q);
+        if (!q) return MHD_NO;
+        *con_cls = q;
+        return MHD_YES;
+    }
+    if (*upload_data_size > 0) {
+        size_t n = *upload_data_size;
+        *upload_data_size = 0;
+        if (q->too_large || q->len + n > h->app.max_body) {
+            q->too_large = 1;
+            return MHD_YES;
+        }
+        if (q->len + n + 1 > q->cap) {
+            size_t cap = (q->len + n + 1) * 2;
+            if (cap > h->app.max_body + 1) cap = h->app.max_body + 1;
+            char *grown = realloc(q->body, cap);
+            if (!grown) return MHD_NO;
+            q->body = grown;
+            q->cap = cap;
+        }
+        memcpy(q->body + q->len, upload_data, n);
+        q->len += n;
+        q->body[q->len] = '\0';
+        return MHD_YES;
+    }
+    return (enum MHD_Result)h->app.fn(h->app.user, conn, method, url,
+                                      q->too_large ? NULL : q->body ? q->body : "", q->too_large ? 0 : q->len);
+}
+
+/* libmicrohttpd's end-of-request notice: frees what serve_app gathered. */
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    (void)cls, (void)conn, (void)toe;
+    app_request *q = *con_cls;
+    if (!q) return;
+    free(q->body);
+    free(q);
+    *con_cls = NULL;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
                                   const char *method, const char *version, const char *upload_data,
                                   size_t *upload_data_size, void **con_cls)
 {
     kc_http *h = cls;
+    int ours = strcmp(url, "/metrics") == 0 || strcmp(url, "/healthz") == 0;
+    if (!ours && h->app.fn) return serve_app(h, conn, url, method, upload_data, upload_data_size, con_cls);
     if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
         return respond_text(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "method not allowed\n");
     if (strcmp(url, "/metrics") == 0) {
@@ -149,6 +210,12 @@ static int resolve(const char *host, int port, struct sockaddr_storage *ss, char
 kc_http *kc_http_start(const char *host, int port, kc_registry *reg, kc_health_fn health,
                        void *health_user, int *port_out, char *err)
 {
+    return kc_http_start_app(host, port, reg, health, health_user, NULL, port_out, err);
+}
+
+kc_http *kc_http_start_app(const char *host, int port, kc_registry *reg, kc_health_fn health,
+                           void *health_user, const kc_http_app *app, int *port_out, char *err)
+{
     char scratch[ERR_CAP];
     if (!err) err = scratch;
     err[0] = '\0';
@@ -167,6 +234,11 @@ kc_http *kc_http_start(const char *host, int port, kc_registry *reg, kc_health_f
     h->reg = reg;
     h->health = health;
     h->health_user = health_user;
+    if (app) {
+        h->app = *app;
+        if (!h->app.max_body) h->app.max_body = KC_HTTP_MAX_BODY;
+    }
+    unsigned max_connections = h->app.max_connections > 0 ? (unsigned)h->app.max_connections : KC_HTTP_MAX_CONNECTIONS;
     atomic_store(&h->starting, 1);
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
                      MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0);
@@ -174,9 +246,9 @@ kc_http *kc_http_start(const char *host, int port, kc_registry *reg, kc_health_f
      * argument only names the port in its messages (MHD_OPTION_SOCK_ADDR decides the bind) */
     h->daemon = MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, on_request, h,
                                  MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_SOCK_ADDR,
-                                 (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT,
-                                 (unsigned)KC_HTTP_MAX_CONNECTIONS, MHD_OPTION_CONNECTION_TIMEOUT,
-                                 (unsigned)KC_HTTP_IDLE_TIMEOUT_S, MHD_OPTION_END);
+                                 (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, max_connections,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)KC_HTTP_IDLE_TIMEOUT_S,
+                                 MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_END);
     if (!h->daemon) {
         snprintf(err, ERR_CAP, "http: cannot serve on %.60s:%d: %.150s",
                  host && *host ? host : "0.0.0.0", port,

@@ -26,7 +26,6 @@ enum {
     RT_MAX_STOPS = 16,
     RT_MAX_STOP_LEN = 256,
     RT_MAX_STOP_IDS = 64,
-    RT_MAX_REQUEST_ID = 128,
     RT_WATCH_MS = 20, /* how often the watcher looks for clients that went away */
     RT_BACKOFF_MIN_MS = 10,
     RT_BACKOFF_MAX_MS = 500,
@@ -35,7 +34,7 @@ enum {
 
 /* A Generate call whose decode stream is open: what the watcher needs. */
 struct rt_active {
-    kc_call *call;
+    const rt_sink *sink;
     kc_stream *stream;
     _Atomic int64_t last_ms; /* rt_now_ms() of the stream's last message (or its opening) */
     atomic_int stalled; /* the watcher cancelled it: silent for --decode-stall-ms */
@@ -45,8 +44,8 @@ struct rt_active {
 /* One Generate request, owned by its handler thread. */
 typedef struct gen_req {
     rt_router *rt;
-    kc_call *call;
-    char id[RT_MAX_REQUEST_ID + 1];
+    const rt_sink *sink; /* the client */
+    char id[RT_REQUEST_ID_MAX + 1];
     int32_t *prompt; /* n_prompt, malloc'd */
     int n_prompt;
     uint32_t max_tokens;
@@ -106,13 +105,19 @@ static int64_t ms_left(const gen_req *r)
 /* The call is over on the client's side: its deadline passed, or it cancelled (or went away). */
 static void client_gone(const gen_req *r, kc_status *st, const char *when)
 {
-    if (kc_call_ms_left(r->call) <= 0)
+    if (r->sink->ms_left(r->sink->ctx) <= 0)
         kc_status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "the client's deadline passed %s", when);
     else
         kc_status_set(st, GRPC_STATUS_CANCELLED, "the client went away %s", when);
 }
 
 /* ------------------------------------------------------------------ validation */
+
+void rt_request_id_new(rt_router *rt, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s-%" PRIx64 "-%" PRIu64, rt->id, (uint64_t)rt->started_unix_ms,
+             (uint64_t)atomic_fetch_add(&rt->next_request, 1));
+}
 
 static int utf8_valid(const unsigned char *s, size_t n)
 {
@@ -151,14 +156,13 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
     char err[KR_ERR_MAX];
     /* the request id first, so every later message can carry it */
     size_t idlen = strlen(q->request_id);
-    if (idlen > RT_MAX_REQUEST_ID)
-        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: %zu bytes (at most %d)", idlen, RT_MAX_REQUEST_ID), st->code;
+    if (idlen > RT_REQUEST_ID_MAX)
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: %zu bytes (at most %d)", idlen, RT_REQUEST_ID_MAX), st->code;
     for (size_t i = 0; i < idlen; i++)
         if (q->request_id[i] <= ' ' || q->request_id[i] > '~')
             return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "request_id: byte %zu is not printable ASCII (spaces are not allowed either)", i), st->code;
     if (idlen) snprintf(r->id, sizeof r->id, "%s", q->request_id);
-    else snprintf(r->id, sizeof r->id, "%s-%" PRIx64 "-%" PRIu64, rt->id, (uint64_t)rt->started_unix_ms,
-                  (uint64_t)atomic_fetch_add(&rt->next_request, 1));
+    else rt_request_id_new(rt, r->id, sizeof r->id);
 
     /* the prompt */
     if (q->prompt_case == KVRELAY__V1__GENERATE_REQUEST__PROMPT_TEXT) {
@@ -515,10 +519,10 @@ out:
 static grpc_status_code place(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *st)
 {
     rt_router *rt = r->rt;
-    int64_t backoff = RT_BACKOFF_MIN_MS;
+    int64_t backoff = RT_BACKOFF_MIN_MS, queued_since = -1;
     r->prefill_failures = 0;
     for (;;) {
-        if (kc_call_cancelled(r->call)) {
+        if (r->sink->cancelled(r->sink->ctx)) {
             client_gone(r, st, "before the request was placed");
             return st->code;
         }
@@ -527,17 +531,24 @@ static grpc_status_code place(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc
         if (a == ATTEMPT_DONE) return GRPC_STATUS_OK;
         if (a == ATTEMPT_FAIL) return st->code;
         if (a == ATTEMPT_AGAIN) continue;
-        /* everything is full: wait (waking early if the client goes away), then try again */
-        if (ms_left(r) <= backoff) {
+        /* everything is full: wait (waking early if the client goes away), then try again, up to
+         * the request's deadline and --max-queue-ms */
+        int64_t now = rt_now_ms();
+        if (queued_since < 0) queued_since = now;
+        if (ms_left(r) <= backoff || now - queued_since + backoff > rt->max_queue_ms) {
             char why[sizeof st->details];
             snprintf(why, sizeof why, "%s", st->details);
-            kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up at the request's deadline", why);
+            if (ms_left(r) <= backoff)
+                kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up at the request's deadline", why);
+            else
+                kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up after %" PRId64 " ms (--max-queue-ms)",
+                              why, now - queued_since);
             return st->code;
         }
         kc_debug(r->id, "%s; retrying in %" PRId64 " ms", st->details, backoff);
         atomic_fetch_add(&rt->queued, 1);
         kc_gauge_inc(rt->m.queued, 1);
-        kc_call_wait(r->call, backoff);
+        r->sink->wait(r->sink->ctx, backoff);
         kc_gauge_inc(rt->m.queued, -1);
         atomic_fetch_sub(&rt->queued, 1);
         backoff = backoff * 2 > RT_BACKOFF_MAX_MS ? RT_BACKOFF_MAX_MS : backoff * 2;
@@ -604,7 +615,7 @@ static int relay(gen_req *r, const uint32_t *ids, const float *lps, const uint32
     Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
     msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA;
     msg.delta = &delta;
-    int sent = kc_call_send(r->call, &msg.base);
+    int sent = r->sink->send(r->sink->ctx, &msg);
     free(text);
     r->completion += (uint32_t)kept;
     if (r->n_sent + kept > r->cap_sent) { /* kept for a migration's re-prefill */
@@ -667,7 +678,7 @@ static int relay_flush(gen_req *r, kc_status *st)
         Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
         msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA;
         msg.delta = &d;
-        if (kc_call_send(r->call, &msg.base) != 0) {
+        if (r->sink->send(r->sink->ctx, &msg) != 0) {
             client_gone(r, st, "before the last text");
             rc = -1;
         }
@@ -704,7 +715,7 @@ void *rt_watcher_main(void *arg)
     while (!rt->stopping) {
         int64_t now = rt_now_ms();
         for (rt_active *a = rt->active; a; a = a->next) {
-            if (kc_call_cancelled(a->call)) kc_stream_cancel(a->stream); /* idempotent */
+            if (a->sink->cancelled(a->sink->ctx)) kc_stream_cancel(a->stream); /* idempotent */
             else if (now - atomic_load(&a->last_ms) > rt->decode_stall_ms && !atomic_exchange(&a->stalled, 1))
                 kc_stream_cancel(a->stream); /* a frozen node keeps its socket open: give up on it */
         }
@@ -743,7 +754,7 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
         reservation_end(r, 1);
         return st->code;
     }
-    rt_active active = {.call = r->call, .stream = s};
+    rt_active active = {.sink = r->sink, .stream = s};
     atomic_init(&active.last_ms, rt_now_ms());
     atomic_init(&active.stalled, 0);
     active_add(r->rt, &active);
@@ -759,7 +770,7 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
             break;
         }
         if (rc < 0) {
-            if (kc_call_cancelled(r->call)) {
+            if (r->sink->cancelled(r->sink->ctx)) {
                 client_gone(r, st, "while tokens were streamed");
             } else if (atomic_load(&active.stalled) || s_st.code == GRPC_STATUS_UNAVAILABLE ||
                        s_st.code == GRPC_STATUS_DEADLINE_EXCEEDED) {
@@ -844,7 +855,7 @@ static void send_finish(gen_req *r)
     Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
     msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH;
     msg.finish = &fin;
-    kc_call_send(r->call, &msg.base);
+    r->sink->send(r->sink->ctx, &msg);
     if (r->completion > 1) kc_histogram_observe(rt->m.tpot, u.tpot_s);
     kc_counter_inc(rt->m.generated_tokens, r->completion);
     static const char *reasons[] = {"unspecified", "length", "stop", "eos", "context"};
@@ -919,7 +930,7 @@ static grpc_status_code start(gen_req *r, int *done, kc_status *st)
  * and every token sent so far (docs/failures.md). Returns 0 when the request can go on. */
 static int migrate(gen_req *r, kc_status *st)
 {
-    if (r->completion >= r->max_tokens || ms_left(r) <= 0 || kc_call_cancelled(r->call)) return -1;
+    if (r->completion >= r->max_tokens || ms_left(r) <= 0 || r->sink->cancelled(r->sink->ctx)) return -1;
     size_t n = (size_t)r->n_prompt + r->n_sent;
     if (n > (size_t)r->rt->cfg.max_position_embeddings - 1) return -1;
     int32_t *pf = malloc(n * sizeof *pf);
@@ -958,32 +969,34 @@ static grpc_status_code serve(gen_req *r, kc_status *st)
     return GRPC_STATUS_OK;
 }
 
-int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
+grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, const rt_sink *sink, kc_status *st)
 {
-    rt_router *rt = user;
-    const Kvrelay__V1__GenerateRequest *q = (const void *)req;
     gen_req *r = calloc(1, sizeof *r);
-    if (!r) return kc_call_error(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+    if (!r) {
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        kc_counter_inc(rt->m.requests[GRPC_STATUS_RESOURCE_EXHAUSTED], 1);
+        return st->code;
+    }
     r->rt = rt;
-    r->call = call;
+    r->sink = sink;
     r->t_arrival = now_s();
-    int64_t left = kc_call_ms_left(call);
+    int64_t left = sink->ms_left(sink->ctx);
     r->deadline_ms = rt_now_ms() + (left < rt->default_timeout_ms ? left : rt->default_timeout_ms);
     atomic_fetch_add(&rt->in_flight, 1);
     kc_gauge_inc(rt->m.in_flight, 1);
 
-    kc_status st = {GRPC_STATUS_OK, ""};
-    grpc_status_code code = validate(rt, q, r, &st);
+    *st = (kc_status){GRPC_STATUS_OK, ""};
+    grpc_status_code code = validate(rt, q, r, st);
     if (code == GRPC_STATUS_OK) {
         kc_counter_inc(rt->m.prompt_tokens, r->n_prompt);
         kc_info(r->id, "accepted: %d prompt tokens, max_tokens %u%s%s, kv_policy '%s', %zu stop strings, %zu stop ids",
                 r->n_prompt, r->max_tokens, r->forced ? " (forced)" : "", r->logprobs ? ", logprobs" : "",
                 r->policy[0] ? r->policy : "full", r->forced ? (size_t)0 : q->n_stop, r->n_stop_ids);
-        code = serve(r, &st);
+        code = serve(r, st);
     }
     if (code != GRPC_STATUS_OK) {
-        if (code == GRPC_STATUS_CANCELLED) kc_info(r->id[0] ? r->id : NULL, "CANCELLED: %s", st.details);
-        else kc_warn(r->id[0] ? r->id : NULL, "%s: %s", kc_status_name(code), st.details);
+        if (code == GRPC_STATUS_CANCELLED) kc_info(r->id[0] ? r->id : NULL, "CANCELLED: %s", st->details);
+        else kc_warn(r->id[0] ? r->id : NULL, "%s: %s", kc_status_name(code), st->details);
     }
     kc_counter_inc(rt->m.requests[(unsigned)code <= GRPC_STATUS_UNAUTHENTICATED ? code : GRPC_STATUS_UNKNOWN], 1);
     kc_gauge_inc(rt->m.in_flight, -1);
@@ -994,6 +1007,36 @@ int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
     free(r->prompt);
     free(r->sent);
     free(r);
+    return code;
+}
+
+/* The gRPC call as a sink. */
+static int call_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
+{
+    return kc_call_send(ctx, &msg->base);
+}
+
+static int call_cancelled(void *ctx)
+{
+    return kc_call_cancelled(ctx);
+}
+
+static int call_wait(void *ctx, int64_t ms)
+{
+    return kc_call_wait(ctx, ms);
+}
+
+static int64_t call_ms_left(void *ctx)
+{
+    return kc_call_ms_left(ctx);
+}
+
+int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
+{
+    const rt_sink sink = {.ctx = call, .send = call_send, .cancelled = call_cancelled, .wait = call_wait,
+                          .ms_left = call_ms_left};
+    kc_status st;
+    grpc_status_code code = rt_generate_run(user, (const void *)req, &sink, &st);
     if (code == GRPC_STATUS_OK) return GRPC_STATUS_OK;
     return kc_call_error(call, code, "%s", st.details);
 }

@@ -47,13 +47,18 @@ static void usage(FILE *f)
             "  --fingerprint HEX       the model fingerprint members must report (etcd membership;\n"
             "                          default: the first one a member reports)\n"
             "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
-            "  --http HOST:PORT        /metrics and /healthz (default 127.0.0.1:9100)\n"
+            "  --http HOST:PORT        /metrics, /healthz and the OpenAI-compatible API under /v1/\n"
+            "                          (default 127.0.0.1:9100)\n"
+            "  --served-model-name N   the model's name in the OpenAI API (default: the base name of\n"
+            "                          the model directory)\n"
             "  --id NAME               this router's name in logs and ClusterStatus (default router-0)\n"
             "  --placement P           round-robin or least-loaded (default least-loaded)\n"
             "  --max-tokens-limit N    largest max_tokens a request may ask for (default 4096)\n"
             "  --max-prompt N          longest prompt in tokens (default: the model's\n"
             "                          max_position_embeddings - 1)\n"
             "  --default-timeout-ms MS deadline of a request whose client set none (default 300000)\n"
+            "  --max-queue-ms MS       longest wait for a node with room before a request is refused\n"
+            "                          with RESOURCE_EXHAUSTED (HTTP 429) (default 60000)\n"
             "  --policy-dir DIR        where policy files (heads pattern=, hsft windows=) live: clients\n"
             "                          name them by bare file name; without it such keys are refused\n"
             "                          (every node must see DIR at the same path)\n"
@@ -93,9 +98,9 @@ static void die(const char *fmt, ...)
 
 typedef struct router_opts {
     const char *model, *nodes, *listen, *http, *id, *placement, *log_level, *policy_dir;
-    const char *cluster, *fingerprint;
+    const char *cluster, *fingerprint, *served_model_name;
     kc_etcd_config etcd; /* --etcd and its TLS/auth flags (etcd.h) */
-    long max_tokens_limit, max_prompt, default_timeout_ms;
+    long max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms;
     long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
     int migrate;
     const char *api_keys[64], *api_key_files[64]; /* --api-key, --api-key-file (argv strings) */
@@ -133,7 +138,7 @@ static void parse(int argc, char **argv, router_opts *o)
 {
     *o = (router_opts){.listen = "127.0.0.1:7100", .http = "127.0.0.1:9100", .id = "router-0",
                        .placement = "least-loaded", .log_level = "info", .max_tokens_limit = 4096,
-                       .max_prompt = -1, .default_timeout_ms = 300000,
+                       .max_prompt = -1, .default_timeout_ms = 300000, .max_queue_ms = 60000,
                        .cluster = "default", .breaker_failures = 3, .breaker_cooldown_ms = 2000, .prefill_timeout_ms = 60000,
                        .decode_stall_ms = 5000};
     for (int i = 1; i < argc; i++) {
@@ -169,6 +174,8 @@ static void parse(int argc, char **argv, router_opts *o)
         else if (!strcmp(a, "--max-tokens-limit")) o->max_tokens_limit = parse_long(a, v, 1, 1 << 24);
         else if (!strcmp(a, "--max-prompt")) o->max_prompt = parse_long(a, v, 1, 1 << 30);
         else if (!strcmp(a, "--default-timeout-ms")) o->default_timeout_ms = parse_long(a, v, 1, 86400000L);
+        else if (!strcmp(a, "--max-queue-ms")) o->max_queue_ms = parse_long(a, v, 0, 86400000L);
+        else if (!strcmp(a, "--served-model-name")) o->served_model_name = v;
         else if (!strcmp(a, "--breaker-failures")) o->breaker_failures = parse_long(a, v, 1, 1000);
         else if (!strcmp(a, "--breaker-cooldown-ms")) o->breaker_cooldown_ms = parse_long(a, v, 1, 3600000L);
         else if (!strcmp(a, "--prefill-timeout-ms")) o->prefill_timeout_ms = parse_long(a, v, 1, 86400000L);
@@ -218,6 +225,23 @@ static void metrics_init(rt_router *rt)
     if (!m->ttft || !m->tpot || !m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped ||
         !m->in_flight || !m->queued || !m->retries)
         die("cannot register metrics");
+}
+
+/* The OpenAI API's model id: --served-model-name, else the model directory's base name. */
+static void served_model_init(rt_router *rt, const char *flag, const char *model_dir)
+{
+    if (flag) {
+        if (!flag[0] || strlen(flag) >= sizeof rt->served_model)
+            die("--served-model-name: '%s' must be 1-%zu bytes", flag, sizeof rt->served_model - 1);
+        snprintf(rt->served_model, sizeof rt->served_model, "%s", flag);
+        return;
+    }
+    size_t n = strlen(model_dir);
+    while (n > 1 && model_dir[n - 1] == '/') n--; /* "models/x/" names x */
+    size_t b = n;
+    while (b > 0 && model_dir[b - 1] != '/') b--;
+    snprintf(rt->served_model, sizeof rt->served_model, "%.*s", (int)(n - b), model_dir + b);
+    if (!rt->served_model[0]) snprintf(rt->served_model, sizeof rt->served_model, "model");
 }
 
 static int64_t unix_ms(void)
@@ -295,6 +319,12 @@ int main(int argc, char **argv)
     rt->max_prompt = (uint32_t)(o.max_prompt > 0 && o.max_prompt < ctx_room ? o.max_prompt : ctx_room);
     rt->max_tokens_limit = (uint32_t)o.max_tokens_limit;
     rt->default_timeout_ms = o.default_timeout_ms;
+    rt->max_queue_ms = o.max_queue_ms;
+    served_model_init(rt, o.served_model_name, o.model);
+    if (!rt->tok) snprintf(rt->chat_error, sizeof rt->chat_error, "no tokenizer.json");
+    else if (kr_chat_template_load(o.model, &rt->chat, rt->chat_error) != KR_OK)
+        kc_warn(NULL, "chat completions are off: %s", rt->chat_error);
+    else kc_info(NULL, "chat template: %s", kr_chat_template_source(rt->chat));
     rt->started_unix_ms = unix_ms();
     rt->breaker_failures = (int)o.breaker_failures;
     rt->breaker_cooldown_ms = o.breaker_cooldown_ms;
@@ -347,7 +377,9 @@ int main(int argc, char **argv)
     rt->health = health;
     char herr[256];
     int http_bound;
-    kc_http *http = kc_http_start(http_host, http_port, rt->m.reg, rt_nodes_healthy, rt, &http_bound, herr);
+    const kc_http_app openai = {.fn = rt_openai_serve, .user = rt, .max_body = RT_OPENAI_MAX_BODY,
+                                .max_connections = RT_HTTP_MAX_CONNECTIONS};
+    kc_http *http = kc_http_start_app(http_host, http_port, rt->m.reg, rt_nodes_healthy, rt, &openai, &http_bound, herr);
     if (!http) die("--http %s: %s", o.http, herr);
     snprintf(rt->grpc_address, sizeof rt->grpc_address, "%s%s%s:%d", strchr(grpc_host, ':') ? "[" : "", grpc_host,
              strchr(grpc_host, ':') ? "]" : "", bound);
@@ -381,6 +413,8 @@ int main(int argc, char **argv)
     pthread_mutex_unlock(&rt->mu);
     kc_health_set_serving(health, 0);
     kc_server_destroy(srv); /* cancels the calls in flight; the watcher cancels their streams */
+    atomic_store(&rt->http_stopping, 1); /* and the OpenAI API's requests, which it watches too */
+    while (atomic_load(&rt->http_generations) > 0) nanosleep(&(struct timespec){0, 10000000L}, NULL);
     pthread_mutex_lock(&rt->mu);
     rt->stopping = 1;
     pthread_cond_broadcast(&rt->cv);
@@ -393,6 +427,7 @@ int main(int argc, char **argv)
     rt_nodes_free(rt);
     kc_registry_free(rt->m.reg);
     kr_tokenizer_free(rt->tok);
+    kr_chat_template_free(rt->chat);
     rt_apikeys_free(api_keys); /* the HTTP and gRPC servers that read it are gone */
     pthread_cond_destroy(&rt->cv);
     pthread_mutex_destroy(&rt->mu);

@@ -5,6 +5,8 @@
  *               placement, Admin.ClusterStatus
  *   generate.c  Generation.Generate (validate, reserve, prefill, relay the decode stream) and
  *               Generation.Tokenize
+ *   openai.c    the OpenAI-compatible HTTP API (/v1/models, completions, chat completions) on
+ *               the HTTP port, served through generate.c
  *   members.c, placement.c, stop.c, breaker.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
  */
@@ -35,6 +37,9 @@
 #define RT_RESERVE_TIMEOUT_MS 2000 /* Reserve is bookkeeping: a node that takes longer is failing */
 #define RT_NODES_MAX (2 * RT_MEMBERS_MAX) /* nodes ever known, gone ones included */
 #define RT_GONE_LISTED_MS 300000 /* a gone node stays in ClusterStatus this long */
+#define RT_REQUEST_ID_MAX 128 /* bytes of a request id */
+#define RT_OPENAI_MAX_BODY (4u << 20) /* bytes of an OpenAI API request body */
+#define RT_HTTP_MAX_CONNECTIONS 512 /* HTTP connections at once (each OpenAI stream holds one) */
 
 /* One member as a membership source gives it (the static file, or etcd). */
 typedef struct rt_member_info {
@@ -104,8 +109,12 @@ typedef struct rt_router {
     uint32_t max_tokens_limit;
     uint32_t max_prompt; /* tokens; also capped by max_position_embeddings - 1 */
     int64_t default_timeout_ms; /* the deadline of a request whose client set none */
+    int64_t max_queue_ms; /* --max-queue-ms: the longest wait for a node with room */
     const char *policy_dir; /* --policy-dir: where file-valued policy keys may point; NULL: none */
     const rt_apikeys *keys; /* NULL: no API keys: everything open */
+    char served_model[256]; /* the model's name in the OpenAI API (--served-model-name) */
+    kr_chat_template *chat; /* NULL: chat completions are refused with chat_error */
+    char chat_error[KR_ERR_MAX];
     int64_t started_unix_ms;
     int breaker_failures; /* --breaker-failures */
     int64_t breaker_cooldown_ms; /* --breaker-cooldown-ms */
@@ -129,6 +138,8 @@ typedef struct rt_router {
     atomic_uint_fast64_t turn[2]; /* placements made per rt_role */
     atomic_uint_fast64_t next_request; /* for generated request ids */
     atomic_int in_flight, queued; /* Generate calls being served / waiting for room */
+    atomic_int http_stopping; /* shutting down: HTTP generations are cancelled */
+    atomic_int http_generations; /* OpenAI API requests being served (shutdown waits for 0) */
     pthread_t poller, watcher;
 } rt_router;
 
@@ -162,9 +173,38 @@ int rt_nodes_healthy(void *rt, char *reason, size_t cap);
 /* Admin.ClusterStatus handler. */
 int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user);
 
+/* ------------------------------------------------------------------ openai.c */
+
+struct MHD_Connection;
+/* The HTTP port's routes besides /metrics and /healthz (a kc_http_app_fn; `user` is the router). */
+int rt_openai_serve(void *user, struct MHD_Connection *conn, const char *method, const char *url, const char *body,
+                    size_t len);
+
 /* ------------------------------------------------------------------ generate.c */
 
+/* Where a Generate request's events go, and how its client is watched: the gRPC call
+ * (rt_generate) or an HTTP client of the OpenAI API (openai.c). Every function is thread-safe:
+ * the cancel watcher calls `cancelled` from its own thread. */
+typedef struct rt_sink {
+    void *ctx;
+    /* Sends one GenerateResponse (a delta or the finish). 0, or -1 when the client is gone. */
+    int (*send)(void *ctx, const Kvrelay__V1__GenerateResponse *msg);
+    /* 1 once the client went away (or its deadline passed, or the router is stopping). */
+    int (*cancelled)(void *ctx);
+    /* Sleeps up to ms, waking early on cancellation; returns cancelled(). */
+    int (*wait)(void *ctx, int64_t ms);
+    /* Milliseconds before the client's deadline (INT64_MAX when it set none). */
+    int64_t (*ms_left)(void *ctx);
+} rt_sink;
+
+/* Serves one request (validation, placement, relaying: docs/router.md) to `sink`: deltas and
+ * then exactly one finish on success (OK); otherwise the status code with st. Counts it in the
+ * router's metrics and logs its outcome. */
+grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, const rt_sink *sink,
+                                 kc_status *st);
 int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user);
+/* A new request id, "<router id>-<start time hex>-<n>" (for requests whose client gave none). */
+void rt_request_id_new(rt_router *rt, char *out, size_t cap);
 int rt_tokenize(kc_call *call, const ProtobufCMessage *req, void *user);
 /* The cancel watcher: every few ms, cancels the decode stream of every active Generate call
  * whose client went away (its handler may be blocked reading that stream). Until stopping. */
