@@ -4,12 +4,15 @@
  * Prometheus content type, HEAD the same headers and no body, a query string is ignored;
  * /healthz gives 200 "ok\n", then 503 with the health callback's reason (made one line, cut at
  * the buffer); unknown paths 404; other methods 405 with Allow; a busy port, a bad port and an
- * IPv6 loopback (when the machine has one).
+ * IPv6 loopback (when the machine has one); a process's own routes (kc_http_start_app) get
+ * whole request bodies, NULL over the cap, and never /metrics or /healthz.
  * Run: ctest -R test_http (well under a second).
  */
 #include "kr_test.h"
 
 #include "http.h"
+
+#include <microhttpd.h>
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -276,9 +279,70 @@ static void test_edges(void)
     kc_http_stop(srv);
 }
 
+/* An app route that answers "METHOD URL LEN FIRST-BYTE" for what it was handed, 413 for a NULL
+ * body. */
+static int echo_app(void *user, struct MHD_Connection *conn, const char *method, const char *url, const char *body,
+                    size_t len)
+{
+    atomic_fetch_add((atomic_int *)user, 1);
+    char text[256];
+    unsigned status = body ? 200 : 413;
+    snprintf(text, sizeof text, "%s %s %zu %c", method, url, len, body && len ? body[0] : '-');
+    CHECK(!body || strlen(body) == len, "the body is NUL-terminated at its length");
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_COPY);
+    int ret = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+/* A POST of `len` bytes of 'x' to path. */
+static int http_post(int port, const char *path, size_t len, http_reply *r)
+{
+    char *req = malloc(len + 256);
+    int n = snprintf(req, 256, "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: %zu\r\n\r\n",
+                     path, len);
+    memset(req + n, 'x', len);
+    req[n + len] = '\0';
+    int rc = http_raw(AF_INET, "127.0.0.1", port, req, r);
+    free(req);
+    return rc;
+}
+
+static void test_app_routes(void)
+{
+    atomic_int calls = 0;
+    kc_http_app app = {.fn = echo_app, .user = &calls, .max_body = 100000};
+    char err[256] = "";
+    int port = 0;
+    kc_http *srv = kc_http_start_app("127.0.0.1", 0, NULL, NULL, NULL, &app, &port, err);
+    REQUIRE(srv, "start with an app: %s", err);
+    http_reply r;
+    /* a body that arrives in several pieces is handed over whole, once */
+    REQUIRE(http_post(port, "/v1/x", 70000, &r) == 0, "POST 70000 bytes");
+    CHECK(r.status == 200 && strcmp(r.body, "POST /v1/x 70000 x") == 0, "whole body: %d '%s'", r.status, r.body);
+    free(r.body);
+    REQUIRE(http_post(port, "/v1/x", 100001, &r) == 0, "POST over the cap");
+    CHECK(r.status == 413 && strcmp(r.body, "POST /v1/x 0 -") == 0, "over the cap: %d '%s'", r.status, r.body);
+    free(r.body);
+    REQUIRE(http_get(port, "GET", "/anything", &r) == 0, "GET /anything");
+    CHECK(r.status == 200 && strcmp(r.body, "GET /anything 0 -") == 0, "GET to the app: %d '%s'", r.status, r.body);
+    free(r.body);
+    CHECK(atomic_load(&calls) == 3, "the app was called once per request: %d", atomic_load(&calls));
+    /* the process's own routes stay its own */
+    REQUIRE(http_get(port, "GET", "/healthz", &r) == 0, "GET /healthz");
+    CHECK(r.status == 200 && strcmp(r.body, "ok\n") == 0, "/healthz with an app: %d", r.status);
+    free(r.body);
+    REQUIRE(http_post(port, "/metrics", 10, &r) == 0, "POST /metrics");
+    CHECK(r.status == 405, "POST /metrics: %d", r.status);
+    free(r.body);
+    CHECK(atomic_load(&calls) == 3, "the app saw neither");
+    kc_http_stop(srv);
+}
+
 int main(void)
 {
     test_metrics_and_health();
     test_edges();
+    test_app_routes();
     return kt_done("test_http");
 }
