@@ -223,7 +223,7 @@ static void metrics_init(rt_router *rt)
     for (int c = 0; c <= GRPC_STATUS_UNAUTHENTICATED; c++)
         if (!m->requests[c]) die("cannot register metrics");
     if (!m->ttft || !m->tpot || !m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped ||
-        !m->in_flight || !m->queued || !m->retries)
+        !m->in_flight || !m->queued || !m->retries || rt_openai_metrics_init(rt) != 0)
         die("cannot register metrics");
 }
 

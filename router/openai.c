@@ -38,6 +38,27 @@ enum {
 
 #define OA_JSON "application/json"
 
+/* The statuses the API answers with, for kvrelay_http_responses_total. */
+static const unsigned http_codes[RT_HTTP_CODES] = {200, 400, 401, 404, 405, 413, 429, 500, 503, 504};
+
+int rt_openai_metrics_init(rt_router *rt)
+{
+    for (int i = 0; i < RT_HTTP_CODES; i++) {
+        char label[32];
+        snprintf(label, sizeof label, "code=\"%u\"", http_codes[i]);
+        rt->m.http_responses[i] = kc_counter_add(rt->m.reg, "kvrelay_http_responses_total",
+                                                 "OpenAI API answers (/v1/), by HTTP status", label);
+        if (!rt->m.http_responses[i]) return -1;
+    }
+    return 0;
+}
+
+static void count_response(rt_router *rt, unsigned status)
+{
+    for (int i = 0; i < RT_HTTP_CODES; i++)
+        if (http_codes[i] == status) kc_counter_inc(rt->m.http_responses[i], 1);
+}
+
 typedef enum oa_kind { OA_COMPLETION, OA_CHAT } oa_kind;
 
 /* One HTTP generation request: what was asked, what came back. Streamed requests share it
@@ -85,8 +106,10 @@ typedef struct oa_call {
 
 /* ------------------------------------------------------------------ responses */
 
-static int respond_json(struct MHD_Connection *conn, unsigned status, cJSON *doc, const char *request_id)
+static int respond_json(rt_router *rt, struct MHD_Connection *conn, unsigned status, cJSON *doc,
+                        const char *request_id)
 {
+    count_response(rt, status);
     char *body = doc ? cJSON_PrintUnformatted(doc) : NULL;
     cJSON_Delete(doc);
     if (!body) return MHD_NO; /* out of memory: libmicrohttpd closes the connection */
@@ -121,21 +144,19 @@ static cJSON *error_doc(const char *type, const char *param, const char *code, c
     return doc;
 }
 
-static int respond_error(struct MHD_Connection *conn, unsigned status, const char *type, const char *param,
-                         const char *code, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
-static int respond_error(struct MHD_Connection *conn, unsigned status, const char *type, const char *param,
-                         const char *code, const char *fmt, ...)
+static int respond_error(rt_router *rt, struct MHD_Connection *conn, unsigned status, const char *type,
+                         const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 7, 8)));
+static int respond_error(rt_router *rt, struct MHD_Connection *conn, unsigned status, const char *type,
+                         const char *param, const char *code, const char *fmt, ...)
 {
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    return respond_json(conn, status, error_doc(type, param, code, msg), NULL);
+    return respond_json(rt, conn, status, error_doc(type, param, code, msg), NULL);
 }
-
-#define BAD_REQUEST(conn, param, ...) \
-    respond_error(conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", param, NULL, __VA_ARGS__)
 
 /* The HTTP status, error type and code of a gRPC status (docs/openai.md). */
 typedef struct oa_status {
@@ -841,7 +862,7 @@ static void run(oa_call *c)
 static int respond_failure(struct MHD_Connection *conn, const oa_call *c)
 {
     oa_status hs = status_of(c->code);
-    return respond_json(conn, hs.http, error_doc(hs.type, param_of(c, c->st.details), hs.code, c->st.details),
+    return respond_json(c->rt, conn, hs.http, error_doc(hs.type, param_of(c, c->st.details), hs.code, c->st.details),
                         c->request_id);
 }
 
@@ -921,7 +942,7 @@ static int serve_stream(struct MHD_Connection *conn, oa_call *c)
     if (e != 0) {
         atomic_fetch_sub(&rt->http_generations, 1);
         call_free(c);
-        return respond_error(conn, MHD_HTTP_SERVICE_UNAVAILABLE, "server_error", NULL, "service_unavailable",
+        return respond_error(rt, conn, MHD_HTTP_SERVICE_UNAVAILABLE, "server_error", NULL, "service_unavailable",
                              "the router cannot start a thread for the request");
     }
     /* answer once the first event or the outcome is known, watching the client meanwhile */
@@ -957,6 +978,7 @@ static int serve_stream(struct MHD_Connection *conn, oa_call *c)
     MHD_add_response_header(r, "X-Request-Id", c->request_id);
     int ret = MHD_queue_response(conn, MHD_HTTP_OK, r);
     MHD_destroy_response(r); /* the connection holds it; stream_end drops our reference */
+    count_response(rt, MHD_HTTP_OK);
     return ret;
 }
 
@@ -965,7 +987,7 @@ static int serve_whole(struct MHD_Connection *conn, oa_call *c)
     atomic_fetch_add(&c->rt->http_generations, 1);
     run(c);
     int ret;
-    if (c->code == GRPC_STATUS_OK) ret = respond_json(conn, MHD_HTTP_OK, completion_doc(c), c->request_id);
+    if (c->code == GRPC_STATUS_OK) ret = respond_json(c->rt, conn, MHD_HTTP_OK, completion_doc(c), c->request_id);
     else if (atomic_load(&c->gone)) ret = MHD_NO;
     else ret = respond_failure(conn, c);
     atomic_fetch_sub(&c->rt->http_generations, 1);
@@ -977,7 +999,8 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
 {
     cJSON *doc = cJSON_ParseWithLength(body, len);
     if (!doc)
-        return BAD_REQUEST(conn, NULL, "the request body is not valid JSON (near byte %td)",
+        return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", NULL, NULL,
+                             "the request body is not valid JSON (near byte %td)",
                            cJSON_GetErrorPtr() ? cJSON_GetErrorPtr() - body : (ptrdiff_t)0);
     oa_call *c = calloc(1, sizeof *c);
     if (!c) {
@@ -1001,7 +1024,7 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
     if (bad) {
         kc_info(c->request_id, "HTTP %u: %s", f.http, f.msg);
         call_free(c);
-        return respond_json(conn, f.http, error_doc(f.type, f.param[0] ? f.param : NULL, f.code, f.msg), NULL);
+        return respond_json(rt, conn, f.http, error_doc(f.type, f.param[0] ? f.param : NULL, f.code, f.msg), NULL);
     }
     return c->stream ? serve_stream(conn, c) : serve_whole(conn, c);
 }
@@ -1023,43 +1046,43 @@ int rt_openai_serve(void *user, struct MHD_Connection *conn, const char *method,
 {
     rt_router *rt = user;
     if (strncmp(url, "/v1/", 4) != 0)
-        return respond_error(conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", NULL, "not_found",
+        return respond_error(rt, conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", NULL, "not_found",
                              "no route %.200s: this port serves /metrics, /healthz and the OpenAI API under /v1/", url);
     const char *auth = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
     rt_apikey_why why = rt_apikeys_why(rt->keys, auth, auth ? strlen(auth) : 0);
     if (why != RT_APIKEY_WHY_OK) {
         kc_warn(NULL, "HTTP 401 on %s %.100s: %s", method, url, rt_apikey_why_message(why, 1));
-        return respond_error(conn, MHD_HTTP_UNAUTHORIZED, "invalid_request_error", NULL, "invalid_api_key", "%s",
+        return respond_error(rt, conn, MHD_HTTP_UNAUTHORIZED, "invalid_request_error", NULL, "invalid_api_key", "%s",
                              rt_apikey_why_message(why, 1));
     }
     int get = !strcmp(method, MHD_HTTP_METHOD_GET), post = !strcmp(method, MHD_HTTP_METHOD_POST);
     if (!strcmp(url, "/v1/models") || !strncmp(url, "/v1/models/", 11)) {
         if (!get)
-            return respond_error(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error", NULL,
+            return respond_error(rt, conn, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error", NULL,
                                  "method_not_allowed", "%s %s: use GET", method, url);
         if (url[10] == '/') {
             if (strcmp(url + 11, rt->served_model) != 0)
-                return respond_error(conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", "model", "model_not_found",
+                return respond_error(rt, conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", "model", "model_not_found",
                                      "The model '%.200s' does not exist", url + 11);
-            return respond_json(conn, MHD_HTTP_OK, model_doc(rt), NULL);
+            return respond_json(rt, conn, MHD_HTTP_OK, model_doc(rt), NULL);
         }
         cJSON *doc = cJSON_CreateObject();
         cJSON_AddStringToObject(doc, "object", "list");
         cJSON_AddItemToArray(cJSON_AddArrayToObject(doc, "data"), model_doc(rt));
-        return respond_json(conn, MHD_HTTP_OK, doc, NULL);
+        return respond_json(rt, conn, MHD_HTTP_OK, doc, NULL);
     }
     oa_kind kind;
     if (!strcmp(url, "/v1/completions")) kind = OA_COMPLETION;
     else if (!strcmp(url, "/v1/chat/completions")) kind = OA_CHAT;
     else
-        return respond_error(conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", NULL, "not_found",
+        return respond_error(rt, conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", NULL, "not_found",
                              "no route %.200s (served: GET /v1/models, POST /v1/completions, POST /v1/chat/completions)",
                              url);
     if (!post)
-        return respond_error(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error", NULL, "method_not_allowed",
+        return respond_error(rt, conn, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error", NULL, "method_not_allowed",
                              "%s %s: use POST", method, url);
     if (!body)
-        return respond_error(conn, MHD_HTTP_CONTENT_TOO_LARGE, "invalid_request_error", NULL, "request_too_large",
+        return respond_error(rt, conn, MHD_HTTP_CONTENT_TOO_LARGE, "invalid_request_error", NULL, "request_too_large",
                              "the request body is over %zu bytes", (size_t)RT_OPENAI_MAX_BODY);
     return serve_generate(rt, conn, kind, body, len);
 }

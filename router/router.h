@@ -40,6 +40,7 @@
 #define RT_REQUEST_ID_MAX 128 /* bytes of a request id */
 #define RT_OPENAI_MAX_BODY (4u << 20) /* bytes of an OpenAI API request body */
 #define RT_HTTP_MAX_CONNECTIONS 512 /* HTTP connections at once (each OpenAI stream holds one) */
+#define RT_HTTP_CODES 10 /* HTTP statuses the OpenAI API answers with (openai.c) */
 
 /* One member as a membership source gives it (the static file, or etcd). */
 typedef struct rt_member_info {
@@ -94,6 +95,7 @@ typedef struct rt_metrics {
     kc_counter *kv_bytes_shipped;
     kc_gauge *in_flight, *queued;
     kc_counter *retries;
+    kc_counter *http_responses[RT_HTTP_CODES]; /* by status (openai.c) */
 } rt_metrics;
 
 typedef struct rt_active rt_active; /* a Generate call with a decode stream open (generate.c) */
@@ -179,6 +181,8 @@ struct MHD_Connection;
 /* The HTTP port's routes besides /metrics and /healthz (a kc_http_app_fn; `user` is the router). */
 int rt_openai_serve(void *user, struct MHD_Connection *conn, const char *method, const char *url, const char *body,
                     size_t len);
+/* Registers kvrelay_http_responses_total in rt->m.reg. Returns 0 or -1. */
+int rt_openai_metrics_init(rt_router *rt);
 
 /* ------------------------------------------------------------------ generate.c */
 

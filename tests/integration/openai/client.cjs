@@ -197,6 +197,9 @@ async function main() {
   check(status === 404 && errorShape(body), 'an unknown route: 404');
   [status, body] = await raw('/completions', { method: 'POST', headers: auth, body: 'x'.repeat(5 << 20) });
   check(status === 413 && errorShape(body), 'a body over the limit: 413');
+  const m413 = await metric(expect.router_metrics, 'kvrelay_http_responses_total{code="413"}');
+  const m401 = await metric(expect.router_metrics, 'kvrelay_http_responses_total{code="401"}');
+  check(m413 === 1 && m401 === 3, `kvrelay_http_responses_total counts them (413: ${m413}, 401: ${m401})`);
 }
 
 async function full() {
