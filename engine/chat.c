@@ -1361,8 +1361,10 @@ static node *p_body(parser *p, const char *const *ends, const char **which)
         node *n = NULL;
         if (t->type == TK_EOF) {
             if (ends) {
-                perr(p, t, "unexpected end of template: expected {%% %s %%} to close the tag on line %d",
-                     ends[0], open->line);
+                int k = 0;
+                while (ends[k + 1]) k++; /* the closing tag is the last of the list */
+                perr(p, t, "unexpected end of template: expected {%% %s %%} to close the block that starts on line %d",
+                     ends[k], open->line);
                 return NULL;
             }
             *which = "";
