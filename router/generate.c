@@ -708,6 +708,17 @@ static void active_remove(rt_router *rt, rt_active *a)
     pthread_mutex_unlock(&rt->mu);
 }
 
+void rt_cond_wait_ms(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t ms)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += ms / 1000;
+    until.tv_nsec += (ms % 1000) * 1000000L;
+    until.tv_sec += until.tv_nsec / 1000000000L;
+    until.tv_nsec %= 1000000000L;
+    pthread_cond_timedwait(cv, mu, &until);
+}
+
 void *rt_watcher_main(void *arg)
 {
     rt_router *rt = arg;
@@ -719,12 +730,7 @@ void *rt_watcher_main(void *arg)
             else if (now - atomic_load(&a->last_ms) > rt->decode_stall_ms && !atomic_exchange(&a->stalled, 1))
                 kc_stream_cancel(a->stream); /* a frozen node keeps its socket open: give up on it */
         }
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_nsec += RT_WATCH_MS * 1000000L;
-        until.tv_sec += until.tv_nsec / 1000000000L;
-        until.tv_nsec %= 1000000000L;
-        pthread_cond_timedwait(&rt->cv, &rt->mu, &until);
+        rt_cond_wait_ms(&rt->cv, &rt->mu, RT_WATCH_MS);
     }
     pthread_mutex_unlock(&rt->mu);
     return NULL;

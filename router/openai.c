@@ -244,13 +244,20 @@ static void add_extras(cJSON *doc, const oa_call *c)
     cJSON_AddStringToObject(k, "decode_node", c->decode_node);
 }
 
+/* The document's one choice: {"index": 0} in a new "choices" array. */
+static cJSON *add_choice(cJSON *doc)
+{
+    cJSON *choices = cJSON_AddArrayToObject(doc, "choices"), *ch = cJSON_CreateObject();
+    cJSON_AddItemToArray(choices, ch);
+    cJSON_AddNumberToObject(ch, "index", 0);
+    return ch;
+}
+
 /* The whole answer of a non-streamed request. */
 static cJSON *completion_doc(const oa_call *c)
 {
     cJSON *doc = doc_head(c, c->kind == OA_CHAT ? "chat.completion" : "text_completion");
-    cJSON *choices = cJSON_AddArrayToObject(doc, "choices"), *ch = cJSON_CreateObject();
-    cJSON_AddItemToArray(choices, ch);
-    cJSON_AddNumberToObject(ch, "index", 0);
+    cJSON *ch = add_choice(doc);
     if (c->kind == OA_CHAT) {
         cJSON *m = cJSON_AddObjectToObject(ch, "message");
         cJSON_AddStringToObject(m, "role", "assistant");
@@ -269,9 +276,7 @@ static cJSON *completion_doc(const oa_call *c)
 static cJSON *chunk_doc(oa_call *c, const char *text, const char *finish)
 {
     cJSON *doc = doc_head(c, c->kind == OA_CHAT ? "chat.completion.chunk" : "text_completion");
-    cJSON *choices = cJSON_AddArrayToObject(doc, "choices"), *ch = cJSON_CreateObject();
-    cJSON_AddItemToArray(choices, ch);
-    cJSON_AddNumberToObject(ch, "index", 0);
+    cJSON *ch = add_choice(doc);
     if (c->kind == OA_CHAT) {
         cJSON *d = cJSON_AddObjectToObject(ch, "delta");
         if (!c->role_sent) { /* the first chunk says who speaks */
@@ -896,12 +901,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
     oa_call *c = cls;
     pthread_mutex_lock(&c->mu);
     while (c->out_off == c->out_len && !c->done) {
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_nsec += OA_POLL_MS * 1000000L;
-        until.tv_sec += until.tv_nsec / 1000000000L;
-        until.tv_nsec %= 1000000000L;
-        pthread_cond_timedwait(&c->cv, &c->mu, &until);
+        rt_cond_wait_ms(&c->cv, &c->mu, OA_POLL_MS);
         if (c->out_off == c->out_len && !c->done && hung_up(c->fd)) {
             atomic_store(&c->gone, 1);
             pthread_mutex_unlock(&c->mu);
@@ -948,12 +948,7 @@ static int serve_stream(struct MHD_Connection *conn, oa_call *c)
     /* answer once the first event or the outcome is known, watching the client meanwhile */
     pthread_mutex_lock(&c->mu);
     while (!c->started && !c->done) {
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_nsec += OA_POLL_MS * 1000000L;
-        until.tv_sec += until.tv_nsec / 1000000000L;
-        until.tv_nsec %= 1000000000L;
-        pthread_cond_timedwait(&c->cv, &c->mu, &until);
+        rt_cond_wait_ms(&c->cv, &c->mu, OA_POLL_MS);
         if (!c->started && !c->done && hung_up(c->fd)) {
             atomic_store(&c->gone, 1);
             break;

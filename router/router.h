@@ -214,6 +214,9 @@ int rt_tokenize(kc_call *call, const ProtobufCMessage *req, void *user);
  * whose client went away (its handler may be blocked reading that stream). Until stopping. */
 void *rt_watcher_main(void *arg);
 
+/* pthread_cond_timedwait for at most `ms` milliseconds (mu held, as the call requires). */
+void rt_cond_wait_ms(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t ms);
+
 /* Monotonic milliseconds. */
 int64_t rt_now_ms(void);
 
