@@ -13,27 +13,20 @@ kvrelay_requests_total{status="UNAUTHENTICATED"}; kvrelay-cli works with --api-k
 KVRELAY_API_KEY and without a key exits 1 with a message saying what to do; no log holds a key.
 Run through api_keys.sh (it generates the stubs); every process is killed at the end.
 """
-import argparse
 import json
 import os
 import subprocess
 import sys
 import urllib.request
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--bin", required=True)
-ap.add_argument("--stubs", required=True)
-ap.add_argument("--model", required=True)
-ap.add_argument("--work", required=True)
-args = ap.parse_args()
-sys.path.insert(0, args.stubs)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import krprocs  # beside this script: Python puts its directory on sys.path
+
+args = krprocs.parse_args()
 
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
 from krprocs import check, failures, stop_all  # noqa: E402
-import krprocs  # noqa: E402
 from kvhealth import health_pb2, health_pb2_grpc  # noqa: E402
 
 KEY_FLAG = "flag-key-7f3a9c1e"

@@ -13,6 +13,19 @@ failures = []
 _procs = []
 
 
+def parse_args():
+    """The command line every Python cluster test takes from its shell script: --bin (the
+    programs), --stubs (the generated gRPC stubs, made importable here), --model, --work (a
+    temporary directory)."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    for flag in ("--bin", "--stubs", "--model", "--work"):
+        ap.add_argument(flag, required=True)
+    args = ap.parse_args()
+    sys.path.insert(0, args.stubs)
+    return args
+
+
 def check(cond, what):
     if not cond:
         failures.append(what)

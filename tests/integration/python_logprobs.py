@@ -22,7 +22,6 @@ Checked, for the full policy and two eviction policies (snapkv patched with a bu
     vocabulary, more forced ids than --max-tokens-limit, prompt + forced over the context.
 Run through python_logprobs.sh (it generates the stubs); every process is killed at the end.
 """
-import argparse
 import json
 import math
 import os
@@ -30,20 +29,14 @@ import subprocess
 import sys
 import threading
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--bin", required=True)
-ap.add_argument("--stubs", required=True)
-ap.add_argument("--model", required=True)
-ap.add_argument("--work", required=True)
-args = ap.parse_args()
-sys.path.insert(0, args.stubs)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import krprocs  # beside this script: Python puts its directory on sys.path
+
+args = krprocs.parse_args()
 
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
 from krprocs import check, failures, stop_all  # noqa: E402
-import krprocs  # noqa: E402
 
 CONTEXT = 256
 CHUNK = 16

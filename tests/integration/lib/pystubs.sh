@@ -1,0 +1,46 @@
+# pystubs.sh - sourced by the integration tests whose clients are Python's grpcio (a client
+# nobody here wrote): checks that Debian's python3-grpcio, protoc and the gRPC Python plugin are
+# there (else the test skips with exit 77: `./kvrelay test` installs them), and generates stubs.
+#   PY            the interpreter to run clients with (Debian's: a pyenv python3 on PATH may
+#                 lack grpc, STACK.md)
+#   kr_workdir    makes the temp dir $tmp and, at exit, kills every pid listed in $tmp/pids (the
+#                 Python side's processes, even if Python died first) and removes it
+#   kr_pystubs DIR [PROTO...]
+#                 stubs for proto/kvrelay/v1/kvrelay.proto and the given protos under proto/
+#                 (e.g. kvrelay/v1/internal.proto) into DIR, plus grpc.health.v1 as the module
+#                 `kvhealth` (a top-level "grpc" directory of stubs would shadow the grpc package
+#                 itself; the proto's package, and so its method paths, stays grpc.health.v1)
+# Needs KR_SRC (set by ctest).
+PY=/usr/bin/python3
+KR_GRPC_PLUGIN=/usr/bin/grpc_python_plugin
+if ! "$PY" -c 'import grpc, google.protobuf' 2>/dev/null; then
+  echo "SKIP: python3-grpcio missing (the README's test command installs it)"
+  exit 77
+fi
+if ! command -v protoc >/dev/null || [ ! -x "$KR_GRPC_PLUGIN" ]; then
+  echo "SKIP: protoc or $KR_GRPC_PLUGIN missing (protobuf-compiler, protobuf-compiler-grpc; the README's test command installs them)"
+  exit 77
+fi
+
+kr_pystubs() {
+  local dir=$1 p protos=()
+  shift
+  for p in kvrelay/v1/kvrelay.proto "$@"; do protos+=("$KR_SRC/proto/$p"); done
+  mkdir -p "$dir/.health/kvhealth"
+  protoc -I "$KR_SRC/proto" --python_out="$dir" --grpc_out="$dir" --plugin=protoc-gen-grpc="$KR_GRPC_PLUGIN" \
+    "${protos[@]}"
+  cp "$KR_SRC/proto/grpc/health/v1/health.proto" "$dir/.health/kvhealth/health.proto"
+  protoc -I "$dir/.health" --python_out="$dir" --grpc_out="$dir" --plugin=protoc-gen-grpc="$KR_GRPC_PLUGIN" \
+    "$dir/.health/kvhealth/health.proto"
+}
+
+kr_workdir() {
+  tmp=$(mktemp -d)
+  trap kr_workdir_cleanup EXIT
+}
+kr_workdir_cleanup() {
+  if [ -f "$tmp/pids" ]; then
+    while read -r pid; do kill -9 "$pid" 2>/dev/null || true; done <"$tmp/pids"
+  fi
+  rm -rf "$tmp"
+}
