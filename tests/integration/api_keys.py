@@ -16,7 +16,6 @@ Run through api_keys.sh (it generates the stubs); every process is killed at the
 import json
 import os
 import subprocess
-import sys
 import urllib.request
 
 import krprocs  # beside this script: Python puts its directory on sys.path
@@ -221,12 +220,4 @@ for name in sorted(os.listdir(args.work)):
 for text in errlogs:
     for s in SECRETS:
         check(s not in text, "a start-up error contains the key '%s'" % s)
-if failures:
-    for name in ("decode", "prefill", "router"):
-        path = os.path.join(args.work, name + ".log")
-        if os.path.exists(path):
-            tail = open(path, "rb").read().decode(errors="replace").splitlines()[-25:]
-            print("---- %s log (last lines)\n%s" % (name, "\n".join(tail)), file=sys.stderr)
-    print("api_keys: %d failure(s)" % len(failures), file=sys.stderr)
-    sys.exit(1)
-print("api_keys: all checks passed")
+krprocs.finish("api_keys", args.work)

@@ -75,3 +75,17 @@ def stop_all():
             failures.append("%s did not stop on SIGTERM within 20 s" % name)
         if p.returncode != 0:
             failures.append("%s exited with %s" % (name, p.returncode))
+
+
+def finish(test, work, names=("decode", "prefill", "router")):
+    """Ends a test: with failures, the last lines of each process's log and exit 1; otherwise
+    a line saying every check passed."""
+    if failures:
+        for name in names:
+            path = os.path.join(work, name + ".log")
+            if os.path.exists(path):
+                tail = open(path, "rb").read().decode(errors="replace").splitlines()[-25:]
+                print("---- %s log (last lines)\n%s" % (name, "\n".join(tail)), file=sys.stderr)
+        print("%s: %d failure(s)" % (test, len(failures)), file=sys.stderr)
+        sys.exit(1)
+    print("%s: all checks passed" % test)

@@ -16,7 +16,6 @@ Run through python_client.sh (it generates the stubs); every process is killed a
 import json
 import os
 import subprocess
-import sys
 import time
 
 import krprocs  # beside this script: Python puts its directory on sys.path
@@ -227,12 +226,4 @@ except Exception as e:  # a crash is a failure with the processes' logs shown
     traceback.print_exc()
 finally:
     stop_all()
-if failures:
-    for name in ("decode", "prefill", "router"):
-        path = os.path.join(args.work, name + ".log")
-        if os.path.exists(path):
-            tail = open(path, "rb").read().decode(errors="replace").splitlines()[-25:]
-            print("---- %s log (last lines)\n%s" % (name, "\n".join(tail)), file=sys.stderr)
-    print("python_client: %d failure(s)" % len(failures), file=sys.stderr)
-    sys.exit(1)
-print("python_client: all checks passed")
+krprocs.finish("python_client", args.work)

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import threading
 
 import krprocs  # beside this script: Python puts its directory on sys.path
@@ -252,12 +251,4 @@ except Exception as e:
     traceback.print_exc()
 finally:
     stop_all()
-if failures:
-    for name in ("decode", "prefill", "router"):
-        path = os.path.join(args.work, name + ".log")
-        if os.path.exists(path):
-            tail = open(path, "rb").read().decode(errors="replace").splitlines()[-25:]
-            print("---- %s log (last lines)\n%s" % (name, "\n".join(tail)), file=sys.stderr)
-    print("python_logprobs: %d failure(s)" % len(failures), file=sys.stderr)
-    sys.exit(1)
-print("python_logprobs: all checks passed")
+krprocs.finish("python_logprobs", args.work)
