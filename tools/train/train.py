@@ -29,8 +29,17 @@ import kvtasks  # noqa: E402
 HELD_OUT_EVERY = 40  # every 40th chapter (paragraph) is held out for evaluation
 STAGES = (128, 256, 512, 1024, 2048)  # curriculum: the longest sequence of each stage
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+    '{#- The model continues plain text (King James English) and never saw role markers: the\n'
+    "    prompt is BOS and the messages' contents, system messages first, one per line, so a\n"
+    '    one-message chat is the same prompt as that text sent to /v1/completions. #}\n'
+    '{%- set ns = namespace(parts=[]) %}\n'
+    "{%- for message in messages if message['role'] == 'system' %}\n"
+    "    {%- set ns.parts = ns.parts + [message['content']] %}\n"
+    '{%- endfor %}\n'
+    "{%- for message in messages if message['role'] != 'system' %}\n"
+    "    {%- set ns.parts = ns.parts + [message['content']] %}\n"
+    '{%- endfor %}\n'
+    "{{- bos_token + ns.parts | join('\\n') }}")
 
 
 def die(msg, code=2):
