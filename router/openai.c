@@ -17,6 +17,7 @@
 #include "router.h"
 
 #include "apikey.h"
+#include "openai.h"
 
 #include <cjson/cJSON.h>
 #include <microhttpd.h>
@@ -30,11 +31,7 @@
 #include <string.h>
 #include <time.h>
 
-enum {
-    OA_POLL_MS = 20,          /* how often a waiting connection thread looks at its socket */
-    OA_MAX_STOPS = 16,        /* the gRPC API's limit, checked there; this bounds the copy */
-    OA_DEFAULT_MAX_TOKENS = 16, /* completions without max_tokens, as OpenAI's API */
-};
+enum { OA_POLL_MS = 20 }; /* how often a waiting connection thread looks at its socket */
 
 #define OA_JSON "application/json"
 
@@ -59,27 +56,15 @@ static void count_response(rt_router *rt, unsigned status)
         if (http_codes[i] == status) kc_counter_inc(rt->m.http_responses[i], 1);
 }
 
-typedef enum oa_kind { OA_COMPLETION, OA_CHAT } oa_kind;
-
 /* One HTTP generation request: what was asked, what came back. Streamed requests share it
  * between the generation thread and the connection thread (refs, mu). */
 typedef struct oa_call {
     rt_router *rt;
-    oa_kind kind;
-    int stream, include_usage;
+    oa_request req; /* what was asked */
     char id[200];        /* "cmpl-<request id>" / "chatcmpl-<request id>" */
     char request_id[RT_REQUEST_ID_MAX + 1];
     int64_t created;     /* unix seconds */
-    char policy[1024];   /* as the client gave it ("" = full) */
     int fd;              /* the client's socket, for hang-up checks; -1 unknown */
-
-    /* the request for rt_generate_run */
-    Kvrelay__V1__GenerateRequest q;
-    Kvrelay__V1__Sampling sampling;
-    Kvrelay__V1__TokenIds prompt_ids;
-    uint32_t *ids; /* prompt ids, malloc'd */
-    char *stops[OA_MAX_STOPS];
-    int n_stops;
 
     /* what came back */
     char *text; /* non-streamed: the whole text */
@@ -192,7 +177,7 @@ static const char *param_of(const oa_call *c, const char *details)
     } map[] = {{"kv_policy", "kv_policy"}, {"sampling: temperature", "temperature"}, {"sampling: top_p", "top_p"},
                {"sampling.top_k", "top_k"}, {"sampling: top_k", "top_k"}, {"stop", "stop"},
                {"max_tokens", "max_tokens"}, {"request_id", "X-Request-Id"}};
-    if (!strncmp(details, "prompt", 6)) return c->kind == OA_CHAT ? "messages" : "prompt";
+    if (!strncmp(details, "prompt", 6)) return c->req.kind == OA_CHAT ? "messages" : "prompt";
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
         if (!strncmp(details, map[i].prefix, strlen(map[i].prefix))) return map[i].param;
     return NULL;
@@ -233,7 +218,7 @@ static void add_extras(cJSON *doc, const oa_call *c)
     cJSON *k = cJSON_AddObjectToObject(doc, "kvrelay");
     if (!k) return;
     cJSON_AddStringToObject(k, "request_id", c->request_id);
-    cJSON_AddStringToObject(k, "kv_policy", c->policy[0] ? c->policy : "full");
+    cJSON_AddStringToObject(k, "kv_policy", c->req.policy[0] ? c->req.policy : "full");
     cJSON_AddNumberToObject(k, "kv_footprint", c->usage.kv_footprint);
     cJSON_AddNumberToObject(k, "peak_kv_entries", (double)c->usage.peak_kv_entries);
     cJSON_AddNumberToObject(k, "kv_bytes_shipped", (double)c->usage.kv_bytes_shipped);
@@ -256,9 +241,9 @@ static cJSON *add_choice(cJSON *doc)
 /* The whole answer of a non-streamed request. */
 static cJSON *completion_doc(const oa_call *c)
 {
-    cJSON *doc = doc_head(c, c->kind == OA_CHAT ? "chat.completion" : "text_completion");
+    cJSON *doc = doc_head(c, c->req.kind == OA_CHAT ? "chat.completion" : "text_completion");
     cJSON *ch = add_choice(doc);
-    if (c->kind == OA_CHAT) {
+    if (c->req.kind == OA_CHAT) {
         cJSON *m = cJSON_AddObjectToObject(ch, "message");
         cJSON_AddStringToObject(m, "role", "assistant");
         cJSON_AddStringToObject(m, "content", c->text ? c->text : "");
@@ -275,9 +260,9 @@ static cJSON *completion_doc(const oa_call *c)
 /* One streamed chunk with one choice: text (NULL: none) and finish (NULL: not yet). */
 static cJSON *chunk_doc(oa_call *c, const char *text, const char *finish)
 {
-    cJSON *doc = doc_head(c, c->kind == OA_CHAT ? "chat.completion.chunk" : "text_completion");
+    cJSON *doc = doc_head(c, c->req.kind == OA_CHAT ? "chat.completion.chunk" : "text_completion");
     cJSON *ch = add_choice(doc);
-    if (c->kind == OA_CHAT) {
+    if (c->req.kind == OA_CHAT) {
         cJSON *d = cJSON_AddObjectToObject(ch, "delta");
         if (!c->role_sent) { /* the first chunk says who speaks */
             cJSON_AddStringToObject(d, "role", "assistant");
@@ -291,7 +276,7 @@ static cJSON *chunk_doc(oa_call *c, const char *text, const char *finish)
     cJSON_AddNullToObject(ch, "logprobs");
     if (finish) cJSON_AddStringToObject(ch, "finish_reason", finish);
     else cJSON_AddNullToObject(ch, "finish_reason");
-    if (c->include_usage) cJSON_AddNullToObject(doc, "usage"); /* as OpenAI: only the last one has it */
+    if (c->req.include_usage) cJSON_AddNullToObject(doc, "usage"); /* as OpenAI: only the last one has it */
     return doc;
 }
 
@@ -417,14 +402,14 @@ static int stream_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
     oa_call *c = ctx;
     pthread_mutex_lock(&c->mu);
     if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA) {
-        if (msg->delta->text[0] || (c->kind == OA_CHAT && !c->role_sent)) sse_append_locked(c, chunk_doc(c, msg->delta->text, NULL));
+        if (msg->delta->text[0] || (c->req.kind == OA_CHAT && !c->role_sent)) sse_append_locked(c, chunk_doc(c, msg->delta->text, NULL));
     } else if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH) {
         keep_finish(c, msg->finish);
         cJSON *last = chunk_doc(c, NULL, finish_name(c->reason));
         add_extras(last, c);
         sse_append_locked(c, last);
-        if (c->include_usage) {
-            cJSON *u = doc_head(c, c->kind == OA_CHAT ? "chat.completion.chunk" : "text_completion");
+        if (c->req.include_usage) {
+            cJSON *u = doc_head(c, c->req.kind == OA_CHAT ? "chat.completion.chunk" : "text_completion");
             cJSON_AddArrayToObject(u, "choices");
             add_usage(u, c);
             sse_append_locked(c, u);
@@ -453,8 +438,8 @@ static int oa_wait(void *ctx, int64_t ms);
 static const rt_sink *sink_for(oa_call *c, rt_sink *s)
 {
     *s = (rt_sink){.ctx = c,
-                   .send = c->stream ? stream_send : whole_send,
-                   .cancelled = c->stream ? stream_cancelled : whole_cancelled,
+                   .send = c->req.stream ? stream_send : whole_send,
+                   .cancelled = c->req.stream ? stream_cancelled : whole_cancelled,
                    .wait = oa_wait,
                    .ms_left = no_deadline};
     return s;
@@ -466,386 +451,15 @@ static int oa_wait(void *ctx, int64_t ms)
     return sink_wait(sink_for(ctx, &s), ms);
 }
 
-/* ------------------------------------------------------------------ parsing the request */
-
 static void call_free(oa_call *c)
 {
     if (!c) return;
-    for (int i = 0; i < c->n_stops; i++) free(c->stops[i]);
-    free(c->ids);
+    oa_request_free(&c->req);
     free(c->text);
     free(c->out);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     free(c);
-}
-
-/* The request fields each endpoint knows; any other is refused, as OpenAI does, so that a typo
- * is not silently ignored. */
-static const char *const completion_fields[] = {
-    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-    "user", "echo", "logprobs", "best_of", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-    "kv_policy", "top_k", "add_special_tokens", NULL};
-static const char *const chat_fields[] = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-    "stream_options", "stop", "seed", "user", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-    "logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "kv_policy", "top_k",
-    "add_generation_prompt", NULL};
-
-/* A refusal while parsing: status 400 (or `http`), the field, the message. */
-typedef struct oa_refusal {
-    unsigned http;
-    const char *type, *code; /* static strings */
-    char param[64]; /* "" = none; a copy: it may name a key of the request's JSON */
-    char msg[1024];
-} oa_refusal;
-
-static int refuse(oa_refusal *f, const char *param, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int refuse(oa_refusal *f, const char *param, const char *fmt, ...)
-{
-    f->http = MHD_HTTP_BAD_REQUEST;
-    f->type = "invalid_request_error";
-    snprintf(f->param, sizeof f->param, "%s", param ? param : "");
-    f->code = NULL;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(f->msg, sizeof f->msg, fmt, ap);
-    va_end(ap);
-    return -1;
-}
-
-/* null counts as absent, as the OpenAI SDKs send it. */
-static const cJSON *field(const cJSON *doc, const char *name)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(doc, name);
-    return v && !cJSON_IsNull(v) ? v : NULL;
-}
-
-/* An integer field in [lo, hi] into *out (untouched when absent). */
-static int int_field(const cJSON *doc, const char *name, double lo, double hi, int64_t *out, oa_refusal *f)
-{
-    const cJSON *v = field(doc, name);
-    if (!v) return 0;
-    if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble))
-        return refuse(f, name, "'%s' must be an integer", name);
-    if (v->valuedouble < lo || v->valuedouble > hi)
-        return refuse(f, name, "'%s' is %.0f: it must be in [%.0f, %.0f]", name, v->valuedouble, lo, hi);
-    *out = (int64_t)v->valuedouble;
-    return 0;
-}
-
-static int num_field(const cJSON *doc, const char *name, double *out, oa_refusal *f)
-{
-    const cJSON *v = field(doc, name);
-    if (!v) return 0;
-    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble)) return refuse(f, name, "'%s' must be a number", name);
-    *out = v->valuedouble;
-    return 0;
-}
-
-static int bool_field(const cJSON *doc, const char *name, int *out, oa_refusal *f)
-{
-    const cJSON *v = field(doc, name);
-    if (!v) return 0;
-    if (!cJSON_IsBool(v)) return refuse(f, name, "'%s' must be true or false", name);
-    *out = cJSON_IsTrue(v);
-    return 0;
-}
-
-/* Fields kvrelay accepts only at their default value (what OpenAI does when they are absent). */
-static int only_default(const cJSON *doc, oa_refusal *f)
-{
-    double x = 0;
-    if (num_field(doc, "presence_penalty", &x, f) || x != 0)
-        return x != 0 ? refuse(f, "presence_penalty", "'presence_penalty' is not supported (only 0)") : -1;
-    if (num_field(doc, "frequency_penalty", &x, f) || x != 0)
-        return x != 0 ? refuse(f, "frequency_penalty", "'frequency_penalty' is not supported (only 0)") : -1;
-    const cJSON *v = field(doc, "logit_bias");
-    if (v && !(cJSON_IsObject(v) && !v->child)) return refuse(f, "logit_bias", "'logit_bias' is not supported");
-    int64_t n = 1;
-    if (int_field(doc, "n", 1, 128, &n, f)) return -1;
-    if (n != 1) return refuse(f, "n", "'n' is %" PRId64 ": only one choice per request is supported (n = 1)", n);
-    return 0;
-}
-
-static int copy_stop(oa_call *c, const char *s, oa_refusal *f)
-{
-    if (c->n_stops >= OA_MAX_STOPS) return refuse(f, "stop", "'stop': at most %d strings", OA_MAX_STOPS);
-    if (!(c->stops[c->n_stops] = strdup(s))) return refuse(f, NULL, "out of memory");
-    c->n_stops++;
-    return 0;
-}
-
-/* The fields both endpoints share: sampling, stops, streaming, the KV policy. */
-static int parse_common(oa_call *c, const cJSON *doc, oa_refusal *f)
-{
-    rt_router *rt = c->rt;
-    const char *const *known = c->kind == OA_CHAT ? chat_fields : completion_fields;
-    for (const cJSON *it = doc->child; it; it = it->next) {
-        int ok = 0;
-        for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
-        if (!ok) return refuse(f, it->string, "Unrecognized request argument supplied: %s", it->string);
-    }
-    const cJSON *model = cJSON_GetObjectItemCaseSensitive(doc, "model");
-    if (!cJSON_IsString(model)) return refuse(f, "model", "'model' is required: a string (GET /v1/models lists them)");
-    if (strcmp(model->valuestring, rt->served_model) != 0) {
-        refuse(f, "model", "The model '%.200s' does not exist (this server serves '%s')", model->valuestring,
-               rt->served_model);
-        f->http = MHD_HTTP_NOT_FOUND;
-        f->code = "model_not_found";
-        return -1;
-    }
-    if (only_default(doc, f)) return -1;
-    if (bool_field(doc, "stream", &c->stream, f)) return -1;
-    const cJSON *so = field(doc, "stream_options");
-    if (so) {
-        if (!cJSON_IsObject(so)) return refuse(f, "stream_options", "'stream_options' must be an object");
-        if (!c->stream) return refuse(f, "stream_options", "'stream_options' is only allowed with 'stream': true");
-        for (const cJSON *it = so->child; it; it = it->next)
-            if (strcmp(it->string, "include_usage") != 0)
-                return refuse(f, "stream_options", "Unrecognized stream option: %s", it->string);
-        if (bool_field(so, "include_usage", &c->include_usage, f)) return -1;
-    }
-
-    /* sampling: OpenAI's defaults are temperature 1 and top_p 1 */
-    double temperature = 1.0, top_p = 1.0;
-    int64_t top_k = 0, seed = 0;
-    if (num_field(doc, "temperature", &temperature, f) || num_field(doc, "top_p", &top_p, f) ||
-        int_field(doc, "top_k", 0, 1 << 30, &top_k, f))
-        return -1;
-    c->sampling = (Kvrelay__V1__Sampling)KVRELAY__V1__SAMPLING__INIT;
-    c->sampling.temperature = (float)temperature;
-    c->sampling.top_p = (float)top_p;
-    c->sampling.top_k = (uint32_t)top_k;
-    if (field(doc, "seed")) {
-        if (int_field(doc, "seed", -9007199254740992.0, 9007199254740992.0, &seed, f)) return -1;
-        c->sampling.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
-        c->sampling.seed = (uint64_t)seed;
-    }
-
-    const cJSON *stop = field(doc, "stop");
-    if (cJSON_IsString(stop)) {
-        if (copy_stop(c, stop->valuestring, f)) return -1;
-    } else if (cJSON_IsArray(stop)) {
-        for (const cJSON *s = stop->child; s; s = s->next) {
-            if (!cJSON_IsString(s)) return refuse(f, "stop", "'stop' must be a string or an array of strings");
-            if (copy_stop(c, s->valuestring, f)) return -1;
-        }
-    } else if (stop) {
-        return refuse(f, "stop", "'stop' must be a string or an array of strings");
-    }
-
-    const cJSON *policy = field(doc, "kv_policy");
-    if (policy && !cJSON_IsString(policy))
-        return refuse(f, "kv_policy", "'kv_policy' must be a policy spec string, e.g. \"streaming:sink=4,window=64\"");
-    if (policy && strlen(policy->valuestring) >= sizeof c->policy)
-        return refuse(f, "kv_policy", "'kv_policy' is over %zu bytes", sizeof c->policy - 1);
-    snprintf(c->policy, sizeof c->policy, "%s", policy ? policy->valuestring : "");
-    return 0;
-}
-
-static int tokenize(oa_call *c, const char *text, int add_special, const char *param, oa_refusal *f)
-{
-    rt_router *rt = c->rt;
-    if (!rt->tok)
-        return refuse(f, param, "the model %s has no tokenizer.json: send the prompt as an array of token ids",
-                      rt->model_dir);
-    int32_t *ids = NULL;
-    int n = 0;
-    char err[KR_ERR_MAX];
-    if (kr_tokenizer_encode(rt->tok, text, strlen(text), add_special, &ids, &n, err) != KR_OK)
-        return refuse(f, param, "'%s' does not tokenize: %s", param, err);
-    c->ids = (uint32_t *)ids; /* non-negative ids: the same bits */
-    c->prompt_ids.n_ids = (size_t)n;
-    return 0;
-}
-
-/* POST /v1/completions: prompt is a string or token ids (or a list holding one of them). */
-static int parse_completion(oa_call *c, const cJSON *doc, oa_refusal *f)
-{
-    int add_special = 1, echo = 0;
-    if (bool_field(doc, "add_special_tokens", &add_special, f) || bool_field(doc, "echo", &echo, f)) return -1;
-    if (echo) return refuse(f, "echo", "'echo' is not supported");
-    int64_t best_of = 1;
-    if (int_field(doc, "best_of", 1, 1, &best_of, f)) return -1;
-    if (field(doc, "suffix")) return refuse(f, "suffix", "'suffix' is not supported");
-    if (field(doc, "logprobs"))
-        return refuse(f, "logprobs", "'logprobs' is not supported over HTTP (the gRPC API has per-token logprobs)");
-    const cJSON *p = field(doc, "prompt");
-    if (!p) return refuse(f, "prompt", "'prompt' is required");
-    if (cJSON_IsArray(p) && p->child && !p->child->next && (cJSON_IsString(p->child) || cJSON_IsArray(p->child)))
-        p = p->child; /* a list of one prompt */
-    else if (cJSON_IsArray(p) && p->child && !cJSON_IsNumber(p->child))
-        return refuse(f, "prompt", "'prompt': one prompt per request (a list of several is not supported)");
-    if (cJSON_IsString(p)) {
-        if (!p->valuestring[0]) return refuse(f, "prompt", "'prompt' is empty");
-        return tokenize(c, p->valuestring, add_special, "prompt", f);
-    }
-    if (!cJSON_IsArray(p)) return refuse(f, "prompt", "'prompt' must be a string or an array of token ids");
-    int n = cJSON_GetArraySize(p);
-    if (n == 0) return refuse(f, "prompt", "'prompt' is empty");
-    if (n > c->rt->cfg.max_position_embeddings)
-        return refuse(f, "prompt", "'prompt' has %d tokens: the model's context is %d", n,
-                      c->rt->cfg.max_position_embeddings);
-    c->ids = malloc((size_t)n * sizeof *c->ids);
-    if (!c->ids) return refuse(f, NULL, "out of memory");
-    int i = 0;
-    for (const cJSON *t = p->child; t; t = t->next, i++) {
-        if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) || t->valuedouble < 0 ||
-            t->valuedouble >= c->rt->cfg.vocab_size)
-            return refuse(f, "prompt", "'prompt'[%d] is not a token id of the model's vocabulary [0, %d)", i,
-                          c->rt->cfg.vocab_size);
-        c->ids[i] = (uint32_t)t->valuedouble;
-    }
-    c->prompt_ids.n_ids = (size_t)n;
-    return 0;
-}
-
-/* A message's content: a string, or an array of {"type": "text", "text": ...} parts (joined). */
-static char *message_text(const cJSON *content, int i, oa_refusal *f)
-{
-    if (!content) return strdup("");
-    if (cJSON_IsString(content)) return strdup(content->valuestring);
-    if (!cJSON_IsArray(content)) {
-        refuse(f, "messages", "'messages'[%d].content must be a string or an array of text parts", i);
-        return NULL;
-    }
-    size_t len = 0;
-    for (const cJSON *part = content->child; part; part = part->next) {
-        const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
-        const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
-        if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0 || !cJSON_IsString(text)) {
-            refuse(f, "messages", "'messages'[%d].content: only parts of type \"text\" are supported", i);
-            return NULL;
-        }
-        len += strlen(text->valuestring);
-    }
-    char *out = malloc(len + 1);
-    if (!out) return NULL;
-    out[0] = '\0';
-    for (const cJSON *part = content->child; part; part = part->next)
-        strcat(out, cJSON_GetObjectItemCaseSensitive(part, "text")->valuestring);
-    return out;
-}
-
-/* POST /v1/chat/completions: the messages rendered with the model's chat template. */
-static int parse_chat(oa_call *c, const cJSON *doc, oa_refusal *f)
-{
-    rt_router *rt = c->rt;
-    int logprobs = 0, add_generation_prompt = 1;
-    if (bool_field(doc, "logprobs", &logprobs, f) || bool_field(doc, "add_generation_prompt", &add_generation_prompt, f))
-        return -1;
-    if (logprobs || field(doc, "top_logprobs"))
-        return refuse(f, "logprobs", "'logprobs' is not supported over HTTP (the gRPC API has per-token logprobs)");
-    const cJSON *tools = field(doc, "tools");
-    if (tools && !(cJSON_IsArray(tools) && !tools->child)) return refuse(f, "tools", "'tools' are not supported");
-    const cJSON *tc = field(doc, "tool_choice");
-    if (tc && !(cJSON_IsString(tc) && !strcmp(tc->valuestring, "none")))
-        return refuse(f, "tool_choice", "'tool_choice' must be \"none\": tools are not supported");
-    const cJSON *rf = field(doc, "response_format");
-    const cJSON *rft = rf ? cJSON_GetObjectItemCaseSensitive(rf, "type") : NULL;
-    if (rf && !(cJSON_IsString(rft) && !strcmp(rft->valuestring, "text")))
-        return refuse(f, "response_format", "'response_format' must be {\"type\": \"text\"}");
-    int store = 0;
-    if (bool_field(doc, "store", &store, f)) return -1;
-    if (store) return refuse(f, "store", "'store' is not supported");
-    if (bool_field(doc, "parallel_tool_calls", &store, f)) return -1;
-
-    const cJSON *msgs = field(doc, "messages");
-    if (!cJSON_IsArray(msgs) || !msgs->child)
-        return refuse(f, "messages", "'messages' is required: a non-empty array of {\"role\", \"content\"}");
-    if (!rt->chat)
-        return refuse(f, "messages", "the model %s has no usable chat template: %s (use /v1/completions)",
-                      rt->model_dir, rt->chat_error);
-    int n = cJSON_GetArraySize(msgs), rc = -1;
-    kr_chat_message *m = calloc((size_t)n, sizeof *m);
-    char **texts = calloc((size_t)n, sizeof *texts);
-    if (!m || !texts) {
-        refuse(f, NULL, "out of memory");
-        goto out;
-    }
-    int i = 0;
-    for (const cJSON *it = msgs->child; it; it = it->next, i++) {
-        const cJSON *role = cJSON_GetObjectItemCaseSensitive(it, "role");
-        if (!cJSON_IsObject(it) || !cJSON_IsString(role)) {
-            refuse(f, "messages", "'messages'[%d] must be an object with a string 'role'", i);
-            goto out;
-        }
-        for (const cJSON *k = it->child; k; k = k->next)
-            if (strcmp(k->string, "role") && strcmp(k->string, "content") && strcmp(k->string, "name")) {
-                refuse(f, "messages", "'messages'[%d].%s is not supported", i, k->string);
-                goto out;
-            }
-        const cJSON *content = field(it, "content");
-        if (!(texts[i] = message_text(content, i, f))) {
-            if (!f->msg[0]) refuse(f, NULL, "out of memory");
-            goto out;
-        }
-        m[i] = (kr_chat_message){.role = role->valuestring, .content = texts[i]};
-    }
-    char *prompt = NULL;
-    size_t len = 0;
-    char err[KR_ERR_MAX];
-    int e = kr_chat_template_render(rt->chat, m, n, add_generation_prompt, &prompt, &len, err);
-    if (e == KR_CHAT_RAISED) { /* the template's own words on what is wrong with the messages */
-        refuse(f, "messages", "%s", err);
-        goto out;
-    }
-    if (e != KR_OK) { /* the model's template itself failed: the server's problem */
-        refuse(f, "messages", "the model's chat template (%s) failed: %s", kr_chat_template_source(rt->chat), err);
-        f->http = MHD_HTTP_INTERNAL_SERVER_ERROR;
-        f->type = "server_error";
-        goto out;
-    }
-    rc = prompt[0] ? tokenize(c, prompt, 0, "messages", f) /* the template wrote the special tokens */
-                   : refuse(f, "messages", "the chat template rendered an empty prompt");
-    free(prompt);
-out:
-    for (int k = 0; texts && k < n; k++) free(texts[k]);
-    free(texts);
-    free(m);
-    return rc;
-}
-
-/* Builds c->q from the JSON body. */
-static int parse_request(oa_call *c, const cJSON *doc, oa_refusal *f)
-{
-    if (!cJSON_IsObject(doc)) return refuse(f, NULL, "the request body must be a JSON object");
-    if (parse_common(c, doc, f) ||
-        (c->kind == OA_CHAT ? parse_chat(c, doc, f) : parse_completion(c, doc, f)))
-        return -1;
-    rt_router *rt = c->rt;
-    int ctx = rt->cfg.max_position_embeddings, n_prompt = (int)c->prompt_ids.n_ids;
-    int64_t max_tokens = -1;
-    const char *which = "max_tokens";
-    if (c->kind == OA_CHAT && field(doc, "max_completion_tokens")) which = "max_completion_tokens";
-    if (int_field(doc, which, 1, 1e9, &max_tokens, f)) return -1;
-    if (max_tokens < 0) { /* absent: OpenAI's 16 for completions; chat runs to the context */
-        max_tokens = c->kind == OA_CHAT ? ctx - n_prompt : OA_DEFAULT_MAX_TOKENS;
-        if (max_tokens > rt->max_tokens_limit) max_tokens = rt->max_tokens_limit;
-        if (max_tokens < 1) max_tokens = 1;
-    }
-    if ((int64_t)n_prompt + max_tokens > ctx) {
-        refuse(f, which,
-               "This model's maximum context length is %d tokens. However, you requested %" PRId64
-               " tokens (%d in the %s, %" PRId64 " for the completion). Please reduce the length of the %s or the "
-               "completion.",
-               ctx, n_prompt + max_tokens, n_prompt, c->kind == OA_CHAT ? "messages" : "prompt", max_tokens,
-               c->kind == OA_CHAT ? "messages" : "prompt");
-        f->code = "context_length_exceeded";
-        return -1;
-    }
-    c->prompt_ids.ids = c->ids;
-    c->q = (Kvrelay__V1__GenerateRequest)KVRELAY__V1__GENERATE_REQUEST__INIT;
-    c->q.prompt_case = KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS;
-    c->q.token_ids = &c->prompt_ids;
-    c->q.max_tokens = (uint32_t)max_tokens;
-    c->q.sampling = &c->sampling;
-    c->q.n_stop = (size_t)c->n_stops;
-    c->q.stop = c->stops;
-    c->q.kv_policy = c->policy;
-    c->q.request_id = c->request_id;
-    return 0;
 }
 
 /* ------------------------------------------------------------------ serving */
@@ -861,7 +475,7 @@ static void call_unref(oa_call *c)
 static void run(oa_call *c)
 {
     rt_sink s;
-    c->code = rt_generate_run(c->rt, &c->q, sink_for(c, &s), &c->st);
+    c->code = rt_generate_run(c->rt, &c->req.q, sink_for(c, &s), &c->st);
 }
 
 static int respond_failure(struct MHD_Connection *conn, const oa_call *c)
@@ -992,20 +606,11 @@ static int serve_whole(struct MHD_Connection *conn, oa_call *c)
 
 static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind kind, const char *body, size_t len)
 {
-    cJSON *doc = cJSON_ParseWithLength(body, len);
-    if (!doc)
-        return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", NULL, NULL,
-                             "the request body is not valid JSON (near byte %td)",
-                           cJSON_GetErrorPtr() ? cJSON_GetErrorPtr() - body : (ptrdiff_t)0);
     oa_call *c = calloc(1, sizeof *c);
-    if (!c) {
-        cJSON_Delete(doc);
-        return MHD_NO;
-    }
+    if (!c) return MHD_NO;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     c->rt = rt;
-    c->kind = kind;
     c->created = (int64_t)time(NULL);
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     c->fd = ci ? (int)ci->connect_fd : -1;
@@ -1013,15 +618,16 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
     if (rid && rid[0]) snprintf(c->request_id, sizeof c->request_id, "%s", rid); /* checked by rt_generate_run */
     else rt_request_id_new(rt, c->request_id, sizeof c->request_id);
     snprintf(c->id, sizeof c->id, "%s-%s", kind == OA_CHAT ? "chatcmpl" : "cmpl", c->request_id);
-    oa_refusal f = {0};
-    int bad = parse_request(c, doc, &f);
-    cJSON_Delete(doc);
-    if (bad) {
+    const oa_model m = {.name = rt->served_model, .dir = rt->model_dir, .cfg = &rt->cfg, .tok = rt->tok,
+                        .chat = rt->chat, .chat_error = rt->chat_error, .max_tokens_limit = rt->max_tokens_limit};
+    oa_refusal f;
+    if (oa_request_parse(&m, kind, body, len, &c->req, &f) != 0) {
         kc_info(c->request_id, "HTTP %u: %s", f.http, f.msg);
         call_free(c);
         return respond_json(rt, conn, f.http, error_doc(f.type, f.param[0] ? f.param : NULL, f.code, f.msg), NULL);
     }
-    return c->stream ? serve_stream(conn, c) : serve_whole(conn, c);
+    c->req.q.request_id = c->request_id;
+    return c->req.stream ? serve_stream(conn, c) : serve_whole(conn, c);
 }
 
 /* GET /v1/models and /v1/models/{id}. */

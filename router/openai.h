@@ -1,0 +1,67 @@
+/*
+ * openai.h - the OpenAI API's request bodies (router/openai-request.c): JSON in, a
+ * kvrelay.v1.GenerateRequest out, or a refusal naming the field and the HTTP status. Pure: no
+ * network and no router state, so that the fuzz target fuzz_openai can drive it; the HTTP side
+ * (routes, streams, answers) is openai.c. docs/openai.md lists the fields and their rules.
+ * Test: tests/integration/openai_api.sh (through the router), ctest -R fuzz_openai.
+ */
+#ifndef RT_OPENAI_H
+#define RT_OPENAI_H
+
+#include "kr.h"
+
+#include "kvrelay/v1/kvrelay.pb-c.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    OA_MAX_STOPS = 16,          /* stop strings (the gRPC API's limit) */
+    OA_DEFAULT_MAX_TOKENS = 16, /* completions without max_tokens, as OpenAI's API */
+};
+
+typedef enum oa_kind { OA_COMPLETION, OA_CHAT } oa_kind;
+
+/* What the parser knows of the served model (borrowed). */
+typedef struct oa_model {
+    const char *name;               /* the id a request's "model" must be */
+    const char *dir;                /* the model directory, for messages */
+    const kr_config *cfg;           /* context and vocabulary */
+    const kr_tokenizer *tok;        /* NULL: token-id prompts only */
+    const kr_chat_template *chat;   /* NULL: chat is refused with chat_error */
+    const char *chat_error;
+    uint32_t max_tokens_limit;      /* the router's --max-tokens-limit */
+} oa_model;
+
+/* A parsed request. `q` points into the struct itself: do not move it once parsed. */
+typedef struct oa_request {
+    oa_kind kind;
+    int stream, include_usage;
+    char policy[1024]; /* kv_policy as given ("" = full) */
+    Kvrelay__V1__GenerateRequest q; /* q.request_id is the caller's to set */
+    Kvrelay__V1__Sampling sampling;
+    Kvrelay__V1__TokenIds prompt_ids;
+    uint32_t *ids; /* the prompt, malloc'd */
+    char *stops[OA_MAX_STOPS];
+    int n_stops;
+} oa_request;
+
+/* Why a request was refused: the HTTP status, OpenAI's error type and code (static strings,
+ * code may be NULL), the field ("" = none) and the message. */
+typedef struct oa_refusal {
+    unsigned http;
+    const char *type, *code;
+    char param[64]; /* a copy: it may name a key of the request's JSON */
+    char msg[1024];
+} oa_refusal;
+
+/* Parses `len` bytes of `body` as a request of `kind` for model m into *r (which the caller
+ * frees with oa_request_free whatever this returns). Returns 0, or -1 with *f filled: 400 for
+ * bad input (malformed JSON, a missing, mistyped, unknown or unsupported field, a prompt that
+ * does not tokenize, prompt + max_tokens over the context, a chat template's
+ * raise_exception), 404 for another model, 500 when the model's chat template fails. Sampling
+ * ranges, the policy spec and stop strings are left to the generation path to check. */
+int oa_request_parse(const oa_model *m, oa_kind kind, const char *body, size_t len, oa_request *r, oa_refusal *f);
+void oa_request_free(oa_request *r);
+
+#endif /* RT_OPENAI_H */

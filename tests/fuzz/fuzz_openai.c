@@ -1,0 +1,51 @@
+/*
+ * fuzz_openai.c - fuzz target for the OpenAI API's request parser (router/openai-request.c):
+ * arbitrary bytes as the JSON body of /v1/completions (first byte even) or
+ * /v1/chat/completions (odd), against the default model's config, tokenizer and chat template
+ * (models/kjv-2l128-2k). Every outcome must be a request within the model's limits or a
+ * refusal with a status and a message; anything else aborts.
+ * Run: ctest -R fuzz_openai, or build with -DKR_FUZZ=ON (clang) for libFuzzer.
+ */
+#include "../../router/openai-request.c"
+
+#include <stdint.h>
+
+static oa_model model;
+
+static void load_model(void)
+{
+    static kr_config cfg;
+    static kr_tokenizer *tok;
+    static kr_chat_template *chat;
+    static char err[KR_ERR_MAX];
+    const char *dir = KR_SOURCE_DIR "/models/kjv-2l128-2k";
+    if (kr_config_load(dir, &cfg, err) != KR_OK || kr_tokenizer_load(dir, &tok, err) != KR_OK ||
+        kr_chat_template_load(dir, &chat, err) != KR_OK) {
+        fprintf(stderr, "fuzz_openai: %s: %s\n", dir, err);
+        abort();
+    }
+    model = (oa_model){.name = "kjv", .dir = dir, .cfg = &cfg, .tok = tok, .chat = chat, .chat_error = "",
+                       .max_tokens_limit = 4096};
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (!model.cfg) load_model();
+    if (size == 0) return 0;
+    oa_kind kind = data[0] & 1 ? OA_CHAT : OA_COMPLETION;
+    oa_request r;
+    oa_refusal f;
+    if (oa_request_parse(&model, kind, (const char *)data + 1, size - 1, &r, &f) == 0) {
+        const Kvrelay__V1__GenerateRequest *q = &r.q;
+        size_t n = q->token_ids ? q->token_ids->n_ids : 0;
+        if (q->prompt_case != KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS || n == 0 || q->max_tokens == 0 ||
+            n + q->max_tokens > (size_t)model.cfg->max_position_embeddings || q->n_stop > OA_MAX_STOPS)
+            abort();
+        for (size_t i = 0; i < n; i++)
+            if (q->token_ids->ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
+    } else if (!f.msg[0] || (f.http != 400 && f.http != 404 && f.http != 500) || !f.type) {
+        abort();
+    }
+    oa_request_free(&r);
+    return 0;
+}
