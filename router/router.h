@@ -6,7 +6,8 @@
  *   generate.c  Generation.Generate (validate, reserve, prefill, relay the decode stream) and
  *               Generation.Tokenize
  *   openai.c    the OpenAI-compatible HTTP API (/v1/models, completions, chat completions) on
- *               the HTTP port, served through generate.c
+ *               the HTTP port, served through generate.c; its request bodies are parsed by
+ *               openai-request.c (openai.h, pure, fuzzed)
  *   members.c, placement.c, stop.c, breaker.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
  */
