@@ -163,6 +163,25 @@ async function main() {
   }
   check(cancelled === cancelledBefore + 1, `the router counted the aborted stream as CANCELLED (${cancelledBefore} -> ${cancelled})`);
   check(used === 0 && reserved === 0, `the decode node holds no block after the abort (used ${used}, reserved ${reserved})`);
+  // the same for a non-streamed request whose client gives up while it is generated
+  const controller = new AbortController();
+  const whole = client.completions.create({ model, prompt, max_tokens: expect.long_tokens, temperature: 0 },
+                                          { signal: controller.signal });
+  for (let i = 0; i < 400; i++) { // abort once the decode node holds the request's blocks
+    if (await metric(expect.decode_metrics, 'kvrelay_kv_blocks_used') > 0) break;
+    await new Promise((res) => setTimeout(res, 5));
+  }
+  controller.abort();
+  await whole.then(() => check(false, 'the aborted request finished'), () => {});
+  for (let i = 0; i < 400; i++) {
+    used = await metric(expect.decode_metrics, 'kvrelay_kv_blocks_used');
+    reserved = await metric(expect.decode_metrics, 'kvrelay_kv_blocks_reserved');
+    cancelled = await metric(expect.router_metrics, 'kvrelay_requests_total{status="CANCELLED"}');
+    if (used === 0 && reserved === 0 && cancelled === cancelledBefore + 2) break;
+    await new Promise((res) => setTimeout(res, 50));
+  }
+  check(cancelled === cancelledBefore + 2 && used === 0 && reserved === 0,
+        `an aborted non-streamed request is CANCELLED and frees its blocks (used ${used}, reserved ${reserved})`);
 
   // errors: OpenAI's error object and status
   let e = await refused(client.completions.create({ ...greedy, model: 'gpt-4' }), 404, 'unknown model');
