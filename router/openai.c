@@ -615,8 +615,18 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     c->fd = ci ? (int)ci->connect_fd : -1;
     const char *rid = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Request-Id");
-    if (rid && rid[0]) snprintf(c->request_id, sizeof c->request_id, "%s", rid); /* checked by rt_generate_run */
-    else rt_request_id_new(rt, c->request_id, sizeof c->request_id);
+    if (rid && rid[0]) { /* the client's id goes into logs: printable ASCII only, as on gRPC */
+        size_t n = strspn(rid, "!\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`"
+                               "abcdefghijklmnopqrstuvwxyz{|}~");
+        if (rid[n] || n > RT_REQUEST_ID_MAX) {
+            call_free(c);
+            return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", "X-Request-Id", NULL,
+                                 "X-Request-Id: 1-%d bytes of printable ASCII without spaces", RT_REQUEST_ID_MAX);
+        }
+        snprintf(c->request_id, sizeof c->request_id, "%s", rid);
+    } else {
+        rt_request_id_new(rt, c->request_id, sizeof c->request_id);
+    }
     snprintf(c->id, sizeof c->id, "%s-%s", kind == OA_CHAT ? "chatcmpl" : "cmpl", c->request_id);
     const oa_model m = {.name = rt->served_model, .dir = rt->model_dir, .cfg = &rt->cfg, .tok = rt->tok,
                         .chat = rt->chat, .chat_error = rt->chat_error, .max_tokens_limit = rt->max_tokens_limit};

@@ -212,6 +212,13 @@ async function main() {
   check(status === 400 && errorShape(body), 'a body that is not an object: 400');
   [status, body] = await raw('/completions', { method: 'GET', headers: auth });
   check(status === 405 && errorShape(body), 'GET /v1/completions: 405');
+  [status, body] = await raw('/completions', { method: 'POST', headers: { ...auth, 'x-request-id': 'my-id-42' },
+                                               body: JSON.stringify({ ...greedy, max_tokens: 2 }) });
+  check(status === 200 && body.id === 'cmpl-my-id-42' && body.kvrelay.request_id === 'my-id-42',
+        'X-Request-Id names the request');
+  [status, body] = await raw('/completions', { method: 'POST', headers: { ...auth, 'x-request-id': 'has space' },
+                                               body: JSON.stringify(greedy) });
+  check(status === 400 && body.error.param === 'X-Request-Id', 'a bad X-Request-Id: 400');
   [status, body] = await raw('/embeddings', { method: 'POST', headers: auth, body: '{}' });
   check(status === 404 && errorShape(body), 'an unknown route: 404');
   [status, body] = await raw('/completions', { method: 'POST', headers: auth, body: 'x'.repeat(5 << 20) });
