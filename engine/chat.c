@@ -1119,32 +1119,29 @@ static node *p_not(parser *p)
     return p_compare(p);
 }
 
-static node *p_and(parser *p)
+/* A left-associative chain `x WORD y WORD z` of `operand`s joined by the keyword `word`. */
+static node *p_chain(parser *p, const char *word, nkind kind, node *(*operand)(parser *))
 {
-    node *n = p_not(p);
-    while (n && is_name(cur(p), "and")) {
+    node *n = operand(p);
+    while (n && is_name(cur(p), word)) {
         const token *t = cur(p);
         adv(p);
-        node *r = p_not(p), *m;
-        if (!r || !(m = mk(p, E_AND, t))) return NULL;
+        node *r = operand(p), *m;
+        if (!r || !(m = mk(p, kind, t))) return NULL;
         m->a = n, m->b = r;
         n = m;
     }
     return n;
 }
 
+static node *p_and(parser *p)
+{
+    return p_chain(p, "and", E_AND, p_not);
+}
+
 static node *p_or(parser *p)
 {
-    node *n = p_and(p);
-    while (n && is_name(cur(p), "or")) {
-        const token *t = cur(p);
-        adv(p);
-        node *r = p_and(p), *m;
-        if (!r || !(m = mk(p, E_OR, t))) return NULL;
-        m->a = n, m->b = r;
-        n = m;
-    }
-    return n;
+    return p_chain(p, "or", E_OR, p_and);
 }
 
 /* An expression; with_cond: `a if c else b` (the else part optional) is allowed. */

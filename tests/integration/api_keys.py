@@ -25,7 +25,7 @@ args = krprocs.parse_args()
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
-from krprocs import check, failures, stop_all  # noqa: E402
+from krprocs import check  # noqa: E402
 from kvhealth import health_pb2, health_pb2_grpc  # noqa: E402
 
 KEY_FLAG = "flag-key-7f3a9c1e"
@@ -35,14 +35,6 @@ SECRETS = (KEY_FLAG, KEY_FILE, KEY_ENV, "bad key-secret", "wrong-key-0000")
 MISSING = "missing API key: send metadata 'authorization: Bearer KEY'"
 PROMPT = [1, 2, 3, 4, 5]
 errlogs = []  # stderr of the routers that failed to start, searched for keys too
-
-
-def code_of(fn):
-    try:
-        fn()
-    except grpc.RpcError as e:
-        return e.code(), e.details()
-    return grpc.StatusCode.OK, ""
 
 
 def generate(gen, md):
@@ -87,7 +79,7 @@ def refused(what, fn):
     for md, want in ((None, MISSING), ([("authorization", "Bearer wrong-key-0000")], "invalid API key"),
                      ([("authorization", "Basic ZmxhZy1rZXk=")], "malformed authorization"),
                      ([("x-api-key", KEY_FLAG)], MISSING)):
-        code, details = code_of(lambda: fn(md))
+        code, details = krprocs.code_of(lambda: fn(md))
         check(code == grpc.StatusCode.UNAUTHENTICATED, "%s with %s: %s %s" % (what, md, code, details))
         check(want in details, "%s with %s: details '%s' lack '%s'" % (what, md, details, want))
         check(not any(s in details for s in SECRETS), "%s: the details echo a key: %s" % (what, details))
@@ -163,10 +155,10 @@ def main():
     # ---- every key works, with the same output as without keys
     for key, scheme in ((KEY_FLAG, "Bearer"), (KEY_FILE, "bearer"), (KEY_ENV, "BEARER")):
         md = [("authorization", "%s %s" % (scheme, key))]
-        code, details = code_of(lambda: check(generate(gen, md) == ref, "Generate with %s differs" % scheme))
+        code, details = krprocs.code_of(lambda: check(generate(gen, md) == ref, "Generate with %s differs" % scheme))
         check(code == grpc.StatusCode.OK, "Generate with a good key: %s %s" % (code, details))
         # no tokenizer in the fixture: past the key check, Tokenize is refused for that instead
-        code, details = code_of(lambda: gen.Tokenize(pb.TokenizeRequest(text="hi"), timeout=10, metadata=md))
+        code, details = krprocs.code_of(lambda: gen.Tokenize(pb.TokenizeRequest(text="hi"), timeout=10, metadata=md))
         check(code == grpc.StatusCode.FAILED_PRECONDITION, "Tokenize with a good key: %s %s" % (code, details))
         nodes_seen = admin.ClusterStatus(pb.ClusterStatusRequest(), timeout=10, metadata=md).nodes
         check(len(nodes_seen) == 3, "ClusterStatus with a good key: %d nodes" % len(nodes_seen))
@@ -202,14 +194,7 @@ def main():
           "the router's log lacks its key count")
 
 
-try:
-    main()
-except Exception as e:  # a crash is a failure with the processes' logs shown
-    failures.append("exception: %r" % (e,))
-    import traceback
-    traceback.print_exc()
-finally:
-    stop_all()
+krprocs.run(main)
 # no log, and no start-up error, holds a key
 for name in sorted(os.listdir(args.work)):
     if name.endswith(".log"):

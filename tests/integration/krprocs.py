@@ -77,6 +77,29 @@ def stop_all():
             failures.append("%s exited with %s" % (name, p.returncode))
 
 
+def run(main):
+    """Runs main(); an exception is a failure (with its traceback), and every started process
+    is stopped either way."""
+    try:
+        main()
+    except Exception as e:  # a crash is a failure with the processes' logs shown
+        failures.append("exception: %r" % (e,))
+        import traceback
+        traceback.print_exc()
+    finally:
+        stop_all()
+
+
+def code_of(fn):
+    """Calls fn(); returns the gRPC (status code, details) it failed with, or (OK, "")."""
+    import grpc
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
 def finish(test, work, names=("decode", "prefill", "router")):
     """Ends a test: with failures, the last lines of each process's log and exit 1; otherwise
     a line saying every check passed."""

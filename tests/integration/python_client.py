@@ -25,7 +25,7 @@ args = krprocs.parse_args()
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
-from krprocs import check, failures, stop_all  # noqa: E402
+from krprocs import check  # noqa: E402
 from kvhealth import health_pb2, health_pb2_grpc  # noqa: E402
 
 MAX_PROMPT = 64
@@ -49,14 +49,6 @@ def generate(stub, req, timeout=120):
         else:
             finish = msg.finish
     return ids, deltas, finish
-
-
-def code_of(fn):
-    try:
-        fn()
-    except grpc.RpcError as e:
-        return e.code(), e.details()
-    return grpc.StatusCode.OK, ""
 
 
 def decode_node(admin):
@@ -104,7 +96,7 @@ def main():
     for svc in ("", "kvrelay.v1.Generation", "kvrelay.v1.Admin"):
         r = health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=10)
         check(r.status == health_pb2.HealthCheckResponse.SERVING, "health '%s': %s" % (svc, r.status))
-    code, _ = code_of(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10))
+    code, _ = krprocs.code_of(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10))
     check(code == grpc.StatusCode.NOT_FOUND, "health of an unknown service: %s" % code)
     st = admin.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
     roles = sorted((n.id, n.role, n.state) for n in st.nodes)
@@ -163,13 +155,13 @@ def main():
         check(fin.usage.kv_footprint < 1.0, "streaming footprint %r" % fin.usage.kv_footprint)
 
     # ---- Tokenize without a tokenizer
-    code, details = code_of(lambda: gen.Tokenize(pb.TokenizeRequest(text="hello"), timeout=10))
+    code, details = krprocs.code_of(lambda: gen.Tokenize(pb.TokenizeRequest(text="hello"), timeout=10))
     check(code == grpc.StatusCode.FAILED_PRECONDITION and "tokenizer" in details,
           "Tokenize without tokenizer: %s %r" % (code, details))
 
     # ---- bad requests
     def bad(req, field, want_code=grpc.StatusCode.INVALID_ARGUMENT):
-        code, details = code_of(lambda: generate(gen, req, timeout=30))
+        code, details = krprocs.code_of(lambda: generate(gen, req, timeout=30))
         check(code == want_code and field in details, "%s: got %s %r" % (field, code, details))
 
     ok_ids = pb.TokenIds(ids=[1, 2, 3])
@@ -189,10 +181,10 @@ def main():
                  "/kvrelay.v1.Admin/ClusterStatus"):
         if path.endswith("Generate"):
             call = channel.unary_stream(path)
-            code, _ = code_of(lambda: list(call(b"\xff\xff\xff\x07garbage", timeout=10)))
+            code, _ = krprocs.code_of(lambda: list(call(b"\xff\xff\xff\x07garbage", timeout=10)))
         else:
             call = channel.unary_unary(path)
-            code, _ = code_of(lambda: call(b"\xff\xff\xff\x07garbage", timeout=10))
+            code, _ = krprocs.code_of(lambda: call(b"\xff\xff\xff\x07garbage", timeout=10))
         check(code == grpc.StatusCode.INVALID_ARGUMENT, "garbage to %s: %s" % (path, code))
 
     # ---- a client that cancels mid-stream, one whose deadline passes
@@ -206,7 +198,7 @@ def main():
     stream.cancel()
     check(got >= 3, "the stream to cancel sent %d tokens" % got)
     wait_blocks_back(admin, "after a cancel")
-    code, _ = code_of(lambda: generate(gen, pb.GenerateRequest(
+    code, _ = krprocs.code_of(lambda: generate(gen, pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS_LIMIT), timeout=0.15))
     # the tiny model may finish 256 tokens inside the deadline on a fast machine
     check(code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK), "deadline: %s" % code)
@@ -218,12 +210,5 @@ def main():
     channel.close()
 
 
-try:
-    main()
-except Exception as e:  # a crash is a failure with the processes' logs shown
-    failures.append("exception: %r" % (e,))
-    import traceback
-    traceback.print_exc()
-finally:
-    stop_all()
+krprocs.run(main)
 krprocs.finish("python_client", args.work)

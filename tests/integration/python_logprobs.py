@@ -35,7 +35,7 @@ args = krprocs.parse_args()
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
-from krprocs import check, failures, stop_all  # noqa: E402
+from krprocs import check  # noqa: E402
 
 CONTEXT = 256
 CHUNK = 16
@@ -75,14 +75,6 @@ def generate(stub, req, timeout=300):
             check(r["finish"] is None, "two finish messages")
             r["finish"] = msg.finish
     return r
-
-
-def code_of(fn):
-    try:
-        fn()
-    except grpc.RpcError as e:
-        return e.code(), e.details()
-    return grpc.StatusCode.OK, ""
 
 
 def all_ok_logprobs(lps):
@@ -222,7 +214,7 @@ def main():
 
     # ---- refusals
     def bad(req, needle):
-        code, details = code_of(lambda: generate(gen, req, timeout=30))
+        code, details = krprocs.code_of(lambda: generate(gen, req, timeout=30))
         check(code == grpc.StatusCode.INVALID_ARGUMENT and needle in details,
               "%s: got %s %r" % (needle, code, details))
 
@@ -243,12 +235,5 @@ def main():
     channel.close()
 
 
-try:
-    main()
-except Exception as e:
-    failures.append("exception: %r" % (e,))
-    import traceback
-    traceback.print_exc()
-finally:
-    stop_all()
+krprocs.run(main)
 krprocs.finish("python_logprobs", args.work)
