@@ -62,6 +62,20 @@ async function metric(url, name) {
   return seen ? sum : NaN;
 }
 
+// Polls until the decode node holds no used or reserved block and the router has counted
+// `cancelled` CANCELLED requests (or 20 s pass); returns [used, reserved, cancelled].
+async function settled(cancelled) {
+  let now = [NaN, NaN, NaN];
+  for (let i = 0; i < 400; i++) {
+    now = [await metric(expect.decode_metrics, 'kvrelay_kv_blocks_used'),
+           await metric(expect.decode_metrics, 'kvrelay_kv_blocks_reserved'),
+           await metric(expect.router_metrics, 'kvrelay_requests_total{status="CANCELLED"}')];
+    if (now[0] === 0 && now[1] === 0 && now[2] === cancelled) break;
+    await new Promise((res) => setTimeout(res, 50));
+  }
+  return now;
+}
+
 async function streamText(params) {
   const stream = await client.completions.create({ ...params, stream: true });
   let text = '';
@@ -151,16 +165,7 @@ async function main() {
     if (++chunks === 2) break; // leaving the loop aborts the request (the SDK closes the socket)
   }
   check(chunks === 2, 'the long stream started');
-  let used = NaN;
-  let reserved = NaN;
-  let cancelled = NaN;
-  for (let i = 0; i < 400; i++) {
-    used = await metric(expect.decode_metrics, 'kvrelay_kv_blocks_used');
-    reserved = await metric(expect.decode_metrics, 'kvrelay_kv_blocks_reserved');
-    cancelled = await metric(expect.router_metrics, 'kvrelay_requests_total{status="CANCELLED"}');
-    if (used === 0 && reserved === 0 && cancelled === cancelledBefore + 1) break;
-    await new Promise((res) => setTimeout(res, 50));
-  }
+  let [used, reserved, cancelled] = await settled(cancelledBefore + 1);
   check(cancelled === cancelledBefore + 1, `the router counted the aborted stream as CANCELLED (${cancelledBefore} -> ${cancelled})`);
   check(used === 0 && reserved === 0, `the decode node holds no block after the abort (used ${used}, reserved ${reserved})`);
   // the same for a non-streamed request whose client gives up while it is generated
@@ -173,13 +178,7 @@ async function main() {
   }
   controller.abort();
   await whole.then(() => check(false, 'the aborted request finished'), () => {});
-  for (let i = 0; i < 400; i++) {
-    used = await metric(expect.decode_metrics, 'kvrelay_kv_blocks_used');
-    reserved = await metric(expect.decode_metrics, 'kvrelay_kv_blocks_reserved');
-    cancelled = await metric(expect.router_metrics, 'kvrelay_requests_total{status="CANCELLED"}');
-    if (used === 0 && reserved === 0 && cancelled === cancelledBefore + 2) break;
-    await new Promise((res) => setTimeout(res, 50));
-  }
+  [used, reserved, cancelled] = await settled(cancelledBefore + 2);
   check(cancelled === cancelledBefore + 2 && used === 0 && reserved === 0,
         `an aborted non-streamed request is CANCELLED and frees its blocks (used ${used}, reserved ${reserved})`);
 
