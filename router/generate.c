@@ -30,6 +30,7 @@ enum {
     RT_BACKOFF_MIN_MS = 10,
     RT_BACKOFF_MAX_MS = 500,
     RT_RESERVE_TTL_MAX_MS = 120000,
+    RT_DEADLINE_SLACK_MS = 20, /* a hop's DEADLINE_EXCEEDED this close to the request's is the request's */
 };
 
 /* A Generate call whose decode stream is open: what the watcher needs. */
@@ -778,6 +779,11 @@ static grpc_status_code decode(gen_req *r, kc_status *st)
         if (rc < 0) {
             if (r->sink->cancelled(r->sink->ctx)) {
                 client_gone(r, st, "while tokens were streamed");
+            } else if (s_st.code == GRPC_STATUS_DEADLINE_EXCEEDED && ms_left(r) <= RT_DEADLINE_SLACK_MS) {
+                /* the stream's deadline is the request's (--default-timeout-ms when the client set
+                 * none): the request ran out of time, the node did not fail */
+                kc_status_set(st, GRPC_STATUS_DEADLINE_EXCEEDED, "the request's deadline passed after %u tokens were sent",
+                              r->completion);
             } else if (atomic_load(&active.stalled) || s_st.code == GRPC_STATUS_UNAVAILABLE ||
                        s_st.code == GRPC_STATUS_DEADLINE_EXCEEDED) {
                 char cause[300];

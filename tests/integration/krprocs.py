@@ -60,6 +60,15 @@ def start(work, name, argv, timeout=120):
     raise RuntimeError("%s printed no serving line (exit %s); see its log" % (name, p.poll()))
 
 
+def signal(name, sig):
+    """Sends signal `sig` to the latest process started as `name`."""
+    for n, p in reversed(_procs):
+        if n == name:
+            os.kill(p.pid, sig)
+            return
+    raise KeyError(name)
+
+
 def stop_all():
     """SIGTERM to every started process, newest first; a process that does not stop within
     20 s or exits non-zero is a failure."""

@@ -15,8 +15,10 @@ Run through python_client.sh (it generates the stubs); every process is killed a
 """
 import json
 import os
+import signal
 import subprocess
 import time
+import urllib.request
 
 import krprocs  # beside this script: Python puts its directory on sys.path
 
@@ -203,6 +205,44 @@ def main():
     # the tiny model may finish 256 tokens inside the deadline on a fast machine
     check(code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK), "deadline: %s" % code)
     wait_blocks_back(admin, "after a deadline")
+
+    # ---- the request's own deadline (the router's --default-timeout-ms) passing mid-stream is
+    # DEADLINE_EXCEEDED, not a decode node failure: the node is frozen (SIGSTOP) after the first
+    # token so that the deadline, not the stream's end, decides. (Its Status polls fail while it
+    # is frozen, and may open its breaker: that is the poller's view, not the request's.)
+    short, short_http = krprocs.start(args.work, "router-short", [
+        b + "/kvrelay-router", "--model", args.model, "--nodes", nodes, "--id", "router-short",
+        "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--default-timeout-ms", "1500",
+        "--max-tokens-limit", str(MAX_TOKENS_LIMIT)])
+    short_channel = grpc.insecure_channel(short)
+    stream = pb_grpc.GenerationStub(short_channel).Generate(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS_LIMIT))
+    code = grpc.StatusCode.OK
+    try:
+        next(iter(stream))
+        krprocs.signal("decode", signal.SIGSTOP)
+        for _ in stream:
+            pass
+    except grpc.RpcError as e:
+        code = e.code()
+    finally:
+        krprocs.signal("decode", signal.SIGCONT)
+    check(code == grpc.StatusCode.DEADLINE_EXCEEDED, "the router's deadline mid-stream: %s" % code)
+    metrics = urllib.request.urlopen("http://%s/metrics" % short_http, timeout=10).read().decode()
+    check('kvrelay_requests_total{status="DEADLINE_EXCEEDED"} 1' in metrics and
+          'kvrelay_requests_total{status="UNAVAILABLE"} 0' in metrics,
+          "the deadline counts as DEADLINE_EXCEEDED, not UNAVAILABLE")
+    with open(os.path.join(args.work, "router-short.log"), errors="replace") as f:
+        log = f.read()
+    check("DEADLINE_EXCEEDED: the request's deadline passed after" in log and "failed after" not in log,
+          "the router's log blames the deadline, not the decode node")
+    short_channel.close()
+    for _ in range(300):  # the poller sees the thawed node serving again (its breaker's probe)
+        if decode_node(admin).state == pb.NODE_STATE_SERVING:
+            break
+        time.sleep(0.05)
+    check(decode_node(admin).state == pb.NODE_STATE_SERVING, "the decode node serves again after SIGCONT")
+    wait_blocks_back(admin, "after the router's deadline")
 
     # ---- still serving after all that
     ids, _, fin = generate(gen, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=3))
