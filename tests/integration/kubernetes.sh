@@ -7,13 +7,21 @@
 # ports, the etcd endpoints are the etcd StatefulSet's members, no static membership, and what
 # each overlay promises (tests/integration/kubernetes/validate.cjs). Also the Grafana dashboard's
 # metric names against docs/observability.md. No cluster is involved: rendering and schemas only.
-# Skips (77) without kubectl, node or the npm packages ($KR_BIN/npm-kubernetes/node_modules:
-# `./kvrelay test` installs them from tests/integration/kubernetes/package-lock.json).
+# Skips (77) without kubectl >= 1.21 (kustomize v4+), node, or the npm packages in
+# $KR_BIN/npm-kubernetes/node_modules (`./kvrelay test` installs them from
+# tests/integration/kubernetes/package-lock.json).
 # Env (set by ctest): KR_BIN, KR_SRC.
 set -euo pipefail
 modules=$KR_BIN/npm-kubernetes/node_modules
 if ! command -v kubectl >/dev/null 2>&1; then
-  echo "SKIP: kubectl missing (Debian: apt-get install kubernetes-client); ./kvrelay test installs it"
+  echo "SKIP: kubectl missing: install a kubectl >= 1.21 (Debian 12's kubernetes-client is 1.20, too old)"
+  exit 77
+fi
+# The manifests use kustomize's `labels`, `patches` and components (kustomize >= 4.1, in kubectl
+# >= 1.21). Debian 12's kubernetes-client is kubectl 1.20, whose kustomize 2.0.3 cannot build them.
+kz=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\)\..*/\1/p')
+if [ -z "$kz" ] || [ "$kz" -lt 4 ]; then
+  echo "SKIP: $(command -v kubectl) embeds kustomize ${kz:+v$kz.x }older than v4 (kubectl before 1.21): it cannot build deploy/kubernetes; install a kubectl >= 1.21"
   exit 77
 fi
 if ! command -v node >/dev/null 2>&1 || [ ! -d "$modules/kubernetes-models" ] || [ ! -d "$modules/typescript" ]; then
