@@ -61,6 +61,7 @@ typedef struct gen_req {
     kr_detok *detok; /* NULL without a tokenizer */
     rt_stop stop;
     double t_arrival, t_first, t_last; /* seconds, monotonic */
+    double queue_s; /* time spent in the admission FIFO */
     int64_t deadline_ms; /* rt_now_ms() clock */
 
     /* what is being placed: the prompt, or after a migration the prompt and the tokens sent */
@@ -515,45 +516,134 @@ out:
     return a;
 }
 
-/* Reserve + prefill, retried as docs/router.md and docs/failures.md say, until done or the
- * deadline. */
+/* ------------------------------------------------------------------ admission */
+
+/* The admission FIFO (docs/router.md, "Admission"): a request that finds no node with room
+ * waits here, in arrival order, and only the first one tries to place itself, so that no
+ * request overtakes an earlier one; a request that arrives while others wait joins the end at
+ * once. Re-placements after a failure (--migrate) are admitted already and do not queue. The
+ * list is guarded by rt->mu; fifo_cv wakes the waiters when the head changes. */
+struct rt_waiter {
+    rt_waiter *next;
+    int64_t since_ms; /* rt_now_ms() at joining */
+};
+
+static void fifo_join(rt_router *rt, rt_waiter *w)
+{
+    w->next = NULL;
+    w->since_ms = rt_now_ms();
+    pthread_mutex_lock(&rt->mu);
+    if (rt->fifo_tail) rt->fifo_tail->next = w;
+    else rt->fifo_head = w;
+    rt->fifo_tail = w;
+    pthread_mutex_unlock(&rt->mu);
+    atomic_fetch_add(&rt->queued, 1);
+    kc_gauge_inc(rt->m.queued, 1);
+}
+
+static void fifo_leave(rt_router *rt, rt_waiter *w)
+{
+    pthread_mutex_lock(&rt->mu);
+    rt_waiter *prev = NULL;
+    for (rt_waiter *it = rt->fifo_head; it; prev = it, it = it->next)
+        if (it == w) {
+            if (prev) prev->next = w->next;
+            else rt->fifo_head = w->next;
+            if (rt->fifo_tail == w) rt->fifo_tail = prev;
+            break;
+        }
+    pthread_cond_broadcast(&rt->fifo_cv);
+    pthread_mutex_unlock(&rt->mu);
+    kc_gauge_inc(rt->m.queued, -1);
+    atomic_fetch_sub(&rt->queued, 1);
+}
+
+/* Waits (at most RT_WATCH_MS) until w heads the FIFO; returns 1 when it does. */
+static int fifo_wait_turn(rt_router *rt, rt_waiter *w)
+{
+    pthread_mutex_lock(&rt->mu);
+    if (rt->fifo_head != w) rt_cond_wait_ms(&rt->fifo_cv, &rt->mu, RT_WATCH_MS);
+    int head = rt->fifo_head == w;
+    pthread_mutex_unlock(&rt->mu);
+    return head;
+}
+
+static int fifo_busy(rt_router *rt)
+{
+    pthread_mutex_lock(&rt->mu);
+    int busy = rt->fifo_head != NULL;
+    pthread_mutex_unlock(&rt->mu);
+    return busy;
+}
+
+/* Reserve + prefill, retried as docs/router.md and docs/failures.md say, in the admission FIFO
+ * while there is no room, until done, the deadline or --max-queue-ms. */
 static grpc_status_code place(gen_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *st)
 {
     rt_router *rt = r->rt;
-    int64_t backoff = RT_BACKOFF_MIN_MS, queued_since = -1;
+    int64_t backoff = RT_BACKOFF_MIN_MS;
+    rt_waiter w;
+    int queued = 0, may_queue = r->migrations == 0;
+    grpc_status_code code;
     r->prefill_failures = 0;
     for (;;) {
         if (r->sink->cancelled(r->sink->ctx)) {
             client_gone(r, st, "before the request was placed");
-            return st->code;
+            code = st->code;
+            break;
         }
-        attempt a = reserve(r, st);
-        if (a == ATTEMPT_DONE) a = prefill(r, out, st);
-        if (a == ATTEMPT_DONE) return GRPC_STATUS_OK;
-        if (a == ATTEMPT_FAIL) return st->code;
-        if (a == ATTEMPT_AGAIN) continue;
-        /* everything is full: wait (waking early if the client goes away), then try again, up to
-         * the request's deadline and --max-queue-ms */
-        int64_t now = rt_now_ms();
-        if (queued_since < 0) queued_since = now;
-        if (ms_left(r) <= backoff || now - queued_since + backoff > rt->max_queue_ms) {
+        if (!queued && may_queue && fifo_busy(rt)) { /* others wait already: behind them */
+            fifo_join(rt, &w);
+            queued = 1;
+            kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "requests before it are waiting for room");
+        }
+        int64_t waited = queued ? rt_now_ms() - w.since_ms : 0;
+        if (queued && (ms_left(r) <= 0 || waited > rt->max_queue_ms)) {
             char why[sizeof st->details];
             snprintf(why, sizeof why, "%s", st->details);
-            if (ms_left(r) <= backoff)
+            if (ms_left(r) <= 0)
                 kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up at the request's deadline", why);
             else
                 kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up after %" PRId64 " ms (--max-queue-ms)",
-                              why, now - queued_since);
-            return st->code;
+                              why, waited);
+            code = st->code;
+            break;
         }
-        kc_debug(r->id, "%s; retrying in %" PRId64 " ms", st->details, backoff);
-        atomic_fetch_add(&rt->queued, 1);
-        kc_gauge_inc(rt->m.queued, 1);
-        r->sink->wait(r->sink->ctx, backoff);
-        kc_gauge_inc(rt->m.queued, -1);
-        atomic_fetch_sub(&rt->queued, 1);
+        if (queued && !fifo_wait_turn(rt, &w)) continue; /* an earlier request goes first */
+        attempt a = reserve(r, st);
+        if (a == ATTEMPT_DONE) a = prefill(r, out, st);
+        if (a == ATTEMPT_DONE) {
+            code = GRPC_STATUS_OK;
+            break;
+        }
+        if (a == ATTEMPT_FAIL) {
+            code = st->code;
+            break;
+        }
+        if (a == ATTEMPT_AGAIN) continue;
+        /* every node is full: the head of the FIFO waits (waking early if the client goes away)
+         * and tries again; the deadline and --max-queue-ms are checked above */
+        if (!queued && may_queue) {
+            fifo_join(rt, &w);
+            queued = 1;
+        }
+        int64_t left = ms_left(r), wait = backoff < left ? backoff : left > 0 ? left : 0;
+        kc_debug(r->id, "%s; retrying in %" PRId64 " ms", st->details, wait);
+        if (!queued && wait <= 0) { /* a re-placement: no FIFO, the deadline only */
+            char why[sizeof st->details];
+            snprintf(why, sizeof why, "%s", st->details);
+            kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s; gave up at the request's deadline", why);
+            code = st->code;
+            break;
+        }
+        r->sink->wait(r->sink->ctx, wait);
         backoff = backoff * 2 > RT_BACKOFF_MAX_MS ? RT_BACKOFF_MAX_MS : backoff * 2;
     }
+    if (queued) {
+        r->queue_s += (double)(rt_now_ms() - w.since_ms) / 1000.0;
+        fifo_leave(rt, &w);
+    }
+    return code;
 }
 
 /* ------------------------------------------------------------------ relaying tokens */
@@ -859,6 +949,7 @@ static void send_finish(gen_req *r)
     u.peak_kv_entries = peak;
     u.kv_bytes_shipped = r->pu.kv_bytes_shipped;
     u.kv_entries_shipped = r->pu.kv_entries_shipped;
+    u.queue_s = r->queue_s;
     u.served_by = &by;
     Kvrelay__V1__Finish fin = KVRELAY__V1__FINISH__INIT;
     fin.reason = r->reason;
@@ -871,10 +962,10 @@ static void send_finish(gen_req *r)
     if (r->completion > 1) kc_histogram_observe(rt->m.tpot, u.tpot_s);
     kc_counter_inc(rt->m.generated_tokens, r->completion);
     static const char *reasons[] = {"unspecified", "length", "stop", "eos", "context"};
-    kc_info(r->id, "finished: %s, %u prompt + %u completion tokens, ttft %.4f s, tpot %.4f s, kv footprint %.3f, "
-            "%" PRIu64 " bytes shipped, %s -> %s, %d migrations",
+    kc_info(r->id, "finished: %s, %u prompt + %u completion tokens, ttft %.4f s (queued %.4f s), tpot %.4f s, "
+            "kv footprint %.3f, %" PRIu64 " bytes shipped, %s -> %s, %d migrations",
             (unsigned)r->reason < 5 ? reasons[r->reason] : "?", u.prompt_tokens, u.completion_tokens, u.ttft_s,
-            u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, r->dnode->id, r->migrations);
+            u.queue_s, u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, r->dnode->id, r->migrations);
 }
 
 /* Places r->pf (reserve + prefill) and relays the prefill's first token. Returns OK with *done

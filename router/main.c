@@ -333,6 +333,7 @@ int main(int argc, char **argv)
     rt->migrate = o.migrate;
     pthread_mutex_init(&rt->mu, NULL);
     pthread_cond_init(&rt->cv, NULL);
+    pthread_cond_init(&rt->fifo_cv, NULL);
 
     if (o.fingerprint) snprintf(rt->fingerprint, sizeof rt->fingerprint, "%s", o.fingerprint);
     kc_watch *watch = NULL;
@@ -430,6 +431,7 @@ int main(int argc, char **argv)
     kr_chat_template_free(rt->chat);
     rt_apikeys_free(api_keys); /* the HTTP and gRPC servers that read it are gone */
     pthread_cond_destroy(&rt->cv);
+    pthread_cond_destroy(&rt->fifo_cv);
     pthread_mutex_destroy(&rt->mu);
     kc_info(NULL, "stopped");
     return 0;

@@ -224,6 +224,7 @@ static void add_extras(cJSON *doc, const oa_call *c)
     cJSON_AddNumberToObject(k, "kv_bytes_shipped", (double)c->usage.kv_bytes_shipped);
     cJSON_AddNumberToObject(k, "kv_entries_shipped", (double)c->usage.kv_entries_shipped);
     cJSON_AddNumberToObject(k, "ttft_s", c->usage.ttft_s);
+    cJSON_AddNumberToObject(k, "queue_s", c->usage.queue_s);
     cJSON_AddNumberToObject(k, "tpot_s", c->usage.tpot_s);
     cJSON_AddStringToObject(k, "prefill_node", c->prefill_node);
     cJSON_AddStringToObject(k, "decode_node", c->decode_node);

@@ -100,6 +100,7 @@ typedef struct rt_metrics {
 } rt_metrics;
 
 typedef struct rt_active rt_active; /* a Generate call with a decode stream open (generate.c) */
+typedef struct rt_waiter rt_waiter; /* a request in the admission FIFO (generate.c) */
 
 typedef struct rt_router {
     /* immutable after start-up */
@@ -138,6 +139,8 @@ typedef struct rt_router {
     int stopping; /* the poller and the watcher end */
     int draining; /* shutting down: /healthz and ClusterStatus say so */
     rt_active *active; /* Generate calls with an open decode stream (the cancel watcher's list) */
+    rt_waiter *fifo_head, *fifo_tail; /* requests waiting for room, in arrival order */
+    pthread_cond_t fifo_cv; /* the FIFO's head changed */
     atomic_uint_fast64_t turn[2]; /* placements made per rt_role */
     atomic_uint_fast64_t next_request; /* for generated request ids */
     atomic_int in_flight, queued; /* Generate calls being served / waiting for room */

@@ -22,9 +22,8 @@ fi
 
 . "$KR_SRC/deploy/local-cluster.sh"
 KRC_DIR=$(mktemp -d -t kvrelay-openai.XXXXXX)
-hold_pid=""
 cleanup() {
-  [ -z "$hold_pid" ] || kill "$hold_pid" 2>/dev/null || true
+  [ -z "${KR_HOLD_PID:-}" ] || kill "$KR_HOLD_PID" 2>/dev/null || true
   krc_stop
   rm -rf "$KRC_DIR"
 }
@@ -116,19 +115,10 @@ echo "ok: /healthz and /metrics stay open"
 
 # ------------------------------------------------------------------ 429: no room in the decode pool
 kr_pystubs "$KRC_DIR/stubs" kvrelay/v1/internal.proto
-mkfifo "$KRC_DIR/hold.in"
-"$PY" "$KR_SRC/tests/integration/openai/hold_pool.py" "$KRC_DIR/stubs" "$(krc_addr decode-0)" \
-  <"$KRC_DIR/hold.in" >"$KRC_DIR/hold.out" 2>&1 &
-hold_pid=$!
-exec 9>"$KRC_DIR/hold.in"
-for _ in $(seq 300); do grep -q held "$KRC_DIR/hold.out" && break; kill -0 $hold_pid || break; sleep 0.1; done
-grep -q held "$KRC_DIR/hold.out" || fail "hold_pool: $(cat "$KRC_DIR/hold.out")"
+kr_hold_pool "$KRC_DIR/stubs" "$(krc_addr decode-0)" "$KRC_DIR" || fail "hold_pool: $(cat "$KRC_DIR/hold.out")"
 echo "ok: $(cat "$KRC_DIR/hold.out")"
 KR_EXPECT=$expect node "$KR_SRC/tests/integration/openai/client.cjs" full "$api" "$key1" "$name" || fail "client.cjs full"
-echo >&9
-exec 9>&-
-wait $hold_pid || fail "hold_pool release: $(cat "$KRC_DIR/hold.out")"
-hold_pid=""
+kr_release_pool || fail "hold_pool release: $(cat "$KRC_DIR/hold.out")"
 
 # ------------------------------------------------------------------ 503: no decode node
 krc_signal decode-0 KILL

@@ -1,6 +1,6 @@
 """hold_pool.py - fills a decode node's KV pool to the last block with reservations of its own (Decode.Reserve,
 the internal API the router uses), so that the router finds no room; then waits for a line on
-stdin and releases them. Used by tests/integration/openai_api.sh for the 429 case.
+stdin and releases them. Used by tests/integration/openai_api.sh (the 429 case) and admission.sh (a queue to order).
   python3 hold_pool.py STUBS_DIR DECODE_ADDR
 Prints "held N blocks in K reservations" once the node refuses a further one."""
 import sys

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# admission.sh - the router's admission FIFO (docs/router.md, "Admission"): with the decode
+# node's KV pool held by reservations of the test's own (lib/hold_pool.py), requests sent one
+# after another all wait; once the pool is released they must be admitted (reserved on the
+# decode node) in the order they arrived, all complete, and each reports the time it queued.
+# Ordering is read from the router's log (its "accepted" and "reserved" lines per request id),
+# never from wall-clock thresholds. A cluster of 1 prefill + 1 decode node on the default model.
+# Skips (77) without python3-grpcio or the stub generator. Env (set by ctest): KR_BIN, KR_SRC.
+set -euo pipefail
+. "$KR_SRC/tests/integration/lib/pystubs.sh" # PY, kr_pystubs, kr_hold_pool; skips without grpcio
+. "$KR_SRC/deploy/local-cluster.sh"
+KRC_DIR=$(mktemp -d -t kvrelay-admission.XXXXXX)
+cleanup() {
+  [ -z "${KR_HOLD_PID:-}" ] || kill "$KR_HOLD_PID" 2>/dev/null || true
+  krc_stop
+  rm -rf "$KRC_DIR"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL: $*" >&2
+  tail -n 40 "$KRC_DIR/router.log" >&2 || true
+  exit 1
+}
+
+n=8
+KRC_ROUTER_ARGS=(--max-queue-ms 60000)
+KRC_DECODE_ARGS=(--kv-blocks 4000)
+unset KVRELAY_API_KEY # a cluster without API keys, whatever the caller's environment says
+krc_start "$KR_BIN" "$KR_SRC/models/kjv-2l128-2k" 1 1 127.0.0.1:0 --threads 1 ||
+  fail "the cluster did not start"
+kr_pystubs "$KRC_DIR/stubs" kvrelay/v1/internal.proto
+kr_hold_pool "$KRC_DIR/stubs" "$(krc_addr decode-0)" "$KRC_DIR" || fail "hold_pool: $(cat "$KRC_DIR/hold.out")"
+echo "ok: $(cat "$KRC_DIR/hold.out")"
+
+queue_depth() {
+  curl -s "http://$KRC_ROUTER_HTTP/metrics" | sed -n 's/^kvrelay_queue_depth \([0-9]*\).*/\1/p'
+}
+pids=()
+for ((i = 0; i < n; i++)); do
+  "$KR_BIN/kvrelay-cli" --router "$KRC_ROUTER" generate --prompt "And God said" --max-tokens 4 \
+    --request-id "fifo-$i" --json >"$KRC_DIR/out.$i" 2>"$KRC_DIR/err.$i" &
+  pids+=($!)
+  # the next one arrives after this one waits: arrival order is then the order of the loop
+  for _ in $(seq 200); do [ "$(queue_depth)" = $((i + 1)) ] && break; sleep 0.02; done
+  [ "$(queue_depth)" = $((i + 1)) ] || fail "request $i did not queue (kvrelay_queue_depth $(queue_depth))"
+done
+echo "ok: $n requests wait in the router's queue"
+kr_release_pool || fail "hold_pool release: $(cat "$KRC_DIR/hold.out")"
+for ((i = 0; i < n; i++)); do
+  wait "${pids[$i]}" || fail "request fifo-$i: $(cat "$KRC_DIR/err.$i")"
+done
+echo "ok: all $n completed"
+
+# arrival order (accepted) and admission order (reserved on the decode node), by request id
+accepted=$(sed -n 's/.*\[\(fifo-[0-9]*\)\] accepted:.*/\1/p' "$KRC_DIR/router.log" | tr '\n' ' ')
+reserved=$(sed -n 's/.*\[\(fifo-[0-9]*\)\] reserved .* blocks on .*/\1/p' "$KRC_DIR/router.log" | tr '\n' ' ')
+echo "arrived:  $accepted"
+echo "admitted: $reserved"
+[ "$(echo $accepted | wc -w)" = $n ] || fail "the router accepted $(echo $accepted | wc -w) of $n requests"
+[ "$accepted" = "$reserved" ] || fail "admission order differs from arrival order"
+echo "ok: admitted in arrival order"
+for ((i = 0; i < n; i++)); do
+  grep -q "\[fifo-$i\] finished: .*(queued [0-9.]* s)" "$KRC_DIR/router.log" || fail "fifo-$i logged no queue time"
+done
+[ "$(queue_depth)" = 0 ] || fail "kvrelay_queue_depth is $(queue_depth) after all finished"
+echo "PASS"
