@@ -189,6 +189,11 @@ int kr_policy_parse(const char *spec, const kr_config *cfg, kr_policy **out, cha
 void kr_policy_free(kr_policy *p);
 /* The spec with every default filled in: what actually runs. */
 const char *kr_policy_spec(const kr_policy *p);
+/* The policy families ("full", "streaming", ...): how many, the name of family i (0 <= i <
+ * kr_policy_n_families()), and the family of a parsed policy (for per-family metrics). */
+int kr_policy_n_families(void);
+const char *kr_policy_family_name(int i);
+int kr_policy_family(const kr_policy *p);
 /* Most entries one (layer, KV head) holds after prefilling n_prompt tokens and at any moment of
  * generating n_generate more, the entry a decode step adds before its trim included (for
  * reserving blocks). */

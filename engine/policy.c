@@ -158,6 +158,23 @@ void kr_policy_free(kr_policy *p)
     free(p);
 }
 
+int kr_policy_n_families(void)
+{
+    return (int)(sizeof families / sizeof families[0]);
+}
+
+const char *kr_policy_family_name(int i)
+{
+    return i >= 0 && i < kr_policy_n_families() ? families[i]->name : NULL;
+}
+
+int kr_policy_family(const kr_policy *p)
+{
+    for (int i = 0; i < kr_policy_n_families(); i++)
+        if (families[i] == p->ops) return i;
+    return 0;
+}
+
 const char *kr_policy_spec(const kr_policy *p)
 {
     return p->spec;

@@ -62,6 +62,7 @@ typedef struct gen_req {
     rt_stop stop;
     double t_arrival, t_first, t_last; /* seconds, monotonic */
     double queue_s; /* time spent in the admission FIFO */
+    int family; /* the policy's family (kr_policy_family), for the metrics */
     int64_t deadline_ms; /* rt_now_ms() clock */
 
     /* what is being placed: the prompt, or after a migration the prompt and the tokens sent */
@@ -242,6 +243,7 @@ static grpc_status_code validate(rt_router *rt, const Kvrelay__V1__GenerateReque
     if (rt_policy_resolve(q->kv_policy, rt->policy_dir, r->policy, sizeof r->policy, err, sizeof err) != 0 ||
         kr_policy_parse(r->policy[0] ? r->policy : "full", cfg, &p, err) != KR_OK)
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", q->kv_policy, err), st->code;
+    r->family = kr_policy_family(p);
     r->kv_entries_bound = (uint64_t)kr_policy_max_entries(p, r->n_prompt, (int)r->max_tokens) *
                           (uint64_t)cfg->n_layers * (uint64_t)cfg->n_kv_heads;
     kr_policy_free(p);
@@ -959,7 +961,9 @@ static void send_finish(gen_req *r)
     msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH;
     msg.finish = &fin;
     r->sink->send(r->sink->ctx, &msg);
-    if (r->completion > 1) kc_histogram_observe(rt->m.tpot, u.tpot_s);
+    if (r->completion > 1) kc_histogram_observe(rt->m.tpot[r->family], u.tpot_s);
+    kc_histogram_observe(rt->m.e2e[r->family], r->t_last - r->t_arrival);
+    kc_histogram_observe(rt->m.queue_wait[r->family], r->queue_s);
     kc_counter_inc(rt->m.generated_tokens, r->completion);
     static const char *reasons[] = {"unspecified", "length", "stop", "eos", "context"};
     kc_info(r->id, "finished: %s, %u prompt + %u completion tokens, ttft %.4f s (queued %.4f s), tpot %.4f s, "
@@ -1005,7 +1009,7 @@ static grpc_status_code start(gen_req *r, int *done, kc_status *st)
     int k = relay(r, &first, &first_lp, &first_top, 1, st);
     if (r->t_first == 0) { /* the first token goes out now: TTFT ends here */
         r->t_first = r->t_last;
-        kc_histogram_observe(rt->m.ttft, r->t_first - r->t_arrival);
+        kc_histogram_observe(rt->m.ttft[r->family], r->t_first - r->t_arrival);
     }
     if (k < 0) {
         reservation_end(r, 1);

@@ -203,12 +203,24 @@ static void metrics_init(rt_router *rt)
         m->requests[c] = kc_counter_add(m->reg, "kvrelay_requests_total",
                                         "Generate calls finished, by final gRPC status", label);
     }
-    m->ttft = kc_histogram_add(m->reg, "kvrelay_ttft_seconds",
-                               "Time to first token: request arrival at the router to the first token sent",
-                               NULL, kc_latency_buckets, kc_n_latency_buckets);
-    m->tpot = kc_histogram_add(m->reg, "kvrelay_tpot_seconds",
-                               "Time per output token after the first, per request", NULL,
-                               kc_latency_buckets, kc_n_latency_buckets);
+    if (kr_policy_n_families() > RT_FAMILIES_MAX) die("more policy families than RT_FAMILIES_MAX");
+    for (int f = 0; f < kr_policy_n_families(); f++) {
+        char label[64];
+        snprintf(label, sizeof label, "policy=\"%s\"", kr_policy_family_name(f));
+        m->ttft[f] = kc_histogram_add(m->reg, "kvrelay_ttft_seconds",
+                                      "Time to first token: request arrival at the router to the first token sent, "
+                                      "by KV policy family", label, kc_latency_buckets, kc_n_latency_buckets);
+        m->tpot[f] = kc_histogram_add(m->reg, "kvrelay_tpot_seconds",
+                                      "Time per output token after the first, per request, by KV policy family", label,
+                                      kc_latency_buckets, kc_n_latency_buckets);
+        m->e2e[f] = kc_histogram_add(m->reg, "kvrelay_e2e_seconds",
+                                     "Request arrival at the router to its last token sent, by KV policy family", label,
+                                     kc_latency_buckets, kc_n_latency_buckets);
+        m->queue_wait[f] = kc_histogram_add(m->reg, "kvrelay_queue_wait_seconds",
+                                            "Time a finished request waited in the admission FIFO, by KV policy family",
+                                            label, kc_latency_buckets, kc_n_latency_buckets);
+        if (!m->ttft[f] || !m->tpot[f] || !m->e2e[f] || !m->queue_wait[f]) die("cannot register metrics");
+    }
     m->prompt_tokens = kc_counter_add(m->reg, "kvrelay_prompt_tokens_total", "Prompt tokens of admitted requests", NULL);
     m->generated_tokens = kc_counter_add(m->reg, "kvrelay_tokens_generated_total",
                                          "Completion tokens sent to clients (the first token included)", NULL);
@@ -222,7 +234,7 @@ static void metrics_init(rt_router *rt)
                                 "Requests placed again after a node failed before anything was streamed", NULL);
     for (int c = 0; c <= GRPC_STATUS_UNAUTHENTICATED; c++)
         if (!m->requests[c]) die("cannot register metrics");
-    if (!m->ttft || !m->tpot || !m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped ||
+    if (!m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped ||
         !m->in_flight || !m->queued || !m->retries || rt_openai_metrics_init(rt) != 0)
         die("cannot register metrics");
 }

@@ -42,6 +42,7 @@
 #define RT_OPENAI_MAX_BODY (4u << 20) /* bytes of an OpenAI API request body */
 #define RT_HTTP_MAX_CONNECTIONS 512 /* HTTP connections at once (each OpenAI stream holds one) */
 #define RT_HTTP_CODES 10 /* HTTP statuses the OpenAI API answers with (openai.c) */
+#define RT_FAMILIES_MAX 16 /* policy families with their own latency histograms */
 
 /* One member as a membership source gives it (the static file, or etcd). */
 typedef struct rt_member_info {
@@ -91,7 +92,8 @@ typedef struct rt_node {
 typedef struct rt_metrics {
     kc_registry *reg;
     kc_counter *requests[GRPC_STATUS_UNAUTHENTICATED + 1]; /* by final status code */
-    kc_histogram *ttft, *tpot;
+    /* latencies of finished requests, by policy family (kr_policy_family) */
+    kc_histogram *ttft[RT_FAMILIES_MAX], *tpot[RT_FAMILIES_MAX], *e2e[RT_FAMILIES_MAX], *queue_wait[RT_FAMILIES_MAX];
     kc_counter *prompt_tokens, *generated_tokens;
     kc_counter *kv_bytes_shipped;
     kc_gauge *in_flight, *queued;

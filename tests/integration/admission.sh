@@ -63,4 +63,12 @@ for ((i = 0; i < n; i++)); do
   grep -q "\[fifo-$i\] finished: .*(queued [0-9.]* s)" "$KRC_DIR/router.log" || fail "fifo-$i logged no queue time"
 done
 [ "$(queue_depth)" = 0 ] || fail "kvrelay_queue_depth is $(queue_depth) after all finished"
+metrics=$(curl -s "http://$KRC_ROUTER_HTTP/metrics")
+for m in queue_wait e2e ttft; do
+  echo "$metrics" | grep -q "^kvrelay_${m}_seconds_count{policy=\"full\"} $n\$" ||
+    fail "kvrelay_${m}_seconds{policy=\"full\"} did not count the $n requests"
+done
+echo "$metrics" | grep -q '^kvrelay_queue_wait_seconds_count{policy="streaming"} 0$' ||
+  fail "another policy family's histogram counted them"
+echo "ok: the latency histograms by policy family counted them"
 echo "PASS"
