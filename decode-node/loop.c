@@ -40,6 +40,17 @@ typedef struct dn_loop {
     size_t import_cap; /* entries the import scratch holds */
 } dn_loop;
 
+/* The blocks the batch's sequences hold, by policy family (the loop's own view: it owns run[]). */
+static void publish_families(dn_loop *L)
+{
+    int64_t blocks[DN_FAMILIES_MAX] = {0};
+    for (int i = 0; i < L->n_run; i++) {
+        const dn_job *j = L->run[i];
+        if (j && j->seq) blocks[kr_policy_family(j->policy)] += kr_seq_blocks(j->seq);
+    }
+    for (int f = 0; f < kr_policy_n_families(); f++) kc_gauge_set(L->n->m.blocks_by_policy[f], (double)blocks[f]);
+}
+
 void dn_job_free(dn_job *job)
 {
     if (!job)
@@ -129,6 +140,7 @@ __attribute__((format(printf, 4, 5))) static void finish(dn_loop *L, dn_job *j,
     dn_resv_unlink_locked(n, j->resv);
     n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
     dn_publish_locked(n);
+    publish_families(L);
     pthread_mutex_unlock(&n->lock);
     dn_resv_free(j->resv);
     dn_job_free(j);
@@ -287,6 +299,7 @@ static void admit(dn_loop *L, dn_job *j)
     n->n_running++;
     n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
     dn_publish_locked(n);
+    publish_families(L);
     pthread_mutex_unlock(&n->lock);
     kc_info(j->request_id, "reservation %" PRIu64 " joined the batch (%" PRId64 " KV entries, "
             "%d running)", j->resv->id, kr_seq_entries(j->seq), L->n_run);
@@ -343,7 +356,9 @@ static void step_chunk(dn_loop *L, int lo, int nb)
         L->seqs[i] = L->run[lo + i]->seq;
         L->tokens[i] = L->run[lo + i]->next_in;
     }
+    double t0 = dn_now();
     int ok = kr_forward_batch(n->ctx, L->seqs, L->tokens, nb, L->logits, err) == KR_OK;
+    kc_histogram_observe(n->m.step_s, dn_now() - t0);
     kc_histogram_observe(n->m.batch_size, nb);
     if (!ok) {
         kc_error(NULL, "batched decode step of %d sequences failed: %s; retrying one by one", nb,
@@ -381,6 +396,7 @@ static void step(dn_loop *L)
     pthread_mutex_lock(&n->lock);
     n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
     dn_publish_locked(n);
+    publish_families(L);
     pthread_mutex_unlock(&n->lock);
 }
 
@@ -460,6 +476,7 @@ static void *loop_main(void *arg)
     n->loop_alive = 0;
     n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
     dn_publish_locked(n);
+    publish_families(L);
     pthread_mutex_unlock(&n->lock);
     free(L->run);
     free(L->seqs);

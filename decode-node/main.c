@@ -244,6 +244,17 @@ static int metrics_init(dn_metrics *m)
     m->tpot = kc_histogram_add(r, "kvrelay_tpot_seconds",
                                "Mean seconds per output token after the first, per request", NULL,
                                kc_latency_buckets, kc_n_latency_buckets);
+    m->step_s = kc_histogram_add(r, "kvrelay_decode_step_seconds",
+                                 "Seconds per batched forward call (one token for each sequence in it)", NULL,
+                                 kc_latency_buckets, kc_n_latency_buckets);
+    if (kr_policy_n_families() > DN_FAMILIES_MAX) return -1;
+    for (int f = 0; f < kr_policy_n_families(); f++) {
+        char label[64];
+        snprintf(label, sizeof label, "policy=\"%s\"", kr_policy_family_name(f));
+        m->blocks_by_policy[f] = kc_gauge_add(r, "kvrelay_kv_blocks_used_by_policy",
+                                              "KV pool blocks held by running sequences, by KV policy family", label);
+        if (!m->blocks_by_policy[f]) return -1;
+    }
     m->import_s = kc_histogram_add(r, "kvrelay_decode_import_seconds",
                                    "Seconds to import a KV bundle into the pool", NULL,
                                    kc_latency_buckets, kc_n_latency_buckets);
@@ -254,7 +265,7 @@ static int metrics_init(dn_metrics *m)
                                 "Reservations that expired unused and returned their blocks", NULL);
     if (!m->blocks_used || !m->blocks_reserved || !m->blocks_free ||
         !m->running || !m->queued || !m->reservations || !m->batch_size || !m->tpot ||
-        !m->import_s || !m->tokens || !m->expired)
+        !m->import_s || !m->tokens || !m->expired || !m->step_s)
         return -1;
     for (int code = 0; code <= GRPC_STATUS_UNAUTHENTICATED; code++) {
         char label[64];

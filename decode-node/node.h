@@ -37,6 +37,8 @@
 #define DN_PENDING_MAX 64 /* most token ids in one DecodeTokens message */
 
 /* Immutable after start-up: what the flags said. */
+#define DN_FAMILIES_MAX 16 /* policy families with their own block gauge */
+
 typedef struct dn_config {
     const char *model_dir;
     const char *id; /* node id, e.g. "decode-0" */
@@ -121,6 +123,8 @@ typedef struct dn_metrics {
     kc_gauge *blocks_used, *blocks_free, *blocks_reserved;
     kc_gauge *running, *queued, *reservations;
     kc_histogram *batch_size, *tpot, *import_s;
+    kc_histogram *step_s; /* one batched forward call */
+    kc_gauge *blocks_by_policy[DN_FAMILIES_MAX]; /* blocks held by running sequences, by family */
     kc_counter *tokens;
     kc_counter *requests[GRPC_STATUS_UNAUTHENTICATED + 1]; /* Decode streams by final status */
     kc_counter *reserves[GRPC_STATUS_UNAUTHENTICATED + 1]; /* Reserve calls by status */

@@ -71,4 +71,9 @@ done
 echo "$metrics" | grep -q '^kvrelay_queue_wait_seconds_count{policy="streaming"} 0$' ||
   fail "another policy family's histogram counted them"
 echo "ok: the latency histograms by policy family counted them"
+dmetrics=$(curl -s "http://$(krc_http decode-0)/metrics")
+echo "$dmetrics" | grep -q "^kvrelay_decode_step_seconds_count [1-9]" || fail "the decode node timed no step"
+echo "$dmetrics" | grep -q '^kvrelay_kv_blocks_used_by_policy{policy="full"} 0$' ||
+  fail "the decode node still counts blocks for the finished requests"
+echo "ok: the decode node timed its steps and holds no block for any policy"
 echo "PASS"

@@ -172,11 +172,14 @@ async function main() {
   const controller = new AbortController();
   const whole = client.completions.create({ model, prompt, max_tokens: expect.long_tokens, temperature: 0 },
                                           { signal: controller.signal });
+  let byPolicy = 0;
   for (let i = 0; i < 400; i++) { // abort once the decode node holds the request's blocks
-    if (await metric(expect.decode_metrics, 'kvrelay_kv_blocks_used') > 0) break;
+    byPolicy = await metric(expect.decode_metrics, 'kvrelay_kv_blocks_used_by_policy{policy="full"}');
+    if (byPolicy > 0) break;
     await new Promise((res) => setTimeout(res, 5));
   }
   controller.abort();
+  check(byPolicy > 0, `the decode node counts the running request's blocks under its policy (${byPolicy})`);
   await whole.then(() => check(false, 'the aborted request finished'), () => {});
   [used, reserved, cancelled] = await settled(cancelledBefore + 2);
   check(cancelled === cancelledBefore + 2 && used === 0 && reserved === 0,
