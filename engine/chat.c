@@ -2432,7 +2432,7 @@ static int call_method(rctx *c, const node *at, const value *obj, const char *na
         }
         if (!strcmp(name, "split")) {
             static const char *const ps[] = {"sep", "maxsplit", NULL};
-            int64_t maxsplit;
+            int64_t maxsplit = -1;
             if (bind_args(c, at, name, a, ps, v) || opt_int(c, at, "maxsplit", v[1], -1, &maxsplit)) return -1;
             const value *sep = v[0] && v[0]->t != V_NONE ? v[0] : NULL;
             if (sep && need_str(c, at, "split() separator", sep)) return -1;
@@ -2440,7 +2440,7 @@ static int call_method(rctx *c, const node *at, const value *obj, const char *na
         }
         if (!strcmp(name, "replace")) {
             static const char *const ps[] = {"old", "new", "count", NULL};
-            int64_t count;
+            int64_t count = -1;
             if (bind_args(c, at, name, a, ps, v) || opt_int(c, at, "count", v[2], -1, &count)) return -1;
             if (!v[0] || !v[1]) return rerr(c, at, "replace() takes at least 2 arguments");
             if (need_str(c, at, "replace() argument", v[0]) || need_str(c, at, "replace() argument", v[1])) return -1;
@@ -2639,7 +2639,7 @@ static int filter(rctx *c, const node *n, frame *f, value *out)
     }
     if (!strcmp(name, "replace")) {
         value s;
-        int64_t count;
+        int64_t count = -1;
         PARAMS("old", "new", "count");
         if (!v[0] || !v[1]) return rerr(c, n, "replace needs old and new strings");
         if (to_str(c, n, &subj, &s) || need_str(c, n, "replace argument", v[0]) || need_str(c, n, "replace argument", v[1]) ||
