@@ -33,6 +33,17 @@ static int64_t unix_now_ms(void)
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
+/* A member that left the membership less than RT_GONE_GRACE_MS ago but whose last Status (it is
+ * still polled) says it serves, and that never said it drains: still placed. When etcd comes back
+ * from an outage longer than the lease TTL it expires every lease at once, before the nodes (all
+ * alive) have registered again; a node that really leaves drains first (it says so) or is dead
+ * (its Status fails). rt->mu held. */
+static int departing_usable(const rt_node *x, int64_t now_unix_ms)
+{
+    return x->gone && now_unix_ms - x->gone_unix_ms <= RT_GONE_GRACE_MS && x->polled && x->reachable &&
+           x->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING && !x->member_draining && !x->refused_draining;
+}
+
 /* Recomputes the router's view of n (rt->mu held); logs and stamps a change. */
 static void view_update(rt_node *n)
 {
@@ -259,9 +270,10 @@ void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
     int n = 0;
     int64_t now = rt_now_ms();
     pthread_mutex_lock(&rt->mu);
+    int64_t now_unix = unix_now_ms();
     for (int i = 0; i < rt->n_nodes; i++) {
         rt_node *x = rt->nodes[i];
-        if (x->gone) continue;
+        if (x->gone && now_unix - x->gone_unix_ms > RT_GONE_GRACE_MS) continue; /* see departing_usable */
         if (rt_breaker_allow(&x->breaker, rt->breaker_cooldown_ms, now)) due[n++] = x; /* or the probe */
     }
     pthread_mutex_unlock(&rt->mu);
@@ -321,17 +333,19 @@ int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip
     rt_load loads[RT_NODES_MAX];
     rt_node *cand[RT_NODES_MAX];
     int n = 0;
+    int64_t now_unix = unix_now_ms();
     pthread_mutex_lock(&rt->mu);
     for (int i = 0; i < rt->n_nodes; i++) {
         rt_node *x = rt->nodes[i];
-        if (x->role != role || x->gone || x->breaker.open || x->fingerprint_bad) continue;
+        int departing = departing_usable(x, now_unix);
+        if (x->role != role || (x->gone && !departing) || x->breaker.open || x->fingerprint_bad) continue;
         int skipped = 0;
         for (int k = 0; k < n_skip; k++) skipped |= skip[k] == x;
         if (skipped) continue;
         rt_load *l = &loads[n];
         /* serving: answered its last Status, or was never polled yet (optimistic, so the first
          * requests after start-up are not refused), and not draining */
-        l->healthy = x->view == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
+        l->healthy = x->view == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING || departing;
         l->prefill_tokens = corrected(x->prefill_tokens, x->own_tokens, x->own_tokens_polled);
         l->running = corrected((uint64_t)x->running + (role == RT_ROLE_PREFILL ? x->queued : 0),
                                x->own_running, x->own_running_polled);

@@ -17,9 +17,9 @@
 #       equals kvrelay-generate; healed: no KV block left used or reserved on either node;
 #   (3) etcd partitioned for longer than the lease TTL: requests keep succeeding on the
 #       router's last membership while etcd expires every lease; healed: every node is back in
-#       etcd under a new lease, the router shows all four serving, requests succeed. Requests
-#       that fail right after the heal because the router applied the expiries first (every node
-#       gone until it registers again) are printed as a KNOWN BUG, not counted as failures.
+#       etcd under a new lease, the router shows all four serving, and requests succeed all
+#       along, also in the moment etcd's expiries reach the router before the nodes have
+#       registered again (it keeps placing gone members that still answer as serving).
 # Events are asserted (states, outputs, counters), never durations; the figures are printed.
 # Skips (77) without root / CAP_NET_ADMIN, ip, etcd, etcdctl or curl.
 # Run: ctest -R netns, or KR_SRC=. KR_BIN=build bash tests/integration/netns.sh
@@ -394,11 +394,11 @@ t_gone=$(log_at "$KRC_DIR/router.log" "$t1" "node .* -> gone")
 t_back=$(log_at "$KRC_DIR/router.log" "$t1" "is a member again")
 echo "(3) healed: all 4 member keys back under new leases $(elapsed "$t1" "${t_reg:-$t1}") s after the heal; the router saw the expiries (nodes gone) at ${t_gone:+$(elapsed "$t1" "$t_gone") s} and the nodes back from ${t_back:+$(elapsed "$t1" "$t_back") s}; $ok of $n requests meanwhile succeeded"
 if [ $gap -gt 0 ]; then
-  echo "KNOWN BUG: (3) $gap of $n requests right after etcd's partition healed failed 'no decode/prefill node can take the request': the router applied the lease expiries (every node gone) before the nodes had registered again, although every node was reachable and serving"
+  # the router keeps placing a member whose lease expired while it still answers Status as
+  # serving (RT_GONE_GRACE_MS): none of these may fail for want of a node
+  fail "(3) $gap of $n requests right after etcd's partition healed failed 'no decode/prefill node can take the request', although every node was reachable and serving"
   log_at "$KRC_DIR/router.log" "$t1" "node .* -> gone" line | sed 's/^/  router: /'
   log_at "$KRC_DIR/router.log" "$t1" "no decode node can take" line | sed 's/^/  router: /'
-  log_at "$KRC_DIR/router.log" "$t1" "is a member again" line | sed 's/^/  router: /'
-  log_at "$KRC_DIR/decode-0.log" "$t1" "registering again" line | sed 's/^/  decode-0: /'
 fi
 for r in decode-0 decode-1; do blocks_zero "(3) at the end" "$r" >/dev/null; done
 

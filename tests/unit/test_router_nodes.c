@@ -68,6 +68,17 @@ static void membership(void)
     CHECK(rt.n_nodes == 3 && find("d1") == d1, "the gone node is kept (same pointer)");
     CHECK(d1->view == KVRELAY__V1__NODE_STATE__NODE_STATE_GONE, "d1 gone (view %d)", d1->view);
     CHECK(!has(order_ids(RT_ROLE_DECODE), "d1"), "a gone node is not placed: %s", order_ids(RT_ROLE_DECODE));
+    /* ... unless it left just now and its last Status says it serves (an etcd outage expired its
+     * lease while it ran): placed for RT_GONE_GRACE_MS, not once it said it drains, not after */
+    d1->polled = d1->reachable = 1;
+    d1->state = KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
+    CHECK(has(order_ids(RT_ROLE_DECODE), "d1"), "a node gone just now and serving is placed: %s", order_ids(RT_ROLE_DECODE));
+    d1->member_draining = 1;
+    CHECK(!has(order_ids(RT_ROLE_DECODE), "d1"), "a gone node that drained is not placed");
+    d1->member_draining = 0;
+    d1->gone_unix_ms -= RT_GONE_GRACE_MS + 1000;
+    CHECK(!has(order_ids(RT_ROLE_DECODE), "d1"), "a node gone longer than the grace is not placed");
+    d1->polled = d1->reachable = 0;
 
     /* d1 comes back at a new address, d0 says it drains */
     rt_member_info set2[] = {
