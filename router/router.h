@@ -39,6 +39,7 @@
 #define RT_NODES_MAX (2 * RT_MEMBERS_MAX) /* nodes ever known, gone ones included */
 #define RT_GONE_LISTED_MS 300000 /* a gone node stays in ClusterStatus this long */
 #define RT_GONE_GRACE_MS 10000 /* a gone node still answering as serving is placed this long */
+#define RT_NODE_RECONNECT_MS 1000 /* the cap on a node channel's reconnect backoff */
 #define RT_REQUEST_ID_MAX 128 /* bytes of a request id */
 #define RT_OPENAI_MAX_BODY (4u << 20) /* bytes of an OpenAI API request body */
 #define RT_HTTP_MAX_CONNECTIONS 512 /* HTTP connections at once (each OpenAI stream holds one) */
