@@ -109,7 +109,7 @@ def main():
     r = bench(a, "--target", a.router, "--rate", "20", "--duration", "10", "--warmup", "4",
               "--prompt-len", "64", "--output-len", "16", "--policy", "full", "--policy", P2,
               "--json", w + "/load.json", "--requests-out", w + "/load.jsonl", "--plot", w + "/plots",
-              "--slo", "ttft_ms=10000,tpot_ms=10000,e2e_ms=20000")
+              "--slo", "ttft_ms=500,tpot_ms=50,e2e_ms=2000")
     if r:
         out = json.load(open(w + "/load.json"))
         run = out["runs"][0]
@@ -131,7 +131,8 @@ def main():
             check(per[P2]["kv_bytes_shipped"] < per["full"]["kv_bytes_shipped"],
                   "streaming shipped no fewer KV bytes than full")
         check(s["errors"] == {} and s["ok"] == s["requests"], "errors: %s" % s["errors"])
-        check(s["good"] == s["ok"], "goodput under a 10 s SLO counted %d of %d" % (s["good"], s["ok"]))
+        check(0 <= s["good"] <= s["ok"] and s["goodput"] is not None,
+              "goodput: %s good of %d ok" % (s.get("good"), s["ok"]))
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms"):
             check(s[key]["n"] > 0, "no %s samples" % key)
         check("TTFT" in r.stdout and "goodput" in r.stdout and P2 in r.stdout, "the table lacks rows:\n" + r.stdout)
