@@ -3,8 +3,8 @@
 # "P:D ratio"): 1:1, 1:2 and 2:1 nodes on the default model, every node with 1 thread, one KV
 # policy (full), the same Poisson rate sweep against each layout in turn (a fresh cluster per
 # layout). Writes a table of goodput and TTFT / TPOT p50 / p99 per layout and rate, each
-# layout's highest sustainable rate, and one plot (goodput and TTFT p99 against offered rate,
-# one line per layout). Not a test: on a machine with fewer cores than processes (router,
+# layout's highest sustainable rate, and one plot (goodput, TTFT p99 and TPOT p99 against offered
+# rate, one line per layout). Not a test: on a machine with fewer cores than processes (router,
 # nodes, this client) the layouts compete for the same CPU, and that is part of what it shows.
 #
 #   bench/experiments/pd-ratio.sh [--bin DIR] [--quick] [--out DIR]
@@ -53,7 +53,7 @@ import matplotlib.pyplot as plt
 
 out, machine = sys.argv[1:3]
 summary = {"machine": machine, "layouts": []}
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.6))
+fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(10.5, 3.5))
 for f in sys.argv[3:]:
     d = json.load(open(f))
     tag = os.path.basename(f)[:-5]
@@ -82,6 +82,7 @@ for f in sys.argv[3:]:
                                "sustainable_rate": sustainable, "runs": runs})
     ax1.plot([x["rate"] for x in runs], [x["goodput"] for x in runs], marker="o", label="P:D " + label)
     ax2.plot([x["rate"] for x in runs], [x["ttft_p99"] for x in runs], marker="o", label="P:D " + label)
+    ax3.plot([x["rate"] for x in runs], [x["tpot_p99"] for x in runs], marker="o", label="P:D " + label)
 rates = sorted({x["rate"] for l in summary["layouts"] for x in l["runs"]})
 ax1.plot(rates, rates, color="0.6", linestyle=":", label="offered")
 slo = summary["layouts"][0]["slo"]
@@ -89,7 +90,9 @@ ax1.set_xlabel("offered rate (req/s)"); ax1.set_ylabel("goodput (req/s)")
 ax1.set_title("goodput (TTFT<=%g ms, TPOT<=%g ms)" % (slo.get("ttft_ms", 0), slo.get("tpot_ms", 0)), fontsize=9)
 ax2.set_xlabel("offered rate (req/s)"); ax2.set_ylabel("TTFT p99 (ms)"); ax2.set_yscale("log")
 ax2.set_title("TTFT p99", fontsize=9)
-for a in (ax1, ax2):
+ax3.set_xlabel("offered rate (req/s)"); ax3.set_ylabel("TPOT p99 (ms)"); ax3.set_yscale("log")
+ax3.set_title("TPOT p99", fontsize=9)
+for a in (ax1, ax2, ax3):
     a.grid(alpha=0.3); a.legend(fontsize=7)
 fig.tight_layout()
 png = os.path.join(out, "pd-ratio.png")
