@@ -8,19 +8,8 @@
 # Skips (77) without python3-grpcio or the stub generator. Env (set by ctest): KR_BIN, KR_SRC.
 set -euo pipefail
 . "$KR_SRC/tests/integration/lib/pystubs.sh" # PY, kr_pystubs, kr_hold_pool; skips without grpcio
-. "$KR_SRC/deploy/local-cluster.sh"
-KRC_DIR=$(mktemp -d -t kvrelay-admission.XXXXXX)
-cleanup() {
-  [ -z "${KR_HOLD_PID:-}" ] || kill "$KR_HOLD_PID" 2>/dev/null || true
-  krc_stop
-  rm -rf "$KRC_DIR"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*" >&2
-  tail -n 40 "$KRC_DIR/router.log" >&2 || true
-  exit 1
-}
+. "$KR_SRC/tests/integration/lib/cluster.sh" # kr_cluster_workdir, fail
+kr_cluster_workdir admission
 
 n=8
 KRC_ROUTER_ARGS=(--max-queue-ms 60000)

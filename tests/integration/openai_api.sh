@@ -20,20 +20,8 @@ if ! command -v curl >/dev/null; then
   exit 77
 fi
 
-. "$KR_SRC/deploy/local-cluster.sh"
-KRC_DIR=$(mktemp -d -t kvrelay-openai.XXXXXX)
-cleanup() {
-  [ -z "${KR_HOLD_PID:-}" ] || kill "$KR_HOLD_PID" 2>/dev/null || true
-  krc_stop
-  rm -rf "$KRC_DIR"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*" >&2
-  echo "--- router log:" >&2
-  tail -n 30 "$KRC_DIR/router.log" >&2 || true
-  exit 1
-}
+. "$KR_SRC/tests/integration/lib/cluster.sh" # kr_cluster_workdir, fail
+kr_cluster_workdir openai
 
 model=$KR_SRC/models/kjv-2l128-2k
 name=kjv-test
