@@ -11,6 +11,7 @@
 
 EXP_HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 EXP_PY=/usr/bin/python3
+export PYTHONPATH=$EXP_HERE/bench/experiments${PYTHONPATH:+:$PYTHONPATH} # plots.py
 EXP_BENCH=$EXP_HERE/tools/kvrelay-bench-serve
 EXP_MODEL=$EXP_HERE/models/kjv-2l128-2k
 # at top level: its declare -A would be local to a function that sourced it

@@ -50,6 +50,7 @@ import json, os, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from plots import save_png
 
 out, machine = sys.argv[1:3]
 summary = {"machine": machine, "layouts": []}
@@ -96,12 +97,7 @@ for a in (ax1, ax2, ax3):
     a.grid(alpha=0.3); a.legend(fontsize=7)
 fig.tight_layout()
 png = os.path.join(out, "pd-ratio.png")
-fig.savefig(png, dpi=72)
-try:  # a 64-colour palette keeps the PNG small
-    from PIL import Image
-    Image.open(png).convert("RGB").quantize(64).save(png, optimize=True)
-except ImportError:
-    pass
+save_png(fig, png)
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 
 l0 = summary["layouts"][0]

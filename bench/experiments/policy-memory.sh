@@ -57,6 +57,7 @@ import json, os, re, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from plots import save_png
 
 out, quality_path, decode_log, machine, kv_blocks, chunk = sys.argv[1:7]
 files = sys.argv[7:]
@@ -123,12 +124,7 @@ plt.legend(fontsize=7)
 plt.grid(alpha=0.3)
 plt.tight_layout()
 png = os.path.join(out, "goodput.png")
-plt.savefig(png, dpi=72)
-try:  # a 64-colour palette keeps the PNG small, as kvrelay-bench-serve's plots do
-    from PIL import Image
-    Image.open(png).convert("RGB").quantize(64).save(png, optimize=True)
-except ImportError:
-    pass
+save_png(plt.gcf(), png)
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 
 def fmt(v, spec="%.1f"):

@@ -78,6 +78,7 @@ import json, os, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from plots import save_png
 
 out, machine = sys.argv[1:3]
 args = sys.argv[3:]
@@ -126,12 +127,7 @@ ax1.set_ylabel("KV shipped per request (KiB)"); ax1.set_title("bytes shipped pre
 ax2.set_ylabel("ms"); ax2.set_title("TTFT p50 and bundle transfer time (1 client)", fontsize=9)
 fig.tight_layout()
 png = os.path.join(out, "prompt-length.png")
-fig.savefig(png, dpi=72)
-try:  # a 64-colour palette keeps the PNG small
-    from PIL import Image
-    Image.open(png).convert("RGB").quantize(64).save(png, optimize=True)
-except ImportError:
-    pass
+save_png(fig, png)
 
 def fmt(v, spec):
     return "—" if v is None else spec % v

@@ -1,8 +1,8 @@
 # pystubs.sh - sourced by the integration tests whose clients are Python's grpcio (a client
 # nobody here wrote): checks that Debian's python3-grpcio, protoc and the gRPC Python plugin are
 # there (else the test skips with exit 77: `./kvrelay test` installs them), and generates stubs.
-#   PY            the interpreter to run clients with (Debian's: a pyenv python3 on PATH may
-#                 lack grpc, STACK.md)
+#   PY            the interpreter to run clients with (Debian's /usr/bin/python3: a pyenv
+#                 python3 earlier on PATH may lack the Debian grpc modules)
 #   kr_workdir    makes the temp dir $tmp and, at exit, kills every pid listed in $tmp/pids (the
 #                 Python side's processes, even if Python died first) and removes it
 #   kr_pystubs DIR [PROTO...]
