@@ -166,11 +166,13 @@ typedef struct dn_node {
 
 /* resv.c */
 /* Admits a reservation (takes `policy` in every case) and reserves its staging buffer in the
- * transport. Returns a grpc_status_code: OK with the outputs set, or an error with `err`
- * (KT_ERR_MAX bytes): RESOURCE_EXHAUSTED when the bound does not fit the free blocks. */
+ * transport. Returns a grpc_status_code: OK with the outputs set (token_out: the transport's
+ * random token, which the bundle must carry), or an error with `err` (KT_ERR_MAX bytes):
+ * RESOURCE_EXHAUSTED when the bound does not fit the free blocks. */
 int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
                   int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
-                  int64_t *expires_unix_ms_out, char *err);
+                  int64_t *expires_unix_ms_out, uint8_t token_out[KT_RESV_TOKEN_BYTES],
+                  char *err);
 dn_resv *dn_resv_find_locked(dn_node *n, uint64_t id);
 void dn_resv_unlink_locked(dn_node *n, dn_resv *r);
 void dn_resv_free(dn_resv *r); /* after unlink; returns nothing to the accounting */

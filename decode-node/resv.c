@@ -136,7 +136,8 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
 
 int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
                   int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
-                  int64_t *expires_unix_ms_out, char *err)
+                  int64_t *expires_unix_ms_out, uint8_t token_out[KT_RESV_TOKEN_BYTES],
+                  char *err)
 {
     const kr_config *c = n->mcfg;
     /* The bound assumes a bundle brings at most this many entries per list; service.c refuses
@@ -248,7 +249,7 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
      * id the transport does not know yet (nor the router, before this call answers). */
     uint8_t *buf = r->buf;
     if (kt_transport_reserve(n->transport, id, buf, size, ttl_s, KT_RESERVE_PARSE, on_transfer,
-                             n, berr) != 0) {
+                             n, token_out, berr) != 0) {
         pthread_mutex_lock(&n->lock);
         r = dn_resv_find_locked(n, id); /* by id: never trust a pointer across the unlock */
         if (r)

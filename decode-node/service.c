@@ -83,8 +83,9 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     int ttl_ms = req->ttl_ms ? (int)req->ttl_ms : n->cfg.ttl_ms;
     uint64_t id = 0;
     int64_t blocks = 0, expires = 0;
+    uint8_t token[KT_RESV_TOKEN_BYTES];
     int code = dn_resv_admit(n, rid, policy, (int)req->prompt_tokens, (int)req->max_tokens, ttl_ms,
-                             &id, &blocks, &expires, err);
+                             &id, &blocks, &expires, token, err);
     if (code != GRPC_STATUS_OK)
         return refuse(call, rid, (grpc_status_code)code, "%s", err);
     kc_info(rid, "reserved %" PRId64 " blocks as reservation %" PRIu64 " (%u prompt tokens, %u "
@@ -95,6 +96,7 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     resp.transfer_address = n->transfer_addr;
     resp.reserved_blocks = (uint64_t)blocks;
     resp.expires_unix_ms = expires;
+    resp.reservation_token = (ProtobufCBinaryData){.len = sizeof token, .data = token};
     if (kc_call_send(call, &resp.base) != 0) {
         /* The router is gone or past its deadline: it will never use the reservation. */
         dn_resv_release(n, id, rid);

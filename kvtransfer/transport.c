@@ -8,9 +8,11 @@
  * only record facts), acts on what the callbacks recorded (starts sends, acks, closes failed
  * endpoints, expires reservations), then calls the user's callbacks with the lock released and
  * sleeps on the worker's event fd + the eventfd until the next deadline.
- * Wire: AM id KT_AM_BUNDLE carries a 40-byte header (magic, version, token, id, size) and the
- * bundle as data; the receiver answers every bundle with an AM KT_AM_ACK (token, id, status,
- * message) on the reply endpoint, so the sender learns a refusal instead of a silent drop.
+ * Wire: AM id KT_AM_BUNDLE carries a 56-byte header (magic, version, seq, id, size, the
+ * reservation's 16-byte token) and the bundle as data; the receiver answers every bundle with an
+ * AM KT_AM_ACK (seq, id, status, message) on the reply endpoint, so the sender learns a refusal
+ * instead of a silent drop. The token is drawn from getrandom at reserve time and compared in
+ * constant time: a bundle with a wrong one is refused and the reservation keeps waiting.
  * What it is not: RMA (refused at create), multi-worker, or tuned for many thousand peers
  * (tables are linked lists: a node has few peers and few reservations in flight).
  */
@@ -28,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -41,8 +44,8 @@
 #define KT_AM_BUNDLE 0x4b51u
 #define KT_AM_ACK 0x4b52u
 #define KT_WIRE_MAGIC 0x4e58544bu /* "KTXN" little-endian */
-#define KT_WIRE_VERSION 1u
-#define KT_WIRE_HDR_BYTES 40
+#define KT_WIRE_VERSION 2u /* 2: the reservation token at offset 40 */
+#define KT_WIRE_HDR_BYTES (40 + KT_RESV_TOKEN_BYTES)
 #define KT_WIRE_ACK_MSG 256
 #define KT_WIRE_ACK_BYTES (40 + KT_WIRE_ACK_MSG)
 /* Bundles above this go by rendezvous, forced: over TCP alone UCX 1.13's automatic choice kept
@@ -90,6 +93,7 @@ typedef struct kt_resv {
     uint8_t *buf;
     uint64_t size; /* capacity of buf: the largest bundle accepted */
     uint64_t len; /* the arriving bundle's size (<= size), set when it is accepted */
+    uint8_t resv_token[KT_RESV_TOKEN_BYTES]; /* what a bundle for it must carry */
     double deadline;
     unsigned flags;
     kt_xfer_cb cb;
@@ -99,7 +103,7 @@ typedef struct kt_resv {
     int req_pending;
     ucs_status_t req_status;
     kt_conn *from; /* the connection the bundle arrives on (RECEIVING) */
-    uint64_t token; /* the sender's token, echoed in the ack */
+    uint64_t seq; /* the sender's seq, echoed in the ack */
     int cancel_asked; /* ucp_request_cancel issued */
     int done; /* outcome known; callback pending */
     int status;
@@ -109,7 +113,7 @@ typedef struct kt_resv {
 
 typedef struct kt_send_op {
     struct kt_send_op *next;
-    uint64_t token, id;
+    uint64_t seq, id;
     const void *buf;
     uint64_t size;
     char peer[80];
@@ -161,7 +165,7 @@ struct kt_transport {
     atomic_int api_waiting; /* API threads queued on lock: the busy progress thread yields */
     pthread_cond_t cond; /* broadcast after callbacks were delivered */
     int stopping;
-    uint64_t next_token, next_serial, n_accepted;
+    uint64_t next_seq, next_serial, n_accepted;
     kt_conn *conns;
     kt_conn *closing;
     kt_conn_req *conn_reqs;
@@ -244,6 +248,16 @@ static kt_resv *kt_resv_find(kt_transport *t, uint64_t id)
     return NULL;
 }
 
+/* 1 when the tokens are equal; the time taken does not depend on where they differ, so a
+ * stranger learns nothing from how fast a guess is refused. */
+static int kt_token_equal(const uint8_t *a, const uint8_t *b)
+{
+    volatile uint8_t diff = 0;
+    for (int i = 0; i < KT_RESV_TOKEN_BYTES; i++)
+        diff |= (uint8_t)(a[i] ^ b[i]);
+    return diff == 0;
+}
+
 static kt_conn *kt_conn_by_ep(kt_transport *t, ucp_ep_h ep)
 {
     for (kt_conn *c = t->conns; c; c = c->next)
@@ -273,7 +287,7 @@ static void kt_op_fail(kt_send_op *op, const char *fmt, ...)
 }
 
 /* Queues an acknowledgement of a bundle on `c` (sent by the loop, never from a callback). */
-static void kt_ack_queue(kt_transport *t, kt_conn *c, uint64_t token, uint64_t id, int status,
+static void kt_ack_queue(kt_transport *t, kt_conn *c, uint64_t seq, uint64_t id, int status,
                          uint64_t bytes, const char *msg)
 {
     if (!c || c->failed || c->closing)
@@ -287,7 +301,7 @@ static void kt_ack_queue(kt_transport *t, kt_conn *c, uint64_t token, uint64_t i
     kt_wr32(a->wire, KT_WIRE_MAGIC);
     kt_wr16(a->wire + 4, KT_WIRE_VERSION);
     kt_wr16(a->wire + 6, status == 0 ? 0 : 1);
-    kt_wr64(a->wire + 8, token);
+    kt_wr64(a->wire + 8, seq);
     kt_wr64(a->wire + 16, id);
     kt_wr64(a->wire + 24, bytes);
     snprintf((char *)a->wire + 40, KT_WIRE_ACK_MSG, "%s", msg ? msg : "");
@@ -375,7 +389,7 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
                      "transport: malformed bundle header (version or magic)");
         return UCS_OK;
     }
-    uint64_t token = kt_rd64(h + 8), id = kt_rd64(h + 16), size = kt_rd64(h + 24);
+    uint64_t seq = kt_rd64(h + 8), id = kt_rd64(h + 16), size = kt_rd64(h + 24);
     KT_TRACE(t, "bundle %" PRIu64 " arrives from %s: %zu bytes, %s", id, c->peer, length,
              (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? "rendezvous" : "eager");
     char msg[KT_ERR_MAX];
@@ -385,6 +399,10 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
                  r ? "transport: reservation %" PRIu64 " is already receiving another bundle"
                    : "transport: unknown or expired reservation %" PRIu64,
                  id);
+    } else if (!kt_token_equal(h + 40, r->resv_token)) {
+        /* the reservation stays RESERVED: the right sender may still come */
+        snprintf(msg, sizeof msg,
+                 "transport: wrong token for reservation %" PRIu64 ": bundle refused", id);
     } else if (size != length || length == 0) {
         snprintf(msg, sizeof msg,
                  "transport: bundle for reservation %" PRIu64 " is malformed: header says %"
@@ -401,11 +419,11 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     if (msg[0]) {
         /* Refused: returning OK without receiving drops the data; the ack tells the sender. */
         kt_log(t, "%s (from %s)", msg + strlen("transport: "), c->peer);
-        kt_ack_queue(t, c, token, id, -1, 0, msg);
+        kt_ack_queue(t, c, seq, id, -1, 0, msg);
         return UCS_OK;
     }
     r->from = c;
-    r->token = token;
+    r->seq = seq;
     r->len = length;
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         ucp_request_param_t p = {
@@ -422,7 +440,7 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
                      ucs_status_string(UCS_PTR_STATUS(sp)));
             kt_log(t, "%s", msg);
             kt_resv_finish(r, -1, 0, msg);
-            kt_ack_queue(t, c, token, id, -1, 0, msg);
+            kt_ack_queue(t, c, seq, id, -1, 0, msg);
             return UCS_OK;
         }
         r->req = sp;
@@ -446,10 +464,10 @@ static ucs_status_t kt_on_ack(void *arg, const void *header, size_t header_lengt
         kt_log(t, "malformed acknowledgement (%zu bytes) dropped", length);
         return UCS_OK;
     }
-    uint64_t token = kt_rd64(w + 8);
-    KT_TRACE(t, "ack for token %" PRIu64 ": %s", token, (const char *)w + 40);
+    uint64_t seq = kt_rd64(w + 8);
+    KT_TRACE(t, "ack for seq %" PRIu64 ": %s", seq, (const char *)w + 40);
     for (kt_send_op *op = t->ops; op; op = op->next) {
-        if (op->token == token && !op->acked) {
+        if (op->seq == seq && !op->acked) {
             op->acked = 1;
             op->ack_status = kt_rd16(w + 6) == 0 ? 0 : -1;
             memcpy(op->ack_msg, w + 40, KT_WIRE_ACK_MSG);
@@ -647,7 +665,7 @@ static double kt_step(kt_transport *t)
                              ": receiving the bundle failed: %s", r->id,
                              ucs_status_string(r->req_status));
                     kt_resv_finish(r, -1, 0, msg);
-                    kt_ack_queue(t, r->from, r->token, r->id, -1, 0, msg);
+                    kt_ack_queue(t, r->from, r->seq, r->id, -1, 0, msg);
                 } else {
                     r->state = KT_XFER_STATE_RECEIVING; /* eager path joins here */
                 }
@@ -666,7 +684,7 @@ static double kt_step(kt_transport *t)
                 kt_log(t, "%s", msg);
             }
             kt_resv_finish(r, bad ? -1 : 0, bad ? 0 : r->len, bad ? msg : "");
-            kt_ack_queue(t, r->from, r->token, r->id, bad ? -1 : 0, bad ? 0 : r->len,
+            kt_ack_queue(t, r->from, r->seq, r->id, bad ? -1 : 0, bad ? 0 : r->len,
                          bad ? msg : "");
         }
         if (!r->done && (t->stopping || now >= r->deadline)) {
@@ -676,7 +694,7 @@ static double kt_step(kt_transport *t)
                      " expired", r->id);
             kt_resv_finish(r, -1, 0, msg);
             if (r->from)
-                kt_ack_queue(t, r->from, r->token, r->id, -1, 0, msg);
+                kt_ack_queue(t, r->from, r->seq, r->id, -1, 0, msg);
         }
         if (r->done && r->req_pending && !r->cancel_asked) {
             /* The buffer is the caller's again only once UCX stops writing into it. */
@@ -904,7 +922,7 @@ int kt_transport_create(const kt_transport_config *cfg, kt_transport **out, char
     }
     snprintf(t->name, sizeof t->name, "%s", cfg->name ? cfg->name : "transport");
     t->worker_efd = -1;
-    t->next_token = 1;
+    t->next_seq = 1;
     pthread_mutex_init(&t->lock, NULL);
     pthread_cond_init(&t->cond, NULL);
     t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1026,7 +1044,8 @@ void kt_transport_destroy(kt_transport *t)
 uint16_t kt_transport_port(const kt_transport *t) { return t->port; }
 
 int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
-                         unsigned flags, kt_xfer_cb cb, void *cb_arg, char *err)
+                         unsigned flags, kt_xfer_cb cb, void *cb_arg,
+                         uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
 {
     if (!t->listener) {
         kt_seterr(err, "transport: reserve needs a listening transport (listen_host unset)");
@@ -1050,6 +1069,11 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
     r->cb_arg = cb_arg;
     r->state = KT_XFER_STATE_RESERVED;
     r->deadline = kt_now() + timeout_s;
+    if (getrandom(r->resv_token, sizeof r->resv_token, 0) != (ssize_t)sizeof r->resv_token) {
+        kt_seterr(err, "transport: reserve %" PRIu64 ": getrandom failed: %s", id, strerror(errno));
+        free(r);
+        return -1;
+    }
     kt_api_lock(t);
     if (t->stopping || kt_resv_find(t, id)) {
         pthread_mutex_unlock(&t->lock);
@@ -1061,6 +1085,7 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
     r->serial = ++t->next_serial;
     r->next = t->resvs;
     t->resvs = r;
+    memcpy(token, r->resv_token, KT_RESV_TOKEN_BYTES);
     pthread_mutex_unlock(&t->lock);
     kt_wake(t);
     return 0;
@@ -1101,8 +1126,8 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id)
 }
 
 int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                      const void *buf, uint64_t size, double timeout_s, kt_xfer_cb cb,
-                      void *cb_arg, char *err)
+                      const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
+                      double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
 {
     if (!host || !buf || size == 0 || !cb || !(timeout_s > 0)) {
         kt_seterr(err, "transport: send %" PRIu64 ": needs a host, a buffer, a size > 0, a "
@@ -1143,14 +1168,15 @@ int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t
         kt_seterr(err, "transport: send refused: shutting down");
         return -1;
     }
-    op->token = t->next_token++;
+    op->seq = t->next_seq++;
     kt_wr32(op->hdr, KT_WIRE_MAGIC);
     kt_wr16(op->hdr + 4, KT_WIRE_VERSION);
     kt_wr16(op->hdr + 6, 0);
-    kt_wr64(op->hdr + 8, op->token);
+    kt_wr64(op->hdr + 8, op->seq);
     kt_wr64(op->hdr + 16, id);
     kt_wr64(op->hdr + 24, size);
     kt_wr64(op->hdr + 32, 0);
+    memcpy(op->hdr + 40, token, KT_RESV_TOKEN_BYTES);
     op->next = t->ops;
     t->ops = op;
     pthread_mutex_unlock(&t->lock);
@@ -1179,12 +1205,14 @@ static void kt_waiter_cb(void *arg, uint64_t id, int status, uint64_t bytes, con
 }
 
 int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                           const void *buf, uint64_t size, double timeout_s, char *err)
+                           const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf,
+                           uint64_t size, double timeout_s, char *err)
 {
     kt_waiter w = {.done = 0};
     pthread_mutex_init(&w.m, NULL);
     pthread_cond_init(&w.c, NULL);
-    int rc = kt_transport_send(t, host, port, id, buf, size, timeout_s, kt_waiter_cb, &w, err);
+    int rc = kt_transport_send(t, host, port, id, token, buf, size, timeout_s, kt_waiter_cb, &w,
+                               err);
     if (rc == 0) {
         pthread_mutex_lock(&w.m);
         while (!w.done)

@@ -6,8 +6,13 @@
  * thread. The receiving side (decode node) listens on host:port, *reserves* a caller-owned
  * buffer for an expected bundle (a 64-bit id chosen by the caller; the buffer's size is the
  * largest bundle accepted, since a receiver knows only a bound on the compressed KV) and is
- * told once, by callback and by a pollable state, whether the bundle arrived and its size. The sending side (prefill node) sends a buffer to host:port tagged with the
- * reservation id and is told once whether the receiver accepted it, within a timeout.
+ * told once, by callback and by a pollable state, whether the bundle arrived and its size. The
+ * sending side (prefill node) sends a buffer to host:port tagged with the reservation id and the
+ * reservation's token, and is told once whether the receiver accepted it, within a timeout.
+ * The token (KT_RESV_TOKEN_BYTES random bytes drawn at reserve time) is the only credential on
+ * this path: UCX has no TLS, so a bundle is accepted only for the reservation whose token it
+ * carries. It keeps strangers out of reservations; it does not hide bundles from an eavesdropper
+ * on the cluster network (docs/security.md).
  * Data goes as a ucp active message; UCX switches to rendezvous (zero-copy into the reserved
  * buffer) above its eager threshold. Endpoints use UCP_ERR_HANDLING_MODE_PEER: a dead peer
  * fails every pending operation on both sides with a message, its endpoint is closed, and the
@@ -78,6 +83,9 @@ typedef enum kt_xfer_state {
  * `err` is valid only during the call. */
 typedef void (*kt_xfer_cb)(void *arg, uint64_t id, int status, uint64_t bytes, const char *err);
 
+/* Bytes of a reservation token: 128 bits from getrandom. */
+#define KT_RESV_TOKEN_BYTES 16
+
 /* Run kt_bundle_parse on exactly the bytes that arrived; a bad bundle fails both sides. */
 #define KT_RESERVE_PARSE 1u
 
@@ -85,11 +93,14 @@ typedef void (*kt_xfer_cb)(void *arg, uint64_t id, int status, uint64_t bytes, c
  * bundle tagged `id`, expiring after timeout_s seconds (the callback then reports "expired").
  * A bundle of 1..size bytes is accepted (the callback's `bytes` says how many arrived); a
  * larger one is refused with "bundle too large for reservation ID: reserved at most N bytes,
- * bundle has M" and the reservation stays waiting. Fails when not listening, when `id` is
- * already reserved, or size is 0. Any id is fine; ids are the caller's (the decode node's
- * reservation ids). */
+ * bundle has M" and the reservation stays waiting; so is a bundle whose token is not this
+ * reservation's ("wrong token for reservation ID"). On success *token (KT_RESV_TOKEN_BYTES) is
+ * the reservation's fresh random token, to hand to the one sender allowed to fill it. Fails
+ * when not listening, when `id` is already reserved, or size is 0. Any id is fine; ids are the
+ * caller's (the decode node's reservation ids). */
 int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
-                         unsigned flags, kt_xfer_cb cb, void *cb_arg, char *err);
+                         unsigned flags, kt_xfer_cb cb, void *cb_arg,
+                         uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
 /* Abandons a reservation: if it has not completed, its callback reports "released" before this
  * returns (a transfer in flight is cancelled first), so the buffer may be freed on return.
  * Returns 0 if it released something, -1 if there was nothing under `id`. Not from a kt_
@@ -100,18 +111,20 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id);
 
 /* ------------------------------------------------------------------ sending side */
 
-/* Sends `size` bytes at `buf` to the receiver listening on host:port, for reservation `id`.
+/* Sends `size` bytes at `buf` to the receiver listening on host:port, for reservation `id`
+ * whose token (from the receiver's kt_transport_reserve) is `token`.
  * Connects on first use (an endpoint per address, re-created after a failure). Completes
  * through `cb` when the receiver acknowledged the bundle (status 0) or refused it, when the
  * peer died, or after timeout_s seconds. `buf` must stay valid until the callback. A send
  * still moving data at its timeout closes the connection (the other sends on it fail too:
  * a stalled connection is not trusted). */
 int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                      const void *buf, uint64_t size, double timeout_s, kt_xfer_cb cb,
-                      void *cb_arg, char *err);
+                      const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
+                      double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err);
 /* kt_transport_send, waiting for the outcome. Not from a kt_ callback. */
 int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                           const void *buf, uint64_t size, double timeout_s, char *err);
+                           const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf,
+                           uint64_t size, double timeout_s, char *err);
 
 #ifdef __cplusplus
 }

@@ -79,6 +79,7 @@ typedef struct pf_job {
     char host[256];          /* transfer address */
     uint16_t port;
     uint64_t reservation_id; /* never 0 */
+    uint8_t reservation_token[KT_RESV_TOKEN_BYTES]; /* sent with the bundle */
     kc_call *call;           /* deadline and cancellation */
     /* queue (the node's lock) */
     struct pf_job *next;

@@ -236,8 +236,8 @@ void pf_run(pf_node *n, pf_job *j)
     double timeout = n->cfg->transfer_timeout_s;
     if ((double)ms_left / 1000.0 < timeout) timeout = (double)ms_left / 1000.0;
     double t1 = pf_now();
-    int rc = kt_transport_send_wait(n->tx, j->host, j->port, j->reservation_id, n->bundle, size,
-                                    timeout, err);
+    int rc = kt_transport_send_wait(n->tx, j->host, j->port, j->reservation_id,
+                                    j->reservation_token, n->bundle, size, timeout, err);
     j->usage.transfer_s = pf_now() - t1;
     if (rc != 0) {
         /* the transport reports a timeout at its deadline; anything earlier is the peer */

@@ -248,6 +248,11 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
                       "reservation_id: 0 is not a reservation (Decode.Reserve never returns 0)");
     j->reservation_id = req->reservation_id;
+    if (req->reservation_token.len != KT_RESV_TOKEN_BYTES)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "reservation_token: %zu bytes, want %d (Decode.Reserve's, passed on as is)",
+                      req->reservation_token.len, KT_RESV_TOKEN_BYTES);
+    memcpy(j->reservation_token, req->reservation_token.data, KT_RESV_TOKEN_BYTES);
 
     *tokens = malloc(nt * sizeof **tokens);
     if (!*tokens)

@@ -68,13 +68,14 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
         if (i == 0)
             t0 = cli_now();
         round r = {0};
+        uint8_t tok[inflight][KT_RESV_TOKEN_BYTES];
         for (int k = 0; k < inflight; k++)
             if (kt_transport_reserve(rx, id + (uint64_t)k, dst + (uint64_t)k * size, size, 60.0, 0,
-                                     count_cb, &r, err) != 0)
+                                     count_cb, &r, tok[k], err) != 0)
                 goto fail;
         for (int k = 0; k < inflight; k++)
-            if (kt_transport_send(tx, "127.0.0.1", kt_transport_port(rx), id + (uint64_t)k, src,
-                                  size, 60.0, count_cb, &r, err) != 0)
+            if (kt_transport_send(tx, "127.0.0.1", kt_transport_port(rx), id + (uint64_t)k,
+                                  tok[k], src, size, 60.0, count_cb, &r, err) != 0)
                 goto fail;
         while (atomic_load(&r.done) < 2 * inflight) /* both callbacks of every transfer */
             usleep(5);

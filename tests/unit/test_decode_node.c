@@ -200,6 +200,23 @@ static int health_serving(node *nd)
 
 /* ------------------------------------------------------------------ the router's calls */
 
+/* The tokens of the latest reservations, by id, for ship() (a bundle must carry its
+ * reservation's token); a ring, since the tests hold few reservations at a time. */
+static struct {
+    uint64_t id;
+    uint8_t token[KT_RESV_TOKEN_BYTES];
+} tokens[64];
+static unsigned n_tokens;
+
+static const uint8_t *token_of(uint64_t id)
+{
+    for (unsigned i = 0; i < sizeof tokens / sizeof tokens[0]; i++)
+        if (tokens[i].id == id)
+            return tokens[i].token;
+    static const uint8_t none[KT_RESV_TOKEN_BYTES];
+    return none;
+}
+
 static uint64_t reserve(node *nd, const char *rid, uint32_t prompt, uint32_t max_tokens,
                         const char *policy, uint32_t ttl_ms, kc_status *st)
 {
@@ -220,6 +237,13 @@ static uint64_t reserve(node *nd, const char *rid, uint32_t prompt, uint32_t max
     CHECK(id != 0 && r->reserved_blocks > 0 && strcmp(r->transfer_address, want) == 0 &&
           r->expires_unix_ms > 0, "Reserve answer: id %" PRIu64 ", %" PRIu64 " blocks, %s",
           id, r->reserved_blocks, r->transfer_address);
+    CHECK(r->reservation_token.len == KT_RESV_TOKEN_BYTES, "Reserve answer: a %zu-byte token",
+          r->reservation_token.len);
+    if (r->reservation_token.len == KT_RESV_TOKEN_BYTES) {
+        unsigned slot = n_tokens++ % (sizeof tokens / sizeof tokens[0]);
+        tokens[slot].id = id;
+        memcpy(tokens[slot].token, r->reservation_token.data, KT_RESV_TOKEN_BYTES);
+    }
     kc_message_free(resp);
     return id;
 }
@@ -521,8 +545,8 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
 
 static int ship(engine *e, node *nd, uint64_t id, request *rq, char *err)
 {
-    int rc = kt_transport_send_wait(e->tx, nd->xfer_host, nd->xfer_port, id, rq->bundle,
-                                    rq->size, 10.0, err);
+    int rc = kt_transport_send_wait(e->tx, nd->xfer_host, nd->xfer_port, id, token_of(id),
+                                    rq->bundle, rq->size, 10.0, err);
     free(rq->bundle);
     rq->bundle = NULL;
     return rc;

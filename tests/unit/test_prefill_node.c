@@ -62,6 +62,7 @@ typedef struct resv {
     pthread_mutex_t m;
     pthread_cond_t c;
     uint64_t id;
+    uint8_t token[KT_RESV_TOKEN_BYTES];
     uint8_t *buf;
     uint64_t cap;
     int done, status;
@@ -96,7 +97,7 @@ static void resv_open(resv *r, uint64_t cap)
     r->buf = malloc(cap);
     char err[KT_ERR_MAX];
     REQUIRE(r->buf && kt_transport_reserve(rx, r->id, r->buf, cap, 60.0, KT_RESERVE_PARSE, resv_cb,
-                                           r, err) == 0,
+                                           r, r->token, err) == 0,
             "reserve: %s", err);
 }
 
@@ -369,6 +370,8 @@ typedef struct call_args {
     const int32_t *tok;
     int n;
     uint64_t resv;
+    const uint8_t *resv_token; /* NULL: KT_RESV_TOKEN_BYTES zeros (no reservation's token) */
+    size_t resv_token_len;     /* 0: KT_RESV_TOKEN_BYTES */
     const Kvrelay__V1__Sampling *sampling;
     int64_t timeout_ms;
     int has_forced, logprobs; /* scoring: forced_first = forced (when has_forced), logprobs */
@@ -391,6 +394,10 @@ static int prefill(call_args *a)
     req.kv_policy = (char *)(a->policy ? a->policy : "");
     req.transfer_address = (char *)(a->addr ? a->addr : rx_addr);
     req.reservation_id = a->resv;
+    static const uint8_t zeros[KT_RESV_TOKEN_BYTES];
+    req.reservation_token = (ProtobufCBinaryData){
+        .len = a->resv_token_len ? a->resv_token_len : KT_RESV_TOKEN_BYTES,
+        .data = (uint8_t *)(a->resv_token ? a->resv_token : zeros)};
     req.decode_node = "test-decode";
     if (a->has_forced) {
         req.forced_first_choice_case = KVRELAY__V1__PREFILL_REQUEST__FORCED_FIRST_CHOICE_FORCED_FIRST;
@@ -486,6 +493,7 @@ static void pcase_prepare(pcase *c, node *nd, ref_model *r, const char *spec, in
                        .tok = c->tok,
                        .n = n,
                        .resv = c->rv.id,
+                       .resv_token = c->rv.token,
                        .sampling = sampling};
 }
 
@@ -690,6 +698,8 @@ static void case_invalid(node *nd, ref_model *r)
     a.addr = NULL;
     a.rid = "reservation 0", a.resv = 0;
     expect_fail(&a, IA, "reservation_id");
+    a.rid = "short token", a.resv = 5, a.resv_token_len = 8;
+    expect_fail(&a, IA, "reservation_token: 8 bytes, want 16");
 }
 
 /* The receiver refuses: an unknown reservation, and one too small for the bundle. Then a
@@ -703,8 +713,13 @@ static void case_refusals(node *nd, ref_model *r)
 
     resv small;
     resv_open(&small, 100);
-    a.rid = "reservation too small", a.resv = small.id;
+    a.rid = "wrong token", a.resv = small.id;
     char want[64];
+    snprintf(want, sizeof want, "wrong token for reservation %" PRIu64, small.id);
+    expect_fail(&a, GRPC_STATUS_UNAVAILABLE, want);
+    CHECK(kt_transport_reservation_state(rx, small.id) == KT_XFER_STATE_RESERVED,
+          "a bundle with a wrong token leaves the reservation waiting");
+    a.rid = "reservation too small", a.resv_token = small.token;
     snprintf(want, sizeof want, "reservation %" PRIu64, small.id);
     expect_fail(&a, GRPC_STATUS_UNAVAILABLE, want);
     CHECK(kt_transport_reservation_state(rx, small.id) == KT_XFER_STATE_RESERVED,

@@ -120,11 +120,12 @@ static int child_receiver(uint16_t port, uint64_t id, uint64_t size, const char 
     uint8_t *buf = malloc(size);
     done_box b;
     box_init(&b);
-    if (!buf || kt_transport_reserve(t, id, buf, size, 30.0, 0, box_cb, &b, err) != 0) {
+    uint8_t ready[1 + KT_RESV_TOKEN_BYTES] = {'R'}; /* ready, then the reservation's token */
+    if (!buf || kt_transport_reserve(t, id, buf, size, 30.0, 0, box_cb, &b, ready + 1, err) != 0) {
         fprintf(stderr, "child receiver: %s\n", err);
         return 3;
     }
-    if (write(1, "R", 1) != 1) /* ready */
+    if (write(1, ready, sizeof ready) != (ssize_t)sizeof ready)
         return 3;
     if (strcmp(mode, "stop") == 0) {
         while (kt_transport_reservation_state(t, id) != KT_XFER_STATE_RECEIVING && !b.done)
@@ -146,10 +147,22 @@ static int child_receiver(uint16_t port, uint64_t id, uint64_t size, const char 
     return same ? 0 : 5;
 }
 
-/* Sender child: sends SIZE bytes for ID to PORT (and lingers; the parent kills it). */
-static int child_sender(uint16_t port, uint64_t id, uint64_t size)
+/* The token as hex, for a child's command line. */
+static void token_hex(const uint8_t *tok, char hex[2 * KT_RESV_TOKEN_BYTES + 1])
+{
+    for (int i = 0; i < KT_RESV_TOKEN_BYTES; i++)
+        snprintf(hex + 2 * i, 3, "%02x", tok[i]);
+}
+
+/* Sender child: sends SIZE bytes for ID (token in hex) to PORT (and lingers; the parent kills
+ * it). */
+static int child_sender(uint16_t port, uint64_t id, uint64_t size, const char *hex)
 {
     char err[KT_ERR_MAX];
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    for (int i = 0; i < KT_RESV_TOKEN_BYTES; i++)
+        if (sscanf(hex + 2 * i, "%2hhx", &tok[i]) != 1)
+            return 3;
     kt_transport *t = make("child-tx", 0, 0, err);
     uint8_t *buf = malloc(size);
     if (!t || !buf)
@@ -157,7 +170,7 @@ static int child_sender(uint16_t port, uint64_t id, uint64_t size)
     fill(buf, size, (uint32_t)id);
     done_box b;
     box_init(&b);
-    if (kt_transport_send(t, HOST, port, id, buf, size, 30.0, box_cb, &b, err) != 0)
+    if (kt_transport_send(t, HOST, port, id, tok, buf, size, 30.0, box_cb, &b, err) != 0)
         return 3;
     pause();
     return 0;
@@ -182,12 +195,21 @@ static pid_t spawn(char *const argv[], int *ready_fd)
     return pid;
 }
 
-static int wait_ready(int fd)
+/* Reads the receiver child's "R" and its reservation's token into tok (may be NULL). */
+static int wait_ready(int fd, uint8_t *tok)
 {
-    char c = 0;
-    ssize_t n = read(fd, &c, 1);
+    uint8_t ready[1 + KT_RESV_TOKEN_BYTES];
+    size_t got = 0;
+    while (got < sizeof ready) {
+        ssize_t n = read(fd, ready + got, sizeof ready - got);
+        if (n <= 0)
+            break;
+        got += (size_t)n;
+    }
     close(fd);
-    return n == 1 && c == 'R';
+    if (tok)
+        memcpy(tok, ready + 1, KT_RESV_TOKEN_BYTES);
+    return got == sizeof ready && ready[0] == 'R';
 }
 
 /* A free TCP port chosen by the kernel (a listener then binds it explicitly). */
@@ -247,10 +269,11 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
 
     done_box rb;
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 1, dst, cap, 5.0, KT_RESERVE_PARSE, box_cb, &rb, err) == 0,
-            "%s", err);
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    REQUIRE(kt_transport_reserve(rx, 1, dst, cap, 5.0, KT_RESERVE_PARSE, box_cb, &rb, tok,
+                                 err) == 0, "%s", err);
     CHECK(kt_transport_reservation_state(rx, 1) == KT_XFER_STATE_RESERVED, "state RESERVED");
-    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 1, src, size, 5.0, err);
+    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 1, tok, src, size, 5.0, err);
     CHECK(rc == 0, "send of a real bundle: %s", err);
     REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
     CHECK(rb.status == 0 && rb.bytes == size, "receive: status %d bytes %" PRIu64 " %s",
@@ -274,8 +297,11 @@ static void test_sizes(kt_transport *rx, kt_transport *tx)
         fill(src, n, (uint32_t)id);
         done_box rb;
         box_init(&rb);
-        REQUIRE(kt_transport_reserve(rx, id, dst, n, 10.0, 0, box_cb, &rb, err) == 0, "%s", err);
-        int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), id, src, n, 10.0, err);
+        uint8_t tok[KT_RESV_TOKEN_BYTES];
+        REQUIRE(kt_transport_reserve(rx, id, dst, n, 10.0, 0, box_cb, &rb, tok, err) == 0, "%s",
+                err);
+        int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), id, tok, src, n, 10.0,
+                                        err);
         CHECK(rc == 0, "send %" PRIu64 " bytes: %s", n, err);
         CHECK(box_wait(&rb, 5.0) && rb.status == 0 && rb.bytes == n, "receive %" PRIu64 ": %s",
               n, rb.msg);
@@ -289,7 +315,7 @@ typedef struct conc_arg {
     kt_transport *tx;
     uint16_t port;
     uint64_t id, n;
-    const uint8_t *src;
+    const uint8_t *tok, *src;
     int rc;
     char err[KT_ERR_MAX];
 } conc_arg;
@@ -297,7 +323,8 @@ typedef struct conc_arg {
 static void *conc_main(void *p)
 {
     conc_arg *a = p;
-    a->rc = kt_transport_send_wait(a->tx, HOST, a->port, a->id, a->src, a->n, 10.0, a->err);
+    a->rc = kt_transport_send_wait(a->tx, HOST, a->port, a->id, a->tok, a->src, a->n, 10.0,
+                                   a->err);
     return NULL;
 }
 
@@ -308,17 +335,17 @@ static void test_concurrent(kt_transport *rx, kt_transport *tx)
     conc_arg args[N];
     pthread_t th[N];
     done_box rb[N];
-    uint8_t *src[N], *dst[N];
+    uint8_t *src[N], *dst[N], tok[N][KT_RESV_TOKEN_BYTES];
     for (int i = 0; i < N; i++) {
         uint64_t n = (uint64_t)(i + 1) << 19; /* 512 KiB .. 4 MiB */
         src[i] = malloc(n);
         dst[i] = calloc(1, n);
         fill(src[i], n, 200 + i);
         box_init(&rb[i]);
-        REQUIRE(kt_transport_reserve(rx, 200 + i, dst[i], n, 10.0, 0, box_cb, &rb[i], err) == 0,
-                "%s", err);
+        REQUIRE(kt_transport_reserve(rx, 200 + i, dst[i], n, 10.0, 0, box_cb, &rb[i], tok[i],
+                                     err) == 0, "%s", err);
         args[i] = (conc_arg){.tx = tx, .port = kt_transport_port(rx), .id = 200 + i, .n = n,
-                             .src = src[i]};
+                             .tok = tok[i], .src = src[i]};
     }
     for (int i = 0; i < N; i++)
         pthread_create(&th[i], NULL, conc_main, &args[i]);
@@ -337,14 +364,14 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
 {
     char err[KT_ERR_MAX];
     uint16_t port = kt_transport_port(rx);
-    uint8_t src[40000], dst[40000];
+    uint8_t src[40000], dst[40000], tok[KT_RESV_TOKEN_BYTES] = {0};
     fill(src, sizeof src, 300);
 
     /* Unknown reservation, small (eager) and large (rendezvous). */
-    int rc = kt_transport_send_wait(tx, HOST, port, 999, src, 100, 5.0, err);
+    int rc = kt_transport_send_wait(tx, HOST, port, 999, tok, src, 100, 5.0, err);
     CHECK(rc != 0, "unknown reservation refused");
     CHECK_ERR_HAS(err, "unknown or expired reservation 999");
-    rc = kt_transport_send_wait(tx, HOST, port, 999, src, sizeof src, 5.0, err);
+    rc = kt_transport_send_wait(tx, HOST, port, 999, tok, src, sizeof src, 5.0, err);
     CHECK(rc != 0, "unknown reservation refused (rendezvous size)");
     CHECK_ERR_HAS(err, "unknown or expired reservation 999");
 
@@ -357,9 +384,9 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
         uint64_t cap = n + 1;
         box_init(&rb);
         memset(dst, 0, sizeof dst);
-        REQUIRE(kt_transport_reserve(rx, id, dst, cap, 5.0, 0, box_cb, &rb, err) == 0, "%s",
+        REQUIRE(kt_transport_reserve(rx, id, dst, cap, 5.0, 0, box_cb, &rb, tok, err) == 0, "%s",
                 err);
-        rc = kt_transport_send_wait(tx, HOST, port, id, src, cap + 1, 5.0, err);
+        rc = kt_transport_send_wait(tx, HOST, port, id, tok, src, cap + 1, 5.0, err);
         CHECK(rc != 0, "bundle over the reserved size refused (%" PRIu64 " > %" PRIu64 ")",
               cap + 1, cap);
         char want[160];
@@ -368,7 +395,7 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
         CHECK_ERR_HAS(err, want);
         CHECK(!rb.done && kt_transport_reservation_state(rx, id) == KT_XFER_STATE_RESERVED,
               "reservation survives a too large bundle");
-        rc = kt_transport_send_wait(tx, HOST, port, id, src, n, 5.0, err);
+        rc = kt_transport_send_wait(tx, HOST, port, id, tok, src, n, 5.0, err);
         CHECK(rc == 0, "smaller bundle accepted after a refusal: %s", err);
         CHECK(box_wait(&rb, 5.0) && rb.status == 0 && rb.bytes == n, "callback reports the "
               "bundle's own size: status %d bytes %" PRIu64 " (want %" PRIu64 ") %s", rb.status,
@@ -380,14 +407,14 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
     /* Duplicate reservation and bad arguments. */
     box_init(&rb);
     REQUIRE(kt_transport_reserve(rx, 302, dst, sizeof dst, 5.0, KT_RESERVE_PARSE, box_cb, &rb,
-                                 err) == 0, "%s", err);
-    CHECK(kt_transport_reserve(rx, 302, dst, sizeof dst, 5.0, 0, box_cb, &rb, err) != 0,
+                                 tok, err) == 0, "%s", err);
+    CHECK(kt_transport_reserve(rx, 302, dst, sizeof dst, 5.0, 0, box_cb, &rb, tok, err) != 0,
           "duplicate reservation refused");
     CHECK_ERR_HAS(err, "already exists");
-    CHECK(kt_transport_reserve(tx, 5, dst, 1, 1.0, 0, box_cb, &rb, err) != 0,
+    CHECK(kt_transport_reserve(tx, 5, dst, 1, 1.0, 0, box_cb, &rb, tok, err) != 0,
           "reserve on a send-only transport refused");
     /* Not a bundle, with KT_RESERVE_PARSE: both sides hear the parser's reason. */
-    rc = kt_transport_send_wait(tx, HOST, port, 302, src, sizeof src, 5.0, err);
+    rc = kt_transport_send_wait(tx, HOST, port, 302, tok, src, sizeof src, 5.0, err);
     CHECK(rc != 0, "garbage refused by the parse flag");
     CHECK_ERR_HAS(err, "bundle 302 rejected: bundle: ");
     CHECK(box_wait(&rb, 5.0) && rb.status != 0, "receiver reports the bad bundle");
@@ -395,8 +422,8 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
 
     /* Release of a pending reservation reports "released" before returning. */
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 303, dst, sizeof dst, 5.0, 0, box_cb, &rb, err) == 0, "%s",
-            err);
+    REQUIRE(kt_transport_reserve(rx, 303, dst, sizeof dst, 5.0, 0, box_cb, &rb, tok, err) == 0,
+            "%s", err);
     CHECK(kt_transport_release(rx, 303) == 0 && rb.done == 1 && rb.status != 0,
           "release completes the reservation");
     CHECK_ERR_HAS(rb.msg, "released");
@@ -411,27 +438,75 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
     /* No receiver at all: the send fails, quickly, with a message. */
     uint16_t dead = free_port();
     double t0 = now_s();
-    rc = kt_transport_send_wait(tx, HOST, dead, 1, src, 100, 5.0, err);
+    rc = kt_transport_send_wait(tx, HOST, dead, 1, tok, src, 100, 5.0, err);
     CHECK(rc != 0 && now_s() - t0 < 5.0, "send to a closed port fails in %.2f s: %s",
           now_s() - t0, err);
+}
+
+/* A bundle carrying another token than its reservation's is refused, in eager and rendezvous
+ * sizes, with nothing written; the reservation keeps waiting and then takes the bundle that
+ * carries its own token. Two reservations' tokens differ, and neither opens the other. */
+static void test_wrong_token(kt_transport *rx, kt_transport *tx)
+{
+    char err[KT_ERR_MAX];
+    uint16_t port = kt_transport_port(rx);
+    static uint8_t src[40000], dst[2][40000];
+    static const uint64_t sizes[2] = {1000, sizeof src};
+    uint8_t tok[2][KT_RESV_TOKEN_BYTES], bad[KT_RESV_TOKEN_BYTES];
+    done_box rb[2];
+    fill(src, sizeof src, 320);
+    memset(dst, 0, sizeof dst);
+    for (int i = 0; i < 2; i++) {
+        box_init(&rb[i]);
+        REQUIRE(kt_transport_reserve(rx, 320 + (uint64_t)i, dst[i], sizes[i], 10.0, 0, box_cb,
+                                     &rb[i], tok[i], err) == 0, "%s", err);
+    }
+    CHECK(memcmp(tok[0], tok[1], KT_RESV_TOKEN_BYTES) != 0, "each reservation has its own token");
+    for (int i = 0; i < 2; i++) {
+        uint64_t id = 320 + (uint64_t)i;
+        char want[96];
+        snprintf(want, sizeof want, "wrong token for reservation %" PRIu64, id);
+        memcpy(bad, tok[i], sizeof bad);
+        bad[KT_RESV_TOKEN_BYTES - 1] ^= 1; /* one bit off */
+        const uint8_t *wrong[3] = {bad, tok[1 - i], (const uint8_t[KT_RESV_TOKEN_BYTES]){0}};
+        for (int w = 0; w < 3; w++) {
+            int rc = kt_transport_send_wait(tx, HOST, port, id, wrong[w], src, sizes[i], 5.0,
+                                            err);
+            CHECK(rc != 0, "reservation %" PRIu64 ": wrong token %d refused", id, w);
+            CHECK_ERR_HAS(err, want);
+            CHECK(!rb[i].done &&
+                      kt_transport_reservation_state(rx, id) == KT_XFER_STATE_RESERVED,
+                  "reservation %" PRIu64 " still waiting after wrong token %d", id, w);
+        }
+        uint64_t nonzero = 0;
+        for (uint64_t b = 0; b < sizes[i]; b++)
+            nonzero += dst[i][b] != 0;
+        CHECK(nonzero == 0, "nothing of a refused bundle was written (%" PRIu64 " bytes)",
+              nonzero);
+        int rc = kt_transport_send_wait(tx, HOST, port, id, tok[i], src, sizes[i], 5.0, err);
+        CHECK(rc == 0, "reservation %" PRIu64 ": its own token accepted: %s", id, err);
+        CHECK(box_wait(&rb[i], 5.0) && rb[i].status == 0 && rb[i].bytes == sizes[i],
+              "reservation %" PRIu64 " completes: %s", id, rb[i].msg);
+        CHECK(memcmp(src, dst[i], sizes[i]) == 0, "reservation %" PRIu64 " bundle intact", id);
+    }
 }
 
 static void test_timeouts(kt_transport *rx, kt_transport *tx)
 {
     char err[KT_ERR_MAX];
-    uint8_t dst[1000], src[1000];
+    uint8_t dst[1000], src[1000], tok[KT_RESV_TOKEN_BYTES];
     fill(src, sizeof src, 400);
     done_box rb;
     box_init(&rb);
     double t0 = now_s();
-    REQUIRE(kt_transport_reserve(rx, 400, dst, sizeof dst, 0.3, 0, box_cb, &rb, err) == 0, "%s",
-            err);
+    REQUIRE(kt_transport_reserve(rx, 400, dst, sizeof dst, 0.3, 0, box_cb, &rb, tok, err) == 0,
+            "%s", err);
     CHECK(box_wait(&rb, 3.0) && rb.status != 0, "reservation expires");
     double dt = now_s() - t0;
     CHECK(dt >= 0.29 && dt < 2.0, "expiry after %.3f s (asked 0.3)", dt);
     CHECK_ERR_HAS(rb.msg, "reservation 400 expired");
-    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 400, src, sizeof src, 5.0,
-                                    err);
+    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 400, tok, src, sizeof src,
+                                    5.0, err);
     CHECK(rc != 0, "bundle for an expired reservation refused");
     CHECK_ERR_HAS(err, "unknown or expired reservation 400");
 }
@@ -448,19 +523,19 @@ static void test_receiver_death(kt_transport *tx)
     snprintf(ports, sizeof ports, "%u", port);
     snprintf(ids, sizeof ids, "%u", 500);
     snprintf(sizes, sizeof sizes, "%" PRIu64, big);
-    uint8_t *src = malloc(big);
+    uint8_t *src = malloc(big), tok[KT_RESV_TOKEN_BYTES];
     fill(src, big, 500);
 
     /* 1. Receiver stops itself as bytes land; our send times out (data still moving). */
     char *argv1[] = {"test_transport", "--child-receiver", ports, ids, sizes, "stop", NULL};
     int fd;
     pid_t pid = spawn(argv1, &fd);
-    REQUIRE(pid > 0 && wait_ready(fd), "receiver child ready");
+    REQUIRE(pid > 0 && wait_ready(fd, tok), "receiver child ready");
     done_box sb;
     box_init(&sb);
     double t0 = now_s();
-    REQUIRE(kt_transport_send(tx, HOST, port, 500, src, big, 1.5, box_cb, &sb, err) == 0, "%s",
-            err);
+    REQUIRE(kt_transport_send(tx, HOST, port, 500, tok, src, big, 1.5, box_cb, &sb, err) == 0,
+            "%s", err);
     int st = 0;
     REQUIRE(waitpid(pid, &st, WUNTRACED) == pid && WIFSTOPPED(st), "child stopped mid-transfer");
     CHECK(box_wait(&sb, 5.0), "stalled send completes (no hang)");
@@ -472,10 +547,10 @@ static void test_receiver_death(kt_transport *tx)
 
     /* 2. Receiver killed while our send is in flight: fails with the peer named. */
     pid = spawn(argv1, &fd);
-    REQUIRE(pid > 0 && wait_ready(fd), "receiver child ready (2)");
+    REQUIRE(pid > 0 && wait_ready(fd, tok), "receiver child ready (2)");
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, port, 500, src, big, 10.0, box_cb, &sb, err) == 0, "%s",
-            err);
+    REQUIRE(kt_transport_send(tx, HOST, port, 500, tok, src, big, 10.0, box_cb, &sb, err) == 0,
+            "%s", err);
     REQUIRE(waitpid(pid, &st, WUNTRACED) == pid && WIFSTOPPED(st), "child stopped (2)");
     t0 = now_s();
     kill(pid, SIGKILL);
@@ -492,9 +567,9 @@ static void test_receiver_death(kt_transport *tx)
     snprintf(sizes, sizeof sizes, "%" PRIu64, small);
     char *argv3[] = {"test_transport", "--child-receiver", ports, ids, sizes, "serve", NULL};
     pid = spawn(argv3, &fd);
-    REQUIRE(pid > 0 && wait_ready(fd), "new receiver ready");
+    REQUIRE(pid > 0 && wait_ready(fd, tok), "new receiver ready");
     fill(src, small, 501);
-    int rc = kt_transport_send_wait(tx, HOST, port, 501, src, small, 10.0, err);
+    int rc = kt_transport_send_wait(tx, HOST, port, 501, tok, src, small, 10.0, err);
     CHECK(rc == 0, "send to the restarted receiver: %s", err);
     REQUIRE(waitpid(pid, &st, 0) == pid, "wait new receiver");
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "restarted receiver got the bundle intact "
@@ -507,15 +582,17 @@ static void test_sender_death(kt_transport *rx, kt_transport *tx)
 {
     char err[KT_ERR_MAX];
     uint64_t big = 256u << 20;
-    uint8_t *dst = malloc(big);
+    uint8_t *dst = malloc(big), tok[KT_RESV_TOKEN_BYTES];
     done_box rb;
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 600, dst, big, 20.0, 0, box_cb, &rb, err) == 0, "%s", err);
-    char ports[16], ids[32], sizes[32];
+    REQUIRE(kt_transport_reserve(rx, 600, dst, big, 20.0, 0, box_cb, &rb, tok, err) == 0, "%s",
+            err);
+    char ports[16], ids[32], sizes[32], hex[2 * KT_RESV_TOKEN_BYTES + 1];
+    token_hex(tok, hex);
     snprintf(ports, sizeof ports, "%u", kt_transport_port(rx));
     snprintf(ids, sizeof ids, "600");
     snprintf(sizes, sizeof sizes, "%" PRIu64, big);
-    char *argv[] = {"test_transport", "--child-sender", ports, ids, sizes, NULL};
+    char *argv[] = {"test_transport", "--child-sender", ports, ids, sizes, hex, NULL};
     int fd;
     pid_t pid = spawn(argv, &fd);
     REQUIRE(pid > 0, "sender child");
@@ -540,10 +617,10 @@ static void test_sender_death(kt_transport *rx, kt_transport *tx)
     uint8_t src[5000], d2[5000];
     fill(src, sizeof src, 601);
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 601, d2, sizeof d2, 5.0, 0, box_cb, &rb, err) == 0, "%s",
-            err);
-    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 601, src, sizeof src, 5.0,
-                                    err);
+    REQUIRE(kt_transport_reserve(rx, 601, d2, sizeof d2, 5.0, 0, box_cb, &rb, tok, err) == 0,
+            "%s", err);
+    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 601, tok, src, sizeof src,
+                                    5.0, err);
     CHECK(rc == 0 && box_wait(&rb, 5.0) && rb.status == 0 && memcmp(src, d2, sizeof d2) == 0,
           "receiver serves after a sender died: %s %s", err, rb.msg);
     free(dst);
@@ -554,9 +631,9 @@ int main(int argc, char **argv)
     if (argc >= 6 && strcmp(argv[1], "--child-receiver") == 0)
         return child_receiver((uint16_t)atoi(argv[2]), strtoull(argv[3], NULL, 10),
                               strtoull(argv[4], NULL, 10), argv[5]);
-    if (argc >= 5 && strcmp(argv[1], "--child-sender") == 0)
+    if (argc >= 6 && strcmp(argv[1], "--child-sender") == 0)
         return child_sender((uint16_t)atoi(argv[2]), strtoull(argv[3], NULL, 10),
-                            strtoull(argv[4], NULL, 10));
+                            strtoull(argv[4], NULL, 10), argv[5]);
     signal(SIGPIPE, SIG_IGN);
     char err[KT_ERR_MAX];
     kt_transport *rx = make("test-rx", 1, 0, err);
@@ -570,6 +647,7 @@ int main(int argc, char **argv)
     test_sizes(rx, tx);
     test_concurrent(rx, tx);
     test_refusals(rx, tx);
+    test_wrong_token(rx, tx);
     test_timeouts(rx, tx);
     kt_transport_destroy(tx);
     kt_transport_destroy(rx);
