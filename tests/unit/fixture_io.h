@@ -37,10 +37,7 @@ static inline int32_t *json_ids(const cJSON *arr, int *n)
 static inline double max_diff(const float *a, const float *b, int n)
 {
     double m = 0;
-    for (int i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - (double)b[i]);
-        if (!(d <= m)) m = d; /* NaN propagates as failure */
-    }
+    for (int i = 0; i < n; i++) m = kt_worst(m, fabs((double)a[i] - (double)b[i])); /* NaN stays NaN */
     return m;
 }
 

@@ -36,6 +36,13 @@ static int kt_failures;
 #define CHECK_ERR_HAS(err, needle)                                                             \
     CHECK(strstr((err), (needle)) != NULL, "error '%s' lacks '%s'", (err), (needle))
 
+/* The larger of a running worst error and e, NaN once either is NaN: fmax would drop a NaN and
+ * let a broken result pass a `worst < tol` check. */
+static inline double kt_worst(double worst, double e)
+{
+    return worst != worst || e != e ? NAN : e > worst ? e : worst;
+}
+
 /* $name or NULL */
 static inline const char *kt_env(const char *name)
 {

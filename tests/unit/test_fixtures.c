@@ -68,10 +68,10 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
         REQUIRE(kr_prefill(r->ctx, s, prompt, n, 7, KR_LOGITS_ALL, lg, err) == KR_OK, "%s", err);
         double worst = 0;
         for (int j = 0; j < n_pos; j++)
-            worst = fmax(worst, max_diff(lg + (size_t)positions[j] * vocab, ref_logits + (size_t)j * vocab, vocab));
+            worst = kt_worst(worst, max_diff(lg + (size_t)positions[j] * vocab, ref_logits + (size_t)j * vocab, vocab));
         memcpy(lg, lg + (size_t)(n - 1) * vocab, sizeof(float) * vocab);
         for (int step = 0; step < n_greedy; step++) {
-            worst = fmax(worst, max_diff(lg, ref_greedy + (size_t)step * vocab, vocab));
+            worst = kt_worst(worst, max_diff(lg, ref_greedy + (size_t)step * vocab, vocab));
             CHECK(argmax(lg, vocab) == tokens[step], "%s/%s %s: greedy step %d", model, name,
                   kr_policy_spec(r->policy), step);
             if (step + 1 < n_greedy)
@@ -92,7 +92,7 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     float *all = prefill_all(r, prompt, n, n);
     for (int j = 0; j < n_pos; j++) {
         double d = max_diff(all + (size_t)positions[j] * vocab, ref_logits + (size_t)j * vocab, vocab);
-        worst_ref = d > worst_ref ? d : worst_ref;
+        worst_ref = kt_worst(worst_ref, d);
         CHECK(d <= TOL_REF, "%s/%s: position %d max |diff| %.3g > %.1g", model, name, positions[j], d, TOL_REF);
     }
     /* 2. chunked prefill equals one-shot */
@@ -100,7 +100,7 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     for (int k = 0; k < 3; k++) {
         float *ch = prefill_all(r, prompt, n, chunks[k]);
         double d = max_diff(ch, all, n * vocab);
-        worst_chunk = d > worst_chunk ? d : worst_chunk;
+        worst_chunk = kt_worst(worst_chunk, d);
         CHECK(d <= TOL_CHUNK, "%s/%s: chunk %d differs from one-shot by %.3g", model, name, chunks[k], d);
         free(ch);
     }
@@ -111,7 +111,7 @@ static void check_case(run *r, const char *model, const cJSON *c, const float *r
     REQUIRE(kr_prefill(r->ctx, s, prompt, n, 0, KR_LOGITS_LAST, lg, err) == KR_OK, "%s", err);
     for (int step = 0; step < n_greedy; step++) {
         double d = max_diff(lg, ref_greedy + (size_t)step * vocab, vocab);
-        worst_ref = d > worst_ref ? d : worst_ref;
+        worst_ref = kt_worst(worst_ref, d);
         CHECK(d <= TOL_REF, "%s/%s: greedy step %d logits max |diff| %.3g", model, name, step, d);
         int tok = argmax(lg, vocab);
         CHECK(tok == tokens[step], "%s/%s: greedy step %d token %d, expected %d", model, name, step, tok, tokens[step]);

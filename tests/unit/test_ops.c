@@ -57,7 +57,7 @@ static void check_matmul(kr_backend *b, kr_dtype dt, int in, int out, int n, int
             double r = (accumulate ? y0[t * out + o] : 0) + (bias ? bv[o] : 0);
             for (int i = 0; i < in; i++) r += (double)x[t * in + i] * wf[(size_t)o * in + i];
             double e = fabs(r - y[t * out + o]);
-            worst = e > worst || e != e ? e : worst;
+            worst = kt_worst(worst, e);
         }
     CHECK(worst < 2e-5 * sqrt((double)in), "matmul %s in %d out %d n %d bias %d acc %d: err %.3g",
           kr_dtype_name(dt), in, out, n, bias, accumulate, worst);
@@ -103,7 +103,7 @@ static void check_attention(kr_backend *b, int heads, int kv_heads, int hd, int 
                 for (int j = 0; j <= p; j++)
                     if (!(window > 0 && j <= p - window)) r += sc[j] / z * v[((size_t)j * kv_heads + g) * hd + e];
                 double err2 = fabs(r - out[((size_t)t * heads + h) * hd + e]);
-                worst = err2 > worst || err2 != err2 ? err2 : worst;
+                worst = kt_worst(worst, err2);
             }
         }
     CHECK(worst < 1e-5, "attention heads %d/%d hd %d len %d n %d window %d bs %d: err %.3g", heads,
@@ -139,14 +139,14 @@ int main(void)
         double ss = 0;
         for (int i = 0; i < 96; i++) ss += (double)x[t * 96 + i] * x[t * 96 + i];
         for (int i = 0; i < 96; i++)
-            worst = fmax(worst, fabs(w[i] * x[t * 96 + i] / sqrt(ss / 96 + 1e-5) - y[t * 96 + i]));
+            worst = kt_worst(worst, fabs(w[i] * x[t * 96 + i] / sqrt(ss / 96 + 1e-5) - y[t * 96 + i]));
     }
     CHECK(worst < 1e-5, "rmsnorm err %.3g", worst);
     float g[300], u[300], g0[300];
     for (int i = 0; i < 300; i++) g[i] = g0[i] = frand() * 8, u[i] = frand();
     kr_cpu_backend.swiglu(b, g, u, 300);
     worst = 0;
-    for (int i = 0; i < 300; i++) worst = fmax(worst, fabs(g0[i] / (1 + exp(-g0[i])) * u[i] - g[i]));
+    for (int i = 0; i < 300; i++) worst = kt_worst(worst, fabs(g0[i] / (1 + exp(-g0[i])) * u[i] - g[i]));
     CHECK(worst < 1e-5, "swiglu err %.3g", worst);
     float r[2 * 3 * 8], r0[2 * 3 * 8], cs[2 * 4 * 2];
     for (int i = 0; i < 48; i++) r[i] = r0[i] = frand();
@@ -158,8 +158,8 @@ int main(void)
         for (int h = 0; h < 3; h++)
             for (int i = 0; i < 4; i++) { /* rotate-half: pair (i, i + 4) */
                 double a = 0.3 * (t + 1) * (i + 1), x1 = r0[(t * 3 + h) * 8 + i], x2 = r0[(t * 3 + h) * 8 + i + 4];
-                worst = fmax(worst, fabs(x1 * cos(a) - x2 * sin(a) - r[(t * 3 + h) * 8 + i]));
-                worst = fmax(worst, fabs(x2 * cos(a) + x1 * sin(a) - r[(t * 3 + h) * 8 + i + 4]));
+                worst = kt_worst(worst, fabs(x1 * cos(a) - x2 * sin(a) - r[(t * 3 + h) * 8 + i]));
+                worst = kt_worst(worst, fabs(x2 * cos(a) + x1 * sin(a) - r[(t * 3 + h) * 8 + i + 4]));
             }
     CHECK(worst < 1e-6, "rope err %.3g", worst);
 
@@ -172,7 +172,7 @@ int main(void)
     for (int i = 0; i < 4096; i++) {
         double ref = exp((double)e_in[i]);
         ref_sum += ref;
-        worst = fmax(worst, fabs(e[i] - ref) / ref);
+        worst = kt_worst(worst, fabs(e[i] - ref) / ref);
     }
     CHECK(worst < 5e-7, "exp relative err %.3g", worst);
     CHECK(fabs(sum - ref_sum) / ref_sum < 1e-6, "exp sum %.9g vs %.9g", sum, ref_sum);
