@@ -21,7 +21,7 @@
 #       stopped: requests keep succeeding; restarted: the router sees changes again.
 # After each scenario every live decode node's used + reserved KV blocks return to 0. The
 # detect/recover times are printed (docs/failures.md quotes them); none is asserted except the
-# 5 s bound the issue sets for (a), with slack for the sanitizer build.
+# 5 s detection bound docs/failures.md promises for (a), with slack for the sanitizer build.
 # Run: ctest -R failures, or KR_BIN=build KR_SRC=. KR_FIXTURES=tests/fixtures bash tests/integration/failures.sh
 set -uo pipefail
 

@@ -16,7 +16,7 @@
  *     (RESOURCE_EXHAUSTED), bad Reserve fields (INVALID_ARGUMENT naming them), a bundle for
  *     another model (FAILED_PRECONDITION naming both fingerprints), garbage bytes on all four
  *     RPCs (INVALID_ARGUMENT), after all of which the node still serves;
- *   - issue 5: a node killed with SIGKILL and restarted on the same ports serves the same
+ *   - a node killed with SIGKILL and restarted on the same ports serves the same
  *     sender again; SIGTERM drains (running and reserved work finishes with one-process tokens,
  *     new Reserves UNAVAILABLE "draining", health NOT_SERVING, Status DRAINING, exit 0); an
  *     endless stream is cut UNAVAILABLE by --drain-timeout-s or by a second SIGTERM.
@@ -899,7 +899,7 @@ static void check_stream(kc_stream *s, const request *rq, const char *what)
           rq->n_want, same ? "equal" : "different");
 }
 
-/* Issue 5: a decode node killed with SIGKILL and started again on the same gRPC and UCX
+/* A decode node killed with SIGKILL and started again on the same gRPC and UCX
  * ports serves a sender (this test's transport, standing for a prefill node) that had sent
  * bundles to the old process: the transport drops the dead endpoint and makes a new one. */
 static void test_restart(engine *e, node *nd, const char *bin, const char *model)
@@ -931,7 +931,7 @@ static void test_restart(engine *e, node *nd, const char *bin, const char *model
     CHECK(idle(nd), "after the restart: every block back");
 }
 
-/* Issue 5: SIGTERM drains. A stream running at the signal and a reservation whose Decode
+/* SIGTERM drains. A stream running at the signal and a reservation whose Decode
  * comes after it are decoded to their end (same tokens as one process); a new Reserve is
  * refused UNAVAILABLE "draining"; health says NOT_SERVING, /healthz 503 "draining", Status
  * DRAINING; then the node exits 0 by itself. */

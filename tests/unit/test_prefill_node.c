@@ -14,7 +14,7 @@
  * that passes in the queue, made deterministic by a transfer address that accepts TCP but never
  * speaks UCX (the worker is stuck in its send until the test closes it) and by polling Status;
  * garbage bytes; gRPC health and /metrics; SIGTERM -> exit 0, idle and with a call in flight;
- * the SIGTERM drain (issue 5): new calls UNAVAILABLE "draining", health NOT_SERVING, Status
+ * the SIGTERM drain: new calls UNAVAILABLE "draining", health NOT_SERVING, Status
  * DRAINING, the queued job runs to its end, or ends UNAVAILABLE at --drain-timeout-s.
  * Run: ctest -R test_prefill_node (a few seconds under the sanitizers). Exit 77 (SKIPPED) when
  * kvrelay-prefill is not built, a fixture model is missing, or UCX cannot listen on loopback.
@@ -1019,7 +1019,7 @@ static double metric(const char *http, const char *series)
     return v;
 }
 
-/* Issue 5: SIGTERM drains. A runs (stuck in its send to the blocker) and Q waits behind it when
+/* SIGTERM drains. A runs (stuck in its send to the blocker) and Q waits behind it when
  * the signal comes; the node says DRAINING (Status), 503 "draining" (/healthz), NOT_SERVING
  * (grpc.health.v1) and refuses a new call UNAVAILABLE "draining". Without a timeout
  * (timeout == 0): closing the blocker ends A, Q runs and is checked against the reference,
