@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# sim-validate.sh - tools/kvrelay-sim against real runs on this machine (docs/simulator.md,
+# "Validation"): the same workload through a real cluster (kvrelay-bench-serve) and through the
+# simulator (the same flags and seed, so the same arrivals and lengths), 1 prefill + 1 decode
+# and 2 + 2 nodes with 1 thread each, at two moderate Poisson rates. Writes a table of TTFT and
+# TPOT p50 / p90, goodput and throughput, real against simulated with the relative error, a plot,
+# and every summary JSON. Not a test (real timings on a shared machine are noisy; the load
+# average is recorded); tests/integration/simulator.sh re-simulates the committed 1 + 1 runs.
+#
+#   bench/experiments/sim-validate.sh [--bin DIR] [--quick] [--out DIR] [--profile FILE]
+#
+# --bin DIR: built programs (default build/). --quick: 10 s per rate instead of 20 (about 2
+# minutes in all instead of 3). --out DIR: where results go (default bench/results/sim-validate/):
+# table.md, sim-validate.png, real-P1-D1.json, sim-P1-D1.json, ... and the clusters' logs.
+# --profile FILE: the simulator's profile (default tools/sim-profiles/this-machine.json).
+#
+# Requests: prompts uniform in 256..768 tokens, 128 output tokens, policy full, default chunk
+# (512) and pool (1 GiB). SLO: TTFT <= 500 ms and TPOT <= 10 ms (as pd-ratio.sh).
+set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+PROFILE=$EXP_HERE/tools/sim-profiles/this-machine.json
+args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --profile) [ $# -ge 2 ] || { echo "sim-validate: --profile needs a file" >&2; exit 2; }
+      PROFILE=$2; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+[ -f "$PROFILE" ] || { echo "sim-validate: --profile $PROFILE: no such file" >&2; exit 2; }
+exp_parse sim-validate "${args[@]+"${args[@]}"}"
+
+LAYOUTS=("1 1" "2 2")
+RATES=8,16 WARMUP=5 SLO=ttft_ms=500,tpot_ms=10
+DURATION=20
+[ "$EXP_QUICK" = 1 ] && DURATION=10
+LOAD=(--rate "$RATES" --duration "$DURATION" --warmup "$WARMUP" --prompt-len 256:768 --output-len 128
+  --policy full --slo "$SLO" --seed 1)
+machine=$(exp_machine)
+
+for layout in "${LAYOUTS[@]}"; do
+  read -r np nd <<<"$layout"
+  tag=P$np-D$nd
+  exp_cluster_start "$tag" "$np" "$nd" --threads 1
+  "$EXP_BENCH" --target "$KRC_ROUTER" "${LOAD[@]}" --timeout 120 --json "$EXP_OUT/real-$tag.json" \
+    --no-progress >"$EXP_OUT/logs/real-$tag.txt"
+  exp_cluster_stop
+  "$EXP_PY" "$EXP_HERE/tools/kvrelay-sim" run --profile "$PROFILE" --prefill "$np" --decode "$nd" \
+    "${LOAD[@]}" --json "$EXP_OUT/sim-$tag.json" --no-progress >"$EXP_OUT/logs/sim-$tag.txt"
+done
+echo "$machine, load average $(cut -d' ' -f1-3 /proc/loadavg) at the end" >"$EXP_OUT/machine.txt"
+
+"$EXP_PY" - "$EXP_OUT" "$(cat "$EXP_OUT/machine.txt")" "$PROFILE" "$EXP_HERE/tools/kvrelay-sim" <<'PY'
+import importlib.machinery, importlib.util, json, os, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from plots import save_png
+
+out, machine, profile, tool = sys.argv[1:5]
+loader = importlib.machinery.SourceFileLoader("kvrelay_sim", tool)  # its compare_runs: one comparison
+sim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+loader.exec_module(sim)
+lines = ["Machine: %s. Profile `%s`. Prompts 256..768 tokens (uniform), 128 output tokens, policy full, "
+         "1 thread per node, Poisson arrivals; SLO TTFT <= 500 ms, TPOT <= 10 ms." % (machine, os.path.basename(profile)),
+         "", "| P+D | rate | metric | real | simulated | error |", "|---|---|---|---|---|---|"]
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+worst = 0.0
+for tag in ("P1-D1", "P2-D2"):
+    real = json.load(open(os.path.join(out, "real-%s.json" % tag)))
+    simd = json.load(open(os.path.join(out, "sim-%s.json" % tag)))
+    label = tag[1:].replace("-D", "+")
+    for run, metric, a, b, err in sim.compare_runs(real, simd):
+        worst = max(worst, err)
+        lines.append("| %s | %s | %s | %.2f | %.2f | %.1f%% |" % (label, run.split()[1], metric, a, b, 100 * err))
+    for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
+        for d, style, who in ((real, "o-", "real"), (simd, "s--", "sim")):
+            rates = [r["mode"]["rate"] for r in d["runs"]]
+            for q, c in (("p50", "C0" if tag == "P1-D1" else "C1"), ("p90", "C2" if tag == "P1-D1" else "C3")):
+                ax.plot(rates, [r["summary"][key][q] for r in d["runs"]], style, color=c, ms=4,
+                        label="%s %s %s" % (label, q, who))
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel(key.replace("_ms", " (ms)").upper())
+        ax.grid(alpha=0.3)
+axes[0].legend(fontsize=6, ncol=2)
+fig.suptitle("kvrelay-sim against real runs (solid: real, dashed: simulated)", fontsize=9)
+fig.tight_layout()
+save_png(fig, os.path.join(out, "sim-validate.png"))
+lines.append("")
+lines.append("Worst relative error: %.1f%%." % (100 * worst))
+open(os.path.join(out, "table.md"), "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
+echo "sim-validate: results in $EXP_OUT (table.md, sim-validate.png, real-*.json, sim-*.json)" >&2
