@@ -10,8 +10,9 @@
  * (the paper's eq. 4), so generation can run past the model's maximum position.
  *
  * heads: FILE is the TSV DuoAttention and PruLong publish (one row per layer, one column per KV
- * head, gate values). Values are clipped to [0, 1]; the threshold is numpy's default (linear)
- * quantile of all values at `sparsity`; heads with a value >= it stay dense, the others stream.
+ * head, gate values). Values are clipped to [0, 1]; DuoAttention's rule: sparsity s makes the
+ * round(s * n) heads with the lowest gates (of all n KV heads of the model) streaming, the
+ * others dense: every head streams at s = 1, none at s = 0.
  * A streaming head's chunk queries see sinks + window + the chunk causally; the head is trimmed
  * to sinks + window after each chunk and after each decode step.
  */
@@ -190,12 +191,6 @@ static int heads_set(kr_policy *p, const char *key, const char *value, char *err
     return kr_errf(err, "policy: heads has no key '%s' (keys: pattern, sparsity, sink, window, decode)", key);
 }
 
-static int cmp_float(const void *a, const void *b)
-{
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
 /* Reads the gate TSV: n_layers rows of n_kv_heads values (tabs or spaces), clipped to [0, 1]. */
 int kr_heads_read_pattern(const char *path, int n_layers, int n_kv_heads, float *gates, char *err)
 {
@@ -241,14 +236,11 @@ int kr_heads_read_pattern(const char *path, int n_layers, int n_kv_heads, float 
     return rc;
 }
 
-/* numpy.quantile(values, q) with the default linear interpolation */
-float kr_quantile(const float *values, int n, float q, float *sorted)
+void kr_heads_choose_dense(const float *gates, int n, float sparsity, uint8_t *dense)
 {
-    memcpy(sorted, values, sizeof(float) * (size_t)n);
-    qsort(sorted, (size_t)n, sizeof(float), cmp_float);
-    double at = (double)q * (n - 1);
-    int lo = (int)floor(at), hi = lo + 1 < n ? lo + 1 : lo;
-    return (float)(sorted[lo] + (at - lo) * (sorted[hi] - sorted[lo]));
+    const int n_stream = (int)floor((double)sparsity * n + 0.5);
+    /* the n - n_stream highest gates over all heads, as one row (ties: lower index dense) */
+    kr_hsft_choose_dense(gates, 1, n, n - n_stream, dense);
 }
 
 static int heads_finish(kr_policy *p, const kr_config *cfg, char *err)
@@ -256,7 +248,7 @@ static int heads_finish(kr_policy *p, const kr_config *cfg, char *err)
     heads_params *hp = p->params;
     if (!hp->pattern[0]) return kr_errf(err, "policy: heads needs pattern=FILE (the gate TSV)");
     int n = cfg->n_layers * cfg->n_kv_heads;
-    float *gates = malloc(sizeof(float) * 2 * (size_t)n);
+    float *gates = malloc(sizeof(float) * (size_t)n);
     hp->dense = malloc((size_t)n);
     if (!gates || !hp->dense) {
         free(gates);
@@ -266,8 +258,7 @@ static int heads_finish(kr_policy *p, const kr_config *cfg, char *err)
         free(gates);
         return -1;
     }
-    float threshold = kr_quantile(gates, n, hp->sparsity, gates + n);
-    for (int i = 0; i < n; i++) hp->dense[i] = gates[i] >= threshold;
+    kr_heads_choose_dense(gates, n, hp->sparsity, hp->dense);
     free(gates);
     kr_policy_spec_add(p, "pattern", "%s", hp->pattern);
     kr_policy_spec_add(p, "sparsity", "%g", hp->sparsity);

@@ -130,10 +130,11 @@ int kr_streaming_target(int L, int S, int W, int R, int slack, int max_drop);
  * (policy-snapkv.c). */
 int kr_pyramid_budget(int C, int W, int L, int layer, int n);
 
-/* The heads policy's pieces, for tests: the gate TSV (clipped to [0, 1]) and numpy's default
- * linear quantile (sorted: scratch of n). */
+/* The heads policy's pieces, for tests: the gate TSV (clipped to [0, 1]); which of the n heads
+ * (all layers' KV heads, gates[n]) stay dense at `sparsity`: round(sparsity * n) heads with
+ * the lowest gates stream, the others are dense (dense[i] = 1; ties: the lower index dense). */
 int kr_heads_read_pattern(const char *path, int n_layers, int n_kv_heads, float *gates, char *err);
-float kr_quantile(const float *values, int n, float q, float *sorted);
+void kr_heads_choose_dense(const float *gates, int n, float sparsity, uint8_t *dense);
 
 /* The hsft policy's pieces, for tests (policy-hsft.c): the learned-windows file (one positive
  * integer per layer line, tokens); the dense heads of each layer (the n_dense highest gates,

@@ -4,7 +4,7 @@
  * Pruning's Algorithm 1 on its edges and the paper's worked example; what survives in every
  * list after a real chunked prefill and decode (llama3-tiny: 4 layers, 8 query / 2 KV heads);
  * the KV footprint against the closed forms of PruLong's evaluation; the heads gate file and
- * numpy's quantile; SAGE-KV's selection against a recomputation of the last token's attention
+ * DuoAttention's sparsity rule at both ends and in between; SAGE-KV's selection against a recomputation of the last token's attention
  * in double; pos=rel against a from-scratch recomputation at the re-assigned positions.
  */
 #include "kr_test.h"
@@ -219,16 +219,9 @@ static void test_streaming(rig *r)
     kr_policy_free(p);
 }
 
-static void test_quantile_and_pattern(const kr_config *cfg)
+static void test_pattern(const kr_config *cfg)
 {
     char err[KR_ERR_MAX], path[512];
-    float v[5] = {0.1f, 0.9f, 0.5f, 0.3f, 0.7f}, sorted[5];
-    /* numpy.quantile([.1 .9 .5 .3 .7], q): q=0.5 -> 0.5; q=0.3 -> 0.1 + 1.2*0.2... sorted .1 .3 .5 .7 .9,
-     * position 0.3*4 = 1.2 -> 0.3 + 0.2*0.2 = 0.34 */
-    CHECK(fabsf(kr_quantile(v, 5, 0.5f, sorted) - 0.5f) < 1e-6f, "median");
-    CHECK(fabsf(kr_quantile(v, 5, 0.3f, sorted) - 0.34f) < 1e-6f, "q 0.3: %g", kr_quantile(v, 5, 0.3f, sorted));
-    CHECK(kr_quantile(v, 5, 0.0f, sorted) == 0.1f && kr_quantile(v, 5, 1.0f, sorted) == 0.9f, "ends");
-
     snprintf(path, sizeof path, "%s/gates.tsv", tmp);
     float gates[8];
     FILE *f = fopen(path, "w");
@@ -247,6 +240,45 @@ static void test_quantile_and_pattern(const kr_config *cfg)
     CHECK_ERR_HAS(err, "row 1, column 2 is not a number");
 }
 
+/* DuoAttention's sparsity rule: round(s * n) heads with the lowest gates stream, the others are
+ * dense; at s = 1 every head streams (a quantile taken with >= kept the highest gate dense), at
+ * s = 0 none does; in between the count is round(s * n), not what a quantile threshold gives
+ * (0.3 of 8 distinct gates: round(2.4) = 2 streaming, where >= quantile 0.3 makes 3), and ties
+ * keep the lower head dense. Checked through the policy's list windows (-1: dense). */
+static void test_heads_sparsity(const kr_config *cfg)
+{
+    char path[512], spec[700];
+    snprintf(path, sizeof path, "%s/sparsity.tsv", tmp);
+    FILE *f = fopen(path, "w");
+    fprintf(f, "0.9\t0.1\n0.2\t0.8\n0.5\t0.3\n0.4\t0.7\n"); /* ascending: heads 1 2 5 6 4 7 3 0 */
+    fclose(f);
+    const struct {
+        float sparsity;
+        int streaming[8];
+    } cases[] = {
+        {1.0f, {1, 1, 1, 1, 1, 1, 1, 1}},
+        {0.0f, {0, 0, 0, 0, 0, 0, 0, 0}},
+        {0.3f, {0, 1, 1, 0, 0, 0, 0, 0}},
+        {0.5f, {0, 1, 1, 0, 0, 1, 1, 0}},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        snprintf(spec, sizeof spec, "heads:pattern=%s,sparsity=%g,sink=3,window=8", path,
+                 (double)cases[c].sparsity);
+        kr_policy *p = parse_ok(spec, cfg);
+        for (int i = 0; i < 8; i++) {
+            int w = kr_policy_list_window(p, i / 2, i % 2), want = cases[c].streaming[i] ? 8 : -1;
+            CHECK(w == want, "sparsity %g: list (%d, %d) window %d, expected %d", (double)cases[c].sparsity,
+                  i / 2, i % 2, w, want);
+        }
+        kr_policy_free(p);
+    }
+    const float tied[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    uint8_t dense[4];
+    kr_heads_choose_dense(tied, 4, 0.5f, dense);
+    CHECK(dense[0] == 1 && dense[1] == 1 && dense[2] == 0 && dense[3] == 0, "ties: %d %d %d %d", dense[0], dense[1],
+          dense[2], dense[3]);
+}
+
 /* heads: a pattern making some heads streaming; streaming heads keep sinks + window, dense heads
  * everything; footprint = closed form for streaming heads + causal for dense ones */
 static void test_heads(rig *r)
@@ -254,8 +286,8 @@ static void test_heads(rig *r)
     char path[512], spec[700], got[4096], want[4096];
     snprintf(path, sizeof path, "%s/llama3.tsv", tmp);
     FILE *f = fopen(path, "w");
-    /* 4 layers x 2 KV heads; sparsity 0.5 -> threshold = quantile 0.5 of these 8 = 0.45:
-     * dense: the four values >= 0.45 */
+    /* 4 layers x 2 KV heads; sparsity 0.5: the four lowest gates stream, the four highest
+     * (0.9, 0.8, 0.5, 0.7) stay dense */
     fprintf(f, "0.9\t0.1\n0.2\t0.8\n0.5\t0.3\n0.4\t0.7\n");
     fclose(f);
     snprintf(spec, sizeof spec, "heads:pattern=%s,sparsity=0.5,sink=3,window=8", path);
@@ -441,7 +473,8 @@ int main(void)
     test_parse(r.cfg);
     test_algorithm1();
     test_streaming(&r);
-    test_quantile_and_pattern(r.cfg);
+    test_pattern(r.cfg);
+    test_heads_sparsity(r.cfg);
     test_heads(&r);
     test_sage(&r);
     test_sage_selection();

@@ -348,16 +348,17 @@ static void check_windows(const kr_model *m)
     }
     CHECK(kr_policy_list_window(NULL, 0, 0) == -1, "no policy: dense");
 
-    /* heads: dense where the gate reaches numpy's median of all gates */
-    float all[64], sorted[64];
+    /* heads: the half of the lists with the highest gates dense (DuoAttention's sparsity rule) */
+    float all[64];
+    uint8_t is_dense[64];
     for (int l = 0; l < L; l++)
         for (int g = 0; g < H; g++) all[l * H + g] = gate_of(l, g);
-    float threshold = kr_quantile(all, L * H, 0.5f, sorted);
+    kr_heads_choose_dense(all, L * H, 0.5f, is_dense);
     kr_policy *p = parse("heads:pattern={g},sparsity=0.5,sink=2,window=8", cfg);
     int dense = 0;
     for (int l = 0; l < L; l++)
         for (int g = 0; g < H; g++) {
-            int want = all[l * H + g] >= threshold ? -1 : 8;
+            int want = is_dense[l * H + g] ? -1 : 8;
             dense += want < 0;
             CHECK(kr_policy_list_window(p, l, g) == want, "heads: list (%d, %d) window %d, expected %d", l, g,
                   kr_policy_list_window(p, l, g), want);
