@@ -1,5 +1,5 @@
 /*
- * policy-snapkv.c - SnapKV and PyramidKV adapted to chunked prefill (*Cache Me If You Can* §3):
+ * policy-snapkv.c - SnapKV adapted to chunked prefill (*Cache Me If You Can* §3):
  * after every prefill chunk, per (layer, KV head), the attention of the observer queries over
  * the cached keys (summed over the observers, averaged over the GQA group's query heads: one
  * kept set per KV head, the paper's GQA fix) is pooled with a 1-D kernel and the top entries
@@ -12,12 +12,11 @@
  *   ratio=p       only the chunk's new entries compete: the chunk keeps c = round((1-p) n)
  *                 selected entries (n = its real tokens, halves round up) plus the real
  *                 observers' window, at most n: naive adds min(c + k, n) per chunk (the closed
- *                 form of the issue / PruLong's evaluation); older entries are untouched.
+ *                 form of PruLong's evaluation); older entries are untouched.
  *   budget=B      everything cached is re-scored and each list keeps B real entries, the
  *                 window included (SnapKV's max_capacity_prompt includes its window).
- * pyramidkv spreads the same total over the layers with PyramidKV's schedule
- * (kr_pyramid_budget); with ratio=p it is applied per chunk with C = c + k, which is what
- * PruLong's evaluation passes to PyramidKVCluster (capacity_override).
+ * PyramidKV (policy-pyramid.c) runs this same code with a per-layer budget schedule; the ops
+ * below are shared with it, and `pyramid` in the parameters selects the schedule.
  *
  * Not here: per-query-head selection (the replication the paper removes), merging of evicted
  * entries, and SnapKV's softmax over the chunk's keys only (PruLong's reference compresses each
@@ -30,10 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { SNAP_BETA = 20 }; /* PyramidKV's beta (PyramidKVCluster default, the paper's setting) */
-
 typedef struct snap_params {
-    int pyramid; /* 0 snapkv, 1 pyramidkv */
+    int pyramid; /* 0 snapkv, 1 pyramidkv (kr_pyramid_budget's schedule) */
     int patched;
     int obs; /* k: observers and window */
     int kernel; /* odd pooling kernel */
@@ -46,7 +43,7 @@ typedef struct snap_params {
  * defaults in both reference repositories (FasterDecoding/SnapKV snapkv_utils.py,
  * Zefan-Cai/PyramidKV pyramidkv_utils.py); 64 is also the paper's "last 64 input tokens"
  * (Table 5: window and patch amount 64). Patched is the paper's recommended variant. */
-static int snap_init_common(kr_policy *p, int pyramid, char *err)
+int kr_snap_init(kr_policy *p, int pyramid, char *err)
 {
     snap_params *sp = calloc(1, sizeof *sp);
     if (!sp) return kr_errf(err, "policy: out of memory");
@@ -62,15 +59,10 @@ static int snap_init_common(kr_policy *p, int pyramid, char *err)
 
 static int snapkv_init(kr_policy *p, char *err)
 {
-    return snap_init_common(p, 0, err);
+    return kr_snap_init(p, 0, err);
 }
 
-static int pyramidkv_init(kr_policy *p, char *err)
-{
-    return snap_init_common(p, 1, err);
-}
-
-static int snap_set(kr_policy *p, const char *key, const char *value, char *err)
+int kr_snap_set(kr_policy *p, const char *key, const char *value, char *err)
 {
     snap_params *sp = p->params;
     int handled;
@@ -107,7 +99,7 @@ static int snap_set(kr_policy *p, const char *key, const char *value, char *err)
                    p->ops->name, key);
 }
 
-static int snap_finish(kr_policy *p, const kr_config *cfg, char *err)
+int kr_snap_finish(kr_policy *p, const kr_config *cfg, char *err)
 {
     snap_params *sp = p->params;
     const char *name = p->ops->name;
@@ -129,23 +121,10 @@ static int snap_finish(kr_policy *p, const kr_config *cfg, char *err)
     return KR_OK;
 }
 
-static int snap_appended(const kr_policy *p, int n_prompt)
+int kr_snap_appended(const kr_policy *p, int n_prompt)
 {
     const snap_params *sp = p->params;
     return sp->patched ? sp->obs : 0;
-}
-
-int kr_pyramid_budget(int C, int W, int L, int layer, int n)
-{
-    if (n <= C) return n; /* PyramidKV: q_len < max_capacity_prompt keeps everything */
-    if (n < 2 * (C - W)) return C; /* its middle branch: SnapKV's uniform C - W plus the window */
-    int lo = (C - W) / SNAP_BETA, hi = 2 * (C - W) - lo;
-    if (hi >= n - W) { /* clamped to the prompt: the first layer keeps it all */
-        hi = n - W;
-        lo = 2 * (C - W) - hi;
-    }
-    int steps = L > 1 ? (hi - lo) / (L - 1) : 0;
-    return hi - layer * steps + W;
 }
 
 /* Round half up of (1 - p) n: the entries a chunk of n tokens keeps besides its window. */
@@ -154,7 +133,7 @@ static int ratio_keep(double ratio, int n)
     return (int)floor((1.0 - ratio) * n + 0.5);
 }
 
-static void snap_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
+void kr_snap_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
                              int layer)
 {
     const snap_params *sp = p->params;
@@ -201,7 +180,7 @@ static void snap_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
 
 /* Reservation bound after prefill (every entry kept is pinned). ratio: the whole prompt (a
  * fraction of every chunk, unbounded by a constant); budget: B, or PyramidKV's first layer. */
-static int snap_max_entries(const kr_policy *p, int n_prompt, int n_generate)
+int kr_snap_max_entries(const kr_policy *p, int n_prompt, int n_generate)
 {
     const snap_params *sp = p->params;
     int after = n_prompt;
@@ -218,19 +197,9 @@ static int snap_max_entries(const kr_policy *p, int n_prompt, int n_generate)
 const kr_policy_ops kr_policy_snapkv = {
     .name = "snapkv",
     .init = snapkv_init,
-    .set = snap_set,
-    .finish = snap_finish,
-    .appended = snap_appended,
-    .after_chunk = snap_after_chunk,
-    .max_entries = snap_max_entries,
-};
-
-const kr_policy_ops kr_policy_pyramidkv = {
-    .name = "pyramidkv",
-    .init = pyramidkv_init,
-    .set = snap_set,
-    .finish = snap_finish,
-    .appended = snap_appended,
-    .after_chunk = snap_after_chunk,
-    .max_entries = snap_max_entries,
+    .set = kr_snap_set,
+    .finish = kr_snap_finish,
+    .appended = kr_snap_appended,
+    .after_chunk = kr_snap_after_chunk,
+    .max_entries = kr_snap_max_entries,
 };

@@ -122,12 +122,21 @@ void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_he
  * leave it alone (policy-streaming.c). */
 int kr_streaming_target(int L, int S, int W, int R, int slack, int max_drop);
 
+/* SnapKV's ops (policy-snapkv.c), which PyramidKV (policy-pyramid.c) shares: init with
+ * pyramid = 1 selects kr_pyramid_budget's per-layer schedule. */
+int kr_snap_init(kr_policy *p, int pyramid, char *err);
+int kr_snap_set(kr_policy *p, const char *key, const char *value, char *err);
+int kr_snap_finish(kr_policy *p, const kr_config *cfg, char *err);
+int kr_snap_appended(const kr_policy *p, int n_prompt);
+void kr_snap_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c, int layer);
+int kr_snap_max_entries(const kr_policy *p, int n_prompt, int n_generate);
+
 /* PyramidKV's per-layer allocation (pyramidkv_utils.py, PyramidKVCluster.update_kv): how many
  * of n entries layer `layer` of L keeps, its observation window of W included, for a budget of
  * C per layer (window included, C > W). n <= C: all n; n < 2(C-W): C; otherwise, with
  * beta = 20, min = (C-W)//beta and max = 2(C-W) - min, clamped to max = n - W (then
  * min = 2(C-W) - max), steps = (max-min)//(L-1), layer l keeps max - l*steps + W
- * (policy-snapkv.c). */
+ * (policy-pyramid.c). */
 int kr_pyramid_budget(int C, int W, int L, int layer, int n);
 
 /* The heads policy's pieces, for tests: the gate TSV (clipped to [0, 1]); which of the n heads
