@@ -26,7 +26,8 @@
  *   lists hold the same positions: they are always pruned together). Layers >= W pick their own.
  *   Only layers >= W - 1 score, so only they hold an accumulated probe (the paper's appendix B
  *   counts scoring FLOPs on those layers only).
- * - Kept entries become the pinned set; decode grows by default (issue 3: the paper's decode).
+ * - Kept entries become the pinned set; decode grows by default, as in the paper, which evicts
+ *   during prefill only.
  *
  * Limits: when the final chunk is shorter than p, only its own rows observe in that chunk (the
  * accumulated rows of probe tokens already cached are not used there). The accumulated probe is
