@@ -5,7 +5,8 @@
  * client's deadline: STACK.md), reads requests, and completes sends and statuses. Handlers run on
  * a thread per call, so one slow handler never holds up the queue or another call; the server's
  * auth hook (kc_server_set_auth), when set, runs on that thread first.
- * Not here: client-streaming or bidi methods, thread pools, TLS. Test: ctest -R test_grpc.
+ * TLS: the server credentials come from rpc-tls.c when cfg->tls turns it on.
+ * Not here: client-streaming or bidi methods, thread pools. Test: ctest -R test_grpc.
  *
  * Call lifetime: a kc_call holds a reference count under its mutex; each outstanding batch, the
  * handler thread and the "not yet finished" state hold one. The call (and its grpc_call) is freed
@@ -721,7 +722,13 @@ int kc_server_create(const char *addr, const kc_server_config *cfg, kc_server **
     srv->server = grpc_server_create(&cargs, NULL);
     srv->cq = grpc_completion_queue_create_for_next(NULL);
     grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    grpc_server_credentials *creds = kc_tls_enabled(cfg ? cfg->tls : NULL)
+                                         ? kc_tls_server_credentials(cfg->tls, st)
+                                         : grpc_insecure_server_credentials_create();
+    if (!creds) {
+        kc_server_destroy(srv);
+        return -1;
+    }
     int bound = grpc_server_add_http2_port(srv->server, addr, creds);
     grpc_server_credentials_release(creds);
     if (bound <= 0) {

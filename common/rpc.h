@@ -7,8 +7,10 @@
  * Also, for the etcd client (common/etcd.c): channels with TLS credentials, keepalive and a
  * short reconnect backoff, call metadata (etcd's auth token), bidirectional streams; and for the
  * router's API keys: a server-wide auth hook run before handlers, and reading request metadata.
- * Not here: server-side TLS, client-streaming calls, retries, load balancing (the request id
- * travels in the messages, not in metadata).
+ * TLS (rpc-tls.c): the --tls-* flags, their files checked at start-up, server and channel
+ * credentials (mutual TLS between the router and its nodes; docs/security.md).
+ * Not here: client-streaming calls, retries, load balancing (the request id travels in the
+ * messages, not in metadata).
  * Threads, ownership and cancellation are spelled out in docs/rpc.md. Test: ctest -R test_grpc.
  */
 #ifndef KC_RPC_H
@@ -52,9 +54,13 @@ void kc_message_free(ProtobufCMessage *msg);
 typedef struct kc_server kc_server;
 typedef struct kc_call kc_call; /* one server-side call; see the kc_call_* functions */
 
+typedef struct kc_tls_config kc_tls_config; /* see "TLS" below */
+
 typedef struct {
     size_t max_message_bytes; /* per message, each way; 0 = KC_MAX_MESSAGE_DEFAULT */
     int max_calls;            /* calls with a live handler; more get RESOURCE_EXHAUSTED; 0 = 1024 */
+    const kc_tls_config *tls; /* NULL or !kc_tls_enabled: plaintext; else TLS with these files,
+                               * asking clients for certificates as tls->client_auth says */
 } kc_server_config;
 
 /* A handler's return value: a grpc_status_code (OK, or an error whose details were given with
@@ -68,8 +74,9 @@ typedef struct {
 typedef int (*kc_handler)(kc_call *call, const ProtobufCMessage *req, void *user);
 
 /* Creates a server bound to `addr` ("127.0.0.1:0" = an ephemeral port, "[::]:50051", ...) with
- * insecure credentials; *port is the port bound. `cfg` may be NULL. Add methods, then start.
- * Returns 0, or -1 with `st` (UNAVAILABLE when the address cannot be bound). */
+ * insecure credentials, or TLS ones per cfg->tls; *port is the port bound. `cfg` may be NULL.
+ * Add methods, then start. Returns 0, or -1 with `st` (UNAVAILABLE when the address cannot be
+ * bound; INVALID_ARGUMENT naming the flag and file when the TLS files are not usable). */
 int kc_server_create(const char *addr, const kc_server_config *cfg, kc_server **out, int *port,
                      kc_status *st);
 /* Registers a method by its full path ("/kvrelay.v1.Decode/Reserve") before kc_server_start.
@@ -216,6 +223,64 @@ int kc_stream_next_within(kc_stream *s, const ProtobufCMessageDescriptor *desc,
 void kc_stream_cancel(kc_stream *s);
 /* Cancels the call if it has not ended, waits for its operations, frees. NULL is fine. */
 void kc_stream_close(kc_stream *s);
+
+/* ------------------------------------------------------------------ TLS (rpc-tls.c)
+ * PEM files given by flags. A server presents cert_file/key_file and, when it asks clients for a
+ * certificate, verifies it against ca_file; a client verifies the server's certificate (which
+ * must name the host it dials, e.g. an IP subjectAltName 127.0.0.1) against ca_file and presents
+ * cert_file/key_file when given. Files are read and checked when credentials are made: a
+ * missing or unreadable file, a key of another certificate, or a certificate that does not
+ * verify against ca_file is an INVALID_ARGUMENT naming the flag and the file. */
+
+typedef enum kc_tls_client_auth {
+    KC_TLS_CLIENT_AUTH_NONE = 0,    /* clients are not asked for a certificate */
+    KC_TLS_CLIENT_AUTH_REQUEST = 1, /* asked; one that is presented must verify against ca_file */
+    KC_TLS_CLIENT_AUTH_REQUIRE = 2, /* a client without a certificate from ca_file is refused */
+} kc_tls_client_auth;
+
+struct kc_tls_config {
+    const char *cert_file;          /* --tls-cert: this process's certificate (then its chain) */
+    const char *key_file;           /* --tls-key: its private key, unencrypted */
+    const char *ca_file;            /* --tls-ca: the CA bundle peers are verified against */
+    kc_tls_client_auth client_auth; /* servers; set from client_auth_arg by the flags' finish */
+    const char *client_auth_arg;    /* --tls-client-auth as given (NULL: not given) */
+};
+
+/* 1 when `cfg` turns TLS on (a certificate or a CA given). NULL is fine (0). */
+int kc_tls_enabled(const kc_tls_config *cfg);
+/* Server credentials: cert_file and key_file required; ca_file too unless client_auth is NONE.
+ * Call after grpc_init (any live kc_server or kc_channel holds it). Release with
+ * grpc_server_credentials_release. Returns NULL with `st` when the files are not usable. */
+grpc_server_credentials *kc_tls_server_credentials(const kc_tls_config *cfg, kc_status *st);
+/* Channel credentials: ca_file required; cert_file + key_file (both or neither) are presented
+ * to servers that ask. For kc_channel_opts.creds; release with
+ * grpc_channel_credentials_release. Returns NULL with `st` when the files are not usable. */
+grpc_channel_credentials *kc_tls_channel_credentials(const kc_tls_config *cfg, kc_status *st);
+
+/* The TLS flags every program takes, parsed in one place (as the etcd flags, etcd.h). */
+#define KC_TLS_FLAGS_HELP                                                                          \
+    "  --tls-cert FILE         TLS: this process's certificate (PEM; turns TLS on)\n"               \
+    "  --tls-key FILE          TLS: its private key (PEM, unencrypted)\n"                           \
+    "  --tls-ca FILE           TLS: the CA (PEM) peers' certificates must chain to\n"
+#define KC_TLS_CLIENT_AUTH_HELP                                                                    \
+    "  --tls-client-auth none|request|require\n"                                                   \
+    "                          public port: ask clients for a certificate from --tls-ca\n"         \
+    "                          (default none; the hops to nodes are always mutual TLS)\n"
+/* Who takes the flags: the router (server on its public port, mutual-TLS client of the nodes),
+ * a node (mutual-TLS server), a client (kvrelay-cli). */
+typedef enum kc_tls_role {
+    KC_TLS_ROLE_ROUTER = 0,
+    KC_TLS_ROLE_NODE = 1,
+    KC_TLS_ROLE_CLIENT = 2,
+} kc_tls_role;
+/* 1 when `flag` is one of --tls-cert, --tls-key, --tls-ca, --tls-client-auth (value `v` stored
+ * in *c), 0 otherwise. */
+int kc_tls_flag(kc_tls_config *c, const char *flag, const char *v);
+/* After parsing: checks the combination for `role` (router and nodes need all three files; only
+ * the router takes --tls-client-auth; nodes always require client certificates) and the files
+ * themselves by building the credentials once. Returns 0, or -1 with a message in err (256
+ * bytes) that names the flag and the file. */
+int kc_tls_flags_finish(kc_tls_config *c, kc_tls_role role, char *err);
 
 /* Sets st->code and formats st->details (truncated to fit). NULL st is fine. */
 void kc_status_set(kc_status *st, grpc_status_code code, const char *fmt, ...)

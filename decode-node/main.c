@@ -61,6 +61,7 @@ static void usage(FILE *f)
             "  --cluster NAME           etcd cluster name (default \"default\")\n"
             "  --lease-ttl S            etcd lease TTL in seconds (default 10, at least 2)\n"
             KC_ETCD_FLAGS_HELP
+            KC_TLS_FLAGS_HELP
             "  --backend cpu|cuda       compute backend (default cpu)\n"
             "  --log-level LEVEL        debug, info (default), warn, error\n"
             "  -h, --help               this help\n"
@@ -173,6 +174,7 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
         else if (!strcmp(a, "--cluster")) c->cluster = value(argc, argv, &i);
         else if (!strcmp(a, "--lease-ttl")) c->lease_ttl_s = (int)number(a, value(argc, argv, &i), 2, 3600);
         else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&c->etcd, a, value(argc, argv, &i))) continue;
+        else if (!strncmp(a, "--tls", 5) && kc_tls_flag(&c->tls, a, value(argc, argv, &i))) continue;
         else if (!strcmp(a, "--backend")) {
             const char *b = value(argc, argv, &i);
             if (!strcmp(b, "cpu")) c->backend = KR_BACKEND_CPU;
@@ -190,6 +192,8 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
         die("--id: '%s' must be 1 to 64 characters", c->id);
     char eerr[256];
     if (kc_etcd_flags_finish(&c->etcd, eerr) != 0)
+        die("%s", eerr);
+    if (kc_tls_flags_finish(&c->tls, KC_TLS_ROLE_NODE, eerr) != 0)
         die("%s", eerr);
     if (c->etcd.endpoints) { /* what registration would refuse later, refused before start-up */
         if (!kc_name_ok(c->cluster, 100))
@@ -415,7 +419,8 @@ int main(int argc, char **argv)
              kt_transport_port(n->transport));
 
     kc_status st;
-    if (kc_server_create(c->listen, NULL, &n->server, &gport, &st) != 0) {
+    const kc_server_config scfg = {.tls = &c->tls};
+    if (kc_server_create(c->listen, &scfg, &n->server, &gport, &st) != 0) {
         kc_error(NULL, "--listen %s: %s", c->listen, st.details);
         return 1;
     }

@@ -54,6 +54,7 @@ typedef struct dn_config {
     int ttl_ms; /* default reservation expiry */
     double drain_timeout_s; /* the longest a SIGTERM'd node waits for its work to end */
     kc_etcd_config etcd; /* etcd.endpoints NULL: no registration */
+    kc_tls_config tls; /* --tls-*: mutual TLS with the router; none given: plaintext */
     const char *cluster;
     int lease_ttl_s;
     kr_backend_kind backend;

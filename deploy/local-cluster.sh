@@ -16,6 +16,13 @@
 #                       --listen and --transfer of its old ports: the last flag wins), waits for
 #                       it to serve; its earlier log is kept as ID.log.N
 #
+# TLS (docs/security.md): when KRC_TLS_DIR is set, krc_start makes (with deploy/tls-certs.sh,
+# unless they exist) a CA in $KRC_TLS_DIR/ca.pem and one certificate per process, ID.pem +
+# ID.key, plus client.pem + client.key for clients, and gives every process --tls-cert, --tls-key
+# and --tls-ca: mutual TLS on every gRPC hop. KRC_TLS_CLIENT_AUTH (none, request, require) is
+# passed to the router as --tls-client-auth.
+#   krc_tls_args ID     prints the TLS flags of process ID (nothing when KRC_TLS_DIR is unset)
+#
 # Membership in etcd (docs/cluster.md): when KRC_ETCD is set (host:port, e.g. by
 # krc_etcd_start), krc_start gives every node --etcd KRC_ETCD --cluster KRC_CLUSTER (default
 # "local") and the router --etcd instead of --nodes when its --help offers --etcd.
@@ -80,23 +87,44 @@ krc_restart() {
 krc_addr() { sed -nE 's/.*serving grpc ([^ ]+) http.*/\1/p' "$KRC_DIR/$1.out" | head -n1; }
 krc_http() { sed -nE 's/.*serving grpc [^ ]+ http ([^ ]+).*/\1/p' "$KRC_DIR/$1.out" | head -n1; }
 
+krc_tls_args() {
+  [ -n "${KRC_TLS_DIR:-}" ] || return 0
+  printf '%s\n' --tls-cert "$KRC_TLS_DIR/$1.pem" --tls-key "$KRC_TLS_DIR/$1.key" --tls-ca "$KRC_TLS_DIR/ca.pem"
+}
+
+# The certificates krc_start's processes need (those not there yet) for NP prefill and ND decode
+# nodes.
+krc_tls_certs() {
+  local np=$1 nd=$2 i names=() n
+  for n in router client $(for ((i = 0; i < np; i++)); do echo "prefill-$i"; done) \
+    $(for ((i = 0; i < nd; i++)); do echo "decode-$i"; done); do
+    [ -f "$KRC_TLS_DIR/$n.pem" ] || names+=("$n")
+  done
+  [ ${#names[@]} -eq 0 ] || "$(dirname "${BASH_SOURCE[0]}")/tls-certs.sh" "$KRC_TLS_DIR" "${names[@]}"
+}
+
 krc_start() {
   local bin=$1 model=$2 np=$3 nd=$4 listen=$5; shift 5
   KRC_DIR=${KRC_DIR:-$(mktemp -d -t kvrelay-cluster.XXXXXX)}
   mkdir -p "$KRC_DIR"
-  local i id nodes="$KRC_DIR/nodes.json" dec=() pre=() reg=()
+  local i id nodes="$KRC_DIR/nodes.json" dec=() pre=() reg=() tls=()
   [ -z "${KRC_ETCD:-}" ] || reg=(--etcd "$KRC_ETCD" --cluster "${KRC_CLUSTER:-local}")
+  if [ -n "${KRC_TLS_DIR:-}" ]; then
+    krc_tls_certs "$np" "$nd" || { echo "kvrelay: could not make the TLS certificates in $KRC_TLS_DIR" >&2; return 1; }
+  fi
   # decode nodes first: prefill nodes and the router need nothing from them at start, but the
   # router's membership file lists their addresses
   for ((i = 0; i < nd; i++)); do
     id=decode-$i
+    mapfile -t tls < <(krc_tls_args "$id")
     krc_spawn "$id" "$bin/kvrelay-decode" --model "$model" --id "$id" --listen 127.0.0.1:0 \
-      --transfer 127.0.0.1:0 --http 127.0.0.1:0 "${reg[@]}" "${KRC_DECODE_ARGS[@]}" "$@"
+      --transfer 127.0.0.1:0 --http 127.0.0.1:0 "${reg[@]}" "${tls[@]}" "${KRC_DECODE_ARGS[@]}" "$@"
   done
   for ((i = 0; i < np; i++)); do
     id=prefill-$i
+    mapfile -t tls < <(krc_tls_args "$id")
     krc_spawn "$id" "$bin/kvrelay-prefill" --model "$model" --id "$id" --listen 127.0.0.1:0 \
-      --http 127.0.0.1:0 "${reg[@]}" "${KRC_PREFILL_ARGS[@]}" "$@"
+      --http 127.0.0.1:0 "${reg[@]}" "${tls[@]}" "${KRC_PREFILL_ARGS[@]}" "$@"
   done
   for ((i = 0; i < ${#KRC_IDS[@]}; i++)); do
     krc_wait_serving "${KRC_IDS[$i]}" "${KRC_PIDS[$i]}" >/dev/null || return 1
@@ -112,8 +140,10 @@ krc_start() {
   if [ -n "${KRC_ETCD:-}" ] && "$bin/kvrelay-router" --help 2>/dev/null | grep -q -- '--etcd'; then
     members=(--etcd "$KRC_ETCD" --cluster "${KRC_CLUSTER:-local}")
   fi
+  mapfile -t tls < <(krc_tls_args router)
+  [ -z "${KRC_TLS_DIR:-}" ] || [ -z "${KRC_TLS_CLIENT_AUTH:-}" ] || tls+=(--tls-client-auth "$KRC_TLS_CLIENT_AUTH")
   krc_spawn router "$bin/kvrelay-router" --model "$model" --id router "${members[@]}" \
-    --listen "$listen" --http 127.0.0.1:0 "${KRC_ROUTER_ARGS[@]}"
+    --listen "$listen" --http 127.0.0.1:0 "${tls[@]}" "${KRC_ROUTER_ARGS[@]}"
   krc_wait_serving router "${KRC_PIDS[-1]}" >/dev/null || return 1
   KRC_ROUTER=$(krc_addr router)
   KRC_ROUTER_HTTP=$(krc_http router)

@@ -63,6 +63,7 @@ static void usage(FILE *f)
             "  --cluster NAME          etcd cluster name (default \"default\")\n"
             "  --lease-ttl S           etcd lease TTL in seconds (default 10, at least 2)\n"
             KC_ETCD_FLAGS_HELP
+            KC_TLS_FLAGS_HELP
             "  --backend B             cpu (default) or cuda\n"
             "  --log-level L           debug, info (default), warn, error\n"
             "  -h, --help              this help\n",
@@ -171,6 +172,8 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             c->lease_ttl_s = (int)flag_long(a, flag_value(argc, argv, &i), 2, 3600);
         } else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&c->etcd, a, flag_value(argc, argv, &i))) {
             continue;
+        } else if (!strncmp(a, "--tls", 5) && kc_tls_flag(&c->tls, a, flag_value(argc, argv, &i))) {
+            continue;
         } else if (!strcmp(a, "--backend")) {
             const char *v = flag_value(argc, argv, &i);
             if (!strcmp(v, "cpu"))
@@ -195,6 +198,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     if (!strrchr(c->listen, ':')) die(2, "--listen: '%s' is not HOST:PORT", c->listen);
     char eerr[256];
     if (kc_etcd_flags_finish(&c->etcd, eerr) != 0) die(2, "%s", eerr);
+    if (kc_tls_flags_finish(&c->tls, KC_TLS_ROLE_NODE, eerr) != 0) die(2, "%s", eerr);
     if (c->etcd.endpoints) { /* what registration would refuse later, refused before start-up */
         if (!kc_name_ok(c->cluster, 100))
             die(2, "--cluster: '%s' is not 1 to 100 of [A-Za-z0-9._-]", c->cluster);
@@ -333,7 +337,8 @@ int main(int argc, char **argv)
     kc_server *srv;
     kc_status st;
     int grpc_port;
-    if (kc_server_create(cfg.listen, NULL, &srv, &grpc_port, &st) != 0)
+    const kc_server_config scfg = {.tls = &cfg.tls};
+    if (kc_server_create(cfg.listen, &scfg, &srv, &grpc_port, &st) != 0)
         die(1, "--listen %s: %s", cfg.listen, st.details);
     static const char *const services[] = {"kvrelay.v1.Prefill", NULL};
     if (pf_service_register(n, srv) != 0 || !(n->health = kc_health_register(srv, services)))

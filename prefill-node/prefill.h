@@ -45,6 +45,7 @@ typedef struct pf_config {
     double drain_timeout_s;    /* the longest a SIGTERM'd node waits for its jobs */
     const char *advertise;     /* host registered in etcd instead of the --listen host */
     kc_etcd_config etcd;       /* etcd.endpoints NULL: no registration */
+    kc_tls_config tls;         /* --tls-*: mutual TLS with the router; none given: plaintext */
     const char *cluster;
     int lease_ttl_s;
     kr_backend_kind backend;

@@ -3,7 +3,9 @@
  * (kvrelay.v1.Generation and kvrelay.v1.Admin): generate streams text to the terminal as it
  * arrives (or prints one JSON object), tokenize prints token ids, status prints the cluster's
  * nodes. It talks gRPC only; it loads no model. With --api-key (or KVRELAY_API_KEY) every call
- * carries "authorization: Bearer KEY". docs/cli.md is its manual.
+ * carries "authorization: Bearer KEY"; with --tls-ca (or KVRELAY_TLS_CA) it speaks TLS and checks
+ * the router's certificate, presenting --tls-cert/--tls-key when given. docs/cli.md is its
+ * manual.
  * Run: kvrelay-cli --router 127.0.0.1:7100 generate --prompt "The relay" --max-tokens 32
  */
 #include "cli.h"
@@ -21,8 +23,9 @@
 
 enum { MAX_STOPS = 64 };
 
-/* --router and --api-key, which may come before or after the command */
+/* --router, --api-key and --tls-*, which may come before or after the command */
 static const char *router_addr;
+static kc_tls_config tls; /* --tls-ca etc.; none given: plaintext */
 static const char *api_key; /* NULL: none (the router must then have no keys) */
 static const char *api_key_src = "--api-key"; /* where it came from, for messages */
 
@@ -34,13 +37,17 @@ static char auth_value[300];
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvrelay-cli [--router HOST:PORT] [--api-key KEY] COMMAND [options]\n"
+            "usage: kvrelay-cli [--router HOST:PORT] [--api-key KEY] [--tls-ca FILE] COMMAND [options]\n"
             "\n"
             "A client of kvrelay-router's gRPC API.\n"
             "\n"
             "  --router HOST:PORT   the router (default $KVRELAY_ROUTER, else 127.0.0.1:7100)\n"
             "  --api-key KEY        the router's API key, sent as 'authorization: Bearer KEY' on\n"
             "                       every call (default $KVRELAY_API_KEY; none when both are unset)\n"
+            "  --tls-ca FILE        TLS to the router, whose certificate must chain to FILE (PEM)\n"
+            "                       (default $KVRELAY_TLS_CA; plaintext when both are unset)\n"
+            "  --tls-cert FILE      with --tls-key: the client certificate a router that verifies\n"
+            "  --tls-key FILE       clients asks for (default $KVRELAY_TLS_CERT, $KVRELAY_TLS_KEY)\n"
             "\n"
             "generate (--prompt TEXT | --ids \"1 2 3\") [options]\n"
             "  streams the generated text to stdout as it arrives (token ids when the router's\n"
@@ -75,6 +82,13 @@ static void usage(FILE *f)
 static void fail_status(const kc_status *st)
 {
     fprintf(stderr, "kvrelay-cli: %s: %s\n", kc_status_name(st->code), st->details);
+    if (st->code == GRPC_STATUS_UNAVAILABLE)
+        fprintf(stderr, "kvrelay-cli: %s\n",
+                kc_tls_enabled(&tls)
+                    ? "with TLS: is the router's certificate from --tls-ca and for this address, "
+                      "and does it want a client certificate (--tls-cert/--tls-key)?"
+                    : "without TLS: is the router up there, and not serving TLS (then give "
+                      "--tls-ca)?");
     if (st->code == GRPC_STATUS_UNAUTHENTICATED)
         fprintf(stderr, "kvrelay-cli: the router wants an API key: %s\n",
                 api_key ? "the one given (--api-key or $KVRELAY_API_KEY) is not one of its keys"
@@ -103,12 +117,31 @@ static void auth_init(void)
     n_auth_md = 1;
 }
 
+/* The flags every command takes, before or after it: 1 when argv[*i] was one (its value taken). */
+static int common_flag(int argc, char **argv, int *i)
+{
+    const char *a = argv[*i];
+    if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, i);
+    else if (!strcmp(a, "--api-key")) set_api_key(cli_value(argc, argv, i));
+    else if (!strncmp(a, "--tls-", 6)) {
+        if (!kc_tls_flag(&tls, a, cli_value(argc, argv, i))) cli_die(2, "unknown flag '%s' (see --help)", a);
+    } else return 0;
+    return 1;
+}
+
 static kc_channel *connect_router(void)
 {
     auth_init(); /* every command connects once, after its flags are parsed */
+    char err[256];
+    if (kc_tls_flags_finish(&tls, KC_TLS_ROLE_CLIENT, err) != 0) cli_die(2, "%s", err);
+    kc_channel_opts opts = {0};
     kc_channel *ch;
     kc_status st;
-    if (kc_channel_create(router_addr, 0, &ch, &st) != 0) fail_status(&st);
+    grpc_init(); /* for the credentials, made before the channel */
+    if (kc_tls_enabled(&tls) && !(opts.creds = kc_tls_channel_credentials(&tls, &st))) cli_die(2, "%s", st.details);
+    if (kc_channel_create_opts(router_addr, &opts, &ch, &st) != 0) fail_status(&st);
+    if (opts.creds) grpc_channel_credentials_release(opts.creds); /* the channel holds its own */
+    grpc_shutdown();
     return ch;
 }
 
@@ -137,8 +170,7 @@ static void parse_generate(int argc, char **argv, int i, gen_opts *o)
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             usage(stdout);
             exit(0);
-        } else if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--api-key")) set_api_key(cli_value(argc, argv, &i));
+        } else if (common_flag(argc, argv, &i)) continue;
         else if (!strcmp(a, "--prompt")) o->prompt = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--ids")) o->ids_s = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--max-tokens")) {
@@ -416,8 +448,7 @@ static int cmd_tokenize(int argc, char **argv, int i)
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             usage(stdout);
             exit(0);
-        } else if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--api-key")) set_api_key(cli_value(argc, argv, &i));
+        } else if (common_flag(argc, argv, &i)) continue;
         else if (!strcmp(a, "--text")) text = cli_value(argc, argv, &i);
         else if (!strcmp(a, "--add-special")) add_special = 1;
         else cli_die(2, "tokenize: unknown argument '%s' (see --help)", a);
@@ -448,8 +479,7 @@ static int cmd_status(int argc, char **argv, int i)
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
             exit(0);
-        } else if (!strcmp(argv[i], "--router")) router_addr = cli_value(argc, argv, &i);
-        else if (!strcmp(argv[i], "--api-key")) set_api_key(cli_value(argc, argv, &i));
+        } else if (common_flag(argc, argv, &i)) continue;
         else if (!strcmp(argv[i], "--json")) json = 1;
         else cli_die(2, "status: unknown argument '%s' (see --help)", argv[i]);
     }
@@ -521,23 +551,22 @@ static int cmd_status(int argc, char **argv, int i)
 int main(int argc, char **argv)
 {
     cli_init(argv);
-    const char *router = getenv("KVRELAY_ROUTER");
-    if (!router || !*router) router = "127.0.0.1:7100";
+    router_addr = getenv("KVRELAY_ROUTER");
+    if (!router_addr || !*router_addr) router_addr = "127.0.0.1:7100";
     api_key = getenv("KVRELAY_API_KEY"); /* --api-key, before or after the command, wins */
     if (api_key && !*api_key) api_key = NULL;
     if (api_key) api_key_src = "KVRELAY_API_KEY";
+    tls = (kc_tls_config){.ca_file = getenv("KVRELAY_TLS_CA"), .cert_file = getenv("KVRELAY_TLS_CERT"),
+                          .key_file = getenv("KVRELAY_TLS_KEY")}; /* the flags win */
     int i = 1;
     for (; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
             return 0;
-        } else if (!strcmp(argv[i], "--router")) router = cli_value(argc, argv, &i);
-        else if (!strcmp(argv[i], "--api-key")) set_api_key(cli_value(argc, argv, &i));
-        else break;
+        } else if (!common_flag(argc, argv, &i)) break;
     }
     if (i >= argc) cli_die(2, "give a command: generate, tokenize or status (see --help)");
     const char *cmd = argv[i++];
-    router_addr = router;
     if (!strcmp(cmd, "generate")) return cmd_generate(argc, argv, i);
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc, argv, i);
     if (!strcmp(cmd, "status")) return cmd_status(argc, argv, i);
