@@ -3,10 +3,11 @@
  *   main.c      flags, start-up, metrics, the serving line, shutdown
  *   nodes.c     the nodes of the membership file: channels, Status polling, load estimates for
  *               placement, Admin.ClusterStatus
- *   generate.c  Generation.Generate (validate, reserve, prefill, relay the decode stream) and
- *               Generation.Tokenize
+ *   request.c   Generation.Generate (validate, place, relay the decode stream, finish) and
+ *               Generation.Tokenize, with validate.c, admission.c, reserve.c, prefill.c,
+ *               relay.c and watch.c (request.h says which step is where)
  *   openai.c    the OpenAI-compatible HTTP API (/v1/models, completions, chat completions) on
- *               the HTTP port, served through generate.c; its request bodies are parsed by
+ *               the HTTP port, served through request.c; its request bodies are parsed by
  *               openai-request.c (openai.h, pure, fuzzed)
  *   members.c, placement.c, stop.c, breaker.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
@@ -103,8 +104,8 @@ typedef struct rt_metrics {
     kc_counter *http_responses[RT_HTTP_CODES]; /* by status (openai.c) */
 } rt_metrics;
 
-typedef struct rt_active rt_active; /* a Generate call with a decode stream open (generate.c) */
-typedef struct rt_waiter rt_waiter; /* a request in the admission FIFO (generate.c) */
+typedef struct rt_active rt_active; /* a Generate call with a decode stream open (request.h) */
+typedef struct rt_waiter rt_waiter; /* a request in the admission FIFO (admission.c) */
 
 typedef struct rt_router {
     /* immutable after start-up */
@@ -192,7 +193,7 @@ int rt_openai_serve(void *user, struct MHD_Connection *conn, const char *method,
 /* Registers kvrelay_http_responses_total in rt->m.reg. Returns 0 or -1. */
 int rt_openai_metrics_init(rt_router *rt);
 
-/* ------------------------------------------------------------------ generate.c */
+/* ------------------------------------------------- request.c, watch.c (request.h: the steps) */
 
 /* Where a Generate request's events go, and how its client is watched: the gRPC call
  * (rt_generate) or an HTTP client of the OpenAI API (openai.c). Every function is thread-safe:

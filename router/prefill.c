@@ -1,0 +1,117 @@
+/*
+ * prefill.c - Prefill.Prefill as one request makes it: the prompt (or after a migration the
+ * prompt and the tokens sent) with the reservation's transfer address, on the first prefill
+ * node in placement order that takes it; the node computes the KV, applies the policy and ships
+ * the bundle to the decode node, and answers with the first token.
+ * Not the reservation (reserve.c) nor the retry loop around both (admission.c).
+ * Tested through the cluster: test_router_cluster, tests/integration/failures.sh (a prefill node
+ * killed mid-request, --prefill-timeout-ms).
+ */
+#include "request.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+
+/* Prefill on the first prefill node (in placement order, not skipped) that takes it. On
+ * anything but success the reservation is released. A prefill node that failed (UNAVAILABLE, or
+ * no answer within --prefill-timeout-ms) is skipped from then on and the request placed again,
+ * once: a second failure fails the request. When the Release fails too, the transfer's peer is
+ * what died: the decode node is skipped instead, and that does not use up the retry. */
+rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *st)
+{
+    rt_router *rt = r->rt;
+    rt_node *order[RT_NODES_MAX];
+    int n = rt_nodes_order(rt, RT_ROLE_PREFILL, r->skip_p, r->n_skip_p, order);
+    uint32_t *ids = malloc((size_t)r->n_pf * sizeof *ids);
+    if (!ids) {
+        rt_reservation_end(r, 1);
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        return RT_ATTEMPT_FAIL;
+    }
+    for (int i = 0; i < r->n_pf; i++) ids[i] = (uint32_t)r->pf[i];
+    Kvrelay__V1__PrefillRequest req = KVRELAY__V1__PREFILL_REQUEST__INIT;
+    req.request_id = r->id;
+    req.n_token_ids = (size_t)r->n_pf;
+    req.token_ids = ids;
+    req.sampling = &r->sampling;
+    req.kv_policy = (char *)r->policy;
+    req.transfer_address = r->transfer_address;
+    req.reservation_id = r->reservation;
+    req.reservation_token = (ProtobufCBinaryData){.len = r->reservation_token_len,
+                                                  .data = r->reservation_token};
+    req.decode_node = r->dnode->id;
+    if (r->forced) { /* the next id to emit: after a migration, the first not yet sent */
+        req.forced_first_choice_case = KVRELAY__V1__PREFILL_REQUEST__FORCED_FIRST_CHOICE_FORCED_FIRST;
+        req.forced_first = r->forced[r->completion];
+    }
+    req.logprobs = r->logprobs;
+    int full = 0;
+    rt_attempt a = RT_ATTEMPT_FAIL;
+    kc_status last = {GRPC_STATUS_UNAVAILABLE, "none is serving (gone, suspect, or failed earlier in this request)"};
+    for (int k = 0; k < n; k++) {
+        rt_node *node = order[k];
+        Kvrelay__V1__PrefillResponse *resp = NULL;
+        kc_status s;
+        int64_t left = rt_req_hop_timeout(r);
+        int capped = left > rt->prefill_timeout_ms;
+        rt_node_account(rt, node, r->n_pf, 1, 0);
+        int rc = kc_unary(rt_node_channel(rt, node), "/kvrelay.v1.Prefill/Prefill", &req.base,
+                          &kvrelay__v1__prefill_response__descriptor, capped ? rt->prefill_timeout_ms : left,
+                          (ProtobufCMessage **)&resp, &s);
+        rt_node_account(rt, node, -r->n_pf, -1, 0);
+        int timed_out = rc != 0 && s.code == GRPC_STATUS_DEADLINE_EXCEEDED && capped;
+        if (rc == 0 || s.code == GRPC_STATUS_UNAVAILABLE || timed_out)
+            rt_node_outcome(rt, node, rc == 0 ? GRPC_STATUS_OK : s.code, s.details);
+        if (rc == 0) {
+            r->pnode = node;
+            *out = resp;
+            free(ids);
+            return RT_ATTEMPT_DONE;
+        }
+        if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED || (s.code == GRPC_STATUS_UNAVAILABLE && strstr(s.details, "draining"))) {
+            kc_debug(r->id, "prefill node %s refused: %s", node->id, s.details); /* the next one */
+            full |= s.code == GRPC_STATUS_RESOURCE_EXHAUSTED;
+            kc_status_set(&last, s.code, "%s: %s", node->id, s.details);
+            continue;
+        }
+        if (s.code == GRPC_STATUS_UNAVAILABLE || timed_out) {
+            if (timed_out) snprintf(s.details, sizeof s.details, "no answer within --prefill-timeout-ms %" PRId64, rt->prefill_timeout_ms);
+            rt_node *dnode = r->dnode;
+            if (rt_reservation_end(r, 1) == GRPC_STATUS_UNAVAILABLE) {
+                kc_warn(r->id, "prefill on %s failed: %s: %s; decode node %s is gone too: placing the request again",
+                        node->id, kc_status_name(s.code), s.details, dnode->id);
+                rt_skip_add(r->skip_d, &r->n_skip_d, dnode);
+            } else if (r->prefill_failures++ == 0) {
+                kc_warn(r->id, "prefill on %s failed: %s: %s; retrying once on another prefill node", node->id,
+                        kc_status_name(s.code), s.details);
+                rt_skip_add(r->skip_p, &r->n_skip_p, node);
+            } else {
+                kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill failed twice (last on %s: %s: %s)", node->id,
+                           kc_status_name(s.code), s.details);
+                free(ids);
+                return RT_ATTEMPT_FAIL;
+            }
+            kc_counter_inc(rt->m.retries, 1);
+            free(ids);
+            kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill node %s: %s", node->id, s.details);
+            return RT_ATTEMPT_AGAIN;
+        }
+        kc_status_set(st, s.code, "prefill node %s: %s", node->id, s.details);
+        a = RT_ATTEMPT_FAIL;
+        goto out;
+    }
+    if (full) {
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "every prefill node's queue is full (last: %s)", last.details);
+        a = RT_ATTEMPT_LATER;
+    } else {
+        kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "no prefill node can take the request (last: %s)", last.details);
+        a = RT_ATTEMPT_FAIL;
+    }
+out:
+    rt_reservation_end(r, 1);
+    free(ids);
+    return a;
+}
