@@ -29,7 +29,10 @@
 #   krc_etcd_start [CLIENT_PORT PEER_PORT]
 #       starts /usr/bin/etcd with its data in $KRC_DIR/etcd (kept across restarts) on the given
 #       loopback ports (default: free ones); sets KRC_ETCD, KRC_ETCD_PID, KRC_ETCD_CLIENT_PORT,
-#       KRC_ETCD_PEER_PORT. Returns 1 when etcd is not installed or did not come up.
+#       KRC_ETCD_PEER_PORT. Returns 1 when etcd is not installed or did not come up. With
+#       KRC_TLS_DIR set, etcd serves clients over TLS and requires a client certificate from its
+#       CA (--client-cert-auth; certificate etcd.pem); krc_start then gives every process
+#       --etcd-ca, and its own certificate as --etcd-cert/--etcd-key.
 #   krc_etcd_stop       SIGTERM it (SIGKILL after 10 s); the data dir stays
 
 KRC_PIDS=()
@@ -90,6 +93,8 @@ krc_http() { sed -nE 's/.*serving grpc [^ ]+ http ([^ ]+).*/\1/p' "$KRC_DIR/$1.o
 krc_tls_args() {
   [ -n "${KRC_TLS_DIR:-}" ] || return 0
   printf '%s\n' --tls-cert "$KRC_TLS_DIR/$1.pem" --tls-key "$KRC_TLS_DIR/$1.key" --tls-ca "$KRC_TLS_DIR/ca.pem"
+  [ -z "${KRC_ETCD:-}" ] ||
+    printf '%s\n' --etcd-ca "$KRC_TLS_DIR/ca.pem" --etcd-cert "$KRC_TLS_DIR/$1.pem" --etcd-key "$KRC_TLS_DIR/$1.key"
 }
 
 # The certificates krc_start's processes need (those not there yet) for NP prefill and ND decode
@@ -137,7 +142,9 @@ krc_start() {
   echo "{\"prefill\": [${pre[*]}], \"decode\": [${dec[*]}]}" >"$nodes"
   unset IFS
   local members=(--nodes "$nodes")
-  if [ -n "${KRC_ETCD:-}" ] && "$bin/kvrelay-router" --help 2>/dev/null | grep -q -- '--etcd'; then
+  # grep -c reads all of --help: grep -q would exit at the first match, and with pipefail the
+  # router's SIGPIPE on the rest of a help text over 4 KiB would read as "no --etcd"
+  if [ -n "${KRC_ETCD:-}" ] && "$bin/kvrelay-router" --help 2>/dev/null | grep -c -- '--etcd' >/dev/null; then
     members=(--etcd "$KRC_ETCD" --cluster "${KRC_CLUSTER:-local}")
   fi
   mapfile -t tls < <(krc_tls_args router)
@@ -181,14 +188,21 @@ krc_etcd_start() {
   if [ -z "$c" ] || [ -z "$p" ]; then
     read -r c p < <(krc_free_ports) || return 1
   fi
-  local peer=http://127.0.0.1:$p client=http://127.0.0.1:$c
+  local peer=http://127.0.0.1:$p client=http://127.0.0.1:$c tls=() ctl=()
+  if [ -n "${KRC_TLS_DIR:-}" ]; then
+    [ -f "$KRC_TLS_DIR/etcd.pem" ] || "$(dirname "${BASH_SOURCE[0]}")/tls-certs.sh" "$KRC_TLS_DIR" etcd client || return 1
+    client=https://127.0.0.1:$c
+    tls=(--cert-file "$KRC_TLS_DIR/etcd.pem" --key-file "$KRC_TLS_DIR/etcd.key"
+      --trusted-ca-file "$KRC_TLS_DIR/ca.pem" --client-cert-auth)
+    ctl=(--cacert "$KRC_TLS_DIR/ca.pem" --cert "$KRC_TLS_DIR/client.pem" --key "$KRC_TLS_DIR/client.key")
+  fi
   etcd --name kvrelay --data-dir "$KRC_DIR/etcd" --listen-client-urls "$client" \
     --advertise-client-urls "$client" --listen-peer-urls "$peer" \
-    --initial-advertise-peer-urls "$peer" --initial-cluster "kvrelay=$peer" \
+    --initial-advertise-peer-urls "$peer" --initial-cluster "kvrelay=$peer" "${tls[@]}" \
     >>"$KRC_DIR/etcd.log" 2>&1 &
   KRC_ETCD_PID=$!
   for ((i = 0; i < 100; i++)); do
-    if etcdctl --endpoints "$client" --dial-timeout 1s endpoint health >/dev/null 2>&1; then
+    if etcdctl --endpoints "$client" --dial-timeout 1s "${ctl[@]}" endpoint health >/dev/null 2>&1; then
       KRC_ETCD=127.0.0.1:$c KRC_ETCD_CLIENT_PORT=$c KRC_ETCD_PEER_PORT=$p
       return 0
     fi

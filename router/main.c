@@ -44,6 +44,8 @@ static void usage(FILE *f)
             "                          /kvrelay/CLUSTER/nodes/; nodes come and go at run time)\n"
             "  --cluster NAME          the etcd cluster name (default \"default\")\n"
             KC_ETCD_FLAGS_HELP
+            KC_TLS_FLAGS_HELP
+            KC_TLS_CLIENT_AUTH_HELP
             "  --fingerprint HEX       the model fingerprint members must report (etcd membership;\n"
             "                          default: the first one a member reports)\n"
             "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
@@ -100,6 +102,7 @@ typedef struct router_opts {
     const char *model, *nodes, *listen, *http, *id, *placement, *log_level, *policy_dir;
     const char *cluster, *fingerprint, *served_model_name;
     kc_etcd_config etcd; /* --etcd and its TLS/auth flags (etcd.h) */
+    kc_tls_config tls;   /* --tls-*: the public port and the mutual TLS to the nodes (rpc.h) */
     long max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms;
     long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
     int migrate;
@@ -144,6 +147,10 @@ static void parse(int argc, char **argv, router_opts *o)
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            /* one write: the help is over stdio's 4 KiB pipe buffer, and `--help | grep -q X`
+             * under pipefail would otherwise fail when grep exits before the second write */
+            static char buf[1 << 14];
+            setvbuf(stdout, buf, _IOFBF, sizeof buf);
             usage(stdout);
             exit(0);
         }
@@ -164,6 +171,7 @@ static void parse(int argc, char **argv, router_opts *o)
             o->api_key_files[o->n_api_key_files++] = v;
         } else if (!strcmp(a, "--listen")) o->listen = v;
         else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&o->etcd, a, v)) continue;
+        else if (!strncmp(a, "--tls", 5) && kc_tls_flag(&o->tls, a, v)) continue;
         else if (!strcmp(a, "--cluster")) o->cluster = v;
         else if (!strcmp(a, "--fingerprint")) o->fingerprint = v;
         else if (!strcmp(a, "--http")) o->http = v;
@@ -186,6 +194,7 @@ static void parse(int argc, char **argv, router_opts *o)
     if (!o->nodes == !o->etcd.endpoints) die("give exactly one of --nodes FILE and --etcd ENDPOINTS (see --help)");
     char eerr[256];
     if (kc_etcd_flags_finish(&o->etcd, eerr) != 0) die("%s", eerr);
+    if (kc_tls_flags_finish(&o->tls, KC_TLS_ROLE_ROUTER, eerr) != 0) die("%s", eerr);
     if (o->fingerprint && (strlen(o->fingerprint) != 16 || strspn(o->fingerprint, "0123456789abcdef") != 16))
         die("--fingerprint: '%s' is not 16 lower-case hex digits (the nodes log theirs at start-up)", o->fingerprint);
     size_t idlen = strlen(o->id);
@@ -348,6 +357,10 @@ int main(int argc, char **argv)
     pthread_cond_init(&rt->fifo_cv, NULL);
 
     if (o.fingerprint) snprintf(rt->fingerprint, sizeof rt->fingerprint, "%s", o.fingerprint);
+    kc_status st;
+    grpc_init(); /* held until exit: the nodes' credentials are made before any channel or server */
+    if (kc_tls_enabled(&o.tls) && !(rt->node_creds = kc_tls_channel_credentials(&o.tls, &st)))
+        die("%s", st.details);
     kc_watch *watch = NULL;
     if (o.nodes) {
         rt_members ms;
@@ -371,9 +384,9 @@ int main(int argc, char **argv)
     if (kc_signals_init() != 0) die("signal pipe: %s", strerror(errno));
 
     kc_server *srv;
-    kc_status st;
     int bound;
-    if (kc_server_create(o.listen, NULL, &srv, &bound, &st) != 0) die("--listen %s: %s", o.listen, st.details);
+    const kc_server_config scfg = {.tls = &o.tls};
+    if (kc_server_create(o.listen, &scfg, &srv, &bound, &st) != 0) die("--listen %s: %s", o.listen, st.details);
     if (kc_server_add_stream(srv, "/kvrelay.v1.Generation/Generate", &kvrelay__v1__generate_request__descriptor,
                              rt_generate, rt) ||
         kc_server_add_unary(srv, "/kvrelay.v1.Generation/Tokenize", &kvrelay__v1__tokenize_request__descriptor,
@@ -415,6 +428,12 @@ int main(int argc, char **argv)
     char keys_desc[160];
     rt_apikeys_describe(rt->keys, keys_desc, sizeof keys_desc);
     kc_info(NULL, "API keys: %s%s", keys_desc, rt->keys ? "" : ": the API is open to every client");
+    static const char *const client_auth[] = {"none", "request", "require"};
+    if (kc_tls_enabled(&o.tls))
+        kc_info(NULL, "TLS: gRPC port with %s (client certificates: %s), mutual TLS to the nodes (CA %s)",
+                o.tls.cert_file, client_auth[o.tls.client_auth], o.tls.ca_file);
+    else
+        kc_info(NULL, "TLS: off: gRPC to clients and nodes is plaintext (see --tls-cert)");
     printf("router %s: serving grpc %s http %s%s%s:%d\n", rt->id, rt->grpc_address, strchr(http_host, ':') ? "[" : "",
            http_host, strchr(http_host, ':') ? "]" : "", http_bound);
     fflush(stdout);
@@ -438,6 +457,8 @@ int main(int argc, char **argv)
     kc_health_free(health);
     kc_http_stop(http);
     rt_nodes_free(rt);
+    if (rt->node_creds) grpc_channel_credentials_release(rt->node_creds); /* the channels are gone */
+    grpc_shutdown();
     kc_registry_free(rt->m.reg);
     kr_tokenizer_free(rt->tok);
     kr_chat_template_free(rt->chat);

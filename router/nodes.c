@@ -33,12 +33,14 @@ static int64_t unix_now_ms(void)
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
-/* A channel to a node. Its reconnect backoff is capped at RT_NODE_RECONNECT_MS (gRPC's default
- * grows to 120 s): a node restarted after a long downtime is connected again within about a
- * second of coming back, instead of after the channel's backoff runs out. */
-static int node_channel(const char *address, kc_channel **out, kc_status *st)
+/* A channel to a node, with the router's TLS credentials when it has them. Its reconnect
+ * backoff is capped at RT_NODE_RECONNECT_MS (gRPC's default grows to 120 s): a node restarted
+ * after a long downtime is connected again within about a second of coming back, instead of
+ * after the channel's backoff runs out. */
+static int node_channel(const rt_router *rt, const char *address, kc_channel **out, kc_status *st)
 {
-    const kc_channel_opts opts = {.max_reconnect_backoff_ms = RT_NODE_RECONNECT_MS};
+    const kc_channel_opts opts = {.max_reconnect_backoff_ms = RT_NODE_RECONNECT_MS,
+                                  .creds = rt->node_creds};
     return kc_channel_create_opts(address, &opts, out, st);
 }
 
@@ -153,7 +155,7 @@ int rt_nodes_apply(rt_router *rt, const rt_member_info *ms, int n, char *err)
             }
             kc_channel *ch;
             kc_status st;
-            if (node_channel(m->address, &ch, &st) != 0) {
+            if (node_channel(rt, m->address, &ch, &st) != 0) {
                 snprintf(err, KR_ERR_MAX, "node %s (%.200s): %.200s", m->id, m->address, st.details);
                 rc = -1;
                 continue;
@@ -176,7 +178,7 @@ int rt_nodes_apply(rt_router *rt, const rt_member_info *ms, int n, char *err)
         } else if (strcmp(x->address, m->address) != 0) {
             kc_channel *ch;
             kc_status st;
-            if (rt->n_retired >= RT_NODES_MAX || node_channel(m->address, &ch, &st) != 0) {
+            if (rt->n_retired >= RT_NODES_MAX || node_channel(rt, m->address, &ch, &st) != 0) {
                 snprintf(err, KR_ERR_MAX, "node %s: cannot move to %.200s", m->id, m->address);
                 rc = -1;
                 continue;

@@ -134,6 +134,7 @@ typedef struct rt_router {
     int fingerprint_from_node; /* taken from the first member that reported one */
     rt_metrics m;
     kc_health *health; /* grpc.health.v1; NOT_SERVING while draining */
+    grpc_channel_credentials *node_creds; /* mutual TLS to the nodes (--tls-*); NULL: plaintext */
 
     pthread_mutex_t mu; /* the node table, the guarded parts of the nodes, and the active list */
     rt_node *nodes[RT_NODES_MAX]; /* append-only: a node's pointer stays valid until exit */
