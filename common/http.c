@@ -7,7 +7,8 @@
  * "Address already in use"), afterwards they go to kc_log.
  * A process may add its own routes (kc_http_start_app): their request bodies are gathered here,
  * up to a cap, and handed over whole.
- * Not here: TLS, keep-alive tuning.
+ * HTTPS when the app gives a certificate and key (MHD_USE_TLS: GnuTLS); no client certificates.
+ * Not here: keep-alive tuning.
  * Test: ctest -R test_http.
  */
 #include "http.h"
@@ -240,15 +241,23 @@ kc_http *kc_http_start_app(const char *host, int port, kc_registry *reg, kc_heal
     }
     unsigned max_connections = h->app.max_connections > 0 ? (unsigned)h->app.max_connections : KC_HTTP_MAX_CONNECTIONS;
     atomic_store(&h->starting, 1);
+    int tls = h->app.tls_cert_pem && h->app.tls_key_pem;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
-                     MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0);
+                     MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0) |
+                     (tls ? MHD_USE_TLS : 0);
+    struct MHD_OptionItem tls_opts[] = {
+        {tls ? MHD_OPTION_HTTPS_MEM_KEY : MHD_OPTION_END, 0, (void *)h->app.tls_key_pem},
+        {MHD_OPTION_HTTPS_MEM_CERT, 0, (void *)h->app.tls_cert_pem},
+        {MHD_OPTION_END, 0, NULL},
+    };
     /* the logger goes first: libmicrohttpd uses its own for anything said before it; the port
      * argument only names the port in its messages (MHD_OPTION_SOCK_ADDR decides the bind) */
     h->daemon = MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, on_request, h,
                                  MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_SOCK_ADDR,
                                  (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, max_connections,
                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)KC_HTTP_IDLE_TIMEOUT_S,
-                                 MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_END);
+                                 MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_ARRAY,
+                                 tls_opts, MHD_OPTION_END);
     if (!h->daemon) {
         snprintf(err, ERR_CAP, "http: cannot serve on %.60s:%d: %.150s",
                  host && *host ? host : "0.0.0.0", port,

@@ -36,6 +36,10 @@ typedef struct kc_http_app {
     void *user;
     size_t max_body;     /* bytes; 0 = 1 MiB */
     int max_connections; /* connections served at once (each on a thread); 0 = 64 */
+    /* Both set: HTTPS (GnuTLS through libmicrohttpd) with this certificate chain and key, PEM
+     * text that must stay valid until kc_http_stop; the whole port, /metrics included, is then
+     * TLS. NULL: plain HTTP. */
+    const char *tls_cert_pem, *tls_key_pem;
 } kc_http_app;
 
 /* kc_http_start with the routes of `app` (NULL: none, every other URL is 404). */

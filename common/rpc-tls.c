@@ -248,6 +248,17 @@ grpc_channel_credentials *kc_tls_channel_credentials(const kc_tls_config *cfg, k
     return creds;
 }
 
+int kc_tls_read_pair(const kc_tls_config *cfg, char **cert, char **key, kc_status *st)
+{
+    tls_pems p;
+    if (load_pems(cfg, 1, &p, st) != 0)
+        return -1;
+    *cert = p.cert;
+    *key = p.key;
+    free(p.ca);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ process flags */
 
 int kc_tls_flag(kc_tls_config *c, const char *flag, const char *v)

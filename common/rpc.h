@@ -141,6 +141,10 @@ const char *kc_call_method(const kc_call *call);
  * until the call ends (for a handler: until it returns; a detached call: until kc_call_finish). */
 const char *kc_call_metadata(const kc_call *call, const char *key, size_t *len);
 
+/* The client's address without its port ("127.0.0.1", "::1"; "unix:/path" as gRPC gives it)
+ * into out (`cap` bytes; "" when gRPC does not know it), for per-client accounting. */
+void kc_call_peer(const kc_call *call, char *out, size_t cap);
+
 /* ------------------------------------------------------------------ client */
 
 typedef struct kc_channel kc_channel;
@@ -256,6 +260,10 @@ grpc_server_credentials *kc_tls_server_credentials(const kc_tls_config *cfg, kc_
  * to servers that ask. For kc_channel_opts.creds; release with
  * grpc_channel_credentials_release. Returns NULL with `st` when the files are not usable. */
 grpc_channel_credentials *kc_tls_channel_credentials(const kc_tls_config *cfg, kc_status *st);
+/* The PEM text of cert_file and key_file (required), checked as above, for a TLS stack other than
+ * gRPC's (the router's HTTPS port). *cert and *key are the caller's to free. Returns 0, or -1
+ * with `st`. */
+int kc_tls_read_pair(const kc_tls_config *cfg, char **cert, char **key, kc_status *st);
 
 /* The TLS flags every program takes, parsed in one place (as the etcd flags, etcd.h). */
 #define KC_TLS_FLAGS_HELP                                                                          \

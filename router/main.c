@@ -50,17 +50,23 @@ static void usage(FILE *f)
             "                          default: the first one a member reports)\n"
             "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
             "  --http HOST:PORT        /metrics, /healthz and the OpenAI-compatible API under /v1/\n"
-            "                          (default 127.0.0.1:9100)\n"
+            "                          (default 127.0.0.1:9100; HTTPS with the --tls-cert pair)\n"
             "  --served-model-name N   the model's name in the OpenAI API (default: the base name of\n"
             "                          the model directory)\n"
             "  --id NAME               this router's name in logs and ClusterStatus (default router-0)\n"
             "  --placement P           round-robin or least-loaded (default least-loaded)\n"
             "  --max-tokens-limit N    largest max_tokens a request may ask for (default 4096)\n"
-            "  --max-prompt N          longest prompt in tokens (default: the model's\n"
-            "                          max_position_embeddings - 1)\n"
-            "  --default-timeout-ms MS deadline of a request whose client set none (default 300000)\n"
+            "  --max-prompt-tokens N   longest prompt in tokens; longer ones are refused\n"
+            "                          INVALID_ARGUMENT / HTTP 400 (default: the model's\n"
+            "                          max_position_embeddings - 1; --max-prompt is the same flag)\n"
+            "  --max-request-bytes N   largest gRPC request message and OpenAI API body (default:\n"
+            "                          16 MiB and 4 MiB); larger ones are refused RESOURCE_EXHAUSTED\n"
+            "                          / HTTP 413\n"
+            "  --default-timeout-ms MS deadline of a request whose client set none, and the cap on\n"
+            "                          the deadlines clients set (default 300000)\n"
             "  --max-queue-ms MS       longest wait for a node with room before a request is refused\n"
             "                          with RESOURCE_EXHAUSTED (HTTP 429) (default 60000)\n"
+            RT_LIMITS_FLAGS_HELP
             "  --policy-dir DIR        where policy files (heads pattern=, hsft windows=) live: clients\n"
             "                          name them by bare file name; without it such keys are refused\n"
             "                          (every node must see DIR at the same path)\n"
@@ -103,7 +109,8 @@ typedef struct router_opts {
     const char *cluster, *fingerprint, *served_model_name;
     kc_etcd_config etcd; /* --etcd and its TLS/auth flags (etcd.h) */
     kc_tls_config tls;   /* --tls-*: the public port and the mutual TLS to the nodes (rpc.h) */
-    long max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms;
+    long max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms, max_request_bytes;
+    rt_limit_conf limits; /* --limit-* (limits.h) */
     long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
     int migrate;
     const char *api_keys[64], *api_key_files[64]; /* --api-key, --api-key-file (argv strings) */
@@ -180,7 +187,15 @@ static void parse(int argc, char **argv, router_opts *o)
         else if (!strcmp(a, "--policy-dir")) o->policy_dir = v;
         else if (!strcmp(a, "--log-level")) o->log_level = v;
         else if (!strcmp(a, "--max-tokens-limit")) o->max_tokens_limit = parse_long(a, v, 1, 1 << 24);
-        else if (!strcmp(a, "--max-prompt")) o->max_prompt = parse_long(a, v, 1, 1 << 30);
+        else if (!strcmp(a, "--max-prompt") || !strcmp(a, "--max-prompt-tokens"))
+            o->max_prompt = parse_long(a, v, 1, 1 << 30);
+        else if (!strcmp(a, "--max-request-bytes")) o->max_request_bytes = parse_long(a, v, 1024, 1L << 30);
+        else if (!strncmp(a, "--limit-", 8)) {
+            char lerr[256];
+            int k = rt_limits_flag(&o->limits, a, v, lerr, sizeof lerr);
+            if (k < 0) die("%s", lerr);
+            if (k == 0) die("unknown flag '%s' (see --help)", a);
+        }
         else if (!strcmp(a, "--default-timeout-ms")) o->default_timeout_ms = parse_long(a, v, 1, 86400000L);
         else if (!strcmp(a, "--max-queue-ms")) o->max_queue_ms = parse_long(a, v, 0, 86400000L);
         else if (!strcmp(a, "--served-model-name")) o->served_model_name = v;
@@ -244,7 +259,8 @@ static void metrics_init(rt_router *rt)
     for (int c = 0; c <= GRPC_STATUS_UNAUTHENTICATED; c++)
         if (!m->requests[c]) die("cannot register metrics");
     if (!m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped ||
-        !m->in_flight || !m->queued || !m->retries || rt_openai_metrics_init(rt) != 0)
+        !m->in_flight || !m->queued || !m->retries || rt_openai_metrics_init(rt) != 0 ||
+        rt_limits_metrics_init(rt->limits, m->reg) != 0)
         die("cannot register metrics");
 }
 
@@ -341,6 +357,9 @@ int main(int argc, char **argv)
     rt->max_tokens_limit = (uint32_t)o.max_tokens_limit;
     rt->default_timeout_ms = o.default_timeout_ms;
     rt->max_queue_ms = o.max_queue_ms;
+    rt->max_body = o.max_request_bytes ? (size_t)o.max_request_bytes : RT_OPENAI_MAX_BODY;
+    rt->limits = rt_limits_create(&o.limits, 0);
+    if (!rt->limits) die("out of memory");
     served_model_init(rt, o.served_model_name, o.model);
     if (!rt->tok) snprintf(rt->chat_error, sizeof rt->chat_error, "no tokenizer.json");
     else if (kr_chat_template_load(o.model, &rt->chat, rt->chat_error) != KR_OK)
@@ -385,7 +404,7 @@ int main(int argc, char **argv)
 
     kc_server *srv;
     int bound;
-    const kc_server_config scfg = {.tls = &o.tls};
+    const kc_server_config scfg = {.tls = &o.tls, .max_message_bytes = (size_t)o.max_request_bytes};
     if (kc_server_create(o.listen, &scfg, &srv, &bound, &st) != 0) die("--listen %s: %s", o.listen, st.details);
     if (kc_server_add_stream(srv, "/kvrelay.v1.Generation/Generate", &kvrelay__v1__generate_request__descriptor,
                              rt_generate, rt) ||
@@ -403,8 +422,14 @@ int main(int argc, char **argv)
     rt->health = health;
     char herr[256];
     int http_bound;
-    const kc_http_app openai = {.fn = rt_openai_serve, .user = rt, .max_body = RT_OPENAI_MAX_BODY,
-                                .max_connections = RT_HTTP_MAX_CONNECTIONS};
+    kc_http_app openai = {.fn = rt_openai_serve, .user = rt, .max_body = rt->max_body,
+                          .max_connections = RT_HTTP_MAX_CONNECTIONS};
+    char *https_cert = NULL, *https_key = NULL; /* HTTPS with the gRPC port's pair; freed at exit */
+    if (kc_tls_enabled(&o.tls)) {
+        if (kc_tls_read_pair(&o.tls, &https_cert, &https_key, &st) != 0) die("%s", st.details);
+        openai.tls_cert_pem = https_cert;
+        openai.tls_key_pem = https_key;
+    }
     kc_http *http = kc_http_start_app(http_host, http_port, rt->m.reg, rt_nodes_healthy, rt, &openai, &http_bound, herr);
     if (!http) die("--http %s: %s", o.http, herr);
     snprintf(rt->grpc_address, sizeof rt->grpc_address, "%s%s%s:%d", strchr(grpc_host, ':') ? "[" : "", grpc_host,
@@ -430,10 +455,10 @@ int main(int argc, char **argv)
     kc_info(NULL, "API keys: %s%s", keys_desc, rt->keys ? "" : ": the API is open to every client");
     static const char *const client_auth[] = {"none", "request", "require"};
     if (kc_tls_enabled(&o.tls))
-        kc_info(NULL, "TLS: gRPC port with %s (client certificates: %s), mutual TLS to the nodes (CA %s)",
+        kc_info(NULL, "TLS: gRPC port with %s (client certificates: %s), HTTPS on the HTTP port, mutual TLS to the nodes (CA %s)",
                 o.tls.cert_file, client_auth[o.tls.client_auth], o.tls.ca_file);
     else
-        kc_info(NULL, "TLS: off: gRPC to clients and nodes is plaintext (see --tls-cert)");
+        kc_info(NULL, "TLS: off: gRPC to clients and nodes and the HTTP port are plaintext (see --tls-cert)");
     printf("router %s: serving grpc %s http %s%s%s:%d\n", rt->id, rt->grpc_address, strchr(http_host, ':') ? "[" : "",
            http_host, strchr(http_host, ':') ? "]" : "", http_bound);
     fflush(stdout);
@@ -456,6 +481,8 @@ int main(int argc, char **argv)
     kc_watch_stop(watch); /* before the table goes: it calls into it */
     kc_health_free(health);
     kc_http_stop(http);
+    free(https_cert);
+    free(https_key);
     rt_nodes_free(rt);
     if (rt->node_creds) grpc_channel_credentials_release(rt->node_creds); /* the channels are gone */
     grpc_shutdown();
@@ -463,6 +490,7 @@ int main(int argc, char **argv)
     kr_tokenizer_free(rt->tok);
     kr_chat_template_free(rt->chat);
     rt_apikeys_free(api_keys); /* the HTTP and gRPC servers that read it are gone */
+    rt_limits_free(rt->limits);
     pthread_cond_destroy(&rt->cv);
     pthread_cond_destroy(&rt->fifo_cv);
     pthread_mutex_destroy(&rt->mu);

@@ -11,6 +11,7 @@
 #     between them) answers greedy requests with exactly the ids a plaintext cluster gives;
 #   - a decode node whose certificate comes from another CA is in the membership but never
 #     joins: the router cannot reach it (its state is not serving) and sends it nothing;
+#   - the router's HTTP port (OpenAI API, /healthz) is HTTPS with its certificate; plain HTTP fails;
 #   - kvrelay-cli without a client certificate, or without TLS, is refused (UNAVAILABLE, with a
 #     hint); Python's grpcio (tls_client.py) is refused without a certificate, with one from
 #     another CA, with another key, trusting another CA, in plaintext, and as raw bytes, and the
@@ -122,6 +123,24 @@ out=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" --tls-ca "$tls/ca.pem" status 2>
 grep -q "UNAVAILABLE" <<<"$out" && grep -q "client certificate" <<<"$out" || fail "no client certificate: $out"
 out=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" status 2>&1) && fail "plaintext status to a TLS router was served"
 grep -q "UNAVAILABLE" <<<"$out" && grep -q "give --tls-ca" <<<"$out" || fail "plaintext client: $out"
+
+# the HTTP port: HTTPS with the router's certificate (the OpenAI API and /healthz); plain HTTP fails
+out=$("$PY" - "$KRC_ROUTER_HTTP" "$tls/ca.pem" <<'EOF'
+import json, ssl, sys, urllib.request
+addr, ca = sys.argv[1:3]
+ctx = ssl.create_default_context(cafile=ca)
+models = json.load(urllib.request.urlopen("https://%s/v1/models" % addr, context=ctx, timeout=10))
+print("https models:", [m["id"] for m in models["data"]])
+print("https healthz:", urllib.request.urlopen("https://%s/healthz" % addr, context=ctx, timeout=10).status)
+try:
+    urllib.request.urlopen("http://%s/healthz" % addr, timeout=10)
+    print("plain http: served")
+except Exception as e:
+    print("plain http: refused (%s)" % type(e).__name__)
+EOF
+) || fail "HTTPS on the router's HTTP port: $out"
+echo "$out"
+grep -q "https healthz: 200" <<<"$out" && grep -q "plain http: refused" <<<"$out" || fail "HTTP port: $out"
 
 # grpcio: refusals of every kind, then served again
 kr_pystubs "$work/stubs"
