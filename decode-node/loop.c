@@ -1,8 +1,9 @@
 /*
  * loop.c - kvrelay-decode's continuous-batching thread. Each iteration:
  *   1. admits the Decode calls handed over since the last one: imports each bundle into a
- *      kr_seq (the policy from the bundle's header, every list appended as received, the next
- *      position set), so new sequences join at any step;
+ *      kr_seq (every list appended as received with the decode rule it carries, the next
+ *      position set), so new sequences join at any step; no policy code runs here: decode
+ *      applies each list's rule, whatever the policy that chose it;
  *   2. ends sequences whose call was cancelled (client gone, deadline) or whose reservation was
  *      released, freeing their blocks at once;
  *   3. runs one kr_forward_batch over every running sequence (chunks of --max-batch), samples
@@ -15,6 +16,7 @@
  * This thread alone touches the KV pool, the kr_ctx and the sequences.
  * Not here: admission (resv.c) and request checks (service.c).
  */
+#include "bundle-rule.h"
 #include "names.h"
 #include "node.h"
 
@@ -217,7 +219,8 @@ static int grow_import_scratch(dn_loop *L, size_t entries, int head_dim)
     return 0;
 }
 
-/* The bundle -> a sequence of this node's pool, exactly as the prefill node held it. */
+/* The bundle -> a sequence of this node's pool, exactly as the prefill node held it, each list
+ * with the decode rule the prefill node's policy gave it. */
 static int import(dn_loop *L, dn_job *j, char *err)
 {
     dn_node *n = L->n;
@@ -226,12 +229,13 @@ static int import(dn_loop *L, dn_job *j, char *err)
     kr_seq *s = NULL;
     if (kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &s, err) != KR_OK)
         return -1;
-    if (kr_seq_set_policy(s, j->policy, err) != KR_OK)
-        goto err_seq;
     for (int l = 0; l < c->n_layers; l++) {
         for (int h = 0; h < c->n_kv_heads; h++) {
             kt_bundle_list_view lv;
             if (kt_bundle_view_list(v, (uint32_t)l, (uint32_t)h, &lv, err) != 0)
+                goto err_seq;
+            const kr_list_rule rule = kt_bundle_list_rule(&lv);
+            if (kr_seq_list_set_rule(s, l, h, &rule, err) != KR_OK)
                 goto err_seq;
             if (lv.count == 0)
                 continue;

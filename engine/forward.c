@@ -4,8 +4,10 @@
  * attention over the paged cache -> o_proj + residual -> RMSNorm -> SiLU-gated MLP + residual,
  * final RMSNorm, lm_head. Chunked prefill is repeated calls; decode is a call with one token.
  * It also keeps the KV footprint tally (DESIGN.md section 1) of every query token it runs, and
- * calls the sequence's eviction policy (policy.h) after each layer's attention: the chunk rule
- * during kr_prefill, the decode rule during kr_forward. kr_forward_batch runs the same layer
+ * after each layer's attention trims the cache: during kr_prefill the sequence's eviction
+ * policy (policy.h) runs its chunk rule; during decode (kr_forward, kr_forward_batch) no policy
+ * runs: one rule, the same for every list whatever the policy, applies each list's
+ * kr_list_rule. kr_forward_batch runs the same layer
  * loop over one row per sequence (continuous batching): weights once for all rows, cache,
  * tallies and policy per sequence, each row bit-identical to decoding its sequence alone.
  * What it is not: a scheduler (which sequences share a step is the caller's business).
@@ -247,39 +249,61 @@ static void tally_footprint(kr_seq *s, int layer, int n, int n_real, const int32
     }
 }
 
-/* One prefill chunk as forward_rows passes it to the policy; NULL for decode calls. */
+/* One prefill chunk as forward_rows passes it to the policy; NULL for decode calls, which get
+ * the decode rule instead. */
 typedef struct chunk_info {
     int start, n_prompt, last;
 } chunk_info;
 
-/* the policy's rule for one layer, then dropping appended observers */
+/* The policy's chunk rule for one layer, then dropping appended observers. */
 static int run_policy(kr_ctx *c, kr_seq *s, int layer, int n_real, int n_app, const chunk_info *ci,
                       char *err)
 {
     const kr_policy *p = s->policy;
-    if (ci) {
-        int longest = 0;
-        for (int g = 0; g < s->n_kv_heads; g++) {
-            int len = kr_seq_list(s, layer, g)->len;
-            longest = len > longest ? len : longest;
-        }
-        if (ensure_env(c, longest, err) != KR_OK) return -1;
-        kr_chunk kc = {.q = c->q, .n_real = n_real, .n_appended = n_app, .start = ci->start,
-                       .n_prompt = ci->n_prompt, .last = ci->last};
-        p->ops->after_chunk(p, s, &c->env, &kc, layer);
-        if (n_app)
-            for (int g = 0; g < s->n_kv_heads; g++) {
-                kr_kv_list *l = kr_seq_list(s, layer, g);
-                int pinned = l->pinned;
-                kr_seq_keep_ends(s, layer, g, l->len - n_app, 0);
-                l->pinned = pinned < l->len ? pinned : l->len;
-            }
-    } else if (p->ops->after_step) {
-        p->ops->after_step(p, s, &c->env, layer);
-    } else {
-        kr_policy_decode_window(p, s, &c->env, layer);
+    int longest = 0;
+    for (int g = 0; g < s->n_kv_heads; g++) {
+        int len = kr_seq_list(s, layer, g)->len;
+        longest = len > longest ? len : longest;
     }
+    if (ensure_env(c, longest, err) != KR_OK) return -1;
+    if (c->ops->sync) c->ops->sync(c->be); /* the rule reads and moves cache entries on the host */
+    kr_chunk kc = {.q = c->q, .n_real = n_real, .n_appended = n_app, .start = ci->start,
+                   .n_prompt = ci->n_prompt, .last = ci->last};
+    p->ops->after_chunk(p, s, &c->env, &kc, layer);
+    if (n_app)
+        for (int g = 0; g < s->n_kv_heads; g++) {
+            kr_kv_list *l = kr_seq_list(s, layer, g);
+            int pinned = l->pinned;
+            kr_seq_keep_ends(s, layer, g, l->len - n_app, 0);
+            l->pinned = pinned < l->len ? pinned : l->len;
+        }
     return KR_OK;
+}
+
+/* The decode rule (kr_list_rule in kr.h) on every list of one layer after a decode step: the
+ * pinned set grows to the first `sink` entries, the rest is pruned by Algorithm 1 with S = the
+ * pinned count, and pos=rel lists get positions 0..len-1. Allocates nothing. */
+static void decode_trim(kr_ctx *c, kr_seq *s, int layer)
+{
+    int synced = 0;
+    for (int g = 0; g < s->n_kv_heads; g++) {
+        kr_kv_list *l = kr_seq_list(s, layer, g);
+        const kr_list_rule *r = &l->rule;
+        int head = l->pinned;
+        if (r->sink > head) head = r->sink < l->len ? r->sink : l->len;
+        int target = r->window < 0 ? -1
+                                   : kr_streaming_target(l->len, head, r->window, r->lazy, r->slack, r->max_drop);
+        if ((target >= 0 || r->rel) && !synced && c->ops->sync) {
+            c->ops->sync(c->be); /* the rule moves cache entries on the host */
+            synced = 1;
+        }
+        if (target >= 0) kr_seq_keep_ends(s, layer, g, head, target - head);
+        else l->pinned = head;
+        if (r->rel) kr_policy_rerotate(s, &c->env, layer, g);
+    }
+    /* positions restart after the cache: a pos=rel sequence's next token follows its lists */
+    const kr_kv_list *first = kr_seq_list(s, layer, 0);
+    if (layer == s->n_layers - 1 && first->rule.rel) s->next_pos = first->len;
 }
 
 /* Every layer over the call's n rows (rows in c->x, positions in c->pos, cos/sin filled). One
@@ -329,10 +353,12 @@ static int run_layers(kr_ctx *c, seq_rows *sr, int n_seqs, kr_seq *const *seqs, 
             ops->attention(be, sr[0].s, l, c->q, n, cfg->n_heads, c->pos, window, c->att);
         for (int i = 0; i < n_seqs; i++) {
             kr_seq *s = sr[i].s;
-            if (!s->policy) continue;
-            if (ops->sync) ops->sync(be); /* the rule reads and moves cache entries on the host */
-            /* a policy may trim earlier layers too (TAKE's delayed eviction) */
-            if (run_policy(c, s, l, sr[i].n_real, sr[i].n - sr[i].n_real, ci, err) != KR_OK) return -1;
+            if (!ci) {
+                decode_trim(c, s, l);
+            } else if (s->policy) {
+                /* a policy may trim earlier layers too (TAKE's delayed eviction) */
+                if (run_policy(c, s, l, sr[i].n_real, sr[i].n - sr[i].n_real, ci, err) != KR_OK) return -1;
+            }
             sr[i].held = kr_seq_entries(s);
         }
         mm(be, &w->wo, NULL, c->att, n, 1, c->x);
@@ -480,7 +506,7 @@ int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr
         chunk_info ci = {.start = at, .n_prompt = n, .last = last};
         int app = last ? 0 : n_app;
         if (forward_rows(c, s, tokens + at, len, tokens + n - app, app, pos0 + n - app,
-                         p ? &ci : NULL, m, dst, err) != KR_OK)
+                         &ci, m, dst, err) != KR_OK)
             return -1;
     }
     return KR_OK;

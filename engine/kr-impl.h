@@ -131,6 +131,7 @@ typedef struct kr_kv_list {
     int len;
     int off; /* slot of entry 0 in blocks[0] */
     int pinned; /* the first `pinned` entries are the policy's pinned set; the rest the window */
+    kr_list_rule rule; /* what decode does to the list after each step (kr.h) */
 } kr_kv_list;
 
 struct kr_seq {
@@ -138,7 +139,7 @@ struct kr_seq {
     int n_layers;
     int n_kv_heads;
     int next_pos;
-    int imported; /* kr_seq_set_next_pos was called: kr_seq_list_append is closed */
+    int closed; /* kr_seq_set_next_pos was called: kr_seq_list_append is closed */
     kr_kv_list *lists; /* [n_layers][n_kv_heads] */
     kr_footprint fp;
     const kr_policy *policy; /* NULL: full attention */
@@ -206,6 +207,8 @@ void kr_seq_keep_ends(kr_seq *s, int layer, int kv_head, int head, int tail);
 /* Index of the first of entries [0, n) of list l whose position is > min_pos (n when none);
  * positions increase along a list. */
 int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int32_t min_pos);
+/* The rule of a list that is never trimmed: what a sequence without a policy has. */
+extern const kr_list_rule kr_rule_dense; /* kv.c */
 /* Writes entry `idx` (< the grown capacity) of one (layer, KV head). Lengths are set by the
  * caller through the list's `len`. */
 void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,

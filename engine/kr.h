@@ -202,7 +202,8 @@ int kr_policy_max_entries(const kr_policy *p, int n_prompt, int n_generate);
  * eviction, TAKE's probe): a list briefly holds that many entries more than the chunk adds. */
 int kr_policy_appended(const kr_policy *p, int n_prompt);
 /* Attaches a policy to a sequence before its first token and before kr_seq_set_next_pos (NULL:
- * full attention). The policy must outlive the sequence. */
+ * full attention) and gives every list the decode rule the policy starts it with (a prefill
+ * may refine it). The policy must outlive the sequence. */
 int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err);
 
 /* ------------------------------------------------------------------ forward */
@@ -238,7 +239,7 @@ typedef enum kr_logits_mode {
 
 /* Feeds `n` tokens (1 <= n <= max_chunk) at positions next_pos .. next_pos+n-1: appends their
  * keys and values to every (layer, KV head) of `s` and attends causally over everything cached;
- * with a policy attached, its decode rule runs after each layer. Logits (float32, rows of
+ * the decode rule (kr_list_rule below) trims each list after each layer. Logits (float32, rows of
  * vocab_size) go to `logits` as `mode` says. Fails cleanly, leaving the sequence as it was,
  * when the pool has too few free blocks (checked before any work). */
 int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mode mode,
@@ -256,8 +257,8 @@ int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr
 
 /* One decode step for `n` sequences at once (continuous batching): tokens[i] is fed to
  * seqs[i] at its next position. Every weight matrix is applied to the n rows in one backend
- * call; each sequence attends its own cache; each sequence's policy decode rule runs as in
- * kr_forward, and its footprint and peak tallies advance as kr_forward's would. logits gets n
+ * call; each sequence attends its own cache; each sequence's lists are trimmed by their
+ * decode rules as in kr_forward, and its footprint and peak tallies advance as kr_forward's would. logits gets n
  * rows of vocab_size, row i for seqs[i]. The rows are bit-identical to n separate
  * kr_forward(c, seqs[i], &tokens[i], 1, KR_LOGITS_LAST, ...) calls, in any batch order and
  * size (the CPU backend keeps every row on its one-token dot-product path for that: a batch
@@ -268,17 +269,48 @@ int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr
 int kr_forward_batch(kr_ctx *c, kr_seq *const *seqs, const int32_t *tokens, int n, float *logits,
                      char *err);
 
+/* ------------------------------------------------------------------ the decode rule
+ * One rule trims every (layer, KV head) list after each decode step, whatever the policy
+ * (DESIGN.md section 1): the policy chose the list's pinned set and its rule at prefill; decode
+ * only applies the rule. The list keeps its pinned entries, with the first `sink` entries added
+ * to them (a list shorter than that pins all it holds); the entries after them are the recent
+ * window, pruned by the Lazy Pruning paper's Algorithm 1 with S = the pinned count:
+ * C = S + window, H = C + slack; when lazy > 0, len > C and len - C >= lazy, the list is cut to
+ * C (max_drop 0) or to min(max(len - max_drop, C), H), keeping its S pinned entries and the
+ * newest others. lazy 1 with slack and max_drop 0 is the plain rule "pinned + the newest
+ * `window`". window -1: never trimmed. rel: after each step the list's entries get positions
+ * 0..len-1 (keys re-rotated) and the sequence's next position follows its last layer's first
+ * list (the Lazy Pruning paper's eq. 4, streaming's pos=rel). */
+typedef struct kr_list_rule {
+    int sink; /* >= 0; INT_MAX pins every entry (a dense head whose pinned set is the list) */
+    int window; /* >= 0 entries besides the pinned ones, or -1: never trimmed */
+    int lazy; /* R >= 0; 0 never prunes */
+    int slack; /* >= 0 */
+    int max_drop; /* >= 0; 0 cuts straight to C */
+    int rel; /* 0 or 1 */
+} kr_list_rule;
+
+/* The rule of list (layer, kv_head): what kr_seq_set_policy and kr_prefill left there (a
+ * sequence without a policy: never trimmed). Out of range: the never-trimmed rule. */
+void kr_seq_list_rule(const kr_seq *s, int layer, int kv_head, kr_list_rule *out);
+/* Its window alone (-1: never trimmed). */
+int kr_seq_list_window(const kr_seq *s, int layer, int kv_head);
+/* The window a list of policy p (NULL: full) starts with, before a prefill refines it: the
+ * policy's own value, what reservations size for. hsft's is the layer's learned window (a
+ * prefill rescales it for the prompt), sage's R + 1 (a sequence's is B + 1 minus the list's
+ * pinned count). */
+int kr_policy_list_window(const kr_policy *p, int layer, int kv_head);
+
 /* ------------------------------------------------------------------ moving a sequence
  * What the KV bundle carries between processes (kvtransfer/ knows nothing of the engine; the
  * nodes copy through these). A list is [pinned entries | window entries], positions strictly
- * increasing; keys post-RoPE, float32.
+ * increasing; keys post-RoPE, float32; with each list its decode rule.
  *
- * The receiver, in this order: kr_seq_create; kr_seq_set_policy with the sender's spec parsed
- * (required before kr_seq_set_next_pos, which closes the sequence to it; appends do not need
- * it, but set it first); one kr_seq_list_append per list, in any order (a list's entries may
- * also come in several calls); kr_seq_set_next_pos with the sender's kr_seq_next_pos; then
- * decode. Decoding then gives logits bit-identical to continuing in the sender (the sender
- * having ended with kr_prefill, as a prefill node does: see kr_seq_set_next_pos). */
+ * The receiver, in this order: kr_seq_create; one kr_seq_list_append per list, in any order (a
+ * list's entries may also come in several calls) and its kr_seq_list_set_rule;
+ * kr_seq_set_next_pos with the sender's kr_seq_next_pos; then decode. No policy is needed:
+ * decode applies the lists' rules. Decoding then gives logits bit-identical to continuing in
+ * the sender (the sender having ended with kr_prefill, as a prefill node does). */
 
 /* Entries held and pinned by list (layer, kv_head); 0 and 0 for a list that does not exist.
  * Either pointer may be NULL. */
@@ -294,27 +326,15 @@ int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, 
  * list (0 <= pinned <= the list's new length; what kr_seq_list_shape reported at the sender). */
 int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *pos,
                        const float *k, const float *v, int pinned, char *err);
+/* Sets the decode rule of list (layer, kv_head) (what kr_seq_list_rule reported at the
+ * sender), under the same conditions as kr_seq_list_append; fails naming the field out of
+ * range. A later kr_seq_set_policy replaces it. */
+int kr_seq_list_set_rule(kr_seq *s, int layer, int kv_head, const kr_list_rule *rule, char *err);
 /* After the lists are filled: the position the next token is fed at (above every position
- * held; only before the sequence's first token), so decode continues exactly as it would have
- * in the sender's process. It closes the lists to kr_seq_list_append and the sequence to
- * kr_seq_set_policy, and rebuilds the policy's per-sequence decode state as the sender's last
- * kr_prefill left it (hsft: the windows rescaled for a context of next_pos tokens; a sender
- * that fed its tokens through kr_forward alone would have kept the learned windows). The
- * receiver's footprint tally starts at zero (the sender reports its own part). */
+ * held; only before the sequence's first token). It closes the lists to kr_seq_list_append and
+ * kr_seq_list_set_rule and the sequence to kr_seq_set_policy. The receiver's footprint tally
+ * starts at zero (the sender reports its own part). */
 int kr_seq_set_next_pos(kr_seq *s, int next_pos, char *err);
-/* The decode-side recent window W of list (layer, kv_head) under policy p (NULL: full), for the
- * bundle's list table: decode keeps the list's pinned entries and the newest W others; -1 when
- * the list is never trimmed during decode (full, decode=grow, dense heads of heads/hsft,
- * streaming with lazy=0). streaming: its `window` (Algorithm 1 lets a list run up to lazy - 1
- * entries, and slack, past it between prunes). Values that depend on the sequence are given
- * for none: hsft's own rule gives the layer's learned window (a sequence that ran kr_prefill
- * uses it rescaled), sage's own rule gives R + 1 (a list's is B + 1 minus its pinned count);
- * kr_seq_list_window gives the exact value for a sequence. */
-int kr_policy_list_window(const kr_policy *p, int layer, int kv_head);
-/* The same for a sequence under its own policy (NULL policy: -1), with what the sequence holds:
- * hsft's rescaled per-layer windows, sage's B + 1 minus the list's pinned count. What a prefill
- * node writes into the bundle. */
-int kr_seq_list_window(const kr_seq *s, int layer, int kv_head);
 /* An upper bound on the blocks a sequence holds at any moment (inside decode steps included)
  * when it arrives through kr_seq_list_append with at most kr_policy_max_entries(p, n_prompt, 0)
  * entries in each list, under policy p (NULL: full), and then decodes n_generate tokens (tokens

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+const kr_list_rule kr_rule_dense = {.sink = 0, .window = -1, .lazy = 1, .slack = 0, .max_drop = 0, .rel = 0};
+
 static void *host_alloc(void *ctx, size_t bytes)
 {
     return malloc(bytes);
@@ -96,6 +98,7 @@ int kr_seq_create(kr_kv_pool *pool, int n_layers, int n_kv_heads, kr_seq **out, 
     s->pool = pool;
     s->n_layers = n_layers;
     s->n_kv_heads = n_kv_heads;
+    for (int i = 0; i < n_layers * n_kv_heads; i++) s->lists[i].rule = kr_rule_dense;
     *out = s;
     return KR_OK;
 }

@@ -9,7 +9,8 @@
  * round(s * n) heads with the lowest gates (of all n KV heads of the model) streaming, the
  * others dense: every head streams at s = 1, none at s = 0.
  * A streaming head's chunk queries see sinks + window + the chunk causally; the head is trimmed
- * to sinks + window after each chunk and after each decode step.
+ * to sinks + window after each chunk, and its decode rule keeps sinks + the decode window
+ * (decode=window:W; by default the policy's window) after each decode step.
  */
 #include "policy.h"
 
@@ -131,34 +132,25 @@ static int heads_finish(kr_policy *p, const kr_config *cfg, char *err)
     return KR_OK;
 }
 
-static void heads_trim(const kr_policy *p, kr_seq *s, int layer, int window)
+static void heads_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
+                              int layer)
 {
     const heads_params *hp = p->params;
     for (int g = 0; g < s->n_kv_heads; g++) {
         if (hp->dense[layer * s->n_kv_heads + g]) continue;
         const kr_kv_list *l = kr_seq_list(s, layer, g);
-        if (window >= 0 && l->len > hp->sink + window) kr_seq_keep_ends(s, layer, g, hp->sink, window);
+        if (l->len > hp->sink + hp->window) kr_seq_keep_ends(s, layer, g, hp->sink, hp->window);
         else kr_seq_list(s, layer, g)->pinned = hp->sink < l->len ? hp->sink : l->len;
     }
 }
 
-static void heads_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
-                              int layer)
-{
-    heads_trim(p, s, layer, ((const heads_params *)p->params)->window);
-}
-
 /* dense heads grow; streaming heads keep sinks + the decode window */
-static void heads_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer)
-{
-    heads_trim(p, s, layer, p->decode_window);
-}
-
-static int heads_list_window(const kr_policy *p, const kr_seq *s, int layer, int kv_head)
+static void heads_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_head, kr_list_rule *rule)
 {
     const heads_params *hp = p->params;
-    if (hp->dense[layer * p->n_kv_heads + kv_head]) return -1;
-    return p->decode_window >= 0 ? p->decode_window : -1;
+    if (hp->dense[layer * p->n_kv_heads + kv_head]) return;
+    rule->sink = hp->sink;
+    rule->window = p->decode_window;
 }
 
 static int heads_max_entries(const kr_policy *p, int n_prompt, int n_generate)
@@ -195,9 +187,8 @@ const kr_policy_ops kr_policy_heads = {
     .set = heads_set,
     .finish = heads_finish,
     .after_chunk = heads_after_chunk,
-    .after_step = heads_after_step,
     .max_entries = heads_max_entries,
     .list_max_entries = heads_list_max_entries,
-    .list_window = heads_list_window,
+    .list_rule = heads_list_rule,
     .free_params = heads_free,
 };

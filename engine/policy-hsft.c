@@ -17,14 +17,16 @@
  * prefill (every (layer, KV head) holding every token); the rescale runs at the start of every
  * kr_prefill call (its first chunk, layer 0) because only then is that length known. A sequence
  * fed through kr_forward alone uses the learned windows unscaled. Streaming heads are trimmed to
- * sinks + window after every chunk and every decode step, like the `heads` policy; a chunk's
- * queries see the sinks, the window and the chunk causally.
+ * sinks + window after every chunk, and their decode rule keeps sinks + the same window (the
+ * rescale rewrites it) after every decode step, like the `heads` policy; dense heads pin
+ * everything. A chunk's queries see the sinks, the window and the chunk causally.
  *
  * What it is not: training. The learned windows and the gates come from files.
  */
 #include "policy.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,8 +255,7 @@ static int hsft_finish(kr_policy *p, const kr_config *cfg, char *err)
     kr_policy_spec_add(p, "dense", "%g", hp->dense);
     kr_policy_spec_add(p, "budget", "%g", hp->budget);
     kr_policy_spec_add(p, "sink", "%d", hp->sink);
-    /* not given: each layer's own rescaled window (not one W, so nothing to print) */
-    if (p->decode_window == -2) p->decode_window = KR_DECODE_OWN;
+    /* decode= not given: each layer's own rescaled window (not one W, so nothing to print) */
     return KR_OK;
 }
 
@@ -281,6 +282,22 @@ static void hsft_trim(const hsft_params *hp, kr_seq *s, int layer, int window)
     }
 }
 
+/* Dense heads pin every entry and are never trimmed; streaming heads keep sinks + the decode
+ * window: decode=window:W, never trimmed with decode=grow, by default their layer's window (the
+ * learned one, until a prefill rescales it). */
+static void hsft_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_head, kr_list_rule *rule)
+{
+    const hsft_params *hp = p->params;
+    if (hp->is_dense[layer * p->n_kv_heads + kv_head]) {
+        rule->sink = INT_MAX;
+        return;
+    }
+    rule->sink = hp->sink;
+    if (p->decode_window != -2) rule->window = p->decode_window;
+    else if (s) rule->window = ((const hsft_state *)s->policy_state)->window[layer];
+    else rule->window = hp->learned[layer];
+}
+
 static void hsft_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
                              int layer)
 {
@@ -288,23 +305,14 @@ static void hsft_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
     hsft_state *st = s->policy_state;
     if (c->start == 0 && layer == 0) {
         /* a new prefill: the context at its end is what came before plus this prompt (next_pos
-         * already counts this chunk) */
+         * already counts this chunk); the streaming heads' decode rules follow the rescale */
         int ctx = s->next_pos - c->n_real + c->n_prompt;
         kr_hsft_rescale(hp->learned, p->n_layers, hp->n_dense, hp->n_stream, hp->sink, hp->budget, ctx, st->window);
         st->ctx = ctx;
+        for (int i = 0; i < p->n_layers * p->n_kv_heads; i++)
+            kr_policy_list_rule(p, s, i / p->n_kv_heads, i % p->n_kv_heads, &s->lists[i].rule);
     }
     hsft_trim(hp, s, layer, st->window[layer]);
-}
-
-static void hsft_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer)
-{
-    const hsft_params *hp = p->params;
-    const hsft_state *st = s->policy_state;
-    if (p->decode_window == -1) { /* decode=grow: streaming heads keep what prefill left, plus new */
-        hsft_trim(hp, s, layer, KR_HSFT_ALL);
-        return;
-    }
-    hsft_trim(hp, s, layer, p->decode_window >= 0 ? p->decode_window : st->window[layer]);
 }
 
 /* Dense heads hold everything; a streaming head holds what prefill left (sinks + its layer's
@@ -353,30 +361,6 @@ static void hsft_free(kr_policy *p)
     free(hp->is_dense);
 }
 
-/* Dense heads are never trimmed; streaming heads keep sinks + the decode window, by default
- * their layer's window as rescaled for the sequence (without a sequence: the learned window,
- * what a sequence that never ran kr_prefill uses). */
-static int hsft_list_window(const kr_policy *p, const kr_seq *s, int layer, int kv_head)
-{
-    const hsft_params *hp = p->params;
-    if (hp->is_dense[layer * p->n_kv_heads + kv_head] || p->decode_window == -1) return -1;
-    if (p->decode_window >= 0) return p->decode_window;
-    int w = s ? ((const hsft_state *)s->policy_state)->window[layer] : hp->learned[layer];
-    return w == KR_HSFT_ALL ? -1 : w;
-}
-
-/* The sender's kr_prefill rescaled the windows for the context at its end: the next position
- * the sequence arrives with. */
-static void hsft_imported(const kr_policy *p, kr_seq *s)
-{
-    const hsft_params *hp = p->params;
-    hsft_state *st = s->policy_state;
-    if (s->next_pos == 0) return; /* nothing was prefilled: the learned windows, as for a new sequence */
-    kr_hsft_rescale(hp->learned, p->n_layers, hp->n_dense, hp->n_stream, hp->sink, hp->budget, s->next_pos,
-                    st->window);
-    st->ctx = s->next_pos;
-}
-
 const kr_policy_ops kr_policy_hsft = {
     .name = "hsft",
     .init = hsft_init,
@@ -384,10 +368,8 @@ const kr_policy_ops kr_policy_hsft = {
     .finish = hsft_finish,
     .state_init = hsft_state_init,
     .after_chunk = hsft_after_chunk,
-    .after_step = hsft_after_step,
     .max_entries = hsft_max_entries,
     .list_max_entries = hsft_list_max_entries,
-    .list_window = hsft_list_window,
-    .imported = hsft_imported,
+    .list_rule = hsft_list_rule,
     .free_params = hsft_free,
 };

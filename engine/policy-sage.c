@@ -7,7 +7,8 @@
  * sets them, R = B - S - G*k (B/4 when G divides B/2; the paper's Qwen2.5 example gives 2560
  * for G = 7), so the reduced cache holds at most S + G*k + R + 1 = B + 1 entries.
  * Decode: sinks and selected entries are pinned; a new token joins the recent window and, once
- * the cache holds B + 1 entries, the oldest window entry leaves (the paper's step 4). When the
+ * the cache holds B + 1 entries, the oldest window entry leaves (the paper's step 4): each
+ * list's decode rule is its pinned set plus a window of B + 1 minus its pinned count. When the
  * G heads' selections overlap, the unused part of the budget lets the window hold more than
  * R + 1; a prompt of at most B entries is kept whole and the window grows until the cache is
  * full. Chunks before the last are not evicted (SAGE is post-fill). decode=grow / window:W
@@ -53,8 +54,25 @@ static int sage_finish(kr_policy *p, const kr_config *cfg, char *err)
         return kr_errf(err, "policy: sage budget=%d is too small for %d query heads per KV head "
                        "(needs k = B/(2G) >= 1)", sp->budget, group);
     kr_policy_spec_add(p, "budget", "%d", sp->budget);
-    if (p->decode_window == -2) p->decode_window = KR_DECODE_OWN;
     return KR_OK;
+}
+
+/* The cache is capped at B + 1 entries: the window is what the list's pinned set leaves of it
+ * (without a sequence: R + 1, the window when the G heads' selections do not overlap).
+ * decode=window:W or grow replace the cap. */
+static void sage_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_head, kr_list_rule *rule)
+{
+    const sage_params *sp = p->params;
+    if (p->decode_window != -2) {
+        rule->window = p->decode_window;
+        return;
+    }
+    if (!s) {
+        rule->window = sp->recent + 1;
+        return;
+    }
+    int pinned = s->lists[layer * s->n_kv_heads + kv_head].pinned;
+    rule->window = sp->budget + 1 - pinned > 0 ? sp->budget + 1 - pinned : 0;
 }
 
 static void sage_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
@@ -71,6 +89,7 @@ static void sage_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
         const int n = l->len, window = sp->recent + 1;
         if (n <= sp->budget) { /* nothing to evict; the sinks are pinned */
             kr_seq_list(s, layer, g)->pinned = sp->sink < n ? sp->sink : n;
+            kr_policy_list_rule(p, s, layer, g, &kr_seq_list(s, layer, g)->rule);
             continue;
         }
         const int mid0 = sp->sink, mid1 = n - window; /* middle [mid0, mid1) */
@@ -89,21 +108,7 @@ static void sage_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
         pinned = m;
         for (int i = mid1; i < n; i++) env->idx[m++] = i;
         kr_seq_keep(s, layer, g, env->idx, m, pinned);
-    }
-}
-
-/* the cache is capped at B + 1 entries; the newest decode token may sit above the cap until
- * the step's trim */
-static void sage_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer)
-{
-    const sage_params *sp = p->params;
-    if (p->decode_window != KR_DECODE_OWN) {
-        kr_policy_decode_window(p, s, env, layer);
-        return;
-    }
-    for (int g = 0; g < s->n_kv_heads; g++) {
-        const kr_kv_list *l = kr_seq_list(s, layer, g);
-        if (l->len > sp->budget + 1) kr_seq_keep_ends(s, layer, g, l->pinned, sp->budget + 1 - l->pinned);
+        kr_policy_list_rule(p, s, layer, g, &kr_seq_list(s, layer, g)->rule);
     }
 }
 
@@ -124,24 +129,12 @@ static int sage_max_entries(const kr_policy *p, int n_prompt, int n_generate)
     return total < sp->budget + 2 ? total : sp->budget + 2;
 }
 
-/* Own rule: the cache of B + 1 less the list's pinned set (without a sequence: R + 1, the
- * window when the G heads' selections do not overlap). */
-static int sage_list_window(const kr_policy *p, const kr_seq *s, int layer, int kv_head)
-{
-    const sage_params *sp = p->params;
-    if (p->decode_window != KR_DECODE_OWN) return p->decode_window >= 0 ? p->decode_window : -1;
-    if (!s) return sp->recent + 1;
-    int pinned = s->lists[layer * s->n_kv_heads + kv_head].pinned;
-    return sp->budget + 1 - pinned > 0 ? sp->budget + 1 - pinned : 0;
-}
-
 const kr_policy_ops kr_policy_sage = {
     .name = "sage",
     .init = sage_init,
     .set = sage_set,
     .finish = sage_finish,
     .after_chunk = sage_after_chunk,
-    .after_step = sage_after_step,
     .max_entries = sage_max_entries,
-    .list_window = sage_list_window,
+    .list_rule = sage_list_rule,
 };

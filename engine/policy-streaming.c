@@ -5,7 +5,8 @@
  * Lazy Pruning, Algorithm 1: C = S + W, H = C + slack; with cache length L, prune
  * only when lazy R > 0, L > C and L - C >= R; the target is C when max_drop = 0, else
  * min(max(L - max_drop, C), H); keep the first S and the newest target - S. It runs after every
- * prefill chunk and every decode step. pos=rel re-assigns positions 0..L-1 and re-rotates keys
+ * prefill chunk here, and every list carries it as its decode rule (S sinks, W, R, slack,
+ * max_drop: kr_list_rule), which the forward applies after every decode step. pos=rel re-assigns positions 0..L-1 and re-rotates keys
  * (the paper's eq. 4), so generation can run past the model's maximum position.
  */
 #include "policy.h"
@@ -70,7 +71,6 @@ static int streaming_finish(kr_policy *p, const kr_config *cfg, char *err)
         return kr_errf(err, "policy: streaming prunes decode with its own sink and window "
                        "(decode=grow stops that; decode=window:W is not for streaming)");
     sp->decode_grows = p->decode_window == -1;
-    p->decode_window = sp->decode_grows ? -1 : KR_DECODE_OWN;
     return KR_OK;
 }
 
@@ -102,10 +102,14 @@ static void streaming_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_
     streaming_prune(p->params, s, env, layer);
 }
 
-static void streaming_after_step(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer)
+/* Decode runs Algorithm 1 as every list's rule; decode=grow leaves the lists alone. lazy 0
+ * never prunes, so the window is reported as never trimmed (the sinks stay pinned). */
+static void streaming_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_head, kr_list_rule *rule)
 {
     const streaming_params *sp = p->params;
-    if (!sp->decode_grows) streaming_prune(sp, s, env, layer);
+    if (sp->decode_grows) return;
+    *rule = (kr_list_rule){.sink = sp->sink, .window = sp->lazy == 0 ? -1 : sp->window, .lazy = sp->lazy,
+                           .slack = sp->slack, .max_drop = sp->max_drop, .rel = sp->rel};
 }
 
 /* Between steps a list never holds more than C + R entries (pruning triggers at L - C >= R and
@@ -123,21 +127,12 @@ static int streaming_max_entries(const kr_policy *p, int n_prompt, int n_generat
     return total < cap ? total : cap;
 }
 
-/* Algorithm 1 prunes back to S sinks + W (lazily: a list may run up to R - 1 entries past that,
- * and max_drop/slack may keep up to slack more); it never prunes with lazy 0 or decode=grow. */
-static int streaming_list_window(const kr_policy *p, const kr_seq *s, int layer, int kv_head)
-{
-    const streaming_params *sp = p->params;
-    return sp->decode_grows || sp->lazy == 0 ? -1 : sp->window;
-}
-
 const kr_policy_ops kr_policy_streaming = {
     .name = "streaming",
     .init = streaming_init,
     .set = streaming_set,
     .finish = streaming_finish,
     .after_chunk = streaming_after_chunk,
-    .after_step = streaming_after_step,
     .max_entries = streaming_max_entries,
-    .list_window = streaming_list_window,
+    .list_rule = streaming_list_rule,
 };

@@ -1,7 +1,7 @@
 /*
  * policy.c - parsing of policy specs ("name:key=value,..."), the registry of policy families,
- * the helpers they share (decode window, dropping appended observers, re-rotating keys for
- * pos=rel) and the `full` policy. The families live in policy-*.c; docs/policies.md lists every
+ * the helpers they share (the decode rule a list starts with, re-rotating keys for pos=rel) and
+ * the `full` policy. The families live in policy-*.c; docs/policies.md lists every
  * key, its default and where it comes from.
  */
 #include "policy.h"
@@ -66,13 +66,11 @@ int kr_policy_decode_key(kr_policy *p, const char *key, const char *value, int *
     return kr_errf(err, "policy: decode=%s must be grow or window:W", value);
 }
 
-void kr_policy_decode_window(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer)
+void kr_policy_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_head, kr_list_rule *rule)
 {
-    if (p->decode_window < 0) return;
-    for (int g = 0; g < s->n_kv_heads; g++) {
-        const kr_kv_list *l = kr_seq_list(s, layer, g);
-        if (l->len - l->pinned > p->decode_window) kr_seq_keep_ends(s, layer, g, l->pinned, p->decode_window);
-    }
+    *rule = kr_rule_dense;
+    if (p->ops->list_rule) p->ops->list_rule(p, s, layer, kv_head, rule);
+    else if (p->decode_window >= 0) rule->window = p->decode_window;
 }
 
 void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_head)
@@ -198,21 +196,14 @@ int kr_policy_appended(const kr_policy *p, int n_prompt)
 int kr_policy_list_window(const kr_policy *p, int layer, int kv_head)
 {
     if (!p || layer < 0 || layer >= p->n_layers || kv_head < 0 || kv_head >= p->n_kv_heads) return -1;
-    if (p->ops->list_window) return p->ops->list_window(p, NULL, layer, kv_head);
-    return p->decode_window >= 0 ? p->decode_window : -1;
-}
-
-int kr_seq_list_window(const kr_seq *s, int layer, int kv_head)
-{
-    const kr_policy *p = s->policy;
-    if (!p || layer < 0 || layer >= s->n_layers || kv_head < 0 || kv_head >= s->n_kv_heads) return -1;
-    if (p->ops->list_window) return p->ops->list_window(p, s, layer, kv_head);
-    return p->decode_window >= 0 ? p->decode_window : -1;
+    kr_list_rule rule;
+    kr_policy_list_rule(p, NULL, layer, kv_head, &rule);
+    return rule.window;
 }
 
 int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err)
 {
-    if (s->next_pos != 0 || s->fp.steps != 0 || s->imported)
+    if (s->next_pos != 0 || s->fp.steps != 0 || s->closed)
         return kr_errf(err, "policy: set it before the sequence's first token (and before kr_seq_set_next_pos)");
     if (p && (p->n_layers != s->n_layers || p->n_kv_heads != s->n_kv_heads))
         return kr_errf(err, "policy: parsed for another model shape");
@@ -222,6 +213,10 @@ int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err)
     if (p && p->ops->state_init && p->ops->state_init(p, s, err) != KR_OK) {
         s->policy = NULL;
         return -1;
+    }
+    for (int i = 0; i < s->n_layers * s->n_kv_heads; i++) {
+        if (p) kr_policy_list_rule(p, s, i / s->n_kv_heads, i % s->n_kv_heads, &s->lists[i].rule);
+        else s->lists[i].rule = kr_rule_dense;
     }
     return KR_OK;
 }

@@ -3,12 +3,14 @@
  *
  * DESIGN.md section 1: every policy chooses a *pinned set* per (layer, KV head) during prefill
  * and keeps a *recent window* during decode. A list of a sequence is laid out as
- * [pinned entries | window entries], `pinned` counting the first. The forward pass calls a
- * policy at two moments only:
+ * [pinned entries | window entries], `pinned` counting the first. Policies run where the prompt
+ * is, at two moments only:
+ *   - kr_seq_set_policy: each list gets the decode rule the policy starts it with (list_rule);
  *   - after_chunk: layer `layer` has just attended one prefill chunk (its queries are in
  *     `kr_chunk.q`, post-RoPE, in backend memory); the policy may keep any subset of that layer's
- *     lists (kr_seq_keep) and must drop the entries of observer rows it had appended;
- *   - after_step: one decode token went through every layer; the policy trims.
+ *     lists (kr_seq_keep) and refine their rules (kr_kv_list.rule).
+ * Decode runs no policy code: forward.c applies every list's rule (kr_list_rule, kr.h), the
+ * same on a prefill node, in one process and on a decode node that received the lists.
  * Attention-guided policies score entries with the one scoring primitive (backend op `score`,
  * then kr_pool1d and kr_topk below). The policy modules are policy-*.c, one per family.
  */
@@ -19,15 +21,16 @@
 
 typedef struct kr_policy_ops kr_policy_ops;
 
-enum { KR_POLICY_MAX_SPEC = 512, KR_DECODE_OWN = -3 };
+enum { KR_POLICY_MAX_SPEC = 512 };
 
 /* Parsed, validated and immutable; shared by every sequence that uses it. */
 struct kr_policy {
     const kr_policy_ops *ops;
     char spec[KR_POLICY_MAX_SPEC]; /* canonical: name:key=value,... with every default filled */
     int n_layers, n_heads, n_kv_heads, head_dim;
-    /* decode: -1 grows; >= 0 keeps the pinned set plus the newest `decode_window` entries;
-     * KR_DECODE_OWN: the family's after_step has its own rule (streaming's Algorithm 1) */
+    /* the decode= key: -1 grows; >= 0 keeps the pinned set plus the newest `decode_window`
+     * entries; -2 (not given, for families whose default is their own rule: streaming, sage,
+     * hsft) the family's list rules */
     int decode_window;
     void *params; /* the family's parameters, owned (freed with free()) */
 };
@@ -72,9 +75,6 @@ struct kr_policy_ops {
     int (*state_init)(const kr_policy *p, kr_seq *s, char *err);
     void (*after_chunk)(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
                         int layer);
-    /* After a decode forward attended layer `layer`. NULL: the generic decode window
-     * (kr_policy_decode_window). */
-    void (*after_step)(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer);
     /* Most entries one (layer, KV head) holds at any moment after prefilling n_prompt tokens,
      * while generating n_generate (for reservations): inside a decode step the new token's entry
      * is there before the step's trim, and counts. NULL: the pinned set of a full prompt plus
@@ -84,17 +84,11 @@ struct kr_policy_ops {
      * lists differ (dense and streaming heads): block reservations sum it. NULL: max_entries
      * for every list. */
     void (*list_max_entries)(const kr_policy *p, int n_prompt, int n_generate, int *most);
-    /* The decode-side window of list (layer, kv_head): decode keeps the list's pinned entries
-     * and at most this many others; -1 when decode never trims the list. `s` is the sequence
-     * when there is one (its per-sequence state and pinned counts may refine the value), NULL
-     * for the policy's own value. NULL op: decode_window when >= 0, else -1 (families whose
-     * decode rule is their own, KR_DECODE_OWN, or differs per head need the op). */
-    int (*list_window)(const kr_policy *p, const kr_seq *s, int layer, int kv_head);
-    /* kr_seq_set_next_pos just closed a sequence filled by kr_seq_list_append: rebuild the
-     * per-sequence state the decode rule reads, as kr_prefill would have left it for a context
-     * of s->next_pos tokens, so decode continues as in the sender's process. NULL: the decode
-     * rule reads no per-sequence state. */
-    void (*imported)(const kr_policy *p, kr_seq *s);
+    /* The decode rule list (layer, kv_head) starts with, into `rule` (preset to the
+     * never-trimmed rule): for sequence `s` when kr_seq_set_policy attaches the policy (its lists
+     * are empty; per-sequence state is initialised), NULL for the policy's own value (what
+     * reservations size for). NULL op: decode_window when >= 0, else never trimmed. */
+    void (*list_rule)(const kr_policy *p, const kr_seq *s, int layer, int kv_head, kr_list_rule *rule);
     /* Frees what p->params points to (p->params itself is freed by kr_policy_free). */
     void (*free_params)(kr_policy *p);
 };
@@ -112,14 +106,15 @@ void kr_policy_spec_add(kr_policy *p, const char *key, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Parses the decode=grow|window:W key shared by every family (returns 1 when `key` was it). */
 int kr_policy_decode_key(kr_policy *p, const char *key, const char *value, int *handled, char *err);
-/* after_step default: each list keeps its pinned entries and the newest decode_window others */
-void kr_policy_decode_window(const kr_policy *p, kr_seq *s, const kr_evict_env *env, int layer);
+/* The rule list (layer, kv_head) of a sequence starts with under p (the list_rule op or its
+ * default); s NULL: the policy's own value. */
+void kr_policy_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_head, kr_list_rule *rule);
 /* Re-assigns positions 0..len-1 to a list's entries and rotates each key by its position change
  * (DESIGN.md section 1, `pos=rel`). */
 void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_head);
 
 /* Algorithm 1 of the Lazy Pruning paper: the length a cache of L entries is pruned to, or -1 to
- * leave it alone (policy-streaming.c). */
+ * leave it alone (policy-streaming.c); the decode rule of every list runs it too. */
 int kr_streaming_target(int L, int S, int W, int R, int slack, int max_drop);
 
 /* SnapKV's ops (policy-snapkv.c), which PyramidKV (policy-pyramid.c) shares: init with

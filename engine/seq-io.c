@@ -1,12 +1,12 @@
 /*
  * seq-io.c - moving a sequence between processes: reading a sequence's lists out entry by entry,
- * filling a new sequence's lists from them, closing it with the next position so decode goes on
- * exactly as in the sender, and the block bound a receiver reserves. The KV bundle
+ * filling a new sequence's lists and their decode rules from them, closing it with the next
+ * position so decode goes on exactly as in the sender, and the block bound a receiver reserves. The KV bundle
  * (kvtransfer/) carries what these read and write; this file knows nothing of it.
  * What it is not: a codec or a transport. Entries are float32 keys (post-RoPE) and values.
  *
- * Order on the receiving side: kr_seq_create, kr_seq_set_policy, kr_seq_list_append for every
- * list (any order), kr_seq_set_next_pos, then decode (kr_forward / kr_forward_batch).
+ * Order on the receiving side: kr_seq_create, kr_seq_list_append and kr_seq_list_set_rule for
+ * every list (any order), kr_seq_set_next_pos, then decode (kr_forward / kr_forward_batch).
  */
 #include "policy.h"
 
@@ -18,6 +18,15 @@ static int check_list(const kr_seq *s, int layer, int kv_head, const char *what,
     if (layer < 0 || layer >= s->n_layers || kv_head < 0 || kv_head >= s->n_kv_heads)
         return kr_errf(err, "%s: list (layer %d, KV head %d) does not exist (the sequence has %d layers x %d KV "
                        "heads)", what, layer, kv_head, s->n_layers, s->n_kv_heads);
+    return KR_OK;
+}
+
+/* Lists are filled before the sequence is fed or closed. */
+static int check_open(const kr_seq *s, const char *what, char *err)
+{
+    if (s->fp.steps != 0 || s->closed)
+        return kr_errf(err, "%s: the sequence was already %s; lists are filled before that", what,
+                       s->closed ? "closed by kr_seq_set_next_pos" : "fed tokens");
     return KR_OK;
 }
 
@@ -55,9 +64,7 @@ int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *
                        const float *v, int pinned, char *err)
 {
     if (check_list(s, layer, kv_head, "list_append", err) != KR_OK) return -1;
-    if (s->fp.steps != 0 || s->imported)
-        return kr_errf(err, "list_append: the sequence was already %s; lists are filled before that",
-                       s->imported ? "closed by kr_seq_set_next_pos" : "fed tokens");
+    if (check_open(s, "list_append", err) != KR_OK) return -1;
     kr_kv_list *l = kr_seq_list(s, layer, kv_head);
     if (n < 0) return kr_errf(err, "list_append: n = %d entries", n);
     if (n > 0 && (!pos || !k || !v))
@@ -83,6 +90,34 @@ int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *
     return KR_OK;
 }
 
+void kr_seq_list_rule(const kr_seq *s, int layer, int kv_head, kr_list_rule *out)
+{
+    *out = check_list(s, layer, kv_head, "list_rule", NULL) == KR_OK ? s->lists[layer * s->n_kv_heads + kv_head].rule
+                                                                     : kr_rule_dense;
+}
+
+int kr_seq_list_window(const kr_seq *s, int layer, int kv_head)
+{
+    kr_list_rule r;
+    kr_seq_list_rule(s, layer, kv_head, &r);
+    return r.window;
+}
+
+int kr_seq_list_set_rule(kr_seq *s, int layer, int kv_head, const kr_list_rule *rule, char *err)
+{
+    if (check_list(s, layer, kv_head, "list_set_rule", err) != KR_OK) return -1;
+    if (check_open(s, "list_set_rule", err) != KR_OK) return -1;
+    const kr_list_rule *r = rule;
+    const char *bad = r->sink < 0 ? "sink" : r->window < -1 ? "window" : r->lazy < 0 ? "lazy" : r->slack < 0 ? "slack"
+                      : r->max_drop < 0 ? "max_drop" : r->rel != 0 && r->rel != 1 ? "rel" : NULL;
+    if (bad)
+        return kr_errf(err, "list_set_rule: list (layer %d, KV head %d): %s is out of range (sink %d, window %d, lazy "
+                       "%d, slack %d, max_drop %d, rel %d: window >= -1, rel 0 or 1, the others >= 0)", layer, kv_head,
+                       bad, r->sink, r->window, r->lazy, r->slack, r->max_drop, r->rel);
+    kr_seq_list(s, layer, kv_head)->rule = *rule;
+    return KR_OK;
+}
+
 int kr_seq_set_next_pos(kr_seq *s, int next_pos, char *err)
 {
     if (s->fp.steps != 0)
@@ -96,8 +131,7 @@ int kr_seq_set_next_pos(kr_seq *s, int next_pos, char *err)
                            "head %d)", next_pos, last, i / s->n_kv_heads, i % s->n_kv_heads);
     }
     s->next_pos = next_pos;
-    s->imported = 1;
-    if (s->policy && s->policy->ops->imported) s->policy->ops->imported(s->policy, s);
+    s->closed = 1;
     return KR_OK;
 }
 

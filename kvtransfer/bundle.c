@@ -29,9 +29,9 @@ static const uint8_t BL_MAGIC[8] = {'K', 'V', 'R', 'B', 'U', 'N', 'D', 'L'};
 enum {
     BL_FIXED = 80, /* fixed header bytes before the section table */
     BL_SECT_ENTRY = 24, /* u32 id, u32 crc, u64 offset, u64 length */
-    BL_LIST_ENTRY = 24, /* u64 first, u32 count, u32 pinned, u32 window, u32 reserved */
+    BL_LIST_ENTRY = 40, /* u64 first; u32 count, pinned, window, sink, lazy, slack, max_drop, flags */
     BL_ALIGN = 64, /* every section starts on a multiple of this */
-    BL_V1_SECTIONS = 4,
+    BL_BASE_SECTIONS = 4,
     BL_MAX_SECTIONS = 16, /* a newer minor may append sections after V; this many at most */
     BL_REQUIRED_FLAGS = 0xffff, /* low flag bits: a reader that does not know one must refuse */
 };
@@ -59,9 +59,9 @@ enum {
 };
 
 enum { BL_SEC_LISTS = 0, BL_SEC_POSITIONS = 1, BL_SEC_K = 2, BL_SEC_V = 3 };
-static const char *const BL_SEC_NAME[BL_V1_SECTIONS] = {"lists", "positions", "K", "V"};
+static const char *const BL_SEC_NAME[BL_BASE_SECTIONS] = {"lists", "positions", "K", "V"};
 
-static const char *sec_name(unsigned i) { return i < BL_V1_SECTIONS ? BL_SEC_NAME[i] : "extra"; }
+static const char *sec_name(unsigned i) { return i < BL_BASE_SECTIONS ? BL_SEC_NAME[i] : "extra"; }
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -334,9 +334,39 @@ static int check_header(const kt_bundle_header *h, size_t policy_len, char *err)
     return 0;
 }
 
+/* A list table record: u64 first, then the kt_bundle_list fields in declaration order. */
+static void list_rd(const uint8_t *t, kt_bundle_list *l)
+{
+    l->count = kt_rd32(t + 8);
+    l->pinned = kt_rd32(t + 12);
+    l->window = kt_rd32(t + 16);
+    l->sink = kt_rd32(t + 20);
+    l->lazy = kt_rd32(t + 24);
+    l->slack = kt_rd32(t + 28);
+    l->max_drop = kt_rd32(t + 32);
+    l->flags = kt_rd32(t + 36);
+}
+
+static void list_wr(uint8_t *t, uint64_t first, const kt_bundle_list *l)
+{
+    kt_wr64(t, first);
+    kt_wr32(t + 8, l->count);
+    kt_wr32(t + 12, l->pinned);
+    kt_wr32(t + 16, l->window);
+    kt_wr32(t + 20, l->sink);
+    kt_wr32(t + 24, l->lazy);
+    kt_wr32(t + 28, l->slack);
+    kt_wr32(t + 32, l->max_drop);
+    kt_wr32(t + 36, l->flags);
+}
+
 static int check_list(const kt_bundle_header *h, uint32_t i, const kt_bundle_list *l, char *err)
 {
     const uint32_t layer = i / h->n_kv_heads, head = i % h->n_kv_heads;
+    const struct {
+        const char *name;
+        uint32_t value;
+    } rule[] = {{"sink", l->sink}, {"lazy", l->lazy}, {"slack", l->slack}, {"max_drop", l->max_drop}};
     if (l->count > (uint32_t)h->next_pos)
         return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") count %" PRIu32
                     " exceeds next_pos %" PRId32 " (positions are distinct and below it)",
@@ -347,13 +377,24 @@ static int check_list(const kt_bundle_header *h, uint32_t i, const kt_bundle_lis
     if (l->window != KT_BUNDLE_WINDOW_DENSE && l->window > (uint32_t)INT32_MAX)
         return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") window %" PRIu32
                     " is above 2^31-1 and not the dense marker 0xffffffff", layer, head, l->window);
+    for (size_t r = 0; r < sizeof rule / sizeof rule[0]; r++)
+        if (rule[r].value > (uint32_t)INT32_MAX)
+            return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") %s %" PRIu32 " is above 2^31-1",
+                        layer, head, rule[r].name, rule[r].value);
+    if (l->window != KT_BUNDLE_WINDOW_DENSE && l->lazy == 0)
+        return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") lazy is 0 with window %" PRIu32
+                    " (a trimmed list prunes with lazy >= 1; a list never pruned has the dense window)",
+                    layer, head, l->window);
+    if (l->flags & ~KT_BUNDLE_LIST_REL)
+        return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") has unknown flags 0x%08" PRIx32
+                    " (known: 0x1 rel)", layer, head, l->flags & ~KT_BUNDLE_LIST_REL);
     return 0;
 }
 
-/* Where every v1 section goes, from the header and the entry total; checked arithmetic. */
+/* Where every base section goes, from the header and the entry total; checked arithmetic. */
 typedef struct bl_layout {
     uint64_t header_size;
-    uint64_t off[BL_V1_SECTIONS], len[BL_V1_SECTIONS];
+    uint64_t off[BL_BASE_SECTIONS], len[BL_BASE_SECTIONS];
     uint64_t total;
 } bl_layout;
 
@@ -371,7 +412,7 @@ static int layout(uint32_t n_sections, size_t policy_len, uint32_t n_lists, uint
                     "-byte bundle limit", n_entries, row_bytes, (uint64_t)KT_BUNDLE_MAX_BYTES);
     L->len[BL_SEC_K] = L->len[BL_SEC_V] = kv;
     uint64_t end = L->header_size;
-    for (int s = 0; s < BL_V1_SECTIONS; s++) {
+    for (int s = 0; s < BL_BASE_SECTIONS; s++) {
         L->off[s] = align_up(end);
         end = L->off[s] + L->len[s]; /* each term <= 2^38: no overflow */
     }
@@ -400,7 +441,7 @@ static int plan(const kt_bundle_header *h, const kt_bundle_list *lists, bl_layou
         if (check_list(h, i, &lists[i], err)) return -1;
         n_entries += lists[i].count;
     }
-    if (layout(BL_V1_SECTIONS, policy_len, n_lists, n_entries,
+    if (layout(BL_BASE_SECTIONS, policy_len, n_lists, n_entries,
                (size_t)h->head_dim * kt_dtype_size(h->dtype), L, err))
         return -1;
     *n_entries_out = n_entries;
@@ -448,32 +489,28 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     kt_wr32(b + BL_OFF_KV_HEADS, h->n_kv_heads);
     kt_wr32(b + BL_OFF_HEAD_DIM, h->head_dim);
     kt_wr16(b + BL_OFF_DTYPE, (uint16_t)h->dtype);
-    kt_wr16(b + BL_OFF_N_SECTIONS, BL_V1_SECTIONS);
+    kt_wr16(b + BL_OFF_N_SECTIONS, BL_BASE_SECTIONS);
     kt_wr32(b + BL_OFF_FIRST_TOKEN, (uint32_t)h->first_token);
     kt_wr32(b + BL_OFF_PROMPT_LEN, (uint32_t)h->prompt_len);
     kt_wr32(b + BL_OFF_NEXT_POS, (uint32_t)h->next_pos);
     kt_wr16(b + BL_OFF_POLICY_LEN, (uint16_t)policy_len);
-    for (int s = 0; s < BL_V1_SECTIONS; s++) {
+    for (int s = 0; s < BL_BASE_SECTIONS; s++) {
         uint8_t *e = b + BL_FIXED + s * BL_SECT_ENTRY;
         kt_wr32(e, (uint32_t)s + 1);
         kt_wr64(e + 8, L.off[s]);
         kt_wr64(e + 16, L.len[s]);
     }
-    memcpy(b + BL_FIXED + BL_V1_SECTIONS * BL_SECT_ENTRY, h->policy, policy_len);
+    memcpy(b + BL_FIXED + BL_BASE_SECTIONS * BL_SECT_ENTRY, h->policy, policy_len);
 
     uint8_t *t = b + L.off[BL_SEC_LISTS];
     uint64_t first = 0;
     for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
-        kt_wr64(t, first);
-        kt_wr32(t + 8, lists[i].count);
-        kt_wr32(t + 12, lists[i].pinned);
-        kt_wr32(t + 16, lists[i].window);
-        kt_wr32(t + 20, 0);
+        list_wr(t, first, &lists[i]);
         first += lists[i].count;
     }
     kt_wr32(b + BL_FIXED + BL_SEC_LISTS * BL_SECT_ENTRY + 4,
          kt_crc32c(0, b + L.off[BL_SEC_LISTS], L.len[BL_SEC_LISTS]));
-    for (int s = 1; s < BL_V1_SECTIONS; s++) { /* alignment gaps before positions, K, V */
+    for (int s = 1; s < BL_BASE_SECTIONS; s++) { /* alignment gaps before positions, K, V */
         uint64_t prev_end = L.off[s - 1] + L.len[s - 1];
         memset(b + prev_end, 0, L.off[s] - prev_end);
     }
@@ -636,10 +673,10 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     const uint32_t header_size = kt_rd32(b + BL_OFF_HEADER_SIZE);
     const unsigned n_sections = kt_rd16(b + BL_OFF_N_SECTIONS);
     const unsigned policy_len = kt_rd16(b + BL_OFF_POLICY_LEN);
-    if (n_sections < BL_V1_SECTIONS || n_sections > BL_MAX_SECTIONS ||
-        (minor == 0 && n_sections != BL_V1_SECTIONS))
-        return fail(err, "n_sections %u invalid for version %u.%u (4 in 1.0, at most %d later)",
-                    n_sections, major, minor, BL_MAX_SECTIONS);
+    if (n_sections < BL_BASE_SECTIONS || n_sections > BL_MAX_SECTIONS ||
+        (minor == 0 && n_sections != BL_BASE_SECTIONS))
+        return fail(err, "n_sections %u invalid for version %u.%u (4 in %u.0, at most %d later)",
+                    n_sections, major, minor, major, BL_MAX_SECTIONS);
     if (policy_len < 1 || policy_len > KT_BUNDLE_MAX_POLICY)
         return fail(err, "policy_len %u out of range [1, %d]", policy_len, KT_BUNDLE_MAX_POLICY);
     const uint64_t want_header = align_up(BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY + policy_len);
@@ -729,21 +766,19 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     const uint8_t *t = b + off[BL_SEC_LISTS];
     uint64_t n_entries = 0;
     for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
-        const kt_bundle_list l = {kt_rd32(t + 8), kt_rd32(t + 12), kt_rd32(t + 16)};
+        kt_bundle_list l;
+        list_rd(t, &l);
         if (kt_rd64(t) != n_entries)
             return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") starts at entry %" PRIu64
                         ", expected %" PRIu64 " (the sum of the counts before it)",
                         i / h->n_kv_heads, i % h->n_kv_heads, kt_rd64(t), n_entries);
-        if (kt_rd32(t + 20) != 0)
-            return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") reserved field is 0x%08"
-                        PRIx32 ", not zero", i / h->n_kv_heads, i % h->n_kv_heads, kt_rd32(t + 20));
         if (check_list(h, i, &l, err)) return -1;
         n_entries += l.count; /* < 2^20 lists x 2^31: no overflow */
     }
     bl_layout L;
     const size_t row_bytes = (size_t)h->head_dim * kt_dtype_size(h->dtype);
-    if (layout(BL_V1_SECTIONS, policy_len, n_lists, n_entries, row_bytes, &L, err)) return -1;
-    for (int s = BL_SEC_POSITIONS; s < BL_V1_SECTIONS; s++)
+    if (layout(BL_BASE_SECTIONS, policy_len, n_lists, n_entries, row_bytes, &L, err)) return -1;
+    for (int s = BL_SEC_POSITIONS; s < BL_BASE_SECTIONS; s++)
         if (slen[s] != L.len[s])
             return fail(err, "section %s is %" PRIu64 " bytes, but the counts say %" PRIu64
                         " (%" PRIu64 " entries)", sec_name((unsigned)s), slen[s], L.len[s], n_entries);
@@ -815,11 +850,18 @@ int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
         return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") outside %" PRIu32
                     " layers x %" PRIu32 " heads", layer, head, v->hdr.n_layers, v->hdr.n_kv_heads);
     const uint8_t *t = v->lists + ((size_t)layer * v->hdr.n_kv_heads + head) * BL_LIST_ENTRY;
+    kt_bundle_list m;
+    list_rd(t, &m);
     kt_bundle_list_view l;
     l.first = kt_rd64(t);
-    l.count = kt_rd32(t + 8);
-    l.pinned = kt_rd32(t + 12);
-    l.window = kt_rd32(t + 16);
+    l.count = m.count;
+    l.pinned = m.pinned;
+    l.window = m.window;
+    l.sink = m.sink;
+    l.lazy = m.lazy;
+    l.slack = m.slack;
+    l.max_drop = m.max_drop;
+    l.flags = m.flags;
     l.positions = v->positions + l.first * 4;
     l.k = v->k + l.first * v->row_bytes;
     l.v = v->v + l.first * v->row_bytes;

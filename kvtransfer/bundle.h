@@ -29,8 +29,8 @@ extern "C" {
 
 #define KT_ERR_MAX 512
 
-#define KT_BUNDLE_VERSION_MAJOR 1 /* a different major is refused */
-#define KT_BUNDLE_VERSION_MINOR 0 /* a newer minor is read (it may only add what v1.0 may skip) */
+#define KT_BUNDLE_VERSION_MAJOR 2 /* a different major is refused */
+#define KT_BUNDLE_VERSION_MINOR 0 /* a newer minor is read (it may only add what v2.0 may skip) */
 
 /* Bounds every field is checked against: generous for real models (Llama 3 405B has 126
  * layers of 8 KV heads of 128), tight enough that no product of them overflows. */
@@ -41,6 +41,9 @@ extern "C" {
 #define KT_BUNDLE_MAX_BYTES ((uint64_t)1 << 38) /* 256 GiB: a bundle is never larger */
 /* kt_bundle_list.window for a list the decode node never trims (a dense head). */
 #define KT_BUNDLE_WINDOW_DENSE 0xffffffffu
+/* kt_bundle_list.flags: after each decode step the list's positions become 0..count-1 (pos=rel).
+ * Every other bit is refused. */
+#define KT_BUNDLE_LIST_REL 1u
 
 /* Payload dtype of the K and V rows. The numeric codes are the wire codes. */
 typedef enum kt_dtype {
@@ -74,11 +77,18 @@ typedef struct kt_bundle_header {
                                               (kr_policy_spec), NUL-terminated */
 } kt_bundle_header;
 
-/* What a bundle says about one (layer, KV head) list. */
+/* What a bundle says about one (layer, KV head) list: its entries and the decode rule the decode
+ * node applies to it after every step (the engine's kr_list_rule; docs/bundle.md). Every value
+ * but `window` and `flags` is at most 2^31-1. */
 typedef struct kt_bundle_list {
     uint32_t count; /* entries kept */
     uint32_t pinned; /* the first `pinned` entries are the pinned set; <= count */
     uint32_t window; /* decode-side recent window W of this list, or KT_BUNDLE_WINDOW_DENSE */
+    uint32_t sink; /* the pinned set grows to the list's first `sink` entries during decode */
+    uint32_t lazy; /* Lazy Pruning's R: >= 1 unless the window is KT_BUNDLE_WINDOW_DENSE */
+    uint32_t slack; /* Lazy Pruning's slack */
+    uint32_t max_drop; /* Lazy Pruning's max-drop (0: prune straight to sink + window) */
+    uint32_t flags; /* KT_BUNDLE_LIST_REL or 0 */
 } kt_bundle_list;
 
 /* Exact bundle size for `h` and `lists` ([n_layers * n_kv_heads], layer-major), after
@@ -146,7 +156,7 @@ typedef struct kt_bundle_view {
     uint64_t n_entries; /* entries summed over every list */
     size_t row_bytes; /* bytes of one K or V row */
     uint32_t n_lists; /* n_layers * n_kv_heads */
-    const uint8_t *lists; /* list table: 24 bytes per list (docs/bundle.md) */
+    const uint8_t *lists; /* list table: 40 bytes per list (docs/bundle.md) */
     const uint8_t *positions; /* int32 LE per entry, all lists in order */
     const uint8_t *k; /* n_entries rows of row_bytes */
     const uint8_t *v;
@@ -155,6 +165,7 @@ typedef struct kt_bundle_view {
 /* One list of a view. */
 typedef struct kt_bundle_list_view {
     uint32_t count, pinned, window; /* as kt_bundle_list */
+    uint32_t sink, lazy, slack, max_drop, flags; /* the decode rule, as kt_bundle_list */
     uint64_t first; /* index of the list's first entry among all entries */
     const uint8_t *positions; /* count int32 LE, maybe unaligned */
     const uint8_t *k, *v; /* count rows of view->row_bytes in the payload dtype, maybe unaligned */

@@ -12,6 +12,7 @@
  * Cancellation: kr_prefill runs its chunks in one call, so a call cancelled mid-prefill is
  * noticed after it; the transfer is skipped then.
  */
+#include "bundle-rule.h"
 #include "prefill.h"
 
 #include <stdarg.h>
@@ -124,11 +125,9 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int32_t 
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
             int len, pinned;
             kr_seq_list_shape(seq, l, kv, &len, &pinned);
-            int w = kr_seq_list_window(seq, l, kv);
-            n->lists[l * c->n_kv_heads + kv] =
-                (kt_bundle_list){.count = (uint32_t)len,
-                                 .pinned = (uint32_t)pinned,
-                                 .window = w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w};
+            kr_list_rule rule;
+            kr_seq_list_rule(seq, l, kv, &rule);
+            n->lists[l * c->n_kv_heads + kv] = kt_bundle_list_of(len, pinned, &rule);
             entries += (uint64_t)len;
         }
     uint64_t size;

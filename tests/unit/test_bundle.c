@@ -76,6 +76,11 @@ static void seqkv_make(seqkv *s, uint32_t layers, uint32_t heads, uint32_t dim, 
         s->lists[i].count = c;
         s->lists[i].pinned = c ? (uint32_t)(rnd() % (c + 1)) : 0;
         s->lists[i].window = i % 3 == 0 ? KT_BUNDLE_WINDOW_DENSE : 16 + i;
+        s->lists[i].sink = i % 5;
+        s->lists[i].lazy = 1 + i % 4;
+        s->lists[i].slack = i % 3;
+        s->lists[i].max_drop = 2 * (i % 2);
+        s->lists[i].flags = i % 2 ? KT_BUNDLE_LIST_REL : 0;
         s->pos[i] = malloc((c + 1) * sizeof(int32_t));
         s->k[i] = malloc((c * dim + 1) * sizeof(float));
         s->v[i] = malloc((c * dim + 1) * sizeof(float));
@@ -188,7 +193,7 @@ static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dt
         CHECK(v.hdr.first_token == 42 && v.hdr.prompt_len == next_pos && v.hdr.next_pos == next_pos,
               "tokens");
         CHECK(strcmp(v.hdr.policy, s.h.policy) == 0, "policy '%s'", v.hdr.policy);
-        CHECK(v.version_major == 1 && v.version_minor == 0, "version");
+        CHECK(v.version_major == 2 && v.version_minor == 0, "version");
         CHECK(kt_bundle_check_model(&v, "0123456789abcdef", layers, heads, dim, err) == 0, "%s", err);
         uint64_t total = 0;
         float *k = malloc((next_pos * (size_t)dim + 1) * sizeof(float));
@@ -199,8 +204,11 @@ static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dt
                 const uint32_t i = l * heads + hd;
                 kt_bundle_list_view lv;
                 REQUIRE(kt_bundle_view_list(&v, l, hd, &lv, err) == 0, "%s", err);
-                CHECK(lv.count == s.lists[i].count && lv.pinned == s.lists[i].pinned &&
-                      lv.window == s.lists[i].window, "list %u meta", i);
+                const kt_bundle_list *m = &s.lists[i];
+                CHECK(lv.count == m->count && lv.pinned == m->pinned && lv.window == m->window &&
+                          lv.sink == m->sink && lv.lazy == m->lazy && lv.slack == m->slack &&
+                          lv.max_drop == m->max_drop && lv.flags == m->flags,
+                      "list %u meta", i);
                 CHECK(lv.first == total, "list %u first", i);
                 total += lv.count;
                 REQUIRE(kt_bundle_list_read(&v, &lv, 0, lv.count, pos, k, vv, err) == 0, "%s", err);
@@ -369,14 +377,14 @@ static void test_damage(void)
 
     FRESH();
     ACCEPT(b, n);
-    /* the layout this test relies on: lists 96 bytes at 192, then a 32-byte gap */
-    REQUIRE(kt_rd32(b + 12) == 192 && sec_off(b, SEC_LISTS) == 192 && sec_len(b, SEC_LISTS) == 96 &&
-            sec_off(b, SEC_POS) == 320, "unexpected base layout");
+    /* the layout this test relies on: lists 160 bytes at 192, then a 32-byte gap */
+    REQUIRE(kt_rd32(b + 12) == 192 && sec_off(b, SEC_LISTS) == 192 && sec_len(b, SEC_LISTS) == 160 &&
+            sec_off(b, SEC_POS) == 384, "unexpected base layout");
 
     /* magic, version */
     FRESH(); b[3] ^= 0x20; REJECT(b, n, "bad magic");
-    FRESH(); kt_wr16(b + 8, 2); reseal_header(b); REJECT(b, n, "version 2.0 is newer");
-    FRESH(); kt_wr16(b + 8, 0); reseal_header(b); REJECT(b, n, "version 0.0 is older");
+    FRESH(); kt_wr16(b + 8, 3); reseal_header(b); REJECT(b, n, "version 3.0 is newer");
+    FRESH(); kt_wr16(b + 8, 1); reseal_header(b); REJECT(b, n, "version 1.0 is older");
     FRESH(); kt_wr16(b + 10, 7); reseal_header(b); ACCEPT(b, n); /* newer minor: read */
 
     /* truncation at every offset, and trailing bytes */
@@ -412,7 +420,7 @@ static void test_damage(void)
     FRESH(); b[47] = 0; reseal_header(b); REJECT(b, n, "fingerprint byte 15");
     FRESH(); kt_wr32(b + 48, 0); reseal_header(b); REJECT(b, n, "n_layers 0 out of range");
     FRESH(); kt_wr32(b + 48, 0x7fffffff); reseal_header(b); REJECT(b, n, "n_layers 2147483647 out of range");
-    FRESH(); kt_wr32(b + 48, 1); reseal_header(b); REJECT(b, n, "section lists is 96 bytes, expected 48");
+    FRESH(); kt_wr32(b + 48, 1); reseal_header(b); REJECT(b, n, "section lists is 160 bytes, expected 80");
     FRESH(); kt_wr32(b + 52, 0); reseal_header(b); REJECT(b, n, "n_kv_heads 0 out of range");
     FRESH(); kt_wr32(b + 52, 5000); reseal_header(b); REJECT(b, n, "n_kv_heads 5000 out of range");
     FRESH(); kt_wr32(b + 56, 0); reseal_header(b); REJECT(b, n, "head_dim 0 out of range");
@@ -444,11 +452,11 @@ static void test_damage(void)
     FRESH(); kt_wr64(b + 80 + 24 * SEC_V + 16, 0x7fffffffffffffffull); reseal_header(b); REJECT(b, n, "lies outside the");
     FRESH(); kt_wr64(b + 80 + 24 * SEC_K + 8, sec_off(b, SEC_POS)); reseal_header(b); REJECT(b, n, "section K starts at");
     FRESH(); kt_wr64(b + 80 + 24 * SEC_LISTS + 8, 100); reseal_header(b); REJECT(b, n, "before the end of the header");
-    FRESH(); kt_wr64(b + 80 + 24 * SEC_POS + 8, 324); reseal_header(b); REJECT(b, n, "section positions at offset 324, expected 320");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_POS + 8, 388); reseal_header(b); REJECT(b, n, "section positions at offset 388, expected 384");
     FRESH(); kt_wr64(b + 80 + 24 * SEC_V + 16, sec_len(b, SEC_V) - 4); reseal_header(b); REJECT(b, n, "4 bytes after the last section");
-    FRESH(); kt_wr64(b + 80 + 24 * SEC_LISTS + 16, 72); reseal_header(b); REJECT(b, n, "section lists is 72 bytes, expected 96");
+    FRESH(); kt_wr64(b + 80 + 24 * SEC_LISTS + 16, 136); reseal_header(b); REJECT(b, n, "section lists is 136 bytes, expected 160");
     FRESH(); kt_wr64(b + 80 + 24 * SEC_POS + 16, 36); reseal_header(b); REJECT(b, n, "section positions is 36 bytes, but the counts say 40");
-    FRESH(); b[300] = 7; REJECT(b, n, "padding byte at offset 300 (between sections)");
+    FRESH(); b[364] = 7; REJECT(b, n, "padding byte at offset 364 (between sections)");
 
     /* every checksum */
     FRESH(); b[sec_off(b, SEC_LISTS) + 9] ^= 1; REJECT(b, n, "section lists checksum mismatch (expected 0x");
@@ -465,7 +473,7 @@ static void test_damage(void)
 
     /* lies in the list table (resealed: a lying sender computes valid checksums) */
     const uint64_t lt = sec_off(good, SEC_LISTS);
-#define LIST(i, f) (b + lt + 24 * (i) + (f))
+#define LIST(i, f) (b + lt + 40 * (i) + (f))
     FRESH(); kt_wr32(LIST(0, 8), 4); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) starts at entry 3, expected 4");
     FRESH(); kt_wr32(LIST(3, 8), 6); reseal(b, SEC_LISTS); REJECT(b, n, "section positions is 40 bytes, but the counts say 44");
     FRESH(); kt_wr64(LIST(2, 0), 2); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 1, head 0) starts at entry 2, expected 3");
@@ -473,7 +481,14 @@ static void test_damage(void)
     FRESH(); kt_wr32(LIST(1, 12), 1); reseal(b, SEC_LISTS); REJECT(b, n, "pinned 1 exceeds its count 0");
     FRESH(); kt_wr32(LIST(2, 16), 0x80000000u); reseal(b, SEC_LISTS); REJECT(b, n, "window 2147483648 is above");
     FRESH(); kt_wr32(LIST(3, 16), KT_BUNDLE_WINDOW_DENSE); reseal(b, SEC_LISTS); ACCEPT(b, n);
-    FRESH(); kt_wr32(LIST(1, 20), 1); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) reserved field");
+    FRESH(); kt_wr32(LIST(1, 20), 0x80000000u); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) sink 2147483648 is above");
+    FRESH(); kt_wr32(LIST(1, 28), 0xffffffffu); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 0, head 1) slack 4294967295 is above");
+    FRESH(); kt_wr32(LIST(1, 32), 0x80000000u); reseal(b, SEC_LISTS); REJECT(b, n, "max_drop 2147483648 is above");
+    FRESH(); kt_wr32(LIST(2, 24), 0); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 1, head 0) lazy is 0 with window 18");
+    FRESH(); kt_wr32(LIST(0, 24), 0); reseal(b, SEC_LISTS); ACCEPT(b, n); /* a dense list never prunes */
+    FRESH(); kt_wr32(LIST(2, 24), 0x80000000u); reseal(b, SEC_LISTS); REJECT(b, n, "lazy 2147483648 is above");
+    FRESH(); kt_wr32(LIST(3, 36), 2); reseal(b, SEC_LISTS); REJECT(b, n, "list (layer 1, head 1) has unknown flags 0x00000002");
+    FRESH(); kt_wr32(LIST(3, 36), 0); reseal(b, SEC_LISTS); ACCEPT(b, n);
     /* overflow-inducing counts: the sum and the row product are computed in checked arithmetic */
     FRESH();
     kt_wr32(b + 72, 0x7fffffff);
@@ -483,7 +498,7 @@ static void test_damage(void)
         kt_wr32(LIST(i, 12), 0);
     }
     reseal(b, SEC_LISTS);
-    REJECT(b, n, "bundle of 309237645504 bytes exceeds the 274877906944-byte limit");
+    REJECT(b, n, "bundle of 309237645568 bytes exceeds the 274877906944-byte limit");
     FRESH();
     kt_wr32(b + 72, 0x7fffffff);
     for (int i = 0; i < 4; i++) {
@@ -515,8 +530,8 @@ static void test_damage(void)
 #undef FRESH
 }
 
-/* A 1.1 bundle as a newer sender might write it: an optional flag bit and a fifth section
- * after V. A 1.0 reader checks the extra section's checksum and placement and ignores it. */
+/* A 2.1 bundle as a newer sender might write it: an optional flag bit and a fifth section
+ * after V. A 2.0 reader checks the extra section's checksum and placement and ignores it. */
 static void test_newer_minor(void)
 {
     seqkv s;
@@ -553,7 +568,7 @@ static void test_newer_minor(void)
     b[x_off + 3] ^= 1;
     kt_wr16(b + 10, 0);
     reseal_header(b);
-    REJECT(b, m, "n_sections 5 invalid for version 1.0");
+    REJECT(b, m, "n_sections 5 invalid for version 2.0");
     free(b);
     free(good);
     seqkv_free(&s);
@@ -672,13 +687,14 @@ static void test_writer(void)
                 KT_DTYPE_F32, 0x7fffffff, "full");
     const size_t nb = (size_t)KT_BUNDLE_MAX_LAYERS * KT_BUNDLE_MAX_KV_HEADS;
     kt_bundle_list *many = malloc(nb * sizeof *many);
-    for (size_t i = 0; i < nb; i++) many[i] = (kt_bundle_list){0x7fffffff, 0, KT_BUNDLE_WINDOW_DENSE};
+    for (size_t i = 0; i < nb; i++)
+        many[i] = (kt_bundle_list){.count = 0x7fffffff, .window = KT_BUNDLE_WINDOW_DENSE};
     CHECK(kt_bundle_size(&big, many, &got, err) == -1, "huge bundle accepted");
     CHECK_ERR_HAS(err, "exceed the 274877906944-byte bundle limit");
     for (size_t i = 0; i < nb; i++) many[i].count = i == 0 ? 1000 : 0;
     CHECK(kt_bundle_size(&big, many, &got, err) == 0, "%s", err);
-    /* header 192 + lists 24 MiB + positions 4000 (+pad) + 2 x 1000 rows of 16 KiB */
-    const uint64_t lists_end = 192 + nb * 24, pos_at = (lists_end + 63) / 64 * 64,
+    /* header 192 + lists 40 MiB + positions 4000 (+pad) + 2 x 1000 rows of 16 KiB */
+    const uint64_t lists_end = 192 + nb * 40, pos_at = (lists_end + 63) / 64 * 64,
                    k_at = (pos_at + 4000 + 63) / 64 * 64, kv = 1000ull * 4096 * 4;
     CHECK(got == k_at + kv + kv, "size %llu, want %llu", (unsigned long long)got,
           (unsigned long long)(k_at + 2 * kv));

@@ -33,7 +33,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
-#include "bundle.h"
+#include "bundle-rule.h"
 #include "kr.h"
 #include "rpc.h"
 #include "transport.h"
@@ -463,11 +463,11 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
     kt_bundle_list lists[n_lists];
     for (int l = 0; l < c->n_layers; l++)
         for (int hd = 0; hd < c->n_kv_heads; hd++) {
-            int len, pinned, w = kr_seq_list_window(seq, l, hd);
+            int len, pinned;
+            kr_list_rule rule;
             kr_seq_list_shape(seq, l, hd, &len, &pinned);
-            lists[l * c->n_kv_heads + hd] = (kt_bundle_list){
-                .count = (uint32_t)len, .pinned = (uint32_t)pinned,
-                .window = w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w};
+            kr_seq_list_rule(seq, l, hd, &rule);
+            lists[l * c->n_kv_heads + hd] = kt_bundle_list_of(len, pinned, &rule);
         }
     char terr[KT_ERR_MAX];
     REQUIRE(kt_bundle_size(&h, lists, &rq->size, terr) == 0, "%s", terr);

@@ -14,6 +14,7 @@
  * - list windows: kr_policy_list_window and kr_seq_list_window per family;
  * - errors: appending after tokens or after set_next_pos, positions not strictly increasing or
  *   not above the list's last, a pool that runs out (list untouched), pinned beyond the list,
+ *   list rules out of range or after set_next_pos,
  *   set_next_pos not above a held position or after tokens, set_policy after set_next_pos,
  *   reads outside a list.
  */
@@ -123,7 +124,7 @@ static uint64_t digest(const kr_seq *s, const kr_config *cfg)
     return h;
 }
 
-/* b (fresh, its policy set) receives every list of a, each in two appends, then a's next
+/* b (fresh) receives every list of a, each in two appends, with its decode rule, then a's next
  * position */
 static void copy_seq(const kr_seq *a, kr_seq *b, const kr_config *cfg)
 {
@@ -140,6 +141,9 @@ static void copy_seq(const kr_seq *a, kr_seq *b, const kr_config *cfg)
             REQUIRE(kr_seq_list_append(b, l, g, half, pos, k, v, 0, err) == KR_OK, "%s", err);
             REQUIRE(kr_seq_list_append(b, l, g, len - half, pos + half, k + hd * half, v + hd * half, pinned, err) ==
                         KR_OK, "%s", err);
+            kr_list_rule rule;
+            kr_seq_list_rule(a, l, g, &rule);
+            REQUIRE(kr_seq_list_set_rule(b, l, g, &rule, err) == KR_OK, "%s", err);
             free(pos);
             free(k);
             free(v);
@@ -175,8 +179,8 @@ static void check_exact(const kr_model *m, const char *label)
         next[k] = argmax(la, V); /* the first token, sampled where the prefill ran */
         kr_seq_footprint(a[k], &fa0[k]);
 
+        /* B has no policy, as on a decode node: decode applies the rules its lists brought */
         REQUIRE(kr_seq_create(p2, cfg->n_layers, cfg->n_kv_heads, &b[k], err) == KR_OK, "%s", err);
-        REQUIRE(kr_seq_set_policy(b[k], pol[k], err) == KR_OK, "%s", err);
         copy_seq(a[k], b[k], cfg);
         CHECK(digest(a[k], cfg) == digest(b[k], cfg), "%s %s: imported lists differ", label, SPECS[k]);
         CHECK(kr_seq_next_pos(b[k]) == kr_seq_next_pos(a[k]), "%s %s: next_pos", label, SPECS[k]);
@@ -459,12 +463,35 @@ static void check_errors(const kr_model *m)
     kr_seq_list_shape(s, -1, 0, &len, &pinned);
     CHECK(len == 0 && pinned == 0, "a list that does not exist has no shape");
 
+    kr_list_rule rule = {.sink = 4, .window = 8, .lazy = 2, .slack = 1, .max_drop = 3, .rel = 1}, got;
+    CHECK(kr_seq_list_set_rule(s, 0, 0, &rule, err) == KR_OK, "%s", err);
+    kr_seq_list_rule(s, 0, 0, &got);
+    CHECK(!memcmp(&got, &rule, sizeof rule) && kr_seq_list_window(s, 0, 0) == 8, "rule read back");
+    kr_seq_list_rule(s, 0, 1, &got);
+    CHECK(got.window == -1 && got.sink == 0 && !got.rel, "a list without a rule is never trimmed");
+    rule.window = -2;
+    CHECK(kr_seq_list_set_rule(s, 0, 0, &rule, err) == -1, "window -2");
+    CHECK_ERR_HAS(err, "window is out of range");
+    rule.window = 8;
+    rule.rel = 2;
+    CHECK(kr_seq_list_set_rule(s, 0, 0, &rule, err) == -1, "rel 2");
+    CHECK_ERR_HAS(err, "rel is out of range");
+    rule.rel = 0;
+    rule.slack = -1;
+    CHECK(kr_seq_list_set_rule(s, 0, 0, &rule, err) == -1, "slack -1");
+    CHECK_ERR_HAS(err, "slack is out of range");
+    CHECK(kr_seq_list_set_rule(s, L, 0, &rule, err) == -1, "layer out of range");
+    CHECK_ERR_HAS(err, "does not exist");
+
     CHECK(kr_seq_set_next_pos(s, 6, err) == -1, "next_pos at a held position");
     CHECK_ERR_HAS(err, "not above position 6");
     CHECK(kr_seq_set_next_pos(s, -3, err) == -1, "negative next_pos");
     CHECK(kr_seq_set_next_pos(s, 7, err) == KR_OK, "%s", err);
     CHECK(kr_seq_next_pos(s) == 7, "next_pos %d", kr_seq_next_pos(s));
     CHECK(kr_seq_list_append(s, 0, 1, 1, pos, kv[0], kv[1], 0, err) == -1, "append after set_next_pos");
+    CHECK_ERR_HAS(err, "closed by kr_seq_set_next_pos");
+    rule.slack = 0;
+    CHECK(kr_seq_list_set_rule(s, 0, 1, &rule, err) == -1, "rule after set_next_pos");
     CHECK_ERR_HAS(err, "closed by kr_seq_set_next_pos");
     CHECK(kr_seq_set_policy(s, NULL, err) == -1, "set_policy after set_next_pos");
     CHECK_ERR_HAS(err, "before kr_seq_set_next_pos");
