@@ -381,10 +381,6 @@ static int check_list(const kt_bundle_header *h, uint32_t i, const kt_bundle_lis
         if (rule[r].value > (uint32_t)INT32_MAX)
             return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") %s %" PRIu32 " is above 2^31-1",
                         layer, head, rule[r].name, rule[r].value);
-    if (l->window != KT_BUNDLE_WINDOW_DENSE && l->lazy == 0)
-        return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") lazy is 0 with window %" PRIu32
-                    " (a trimmed list prunes with lazy >= 1; a list never pruned has the dense window)",
-                    layer, head, l->window);
     if (l->flags & ~KT_BUNDLE_LIST_REL)
         return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") has unknown flags 0x%08" PRIx32
                     " (known: 0x1 rel)", layer, head, l->flags & ~KT_BUNDLE_LIST_REL);

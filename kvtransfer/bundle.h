@@ -85,7 +85,7 @@ typedef struct kt_bundle_list {
     uint32_t pinned; /* the first `pinned` entries are the pinned set; <= count */
     uint32_t window; /* decode-side recent window W of this list, or KT_BUNDLE_WINDOW_DENSE */
     uint32_t sink; /* the pinned set grows to the list's first `sink` entries during decode */
-    uint32_t lazy; /* Lazy Pruning's R: >= 1 unless the window is KT_BUNDLE_WINDOW_DENSE */
+    uint32_t lazy; /* Lazy Pruning's R (0: never prunes; plain "pinned + window" is 1) */
     uint32_t slack; /* Lazy Pruning's slack */
     uint32_t max_drop; /* Lazy Pruning's max-drop (0: prune straight to sink + window) */
     uint32_t flags; /* KT_BUNDLE_LIST_REL or 0 */

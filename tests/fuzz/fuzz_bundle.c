@@ -65,9 +65,8 @@ static void parse_and_walk(const uint8_t *data, size_t size)
             kt_bundle_list_view lv;
             if (kt_bundle_view_list(&v, l, h, &lv, err) != 0) __builtin_trap();
             if (lv.first != entries || lv.pinned > lv.count) __builtin_trap();
-            /* the decode rule: every value fits an int, a trimmed list prunes (lazy >= 1), one
-             * known flag */
-            if ((lv.window != KT_BUNDLE_WINDOW_DENSE && (lv.window > INT32_MAX || lv.lazy == 0)) ||
+            /* the decode rule: every value fits an int, one known flag */
+            if ((lv.window != KT_BUNDLE_WINDOW_DENSE && lv.window > INT32_MAX) ||
                 lv.sink > INT32_MAX || lv.lazy > INT32_MAX || lv.slack > INT32_MAX || lv.max_drop > INT32_MAX ||
                 (lv.flags & ~KT_BUNDLE_LIST_REL))
                 __builtin_trap();
