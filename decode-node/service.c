@@ -226,8 +226,8 @@ static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_res
 
 /* The bundle against this model and against what the reservation promised: a bundle that
  * brought more than the blocks bound assumed could take blocks promised to others. (The lists'
- * `window` fields are not checked: the node's own policy state decides the windows, rebuilt by
- * kr_seq_set_next_pos, and for hsft and sage they depend on the sender's sequence.) */
+ * decode rules are not checked against the policy: decode applies them as they came, and for
+ * hsft and sage they depend on the sender's sequence.) */
 static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, const char *rid)
 {
     const kr_config *c = n->mcfg;
