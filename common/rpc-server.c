@@ -19,6 +19,7 @@
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
+#include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 
 #include <errno.h>
@@ -347,6 +348,24 @@ int64_t kc_call_ms_left(kc_call *c)
 const char *kc_call_method(const kc_call *c)
 {
     return c->m->path;
+}
+
+void kc_call_peer(const kc_call *c, char *out, size_t cap)
+{
+    char *peer = grpc_call_get_peer(c->call);
+    const char *p = peer ? peer : "";
+    size_t n = strlen(p);
+    if (!strncmp(p, "ipv4:", 5) || !strncmp(p, "ipv6:", 5)) { /* "ipv4:HOST:PORT", "ipv6:[HOST]:PORT" */
+        p += 5;
+        const char *colon = strrchr(p, ':');
+        n = colon ? (size_t)(colon - p) : strlen(p);
+        if (n >= 2 && p[0] == '[' && p[n - 1] == ']') {
+            p++;
+            n -= 2;
+        }
+    }
+    snprintf(out, cap, "%.*s", (int)n, p);
+    gpr_free(peer);
 }
 
 /* c->md was filled by gRPC when the call arrived and is never written again, so no lock. */

@@ -18,6 +18,7 @@
 typedef struct rt_key {
     unsigned char bytes[RT_APIKEY_MAX_LEN];
     size_t len; /* 1..RT_APIKEY_MAX_LEN */
+    rt_limit_conf limits; /* its own, from its file line; negative fields: the flags' */
 } rt_key;
 
 struct rt_apikeys {
@@ -64,6 +65,7 @@ static int keys_add(rt_apikeys *k, const char *s, size_t len)
     memset(key->bytes, 0, sizeof key->bytes);
     memcpy(key->bytes, s, len);
     key->len = len;
+    key->limits = (rt_limit_conf){-1, -1, -1};
     return 0;
 }
 
@@ -86,18 +88,35 @@ static int load_file(rt_apikeys *k, const char *path, char *err, size_t cap)
                            line[len - 1] == '\t'))
             len--;
         if (len == 0 || line[0] == '#') continue;
-        char why[160];
-        if (key_valid(line, len, why, sizeof why) != 0) {
+        /* the key ends at the first blank; a line that starts blank is refused as a key */
+        size_t klen = line[0] == ' ' || line[0] == '\t' ? len : strcspn(line, " \t");
+        if (klen > len) klen = len;
+        char why[200];
+        if (key_valid(line, klen, why, sizeof why) != 0) {
             snprintf(err, cap, "--api-key-file %s line %d: %s", path, lineno, why);
             rc = -1;
             break;
         }
-        if (keys_add(k, line, len) != 0) {
+        if (keys_add(k, line, klen) != 0) {
             snprintf(err, cap, "--api-key-file %s: out of memory", path);
             rc = -1;
             break;
         }
         added++;
+        int word = 0;
+        for (size_t at = klen; at < len;) { /* the key's own limits: name=value words */
+            at += strspn(line + at, " \t");
+            size_t olen = strcspn(line + at, " \t");
+            if (olen > len - at) olen = len - at;
+            word++;
+            if (olen && rt_limit_option(&k->keys[k->n - 1].limits, line + at, olen, why, sizeof why) != 0) {
+                snprintf(err, cap, "--api-key-file %s line %d, word %d after the key: %s", path, lineno, word, why);
+                rc = -1;
+                break;
+            }
+            at += olen;
+        }
+        if (rc != 0) break;
     }
     if (rc == 0 && ferror(f)) {
         snprintf(err, cap, "--api-key-file %s: cannot read it: %s", path, strerror(errno));
@@ -194,26 +213,30 @@ void rt_apikeys_describe(const rt_apikeys *k, char *out, size_t cap)
 
 /* ------------------------------------------------------------------ checking */
 
-/* 1 when `tok` equals one of the keys. Every key is compared over all RT_APIKEY_MAX_LEN bytes
- * with the differences OR-ed together, lengths included, and the verdicts OR-ed without a
- * branch: the time depends on the number of keys only (and on tlen through the one copy of the
- * client's own bytes), not on how much of any key the candidate got right. */
-static int match_any(const rt_apikeys *k, const char *tok, size_t tlen)
+/* The index of the first key that `tok` equals, or -1. Every key is compared over all
+ * RT_APIKEY_MAX_LEN bytes with the differences OR-ed together, lengths included, and the index
+ * picked by masks without a branch: the time depends on the number of keys only (and on tlen
+ * through the one copy of the client's own bytes), not on how much of any key the candidate got
+ * right. */
+static int match_index(const rt_apikeys *k, const char *tok, size_t tlen)
 {
-    if (tlen > RT_APIKEY_MAX_LEN) return 0; /* longer than any key can be: says nothing about them */
+    if (tlen > RT_APIKEY_MAX_LEN) return -1; /* longer than any key can be: says nothing about them */
     unsigned char cand[RT_APIKEY_MAX_LEN];
     memset(cand, 0, sizeof cand);
     memcpy(cand, tok, tlen);
-    unsigned match = 0;
+    unsigned found = 0, index = 0;
     for (int i = 0; i < k->n; i++) {
         const rt_key *key = &k->keys[i];
         unsigned d = (unsigned)(key->len ^ tlen);
         for (size_t j = 0; j < RT_APIKEY_MAX_LEN; j++) d |= (unsigned)(key->bytes[j] ^ cand[j]);
         /* (d | -d) has its top bit set exactly when d != 0 */
-        match |= 1u ^ ((d | (0u - d)) >> (sizeof d * 8 - 1));
+        unsigned hit = 1u ^ ((d | (0u - d)) >> (sizeof d * 8 - 1));
+        unsigned take = 0u - (hit & (found ^ 1u)); /* all ones for the first hit only */
+        index = (index & ~take) | ((unsigned)i & take);
+        found |= hit;
     }
     explicit_bzero(cand, sizeof cand);
-    return (int)match;
+    return found ? (int)index : -1;
 }
 
 static int is_space(char c)
@@ -221,9 +244,9 @@ static int is_space(char c)
     return c == ' ' || c == '\t';
 }
 
-rt_apikey_why rt_apikeys_why(const rt_apikeys *k, const char *value, size_t len)
+/* Splits "Bearer KEY" into the key candidate *tok (*tlen bytes); RT_APIKEY_WHY_OK, or why not. */
+static rt_apikey_why bearer_token(const char *value, size_t len, const char **tok_out, size_t *tlen_out)
 {
-    if (!k) return RT_APIKEY_WHY_OK;
     if (!value) return RT_APIKEY_WHY_MISSING;
     while (len > 0 && is_space(value[0])) {
         value++;
@@ -242,7 +265,32 @@ rt_apikey_why rt_apikeys_why(const rt_apikeys *k, const char *value, size_t len)
         tlen--;
     }
     if (tlen == 0) return RT_APIKEY_WHY_MALFORMED;
-    return match_any(k, tok, tlen) ? RT_APIKEY_WHY_OK : RT_APIKEY_WHY_INVALID;
+    *tok_out = tok;
+    *tlen_out = tlen;
+    return RT_APIKEY_WHY_OK;
+}
+
+rt_apikey_why rt_apikeys_why(const rt_apikeys *k, const char *value, size_t len)
+{
+    if (!k) return RT_APIKEY_WHY_OK;
+    const char *tok;
+    size_t tlen;
+    rt_apikey_why why = bearer_token(value, len, &tok, &tlen);
+    if (why != RT_APIKEY_WHY_OK) return why;
+    return match_index(k, tok, tlen) >= 0 ? RT_APIKEY_WHY_OK : RT_APIKEY_WHY_INVALID;
+}
+
+int rt_apikeys_find(const rt_apikeys *k, const char *value, size_t len)
+{
+    const char *tok;
+    size_t tlen;
+    if (!k || bearer_token(value, len, &tok, &tlen) != RT_APIKEY_WHY_OK) return -1;
+    return match_index(k, tok, tlen);
+}
+
+const rt_limit_conf *rt_apikeys_limits(const rt_apikeys *k, int index)
+{
+    return k && index >= 0 && index < k->n ? &k->keys[index].limits : NULL;
 }
 
 int rt_apikeys_check_authorization(const rt_apikeys *k, const char *value, size_t len)

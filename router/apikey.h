@@ -3,13 +3,15 @@
  * --api-key-file (one key per line) and the environment variable KVRELAY_API_KEY, all adding up;
  * then every request to the public API must carry "Bearer KEY" in its authorization (gRPC call
  * metadata `authorization`, the HTTP Authorization header). Keys are compared in constant time
- * and never logged or echoed. Not here: scopes or per-key limits, reloading keys while running,
+ * and never logged or echoed. A key in a file may carry its own limits (client-limits.h). Not here:
+ * scopes, reloading keys while running,
  * TLS (a key on a plaintext connection can be read on the wire: put the router behind TLS when
  * the network is not trusted). docs/router.md "API keys". Test: ctest -R test_router_apikey.
  */
 #ifndef RT_APIKEY_H
 #define RT_APIKEY_H
 
+#include "client-limits.h"
 #include "metrics.h"
 #include "rpc.h"
 
@@ -30,8 +32,10 @@ typedef enum rt_apikey_why {
 
 /* Loads keys from `n_flags` --api-key values, `n_files` --api-key-file paths and `env` (the
  * value of KVRELAY_API_KEY; NULL or "" = unset). A key is 1-RT_APIKEY_MAX_LEN bytes of printable
- * ASCII without spaces. In a file: one key per line; blank lines and lines starting with '#' are
- * skipped; trailing whitespace and CR are stripped. Returns 0 with *out (NULL when no source gave
+ * ASCII without spaces. In a file: one key per line, optionally followed (after spaces or tabs)
+ * by its own limits, "concurrency=N rate=R[/s|/m] burst=B" (any of them; the --limit-* flags
+ * give the rest); blank lines and lines starting with '#' are skipped; trailing whitespace and
+ * CR are stripped. Returns 0 with *out (NULL when no source gave
  * a key: the API stays open), or -1 with `err` (`cap` bytes) naming the source, and for a file
  * its line, never the key: a bad key, an unreadable file, a file with no key. The caller frees
  * *out with rt_apikeys_free. */
@@ -53,6 +57,12 @@ void rt_apikeys_describe(const rt_apikeys *k, char *out, size_t cap);
 int rt_apikeys_check_authorization(const rt_apikeys *k, const char *value, size_t len);
 /* The same with the reason for a refusal, for the error the client gets. */
 rt_apikey_why rt_apikeys_why(const rt_apikeys *k, const char *value, size_t len);
+/* The index (in load order: flags, files, environment) of the first loaded key that `value`
+ * carries as "Bearer KEY", or -1; in the same constant time as the check. */
+int rt_apikeys_find(const rt_apikeys *k, const char *value, size_t len);
+/* Key `index`'s own limits from its file line (fields not given are negative: the flags'
+ * apply). Borrowed: valid while k is. */
+const rt_limit_conf *rt_apikeys_limits(const rt_apikeys *k, int index);
 /* The message for a refusal, for the client (never containing what the client sent):
  * "missing API key: send metadata 'authorization: Bearer KEY'" (`http` 0; the HTTP API says
  * "header 'Authorization: Bearer KEY'" with `http` 1), "malformed authorization: expected

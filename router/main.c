@@ -110,7 +110,7 @@ typedef struct router_opts {
     kc_etcd_config etcd; /* --etcd and its TLS/auth flags (etcd.h) */
     kc_tls_config tls;   /* --tls-*: the public port and the mutual TLS to the nodes (rpc.h) */
     long max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms, max_request_bytes;
-    rt_limit_conf limits; /* --limit-* (limits.h) */
+    rt_limit_conf limits; /* --limit-* (client-limits.h) */
     long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
     int migrate;
     const char *api_keys[64], *api_key_files[64]; /* --api-key, --api-key-file (argv strings) */

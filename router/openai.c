@@ -23,6 +23,8 @@
 #include <microhttpd.h>
 
 #include <inttypes.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <math.h>
 #include <poll.h>
 #include <stdarg.h>
@@ -65,6 +67,7 @@ typedef struct oa_call {
     char request_id[RT_REQUEST_ID_MAX + 1];
     int64_t created;     /* unix seconds */
     int fd;              /* the client's socket, for hang-up checks; -1 unknown */
+    rt_client client;    /* whom the limits count it against */
 
     /* what came back */
     char *text; /* non-streamed: the whole text */
@@ -91,8 +94,9 @@ typedef struct oa_call {
 
 /* ------------------------------------------------------------------ responses */
 
-static int respond_json(rt_router *rt, struct MHD_Connection *conn, unsigned status, cJSON *doc,
-                        const char *request_id)
+/* Answers with doc; a refusal that may succeed later says when (Retry-After, whole seconds). */
+static int respond_json_retry(rt_router *rt, struct MHD_Connection *conn, unsigned status, cJSON *doc,
+                              const char *request_id, int64_t retry_after_ms)
 {
     count_response(rt, status);
     char *body = doc ? cJSON_PrintUnformatted(doc) : NULL;
@@ -107,9 +111,20 @@ static int respond_json(rt_router *rt, struct MHD_Connection *conn, unsigned sta
     MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
     if (request_id && request_id[0]) MHD_add_response_header(r, "X-Request-Id", request_id);
     if (status == MHD_HTTP_UNAUTHORIZED) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    if (retry_after_ms > 0) {
+        char secs[24];
+        snprintf(secs, sizeof secs, "%" PRId64, (retry_after_ms + 999) / 1000);
+        MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, secs);
+    }
     int ret = MHD_queue_response(conn, status, r);
     MHD_destroy_response(r);
     return ret;
+}
+
+static int respond_json(rt_router *rt, struct MHD_Connection *conn, unsigned status, cJSON *doc,
+                        const char *request_id)
+{
+    return respond_json_retry(rt, conn, status, doc, request_id, 0);
 }
 
 /* OpenAI's error object: {"error": {"message", "type", "param", "code"}}. */
@@ -476,14 +491,15 @@ static void call_unref(oa_call *c)
 static void run(oa_call *c)
 {
     rt_sink s;
-    c->code = rt_generate_run(c->rt, &c->req.q, sink_for(c, &s), &c->st);
+    c->code = rt_generate_run(c->rt, &c->req.q, sink_for(c, &s), &c->client, &c->st);
 }
 
 static int respond_failure(struct MHD_Connection *conn, const oa_call *c)
 {
     oa_status hs = status_of(c->code);
-    return respond_json(c->rt, conn, hs.http, error_doc(hs.type, param_of(c, c->st.details), hs.code, c->st.details),
-                        c->request_id);
+    return respond_json_retry(c->rt, conn, hs.http,
+                              error_doc(hs.type, param_of(c, c->st.details), hs.code, c->st.details), c->request_id,
+                              c->code == GRPC_STATUS_RESOURCE_EXHAUSTED ? c->client.retry_after_ms : 0);
 }
 
 /* The streamed request's own thread. */
@@ -615,6 +631,14 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
     c->created = (int64_t)time(NULL);
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     c->fd = ci ? (int)ci->connect_fd : -1;
+    char peer[RT_CLIENT_NAME_MAX] = "";
+    const union MHD_ConnectionInfo *ai = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    if (ai && ai->client_addr)
+        getnameinfo(ai->client_addr,
+                    ai->client_addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in),
+                    peer, sizeof peer, NULL, 0, NI_NUMERICHOST);
+    const char *auth = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    rt_client_init(&c->client, rt->keys, auth, auth ? strlen(auth) : 0, peer);
     const char *rid = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Request-Id");
     if (rid && rid[0]) { /* the client's id goes into logs: printable ASCII only, as on gRPC */
         size_t n = strspn(rid, "!\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`"
@@ -695,6 +719,6 @@ int rt_openai_serve(void *user, struct MHD_Connection *conn, const char *method,
                              "%s %s: use POST", method, url);
     if (!body)
         return respond_error(rt, conn, MHD_HTTP_CONTENT_TOO_LARGE, "invalid_request_error", NULL, "request_too_large",
-                             "the request body is over %zu bytes", (size_t)RT_OPENAI_MAX_BODY);
+                             "the request body is over %zu bytes (--max-request-bytes)", rt->max_body);
     return serve_generate(rt, conn, kind, body, len);
 }

@@ -194,7 +194,8 @@ static grpc_status_code serve(rt_req *r, kc_status *st)
     return GRPC_STATUS_OK;
 }
 
-grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, const rt_sink *sink, kc_status *st)
+grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, const rt_sink *sink,
+                                 rt_client *client, kc_status *st)
 {
     rt_req *r = calloc(1, sizeof *r);
     if (!r) {
@@ -211,7 +212,13 @@ grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateReque
     kc_gauge_inc(rt->m.in_flight, 1);
 
     *st = (kc_status){GRPC_STATUS_OK, ""};
-    grpc_status_code code = rt_req_validate(rt, q, r, st);
+    /* the client's limits first: a refused request costs no tokenizing and no placement */
+    grpc_status_code code = GRPC_STATUS_OK;
+    if (client && rt_limits_acquire(rt->limits, client, rt_now_ms()) != RT_LIMIT_KIND_OK) {
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s", client->refusal);
+        code = st->code;
+    }
+    if (code == GRPC_STATUS_OK) code = rt_req_validate(rt, q, r, st);
     if (code == GRPC_STATUS_OK) {
         kc_counter_inc(rt->m.prompt_tokens, r->n_prompt);
         kc_info(r->id, "accepted: %d prompt tokens, max_tokens %u%s%s, kv_policy '%s', %zu stop strings, %zu stop ids",
@@ -224,6 +231,7 @@ grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateReque
         else kc_warn(r->id[0] ? r->id : NULL, "%s: %s", kc_status_name(code), st->details);
     }
     kc_counter_inc(rt->m.requests[(unsigned)code <= GRPC_STATUS_UNAUTHENTICATED ? code : GRPC_STATUS_UNKNOWN], 1);
+    if (client) rt_limits_release(rt->limits, client); /* every way out of the request passes here */
     kc_gauge_inc(rt->m.in_flight, -1);
     atomic_fetch_sub(&rt->in_flight, 1);
     rt_stop_free(&r->stop);
@@ -258,10 +266,17 @@ static int64_t call_ms_left(void *ctx)
 
 int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user)
 {
+    rt_router *rt = user;
     const rt_sink sink = {.ctx = call, .send = call_send, .cancelled = call_cancelled, .wait = call_wait,
                           .ms_left = call_ms_left};
+    size_t alen = 0;
+    const char *auth = rt->keys ? kc_call_metadata(call, "authorization", &alen) : NULL;
+    char peer[RT_CLIENT_NAME_MAX];
+    kc_call_peer(call, peer, sizeof peer);
+    rt_client client;
+    rt_client_init(&client, rt->keys, auth, alen, peer);
     kc_status st;
-    grpc_status_code code = rt_generate_run(user, (const void *)req, &sink, &st);
+    grpc_status_code code = rt_generate_run(rt, (const void *)req, &sink, &client, &st);
     if (code == GRPC_STATUS_OK) return GRPC_STATUS_OK;
     return kc_call_error(call, code, "%s", st.details);
 }

@@ -19,6 +19,7 @@
 #include "breaker.h"
 #include "health.h"
 #include "kr.h"
+#include "client-limits.h"
 #include "log.h"
 #include "metrics.h"
 #include "members.h"
@@ -121,6 +122,8 @@ typedef struct rt_router {
     int64_t max_queue_ms; /* --max-queue-ms: the longest wait for a node with room */
     const char *policy_dir; /* --policy-dir: where file-valued policy keys may point; NULL: none */
     const rt_apikeys *keys; /* NULL: no API keys: everything open */
+    rt_limits *limits; /* --limit-*: streams and request rate per key (or client address) */
+    size_t max_body; /* bytes of an OpenAI API request body (--max-request-bytes) */
     char served_model[256]; /* the model's name in the OpenAI API (--served-model-name) */
     kr_chat_template *chat; /* NULL: chat completions are refused with chat_error */
     char chat_error[KR_ERR_MAX];
@@ -212,10 +215,12 @@ typedef struct rt_sink {
 } rt_sink;
 
 /* Serves one request (validation, placement, relaying: docs/router.md) to `sink`: deltas and
- * then exactly one finish on success (OK); otherwise the status code with st. Counts it in the
- * router's metrics and logs its outcome. */
+ * then exactly one finish on success (OK); otherwise the status code with st. `client` (NULL:
+ * not limited) is admitted by rt->limits first (a refusal is RESOURCE_EXHAUSTED with
+ * client->retry_after_ms) and its slot given back before returning, whatever the outcome.
+ * Counts it in the router's metrics and logs its outcome. */
 grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, const rt_sink *sink,
-                                 kc_status *st);
+                                 rt_client *client, kc_status *st);
 int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user);
 /* A new request id, "<router id>-<start time hex>-<n>" (for requests whose client gave none). */
 void rt_request_id_new(rt_router *rt, char *out, size_t cap);

@@ -1,7 +1,7 @@
 /*
  * validate.c - a GenerateRequest checked and turned into an rt_req before anything is placed:
  * the request id (or a new one), the prompt tokenized and bounded by the model's context and
- * --max-prompt, max_tokens or the forced ids, the KV policy parsed (file keys resolved by
+ * --max-prompt-tokens, max_tokens or the forced ids, the KV policy parsed (file keys resolved by
  * policy.c), sampling with a seed always present, stop strings and stop ids. Every refusal is
  * INVALID_ARGUMENT (FAILED_PRECONDITION when the model lacks a tokenizer) naming the field.
  * Not the OpenAI API's own body checks (openai-request.c), which map onto these.
@@ -73,7 +73,7 @@ static grpc_status_code check_id(rt_router *rt, const Kvrelay__V1__GenerateReque
     return GRPC_STATUS_OK;
 }
 
-/* The prompt, tokenized when it is text, within the model's context and --max-prompt. */
+/* The prompt, tokenized when it is text, within the model's context and --max-prompt-tokens. */
 static grpc_status_code check_prompt(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, rt_req *r, kc_status *st)
 {
     const kr_config *cfg = &rt->cfg;
@@ -114,7 +114,7 @@ static grpc_status_code check_prompt(rt_router *rt, const Kvrelay__V1__GenerateR
                           "prompt: %d tokens exceed the model's context (max_position_embeddings %d leaves room for %d)",
                           r->n_prompt, cfg->max_position_embeddings, ctx_room), st->code;
     if ((uint32_t)r->n_prompt > rt->max_prompt)
-        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: %d tokens > the router's limit %u (--max-prompt)",
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "prompt: %d tokens > the router's limit %u (--max-prompt-tokens)",
                           r->n_prompt, rt->max_prompt), st->code;
     return GRPC_STATUS_OK;
 }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "../../router/apikey.c"
+#include "../../router/client-limits.c"
 
 static char dir[] = "/tmp/kr_apikey_XXXXXX";
 
@@ -166,7 +167,7 @@ static void test_errors(void)
     snprintf(path, sizeof path, "%s", write_file("comments.txt", "# only\n\n  \n#comments\n"));
     load_fails(NULL, 0, f1, 1, NULL, "comments.txt: no key in it", NULL);
     snprintf(path, sizeof path, "%s", write_file("spaced.txt", "# ok\nfine-key\nhas space-secret\n"));
-    load_fails(NULL, 0, f1, 1, NULL, "spaced.txt line 3: byte 4 of the key is a space", "space-secret");
+    load_fails(NULL, 0, f1, 1, NULL, "spaced.txt line 3, word 1 after the key: not a limit", "space-secret");
     snprintf(path, sizeof path, "%s", write_file("lead.txt", "  indented-secret\n"));
     load_fails(NULL, 0, f1, 1, NULL, "lead.txt line 1: byte 1 of the key is a space", "indented-secret");
     snprintf(path, sizeof path, "%s/no-such-file", dir);
