@@ -228,6 +228,11 @@ int kc_channel_wait_connected(kc_channel *ch, int64_t timeout_ms)
     return ready;
 }
 
+void kc_channel_reset_backoff(kc_channel *ch)
+{
+    grpc_channel_reset_connect_backoff(ch->channel);
+}
+
 /* A call on its own pluck queue. The queue is shut down and destroyed with the call: every batch
  * was plucked by then, so nothing is left in it. */
 static grpc_call *call_create(kc_channel *ch, const char *path, int64_t timeout_ms,

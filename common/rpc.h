@@ -173,6 +173,9 @@ void kc_channel_destroy(kc_channel *ch);
  * only its 5-second backup poller does), so a fail-fast call loop with sleeps in between can
  * miss a peer that came back for many seconds. */
 int kc_channel_wait_connected(kc_channel *ch, int64_t timeout_ms);
+/* Ends the channel's reconnect backoff: when it is waiting to reconnect, it tries again now
+ * (for a peer known to be back, e.g. one that registered again). */
+void kc_channel_reset_backoff(kc_channel *ch);
 
 /* One metadata entry sent with a call (key lower-case ASCII, e.g. "token"); copied by the
  * functions that take it. */

@@ -19,6 +19,10 @@
 #include <string.h>
 #include <time.h>
 
+/* How long one poll round waits for a suspect node's channel to connect before it leaves the
+ * node to the next round (the round's other Status calls run meanwhile, in their own threads). */
+#define RT_READY_WAIT_MS 200
+
 int64_t rt_now_ms(void)
 {
     struct timespec t;
@@ -191,6 +195,9 @@ int rt_nodes_apply(rt_router *rt, const rt_member_info *ms, int n, char *err)
             x->breaker = (rt_breaker){0};
         }
         if (x->gone) kc_info(NULL, "node %s is a member again", x->id);
+        /* registered again (or still listed) while the router cannot reach it: it is likely back,
+         * so its channel reconnects now instead of when its backoff runs out */
+        if (x->gone || x->breaker.open || (x->polled && !x->reachable)) kc_channel_reset_backoff(x->ch);
         x->gone = 0;
         x->member_draining = m->draining;
         int bad = fingerprint_mismatch(rt, m->fingerprint);
@@ -227,6 +234,7 @@ typedef struct poll_job {
     rt_router *rt;
     rt_node *node;
     int64_t timeout_ms;
+    int if_ready; /* a suspect node between probes: call Status only once its channel is ready */
 } poll_job;
 
 static void *poll_one(void *arg)
@@ -234,6 +242,15 @@ static void *poll_one(void *arg)
     poll_job *job = arg;
     rt_router *rt = job->rt;
     rt_node *n = job->node;
+    if (job->if_ready) {
+        pthread_mutex_lock(&rt->mu);
+        kc_channel *ch = n->ch;
+        pthread_mutex_unlock(&rt->mu);
+        /* waiting here also drives the reconnection (rpc.h); a node that is back answers the
+         * probe now instead of after the rest of the cooldown */
+        if (!kc_channel_wait_connected(ch, RT_READY_WAIT_MS)) return NULL;
+        kc_info(NULL, "node %s: connected again; probing it before its cooldown ends", n->id);
+    }
     pthread_mutex_lock(&rt->mu);
     int64_t tokens = n->own_tokens, running = n->own_running, blocks = n->own_blocks;
     kc_channel *ch = n->ch;
@@ -278,6 +295,7 @@ static void *poll_one(void *arg)
 void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
 {
     rt_node *due[RT_NODES_MAX];
+    char if_ready[RT_NODES_MAX];
     int n = 0;
     int64_t now = rt_now_ms();
     pthread_mutex_lock(&rt->mu);
@@ -285,7 +303,8 @@ void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
     for (int i = 0; i < rt->n_nodes; i++) {
         rt_node *x = rt->nodes[i];
         if (x->gone && now_unix - x->gone_unix_ms > RT_GONE_GRACE_MS) continue; /* see departing_usable */
-        if (rt_breaker_allow(&x->breaker, rt->breaker_cooldown_ms, now)) due[n++] = x; /* or the probe */
+        if (rt_breaker_allow(&x->breaker, rt->breaker_cooldown_ms, now)) if_ready[n] = 0, due[n++] = x; /* or the probe */
+        else if (!x->gone) if_ready[n] = 1, due[n++] = x; /* suspect: watched for coming back */
     }
     pthread_mutex_unlock(&rt->mu);
     if (!n) return;
@@ -299,7 +318,7 @@ void rt_nodes_refresh(rt_router *rt, int64_t timeout_ms)
         return; /* the last known state stays; the next poll tries again */
     }
     for (int i = 0; i < n; i++) {
-        jobs[i] = (poll_job){.rt = rt, .node = due[i], .timeout_ms = timeout_ms};
+        jobs[i] = (poll_job){.rt = rt, .node = due[i], .timeout_ms = timeout_ms, .if_ready = if_ready[i]};
         started[i] = pthread_create(&threads[i], NULL, poll_one, &jobs[i]) == 0;
         if (!started[i]) poll_one(&jobs[i]);
     }

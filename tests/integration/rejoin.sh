@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# rejoin.sh - a node restarted after a long downtime is used again as soon as it is back
+# (docs/failures.md, "A node restarts at the same address"), with static membership and, when
+# etcd is installed, with membership in etcd. Real processes on loopback: 1 prefill + 2 decode
+# nodes (deploy/local-cluster.sh) on llama3-tiny, kvrelay-cli --json as the client.
+#   1. kill -9 decode-0; requests go on to decode-1 until the router has given decode-0 up
+#      (suspect, unreachable or gone);
+#   2. it stays down for REJOIN_DOWN_S seconds (default 8: several rounds of the node channel's
+#      reconnect backoff, which would otherwise have grown past the downtime);
+#   3. restarted on the same gRPC and UCX ports: the router sees it serving, and requests are
+#      placed on it again; no KV block stays used or reserved.
+# Events, not clocks, decide: the test waits for the router's state and for a request served by
+# decode-0. The time from the node's restart to the router's "serving" is printed (the figure
+# docs/failures.md quotes), never asserted.
+# Run: ctest -R rejoin, or KR_BIN=build KR_SRC=. KR_FIXTURES=tests/fixtures bash tests/integration/rejoin.sh
+set -uo pipefail
+
+bin=${KR_BIN:?KR_BIN must be the build directory}
+src=${KR_SRC:?KR_SRC must be the source directory}
+fixtures=$(cd "${KR_FIXTURES:?KR_FIXTURES must be tests/fixtures}" && pwd)
+for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli; do
+  [ -x "$bin/$p" ] || { echo "SKIP: $bin/$p is not built"; exit 77; }
+done
+py=/usr/bin/python3
+[ -x "$py" ] || { echo "SKIP: $py is missing"; exit 77; }
+down_s=${REJOIN_DOWN_S:-8}
+
+. "$src/tests/integration/lib/cluster.sh"
+kr_cluster_workdir rejoin
+model=$fixtures/models/llama3-tiny
+now() { date +%s.%N; }
+elapsed() { "$py" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")' "$1" "$2"; }
+status_json() { "$bin/kvrelay-cli" --router "$KRC_ROUTER" status --json 2>/dev/null; }
+node_field() { status_json | "$py" -c 'import json,sys; print(next((n[sys.argv[2]] for n in json.load(sys.stdin)["nodes"] if n["id"] == sys.argv[1]), "absent"))' "$1" "$2"; }
+# wait_state ID SECONDS STATE... : returns once the router gives node ID one of the states
+wait_state() {
+  local id=$1 limit=$2 t st w; shift 2
+  for ((t = 0; t < limit * 10; t++)); do
+    st=$(node_field "$id" state)
+    for w in "$@"; do [ "$st" = "$w" ] && return 0; done
+    sleep 0.1
+  done
+  return 1
+}
+# request N: one short greedy request; prints the decode node that served it
+request() {
+  local out=$KRC_DIR/req.json
+  "$bin/kvrelay-cli" --router "$KRC_ROUTER" generate --ids "$((3 + $1 % 200)) 7 11 13" --max-tokens 4 \
+    --timeout-ms 30000 --json >"$out" 2>"$KRC_DIR/req.err" || fail "request $1: $(tail -n1 "$KRC_DIR/req.err")"
+  "$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["usage"]["served_by"]["decode_node"])' "$out"
+}
+metric() { awk -v k="$1" '$1 == k { print $2 }' <<<"$2"; }
+blocks_free() {
+  local node m t
+  for node in "$@"; do
+    for ((t = 0; t < 200; t++)); do
+      m=$(curl -s "http://$(krc_http "$node")/metrics")
+      [ "$(metric kvrelay_kv_blocks_used "$m")" = 0 ] && [ "$(metric kvrelay_kv_blocks_reserved "$m")" = 0 ] && continue 2
+      sleep 0.1
+    done
+    fail "$node still holds KV blocks"
+  done
+}
+
+# one round on the running cluster ($1 names the membership)
+rejoin_round() {
+  local mode=$1 transfer0 i used t_restart
+  transfer0=$(node_field decode-0 transfer_address)
+  krc_signal decode-0 KILL
+  for ((i = 0; ; i++)); do
+    [ "$(request "$i")" = decode-1 ] || fail "$mode: request $i after the kill was not served by decode-1"
+    case $(node_field decode-0 state) in suspect | unreachable | gone) break ;; esac
+    [ $i -lt 200 ] || fail "$mode: the router never gave up the killed decode-0"
+  done
+  echo "$mode: decode-0 killed, the router sees it $(node_field decode-0 state); down for $down_s s"
+  sleep "$down_s"
+  t_restart=$(now)
+  krc_restart decode-0 --listen "$(krc_addr decode-0)" --transfer "$transfer0" --http "$(krc_http decode-0)" ||
+    fail "$mode: decode-0 did not restart on its ports"
+  local t_up; t_up=$(now)
+  wait_state decode-0 30 serving || fail "$mode: the router does not see the restarted decode-0 serving"
+  local t_serving; t_serving=$(now)
+  used=0
+  for ((i = 0; i < 20 && used == 0; i++)); do [ "$(request $((500 + i)))" = decode-0 ] && used=1; done
+  [ $used = 1 ] || fail "$mode: 20 requests after decode-0 came back, none was placed on it"
+  blocks_free decode-0 decode-1
+  echo "$mode: decode-0 serving at the router $(elapsed "$t_up" "$t_serving") s after it was up again" \
+    "($(elapsed "$t_restart" "$t_serving") s after its restart began); used again after $i request(s)"
+}
+
+KRC_DECODE_ARGS=()
+krc_start "$bin" "$model" 1 2 127.0.0.1:0 --threads 1 || fail "the static cluster did not start"
+rejoin_round static
+krc_stop
+
+if krc_etcd_start; then
+  krc_start "$bin" "$model" 1 2 127.0.0.1:0 --threads 1 || fail "the etcd cluster did not start"
+  wait_state decode-0 30 serving && wait_state decode-1 30 serving || fail "etcd: the decode nodes are not serving"
+  rejoin_round etcd
+  krc_stop
+  krc_etcd_stop
+else
+  echo "etcd is not installed: the etcd round is skipped"
+fi
+echo "rejoin: ok"
