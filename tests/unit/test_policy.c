@@ -1,7 +1,8 @@
 /*
  * test_policy.c - the policy framework and the recency / post-fill families (full, streaming,
  * heads, sage) on inputs small enough to check by hand: spec parsing and its errors; Lazy
- * Pruning's Algorithm 1 on its edges and the paper's worked example; what survives in every
+ * Pruning's Algorithm 1 on its edges and the paper's worked example; the decode rule on a
+ * sequence without a policy against a reference over position arrays; what survives in every
  * list after a real chunked prefill and decode (llama3-tiny: 4 layers, 8 query / 2 KV heads);
  * the KV footprint against the closed forms of PruLong's evaluation; the heads gate file and
  * DuoAttention's sparsity rule at both ends and in between; SAGE-KV's selection against a recomputation of the last token's attention
@@ -240,6 +241,61 @@ static void test_pattern(const kr_config *cfg)
     CHECK_ERR_HAS(err, "row 1, column 2 is not a number");
 }
 
+/* The decode rule on a sequence without a policy (what a decode node runs): every list gets its
+ * own rule and 24 decode steps; after each step every list must hold what a plain reference
+ * over position arrays gives (the pinned set grown to `sink`, then Lazy Pruning's Algorithm 1
+ * with S = the pinned count), and a list without a rule must hold everything. */
+static void test_decode_rule(rig *r)
+{
+    char err[KR_ERR_MAX], got[4096], want[4096];
+    const kr_list_rule rules[] = {
+        {.sink = 2, .window = 4, .lazy = 3, .slack = 1, .max_drop = 2}, /* lazy pruning */
+        {.sink = 0, .window = 5, .lazy = 1},                           /* plain window */
+        {.sink = 3, .window = -1, .lazy = 1},                          /* never trimmed, 3 pinned */
+        {.sink = 1, .window = 0, .lazy = 1},                           /* a sink alone */
+    };
+    const int L = r->cfg->n_layers, H = r->cfg->n_kv_heads, n_rules = (int)(sizeof rules / sizeof rules[0]);
+    enum { STEPS = 24 };
+    kr_seq *s;
+    REQUIRE(kr_seq_create(r->pool, L, H, &s, err) == KR_OK, "%s", err);
+    for (int i = 0; i < L * H - 1; i++) /* the last list keeps the rule it was created with */
+        REQUIRE(kr_seq_list_set_rule(s, i / H, i % H, &rules[i % n_rules], err) == KR_OK, "%s", err);
+    int ref[64][STEPS], len[64] = {0}, pinned[64] = {0};
+    float *lg = malloc(sizeof(float) * r->cfg->vocab_size);
+    int mismatches = 0;
+    for (int step = 0; step < STEPS; step++) {
+        int32_t id = (int32_t)((step * 37 + 11) % r->cfg->vocab_size);
+        REQUIRE(kr_forward(r->ctx, s, &id, 1, KR_LOGITS_LAST, lg, err) == KR_OK, "%s", err);
+        for (int i = 0; i < L * H; i++) {
+            const kr_list_rule *u = i < L * H - 1 ? &rules[i % n_rules] : NULL;
+            ref[i][len[i]++] = step;
+            if (u) {
+                int head = pinned[i];
+                if (u->sink > head) head = u->sink < len[i] ? u->sink : len[i];
+                pinned[i] = head;
+                int t = u->window < 0 ? -1 : kr_streaming_target(len[i], head, u->window, u->lazy, u->slack, u->max_drop);
+                if (t >= 0) {
+                    memmove(ref[i] + head, ref[i] + len[i] - (t - head), sizeof(int) * (size_t)(t - head));
+                    len[i] = t;
+                }
+            }
+            size_t at = 0;
+            want[0] = 0;
+            for (int e = 0; e < len[i]; e++) at += (size_t)snprintf(want + at, sizeof want - at, "%s%d", e ? " " : "", ref[i][e]);
+            positions(s, i / H, i % H, got, sizeof got);
+            int n, p;
+            kr_seq_list_shape(s, i / H, i % H, &n, &p);
+            if ((strcmp(got, want) || p != pinned[i]) && mismatches++ < 5)
+                CHECK(0, "step %d list %d: '%s' (%d pinned), expected '%s' (%d pinned)", step, i, got, p, want, pinned[i]);
+        }
+    }
+    CHECK(mismatches == 0, "%d list states differ from the reference", mismatches);
+    CHECK(len[0] < STEPS && len[1] == 5 && len[2] == STEPS && len[3] == 1, "the rules trimmed (%d %d %d %d)", len[0],
+          len[1], len[2], len[3]);
+    free(lg);
+    kr_seq_free(s);
+}
+
 /* DuoAttention's sparsity rule: round(s * n) heads with the lowest gates stream, the others are
  * dense; at s = 1 every head streams (a quantile taken with >= kept the highest gate dense), at
  * s = 0 none does; in between the count is round(s * n), not what a quantile threshold gives
@@ -473,6 +529,7 @@ int main(void)
     test_parse(r.cfg);
     test_algorithm1();
     test_streaming(&r);
+    test_decode_rule(&r);
     test_pattern(r.cfg);
     test_heads_sparsity(r.cfg);
     test_heads(&r);
