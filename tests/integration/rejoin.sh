@@ -30,8 +30,18 @@ kr_cluster_workdir rejoin
 model=$fixtures/models/llama3-tiny
 now() { date +%s.%N; }
 elapsed() { "$py" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")' "$1" "$2"; }
-status_json() { "$bin/kvrelay-cli" --router "$KRC_ROUTER" status --json 2>/dev/null; }
-node_field() { status_json | "$py" -c 'import json,sys; print(next((n[sys.argv[2]] for n in json.load(sys.stdin)["nodes"] if n["id"] == sys.argv[1]), "absent"))' "$1" "$2"; }
+# node_field ID FIELD: the router's ClusterStatus field for node ID ("unknown" when the status
+# call did not answer, e.g. on a loaded machine)
+node_field() {
+  "$bin/kvrelay-cli" --router "$KRC_ROUTER" status --json 2>/dev/null | "$py" -c '
+import json, sys
+try:
+    nodes = json.load(sys.stdin)["nodes"]
+except ValueError:
+    print("unknown")
+else:
+    print(next((n[sys.argv[2]] for n in nodes if n["id"] == sys.argv[1]), "absent"))' "$1" "$2"
+}
 # wait_state ID SECONDS STATE... : returns once the router gives node ID one of the states
 wait_state() {
   local id=$1 limit=$2 t st w; shift 2
@@ -66,6 +76,7 @@ blocks_free() {
 rejoin_round() {
   local mode=$1 transfer0 i used t_restart
   transfer0=$(node_field decode-0 transfer_address)
+  [[ $transfer0 == *:* ]] || fail "$mode: no transfer address for decode-0 ($transfer0)"
   krc_signal decode-0 KILL
   for ((i = 0; ; i++)); do
     [ "$(request "$i")" = decode-1 ] || fail "$mode: request $i after the kill was not served by decode-1"
@@ -78,7 +89,7 @@ rejoin_round() {
   krc_restart decode-0 --listen "$(krc_addr decode-0)" --transfer "$transfer0" --http "$(krc_http decode-0)" ||
     fail "$mode: decode-0 did not restart on its ports"
   local t_up; t_up=$(now)
-  wait_state decode-0 30 serving || fail "$mode: the router does not see the restarted decode-0 serving"
+  wait_state decode-0 60 serving || fail "$mode: the router does not see the restarted decode-0 serving"
   local t_serving; t_serving=$(now)
   used=0
   for ((i = 0; i < 20 && used == 0; i++)); do [ "$(request $((500 + i)))" = decode-0 ] && used=1; done
@@ -95,7 +106,7 @@ krc_stop
 
 if krc_etcd_start; then
   krc_start "$bin" "$model" 1 2 127.0.0.1:0 --threads 1 || fail "the etcd cluster did not start"
-  wait_state decode-0 30 serving && wait_state decode-1 30 serving || fail "etcd: the decode nodes are not serving"
+  wait_state decode-0 60 serving && wait_state decode-1 60 serving || fail "etcd: the decode nodes are not serving"
   rejoin_round etcd
   krc_stop
   krc_etcd_stop
