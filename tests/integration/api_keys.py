@@ -63,7 +63,7 @@ def startup_errors(nodes):
         (["--api-key-file", comments], {}, "--api-key-file %s: no key in it" % comments),
         (["--api-key-file", os.path.join(args.work, "absent.keys")], {}, "absent.keys: cannot read it"),
         (["--api-key", "bad key-secret"], {}, "--api-key (occurrence 1): byte 4 of the key is a space"),
-        (["--api-key-file", spaced], {}, "spaced.keys line 3: byte 4 of the key is a space"),
+        (["--api-key-file", spaced], {}, "spaced.keys line 3, word 1 after the key: not a limit"),
         ([], {"KVRELAY_API_KEY": "bad key-secret"}, "KVRELAY_API_KEY (environment): byte 4"),
     ]
     for extra, env, want in cases:
