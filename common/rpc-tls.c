@@ -7,7 +7,7 @@
  * errors naming the flag and the file.
  * Not here: certificate reloading (restart the process with new files), revocation lists, name
  * overrides (a server's certificate must name the address its clients dial: docs/security.md).
- * Tests: tests/integration/tls.sh, ctest -R test_grpc.
+ * Tests: ctest -R test_rpc_tls (unit), tests/integration/tls.sh (a cluster).
  */
 #include "rpc.h"
 
@@ -102,9 +102,9 @@ static STACK_OF(X509) *pem_certs(const char *pem)
 
 /* Checks the files as OpenSSL will see them: the certificate file holds a certificate (then
  * its chain), the key is a private key without passphrase and matches that certificate, the CA
- * file holds at least one certificate, and the certificate chains to that CA (valid now).
- * Returns 0, or -1 with `st` naming the flag and the file. */
-static int check_pems(const kc_tls_config *cfg, const tls_pems *p, kc_status *st)
+ * file holds at least one certificate, and, with `verify_own`, the certificate chains to that CA
+ * (valid now). Returns 0, or -1 with `st` naming the flag and the file. */
+static int check_pems(const kc_tls_config *cfg, const tls_pems *p, int verify_own, kc_status *st)
 {
     int rc = -1;
     STACK_OF(X509) *chain = NULL, *cas = NULL;
@@ -146,7 +146,7 @@ static int check_pems(const kc_tls_config *cfg, const tls_pems *p, kc_status *st
                           cfg->key_file, cfg->cert_file);
             goto out;
         }
-        if (cas) {
+        if (cas && verify_own) {
             store = X509_STORE_new();
             ctx = X509_STORE_CTX_new();
             if (!store || !ctx) {
@@ -178,11 +178,13 @@ out:
 }
 
 /* Reads and checks the files of `cfg`: a certificate needs its key (and a key its
- * certificate); `need_cert` (a server) requires them. Returns 0 with *p, or -1 with `st`. */
-static int load_pems(const kc_tls_config *cfg, int need_cert, tls_pems *p, kc_status *st)
+ * certificate). A server (router, node) requires them, and its certificate must chain to the CA
+ * its peers trust, which in a cluster is its own --tls-ca; a client's certificate may come from
+ * another CA than the server's it trusts. Returns 0 with *p, or -1 with `st`. */
+static int load_pems(const kc_tls_config *cfg, int server, tls_pems *p, kc_status *st)
 {
     memset(p, 0, sizeof *p);
-    if (given(cfg->cert_file) != given(cfg->key_file) || (need_cert && !given(cfg->cert_file))) {
+    if (given(cfg->cert_file) != given(cfg->key_file) || (server && !given(cfg->cert_file))) {
         kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
                       "%s: TLS needs both --tls-cert and --tls-key (a certificate and its key)",
                       given(cfg->cert_file) ? "--tls-key missing" : "--tls-cert missing");
@@ -191,7 +193,7 @@ static int load_pems(const kc_tls_config *cfg, int need_cert, tls_pems *p, kc_st
     if ((given(cfg->ca_file) && !(p->ca = read_pem("--tls-ca", cfg->ca_file, st))) ||
         (given(cfg->cert_file) && !(p->cert = read_pem("--tls-cert", cfg->cert_file, st))) ||
         (given(cfg->key_file) && !(p->key = read_pem("--tls-key", cfg->key_file, st))) ||
-        check_pems(cfg, p, st) != 0) {
+        check_pems(cfg, p, server, st) != 0) {
         pems_free(p);
         return -1;
     }

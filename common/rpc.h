@@ -27,6 +27,8 @@
  * over gRPC (it goes over UCX), so messages are small; the cap stops a peer from making us
  * allocate without bound. */
 #define KC_MAX_MESSAGE_DEFAULT (16u << 20)
+/* Default server-side deadline of a call: every handler ends, even for a client that set none. */
+#define KC_MAX_DEADLINE_DEFAULT_MS 600000
 
 /* A call's outcome: the gRPC status code and its human-readable details. */
 typedef struct {
@@ -59,6 +61,10 @@ typedef struct kc_tls_config kc_tls_config; /* see "TLS" below */
 typedef struct {
     size_t max_message_bytes; /* per message, each way; 0 = KC_MAX_MESSAGE_DEFAULT */
     int max_calls;            /* calls with a live handler; more get RESOURCE_EXHAUSTED; 0 = 1024 */
+    int64_t max_deadline_ms;  /* a call's deadline is at most this long after it arrives, and a
+                               * call whose client set none gets it: kc_call_ms_left,
+                               * kc_call_cancelled and kc_call_wait see it; 0 =
+                               * KC_MAX_DEADLINE_DEFAULT_MS, < 0 = the client's only */
     const kc_tls_config *tls; /* NULL or !kc_tls_enabled: plaintext; else TLS with these files,
                                * asking clients for certificates as tls->client_auth says */
 } kc_server_config;
@@ -130,7 +136,8 @@ void kc_call_finish(kc_call *call, grpc_status_code code, const char *fmt, ...)
 int kc_call_cancelled(kc_call *call);
 /* Sleeps up to `ms` milliseconds, waking early on cancellation. Returns kc_call_cancelled(). */
 int kc_call_wait(kc_call *call, int64_t ms);
-/* Milliseconds left before the client's deadline (INT64_MAX when it set none; <= 0 when past).
+/* Milliseconds left before the call's deadline: the client's, or the server's max_deadline_ms
+ * when sooner (INT64_MAX when there is neither; <= 0 when past).
  * Pass it on as the timeout of the calls this one makes, so deadlines propagate. */
 int64_t kc_call_ms_left(kc_call *call);
 /* The method path this call was made to. */
@@ -236,8 +243,9 @@ void kc_stream_close(kc_stream *s);
  * certificate, verifies it against ca_file; a client verifies the server's certificate (which
  * must name the host it dials, e.g. an IP subjectAltName 127.0.0.1) against ca_file and presents
  * cert_file/key_file when given. Files are read and checked when credentials are made: a
- * missing or unreadable file, a key of another certificate, or a certificate that does not
- * verify against ca_file is an INVALID_ARGUMENT naming the flag and the file. */
+ * missing or unreadable file, a key of another certificate, or a server certificate that does
+ * not verify against ca_file (the CA its peers trust in a cluster) is an INVALID_ARGUMENT naming
+ * the flag and the file. */
 
 typedef enum kc_tls_client_auth {
     KC_TLS_CLIENT_AUTH_NONE = 0,    /* clients are not asked for a certificate */
