@@ -12,13 +12,14 @@
 # --bin DIR: built programs (default build/). --quick: 10 s per rate instead of 20 (about 2
 # minutes in all instead of 3). --out DIR: where results go (default bench/results/sim-validate/):
 # table.md, sim-validate.png, real-P1-D1.json, sim-P1-D1.json, ... and the clusters' logs.
-# --profile FILE: the simulator's profile (default tools/sim-profiles/this-machine.json).
+# --profile FILE: the simulator's profile; by default `kvrelay-sim calibrate` measures one first
+# (profile.json in --out), so that calibration and the real runs see the same machine load.
 #
 # Requests: prompts uniform in 256..768 tokens, 128 output tokens, policy full, default chunk
 # (512) and pool (1 GiB). SLO: TTFT <= 500 ms and TPOT <= 10 ms (as pd-ratio.sh).
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
-PROFILE=$EXP_HERE/tools/sim-profiles/this-machine.json
+PROFILE=
 args=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -27,8 +28,13 @@ while [ $# -gt 0 ]; do
     *) args+=("$1"); shift ;;
   esac
 done
-[ -f "$PROFILE" ] || { echo "sim-validate: --profile $PROFILE: no such file" >&2; exit 2; }
+[ -z "$PROFILE" ] || [ -f "$PROFILE" ] || { echo "sim-validate: --profile $PROFILE: no such file" >&2; exit 2; }
 exp_parse sim-validate "${args[@]+"${args[@]}"}"
+if [ -z "$PROFILE" ]; then
+  PROFILE=$EXP_OUT/profile.json
+  "$EXP_PY" "$EXP_HERE/tools/kvrelay-sim" calibrate --bin "$EXP_BIN" --name sim-validate --out "$PROFILE" \
+    2>"$EXP_OUT/logs/calibrate.txt" || { echo "sim-validate: calibration failed:" >&2; tail -n 5 "$EXP_OUT/logs/calibrate.txt" >&2; exit 1; }
+fi
 
 LAYOUTS=("1 1" "2 2")
 RATES=8,16 WARMUP=5 SLO=ttft_ms=500,tpot_ms=10
@@ -61,8 +67,10 @@ out, machine, profile, tool = sys.argv[1:5]
 loader = importlib.machinery.SourceFileLoader("kvrelay_sim", tool)  # its compare_runs: one comparison
 sim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
 loader.exec_module(sim)
-lines = ["Machine: %s. Profile `%s`. Prompts 256..768 tokens (uniform), 128 output tokens, policy full, "
-         "1 thread per node, Poisson arrivals; SLO TTFT <= 500 ms, TPOT <= 10 ms." % (machine, os.path.basename(profile)),
+prof = json.load(open(profile))
+lines = ["Machine: %s. Profile `%s` (host.background %.2f, fitted at calibration). Prompts 256..768 tokens (uniform), 128 output tokens, policy full, "
+         "1 thread per node, Poisson arrivals; SLO TTFT <= 500 ms, TPOT <= 10 ms."
+         % (machine, os.path.basename(profile), prof["host"].get("background", 0.0)),
          "", "| P+D | rate | metric | real | simulated | error |", "|---|---|---|---|---|---|"]
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 worst = 0.0
