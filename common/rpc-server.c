@@ -86,6 +86,7 @@ struct kc_server {
     pthread_t thread;
     int started;
     size_t max_message_bytes;
+    int64_t max_deadline_ms; /* <= 0: none */
     int max_calls;
     kc_method *methods;
     int n_methods;
@@ -313,13 +314,16 @@ int kc_call_cancelled(kc_call *c)
     pthread_mutex_lock(&c->mu);
     int v = c->cancelled;
     pthread_mutex_unlock(&c->mu);
-    return v;
+    return v || kc_call_ms_left(c) <= 0; /* the server's deadline is not gRPC's: checked here */
 }
 
 int kc_call_wait(kc_call *c, int64_t ms)
 {
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
+    int64_t left = kc_call_ms_left(c);
+    if (ms > left)
+        ms = left;
     if (ms < 0)
         ms = 0;
     until.tv_sec += (time_t)(ms / 1000);
@@ -333,7 +337,7 @@ int kc_call_wait(kc_call *c, int64_t ms)
     }
     int v = c->cancelled;
     pthread_mutex_unlock(&c->mu);
-    return v;
+    return v || kc_call_ms_left(c) <= 0;
 }
 
 int64_t kc_call_ms_left(kc_call *c)
@@ -553,6 +557,12 @@ static kc_call *call_create(kc_server *srv, kc_pending *p)
     c->m = p->m;
     c->call = p->call;
     c->deadline = p->deadline;
+    if (srv->max_deadline_ms > 0) { /* the server's own deadline, when sooner than the client's */
+        gpr_timespec cap = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                        gpr_time_from_millis(srv->max_deadline_ms, GPR_TIMESPAN));
+        if (gpr_time_cmp(gpr_convert_clock_type(c->deadline, GPR_CLOCK_MONOTONIC), cap) > 0)
+            c->deadline = cap;
+    }
     c->md = p->md; /* moved */
     c->recv_bb = p->payload;
     c->code = GRPC_STATUS_OK;
@@ -725,6 +735,7 @@ int kc_server_create(const char *addr, const kc_server_config *cfg, kc_server **
     srv->max_message_bytes = cfg && cfg->max_message_bytes ? cfg->max_message_bytes
                                                            : KC_MAX_MESSAGE_DEFAULT;
     srv->max_calls = cfg && cfg->max_calls > 0 ? cfg->max_calls : KC_MAX_CALLS_DEFAULT;
+    srv->max_deadline_ms = cfg && cfg->max_deadline_ms ? cfg->max_deadline_ms : KC_MAX_DEADLINE_DEFAULT_MS;
     srv->shutdown_tag = (kc_tag){TAG_SHUTDOWN, srv};
     pthread_mutex_init(&srv->mu, NULL);
     pthread_cond_init(&srv->cv, NULL);

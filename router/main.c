@@ -404,7 +404,9 @@ int main(int argc, char **argv)
 
     kc_server *srv;
     int bound;
-    const kc_server_config scfg = {.tls = &o.tls, .max_message_bytes = (size_t)o.max_request_bytes};
+    /* --default-timeout-ms is also the server's deadline: Tokenize and ClusterStatus get it too */
+    const kc_server_config scfg = {.tls = &o.tls, .max_message_bytes = (size_t)o.max_request_bytes,
+                                   .max_deadline_ms = o.default_timeout_ms};
     if (kc_server_create(o.listen, &scfg, &srv, &bound, &st) != 0) die("--listen %s: %s", o.listen, st.details);
     if (kc_server_add_stream(srv, "/kvrelay.v1.Generation/Generate", &kvrelay__v1__generate_request__descriptor,
                              rt_generate, rt) ||

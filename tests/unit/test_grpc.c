@@ -140,11 +140,12 @@ static int reserve_detached(kc_call *call, const ProtobufCMessage *req, void *us
 
 static pthread_t reserve_thread;
 
-static kc_server *server_up(int *port)
+/* A server with the test's handlers; `cfg` may be NULL. */
+static kc_server *server_up_cfg(int *port, const kc_server_config *cfg)
 {
     kc_status st;
     kc_server *srv;
-    REQUIRE(kc_server_create("127.0.0.1:0", NULL, &srv, port, &st) == 0, "%s", st.details);
+    REQUIRE(kc_server_create("127.0.0.1:0", cfg, &srv, port, &st) == 0, "%s", st.details);
     CHECK(*port > 0, "port %d", *port);
     REQUIRE(kc_server_add_unary(srv, HEALTH_CHECK, &grpc__health__v1__health_check_request__descriptor,
                                 health_check, NULL) == 0, "add Check");
@@ -158,6 +159,11 @@ static kc_server *server_up(int *port)
                               reserve_detached, NULL) != 0, "a duplicate path is refused");
     REQUIRE(kc_server_start(srv, &st) == 0, "%s", st.details);
     return srv;
+}
+
+static kc_server *server_up(int *port)
+{
+    return server_up_cfg(port, NULL);
 }
 
 static kc_channel *channel_to(int port)
@@ -421,6 +427,47 @@ static void test_shutdown_unary_in_flight(void)
     kc_channel_destroy(ch);
 }
 
+/* The server's own deadline: a call without a client deadline gets max_deadline_ms (a handler
+ * sees a finite time left), a client's later deadline is cut to it (an endless stream is ended
+ * by its handler, not by the client's deadline), a client's sooner deadline is kept. */
+static void test_server_deadline(void)
+{
+    int port;
+    const kc_server_config cfg = {.max_deadline_ms = 300};
+    kc_server *srv = server_up_cfg(&port, &cfg);
+    kc_channel *ch = channel_to(port);
+    Kvrelay__V1__PrefillRequest preq = KVRELAY__V1__PREFILL_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    kc_status st;
+    atomic_store(&prefill_ms_left, -1);
+    if (kc_unary(ch, PREFILL, &preq.base, &kvrelay__v1__prefill_response__descriptor, 0, &resp, &st) == 0)
+        kc_message_free(resp);
+    long long left = atomic_load(&prefill_ms_left);
+    CHECK(left > 0 && left <= 300, "no client deadline: the handler saw %lld ms left, expected (0, 300]", left);
+    atomic_store(&prefill_ms_left, -1);
+    if (kc_unary(ch, PREFILL, &preq.base, &kvrelay__v1__prefill_response__descriptor, 100, &resp, &st) == 0)
+        kc_message_free(resp);
+    left = atomic_load(&prefill_ms_left);
+    CHECK(left > 0 && left <= 110, "a 100 ms client deadline: the handler saw %lld ms left", left);
+
+    atomic_store(&seen_cancel, 0);
+    Kvrelay__V1__DecodeRequest dreq = KVRELAY__V1__DECODE_REQUEST__INIT;
+    dreq.reservation_id = 7; /* endless until cancelled */
+    kc_stream *s;
+    /* a 5 s client deadline is later than the server's: the server's ends the stream */
+    REQUIRE(kc_stream_open(ch, DECODE, &dreq.base, 5000, &s, &st) == 0, "%s", st.details);
+    ProtobufCMessage *m;
+    int rc;
+    while ((rc = kc_stream_next(s, &kvrelay__v1__decode_response__descriptor, &m, &st)) == 1)
+        kc_message_free(m);
+    CHECK(rc == -1 && st.code == GRPC_STATUS_CANCELLED && atomic_load(&seen_cancel),
+          "the endless stream ended %s (%s), expected the handler's CANCELLED at the server's deadline",
+          kc_status_name(st.code), st.details);
+    kc_stream_close(s);
+    kc_channel_destroy(ch);
+    kc_server_destroy(srv);
+}
+
 /* ------------------------------------------------------------------ the auth hook */
 
 static atomic_int echo_calls;  /* md_echo ran */
@@ -578,6 +625,7 @@ int main(void)
     kc_server_destroy(srv);
     test_shutdown_in_flight();
     test_shutdown_unary_in_flight();
+    test_server_deadline();
     test_auth();
     if (kt_failures)
         fprintf(stderr, "test_grpc: %d failure(s)\n", kt_failures);
