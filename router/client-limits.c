@@ -38,13 +38,21 @@ struct rt_limits {
 
 /* ------------------------------------------------------------------ configuration */
 
-static int parse_count(const char *name, const char *v, size_t len, long *out, char *why, size_t cap)
+enum { RT_LIMIT_VALUE_MAX = 64 }; /* bytes of one value */
+
+/* v[0, len) NUL-terminated into buf; -1 when it is empty or too long. */
+static int value_copy(const char *v, size_t len, char buf[RT_LIMIT_VALUE_MAX])
 {
-    char buf[64];
-    if (len == 0 || len >= sizeof buf) goto bad;
+    if (len == 0 || len >= RT_LIMIT_VALUE_MAX) return -1;
     memcpy(buf, v, len);
     buf[len] = 0;
-    char *end;
+    return 0;
+}
+
+static int parse_count(const char *name, const char *v, size_t len, long *out, char *why, size_t cap)
+{
+    char buf[RT_LIMIT_VALUE_MAX], *end;
+    if (value_copy(v, len, buf)) goto bad;
     errno = 0;
     long n = strtol(buf, &end, 10);
     if (errno || *end || n < 0 || n > RT_LIMIT_MAX_COUNT) goto bad;
@@ -59,11 +67,8 @@ bad:
 /* "R", "R/s" or "R/m": requests per second. */
 static int parse_rate(const char *name, const char *v, size_t len, double *out, char *why, size_t cap)
 {
-    char buf[64];
-    if (len == 0 || len >= sizeof buf) goto bad;
-    memcpy(buf, v, len);
-    buf[len] = 0;
-    char *end;
+    char buf[RT_LIMIT_VALUE_MAX], *end;
+    if (value_copy(v, len, buf)) goto bad;
     errno = 0;
     double r = strtod(buf, &end);
     double per = 1.0;

@@ -404,9 +404,11 @@ int main(int argc, char **argv)
 
     kc_server *srv;
     int bound;
-    /* --default-timeout-ms is also the server's deadline: Tokenize and ClusterStatus get it too */
+    /* every call gets a server deadline, Tokenize and ClusterStatus included; a second after
+     * --default-timeout-ms, so that a Generate's own deadline (rt_generate_run, the same flag)
+     * fires first and its error says at which step the time ran out */
     const kc_server_config scfg = {.tls = &o.tls, .max_message_bytes = (size_t)o.max_request_bytes,
-                                   .max_deadline_ms = o.default_timeout_ms};
+                                   .max_deadline_ms = o.default_timeout_ms + 1000};
     if (kc_server_create(o.listen, &scfg, &srv, &bound, &st) != 0) die("--listen %s: %s", o.listen, st.details);
     if (kc_server_add_stream(srv, "/kvrelay.v1.Generation/Generate", &kvrelay__v1__generate_request__descriptor,
                              rt_generate, rt) ||

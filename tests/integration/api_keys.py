@@ -105,16 +105,7 @@ def cli(router, argv, env_key=None):
 
 def main():
     b = args.bin
-    dec, _ = krprocs.start(args.work, "decode", [b + "/kvrelay-decode", "--model", args.model, "--id", "decode-0",
-                                                 "--listen", "127.0.0.1:0", "--transfer", "127.0.0.1:0",
-                                                 "--http", "127.0.0.1:0", "--kv-memory", "64M", "--threads", "1"])
-    pre, _ = krprocs.start(args.work, "prefill", [b + "/kvrelay-prefill", "--model", args.model, "--id", "prefill-0",
-                                                  "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                                                  "--threads", "1"])
-    nodes = os.path.join(args.work, "nodes.json")
-    with open(nodes, "w") as f:
-        json.dump({"prefill": [{"id": "prefill-0", "address": pre}],
-                   "decode": [{"id": "decode-0", "address": dec}]}, f)
+    dec, pre, nodes = krprocs.start_nodes(args)
     startup_errors(nodes)
 
     open_router, _ = krprocs.start(args.work, "router-open", [b + "/kvrelay-router", "--model", args.model,

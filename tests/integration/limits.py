@@ -223,16 +223,7 @@ def per_peer(open_router, open_http):
 
 def main():
     b = args.bin
-    dec, _ = krprocs.start(args.work, "decode", [b + "/kvrelay-decode", "--model", args.model, "--id", "decode-0",
-                                                 "--listen", "127.0.0.1:0", "--transfer", "127.0.0.1:0",
-                                                 "--http", "127.0.0.1:0", "--kv-memory", "16M", "--threads", "1"])
-    pre, _ = krprocs.start(args.work, "prefill", [b + "/kvrelay-prefill", "--model", args.model, "--id", "prefill-0",
-                                                  "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                                                  "--threads", "1"])
-    nodes = os.path.join(args.work, "nodes.json")
-    with open(nodes, "w") as f:
-        json.dump({"prefill": [{"id": "prefill-0", "address": pre}],
-                   "decode": [{"id": "decode-0", "address": dec}]}, f)
+    dec, pre, nodes = krprocs.start_nodes(args, kv_memory="16M")
     base = [b + "/kvrelay-router", "--model", args.model, "--nodes", nodes, "--listen", "127.0.0.1:0",
             "--http", "127.0.0.1:0", "--served-model-name", "llama3-tiny"]
 
