@@ -2,15 +2,16 @@
 # sim-validate.sh - tools/kvrelay-sim against real runs on this machine (docs/simulator.md,
 # "Validation"): the same workload through a real cluster (kvrelay-bench-serve) and through the
 # simulator (the same flags and seed, so the same arrivals and lengths), 1 prefill + 1 decode
-# and 2 + 2 nodes with 1 thread each, at two moderate Poisson rates. Writes a table of TTFT and
-# TPOT p50 / p90, goodput and throughput, real against simulated with the relative error, a plot,
-# and every summary JSON. Not a test (real timings on a shared machine are noisy; the load
-# average is recorded); tests/integration/simulator.sh re-simulates the committed 1 + 1 runs.
+# and 2 + 2 nodes with 1 thread each, at two moderate Poisson rates (6 and 12 requests/s).
+# Writes a table of TTFT and TPOT p50 / p90, goodput and throughput, real against simulated with
+# the relative error, a plot, and every summary JSON. Not a test (real timings on a shared
+# machine are noisy; the load average is recorded); tests/integration/simulator.sh re-simulates
+# the committed 1 + 1 runs.
 #
 #   bench/experiments/sim-validate.sh [--bin DIR] [--quick] [--out DIR] [--profile FILE]
 #
-# --bin DIR: built programs (default build/). --quick: 10 s per rate instead of 20 (about 2
-# minutes in all instead of 3). --out DIR: where results go (default bench/results/sim-validate/):
+# --bin DIR: built programs (default build/). --quick: 10 s per rate instead of 20 (about 4
+# minutes in all instead of 5, the calibration included). --out DIR: where results go (default bench/results/sim-validate/):
 # table.md, sim-validate.png, real-P1-D1.json, sim-P1-D1.json, ... and the clusters' logs.
 # --profile FILE: the simulator's profile; by default `kvrelay-sim calibrate` measures one first
 # (profile.json in --out), so that calibration and the real runs see the same machine load.
@@ -37,7 +38,7 @@ if [ -z "$PROFILE" ]; then
 fi
 
 LAYOUTS=("1 1" "2 2")
-RATES=8,16 WARMUP=5 SLO=ttft_ms=500,tpot_ms=10
+RATES=6,12 WARMUP=5 SLO=ttft_ms=500,tpot_ms=10
 DURATION=20
 [ "$EXP_QUICK" = 1 ] && DURATION=10
 LOAD=(--rate "$RATES" --duration "$DURATION" --warmup "$WARMUP" --prompt-len 256:768 --output-len 128
