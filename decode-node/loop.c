@@ -37,9 +37,6 @@ typedef struct dn_loop {
     kr_seq **seqs; /* [max_batch] batch scratch */
     int32_t *tokens; /* [max_batch] */
     float *logits; /* [max_batch][vocab] */
-    float *kbuf, *vbuf; /* import scratch, rows of head_dim */
-    int32_t *pbuf;
-    size_t import_cap; /* entries the import scratch holds */
 } dn_loop;
 
 /* The blocks the batch's sequences hold, by policy family (the loop's own view: it owns run[]). */
@@ -199,28 +196,22 @@ static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_
 
 /* ------------------------------------------------------------------ joining the batch */
 
-static int grow_import_scratch(dn_loop *L, size_t entries, int head_dim)
+/* One run of a list's slots in the pool's blocks, filled straight from the received bundle
+ * (kr_list_fill_fn): the only copy of the rows on this node, converting to float32. */
+typedef struct fill_arg {
+    const kt_bundle_view *view;
+    const kt_bundle_list_view *list;
+} fill_arg;
+
+static int fill_rows(void *arg, int first, int n, int32_t *pos, float *k, float *v, char *err)
 {
-    if (entries <= L->import_cap)
-        return 0;
-    size_t rows = entries * (size_t)head_dim;
-    float *k = realloc(L->kbuf, rows * sizeof *k);
-    if (k)
-        L->kbuf = k;
-    float *v = realloc(L->vbuf, rows * sizeof *v);
-    if (v)
-        L->vbuf = v;
-    int32_t *p = realloc(L->pbuf, entries * sizeof *p);
-    if (p)
-        L->pbuf = p;
-    if (!k || !v || !p)
-        return -1;
-    L->import_cap = entries;
-    return 0;
+    const fill_arg *a = arg;
+    return kt_bundle_list_read(a->view, a->list, (uint32_t)first, (uint32_t)n, pos, k, v, err);
 }
 
 /* The bundle -> a sequence of this node's pool, exactly as the prefill node held it, each list
- * with the decode rule the prefill node's policy gave it. */
+ * with the decode rule the prefill node's policy gave it; rows go from the receive buffer
+ * straight into the blocks. */
 static int import(dn_loop *L, dn_job *j, char *err)
 {
     dn_node *n = L->n;
@@ -239,13 +230,9 @@ static int import(dn_loop *L, dn_job *j, char *err)
                 goto err_seq;
             if (lv.count == 0)
                 continue;
-            if (grow_import_scratch(L, lv.count, c->head_dim) != 0) {
-                snprintf(err, KR_ERR_MAX, "out of memory importing %u entries", lv.count);
-                goto err_seq;
-            }
-            if (kt_bundle_list_read(v, &lv, 0, lv.count, L->pbuf, L->kbuf, L->vbuf, err) != 0 ||
-                kr_seq_list_append(s, l, h, (int)lv.count, L->pbuf, L->kbuf, L->vbuf,
-                                   (int)lv.pinned, err) != KR_OK)
+            fill_arg a = {.view = v, .list = &lv};
+            if (kr_seq_list_fill(s, l, h, (int)lv.count, (int)lv.pinned, fill_rows, &a, err) !=
+                KR_OK)
                 goto err_seq;
         }
     }
@@ -284,7 +271,7 @@ static void admit(dn_loop *L, dn_job *j)
                "the %" PRId64 " its reservation holds", kr_seq_blocks(j->seq), j->resv->blocks);
         return;
     }
-    /* The bundle's bytes are in the pool now: the staging buffer can go. */
+    /* The bundle's bytes are in the pool now: the receive buffer can go. */
     free(j->resv->buf);
     j->resv->buf = NULL;
     j->next_in = first;
@@ -486,9 +473,6 @@ static void *loop_main(void *arg)
     free(L->seqs);
     free(L->tokens);
     free(L->logits);
-    free(L->kbuf);
-    free(L->vbuf);
-    free(L->pbuf);
     free(L);
     return NULL;
 }

@@ -326,6 +326,25 @@ int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, 
  * list (0 <= pinned <= the list's new length; what kr_seq_list_shape reported at the sender). */
 int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *pos,
                        const float *k, const float *v, int pinned, char *err);
+/* Rows of one run of consecutive entries of a list, in place in the pool's blocks: entries
+ * [first, first + n), positions [n], keys and values [n][head_dim] float32, contiguous. Return 0
+ * to go on; any other value stops the walk and is returned (write `err` then). */
+typedef int (*kr_list_rows_fn)(void *arg, int first, int n, const int32_t *pos, const float *k,
+                               const float *v, char *err);
+/* Calls fn over entries [first, first + n) of list (layer, kv_head) in order, one call per
+ * block they span: what a sender copies from, with no copy of its own. Fails like
+ * kr_seq_list_read. */
+int kr_seq_list_visit(const kr_seq *s, int layer, int kv_head, int first, int n,
+                      kr_list_rows_fn fn, void *arg, char *err);
+/* The slots of one run of appended entries (first counts from the first appended one): fn
+ * writes n positions and n key and value rows of head_dim float32 there. */
+typedef int (*kr_list_fill_fn)(void *arg, int first, int n, int32_t *pos, float *k, float *v,
+                               char *err);
+/* kr_seq_list_append where the caller writes the rows into the blocks itself: takes blocks for
+ * n more entries, calls fn once per block they span, then checks the positions as
+ * kr_seq_list_append does; when fn or a check fails the list is left as it was. */
+int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_list_fill_fn fn,
+                     void *arg, char *err);
 /* Sets the decode rule of list (layer, kv_head) (what kr_seq_list_rule reported at the
  * sender), under the same conditions as kr_seq_list_append; fails naming the field out of
  * range. A later kr_seq_set_policy replaces it. */

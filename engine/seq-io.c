@@ -5,8 +5,11 @@
  * (kvtransfer/) carries what these read and write; this file knows nothing of it.
  * What it is not: a codec or a transport. Entries are float32 keys (post-RoPE) and values.
  *
- * Order on the receiving side: kr_seq_create, kr_seq_list_append and kr_seq_list_set_rule for
- * every list (any order), kr_seq_set_next_pos, then decode (kr_forward / kr_forward_batch).
+ * Order on the receiving side: kr_seq_create, kr_seq_list_append (or kr_seq_list_fill) and
+ * kr_seq_list_set_rule for every list (any order), kr_seq_set_next_pos, then decode.
+ * kr_seq_list_visit and kr_seq_list_fill hand the caller the rows in the pool's blocks, one run
+ * per block, so a node copies a list once: from the blocks into a bundle, or from a bundle into
+ * the blocks, converting the dtype on the way.
  */
 #include "policy.h"
 
@@ -42,52 +45,121 @@ void kr_seq_list_shape(const kr_seq *s, int layer, int kv_head, int *len, int *p
     if (pinned) *pinned = pin;
 }
 
-int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, int32_t *pos, float *k,
-                     float *v, char *err)
+/* The run of entries [e, e + n_left) of a list that shares e's block: entry e sits at slot
+ * (off + e) % B of block (off + e) / B, and a block's slots are consecutive rows of the pool's
+ * arrays. Returns its length (<= n_left) with pointers to its first row. */
+static int list_run(const kr_kv_pool *p, const kr_kv_list *l, int e, int n_left, int32_t **pos, float **k,
+                    float **v)
+{
+    const int i = l->off + e, slot = i % p->block_size;
+    const int32_t b = l->blocks[i / p->block_size];
+    *pos = kr_kv_pos(p, b, slot);
+    *k = kr_kv_key(p, b, slot);
+    *v = kr_kv_value(p, b, slot);
+    return n_left < p->block_size - slot ? n_left : p->block_size - slot;
+}
+
+int kr_seq_list_visit(const kr_seq *s, int layer, int kv_head, int first, int n, kr_list_rows_fn fn, void *arg,
+                      char *err)
 {
     if (check_list(s, layer, kv_head, "list_read", err) != KR_OK) return -1;
     const kr_kv_list *l = &s->lists[layer * s->n_kv_heads + kv_head];
     if (first < 0 || n < 0 || first > l->len || n > l->len - first)
         return kr_errf(err, "list_read: entries [%d, %d) of list (layer %d, KV head %d) are outside its %d entries",
                        first, first + n, layer, kv_head, l->len);
-    const kr_kv_pool *p = s->pool;
-    const size_t row = sizeof(float) * (size_t)p->head_dim;
-    for (int e = 0; e < n; e++) {
-        if (pos) pos[e] = *kr_kv_list_pos(p, l, first + e);
-        if (k) memcpy(k + (size_t)e * p->head_dim, kr_kv_list_key(p, l, first + e), row);
-        if (v) memcpy(v + (size_t)e * p->head_dim, kr_kv_list_value(p, l, first + e), row);
+    for (int at = 0, run; at < n; at += run) {
+        int32_t *pos;
+        float *k, *v;
+        run = list_run(s->pool, l, first + at, n - at, &pos, &k, &v);
+        int rc = fn(arg, first + at, run, pos, k, v, err);
+        if (rc != 0) return rc;
     }
     return KR_OK;
+}
+
+/* The caller's arrays of kr_seq_list_read (dst) and kr_seq_list_append (src); row 0 is entry
+ * `base` of the list (read) or the first appended entry (append). */
+typedef struct rows_copy {
+    int32_t *pos;
+    float *k, *v;
+    const int32_t *src_pos;
+    const float *src_k, *src_v;
+    int base;
+    size_t d; /* head_dim */
+} rows_copy;
+
+static int copy_out(void *arg, int first, int n, const int32_t *pos, const float *k, const float *v, char *err)
+{
+    const rows_copy *c = arg;
+    const size_t at = (size_t)(first - c->base);
+    if (c->pos) memcpy(c->pos + at, pos, sizeof(int32_t) * (size_t)n);
+    if (c->k) memcpy(c->k + at * c->d, k, sizeof(float) * (size_t)n * c->d);
+    if (c->v) memcpy(c->v + at * c->d, v, sizeof(float) * (size_t)n * c->d);
+    (void)err;
+    return 0;
+}
+
+int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, int32_t *pos, float *k,
+                     float *v, char *err)
+{
+    rows_copy c = {.pos = pos, .k = k, .v = v, .base = first, .d = (size_t)s->pool->head_dim};
+    return kr_seq_list_visit(s, layer, kv_head, first, n, copy_out, &c, err);
+}
+
+static int copy_in(void *arg, int first, int n, int32_t *pos, float *k, float *v, char *err)
+{
+    const rows_copy *c = arg;
+    memcpy(pos, c->src_pos + first, sizeof(int32_t) * (size_t)n);
+    memcpy(k, c->src_k + (size_t)first * c->d, sizeof(float) * (size_t)n * c->d);
+    memcpy(v, c->src_v + (size_t)first * c->d, sizeof(float) * (size_t)n * c->d);
+    (void)err;
+    return 0;
 }
 
 int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *pos, const float *k,
                        const float *v, int pinned, char *err)
 {
+    if (n > 0 && (!pos || !k || !v))
+        return kr_errf(err, "list_append: positions, keys and values are required for %d entries", n);
+    rows_copy c = {.src_pos = pos, .src_k = k, .src_v = v, .d = (size_t)s->pool->head_dim};
+    return kr_seq_list_fill(s, layer, kv_head, n, pinned, copy_in, &c, err);
+}
+
+int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_list_fill_fn fn, void *arg,
+                     char *err)
+{
     if (check_list(s, layer, kv_head, "list_append", err) != KR_OK) return -1;
     if (check_open(s, "list_append", err) != KR_OK) return -1;
     kr_kv_list *l = kr_seq_list(s, layer, kv_head);
     if (n < 0) return kr_errf(err, "list_append: n = %d entries", n);
-    if (n > 0 && (!pos || !k || !v))
-        return kr_errf(err, "list_append: positions, keys and values are required for %d entries", n);
     if (pinned < 0 || pinned > l->len + n)
         return kr_errf(err, "list_append: pinned = %d for a list of %d entries (layer %d, KV head %d)", pinned,
                        l->len + n, layer, kv_head);
-    int32_t last = l->len ? *kr_kv_list_pos(s->pool, l, l->len - 1) : -1;
-    for (int e = 0; e < n; e++) {
-        if (pos[e] <= last)
-            return kr_errf(err, "list_append: position %d at entry %d of list (layer %d, KV head %d) is not above "
-                           "the one before it (%d): positions must be >= 0 and strictly increasing",
-                           pos[e], e, layer, kv_head, last);
-        last = pos[e];
-    }
     char why[KR_ERR_MAX];
     if (kr_seq_grow_list(s, layer, kv_head, n, why) != KR_OK)
         return kr_errf(err, "list_append: %d entries for list (layer %d, KV head %d): %s", n, layer, kv_head, why);
-    const size_t d = (size_t)s->pool->head_dim;
-    for (int e = 0; e < n; e++) kr_seq_put(s, layer, kv_head, l->len + e, k + e * d, v + e * d, pos[e]);
+    int32_t last = l->len ? *kr_kv_list_pos(s->pool, l, l->len - 1) : -1;
+    for (int at = 0, run; at < n; at += run) {
+        int32_t *pos;
+        float *k, *v;
+        run = list_run(s->pool, l, l->len + at, n - at, &pos, &k, &v);
+        if (fn(arg, at, run, pos, k, v, err) != 0) goto err_spare;
+        for (int e = 0; e < run; e++) {
+            if (pos[e] <= last) {
+                kr_errf(err, "list_append: position %d at entry %d of list (layer %d, KV head %d) is not above "
+                        "the one before it (%d): positions must be >= 0 and strictly increasing",
+                        pos[e], at + e, layer, kv_head, last);
+                goto err_spare;
+            }
+            last = pos[e];
+        }
+    }
     l->len += n;
     l->pinned = pinned;
     return KR_OK;
+err_spare:
+    kr_seq_release_spare(s); /* the blocks this call took: the list is as it was */
+    return -1;
 }
 
 void kr_seq_list_rule(const kr_seq *s, int layer, int kv_head, kr_list_rule *out)

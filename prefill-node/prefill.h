@@ -26,7 +26,6 @@
 #include "transport.h"
 
 #define PF_BLOCK_SIZE 16 /* KV pool block size (entries) */
-#define PF_ROWS 64       /* entries copied out of a list per kr_seq_list_read into the bundle */
 #define PF_N_CODES (GRPC_STATUS_UNAUTHENTICATED + 1) /* gRPC status codes 0..16 */
 
 /* Flags (main.c parses them; --help lists them with their defaults). */
@@ -122,8 +121,6 @@ typedef struct pf_node {
     kr_ctx *ctx;
     kr_kv_pool *pool;
     float *logits;          /* [vocab_size] */
-    int32_t *rows_pos;      /* [PF_ROWS] */
-    float *rows_k, *rows_v; /* [PF_ROWS][head_dim] */
     kt_bundle_list *lists;  /* [n_layers * n_kv_heads] */
     uint8_t *bundle;        /* 64-byte aligned, grown to the largest bundle so far */
     size_t bundle_cap;

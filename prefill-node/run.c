@@ -5,9 +5,9 @@
  * sequence's lists, the send to the decode node's reservation, and the usage.
  *
  * The bundle goes into one worker-owned buffer grown to the largest bundle so far (a request
- * does not allocate it again); rows come out of the KV blocks PF_ROWS entries at a time through
- * kr_seq_list_read (the engine's public API has no view of its blocks) and the writer converts
- * them to the payload dtype as it copies. The sequence is freed as soon as the bundle is
+ * does not allocate it again), which is also the send buffer: kr_seq_list_visit hands over each
+ * list's rows in place in the KV blocks, one run per block, and the writer converts them to the
+ * payload dtype as it copies them in, so each shipped byte is written once on this side. The sequence is freed as soon as the bundle is
  * written, before the send, so the pool never holds a request's blocks across a network wait.
  * Cancellation: kr_prefill runs its chunks in one call, so a call cancelled mid-prefill is
  * noticed after it; the transfer is skipped then.
@@ -47,13 +47,9 @@ int pf_run_init(pf_node *n, char *err)
     if (kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) return -1;
     if (kr_ctx_kv_pool_create(n->ctx, PF_BLOCK_SIZE, n->cfg->kv_blocks, &n->pool, err) != KR_OK)
         return -1;
-    size_t rows = (size_t)PF_ROWS * (size_t)c->head_dim;
     n->logits = malloc(sizeof(float) * (size_t)c->vocab_size);
-    n->rows_pos = malloc(sizeof(int32_t) * PF_ROWS);
-    n->rows_k = malloc(sizeof(float) * rows);
-    n->rows_v = malloc(sizeof(float) * rows);
     n->lists = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->lists);
-    if (!n->logits || !n->rows_pos || !n->rows_k || !n->rows_v || !n->lists) {
+    if (!n->logits || !n->lists) {
         snprintf(err, KR_ERR_MAX, "out of memory for the worker's scratch buffers");
         return -1;
     }
@@ -64,9 +60,6 @@ void pf_run_free(pf_node *n)
 {
     free(n->bundle);
     free(n->lists);
-    free(n->rows_v);
-    free(n->rows_k);
-    free(n->rows_pos);
     free(n->logits);
     kr_kv_pool_free(n->pool);
     kr_ctx_free(n->ctx);
@@ -104,6 +97,21 @@ static int bundle_room(pf_node *n, uint64_t size, char *err)
     return 0;
 }
 
+/* One run of a list's rows, from the KV blocks into the bundle (kr_list_rows_fn). */
+typedef struct put_arg {
+    kt_bundle_writer *w;
+    uint32_t layer, head;
+} put_arg;
+
+static int put_rows(void *arg, int first, int n, const int32_t *pos, const float *k,
+                    const float *v, char *err)
+{
+    const put_arg *a = arg;
+    (void)first;
+    return kt_bundle_writer_put(a->w, a->layer, a->head, (uint32_t)n, pos, KT_DTYPE_F32, k, v,
+                                err);
+}
+
 /* Writes the bundle of `seq` into n->bundle: *size_out bytes, *entries_out entries. */
 static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int32_t first_token,
                         uint64_t *size_out, uint64_t *entries_out, char *err)
@@ -136,15 +144,9 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int32_t 
     if (kt_bundle_writer_begin(&w, &h, n->lists, n->bundle, n->bundle_cap, err) != 0) return -1;
     for (int l = 0; l < c->n_layers; l++)
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
+            put_arg a = {.w = &w, .layer = (uint32_t)l, .head = (uint32_t)kv};
             int len = (int)n->lists[l * c->n_kv_heads + kv].count;
-            for (int at = 0; at < len; at += PF_ROWS) {
-                int m = len - at < PF_ROWS ? len - at : PF_ROWS;
-                if (kr_seq_list_read(seq, l, kv, at, m, n->rows_pos, n->rows_k, n->rows_v, err) !=
-                        KR_OK ||
-                    kt_bundle_writer_put(&w, (uint32_t)l, (uint32_t)kv, (uint32_t)m, n->rows_pos,
-                                         KT_DTYPE_F32, n->rows_k, n->rows_v, err) != 0)
-                    return -1;
-            }
+            if (kr_seq_list_visit(seq, l, kv, 0, len, put_rows, &a, err) != KR_OK) return -1;
         }
     if (kt_bundle_writer_finish(&w, size_out, err) != 0) return -1;
     *entries_out = entries;

@@ -124,9 +124,50 @@ static uint64_t digest(const kr_seq *s, const kr_config *cfg)
     return h;
 }
 
-/* b (fresh) receives every list of a, each in two appends, with its decode rule, then a's next
- * position */
-static void copy_seq(const kr_seq *a, kr_seq *b, const kr_config *cfg)
+/* Rows handed over by kr_seq_list_visit, copied into the caller's arrays at `at` (kr_list_rows_fn);
+ * runs must come in order, each inside one block of the pool */
+typedef struct visit_rows {
+    int32_t *pos;
+    float *k, *v;
+    size_t hd;
+    int next, block_size, runs;
+} visit_rows;
+
+static int take_run(void *arg, int first, int n, const int32_t *pos, const float *k, const float *v, char *err)
+{
+    visit_rows *r = arg;
+    CHECK(first == r->next && n >= 1 && n <= r->block_size, "visit: run [%d, %d) after %d (blocks of %d)", first,
+          first + n, r->next, r->block_size);
+    memcpy(r->pos + first, pos, sizeof(int32_t) * (size_t)n);
+    memcpy(r->k + (size_t)first * r->hd, k, sizeof(float) * (size_t)n * r->hd);
+    memcpy(r->v + (size_t)first * r->hd, v, sizeof(float) * (size_t)n * r->hd);
+    r->next = first + n;
+    r->runs++;
+    (void)err;
+    return 0;
+}
+
+/* The rows kr_seq_list_fill asks for, from arrays (kr_list_fill_fn); fails at entry `fail_at` */
+typedef struct fill_rows {
+    const int32_t *pos;
+    const float *k, *v;
+    size_t hd;
+    int fail_at;
+} fill_rows;
+
+static int give_run(void *arg, int first, int n, int32_t *pos, float *k, float *v, char *err)
+{
+    const fill_rows *f = arg;
+    if (f->fail_at >= first && f->fail_at < first + n) return kr_errf(err, "fill refused entry %d", f->fail_at);
+    memcpy(pos, f->pos + first, sizeof(int32_t) * (size_t)n);
+    memcpy(k, f->k + (size_t)first * f->hd, sizeof(float) * (size_t)n * f->hd);
+    memcpy(v, f->v + (size_t)first * f->hd, sizeof(float) * (size_t)n * f->hd);
+    return 0;
+}
+
+/* b (fresh) receives every list of a, read run by run through kr_seq_list_visit, in an append and
+ * a fill, with its decode rule, then a's next position */
+static void copy_seq(const kr_seq *a, kr_seq *b, const kr_config *cfg, int block_size)
 {
     char err[KR_ERR_MAX];
     const size_t hd = (size_t)cfg->head_dim;
@@ -136,11 +177,14 @@ static void copy_seq(const kr_seq *a, kr_seq *b, const kr_config *cfg)
             kr_seq_list_shape(a, l, g, &len, &pinned);
             int32_t *pos = malloc(sizeof(int32_t) * (size_t)(len + 1));
             float *k = malloc(sizeof(float) * hd * (size_t)(len + 1)), *v = malloc(sizeof(float) * hd * (size_t)(len + 1));
-            REQUIRE(kr_seq_list_read(a, l, g, 0, len, pos, k, v, err) == KR_OK, "%s", err);
+            visit_rows vr = {.pos = pos, .k = k, .v = v, .hd = hd, .block_size = block_size};
+            REQUIRE(kr_seq_list_visit(a, l, g, 0, len, take_run, &vr, err) == KR_OK, "%s", err);
+            CHECK(vr.next == len && vr.runs >= (len + block_size - 1) / block_size, "visit: %d of %d entries in %d runs",
+                  vr.next, len, vr.runs);
             int half = len / 2;
             REQUIRE(kr_seq_list_append(b, l, g, half, pos, k, v, 0, err) == KR_OK, "%s", err);
-            REQUIRE(kr_seq_list_append(b, l, g, len - half, pos + half, k + hd * half, v + hd * half, pinned, err) ==
-                        KR_OK, "%s", err);
+            fill_rows fr = {.pos = pos + half, .k = k + hd * half, .v = v + hd * half, .hd = hd, .fail_at = -1};
+            REQUIRE(kr_seq_list_fill(b, l, g, len - half, pinned, give_run, &fr, err) == KR_OK, "%s", err);
             kr_list_rule rule;
             kr_seq_list_rule(a, l, g, &rule);
             REQUIRE(kr_seq_list_set_rule(b, l, g, &rule, err) == KR_OK, "%s", err);
@@ -181,7 +225,7 @@ static void check_exact(const kr_model *m, const char *label)
 
         /* B has no policy, as on a decode node: decode applies the rules its lists brought */
         REQUIRE(kr_seq_create(p2, cfg->n_layers, cfg->n_kv_heads, &b[k], err) == KR_OK, "%s", err);
-        copy_seq(a[k], b[k], cfg);
+        copy_seq(a[k], b[k], cfg, 16); /* a in p1: blocks of 16 */
         CHECK(digest(a[k], cfg) == digest(b[k], cfg), "%s %s: imported lists differ", label, SPECS[k]);
         CHECK(kr_seq_next_pos(b[k]) == kr_seq_next_pos(a[k]), "%s %s: next_pos", label, SPECS[k]);
         for (int l = 0; l < cfg->n_layers; l++)
@@ -242,7 +286,7 @@ static int decode_in_pool(kr_ctx *c, const kr_config *cfg, const kr_policy *pol,
     REQUIRE(kr_kv_pool_create(cfg->head_dim, bs, (int)n_blocks, &pool, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &b, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_set_policy(b, pol, err) == KR_OK, "%s", err);
-    copy_seq(a, b, cfg);
+    copy_seq(a, b, cfg, 16); /* a in check_bound's pool: blocks of 16 */
     float *lg = malloc(sizeof(float) * (size_t)cfg->vocab_size);
     int32_t tok = first;
     int steps = 0;
@@ -462,6 +506,20 @@ static void check_errors(const kr_model *m)
     CHECK(kr_seq_list_read(s, 0, H, 0, 1, back, NULL, NULL, err) == -1, "head out of range");
     kr_seq_list_shape(s, -1, 0, &len, &pinned);
     CHECK(len == 0 && pinned == 0, "a list that does not exist has no shape");
+
+    /* a fill whose rows fail or come out of order leaves the list and the pool as they were */
+    fill_rows fr = {.pos = pos + 7, .k = kv[0], .v = kv[1], .hd = (size_t)hd, .fail_at = 1};
+    CHECK(kr_seq_list_fill(s, 0, 0, 2, 2, give_run, &fr, err) == -1, "fill that fails");
+    CHECK_ERR_HAS(err, "fill refused entry 1");
+    kr_seq_list_shape(s, 0, 0, &len, &pinned);
+    CHECK(len == 5 && pinned == 2 && kr_kv_pool_n_free(pool) == 0, "a failed fill changed the list (%d entries, %d "
+          "pinned, %d blocks free)", len, pinned, kr_kv_pool_n_free(pool));
+    fr.pos = down;
+    fr.fail_at = -1;
+    CHECK(kr_seq_list_fill(s, 0, 0, 2, 2, give_run, &fr, err) == -1, "fill below the list's last position");
+    CHECK_ERR_HAS(err, "position 5 at entry 0");
+    kr_seq_list_shape(s, 0, 0, &len, &pinned);
+    CHECK(len == 5 && pinned == 2 && kr_kv_pool_n_free(pool) == 0, "a refused fill changed the list");
 
     kr_list_rule rule = {.sink = 4, .window = 8, .lazy = 2, .slack = 1, .max_drop = 3, .rel = 1}, got;
     CHECK(kr_seq_list_set_rule(s, 0, 0, &rule, err) == KR_OK, "%s", err);
