@@ -4,7 +4,7 @@
  *
  * The pieces and who owns what:
  *   main.c     flags, start-up (model, KV pool, transport, gRPC, HTTP), signals, shutdown
- *   resv.c     the reservation table: admission against free-minus-reserved blocks, staging
+ *   resv.c     the reservation table: admission against free-minus-reserved blocks, receive
  *              buffers, the transport's completion callback, release, expiry
  *   service.c  the Decode service's handlers (Reserve, Decode, Release, Status)
  *   loop.c     the continuous-batching thread: imports bundles into sequences, one
@@ -79,8 +79,10 @@ typedef struct dn_resv {
     int prompt_tokens, max_tokens; /* as reserved: what `blocks` covers */
     int max_list_entries; /* most entries a bundle list may bring (the bound's assumption) */
     kr_policy *policy; /* parsed from the Reserve request (owned) */
-    uint8_t *buf; /* staging buffer the bundle lands in (owned), `cap` bytes */
+    uint8_t *buf; /* receive buffer the bundle lands in (owned), `cap` bytes; freed once the
+                     loop copied the rows into the sequence's blocks */
     uint64_t cap, len; /* len: bytes that arrived (READY) */
+    kt_bundle_view view; /* READY: the transport's validated view of buf[0, len) */
     int xfer_open; /* the transport still holds buf (its callback has not run) */
     int cancel; /* DECODING: Release asked to end it */
     double expires; /* monotonic seconds: an unused READY reservation is dropped then */
@@ -96,7 +98,7 @@ typedef struct dn_job {
     dn_resv *resv; /* DECODING: nobody else frees it */
     kc_call *call; /* detached; finished exactly once by the loop */
     char request_id[DN_REQUEST_ID_MAX + 1];
-    kt_bundle_view view; /* into resv->buf, until imported */
+    kt_bundle_view view; /* resv->view, into resv->buf, until imported */
     kr_policy *policy; /* parsed from the bundle's header; outlives seq */
     kr_sampler *sampler;
     int32_t *stop_ids; /* [n_stop] */
@@ -166,7 +168,7 @@ typedef struct dn_node {
 } dn_node;
 
 /* resv.c */
-/* Admits a reservation (takes `policy` in every case) and reserves its staging buffer in the
+/* Admits a reservation (takes `policy` in every case) and reserves its receive buffer in the
  * transport. Returns a grpc_status_code: OK with the outputs set (token_out: the transport's
  * random token, which the bundle must carry), or an error with `err` (KT_ERR_MAX bytes):
  * RESOURCE_EXHAUSTED when the bound does not fit the free blocks. */

@@ -1,6 +1,7 @@
 /*
  * resv.c - kvrelay-decode's reservations: admission of a Reserve against the pool's blocks not
- * yet promised to anyone, the staging buffer the KV bundle lands in, the transport's completion
+ * yet promised to anyone, the receive buffer the KV bundle lands in (validated once, by the
+ * transport, which hands over its view), the transport's completion
  * callback, Release, and expiry. Accounting (docs/decode-node.md "Admission"):
  *   reserved_sum = sum of the blocks bound of every live reservation (a running sequence's
  *                  reservation included: its blocks in use count inside its bound),
@@ -193,7 +194,7 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     if (!r || !(r->buf = malloc(size))) {
         free(r);
         kr_policy_free(policy);
-        snprintf(err, KT_ERR_MAX, "cannot allocate a %" PRIu64 "-byte staging buffer", size);
+        snprintf(err, KT_ERR_MAX, "cannot allocate a %" PRIu64 "-byte receive buffer", size);
         return GRPC_STATUS_RESOURCE_EXHAUSTED;
     }
     r->policy = policy;
@@ -248,8 +249,8 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
      * stays valid meanwhile: only the callback or Release frees it, and neither can act on an
      * id the transport does not know yet (nor the router, before this call answers). */
     uint8_t *buf = r->buf;
-    if (kt_transport_reserve(n->transport, id, buf, size, ttl_s, KT_RESERVE_PARSE, on_transfer,
-                             n, token_out, berr) != 0) {
+    if (kt_transport_reserve_bundle(n->transport, id, buf, size, ttl_s, &r->view, on_transfer,
+                                    n, token_out, berr) != 0) {
         pthread_mutex_lock(&n->lock);
         r = dn_resv_find_locked(n, id); /* by id: never trust a pointer across the unlock */
         if (r)

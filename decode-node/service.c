@@ -233,9 +233,7 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
     const kr_config *c = n->mcfg;
     char err[KT_ERR_MAX > KR_ERR_MAX ? KT_ERR_MAX : KR_ERR_MAX];
     kt_bundle_view *v = &job->view;
-    if (kt_bundle_parse(r->buf, (size_t)r->len, v, err) != 0) /* parsed once by the transport */
-        return refuse(call, rid, GRPC_STATUS_INTERNAL, "reservation %" PRIu64 ": %s", r->id,
-                             err);
+    *v = r->view; /* validated by the transport as the bytes arrived (kt_transport_reserve_bundle) */
     if (kt_bundle_check_model(v, n->fingerprint, (uint32_t)c->n_layers, (uint32_t)c->n_kv_heads,
                               (uint32_t)c->head_dim, err) != 0)
         return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,

@@ -96,6 +96,7 @@ typedef struct kt_resv {
     uint8_t resv_token[KT_RESV_TOKEN_BYTES]; /* what a bundle for it must carry */
     double deadline;
     unsigned flags;
+    kt_bundle_view *view; /* KT_RESERVE_PARSE: the caller's, written once the bundle is valid */
     kt_xfer_cb cb;
     void *cb_arg;
     kt_xfer_state state;
@@ -676,7 +677,7 @@ static double kt_step(kt_transport *t)
             char perr[KT_ERR_MAX] = "";
             kt_bundle_view v;
             int bad = (r->flags & KT_RESERVE_PARSE) &&
-                      kt_bundle_parse(r->buf, (size_t)r->len, &v, perr) != 0;
+                      kt_bundle_parse(r->buf, (size_t)r->len, r->view ? r->view : &v, perr) != 0;
             char msg[KT_ERR_MAX];
             if (bad) {
                 snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 " rejected: %s", r->id,
@@ -1043,9 +1044,9 @@ void kt_transport_destroy(kt_transport *t)
 
 uint16_t kt_transport_port(const kt_transport *t) { return t->port; }
 
-int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
-                         unsigned flags, kt_xfer_cb cb, void *cb_arg,
-                         uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
+static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
+                      unsigned flags, kt_bundle_view *view, kt_xfer_cb cb, void *cb_arg,
+                      uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
 {
     if (!t->listener) {
         kt_seterr(err, "transport: reserve needs a listening transport (listen_host unset)");
@@ -1065,6 +1066,7 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
     r->buf = buf;
     r->size = size;
     r->flags = flags;
+    r->view = view;
     r->cb = cb;
     r->cb_arg = cb_arg;
     r->state = KT_XFER_STATE_RESERVED;
@@ -1089,6 +1091,25 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
     pthread_mutex_unlock(&t->lock);
     kt_wake(t);
     return 0;
+}
+
+int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
+                         unsigned flags, kt_xfer_cb cb, void *cb_arg,
+                         uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
+{
+    return kt_reserve(t, id, buf, size, timeout_s, flags, NULL, cb, cb_arg, token, err);
+}
+
+int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
+                                double timeout_s, kt_bundle_view *view, kt_xfer_cb cb,
+                                void *cb_arg, uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
+{
+    if (!view) {
+        kt_seterr(err, "transport: reserve %" PRIu64 ": needs a view to parse the bundle into", id);
+        return -1;
+    }
+    return kt_reserve(t, id, buf, size, timeout_s, KT_RESERVE_PARSE, view, cb, cb_arg, token,
+                      err);
 }
 
 int kt_transport_release(kt_transport *t, uint64_t id)

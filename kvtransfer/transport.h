@@ -101,6 +101,12 @@ typedef void (*kt_xfer_cb)(void *arg, uint64_t id, int status, uint64_t bytes, c
 int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
                          unsigned flags, kt_xfer_cb cb, void *cb_arg,
                          uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
+/* kt_transport_reserve with KT_RESERVE_PARSE that keeps the parse: before a successful callback
+ * *view (caller-owned, valid as long as buf) is the validated view of the bytes that arrived,
+ * so the receiver validates a bundle once, in the transport, and reads it through this view. */
+int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
+                                double timeout_s, kt_bundle_view *view, kt_xfer_cb cb,
+                                void *cb_arg, uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
 /* Abandons a reservation: if it has not completed, its callback reports "released" before this
  * returns (a transfer in flight is cancelled first), so the buffer may be freed on return.
  * Returns 0 if it released something, -1 if there was nothing under `id`. Not from a kt_
