@@ -267,6 +267,22 @@ static void test_crc(void)
         CHECK(kt_crc32c(kt_crc32c(0, buf + off, cut), buf + off + cut, n - cut) == want,
               "chained crc split at %zu of %zu", cut, n);
     }
+    /* lengths that take the three-stream paths (3 x 8 KiB and 3 x 256 bytes chunks) with every
+     * kind of remainder, at odd offsets */
+    enum { BIG = 3 * 3 * 8192 + 3 * 256 + 64 };
+    uint8_t *big = malloc(BIG + 16);
+    REQUIRE(big, "out of memory");
+    for (size_t i = 0; i < BIG + 16; i++) big[i] = (uint8_t)rnd();
+    const size_t sizes[] = {3 * 256, 3 * 256 + 7, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 3 * 256 + 9, 6 * 8192 + 100, BIG};
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+        size_t off = rnd() % 16, n = sizes[i];
+        uint32_t want = crc_ref(big + off, n);
+        CHECK(kt_crc32c(0, big + off, n) == want, "crc of %zu bytes at +%zu", n, off);
+        CHECK(kt_crc32c_portable(0, big + off, n) == want, "table crc of %zu bytes at +%zu", n, off);
+        CHECK(kt_crc32c(kt_crc32c(0, big + off, n / 3), big + off + n / 3, n - n / 3) == want,
+              "chained crc of %zu bytes split at a third", n);
+    }
+    free(big);
 }
 
 static void test_conversions(void)
