@@ -4,7 +4,9 @@
  * run by this program, and their ratio.
  * What it measures: reserve + send + acknowledgement per bundle (the full protocol a prefill
  * node pays), one bundle at a time and K at once, sender and receiver as two UCX contexts in
- * this process; ucx_perftest runs
+ * this process; with --validate the data is a real bundle of about the size and the receiver
+ * validates it before acknowledging, as a decode node does (kt_transport_reserve_bundle: every
+ * checksum and field); ucx_perftest runs
  * as a server and a client process with -t TEST -s SIZE. It is not a test: nothing is asserted.
  * Run: kvrelay-transfer-bench [--sizes 1,4,16,64,256,1024] [--tls tcp] [--test ucp_am_bw]
  * (sizes in MiB). Progress on stderr, the table on stdout. Figures: docs/transport.md.
@@ -25,7 +27,7 @@
 static void usage(void)
 {
     printf("usage: kvrelay-transfer-bench [--sizes MIB,...] [--tls LIST] [--test NAME] "
-           "[--iters N] [--inflight K] [--port P]\n"
+           "[--iters N] [--inflight K] [--port P] [--validate]\n"
            "  --sizes  bundle sizes in MiB (default 1,4,16,64,256,1024)\n"
            "  --tls    UCX_TLS for both kvrelay and ucx_perftest (default tcp: what endpoints in\n"
            "           PEER error mode use on one host)\n"
@@ -33,7 +35,9 @@ static void usage(void)
            "  --iters  transfers per size (default: about 4 GiB moved, 3..200)\n"
            "  --inflight  bundles in flight at once for the pipelined column (default 8, fewer\n"
            "           for large sizes so that they fit in 1 GiB of receive buffers)\n"
-           "  --port   first TCP port for ucx_perftest (default 13500)\n");
+           "  --port   first TCP port for ucx_perftest (default 13500)\n"
+           "  --validate  send real bundles (one list of f32 rows, a little under each size) and\n"
+           "           validate each on receipt before the ack, as a decode node does\n");
 }
 
 /* Completions of one round of transfers: receive and send callbacks both count here. */
@@ -58,7 +62,7 @@ static void count_cb(void *arg, uint64_t id, int status, uint64_t bytes, const c
  * shipping to a decode node, the regime ucx_perftest's window measures), or -1. dst holds
  * `inflight` buffers of `size`. */
 static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, uint8_t *dst,
-                            uint64_t size, int iters, int inflight)
+                            uint64_t size, int iters, int inflight, int validate)
 {
     char err[KT_ERR_MAX];
     double t0 = 0;
@@ -69,10 +73,16 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
             t0 = cli_now();
         round r = {0};
         uint8_t tok[inflight][KT_RESV_TOKEN_BYTES];
-        for (int k = 0; k < inflight; k++)
-            if (kt_transport_reserve(rx, id + (uint64_t)k, dst + (uint64_t)k * size, size, 60.0, 0,
-                                     count_cb, &r, tok[k], err) != 0)
+        kt_bundle_view views[inflight];
+        for (int k = 0; k < inflight; k++) {
+            uint8_t *buf = dst + (uint64_t)k * size;
+            int rc = validate ? kt_transport_reserve_bundle(rx, id + (uint64_t)k, buf, size, 60.0,
+                                                            &views[k], count_cb, &r, tok[k], err)
+                              : kt_transport_reserve(rx, id + (uint64_t)k, buf, size, 60.0, 0,
+                                                     count_cb, &r, tok[k], err);
+            if (rc != 0)
                 goto fail;
+        }
         for (int k = 0; k < inflight; k++)
             if (kt_transport_send(tx, "127.0.0.1", kt_transport_port(rx), id + (uint64_t)k,
                                   tok[k], src, size, 60.0, count_cb, &r, err) != 0)
@@ -87,6 +97,39 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
 fail:
     fprintf(stderr, "kvrelay-transfer-bench: %s\n", err);
     return -1;
+}
+
+/* A valid bundle of at most `size` bytes at src (1 layer, 1 KV head, head_dim 128, f32 rows of
+ * a pattern): its size in *bytes. */
+static int make_bundle(uint8_t *src, uint64_t size, uint64_t *bytes, char *err)
+{
+    enum { D = 128, RUN = 256 };
+    kt_bundle_header h = {.fingerprint = "0123456789abcdef", .n_layers = 1, .n_kv_heads = 1,
+                          .head_dim = D, .dtype = KT_DTYPE_F32, .prompt_len = 1};
+    snprintf(h.policy, sizeof h.policy, "full");
+    uint64_t overhead;
+    kt_bundle_list list = {.window = KT_BUNDLE_WINDOW_DENSE};
+    h.next_pos = 1;
+    if (kt_bundle_size(&h, &list, &overhead, err) != 0)
+        return -1;
+    list.count = (uint32_t)((size - overhead - 3 * 64) / (2 * D * sizeof(float) + 4));
+    h.next_pos = h.prompt_len = (int32_t)list.count;
+    kt_bundle_writer w;
+    if (kt_bundle_size(&h, &list, bytes, err) != 0 ||
+        kt_bundle_writer_begin(&w, &h, &list, src, size, err) != 0)
+        return -1;
+    static float rows[RUN * D];
+    static int32_t pos[RUN];
+    for (int i = 0; i < RUN * D; i++)
+        rows[i] = (float)(i % 1000) * 0.001f;
+    for (uint32_t at = 0; at < list.count; at += RUN) {
+        uint32_t n = list.count - at < RUN ? list.count - at : RUN;
+        for (uint32_t j = 0; j < n; j++)
+            pos[j] = (int32_t)(at + j);
+        if (kt_bundle_writer_put(&w, 0, 0, n, pos, KT_DTYPE_F32, rows, rows, err) != 0)
+            return -1;
+    }
+    return kt_bundle_writer_finish(&w, bytes, err);
 }
 
 /* MiB/s of `ucx_perftest -t test -s size`, or -1 (reason in why). */
@@ -148,7 +191,7 @@ int main(int argc, char **argv)
 {
     cli_init(argv);
     const char *sizes_s = "1,4,16,64,256,1024", *tls = "tcp", *test = "ucp_am_bw";
-    int iters_flag = 0, port = 13500, inflight_flag = 8;
+    int iters_flag = 0, port = 13500, inflight_flag = 8, validate = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage();
@@ -163,6 +206,8 @@ int main(int argc, char **argv)
             iters_flag = (int)cli_long("--iters", cli_value(argc, argv, &i), 1, 100000);
         } else if (!strcmp(argv[i], "--inflight")) {
             inflight_flag = (int)cli_long("--inflight", cli_value(argc, argv, &i), 1, 64);
+        } else if (!strcmp(argv[i], "--validate")) {
+            validate = 1;
         } else if (!strcmp(argv[i], "--port")) {
             port = (int)cli_long("--port", cli_value(argc, argv, &i), 1024, 65000);
         } else {
@@ -196,9 +241,9 @@ int main(int argc, char **argv)
         src[i] = (uint8_t)(i * 131 + 7);
     memset(dst, 0, dst_bytes);
 
-    printf("# UCX_TLS=%s, loopback; kvrelay = reserve + send + ack per bundle: one at a time (1), "
+    printf("# UCX_TLS=%s, loopback; kvrelay = reserve + send + ack per bundle%s: one at a time (1), "
            "and K in flight (K); perftest = ucx_perftest -t %s (overall); ratio = K / perftest\n",
-           tls, test);
+           tls, validate ? " + validation on receipt" : "", test);
     printf("%10s %4s %14s %14s %14s %8s\n", "size_MiB", "K", "kvrelay_1", "kvrelay_K",
            "perftest_GB/s", "ratio");
     for (int i = 0; i < n_sizes; i++) {
@@ -207,10 +252,13 @@ int main(int argc, char **argv)
         iters = iters_flag ? iters : (iters < 3 ? 3 : iters > 200 ? 200 : iters);
         fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d through kvrelay...\n", mib[i], iters);
         int k = (int)(dst_bytes / size) < inflight_flag ? (int)(dst_bytes / size) : inflight_flag;
-        double sec1 = bench_kvrelay(rx, tx, src, dst, size, iters, 1);
-        double one = sec1 > 0 ? size / sec1 / 1e9 : -1;
-        double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, size, iters, k) : sec1;
-        double ours = seck > 0 ? size / seck / 1e9 : -1;
+        uint64_t bytes = size; /* what one transfer moves */
+        if (validate && make_bundle(src, size, &bytes, err) != 0)
+            cli_die(1, "%s", err);
+        double sec1 = bench_kvrelay(rx, tx, src, dst, bytes, iters, 1, validate);
+        double one = sec1 > 0 ? bytes / sec1 / 1e9 : -1;
+        double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, bytes, iters, k, validate) : sec1;
+        double ours = seck > 0 ? bytes / seck / 1e9 : -1;
         fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d through ucx_perftest -t %s...\n",
                 mib[i], iters, test);
         char why[256] = "";
