@@ -15,17 +15,13 @@
 # Run: ctest -R rejoin, or KR_BIN=build KR_SRC=. KR_FIXTURES=tests/fixtures bash tests/integration/rejoin.sh
 set -uo pipefail
 
-bin=${KR_BIN:?KR_BIN must be the build directory}
-src=${KR_SRC:?KR_SRC must be the source directory}
+. "${KR_SRC:?KR_SRC must be the source directory}/tests/integration/lib/cluster.sh"
+kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli
+bin=$KR_BIN
 fixtures=$(cd "${KR_FIXTURES:?KR_FIXTURES must be tests/fixtures}" && pwd)
-for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli; do
-  [ -x "$bin/$p" ] || { echo "SKIP: $bin/$p is not built"; exit 77; }
-done
 py=/usr/bin/python3
 [ -x "$py" ] || { echo "SKIP: $py is missing"; exit 77; }
 down_s=${REJOIN_DOWN_S:-8}
-
-. "$src/tests/integration/lib/cluster.sh"
 kr_cluster_workdir rejoin
 model=$fixtures/models/llama3-tiny
 now() { date +%s.%N; }
