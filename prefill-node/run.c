@@ -7,8 +7,9 @@
  * The bundle goes into one worker-owned buffer grown to the largest bundle so far (a request
  * does not allocate it again), which is also the send buffer: kr_seq_list_visit hands over each
  * list's rows in place in the KV blocks, one run per block, and the writer converts them to the
- * payload dtype as it copies them in, so each shipped byte is written once on this side. The sequence is freed as soon as the bundle is
- * written, before the send, so the pool never holds a request's blocks across a network wait.
+ * payload dtype as it copies them in, so each shipped byte is written once on this side. The
+ * sequence is freed as soon as the bundle is written, before the send, so the pool never holds a
+ * request's blocks across a network wait.
  * Cancellation: kr_prefill runs its chunks in one call, so a call cancelled mid-prefill is
  * noticed after it; the transfer is skipped then.
  */
