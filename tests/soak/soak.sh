@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# soak.sh - the cluster under load and faults for a chosen time, then three checks: every request
+# soak.sh - the cluster under load and faults for a chosen time, then four checks: every request
 # either completed with the output of a fault-free run of the same request or ended with a clear
-# error; no decode node holds a used or reserved KV block; no sanitizer reported anything.
+# error; no decode node holds a used or reserved KV block; no sanitizer reported anything; no
+# process ended unless the chaos loop killed it.
 # Not part of the default test run at its full length (tests/integration/soak.sh runs it for
 # about a minute); docs/failures.md ("Soak") has the figures of a 30-minute run.
 #
@@ -45,6 +46,7 @@ export KR_SRC=$src KR_BIN=$bin
 . "$src/tests/integration/lib/pystubs.sh"  # PY, kr_pystubs; skips without python3-grpcio
 kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli
 client=$src/tests/soak/soak_client.py
+nodes=(prefill-0 prefill-1 decode-0 decode-1)
 
 KRC_DIR=$(mktemp -d -t kvrelay-soak.XXXXXX)
 verdict=1 client_pid=
@@ -108,22 +110,36 @@ kr_pystubs "$KRC_DIR/stubs"
   --seed "$seed" --out "$KRC_DIR/rows.jsonl" &
 client_pid=$!
 pause() { sleep "$(($1 / 10)).$(($1 % 10))"; } # pause TENTHS
-# restart ID: the node again on its own ports (a few tries: a port may still be held briefly)
+# restart ID: the node again on its own gRPC and UCX ports, which the router and the prefill
+# nodes know. Its HTTP port (metrics only) is taken again too, unless another process on this
+# machine bound it meanwhile (it was ephemeral): then a fresh one.
 restart() {
   local id=$1 try args=(--listen "$(krc_addr "$1")" --http "$(krc_http "$1")")
   [ -z "${transfer[$id]:-}" ] || args+=(--transfer "${transfer[$id]}")
-  for try in 1 2 3 4 5; do
+  for try in 1 2 3 4; do
+    [ $try -lt 3 ] || args+=(--http 127.0.0.1:0)
     krc_restart "$id" "${args[@]}" && return 0
     echo "soak: $id did not restart (try $try)" >&2
     sleep 1
   done
   die "$id could not be restarted on its ports"
 }
-nodes=(prefill-0 prefill-1 decode-0 decode-1)
+# a process that ended without being killed here is a crash: counted, and the node restarted
+crashes=0
+check_alive() {
+  local id
+  for id in router router-m "${nodes[@]}"; do
+    kill -0 "$(krc_pid "$id")" 2>/dev/null && continue
+    echo "soak: CRASH: $id exited by itself (log: $KRC_DIR/$id.log)"
+    crashes=$((crashes + 1))
+    case $id in router*) die "$id is gone" ;; *) restart "$id" ;; esac
+  done
+}
 echo "soak: load and chaos for $duration s (seed $seed)"
 while kill -0 "$client_pid" 2>/dev/null; do
   pause $((10 + RANDOM % 30))
   kill -0 "$client_pid" 2>/dev/null || break
+  check_alive
   id=${nodes[RANDOM % 4]} role=${id%-*}
   roll=$((RANDOM % 100))
   if [ $roll -lt 60 ]; then
@@ -150,6 +166,7 @@ wait "$client_pid"
 rc=$?
 client_pid=
 [ $rc = 0 ] || die "the load client exited $rc"
+check_alive
 echo "soak: load done; checking"
 
 # ---- the checks: KV blocks back to 0 on every decode node, then the processes stopped (their
@@ -182,6 +199,7 @@ done
 outcome=$?
 echo "leaks:           $leaks decode node(s) holding KV blocks"
 echo "sanitizer:       $sanitizer log(s) with a report"
-[ $outcome = 0 ] && [ $leaks = 0 ] && [ $sanitizer = 0 ] && verdict=0
+echo "crashes:         $crashes"
+[ $outcome = 0 ] && [ $leaks = 0 ] && [ $sanitizer = 0 ] && [ $crashes = 0 ] && verdict=0
 [ $verdict = 0 ] && echo "soak: ok" || echo "soak: FAIL"
 exit $verdict
