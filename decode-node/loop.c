@@ -45,7 +45,7 @@ static void publish_families(dn_loop *L)
     int64_t blocks[DN_FAMILIES_MAX] = {0};
     for (int i = 0; i < L->n_run; i++) {
         const dn_job *j = L->run[i];
-        if (j && j->seq) blocks[kr_policy_family(j->policy)] += kr_seq_blocks(j->seq);
+        if (j && j->seq) blocks[kr_policy_family(j->resv->policy)] += kr_seq_blocks(j->seq);
     }
     for (int f = 0; f < kr_policy_n_families(); f++) kc_gauge_set(L->n->m.blocks_by_policy[f], (double)blocks[f]);
 }
@@ -54,8 +54,7 @@ void dn_job_free(dn_job *job)
 {
     if (!job)
         return;
-    kr_seq_free(job->seq); /* before its policy */
-    kr_policy_free(job->policy);
+    kr_seq_free(job->seq);
     kr_sampler_free(job->sampler);
     free(job->stop_ids);
     free(job->forced);

@@ -78,7 +78,7 @@ typedef struct dn_resv {
     int64_t blocks; /* the blocks bound, counted in dn_node.reserved_sum; 0 once returned */
     int prompt_tokens, max_tokens; /* as reserved: what `blocks` covers */
     int max_list_entries; /* most entries a bundle list may bring (the bound's assumption) */
-    kr_policy *policy; /* parsed from the Reserve request (owned) */
+    kr_policy *policy; /* parsed from the Reserve request (owned); a bundle must carry its spec */
     uint8_t *buf; /* receive buffer the bundle lands in (owned), `cap` bytes; freed once the
                      loop copied the rows into the sequence's blocks */
     uint64_t cap, len; /* len: bytes that arrived (READY) */
@@ -99,7 +99,6 @@ typedef struct dn_job {
     kc_call *call; /* detached; finished exactly once by the loop */
     char request_id[DN_REQUEST_ID_MAX + 1];
     kt_bundle_view view; /* resv->view, into resv->buf, until imported */
-    kr_policy *policy; /* parsed from the bundle's header; outlives seq */
     kr_sampler *sampler;
     int32_t *stop_ids; /* [n_stop] */
     int n_stop;

@@ -240,13 +240,12 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
                              "the KV bundle is for another model than this node's (%s, "
                              "fingerprint %s): %s", n->cfg.model_dir, n->fingerprint, err);
     const kt_bundle_header *h = &v->hdr;
-    if (kr_policy_parse(h->policy, c, &job->policy, err) != KR_OK)
-        return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
-                             "the KV bundle's policy '%s' does not parse here: %s", h->policy, err);
-    if (strcmp(kr_policy_spec(job->policy), kr_policy_spec(r->policy)) != 0)
+    /* Both specs are kr_policy_spec's canonical form (every default filled in), so equal
+     * policies are equal strings and the bundle's spec needs no parse of its own. */
+    if (strcmp(h->policy, kr_policy_spec(r->policy)) != 0)
         return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
                              "the KV bundle's policy '%s' differs from the reservation's '%s'",
-                             kr_policy_spec(job->policy), kr_policy_spec(r->policy));
+                             h->policy, kr_policy_spec(r->policy));
     if (h->prompt_len > r->prompt_tokens)
         return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
                              "the KV bundle's prompt_len %d exceeds the reservation's "
