@@ -10,7 +10,9 @@
 # tokenizer, ...); none means every tests/fuzz/fuzz_*.c. Defaults: --build build-fuzz (made if
 # missing: CC=clang cmake -DKR_FUZZ=ON -DKR_SANITIZE=ON -DKR_NATIVE=OFF -DKR_CUDA=OFF),
 # --runs 10000000 per target, --jobs 1 (targets run one after another; J runs J at once),
-# --nice runs the fuzzers at the lowest CPU priority so they use only idle cores.
+# --nice runs the fuzzers at the lowest CPU priority so they use only idle cores. An input that
+# runs over 60 s of wall time counts as a hang (timeout-*): on a loaded machine a starved niced
+# fuzzer can reach that; run the input alone to tell a real hang from that.
 # A crash leaves its input as DIR/campaign/<name>/crash-* (libFuzzer's name for it), the
 # fuzzer's log beside it, and makes the script exit 1 after every target has run; reproduce with
 # `DIR/fuzz_<name> DIR/campaign/<name>/crash-...`. Exit 2 for bad flags or a failed build.
@@ -59,7 +61,7 @@ campaign() {
   local limit=(-runs="$runs")
   [ -n "$secs" ] && limit=(-max_total_time="$secs")
   local t0=$SECONDS rc=0
-  (cd "$work" && "${nice_cmd[@]}" "$build/fuzz_$t" "${limit[@]}" -print_final_stats=1 -timeout=10 \
+  (cd "$work" && "${nice_cmd[@]}" "$build/fuzz_$t" "${limit[@]}" -print_final_stats=1 -timeout=60 \
     -rss_limit_mb=4096 "$work/found" "$corpus" > "$work/fuzz.log" 2>&1) || rc=$?
   local execs
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/fuzz.log" | tail -1)

@@ -38,8 +38,8 @@ static int load(const char *path, input *in)
 
 int main(int argc, char **argv)
 {
-    input seeds[256];
-    int n_seeds = 0;
+    input *seeds = NULL; /* every file of the corpus: campaigns grow it past any fixed count */
+    int n_seeds = 0, cap = 0;
     if (argc > 1) {
         DIR *d = opendir(argv[1]);
         if (!d) {
@@ -47,8 +47,16 @@ int main(int argc, char **argv)
             return 1;
         }
         struct dirent *e;
-        while ((e = readdir(d)) && n_seeds < 256) {
+        while ((e = readdir(d))) {
             if (e->d_name[0] == '.') continue;
+            if (n_seeds == cap) {
+                cap = cap ? 2 * cap : 256;
+                seeds = realloc(seeds, (size_t)cap * sizeof *seeds);
+                if (!seeds) {
+                    fprintf(stderr, "replay: out of memory for %d seeds\n", cap);
+                    return 1;
+                }
+            }
             char path[4096];
             snprintf(path, sizeof path, "%s/%s", argv[1], e->d_name);
             if (load(path, &seeds[n_seeds]) == 0) n_seeds++;
@@ -80,6 +88,7 @@ int main(int argc, char **argv)
     }
     free(buf);
     for (int i = 0; i < n_seeds; i++) free(seeds[i].data);
+    free(seeds);
     printf("replay: %d seeds, %ld mutations, no crash\n", n_seeds, mutations);
     return 0;
 }
