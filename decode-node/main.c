@@ -349,6 +349,7 @@ int main(int argc, char **argv)
 {
     dn_node node, *n = &node;
     memset(n, 0, sizeof *n);
+    int rc = 0;
     kc_log_level level;
     parse(argc, argv, &n->cfg, &level);
     const dn_config *c = &n->cfg;
@@ -418,6 +419,15 @@ int main(int argc, char **argv)
     snprintf(n->transfer_addr, sizeof n->transfer_addr, "%s:%u", adv,
              kt_transport_port(n->transport));
 
+    /* the HTTP port before any thread starts: a port another process holds ends start-up here,
+     * with nothing running to unwind */
+    n->http = kc_http_start(hhost, hport, n->m.reg, healthy, n, &hport, err);
+    if (!n->http) {
+        kc_error(NULL, "--http %s: %s", c->http, err);
+        return 1;
+    }
+    snprintf(n->http_addr, sizeof n->http_addr, "%s:%d", hhost, hport);
+
     kc_status st;
     const kc_server_config scfg = {.tls = &c->tls};
     if (kc_server_create(c->listen, &scfg, &n->server, &gport, &st) != 0) {
@@ -434,12 +444,6 @@ int main(int argc, char **argv)
         kc_error(NULL, "starting gRPC: %s", st.details);
         return 1;
     }
-    n->http = kc_http_start(hhost, hport, n->m.reg, healthy, n, &hport, err);
-    if (!n->http) {
-        kc_error(NULL, "--http %s: %s", c->http, err);
-        return 1;
-    }
-    snprintf(n->http_addr, sizeof n->http_addr, "%s:%d", hhost, hport);
     n->since_unix_ms = dn_unix_ms();
     if (c->etcd.endpoints) {
         kc_member m;
@@ -448,7 +452,8 @@ int main(int argc, char **argv)
         if (kc_register_start_cfg(&c->etcd, c->cluster, &m, c->lease_ttl_s, &n->registration,
                                   rerr) != 0) {
             kc_error(NULL, "--etcd %s: %s", c->etcd.endpoints, rerr);
-            return 2;
+            rc = 2;
+            goto stop; /* the loop and the gRPC server run: stop them as a shutdown does */
         }
         kc_info(NULL, "registering in etcd %s as /kvrelay/%s/nodes/decode/%s (lease %d s)",
                 c->etcd.endpoints, c->cluster, c->id, c->lease_ttl_s);
@@ -459,6 +464,7 @@ int main(int argc, char **argv)
     fflush(stdout);
 
     drain(n, kc_signals_wait());
+stop:
     dn_loop_stop(n); /* ends every stream left (UNAVAILABLE) and frees their sequences */
     kc_register_stop(n->registration); /* revokes the lease: the key goes at once */
     kc_server_destroy(n->server); /* waits for every handler */
@@ -474,5 +480,5 @@ int main(int argc, char **argv)
     pthread_cond_destroy(&n->cond);
     pthread_mutex_destroy(&n->lock);
     kc_info(NULL, "stopped");
-    return 0;
+    return rc;
 }

@@ -902,6 +902,32 @@ static void check_stream(kc_stream *s, const request *rq, const char *what)
 /* A decode node killed with SIGKILL and started again on the same gRPC and UCX
  * ports serves a sender (this test's transport, standing for a prefill node) that had sent
  * bundles to the old process: the transport drops the dead endpoint and makes a new one. */
+/* An --http port another process holds: start-up fails with status 1 and a message, and the
+ * process exits cleanly (it used to return with its batching loop and gRPC server running,
+ * which aborted in glibc's thread teardown). */
+static void test_http_port_taken(const char *bin, const char *model)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    REQUIRE(fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && listen(fd, 1) == 0 &&
+            getsockname(fd, (struct sockaddr *)&a, &len) == 0, "a listening socket: %s", strerror(errno));
+    char http[64];
+    snprintf(http, sizeof http, "127.0.0.1:%d", ntohs(a.sin_port));
+    pid_t pid = fork();
+    REQUIRE(pid >= 0, "fork");
+    if (pid == 0) {
+        execl(bin, bin, "--model", model, "--id", "decode-taken", "--listen", "127.0.0.1:0", "--transfer",
+              "127.0.0.1:0", "--http", http, "--kv-blocks", "64", "--threads", "1", (char *)NULL);
+        _exit(127);
+    }
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid, "waitpid");
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 1, "a taken --http %s: exit status 1, got %s %d", http,
+          WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+    close(fd);
+}
+
 static void test_restart(engine *e, node *nd, const char *bin, const char *model)
 {
     request rq = {.policy = "full", .n_prompt = 24, .max_tokens = 12};
@@ -1069,6 +1095,7 @@ int main(void)
             test_refusals(&e, &nd);
             test_expiry(&e, &nd);
             test_restart(&e, &nd, bin, dir);
+            test_http_port_taken(bin, dir);
             test_drain(&e, &nd);
             node_start(&nd, bin, dir, "127.0.0.1:0", "127.0.0.1:0", "1");
             test_drain_cut(&nd, 0);
