@@ -492,19 +492,19 @@ static void test_rel(void)
         for (int e = 0; e < 8; e++) {
             const float *k1 = kr_kv_list_key(r.pool, &s->lists[g], e);
             const float *k2 = kr_kv_list_key(r.pool, &f->lists[g], e);
-            for (int i = 0; i < r.cfg->head_dim; i++) dk = fmax(dk, fabs((double)k1[i] - k2[i]));
+            for (int i = 0; i < r.cfg->head_dim; i++) dk = kt_worst(dk, fabs((double)k1[i] - k2[i]));
         }
     CHECK(dk < 1e-5, "re-rotated keys differ by %.3g", dk);
     REQUIRE(kr_forward(r.ctx, s, &ids[n], 1, KR_LOGITS_LAST, a, err) == KR_OK, "%s", err);
     REQUIRE(kr_forward(r.ctx, f, &kept[8], 1, KR_LOGITS_LAST, b, err) == KR_OK, "%s", err);
-    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)a[i] - b[i]));
+    for (int i = 0; i < V; i++) d = kt_worst(d, fabs((double)a[i] - b[i]));
     CHECK(d < 2e-5, "pos=rel logits differ from the recomputation by %.3g", d);
     /* the same policy with absolute positions gives other logits: the test can tell */
     kr_policy *pa = parse_ok("streaming:sink=2,window=6,pos=abs", r.cfg);
     kr_seq *t = run(&r, pa, ids, n, 5, 0);
     REQUIRE(kr_forward(r.ctx, t, &ids[n], 1, KR_LOGITS_LAST, a, err) == KR_OK, "%s", err);
     d = 0;
-    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)a[i] - b[i]));
+    for (int i = 0; i < V; i++) d = kt_worst(d, fabs((double)a[i] - b[i]));
     CHECK(d > 1e-3, "abs positions should differ from the rel recomputation (%.3g)", d);
     kr_seq_free(t);
     kr_seq_free(f);
