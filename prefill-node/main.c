@@ -264,6 +264,10 @@ static int64_t unix_ms(void)
 static int healthy(void *user, char *reason, size_t cap)
 {
     pf_node *n = user;
+    if (!atomic_load(&n->since_unix_ms)) { /* the HTTP port opens before gRPC serves */
+        snprintf(reason, cap, "starting");
+        return 0;
+    }
     if (!atomic_load(&n->draining)) return 1;
     snprintf(reason, cap, "draining");
     return 0;
@@ -327,12 +331,22 @@ int main(int argc, char **argv)
     size_for_model(&cfg, n->mcfg);
     if (pf_run_init(n, err) != 0) die(1, "%s", err);
 
-    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = NULL, .name = cfg.id};
-    if (kt_transport_create(&tc, &n->tx, err) != 0) die(1, "%s", err);
     n->reg = kc_registry_create();
     if (!n->reg || pf_metrics_register(n) != 0)
         die(1, "cannot register the metrics (out of memory)");
     kc_gauge_set(n->metrics.blocks_free, kr_kv_pool_n_free(n->pool));
+
+    /* the HTTP port before the transport, the gRPC server and the queue's threads: a port another
+     * process holds ends start-up while nothing runs yet */
+    char http_host[256], http_err[256];
+    int http_port, http_bound;
+    pf_parse_hostport(cfg.http, 0, 1, http_host, sizeof http_host, &http_port);
+    kc_http *http = kc_http_start(http_host, http_port, n->reg, healthy, n, &http_bound,
+                                  http_err);
+    if (!http) die(1, "--http %s: %s", cfg.http, http_err);
+
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = NULL, .name = cfg.id};
+    if (kt_transport_create(&tc, &n->tx, err) != 0) die(1, "%s", err);
 
     kc_server *srv;
     kc_status st;
@@ -351,12 +365,6 @@ int main(int argc, char **argv)
                  grpc_port);
     if (pf_queue_start(n, err) != 0) die(1, "%s", err);
     if (kc_server_start(srv, &st) != 0) die(1, "starting the gRPC server: %s", st.details);
-    char http_host[256], http_err[256];
-    int http_port, http_bound;
-    pf_parse_hostport(cfg.http, 0, 1, http_host, sizeof http_host, &http_port);
-    kc_http *http = kc_http_start(http_host, http_port, n->reg, healthy, n, &http_bound,
-                                  http_err);
-    if (!http) die(1, "--http %s: %s", cfg.http, http_err);
     atomic_store(&n->since_unix_ms, unix_ms());
 
     kc_info(NULL,

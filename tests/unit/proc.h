@@ -7,12 +7,15 @@
 #ifndef KR_TEST_PROC_H
 #define KR_TEST_PROC_H
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -79,6 +82,38 @@ static int test_proc_start(char *const argv[], double timeout_s, test_proc *p)
     close(p->out_fd);
     p->pid = 0;
     return -1;
+}
+
+/* A loopback TCP port that a listening socket holds (*fd; close it when done), for a test of a
+ * program given a port another process has. Returns the port, or -1. */
+static int test_port_held(int *fd)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    *fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (*fd < 0) return -1;
+    if (bind(*fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(*fd, 1) != 0 ||
+        getsockname(*fd, (struct sockaddr *)&a, &len) != 0) {
+        close(*fd);
+        return -1;
+    }
+    return ntohs(a.sin_port);
+}
+
+/* Runs argv[0] (a path) with argv to its end, output inherited. Returns its status as waitpid
+ * gives it, or -1 when it could not be started. */
+static int test_proc_run(char *const argv[])
+{
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    int status;
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR) return -1;
+    return status;
 }
 
 /* Sends `sig` (SIGTERM: a clean shutdown; SIGKILL: a crash) and reaps the process. Returns its

@@ -907,24 +907,15 @@ static void check_stream(kc_stream *s, const request *rq, const char *what)
  * which aborted in glibc's thread teardown). */
 static void test_http_port_taken(const char *bin, const char *model)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    REQUIRE(fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && listen(fd, 1) == 0 &&
-            getsockname(fd, (struct sockaddr *)&a, &len) == 0, "a listening socket: %s", strerror(errno));
+    int fd, port = test_port_held(&fd);
+    REQUIRE(port > 0, "a listening socket: %s", strerror(errno));
     char http[64];
-    snprintf(http, sizeof http, "127.0.0.1:%d", ntohs(a.sin_port));
-    pid_t pid = fork();
-    REQUIRE(pid >= 0, "fork");
-    if (pid == 0) {
-        execl(bin, bin, "--model", model, "--id", "decode-taken", "--listen", "127.0.0.1:0", "--transfer",
-              "127.0.0.1:0", "--http", http, "--kv-blocks", "64", "--threads", "1", (char *)NULL);
-        _exit(127);
-    }
-    int status = 0;
-    REQUIRE(waitpid(pid, &status, 0) == pid, "waitpid");
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 1, "a taken --http %s: exit status 1, got %s %d", http,
-          WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+    snprintf(http, sizeof http, "127.0.0.1:%d", port);
+    char *argv[] = {(char *)bin, "--model", (char *)model, "--id", "decode-taken", "--listen", "127.0.0.1:0",
+                    "--transfer", "127.0.0.1:0", "--http", http, "--kv-blocks", "64", "--threads", "1", NULL};
+    int status = test_proc_run(argv);
+    CHECK(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 1, "a taken --http %s: status %#x, not exit 1",
+          http, (unsigned)status);
     close(fd);
 }
 
