@@ -86,7 +86,7 @@ static int test_proc_start(char *const argv[], double timeout_s, test_proc *p)
 
 /* A loopback TCP port that a listening socket holds (*fd; close it when done), for a test of a
  * program given a port another process has. Returns the port, or -1. */
-static int test_port_held(int *fd)
+static inline int test_port_held(int *fd)
 {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t len = sizeof a;
@@ -102,7 +102,7 @@ static int test_port_held(int *fd)
 
 /* Runs argv[0] (a path) with argv to its end, output inherited. Returns its status as waitpid
  * gives it, or -1 when it could not be started. */
-static int test_proc_run(char *const argv[])
+static inline int test_proc_run(char *const argv[])
 {
     pid_t pid = fork();
     if (pid < 0) return -1;
