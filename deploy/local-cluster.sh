@@ -63,6 +63,9 @@ krc_wait_serving() {
 declare -A KRC_CMDS=()
 krc_spawn() {
   local id=$1; shift
+  # emptied here, not by the redirection below: that runs in the child, possibly after the
+  # caller's krc_wait_serving has read a previous run's serving line from the old file
+  : >"$KRC_DIR/$id.out"
   "$@" >"$KRC_DIR/$id.out" 2>"$KRC_DIR/$id.log" &
   KRC_PIDS+=($!)
   KRC_IDS+=("$id")

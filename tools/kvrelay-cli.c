@@ -121,7 +121,10 @@ static void auth_init(void)
 static int common_flag(int argc, char **argv, int *i)
 {
     const char *a = argv[*i];
-    if (!strcmp(a, "--router")) router_addr = cli_value(argc, argv, i);
+    if (!strcmp(a, "--router")) {
+        router_addr = cli_value(argc, argv, i);
+        if (!*router_addr) cli_die(2, "--router: empty; give the router's HOST:PORT");
+    }
     else if (!strcmp(a, "--api-key")) set_api_key(cli_value(argc, argv, i));
     else if (!strncmp(a, "--tls-", 6)) {
         if (!kc_tls_flag(&tls, a, cli_value(argc, argv, i))) cli_die(2, "unknown flag '%s' (see --help)", a);

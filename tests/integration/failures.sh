@@ -41,6 +41,8 @@ trap 'krc_stop; rm -rf "$KRC_DIR"' EXIT
 fails=0
 fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 now() { date +%s.%N; }
+# a client's error output on one line (the status line and the hint after it)
+errmsg() { head -c 600 "$1" | tr '\n' ' '; }
 elapsed() { "$py" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")' "$1" "$2"; }
 
 # The fixture without an end-of-sequence token (eos_token_id removed from its config), so every
@@ -57,7 +59,7 @@ KRC_ROUTER_ARGS=(--max-tokens-limit 512 --prefill-timeout-ms 20000)
 KRC_START_TIMEOUT=1200
 krc_start "$bin" "$model" 2 2 127.0.0.1:0 --threads 1 || { echo "FAIL: the cluster did not start"; exit 1; }
 krc_spawn router-m "$bin/kvrelay-router" --model "$model" --id router-m --nodes "$KRC_DIR/nodes.json" \
-  --listen 127.0.0.1:0 --http 127.0.0.1:0 --max-tokens-limit 512 --prefill-timeout-ms 3000 --migrate
+  --listen 127.0.0.1:0 --http 127.0.0.1:0 --max-tokens-limit 512 --prefill-timeout-ms 5000 --migrate
 krc_wait_serving router-m "$(krc_pid router-m)" >/dev/null || { echo "FAIL: router-m did not start"; exit 1; }
 router=$KRC_ROUTER
 router_m=$(krc_addr router-m)
@@ -150,7 +152,7 @@ for ((i = 0; i < n_streams; i++)); do
   else
     affected=$((affected + 1))
     grep -q "UNAVAILABLE" "$d/$i.err" && grep -q "decode node decode-0 failed after [0-9]* tokens were sent" "$d/$i.err" ||
-      fail "(a) stream $i: expected UNAVAILABLE naming decode-0, got: $(tail -n1 "$d/$i.err")"
+      fail "(a) stream $i: expected UNAVAILABLE naming decode-0, got: $(errmsg "$d/$i.err")"
     dt=$(elapsed "$t_kill" "$t_end")
     worst=$("$py" -c "print(max($worst, $dt))")
   fi
@@ -168,7 +170,7 @@ t_serving=$(wait_state "$router" decode-0 30 serving) || fail "(d) the router do
 used0=0
 for ((i = 0; i < 8 && used0 == 0; i++)); do
   "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((100 + i)))" --max-tokens 8 --json >"$KRC_DIR/d.got" 2>"$KRC_DIR/d.err" ||
-    fail "(d) request $i: $(tail -n1 "$KRC_DIR/d.err")"
+    fail "(d) request $i: $(errmsg "$KRC_DIR/d.err")"
   [ "$(served_by "$KRC_DIR/d.got" decode_node)" = decode-0 ] && used0=1
 done
 [ $used0 = 1 ] || fail "(d) no request went to the restarted decode-0"
@@ -187,7 +189,7 @@ wait_clients
 migrated=0
 for ((i = 0; i < n_streams; i++)); do
   read -r rc t_end <"$d/$i.end"
-  [ "$rc" = 0 ] || { fail "(b) stream $i failed: $(tail -n1 "$d/$i.err")"; continue; }
+  [ "$rc" = 0 ] || { fail "(b) stream $i failed: $(errmsg "$d/$i.err")"; continue; }
   [ "$(served_by "$d/$i.got" decode_node)" = decode-0 ] || fail "(b) stream $i finished on $(served_by "$d/$i.got" decode_node)"
 done
 migrated=$(grep -c "migrating:" "$KRC_DIR/router-m.log")
@@ -195,7 +197,7 @@ t_last=$(cat "$d"/*.end | awk '{ print $2 }' | sort -n | tail -n1)
 # the references (one process, greedy)
 for ((i = 0; i < n_streams; i++)); do
   "$bin/kvrelay-generate" --model "$model" --ids "$(prompt $((200 + i)))" --greedy --max-tokens $max_tokens \
-    --chunk "$chunk" --threads 1 --json >"$d/$i.want" 2>"$d/$i.want.err" || fail "(b) kvrelay-generate $i: $(tail -n1 "$d/$i.want.err")"
+    --chunk "$chunk" --threads 1 --json >"$d/$i.want" 2>"$d/$i.want.err" || fail "(b) kvrelay-generate $i: $(errmsg "$d/$i.want.err")"
   "$py" - "$d/$i.got" "$d/$i.want" "$i" <<'EOF' || fails=$((fails + 1))
 import json, sys
 got, want = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
@@ -230,7 +232,7 @@ krc_signal prefill-0 KILL
 wait_clients
 for ((i = 0; i < n_long; i++)); do
   read -r rc t_end <"$d/$i.end"
-  [ "$rc" = 0 ] || fail "(c) request $i failed: $(tail -n1 "$d/$i.err")"
+  [ "$rc" = 0 ] || fail "(c) request $i failed: $(errmsg "$d/$i.err")"
 done
 retried=$(grep -c "retrying once on another prefill node" "$KRC_DIR/router.log")
 t_last=$(cat "$d"/*.end | awk '{ print $2 }' | sort -n | tail -n1)
@@ -259,13 +261,13 @@ for ((i = 0; i < 4; i++)); do
   [ "$rc" = 0 ] && continue
   stalled=$((stalled + 1))
   grep -q "decode node decode-1 failed after [0-9]* tokens were sent: no message for" "$d/$i.err" ||
-    fail "(e) stream $i: expected UNAVAILABLE naming decode-1 and the stall, got: $(tail -n1 "$d/$i.err")"
+    fail "(e) stream $i: expected UNAVAILABLE naming decode-1 and the stall, got: $(errmsg "$d/$i.err")"
   worst=$("$py" -c "print(max($worst, $(elapsed "$t_stop" "$t_end")))")
 done
 [ $stalled -gt 0 ] || fail "(e) no stream was on decode-1 when it was stopped"
 for ((i = 0; i < 4; i++)); do
   "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((400 + i)))" --max-tokens 8 --json >"$KRC_DIR/e.got" 2>"$KRC_DIR/e.err" ||
-    fail "(e) request $i while decode-1 is stopped: $(tail -n1 "$KRC_DIR/e.err")"
+    fail "(e) request $i while decode-1 is stopped: $(errmsg "$KRC_DIR/e.err")"
   [ "$(served_by "$KRC_DIR/e.got" decode_node)" = decode-0 ] || fail "(e) request $i went to $(served_by "$KRC_DIR/e.got" decode_node)"
 done
 t_cont=$(now)
@@ -274,7 +276,7 @@ t_back=$(wait_state "$router" decode-1 20 serving) || fail "(e) decode-1 not ser
 used1=0
 for ((i = 0; i < 8 && used1 == 0; i++)); do
   "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((500 + i)))" --max-tokens 8 --json >"$KRC_DIR/e.got" 2>"$KRC_DIR/e.err" ||
-    fail "(e) request $i after SIGCONT: $(tail -n1 "$KRC_DIR/e.err")"
+    fail "(e) request $i after SIGCONT: $(errmsg "$KRC_DIR/e.err")"
   [ "$(served_by "$KRC_DIR/e.got" decode_node)" = decode-1 ] && used1=1
 done
 [ $used1 = 1 ] || fail "(e) decode-1 not used again after SIGCONT"
@@ -293,23 +295,26 @@ t_drain=$(wait_state "$router" decode-0 10 draining unreachable suspect) || fail
 f_state=$(node_state "$router" decode-0)
 for ((i = 0; i < 4; i++)); do
   "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((800 + i)))" --max-tokens 8 --json >"$KRC_DIR/f.got" 2>"$KRC_DIR/f.err" ||
-    fail "(f) request $i while decode-0 drains: $(tail -n1 "$KRC_DIR/f.err")"
+    fail "(f) request $i while decode-0 drains: $(errmsg "$KRC_DIR/f.err")"
   [ "$(served_by "$KRC_DIR/f.got" decode_node)" = decode-1 ] || fail "(f) request $i went to $(served_by "$KRC_DIR/f.got" decode_node)"
 done
 wait_clients
 for ((i = 0; i < 4; i++)); do
   read -r rc t_end <"$d/$i.end"
-  [ "$rc" = 0 ] || fail "(f) stream $i did not finish while decode-0 drained: $(tail -n1 "$d/$i.err")"
+  [ "$rc" = 0 ] || fail "(f) stream $i did not finish while decode-0 drained: $(errmsg "$d/$i.err")"
 done
 echo "(f) decode-0 SIGTERMed: ${f_state:-?} at the router after $(elapsed "$t_term" "${t_drain:-$t_term}") s; its streams finished, new requests went to decode-1"
 check_blocks "(f)" decode-1
 
 # ---- (h) a frozen prefill node (SIGSTOP) holding queued requests: each times out after the
-# --migrate router's --prefill-timeout-ms (3 s) and is retried once on the other prefill node
+# --migrate router's --prefill-timeout-ms (5 s) and is retried once on the other prefill node.
+# The cap counts queue wait too, so prefill-0 must get through its own four prompts and the four
+# retried ones within it: 600-token prompts take 0.3-0.5 s each there under ASan on a loaded
+# machine (900-token ones behind a 3 s cap did not always make it)
 wait_state "$router_m" prefill-0 30 serving >/dev/null || fail "(h) router-m does not see prefill-0 serving"
 wait_state "$router_m" decode-1 30 serving >/dev/null || fail "(h) router-m does not see decode-1 serving"
 d=$KRC_DIR/h; mkdir -p "$d"
-for ((i = 0; i < 8; i++)); do gen "$d" "$i" "$router_m" 4 "$(prompt $((1000 + i)) 900)"; done
+for ((i = 0; i < 8; i++)); do gen "$d" "$i" "$router_m" 4 "$(prompt $((1000 + i)) 600)"; done
 for ((t = 0; t < 300; t++)); do
   q=$("$bin/kvrelay-cli" --router "$router_m" status --json 2>/dev/null |
     "$py" -c 'import json,sys; print(next(n["queued_requests"] for n in json.load(sys.stdin)["nodes"] if n["id"] == "prefill-1"))' 2>/dev/null)
@@ -323,7 +328,7 @@ krc_signal prefill-1 STOP
 wait_clients
 for ((i = 0; i < 8; i++)); do
   read -r rc t_end <"$d/$i.end"
-  [ "$rc" = 0 ] || fail "(h) request $i failed: $(tail -n1 "$d/$i.err")"
+  [ "$rc" = 0 ] || fail "(h) request $i failed: $(errmsg "$d/$i.err")"
 done
 t_last=$(cat "$d"/*.end | awk '{ print $2 }' | sort -n | tail -n1)
 timed_out=$(grep -c "no answer within --prefill-timeout-ms" "$KRC_DIR/router-m.log")
@@ -348,7 +353,7 @@ if "$bin/kvrelay-router" --help | grep -q -- '--etcd' && krc_etcd_start; then
   router_e=$(krc_addr router-e)
   wait_state "$router_e" decode-1 10 serving >/dev/null || fail "(g) decode-1 not serving from etcd membership"
   "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 900)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
-    fail "(g) a request through etcd membership: $(tail -n1 "$KRC_DIR/g.err")"
+    fail "(g) a request through etcd membership: $(errmsg "$KRC_DIR/g.err")"
   t0=$(now)
   ectl put /kvrelay/t/nodes/decode/decode-1 "$(member decode decode-1 draining $fp)"
   t_drain=$(wait_state "$router_e" decode-1 10 draining) || fail "(g) draining in etcd not seen"
@@ -368,7 +373,7 @@ if "$bin/kvrelay-router" --help | grep -q -- '--etcd' && krc_etcd_start; then
   t2=$(now)
   t_back=$(wait_state "$router_e" decode-1 10 serving) || fail "(g) decode-1 not back"
   "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 903)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
-    fail "(g) a request after the member came back: $(tail -n1 "$KRC_DIR/g.err")"
+    fail "(g) a request after the member came back: $(errmsg "$KRC_DIR/g.err")"
   echo "(g) etcd membership: draining seen after $(elapsed "$t0" "${t_drain:-$t0}") s, a deleted key gone after $(elapsed "$t1" "${t_gone:-$t1}") s, back after $(elapsed "$t2" "${t_back:-$t2}") s"
   # etcd goes away: the router serves on the last membership; back on the same ports (same data):
   # the router watches again by itself
@@ -376,7 +381,7 @@ if "$bin/kvrelay-router" --help | grep -q -- '--etcd' && krc_etcd_start; then
   krc_etcd_stop
   for ((i = 0; i < 3; i++)); do
     "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt $((910 + i)))" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err" ||
-      fail "(g) request $i with etcd down: $(tail -n1 "$KRC_DIR/g.err")"
+      fail "(g) request $i with etcd down: $(errmsg "$KRC_DIR/g.err")"
   done
   # shellcheck disable=SC2086
   krc_etcd_start $ports || fail "(g) etcd did not restart"
