@@ -69,7 +69,7 @@ loader = importlib.machinery.SourceFileLoader("kvrelay_sim", tool)  # its compar
 sim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
 loader.exec_module(sim)
 prof = json.load(open(profile))
-lines = ["Machine: %s. Profile `%s` (host.background %.2f, fitted at calibration). Prompts 256..768 tokens (uniform), 128 output tokens, policy full, "
+lines = ["Machine: %s. Profile `%s` (host.background %.2f, measured at calibration). Prompts 256..768 tokens (uniform), 128 output tokens, policy full, "
          "1 thread per node, Poisson arrivals; SLO TTFT <= 500 ms, TPOT <= 10 ms."
          % (machine, os.path.basename(profile), prof["host"].get("background", 0.0)),
          "", "| P+D | rate | metric | real | simulated | error |", "|---|---|---|---|---|---|"]
