@@ -1,9 +1,8 @@
 /*
- * bundle.c - the KV bundle codec of bundle.h: layout, writer, validating parser, CRC32C and
- * the f32 <-> f16/bf16 element conversions. The format is specified in docs/bundle.md; the
- * constants below are the ones that document names.
- * What it is not: a transport, a quantizer (int8/fp8 payload codes are reserved and refused),
- * or a user of engine/ (plain C data only).
+ * bundle.c - the KV bundle codec of bundle.h: layout, writer, validating parser, CRC32C, the
+ * f32 <-> f16/bf16/fp8 element conversions and the per-row int8/fp8 quantization. The format is
+ * specified in docs/bundle.md; the constants below are the ones that document names.
+ * What it is not: a transport, or a user of engine/ (plain C data only).
  * Header fields are read and written byte by byte (little-endian on the wire whatever the
  * host); payload rows and positions are copied with memcpy, which is why the build refuses a
  * big-endian host below instead of silently byte-swapping a gigabyte per request.
@@ -12,7 +11,9 @@
 #include "bundle.h"
 #include "le.h"
 
+#include <float.h>
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -32,6 +33,7 @@ enum {
     BL_LIST_ENTRY = 40, /* u64 first; u32 count, pinned, window, sink, lazy, slack, max_drop, flags */
     BL_ALIGN = 64, /* every section starts on a multiple of this */
     BL_BASE_SECTIONS = 4,
+    BL_QUANT_SECTIONS = 6, /* a quantized payload adds the K and V row scales (format 2.1) */
     BL_MAX_SECTIONS = 16, /* a newer minor may append sections after V; this many at most */
     BL_REQUIRED_FLAGS = 0xffff, /* low flag bits: a reader that does not know one must refuse */
 };
@@ -58,10 +60,12 @@ enum {
     BL_OFF_RESERVED = 78,
 };
 
-enum { BL_SEC_LISTS = 0, BL_SEC_POSITIONS = 1, BL_SEC_K = 2, BL_SEC_V = 3 };
-static const char *const BL_SEC_NAME[BL_BASE_SECTIONS] = {"lists", "positions", "K", "V"};
+enum { BL_SEC_LISTS = 0, BL_SEC_POSITIONS = 1, BL_SEC_K = 2, BL_SEC_V = 3, BL_SEC_KS = 4, BL_SEC_VS = 5 };
+static const char *const BL_SEC_NAME[BL_QUANT_SECTIONS] = {"lists", "positions", "K", "V",
+                                                           "K scales", "V scales"};
 
-static const char *sec_name(unsigned i) { return i < BL_BASE_SECTIONS ? BL_SEC_NAME[i] : "extra"; }
+/* Section i's name in a bundle whose payload dtype defines the first `n_known` sections. */
+static const char *sec_name(unsigned i, unsigned n_known) { return i < n_known ? BL_SEC_NAME[i] : "extra"; }
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -100,17 +104,44 @@ size_t kt_dtype_size(kt_dtype t)
     case KT_DTYPE_F32: return 4;
     case KT_DTYPE_F16:
     case KT_DTYPE_BF16: return 2;
+    case KT_DTYPE_INT8_TOKEN:
+    case KT_DTYPE_FP8_E4M3_TOKEN: return 1;
     default: return 0;
     }
 }
 
+int kt_dtype_quantized(kt_dtype t)
+{
+    return t == KT_DTYPE_INT8_TOKEN || t == KT_DTYPE_FP8_E4M3_TOKEN;
+}
+
+uint64_t kt_dtype_row_bytes(kt_dtype t, uint32_t head_dim)
+{
+    return (uint64_t)head_dim * kt_dtype_size(t) + (kt_dtype_quantized(t) ? 4u : 0u);
+}
+
+int kt_dtype_parse(const char *s, kt_dtype *out)
+{
+    static const struct {
+        const char *name;
+        kt_dtype t;
+    } names[] = {{"f32", KT_DTYPE_F32}, {"f16", KT_DTYPE_F16}, {"bf16", KT_DTYPE_BF16},
+                 {"int8", KT_DTYPE_INT8_TOKEN}, {"int8+scale", KT_DTYPE_INT8_TOKEN},
+                 {"fp8", KT_DTYPE_FP8_E4M3_TOKEN}, {"fp8_e4m3", KT_DTYPE_FP8_E4M3_TOKEN},
+                 {"fp8_e4m3+scale", KT_DTYPE_FP8_E4M3_TOKEN}};
+    for (size_t i = 0; s && i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(s, names[i].name)) {
+            *out = names[i].t;
+            return 0;
+        }
+    return -1;
+}
+
 static int check_dtype(uint32_t code, const char *what, char *err)
 {
-    if (code == KT_DTYPE_F32 || code == KT_DTYPE_F16 || code == KT_DTYPE_BF16) return 0;
-    if (code == KT_DTYPE_INT8_TOKEN || code == KT_DTYPE_FP8_E4M3_TOKEN)
-        return fail(err, "%s %u (%s) is not supported by this build ---> HINT: send f32, f16 or bf16",
-                    what, code, kt_dtype_name((kt_dtype)code));
-    return fail(err, "unknown %s %u (known: 0 f32, 1 f16, 2 bf16)", what, code);
+    if (kt_dtype_size((kt_dtype)code)) return 0;
+    return fail(err, "unknown %s %u (known: 0 f32, 1 f16, 2 bf16, 16 int8+scale, 17 fp8_e4m3+scale)",
+                what, code);
 }
 
 uint16_t kt_f32_to_bf16(float f)
@@ -169,7 +200,36 @@ float kt_f16_to_f32(uint16_t h)
     return f;
 }
 
-/* n elements of `src_dtype` at `src` (any alignment) to `dst_dtype` at `dst`. */
+uint8_t kt_f32_to_fp8_e4m3(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint8_t sign = (uint8_t)((x >> 24) & 0x80u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return 0x7f; /* NaN */
+    if (ax >= 0x43e00000u) return sign | 0x7e; /* >= 448 (and infinity): saturate */
+    if (ax >= 0x3c800000u) { /* a normal E4M3 (>= 2^-6): round the mantissa at bit 20 */
+        const uint32_t r = ax + 0x7ffffu + ((ax >> 20) & 1);
+        return sign | (uint8_t)((((r >> 23) - 120) << 3) | ((r >> 20) & 7));
+    }
+    /* a subnormal counts units of 2^-9: scaling by 512 is exact, rintf rounds to even; 8 units
+     * is the smallest normal, whose code is 0x08 as well */
+    float a;
+    memcpy(&a, &ax, 4);
+    return sign | (uint8_t)rintf(a * 512.0f);
+}
+
+float kt_fp8_e4m3_to_f32(uint8_t b)
+{
+    const unsigned e = (b >> 3) & 15, m = b & 7;
+    float f;
+    if ((b & 0x7f) == 0x7f) f = NAN;
+    else if (e == 0) f = (float)m * 0x1p-9f;
+    else f = ldexpf(1.0f + (float)m / 8.0f, (int)e - 7);
+    return b & 0x80 ? -f : f;
+}
+
+/* n elements of `src_dtype` (f32, f16 or bf16) at `src` (any alignment) to `dst_dtype` at `dst`. */
 static void convert(uint8_t *dst, kt_dtype dst_dtype, const uint8_t *src, kt_dtype src_dtype,
                     size_t n)
 {
@@ -190,6 +250,61 @@ static void convert(uint8_t *dst, kt_dtype dst_dtype, const uint8_t *src, kt_dty
         case KT_DTYPE_BF16: h = kt_f32_to_bf16(f); memcpy(dst + 2 * i, &h, 2); break;
         default: memcpy(dst + 4 * i, &f, 4); break;
         }
+    }
+}
+
+/* Quantizes n rows of head_dim elements of `src_dtype` at `src` into `dst` (one byte each) and
+ * their scales into `scales` (float32 LE each): scale = max|row| / 127 for int8, / 448 (the
+ * largest E4M3) for fp8, so that the row's largest element lands on the largest code; a row of
+ * zeros has scale 0. `which` names the rows in the error for a non-finite element. */
+static int quantize(uint8_t *dst, uint8_t *scales, kt_dtype dtype, const uint8_t *src,
+                    kt_dtype src_dtype, uint32_t n, uint32_t head_dim, const char *which, char *err)
+{
+    float row[KT_BUNDLE_MAX_HEAD_DIM];
+    const float top = dtype == KT_DTYPE_INT8_TOKEN ? 127.0f : 448.0f;
+    const size_t src_row = (size_t)head_dim * kt_dtype_size(src_dtype);
+    for (uint32_t i = 0; i < n; i++, dst += head_dim) {
+        convert((uint8_t *)row, KT_DTYPE_F32, src + i * src_row, src_dtype, head_dim);
+        float amax = 0.0f;
+        for (uint32_t e = 0; e < head_dim; e++) {
+            if (!isfinite(row[e]))
+                return fail(err, "%s row %" PRIu32 " element %" PRIu32 " is %g: a quantized payload "
+                            "takes finite values only", which, i, e, (double)row[e]);
+            amax = fmaxf(amax, fabsf(row[e]));
+        }
+        const float scale = amax / top, inv = amax > 0.0f ? top / amax : 0.0f;
+        memcpy(scales + 4 * (size_t)i, &scale, 4);
+        if (dtype == KT_DTYPE_INT8_TOKEN)
+            for (uint32_t e = 0; e < head_dim; e++) {
+                const float q = fminf(fmaxf(rintf(row[e] * inv), -127.0f), 127.0f);
+                dst[e] = (uint8_t)(int8_t)q;
+            }
+        else
+            for (uint32_t e = 0; e < head_dim; e++) dst[e] = kt_f32_to_fp8_e4m3(row[e] * inv);
+    }
+    return 0;
+}
+
+static float fp8_table[256];
+static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
+
+static void fp8_init(void)
+{
+    for (int b = 0; b < 256; b++) fp8_table[b] = kt_fp8_e4m3_to_f32((uint8_t)b);
+}
+
+/* The inverse of quantize: n rows of `src` (one byte per element) times their scales into f32. */
+static void dequantize(float *dst, kt_dtype dtype, const uint8_t *src, const uint8_t *scales,
+                       size_t n, uint32_t head_dim)
+{
+    pthread_once(&fp8_once, fp8_init);
+    for (size_t i = 0; i < n; i++, src += head_dim, dst += head_dim) {
+        float scale;
+        memcpy(&scale, scales + 4 * i, 4);
+        if (dtype == KT_DTYPE_INT8_TOKEN)
+            for (uint32_t e = 0; e < head_dim; e++) dst[e] = (float)(int8_t)src[e] * scale;
+        else
+            for (uint32_t e = 0; e < head_dim; e++) dst[e] = fp8_table[src[e]] * scale;
     }
 }
 
@@ -471,15 +586,22 @@ static int check_list(const kt_bundle_header *h, uint32_t i, const kt_bundle_lis
     return 0;
 }
 
-/* Where every base section goes, from the header and the entry total; checked arithmetic. */
+/* Where every section this build writes goes (4, or 6 with the row scales of a quantized
+ * payload), from the header and the entry total; checked arithmetic. */
 typedef struct bl_layout {
     uint64_t header_size;
-    uint64_t off[BL_BASE_SECTIONS], len[BL_BASE_SECTIONS];
+    unsigned n; /* sections laid out */
+    uint64_t off[BL_QUANT_SECTIONS], len[BL_QUANT_SECTIONS];
     uint64_t total;
 } bl_layout;
 
-static int layout(uint32_t n_sections, size_t policy_len, uint32_t n_lists, uint64_t n_entries,
-                  size_t row_bytes, bl_layout *L, char *err)
+/* The sections a payload of dtype `t` needs. */
+static unsigned dtype_sections(kt_dtype t) { return kt_dtype_quantized(t) ? BL_QUANT_SECTIONS : BL_BASE_SECTIONS; }
+
+/* `n_sections` is what the header declares (>= n_known, the ones laid out here: a newer minor's
+ * extra sections are the parser's to check). */
+static int layout(uint32_t n_sections, unsigned n_known, size_t policy_len, uint32_t n_lists,
+                  uint64_t n_entries, size_t row_bytes, bl_layout *L, char *err)
 {
     /* n_lists <= 2^20 and n_entries < 2^51 by the bounds checked before: only the row
      * products can overflow 64 bits. */
@@ -491,8 +613,10 @@ static int layout(uint32_t n_sections, size_t policy_len, uint32_t n_lists, uint
         return fail(err, "%" PRIu64 " entries of %zu-byte rows exceed the %" PRIu64
                     "-byte bundle limit", n_entries, row_bytes, (uint64_t)KT_BUNDLE_MAX_BYTES);
     L->len[BL_SEC_K] = L->len[BL_SEC_V] = kv;
+    L->len[BL_SEC_KS] = L->len[BL_SEC_VS] = n_entries * 4;
+    L->n = n_known;
     uint64_t end = L->header_size;
-    for (int s = 0; s < BL_BASE_SECTIONS; s++) {
+    for (unsigned s = 0; s < n_known; s++) {
         L->off[s] = align_up(end);
         end = L->off[s] + L->len[s]; /* each term <= 2^38: no overflow */
     }
@@ -521,7 +645,8 @@ static int plan(const kt_bundle_header *h, const kt_bundle_list *lists, bl_layou
         if (check_list(h, i, &lists[i], err)) return -1;
         n_entries += lists[i].count;
     }
-    if (layout(BL_BASE_SECTIONS, policy_len, n_lists, n_entries,
+    const unsigned n_sec = dtype_sections(h->dtype);
+    if (layout(n_sec, n_sec, policy_len, n_lists, n_entries,
                (size_t)h->head_dim * kt_dtype_size(h->dtype), L, err))
         return -1;
     *n_entries_out = n_entries;
@@ -560,7 +685,7 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     memset(b, 0, L.off[BL_SEC_LISTS]);
     memcpy(b + BL_OFF_MAGIC, BL_MAGIC, 8);
     kt_wr16(b + BL_OFF_MAJOR, KT_BUNDLE_VERSION_MAJOR);
-    kt_wr16(b + BL_OFF_MINOR, KT_BUNDLE_VERSION_MINOR);
+    kt_wr16(b + BL_OFF_MINOR, L.n == BL_BASE_SECTIONS ? 0 : 1); /* 2.0 unless quantized */
     kt_wr32(b + BL_OFF_HEADER_SIZE, (uint32_t)L.header_size);
     kt_wr64(b + BL_OFF_TOTAL, L.total);
     kt_wr32(b + BL_OFF_FLAGS, 0);
@@ -569,18 +694,18 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     kt_wr32(b + BL_OFF_KV_HEADS, h->n_kv_heads);
     kt_wr32(b + BL_OFF_HEAD_DIM, h->head_dim);
     kt_wr16(b + BL_OFF_DTYPE, (uint16_t)h->dtype);
-    kt_wr16(b + BL_OFF_N_SECTIONS, BL_BASE_SECTIONS);
+    kt_wr16(b + BL_OFF_N_SECTIONS, (uint16_t)L.n);
     kt_wr32(b + BL_OFF_FIRST_TOKEN, (uint32_t)h->first_token);
     kt_wr32(b + BL_OFF_PROMPT_LEN, (uint32_t)h->prompt_len);
     kt_wr32(b + BL_OFF_NEXT_POS, (uint32_t)h->next_pos);
     kt_wr16(b + BL_OFF_POLICY_LEN, (uint16_t)policy_len);
-    for (int s = 0; s < BL_BASE_SECTIONS; s++) {
+    for (unsigned s = 0; s < L.n; s++) {
         uint8_t *e = b + BL_FIXED + s * BL_SECT_ENTRY;
         kt_wr32(e, (uint32_t)s + 1);
         kt_wr64(e + 8, L.off[s]);
         kt_wr64(e + 16, L.len[s]);
     }
-    memcpy(b + BL_FIXED + BL_BASE_SECTIONS * BL_SECT_ENTRY, h->policy, policy_len);
+    memcpy(b + BL_FIXED + L.n * BL_SECT_ENTRY, h->policy, policy_len);
 
     uint8_t *t = b + L.off[BL_SEC_LISTS];
     uint64_t first = 0;
@@ -590,7 +715,7 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     }
     kt_wr32(b + BL_FIXED + BL_SEC_LISTS * BL_SECT_ENTRY + 4,
          kt_crc32c(0, b + L.off[BL_SEC_LISTS], L.len[BL_SEC_LISTS]));
-    for (int s = 1; s < BL_BASE_SECTIONS; s++) { /* alignment gaps before positions, K, V */
+    for (unsigned s = 1; s < L.n; s++) { /* alignment gaps before positions, K, V (and scales) */
         uint64_t prev_end = L.off[s - 1] + L.len[s - 1];
         memset(b + prev_end, 0, L.off[s] - prev_end);
     }
@@ -611,7 +736,9 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     w->off_pos = L.off[BL_SEC_POSITIONS];
     w->off_k = L.off[BL_SEC_K];
     w->off_v = L.off[BL_SEC_V];
-    w->crc_pos = w->crc_k = w->crc_v = 0;
+    w->off_ks = L.n > BL_SEC_KS ? L.off[BL_SEC_KS] : 0;
+    w->off_vs = L.n > BL_SEC_VS ? L.off[BL_SEC_VS] : 0;
+    w->crc_pos = w->crc_k = w->crc_v = w->crc_ks = w->crc_vs = 0;
     w->state = 1;
     return 0;
 }
@@ -658,6 +785,8 @@ int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uin
     }
     if (!positions || !k || !v) return fail(err, "put with NULL positions, K or V rows");
     if (check_dtype((uint32_t)src_dtype, "source dtype", err)) return -1;
+    if (kt_dtype_quantized(src_dtype))
+        return fail(err, "source dtype %s: rows are put as f32, f16 or bf16", kt_dtype_name(src_dtype));
     for (uint32_t i = 0; i < n; i++) {
         const int32_t p = positions[i];
         if (p <= w->last_pos || p >= w->next_pos)
@@ -673,8 +802,17 @@ int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uin
     const size_t bytes = (size_t)n * w->row_bytes, elems = (size_t)n * w->head_dim;
     uint8_t *dk = w->buf + w->off_k + w->entry * w->row_bytes;
     uint8_t *dv = w->buf + w->off_v + w->entry * w->row_bytes;
-    convert(dk, w->dtype, k, src_dtype, elems);
-    convert(dv, w->dtype, v, src_dtype, elems);
+    if (kt_dtype_quantized(w->dtype)) {
+        uint8_t *dks = w->buf + w->off_ks + w->entry * 4, *dvs = w->buf + w->off_vs + w->entry * 4;
+        if (quantize(dk, dks, w->dtype, k, src_dtype, n, w->head_dim, "K", err) ||
+            quantize(dv, dvs, w->dtype, v, src_dtype, n, w->head_dim, "V", err))
+            return -1;
+        w->crc_ks = kt_crc32c(w->crc_ks, dks, (size_t)n * 4);
+        w->crc_vs = kt_crc32c(w->crc_vs, dvs, (size_t)n * 4);
+    } else {
+        convert(dk, w->dtype, k, src_dtype, elems);
+        convert(dv, w->dtype, v, src_dtype, elems);
+    }
     w->crc_k = kt_crc32c(w->crc_k, dk, bytes);
     w->crc_v = kt_crc32c(w->crc_v, dv, bytes);
     w->filled += n;
@@ -692,6 +830,10 @@ int kt_bundle_writer_finish(kt_bundle_writer *w, uint64_t *size_out, char *err)
     kt_wr32(b + BL_FIXED + BL_SEC_POSITIONS * BL_SECT_ENTRY + 4, w->crc_pos);
     kt_wr32(b + BL_FIXED + BL_SEC_K * BL_SECT_ENTRY + 4, w->crc_k);
     kt_wr32(b + BL_FIXED + BL_SEC_V * BL_SECT_ENTRY + 4, w->crc_v);
+    if (kt_dtype_quantized(w->dtype)) {
+        kt_wr32(b + BL_FIXED + BL_SEC_KS * BL_SECT_ENTRY + 4, w->crc_ks);
+        kt_wr32(b + BL_FIXED + BL_SEC_VS * BL_SECT_ENTRY + 4, w->crc_vs);
+    }
     const uint32_t header_size = kt_rd32(b + BL_OFF_HEADER_SIZE);
     kt_wr32(b + BL_OFF_HEADER_CRC, 0);
     kt_wr32(b + BL_OFF_HEADER_CRC, kt_crc32c(0, b, header_size));
@@ -710,13 +852,39 @@ static int check_zero(const uint8_t *base, uint64_t from, uint64_t to, const cha
     return 0;
 }
 
-static int check_section_crc(const uint8_t *b, unsigned s, uint64_t off, uint64_t len,
-                             uint32_t stored, char *err)
+static int check_section_crc(const uint8_t *b, unsigned s, unsigned n_known, uint64_t off,
+                             uint64_t len, uint32_t stored, char *err)
 {
     const uint32_t got = kt_crc32c(0, b + off, (size_t)len);
     if (got != stored)
         return fail(err, "section %s checksum mismatch (expected 0x%08" PRIx32 ", got 0x%08" PRIx32 ")",
-                    sec_name(s), stored, got);
+                    sec_name(s, n_known), stored, got);
+    return 0;
+}
+
+/* What checksums cannot vouch for in a quantized payload: every scale is >= 0 and small enough
+ * that scale times the largest code is finite (as the writer's max|row| / code is), and no fp8
+ * element is a NaN code (the writer never makes one): every dequantized value is finite. */
+static int check_quantized(kt_dtype dtype, const uint8_t *k, const uint8_t *v, const uint8_t *ks,
+                           const uint8_t *vs, uint64_t n_entries, uint32_t head_dim, char *err)
+{
+    const float most = FLT_MAX / (dtype == KT_DTYPE_INT8_TOKEN ? 127.0f : 448.0f);
+    for (uint64_t i = 0; i < n_entries; i++)
+        for (int which = 0; which < 2; which++) {
+            float scale;
+            memcpy(&scale, (which ? vs : ks) + 4 * i, 4);
+            if (!(scale >= 0.0f && scale <= most))
+                return fail(err, "%s scale of entry %" PRIu64 " is %g: scales lie in [0, %g]",
+                            which ? "V" : "K", i, (double)scale, (double)most);
+        }
+    if (dtype == KT_DTYPE_FP8_E4M3_TOKEN)
+        for (int which = 0; which < 2; which++) {
+            const uint8_t *p = which ? v : k;
+            for (uint64_t i = 0; i < n_entries * head_dim; i++)
+                if ((p[i] & 0x7f) == 0x7f)
+                    return fail(err, "%s element %" PRIu64 " is the fp8 NaN code 0x%02x", which ? "V" : "K",
+                                i, p[i]);
+        }
     return 0;
 }
 
@@ -797,6 +965,11 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     h->first_token = (int32_t)kt_rd32(b + BL_OFF_FIRST_TOKEN);
     h->prompt_len = (int32_t)kt_rd32(b + BL_OFF_PROMPT_LEN);
     h->next_pos = (int32_t)kt_rd32(b + BL_OFF_NEXT_POS);
+    const unsigned n_known = dtype_sections(h->dtype);
+    if (n_sections < n_known)
+        return fail(err, "payload dtype %s needs its K and V scale sections: %u sections in "
+                    "version %u.%u, expected at least %u (version 2.1)", kt_dtype_name(h->dtype),
+                    n_sections, major, minor, n_known);
     const uint64_t policy_at = BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY;
     memcpy(h->policy, b + policy_at, policy_len);
     h->policy[policy_len] = '\0';
@@ -816,17 +989,17 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
         slen[s] = kt_rd64(e + 16);
         if (id != s + 1)
             return fail(err, "section table entry %u has id %" PRIu32 ", expected %u (%s)", s, id,
-                        s + 1, sec_name(s));
+                        s + 1, sec_name(s, n_known));
         if (off[s] > total || slen[s] > total - off[s])
             return fail(err, "section %s [%" PRIu64 ", +%" PRIu64 ") lies outside the %" PRIu64
-                        "-byte bundle", sec_name(s), off[s], slen[s], total);
+                        "-byte bundle", sec_name(s, n_known), off[s], slen[s], total);
         if (off[s] < end)
             return fail(err, "section %s starts at %" PRIu64 ", before the end of %s at %" PRIu64,
-                        sec_name(s), off[s], s ? sec_name(s - 1) : "the header", end);
+                        sec_name(s, n_known), off[s], s ? sec_name(s - 1, n_known) : "the header", end);
         if (off[s] != align_up(end))
             return fail(err, "section %s at offset %" PRIu64 ", expected %" PRIu64
-                        " (the first 64-byte boundary after %s)", sec_name(s), off[s],
-                        align_up(end), s ? sec_name(s - 1) : "the header");
+                        " (the first 64-byte boundary after %s)", sec_name(s, n_known), off[s],
+                        align_up(end), s ? sec_name(s - 1, n_known) : "the header");
         end = off[s] + slen[s]; /* the gap before off[s] is checked once lengths are known */
     }
     if (end != total)
@@ -840,7 +1013,7 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
         return fail(err, "section lists is %" PRIu64 " bytes, expected %" PRIu64 " for %" PRIu32
                     " layers x %" PRIu32 " heads", slen[BL_SEC_LISTS], want_lists, h->n_layers,
                     h->n_kv_heads);
-    if (check_section_crc(b, BL_SEC_LISTS, off[BL_SEC_LISTS], slen[BL_SEC_LISTS],
+    if (check_section_crc(b, BL_SEC_LISTS, n_known, off[BL_SEC_LISTS], slen[BL_SEC_LISTS],
                           scrc[BL_SEC_LISTS], err))
         return -1;
     const uint8_t *t = b + off[BL_SEC_LISTS];
@@ -857,17 +1030,17 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     }
     bl_layout L;
     const size_t row_bytes = (size_t)h->head_dim * kt_dtype_size(h->dtype);
-    if (layout(BL_BASE_SECTIONS, policy_len, n_lists, n_entries, row_bytes, &L, err)) return -1;
-    for (int s = BL_SEC_POSITIONS; s < BL_BASE_SECTIONS; s++)
+    if (layout(n_sections, n_known, policy_len, n_lists, n_entries, row_bytes, &L, err)) return -1;
+    for (unsigned s = BL_SEC_POSITIONS; s < n_known; s++)
         if (slen[s] != L.len[s])
             return fail(err, "section %s is %" PRIu64 " bytes, but the counts say %" PRIu64
-                        " (%" PRIu64 " entries)", sec_name((unsigned)s), slen[s], L.len[s], n_entries);
+                        " (%" PRIu64 " entries)", sec_name(s, n_known), slen[s], L.len[s], n_entries);
     /* Padding between sections is zero: with the checksums, every byte of a bundle is checked. */
     for (unsigned s = 1; s < n_sections; s++)
         if (check_zero(b, off[s - 1] + slen[s - 1], off[s], "between sections", err)) return -1;
 
     /* Positions: checksum, then every list strictly increasing inside [0, next_pos). */
-    if (check_section_crc(b, BL_SEC_POSITIONS, off[BL_SEC_POSITIONS], slen[BL_SEC_POSITIONS],
+    if (check_section_crc(b, BL_SEC_POSITIONS, n_known, off[BL_SEC_POSITIONS], slen[BL_SEC_POSITIONS],
                           scrc[BL_SEC_POSITIONS], err))
         return -1;
     t = b + off[BL_SEC_LISTS];
@@ -887,7 +1060,11 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     }
     /* The payload last: it is the bulk of the bytes, so the cheap checks above go first. */
     for (unsigned s = BL_SEC_K; s < n_sections; s++)
-        if (check_section_crc(b, s, off[s], slen[s], scrc[s], err)) return -1;
+        if (check_section_crc(b, s, n_known, off[s], slen[s], scrc[s], err)) return -1;
+    if (n_known == BL_QUANT_SECTIONS &&
+        check_quantized(h->dtype, b + off[BL_SEC_K], b + off[BL_SEC_V], b + off[BL_SEC_KS],
+                        b + off[BL_SEC_VS], n_entries, h->head_dim, err))
+        return -1;
 
     v.version_major = (uint16_t)major;
     v.version_minor = (uint16_t)minor;
@@ -900,6 +1077,10 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     v.positions = b + off[BL_SEC_POSITIONS];
     v.k = b + off[BL_SEC_K];
     v.v = b + off[BL_SEC_V];
+    if (n_known == BL_QUANT_SECTIONS) {
+        v.k_scale = b + off[BL_SEC_KS];
+        v.v_scale = b + off[BL_SEC_VS];
+    }
     *out = v;
     return 0;
 }
@@ -945,6 +1126,8 @@ int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
     l.positions = v->positions + l.first * 4;
     l.k = v->k + l.first * v->row_bytes;
     l.v = v->v + l.first * v->row_bytes;
+    l.k_scale = v->k_scale ? v->k_scale + l.first * 4 : NULL;
+    l.v_scale = v->v_scale ? v->v_scale + l.first * 4 : NULL;
     *out = l;
     return 0;
 }
@@ -957,6 +1140,11 @@ int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, u
                     first, (uint64_t)first + n, l->count);
     if (positions) memcpy(positions, l->positions + (size_t)first * 4, (size_t)n * 4);
     const size_t elems = (size_t)n * v->hdr.head_dim, at = (size_t)first * v->row_bytes;
+    if (kt_dtype_quantized(v->hdr.dtype)) {
+        if (k) dequantize(k, v->hdr.dtype, l->k + at, l->k_scale + (size_t)first * 4, n, v->hdr.head_dim);
+        if (v_out) dequantize(v_out, v->hdr.dtype, l->v + at, l->v_scale + (size_t)first * 4, n, v->hdr.head_dim);
+        return 0;
+    }
     if (k) convert((uint8_t *)k, KT_DTYPE_F32, l->k + at, v->hdr.dtype, elems);
     if (v_out) convert((uint8_t *)v_out, KT_DTYPE_F32, l->v + at, v->hdr.dtype, elems);
     return 0;

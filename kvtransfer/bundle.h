@@ -30,7 +30,9 @@ extern "C" {
 #define KT_ERR_MAX 512
 
 #define KT_BUNDLE_VERSION_MAJOR 2 /* a different major is refused */
-#define KT_BUNDLE_VERSION_MINOR 0 /* a newer minor is read (it may only add what v2.0 may skip) */
+/* The highest minor this build writes and reads: 2.1 adds the per-row scale sections of the
+ * quantized dtypes. A bundle of f32, f16 or bf16 is still written as 2.0, byte for byte. */
+#define KT_BUNDLE_VERSION_MINOR 1
 
 /* Bounds every field is checked against: generous for real models (Llama 3 405B has 126
  * layers of 8 KV heads of 128), tight enough that no product of them overflows. */
@@ -50,16 +52,31 @@ typedef enum kt_dtype {
     KT_DTYPE_F32 = 0,
     KT_DTYPE_F16 = 1, /* IEEE binary16 */
     KT_DTYPE_BF16 = 2,
-    /* Reserved for quantized payloads with a per-token scale; refused by this build with
-     * "not supported by this build" (no stub pretends to handle them). */
+    /* Quantized (format 2.1): one byte per element and one float32 scale per row, that is per
+     * (token, KV head) of K and of V: element x travels as q = x / scale, with
+     * scale = max|row| / 127 and q rounded to the nearest int8 in [-127, 127] (int8), or
+     * scale = max|row| / 448 and q rounded to the nearest fp8 E4M3 (OCP "fn": bias 7, no
+     * infinity, 0x7f and 0xff are NaN and never written). Round trip, per element:
+     * int8 |x - x'| <= scale / 2 = max|row| / 254; fp8 |x - x'| <= max(|x| / 16,
+     * scale / 1024), as 3 mantissa bits round to half a step of 1/8 and subnormals to half of
+     * 2^-9 (docs/bundle.md). */
     KT_DTYPE_INT8_TOKEN = 16,
     KT_DTYPE_FP8_E4M3_TOKEN = 17,
 } kt_dtype;
 
 /* "f32", "f16", "bf16", "int8+scale", "fp8_e4m3+scale", or "?" */
 const char *kt_dtype_name(kt_dtype t);
-/* Bytes per element of a supported dtype; 0 for any other code. */
+/* Bytes per element of a supported dtype (1 for the quantized ones, whose scale is per row);
+ * 0 for any other code. */
 size_t kt_dtype_size(kt_dtype t);
+/* 1 for the quantized dtypes (a scale per row), 0 otherwise. */
+int kt_dtype_quantized(kt_dtype t);
+/* Bytes one K or V row of head_dim elements takes on the wire, its scale included; 0 for an
+ * unknown dtype. */
+uint64_t kt_dtype_row_bytes(kt_dtype t, uint32_t head_dim);
+/* The dtype a user names: "f32", "f16", "bf16", "int8" or "fp8" (also the kt_dtype_name
+ * spellings). Returns 0 and sets *out, or -1 for anything else. */
+int kt_dtype_parse(const char *s, kt_dtype *out);
 
 /* What a bundle says about the sequence as a whole. Filled by the sender for the writer and
  * by kt_bundle_parse for the receiver. */
@@ -123,8 +140,8 @@ typedef struct kt_bundle_writer {
     uint32_t filled; /* entries of lists[cur] written */
     int32_t last_pos; /* last position written in lists[cur] (-1: none yet) */
     uint64_t entry; /* entries written over all lists */
-    uint64_t off_pos, off_k, off_v; /* section offsets */
-    uint32_t crc_pos, crc_k, crc_v; /* running CRC32C of each section */
+    uint64_t off_pos, off_k, off_v, off_ks, off_vs; /* section offsets (ks, vs: row scales) */
+    uint32_t crc_pos, crc_k, crc_v, crc_ks, crc_vs; /* running CRC32C of each section */
     int state; /* 1: open, 0: finished or failed */
 } kt_bundle_writer;
 
@@ -135,8 +152,9 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
                            const kt_bundle_list *lists, void *buf, size_t cap, char *err);
 /* Appends `n` entries to list (layer, head): their positions (strictly increasing, >= 0,
  * below next_pos, above the list's previous entry) and K and V rows of head_dim elements of
- * `src_dtype` (contiguous, any alignment), converted to the payload dtype with round to
- * nearest even. */
+ * `src_dtype` (f32, f16 or bf16; contiguous, any alignment), converted to the payload dtype
+ * with round to nearest even, or quantized row by row with its scale. A quantized payload
+ * refuses a row with a NaN or infinity (its scale would be meaningless). */
 int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uint32_t n,
                          const int32_t *positions, kt_dtype src_dtype, const void *k,
                          const void *v, char *err);
@@ -160,6 +178,7 @@ typedef struct kt_bundle_view {
     const uint8_t *positions; /* int32 LE per entry, all lists in order */
     const uint8_t *k; /* n_entries rows of row_bytes */
     const uint8_t *v;
+    const uint8_t *k_scale, *v_scale; /* quantized dtypes: a float32 LE per row; else NULL */
 } kt_bundle_view;
 
 /* One list of a view. */
@@ -169,6 +188,7 @@ typedef struct kt_bundle_list_view {
     uint64_t first; /* index of the list's first entry among all entries */
     const uint8_t *positions; /* count int32 LE, maybe unaligned */
     const uint8_t *k, *v; /* count rows of view->row_bytes in the payload dtype, maybe unaligned */
+    const uint8_t *k_scale, *v_scale; /* count float32 LE row scales (quantized), else NULL */
 } kt_bundle_list_view;
 
 /* Validates the `len` bytes at `buf` as a whole bundle: structure, every bound, every list,
@@ -181,8 +201,9 @@ int kt_bundle_check_model(const kt_bundle_view *v, const char *fingerprint, uint
 /* List (layer, head) of a validated view; fails only for layer or head out of range. */
 int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
                         kt_bundle_list_view *out, char *err);
-/* Copies entries [first, first + n) of a list out, converting rows to float32; any of
- * positions, k, v may be NULL. Fails when the range is outside the list. */
+/* Copies entries [first, first + n) of a list out, converting rows to float32 (dequantizing
+ * with their scales); any of positions, k, v may be NULL. Fails when the range is outside the
+ * list. */
 int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
                         uint32_t n, int32_t *positions, float *k, float *v_out, char *err);
 
@@ -200,6 +221,10 @@ uint16_t kt_f32_to_f16(float f);
 float kt_f16_to_f32(uint16_t h);
 uint16_t kt_f32_to_bf16(float f);
 float kt_bf16_to_f32(uint16_t b);
+/* fp8 E4M3 ("fn": bias 7, largest 448, no infinity, NaN 0x7f/0xff): |f| above 448 saturates
+ * to +-448, NaN becomes 0x7f. */
+uint8_t kt_f32_to_fp8_e4m3(float f);
+float kt_fp8_e4m3_to_f32(uint8_t b);
 
 #ifdef __cplusplus
 }

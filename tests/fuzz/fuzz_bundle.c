@@ -1,8 +1,9 @@
 /*
  * fuzz_bundle.c - kt_bundle_parse on arbitrary bytes, as a decode node receives them from a
  * peer. It must refuse them with a "bundle: " message, or return a view whose every list,
- * position and K/V byte lies inside the input: the target walks all of them (and reads each
- * list back through kt_bundle_list_read) so ASan reports any lie the parser let through, and
+ * position, K/V byte and row scale lies inside the input: the target walks all of them (and
+ * reads each list back through kt_bundle_list_read, a quantized one to finite values only) so
+ * ASan reports any lie the parser let through, and
  * re-checks the invariants the parser promises. Random bytes almost never carry valid CRC32Cs,
  * so each input is parsed twice: as it is, and "resealed" (every checksum the section table
  * makes computable recomputed) - that is what a buggy or hostile sender produces, and it
@@ -74,11 +75,17 @@ static void parse_and_walk(const uint8_t *data, size_t size)
             /* touch every byte of the list's positions and rows */
             for (size_t i = 0; i < (size_t)lv.count * 4; i++) sum += lv.positions[i];
             for (size_t i = 0; i < (size_t)lv.count * v.row_bytes; i++) sum += lv.k[i] ^ lv.v[i];
+            if ((lv.k_scale != NULL) != kt_dtype_quantized(v.hdr.dtype) || (lv.v_scale != NULL) != (lv.k_scale != NULL))
+                __builtin_trap();
+            for (size_t i = 0; lv.k_scale && i < (size_t)lv.count * 4; i++) sum += lv.k_scale[i] ^ lv.v_scale[i];
             int32_t last = -1;
             for (uint32_t j = 0; j < lv.count; j++) {
                 int32_t p;
                 if (kt_bundle_list_read(&v, &lv, j, 1, &p, k, vv, err) != 0) __builtin_trap();
                 if (p <= last || p >= v.hdr.next_pos) __builtin_trap();
+                /* a quantized payload dequantizes to finite values only (the parser's promise) */
+                for (size_t e = 0; kt_dtype_quantized(v.hdr.dtype) && e < dim; e++)
+                    if (!__builtin_isfinite(k[e]) || !__builtin_isfinite(vv[e])) __builtin_trap();
                 last = p;
             }
         }

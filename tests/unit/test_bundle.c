@@ -1,7 +1,8 @@
 /*
  * test_bundle.c - the KV bundle codec (kvtransfer/bundle.h): CRC32C against a bitwise
- * reference, the f16/bf16 conversions against independent oracles, round trips over several
- * shapes and all three payload dtypes with the size predicted exactly, and for every validation
+ * reference, the f16/bf16/fp8 conversions against independent oracles, round trips over several
+ * shapes and every payload dtype with the size predicted exactly (int8 and fp8 within their
+ * documented bounds), and for every validation
  * rule a damaged bundle refused with the message that rule gives. Damage that a checksum would
  * catch first is "resealed" (checksums recomputed) so the semantic check itself is exercised.
  * Not tested here: the transport (none yet) and libFuzzer-scale inputs (tests/fuzz/fuzz_bundle.c).
@@ -172,6 +173,17 @@ static float rounded(float x, kt_dtype t)
     }
 }
 
+/* The documented round-trip bound of a quantized element x (read back as got) of a row of
+ * `dim` elements (bundle.h): int8 max|row| / 254, fp8 max(|x| / 16, max|row| / 448 / 1024), each
+ * with a float32 rounding's worth of slack. Fails on NaN. */
+static int within_bound(kt_dtype t, const float *row, uint32_t dim, float x, float got)
+{
+    double amax = 0;
+    for (uint32_t e = 0; e < dim; e++) amax = fmax(amax, fabs((double)row[e]));
+    const double bound = t == KT_DTYPE_INT8_TOKEN ? amax / 254 : fmax(fabs((double)x) / 16, amax / 448 / 1024);
+    return fabs((double)got - x) <= bound * (1 + 1e-5) + 1e-30;
+}
+
 static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dtype,
                       const uint32_t *counts, int32_t next_pos)
 {
@@ -193,7 +205,9 @@ static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dt
         CHECK(v.hdr.first_token == 42 && v.hdr.prompt_len == next_pos && v.hdr.next_pos == next_pos,
               "tokens");
         CHECK(strcmp(v.hdr.policy, s.h.policy) == 0, "policy '%s'", v.hdr.policy);
-        CHECK(v.version_major == 2 && v.version_minor == 0, "version");
+        const int quant = kt_dtype_quantized(dtype);
+        CHECK(v.version_major == 2 && v.version_minor == (quant ? 1 : 0), "version");
+        CHECK((v.k_scale != NULL) == quant && (v.v_scale != NULL) == quant, "scale sections");
         CHECK(kt_bundle_check_model(&v, "0123456789abcdef", layers, heads, dim, err) == 0, "%s", err);
         uint64_t total = 0;
         float *k = malloc((next_pos * (size_t)dim + 1) * sizeof(float));
@@ -214,7 +228,16 @@ static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dt
                 REQUIRE(kt_bundle_list_read(&v, &lv, 0, lv.count, pos, k, vv, err) == 0, "%s", err);
                 CHECK(memcmp(pos, s.pos[i], lv.count * sizeof(int32_t)) == 0, "list %u positions", i);
                 int bad = 0;
-                for (size_t e = 0; e < (size_t)lv.count * dim && bad < 3; e++) {
+                for (size_t e = 0; quant && e < (size_t)lv.count * dim && bad < 3; e++) {
+                    const size_t row = e / dim * dim;
+                    if (!within_bound(dtype, s.k[i] + row, dim, s.k[i][e], k[e]) ||
+                        !within_bound(dtype, s.v[i] + row, dim, s.v[i][e], vv[e])) {
+                        bad++;
+                        CHECK(0, "%s list %u elem %zu: K %a from %a, V %a from %a: past the bound",
+                              kt_dtype_name(dtype), i, e, k[e], s.k[i][e], vv[e], s.v[i][e]);
+                    }
+                }
+                for (size_t e = 0; !quant && e < (size_t)lv.count * dim && bad < 3; e++) {
                     float wk = rounded(s.k[i][e], dtype), wv = rounded(s.v[i][e], dtype);
                     if (memcmp(&wk, &k[e], 4) != 0 || memcmp(&wv, &vv[e], 4) != 0) {
                         bad++;
@@ -442,8 +465,8 @@ static void test_damage(void)
     FRESH(); kt_wr32(b + 56, 0); reseal_header(b); REJECT(b, n, "head_dim 0 out of range");
     FRESH(); kt_wr32(b + 56, 1u << 20); reseal_header(b); REJECT(b, n, "head_dim 1048576 out of range");
     FRESH(); kt_wr32(b + 56, 8); reseal_header(b); REJECT(b, n, "section K is 160 bytes, but the counts say 320");
-    FRESH(); kt_wr16(b + 60, 16); reseal_header(b); REJECT(b, n, "16 (int8+scale) is not supported by this build");
-    FRESH(); kt_wr16(b + 60, 17); reseal_header(b); REJECT(b, n, "not supported by this build");
+    FRESH(); kt_wr16(b + 60, 16); reseal_header(b); REJECT(b, n, "payload dtype int8+scale needs its K and V scale sections: 4 sections in version 2.0");
+    FRESH(); kt_wr16(b + 60, 17); reseal_header(b); REJECT(b, n, "payload dtype fp8_e4m3+scale needs its K and V scale sections");
     FRESH(); kt_wr16(b + 60, 9); reseal_header(b); REJECT(b, n, "unknown payload dtype 9");
     FRESH(); kt_wr16(b + 60, 2); reseal_header(b); REJECT(b, n, "section K is 160 bytes, but the counts say 80");
     FRESH(); kt_wr32(b + 64, (uint32_t)-1); reseal_header(b); REJECT(b, n, "first_token -1 is negative");
@@ -627,7 +650,7 @@ static void test_writer(void)
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
     CHECK(kt_bundle_writer_put(&w, 0, 0, 1, s.pos[0], KT_DTYPE_INT8_TOKEN, s.k[0], s.v[0], err) == -1,
           "int8 source");
-    CHECK_ERR_HAS(err, "source dtype 16 (int8+scale) is not supported by this build");
+    CHECK_ERR_HAS(err, "source dtype int8+scale: rows are put as f32, f16 or bf16");
 
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
     CHECK(kt_bundle_writer_put(&w, 2, 0, 1, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
@@ -674,9 +697,9 @@ static void test_writer(void)
     CHECK(kt_bundle_writer_begin(&w, &h, s.lists, buf, size, err) == -1, "head_dim 0");
     CHECK_ERR_HAS(err, "head_dim 0 out of range");
     h = s.h;
-    h.dtype = KT_DTYPE_FP8_E4M3_TOKEN;
-    CHECK(kt_bundle_size(&h, s.lists, &got, err) == -1, "fp8");
-    CHECK_ERR_HAS(err, "not supported by this build");
+    h.dtype = (kt_dtype)3;
+    CHECK(kt_bundle_size(&h, s.lists, &got, err) == -1, "dtype 3");
+    CHECK_ERR_HAS(err, "unknown payload dtype 3");
     h = s.h;
     h.policy[0] = '\0';
     CHECK(kt_bundle_size(&h, s.lists, &got, err) == -1, "empty policy");
@@ -717,6 +740,176 @@ static void test_writer(void)
 
     free(buf);
     seqkv_free(&s);
+}
+
+/* ------------------------------------------------------------------ quantized payloads */
+
+/* The value of E4M3 code c by the format's definition (bias 7, 3 mantissa bits, subnormals
+ * below 2^-6), not by the library's decoder; NaN for 0x7f and 0xff. */
+static double fp8_value(unsigned c)
+{
+    const unsigned e = (c >> 3) & 15, m = c & 7;
+    if ((c & 0x7f) == 0x7f) return NAN;
+    const double mag = e == 0 ? m * 0x1p-9 : ldexp(8 + m, (int)e - 10);
+    return c & 0x80 ? -mag : mag;
+}
+
+/* The code nearest to x among the 254 finite ones, ties to the even mantissa, |x| > 448 saturating:
+ * a brute-force oracle for kt_f32_to_fp8_e4m3. */
+static unsigned fp8_nearest(float x)
+{
+    unsigned best = 0;
+    double best_d = INFINITY;
+    for (unsigned c = 0; c < 256; c++) {
+        const double v = fp8_value(c);
+        if (isnan(v) || (v == 0 && !signbit(v) != !signbit(x))) continue;
+        if ((v < 0) != (x < 0) && v != 0) continue;
+        const double d = fabs(v - (double)x);
+        if (d < best_d || (d == best_d && (c & 1) == 0)) {
+            best = c;
+            best_d = d;
+        }
+    }
+    return best;
+}
+
+static void test_fp8(void)
+{
+    int bad = 0;
+    for (unsigned c = 0; c < 256 && bad < 5; c++) {
+        const double want = fp8_value(c);
+        const float got = kt_fp8_e4m3_to_f32((uint8_t)c);
+        if (isnan(want) ? !isnan(got) : (double)got != want || !signbit(got) != !signbit(want)) {
+            bad++;
+            CHECK(0, "fp8 code 0x%02x decodes to %a, want %a", c, got, want);
+        }
+        if (!isnan(want) && kt_f32_to_fp8_e4m3((float)want) != c) {
+            bad++;
+            CHECK(0, "fp8 %a encodes to 0x%02x, want 0x%02x", want, kt_f32_to_fp8_e4m3((float)want), c);
+        }
+    }
+    /* every value between codes, at random magnitudes, ties included (midpoints) */
+    for (int i = 0; i < 20000 && bad < 5; i++) {
+        float x;
+        if (i < 254 * 2) { /* the midpoints between neighbouring positive codes, and their negatives */
+            const unsigned c = (unsigned)(i / 2) % 126;
+            x = (float)((fp8_value(c) + fp8_value(c + 1)) / 2);
+            if (i % 2) x = -x;
+        } else {
+            x = (float)ldexp(rndf(), (int)(rnd() % 24) - 14);
+        }
+        const unsigned want = fp8_nearest(x), got = kt_f32_to_fp8_e4m3(x);
+        if (got != want) {
+            bad++;
+            CHECK(0, "fp8 of %a is 0x%02x, want 0x%02x", x, got, want);
+        }
+    }
+    CHECK(kt_f32_to_fp8_e4m3(1000.0f) == 0x7e && kt_f32_to_fp8_e4m3(-INFINITY) == 0xfe, "saturation");
+    CHECK(kt_f32_to_fp8_e4m3(NAN) == 0x7f, "NaN");
+}
+
+/* Rows a KV cache can hold that random data misses: zeros, one outlier next to tiny values,
+ * values in fp8's subnormal range after scaling; and a non-finite element, refused. */
+static void test_quantized_rows(kt_dtype t)
+{
+    char err[KT_ERR_MAX];
+    enum { DIM = 8 };
+    static const uint32_t counts[1] = {4};
+    seqkv s;
+    seqkv_make(&s, 1, 1, DIM, t, counts, 8, "full");
+    const float rows[4][DIM] = {
+        {0, 0, 0, 0, 0, 0, 0, 0},
+        {1000.0f, 1e-3f, -1e-3f, 0.5f, -0.25f, 3.0f, 1e-6f, -700.0f},
+        {1e-30f, -2e-30f, 3e-31f, 0, 1e-30f, -1e-30f, 5e-31f, 4e-30f},
+        {-1, 1, -1, 1, 0.999f, -0.999f, 0.5f, 0},
+    };
+    memcpy(s.k[0], rows, sizeof rows);
+    for (int e = 0; e < 4 * DIM; e++) s.v[0][e] = -s.k[0][e];
+    uint64_t size;
+    uint8_t *buf = encode(&s, &size);
+    kt_bundle_view v;
+    REQUIRE(kt_bundle_parse(buf, size, &v, err) == 0, "%s", err);
+    kt_bundle_list_view lv;
+    REQUIRE(kt_bundle_view_list(&v, 0, 0, &lv, err) == 0, "%s", err);
+    float k[4 * DIM], vv[4 * DIM];
+    REQUIRE(kt_bundle_list_read(&v, &lv, 0, 4, NULL, k, vv, err) == 0, "%s", err);
+    for (int e = 0; e < 4 * DIM; e++) {
+        CHECK(within_bound(t, rows[e / DIM], DIM, rows[e / DIM][e % DIM], k[e]), "%s row %d elem %d: %a from %a",
+              kt_dtype_name(t), e / DIM, e % DIM, k[e], rows[e / DIM][e % DIM]);
+        CHECK(vv[e] == -k[e], "%s: V is not K negated at %d", kt_dtype_name(t), e);
+    }
+    for (int e = 0; e < DIM; e++) CHECK(k[e] == 0, "zero row came back as %a", k[e]);
+    CHECK(k[DIM] == 1000.0f, "%s: a row's largest element is exact, got %a", kt_dtype_name(t), k[DIM]);
+
+    /* damage only a quantized bundle can have, resealed so the rule itself is what refuses it */
+    uint8_t *b = malloc(size);
+    const float nan = NAN;
+    memcpy(b, buf, size);
+    memcpy(b + sec_off(b, 4) + 4, &nan, 4);
+    reseal(b, 4);
+    REJECT(b, size, "K scale of entry 1 is nan");
+    memcpy(b, buf, size);
+    const float neg = -1.0f;
+    memcpy(b + sec_off(b, 5) + 8, &neg, 4);
+    reseal(b, 5);
+    REJECT(b, size, "V scale of entry 2 is -1: scales lie in [0, ");
+    if (t == KT_DTYPE_FP8_E4M3_TOKEN) {
+        memcpy(b, buf, size);
+        b[sec_off(b, SEC_K) + 3] = 0xff;
+        reseal(b, SEC_K);
+        REJECT(b, size, "K element 3 is the fp8 NaN code 0xff");
+    }
+    memcpy(b, buf, size);
+    kt_wr16(b + 10, 0);
+    reseal_header(b);
+    REJECT(b, size, "n_sections 6 invalid for version 2.0");
+    memcpy(b, buf, size);
+    b[sec_off(b, 5) + 1] ^= 4;
+    REJECT(b, size, "section V scales checksum mismatch");
+    free(b);
+    free(buf);
+
+    /* a NaN or infinity cannot be quantized: the put fails and says which row */
+    s.k[0][DIM + 3] = INFINITY;
+    REQUIRE(kt_bundle_size(&s.h, s.lists, &size, err) == 0, "%s", err);
+    buf = malloc(size);
+    kt_bundle_writer w;
+    REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 0, 0, 4, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+          "%s quantized an infinity", kt_dtype_name(t));
+    CHECK_ERR_HAS(err, "K row 1 element 3 is inf: a quantized payload takes finite values only");
+    free(buf);
+    seqkv_free(&s);
+}
+
+static void test_quantized(void)
+{
+    test_fp8();
+    static const uint32_t gqa[6] = {17, 17, 3, 30, 0, 1};
+    for (int q = 0; q < 2; q++) {
+        const kt_dtype t = q ? KT_DTYPE_FP8_E4M3_TOKEN : KT_DTYPE_INT8_TOKEN;
+        CHECK(round_trip(3, 2, 64, t, gqa, 64), "gqa %s", kt_dtype_name(t));
+        CHECK(round_trip(3, 2, 5, t, gqa, 31), "odd head_dim %s", kt_dtype_name(t));
+        test_quantized_rows(t);
+        /* bytes per row: head_dim + a 4-byte scale, against 4 * head_dim for f32 */
+        CHECK(kt_dtype_row_bytes(t, 128) == 132 && kt_dtype_row_bytes(KT_DTYPE_F32, 128) == 512,
+              "row bytes");
+    }
+    /* a 2.1 bundle that claims a quantized dtype but lacks the scale sections */
+    seqkv s;
+    uint64_t n;
+    uint8_t *b = base_bundle(&s, &n);
+    kt_wr16(b + 10, 1);
+    kt_wr16(b + 60, KT_DTYPE_INT8_TOKEN);
+    reseal_header(b);
+    REJECT(b, n, "payload dtype int8+scale needs its K and V scale sections: 4 sections in version 2.1");
+    free(b);
+    seqkv_free(&s);
+    kt_dtype t;
+    CHECK(kt_dtype_parse("int8", &t) == 0 && t == KT_DTYPE_INT8_TOKEN, "parse int8");
+    CHECK(kt_dtype_parse("fp8", &t) == 0 && t == KT_DTYPE_FP8_E4M3_TOKEN, "parse fp8");
+    CHECK(kt_dtype_parse("bf16", &t) == 0 && t == KT_DTYPE_BF16, "parse bf16");
+    CHECK(kt_dtype_parse("int4", &t) == -1 && kt_dtype_parse(NULL, &t) == -1, "parse junk");
 }
 
 static void test_check_model(void)
@@ -769,6 +962,8 @@ static void write_seeds(const char *dir)
     write_seed(dir, "gqa-2x2-f32", 2, 2, 4, KT_DTYPE_F32, c4, 12, "streaming:sink=4,window=16");
     write_seed(dir, "mha-3x2-bf16", 3, 2, 8, KT_DTYPE_BF16, c6, 9, "snapkv:budget=8,window=4");
     write_seed(dir, "gqa-2x4-f16", 2, 4, 6, KT_DTYPE_F16, c8, 5, "sage:budget=6,pos=rel");
+    write_seed(dir, "gqa-2x2-int8", 2, 2, 4, KT_DTYPE_INT8_TOKEN, c4, 12, "snapkv:budget=8,window=4");
+    write_seed(dir, "mha-3x2-fp8", 3, 2, 8, KT_DTYPE_FP8_E4M3_TOKEN, c6, 9, "streaming:sink=4,window=16");
 }
 
 int main(void)
@@ -798,5 +993,6 @@ int main(void)
     test_newer_minor();
     test_writer();
     test_check_model();
+    test_quantized();
     return kt_done("test_bundle");
 }
