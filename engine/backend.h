@@ -8,12 +8,15 @@
  * Shapes: `n` tokens per call; x[n][d]; linear weights [out][in] (kr_tensor, dtype as loaded).
  * A call's rows belong to one sequence (prefill chunks, single decode) or, in a decode batch, row
  * i to sequence i: the element-wise and weight ops do not care, the cache ops say which they take.
- * Every slot is required except kv_alloc, kv_free and sync.
+ * Every slot is required except kv_alloc, kv_free and sync. The cache ops read and write a
+ * sequence's block lists directly, so the table comes with the KV internals (kr-kv.h) and the
+ * weights' layout (kr-model.h).
  */
 #ifndef KR_BACKEND_H
 #define KR_BACKEND_H
 
-#include "kr-impl.h"
+#include "kr-kv.h"
+#include "kr-model.h"
 
 typedef struct kr_backend kr_backend;
 

@@ -16,11 +16,14 @@
  * so renders of one template may run concurrently.
  * Check a template: kvrelay-tokenize --model DIR --chat conv.json --text-only
  */
-#include "kr-impl.h"
+#include "kr-util.h"
+#include "kr.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <utf8proc.h>

@@ -12,10 +12,12 @@
  * load, rather than silently computed wrong later.
  * Tests: tests/unit/test_model_load.c; fuzzed by tests/fuzz/fuzz_config.c.
  */
-#include "kr-impl.h"
+#include "kr-model.h"
+#include "kr-util.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 

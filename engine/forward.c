@@ -12,6 +12,9 @@
  * tallies and policy per sequence, each row bit-identical to decoding its sequence alone.
  * What it is not: a scheduler (which sequences share a step is the caller's business).
  */
+#include "kr-kv.h"
+#include "kr-model.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <math.h>

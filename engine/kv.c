@@ -4,7 +4,8 @@
  * What it is not: a policy. Which entries stay is decided by engine/policy code; this file
  * only stores them and hands blocks out and back.
  */
-#include "kr-impl.h"
+#include "kr-kv.h"
+#include "kr-util.h"
 
 #include <stdlib.h>
 #include <string.h>

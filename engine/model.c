@@ -12,12 +12,14 @@
  * (e.g. rotary inv_freq buffers) are ignored.
  * Tests: tests/unit/test_model_load.c (fixtures and damaged copies of them).
  */
-#include "kr-impl.h"
+#include "kr-model.h"
+#include "kr-util.h"
 #include "safetensors.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>

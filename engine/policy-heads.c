@@ -12,6 +12,8 @@
  * to sinks + window after each chunk, and its decode rule keeps sinks + the decode window
  * (decode=window:W; by default the policy's window) after each decode step.
  */
+#include "kr-kv.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <math.h>

@@ -23,6 +23,8 @@
  *
  * What it is not: training. The learned windows and the gates come from files.
  */
+#include "kr-kv.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <errno.h>

@@ -14,6 +14,8 @@
  * full. Chunks before the last are not evicted (SAGE is post-fill). decode=grow / window:W
  * replace this rule.
  */
+#include "kr-kv.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <stdlib.h>

@@ -23,6 +23,8 @@
  * chunk alone); we score with the observers' true attention over everything cached (backend
  * op `score`), which only rescales each observer's row. Defaults and sources: docs/policies.md.
  */
+#include "kr-kv.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <math.h>

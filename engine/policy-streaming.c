@@ -9,6 +9,8 @@
  * max_drop: kr_list_rule), which the forward applies after every decode step. pos=rel re-assigns positions 0..L-1 and re-rotates keys
  * (the paper's eq. 4), so generation can run past the model's maximum position.
  */
+#include "kr-kv.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <math.h>

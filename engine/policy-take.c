@@ -33,6 +33,8 @@
  * accumulated rows of probe tokens already cached are not used there). The accumulated probe is
  * host memory and score ops read it as such: a GPU backend needs a device copy.
  */
+#include "kr-kv.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <assert.h>

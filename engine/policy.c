@@ -1,13 +1,17 @@
 /*
  * policy.c - parsing of policy specs ("name:key=value,..."), the registry of policy families,
- * the helpers they share (the decode rule a list starts with, re-rotating keys for pos=rel) and
- * the `full` policy. The families live in policy-*.c; docs/policies.md lists every
- * key, its default and where it comes from.
+ * the helpers they share (the decode rule a list starts with, re-rotating keys for pos=rel).
+ * The families live in policy-*.c, one per family; docs/policies.md lists every key, its
+ * default and where it comes from.
  */
+#include "kr-kv.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -220,31 +224,3 @@ int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err)
     }
     return KR_OK;
 }
-
-/* ---- full: every entry, dense, growing */
-
-static int full_set(kr_policy *p, const char *key, const char *value, char *err)
-{
-    int handled;
-    if (kr_policy_decode_key(p, key, value, &handled, err) != KR_OK) return -1;
-    if (!handled) return kr_errf(err, "policy: full takes no key '%s' (only decode=grow|window:W)", key);
-    return KR_OK;
-}
-
-static int full_finish(kr_policy *p, const kr_config *cfg, char *err)
-{
-    if (p->decode_window == -2) p->decode_window = -1;
-    return KR_OK;
-}
-
-static void full_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
-                             int layer)
-{
-}
-
-const kr_policy_ops kr_policy_full = {
-    .name = "full",
-    .set = full_set,
-    .finish = full_finish,
-    .after_chunk = full_after_chunk,
-};

@@ -8,12 +8,14 @@
  * names the file (and the tensor). Fuzzed by tests/fuzz/fuzz_safetensors.c.
  * Not done: checking that tensors do not overlap (harmless for a reader), big-endian hosts.
  */
+#include "kr-util.h"
 #include "safetensors.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>

@@ -12,7 +12,7 @@
 #ifndef KR_SAFETENSORS_H
 #define KR_SAFETENSORS_H
 
-#include "kr-impl.h"
+#include "kr.h"
 
 #define KR_ST_MAX_DIMS 8
 

@@ -5,7 +5,8 @@
  * creation; sampling does not allocate. Also the log-probability of a token under a row's full
  * softmax (kr_logprob), which forced-token scoring reports.
  */
-#include "kr-impl.h"
+#include "kr-util.h"
+#include "kr.h"
 
 #include <math.h>
 #include <stdlib.h>

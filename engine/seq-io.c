@@ -11,6 +11,8 @@
  * per block, so a node copies a list once: from the blocks into a bundle, or from a bundle into
  * the blocks, converting the dtype on the way.
  */
+#include "kr-kv.h"
+#include "kr-util.h"
 #include "policy.h"
 
 #include <stdlib.h>

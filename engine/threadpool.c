@@ -5,7 +5,9 @@
  * futex wake costs more than the job), then sleep on a condition variable so an idle engine
  * uses no CPU. Not a general task queue: one job at a time, one caller at a time.
  */
-#include "kr-impl.h"
+#include "kr-threadpool.h"
+#include "kr-util.h"
+#include "kr.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

@@ -13,11 +13,13 @@
  * truncation. Anything it does not interpret is a load error naming the component.
  * Notes: docs/tokenizer.md. Tests: tests/unit/test_tokenizer.c, tests/fuzz/fuzz_tokenizer.c.
  */
-#include "kr-impl.h"
+#include "kr-tokenizer.h"
+#include "kr-util.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <cjson/cJSON.h>
 #include <pcre2.h>
+#include <stdio.h>
 #include <utf8proc.h>
 
 #include <stdlib.h>

@@ -1,8 +1,11 @@
 /* util.c - error formatting, whole-file reads and dtype helpers shared by the engine. */
-#include "kr-impl.h"
+#include "kr-util.h"
+#include "kr.h"
 
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 

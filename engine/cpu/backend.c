@@ -5,6 +5,7 @@
  * tested against, so it favours the straightforward computation HF transformers does.
  */
 #include "cpu.h"
+#include "kr-util.h"
 #include "simd.h"
 
 #include <cblas.h>

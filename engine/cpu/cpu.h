@@ -8,6 +8,7 @@
 #define KR_CPU_H
 
 #include "backend.h"
+#include "kr-threadpool.h"
 
 /* Matmuls of fewer tokens take the dot-product path, more take sgemm. */
 enum { GEMM_MIN_TOKENS = 6 };

@@ -7,7 +7,7 @@
 #ifndef KR_CPU_SIMD_H
 #define KR_CPU_SIMD_H
 
-#include "kr-impl.h"
+#include "kr-util.h"
 
 #include <math.h>
 

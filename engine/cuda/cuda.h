@@ -15,6 +15,7 @@
 extern "C" {
 #endif
 #include "backend.h"
+#include "kr-util.h"
 #ifdef __cplusplus
 }
 #endif

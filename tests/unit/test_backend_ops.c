@@ -44,6 +44,8 @@
 #include "kt_cuda.h"
 
 #ifdef KT_CUDA
+#include "kr-util.h"
+
 #include <stdint.h>
 
 enum { GUARD = 64 }; /* floats of sentinel each side of every output */

@@ -6,7 +6,7 @@
  */
 #include "kr_test.h"
 
-#include "kr-impl.h"
+#include "kr-kv.h"
 
 int main(void)
 {

@@ -9,7 +9,8 @@
  * fails with a message naming the file and/or tensor or field.
  * Run: ctest -R test_model_load (needs KR_FIXTURES, set by CMake; skipped without it).
  */
-#include "kr-impl.h"
+#include "kr-model.h"
+#include "kr-util.h"
 #include "kr_test.h"
 #include "safetensors.h"
 

@@ -24,7 +24,8 @@
  */
 #include "kr_test.h"
 
-#include "kr-impl.h"
+#include "kr-kv.h"
+#include "kr-model.h"
 
 enum { V = 64, D = 64, HD = 16, NHEADS = 4, NKV = 2, LAYERS = 2, N = 256, CHUNK = 64 };
 enum { TOK_NEEDLE = 1, TOK_Q = 2, TOK_DECOY = 3, NEEDLE_POS = 30, DIM_DECOY = HD / 2 - 2, DIM_NEEDLE = HD / 2 - 1 };

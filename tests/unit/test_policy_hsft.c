@@ -9,7 +9,6 @@
  */
 #include "kr_test.h"
 
-#include "kr-impl.h"
 #include "policy.h"
 
 #include <cjson/cJSON.h>

@@ -20,6 +20,7 @@
  */
 #include "kr_test.h"
 
+#include "kr-util.h"
 #include "policy.h"
 
 #include <stdint.h>

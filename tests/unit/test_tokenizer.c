@@ -11,7 +11,8 @@
  * fallback, added-token lstrip/rstrip, detokenizer hold-back).
  * Run: ctest -R test_tokenizer (env KR_SHARED=.../shared).
  */
-#include "kr-impl.h"
+#include "kr-tokenizer.h"
+#include "kr-util.h"
 #include "kr_test.h"
 
 #include <cjson/cJSON.h>
