@@ -6,6 +6,7 @@
  * which names the endpoint). Test: ctest -R test_etcd.
  */
 #include "etcd.h"
+#include "flags.h"
 
 #include "etcd/rpc.pb-c.h"
 
@@ -129,20 +130,6 @@ static int parse_endpoints(const char *list, char **out, int *any_https, kc_stat
             len -= 8;
             *any_https = 1;
         }
-        const char *colon = len ? memchr(p, ':', len) : NULL;
-        const char *last = colon;
-        while (last && memchr(last + 1, ':', len - (size_t)(last + 1 - p)))
-            last = memchr(last + 1, ':', len - (size_t)(last + 1 - p));
-        size_t port_len = last ? len - (size_t)(last + 1 - p) : 0;
-        int port_ok = port_len > 0 && port_len <= 5 && last != p;
-        for (size_t i = 0; port_ok && i < port_len; i++)
-            port_ok = last[1 + i] >= '0' && last[1 + i] <= '9';
-        if (!port_ok) {
-            kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
-                       "etcd endpoint '%.*s' in '%s' is not HOST:PORT (optionally with http:// or "
-                       "https://)", (int)len, p, list);
-            goto err;
-        }
         if (n == ETCD_MAX_ENDPOINTS) {
             kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "more than %d etcd endpoints in '%s'",
                        ETCD_MAX_ENDPOINTS, list);
@@ -151,6 +138,15 @@ static int parse_endpoints(const char *list, char **out, int *any_https, kc_stat
         out[n] = strndup(p, len);
         if (!out[n]) {
             kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+            goto err;
+        }
+        kc_hostport hp;
+        char why[200];
+        if (kc_hostport_parse(NULL, out[n], 0, &hp, why, sizeof why) != 0) {
+            kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                       "etcd endpoint '%s' in '%s' is not HOST:PORT (optionally with http:// or "
+                       "https://): %s", out[n], list, why);
+            free(out[n]);
             goto err;
         }
         n++;

@@ -1,5 +1,6 @@
 /* members.c - the static membership file; see members.h. */
 #include "members.h"
+#include "flags.h"
 #include "membership.h"
 
 #include <cjson/cJSON.h>
@@ -22,25 +23,14 @@ static int fail(char *err, const char *fmt, ...)
     return -1;
 }
 
-/* HOST:PORT with a non-empty host without spaces (a [v6] host in brackets) and a port in
- * 1..65535; writes why not into `why`. */
+/* HOST:PORT with a non-empty host (a [v6] host in brackets) and a port in 1..65535, at most 255
+ * characters (rt_member.address); writes why not into `why`. */
 static int valid_address(const char *s, char *why, size_t cap)
 {
     size_t n = strlen(s);
     if (n == 0 || n > 255) return snprintf(why, cap, "must be HOST:PORT of at most 255 characters"), 0;
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s) return snprintf(why, cap, "must be HOST:PORT"), 0;
-    if (s[0] == '[' && colon[-1] != ']') return snprintf(why, cap, "an IPv6 host must be in brackets, [::1]:PORT"), 0;
-    if (s[0] != '[' && memchr(s, ':', (size_t)(colon - s)))
-        return snprintf(why, cap, "an IPv6 host must be in brackets, [::1]:PORT"), 0;
-    for (const char *p = s; p < colon; p++)
-        if (*p == ' ' || *p == '\t' || *p == '/') return snprintf(why, cap, "the host contains '%c'", *p), 0;
-    char *end;
-    errno = 0;
-    long port = strtol(colon + 1, &end, 10);
-    if (colon[1] == 0 || *end || errno || colon[1] == '-' || colon[1] == '+' || port < 1 || port > 65535)
-        return snprintf(why, cap, "the port '%s' is not in 1..65535", colon + 1), 0;
-    return 1;
+    kc_hostport hp;
+    return kc_hostport_parse(NULL, s, 0, &hp, why, cap) == 0;
 }
 
 static int parse_role(const cJSON *arr, const char *role, const char *path, rt_member **out,
