@@ -141,14 +141,8 @@ void kc_etcd_kv_free(kc_etcd_kv *kv);
 /* ------------------------------------------------------------------ process flags
  * The etcd connection flags every process takes, parsed in one place:
  *   --etcd ENDPOINTS, --etcd-ca FILE, --etcd-cert FILE, --etcd-key FILE, --etcd-user NAME,
- * the password from the environment variable KVRELAY_ETCD_PASSWORD (a flag would show in ps). */
-#define KC_ETCD_FLAGS_HELP                                                                           \
-    "  --etcd-ca FILE          TLS to etcd: CA bundle (PEM)\n"                                     \
-    "  --etcd-cert FILE        TLS client certificate (with --etcd-key)\n"                         \
-    "  --etcd-key FILE         TLS client key\n"                                                   \
-    "  --etcd-user NAME        etcd auth user; the password comes from the environment\n"          \
-    "                          variable KVRELAY_ETCD_PASSWORD (not a flag: ps shows flags)\n"
-
+ * the password from the environment variable KVRELAY_ETCD_PASSWORD (a flag would show in ps).
+ * Their flag-table entries and help: KC_FLAGS_ETCD (flags.h). */
 /* 1 when `flag` is one of those flags (its value `v` stored in *c), 0 otherwise. */
 int kc_etcd_flag(kc_etcd_config *c, const char *flag, const char *v);
 /* After parsing: TLS/auth flags without --etcd are an error; the password is read from the

@@ -276,15 +276,8 @@ grpc_channel_credentials *kc_tls_channel_credentials(const kc_tls_config *cfg, k
  * with `st`. */
 int kc_tls_read_pair(const kc_tls_config *cfg, char **cert, char **key, kc_status *st);
 
-/* The TLS flags every program takes, parsed in one place (as the etcd flags, etcd.h). */
-#define KC_TLS_FLAGS_HELP                                                                          \
-    "  --tls-cert FILE         TLS: this process's certificate (PEM; turns TLS on)\n"               \
-    "  --tls-key FILE          TLS: its private key (PEM, unencrypted)\n"                           \
-    "  --tls-ca FILE           TLS: the CA (PEM) peers' certificates must chain to\n"
-#define KC_TLS_CLIENT_AUTH_HELP                                                                    \
-    "  --tls-client-auth none|request|require\n"                                                   \
-    "                          public port: ask clients for a certificate from --tls-ca\n"         \
-    "                          (default none; the hops to nodes are always mutual TLS)\n"
+/* The TLS flags every program takes, parsed in one place (as the etcd flags, etcd.h); their
+ * flag-table entries and help: KC_FLAGS_TLS and KC_FLAGS_TLS_CLIENT_AUTH (flags.h). */
 /* Who takes the flags: the router (server on its public port, mutual-TLS client of the nodes),
  * a node (mutual-TLS server), a client (kvrelay-cli). */
 typedef enum kc_tls_role {

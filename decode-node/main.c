@@ -22,53 +22,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "flags.h"
 #include "log.h"
 #include "signals.h"
-
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvrelay-decode --model DIR [options]\n"
-            "\n"
-            "The decode node of a kvrelay cluster: reserves KV blocks for requests, receives\n"
-            "their compressed KV cache from prefill nodes over UCX, and decodes all admitted\n"
-            "sequences in one continuous batch, streaming tokens over gRPC (kvrelay.v1.Decode).\n"
-            "Prints one line 'decode ID: serving grpc HOST:PORT http HOST:PORT' once serving.\n"
-            "\n"
-            "  --model DIR              Hugging Face model directory (required)\n"
-            "  --id NAME                node id in logs, Status and metrics (default decode-0)\n"
-            "  --listen HOST:PORT       gRPC address (default 127.0.0.1:7201; port 0: any free)\n"
-            "  --transfer HOST:PORT     UCX listener for KV bundles (default 127.0.0.1:7202)\n"
-            "  --advertise HOST         host put in transfer_address (default: the --transfer\n"
-            "                           host; required when that is 0.0.0.0)\n"
-            "  --http HOST:PORT         /metrics and /healthz (default 127.0.0.1:7203)\n"
-            "  --kv-blocks N            KV pool size in blocks\n"
-            "  --kv-memory SIZE         KV pool size in bytes, K/M/G suffixes (default 1G;\n"
-            "                           ignored with --kv-blocks)\n"
-            "  --block-size N           entries per KV block (default 16)\n"
-            "  --threads N              compute threads (default: all online CPUs)\n"
-            "  --max-batch N            most sequences per batched forward call (default 32;\n"
-            "                           more running sequences take several calls per step)\n"
-            "  --reservation-ttl-ms MS  expiry of a reservation whose Reserve gave no ttl_ms\n"
-            "                           (default 30000)\n"
-            "  --drain-timeout-s S      on SIGTERM/SIGINT the node drains: no new reservations,\n"
-            "                           existing ones are decoded to their end; after S seconds\n"
-            "                           (default 30) what still runs ends UNAVAILABLE. A second\n"
-            "                           signal stops at once\n"
-            "  --etcd ENDPOINTS         register in etcd (\"127.0.0.1:2379,...\") under a lease:\n"
-            "                           /kvrelay/CLUSTER/nodes/decode/ID; etcd being down does\n"
-            "                           not stop serving (registration retries)\n"
-            "  --cluster NAME           etcd cluster name (default \"default\")\n"
-            "  --lease-ttl S            etcd lease TTL in seconds (default 10, at least 2)\n"
-            KC_ETCD_FLAGS_HELP
-            KC_TLS_FLAGS_HELP
-            "  --backend cpu|cuda       compute backend (default cpu)\n"
-            "  --log-level LEVEL        debug, info (default), warn, error\n"
-            "  -h, --help               this help\n"
-            "\n"
-            "example: kvrelay-decode --model build/models/default --listen 127.0.0.1:0 \\\n"
-            "             --transfer 127.0.0.1:0 --http 127.0.0.1:0 --kv-memory 256M\n");
-}
 
 __attribute__((format(printf, 1, 2), noreturn)) static void die(const char *fmt, ...)
 {
@@ -81,33 +37,14 @@ __attribute__((format(printf, 1, 2), noreturn)) static void die(const char *fmt,
     exit(2);
 }
 
-static const char *value(int argc, char **argv, int *i)
-{
-    if (*i + 1 >= argc)
-        die("%s needs a value (see --help)", argv[*i]);
-    return argv[++*i];
-}
-
-static long long number(const char *flag, const char *s, long long lo, long long hi)
-{
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end)
-        die("%s: '%s' is not an integer", flag, s);
-    if (v < lo || v > hi)
-        die("%s: %lld is out of range [%lld, %lld]", flag, v, lo, hi);
-    return v;
-}
-
-/* "1073741824", "512M", "2G", "64MiB" */
-static int64_t bytes(const char *flag, const char *s)
+/* --kv-memory: "1073741824", "512M", "2G", "64MiB" into an int64_t. */
+static int flag_bytes(void *dest, const char *flag, const char *s, char *err, size_t cap)
 {
     char *end;
     errno = 0;
     double v = strtod(s, &end);
     if (errno || end == s || !(v > 0))
-        die("%s: '%s' is not a positive size (e.g. 512M, 2G)", flag, s);
+        return snprintf(err, cap, "%s: '%s' is not a positive size (e.g. 512M, 2G)", flag, s), -1;
     double mul = 1;
     if (*end == 'K' || *end == 'k')
         mul = 1024.0;
@@ -116,76 +53,97 @@ static int64_t bytes(const char *flag, const char *s)
     else if (*end == 'G' || *end == 'g')
         mul = 1024.0 * 1024.0 * 1024.0;
     else if (*end)
-        die("%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end);
+        return snprintf(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end), -1;
     if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
-        die("%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end);
+        return snprintf(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end), -1;
     if (v * mul > 1e15)
-        die("%s: '%s' is too large", flag, s);
-    return (int64_t)(v * mul);
+        return snprintf(err, cap, "%s: '%s' is too large", flag, s), -1;
+    *(int64_t *)dest = (int64_t)(v * mul);
+    return 0;
 }
 
-/* "HOST:PORT" -> host (copied) and port; dies naming the flag. */
-static void hostport(const char *flag, const char *s, char *host, size_t cap, int *port)
-{
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s || (size_t)(colon - s) >= cap)
-        die("%s: '%s' is not HOST:PORT", flag, s);
-    memcpy(host, s, (size_t)(colon - s));
-    host[colon - s] = 0;
-    *port = (int)number(flag, colon + 1, 0, 65535);
-}
+/* The split --listen, --transfer and --http; parse() fills them. */
+typedef struct dn_addrs {
+    kc_hostport listen, transfer, http;
+} dn_addrs;
 
-static void parse(int argc, char **argv, dn_config *c, kc_log_level *level)
+static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_addrs *addrs)
 {
-    memset(c, 0, sizeof *c);
-    c->id = "decode-0";
-    c->listen = "127.0.0.1:7201";
-    c->transfer = "127.0.0.1:7202";
-    c->http = "127.0.0.1:7203";
-    c->kv_memory = (int64_t)1 << 30;
-    c->block_size = 16;
-    c->max_batch = 32;
-    c->ttl_ms = 30000;
-    c->drain_timeout_s = 30;
-    c->cluster = "default";
-    c->lease_ttl_s = 10;
-    c->backend = KR_BACKEND_CPU;
-    *level = KC_LOG_INFO;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (!strcmp(a, "--model")) c->model_dir = value(argc, argv, &i);
-        else if (!strcmp(a, "--id")) c->id = value(argc, argv, &i);
-        else if (!strcmp(a, "--listen")) c->listen = value(argc, argv, &i);
-        else if (!strcmp(a, "--transfer")) c->transfer = value(argc, argv, &i);
-        else if (!strcmp(a, "--advertise")) c->advertise = value(argc, argv, &i);
-        else if (!strcmp(a, "--http")) c->http = value(argc, argv, &i);
-        else if (!strcmp(a, "--kv-blocks")) c->kv_blocks = number(a, value(argc, argv, &i), 1, INT_MAX);
-        else if (!strcmp(a, "--kv-memory")) c->kv_memory = bytes(a, value(argc, argv, &i));
-        else if (!strcmp(a, "--block-size")) c->block_size = (int)number(a, value(argc, argv, &i), 1, 4096);
-        else if (!strcmp(a, "--threads")) c->threads = (int)number(a, value(argc, argv, &i), 1, 1024);
-        else if (!strcmp(a, "--max-batch")) c->max_batch = (int)number(a, value(argc, argv, &i), 1, 4096);
-        else if (!strcmp(a, "--reservation-ttl-ms"))
-            c->ttl_ms = (int)number(a, value(argc, argv, &i), 1, DN_MAX_TTL_MS);
-        else if (!strcmp(a, "--drain-timeout-s"))
-            c->drain_timeout_s = (double)number(a, value(argc, argv, &i), 0, 86400);
-        else if (!strcmp(a, "--cluster")) c->cluster = value(argc, argv, &i);
-        else if (!strcmp(a, "--lease-ttl")) c->lease_ttl_s = (int)number(a, value(argc, argv, &i), 2, 3600);
-        else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&c->etcd, a, value(argc, argv, &i))) continue;
-        else if (!strncmp(a, "--tls", 5) && kc_tls_flag(&c->tls, a, value(argc, argv, &i))) continue;
-        else if (!strcmp(a, "--backend")) {
-            const char *b = value(argc, argv, &i);
-            if (!strcmp(b, "cpu")) c->backend = KR_BACKEND_CPU;
-            else if (!strcmp(b, "cuda")) c->backend = KR_BACKEND_CUDA;
-            else die("--backend: '%s' is not cpu or cuda", b);
-        } else if (!strcmp(a, "--log-level")) {
-            const char *l = value(argc, argv, &i);
-            if (kc_log_parse_level(l, level) != 0)
-                die("--log-level: '%s' is not debug, info, warn or error", l);
-        } else die("unknown argument '%s' (see --help)", a);
-    }
+    static dn_config cfg;
+    static kc_log_level lvl;
+    static dn_addrs a;
+    static int drain_s, backend;
+    static const kc_flag_choice backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
+    static const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &cfg.model_dir,
+         .help = "Hugging Face model directory (required)"},
+        {.kind = KC_FLAG_STRING, .name = "--id", .arg = "NAME", .dest = &cfg.id, .def = "decode-0",
+         .help = "node id in logs, Status and metrics"},
+        {.kind = KC_FLAG_HOSTPORT, .name = "--listen", .arg = "HOST:PORT", .dest = &a.listen,
+         .opts = KC_HOSTPORT_PORT_ZERO, .def = "127.0.0.1:7201", .help = "gRPC address (port 0: any free)"},
+        {.kind = KC_FLAG_HOSTPORT, .name = "--transfer", .arg = "HOST:PORT", .dest = &a.transfer,
+         .opts = KC_HOSTPORT_PORT_ZERO, .def = "127.0.0.1:7202", .help = "UCX listener for KV bundles"},
+        {.kind = KC_FLAG_STRING, .name = "--advertise", .arg = "HOST", .dest = &cfg.advertise,
+         .def = "the --transfer host",
+         .help = "host put in transfer_address (required when the --transfer host is 0.0.0.0)"},
+        {.kind = KC_FLAG_HOSTPORT, .name = "--http", .arg = "HOST:PORT", .dest = &a.http,
+         .opts = KC_HOSTPORT_PORT_ZERO, .def = "127.0.0.1:7203", .help = "/metrics and /healthz"},
+        {.kind = KC_FLAG_INT64, .name = "--kv-blocks", .arg = "N", .dest = &cfg.kv_blocks, .min = 1,
+         .max = INT_MAX, .help = "KV pool size in blocks"},
+        {.kind = KC_FLAG_FUNC, .name = "--kv-memory", .arg = "SIZE", .dest = &cfg.kv_memory, .fn = flag_bytes,
+         .def = "1G", .help = "KV pool size in bytes, K/M/G suffixes; ignored with --kv-blocks"},
+        {.kind = KC_FLAG_INT, .name = "--block-size", .arg = "N", .dest = &cfg.block_size, .min = 1, .max = 4096,
+         .def = "16", .help = "entries per KV block"},
+        {.kind = KC_FLAG_INT, .name = "--threads", .arg = "N", .dest = &cfg.threads, .min = 1, .max = 1024,
+         .def = "all online CPUs", .help = "compute threads"},
+        {.kind = KC_FLAG_INT, .name = "--max-batch", .arg = "N", .dest = &cfg.max_batch, .min = 1, .max = 4096,
+         .def = "32",
+         .help = "most sequences per batched forward call (more running sequences take several calls per step)"},
+        {.kind = KC_FLAG_INT, .name = "--reservation-ttl-ms", .arg = "MS", .dest = &cfg.ttl_ms, .min = 1,
+         .max = DN_MAX_TTL_MS, .def = "30000", .help = "expiry of a reservation whose Reserve gave no ttl_ms"},
+        {.kind = KC_FLAG_INT, .name = "--drain-timeout-s", .arg = "S", .dest = &drain_s, .min = 0, .max = 86400,
+         .def = "30",
+         .help = "on SIGTERM/SIGINT the node drains: no new reservations, existing ones are decoded to their "
+                 "end; after S seconds what still runs ends UNAVAILABLE. A second signal stops at once"},
+        KC_FLAGS_NODE("decode", &cfg.etcd.endpoints, &cfg.cluster, &cfg.lease_ttl_s, &cfg.etcd, &cfg.tls),
+        {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "cpu|cuda", .dest = &backend, .choices = backends,
+         .def = "cpu", .help = "compute backend"},
+        {.kind = KC_FLAG_FUNC, .name = "--log-level", .arg = "LEVEL", .dest = &lvl, .fn = kc_flag_log_level,
+         .def = "info", .help = "debug, info, warn, error"},
+        {.kind = KC_FLAG_END},
+    };
+    static const kc_flags flags = {
+        .prog = "kvrelay-decode",
+        .usage = "--model DIR [options]",
+        .about = "The decode node of a kvrelay cluster: reserves KV blocks for requests, receives\n"
+                 "their compressed KV cache from prefill nodes over UCX, and decodes all admitted\n"
+                 "sequences in one continuous batch, streaming tokens over gRPC (kvrelay.v1.Decode).\n"
+                 "Prints one line 'decode ID: serving grpc HOST:PORT http HOST:PORT' once serving.",
+        .table = table,
+        .footer = "example: kvrelay-decode --model build/models/default --listen 127.0.0.1:0 \\\n"
+                  "             --transfer 127.0.0.1:0 --http 127.0.0.1:0 --kv-memory 256M",
+    };
+    cfg = (dn_config){.id = "decode-0",
+                      .kv_memory = (int64_t)1 << 30,
+                      .block_size = 16,
+                      .max_batch = 32,
+                      .ttl_ms = 30000,
+                      .cluster = "default",
+                      .lease_ttl_s = 10};
+    a = (dn_addrs){.listen = {.text = "127.0.0.1:7201"}, .transfer = {.text = "127.0.0.1:7202"},
+                   .http = {.text = "127.0.0.1:7203"}};
+    drain_s = 30;
+    backend = KR_BACKEND_CPU;
+    lvl = KC_LOG_INFO;
+    kc_flags_main(&flags, argc, argv, 0);
+    cfg.listen = a.listen.text;
+    cfg.transfer = a.transfer.text;
+    cfg.http = a.http.text;
+    cfg.drain_timeout_s = drain_s;
+    cfg.backend = (kr_backend_kind)backend;
+    *c = cfg;
+    *level = lvl;
+    *addrs = a;
     if (!c->model_dir)
         die("--model DIR is required (see --help)");
     if (!c->id[0] || strlen(c->id) > 64)
@@ -351,24 +309,25 @@ int main(int argc, char **argv)
     memset(n, 0, sizeof *n);
     int rc = 0;
     kc_log_level level;
-    parse(argc, argv, &n->cfg, &level);
+    dn_addrs addrs;
+    parse(argc, argv, &n->cfg, &level, &addrs);
     const dn_config *c = &n->cfg;
     kc_log_init(c->id, level);
 
     if (kc_signals_init() != 0)
         die("signal pipe: %s", strerror(errno));
 
-    char thost[128], hhost[128], ghost[128];
-    int tport, hport, gport;
-    hostport("--transfer", c->transfer, thost, sizeof thost, &tport);
-    hostport("--http", c->http, hhost, sizeof hhost, &hport);
-    hostport("--listen", c->listen, ghost, sizeof ghost, &gport);
+    const char *thost = addrs.transfer.host, *hhost = addrs.http.host, *ghost = addrs.listen.host;
+    int hport = addrs.http.port, gport;
     const char *adv = c->advertise ? c->advertise : thost;
     if (c->etcd.endpoints && !c->advertise && !strcmp(ghost, "0.0.0.0"))
         die("--listen %s listens on every interface: give --advertise HOST, the address the "
             "router reaches this node at (it is registered in etcd)", c->listen);
-    if (strlen(adv) >= sizeof thost)
-        die("--advertise: '%s' is longer than %zu characters", adv, sizeof thost - 1);
+    /* the addresses this node reports (dn_node's *_addr) hold hosts of up to 127 characters */
+    const char *hosts[][2] = {{"--transfer", thost}, {"--http", hhost}, {"--listen", ghost}, {"--advertise", adv}};
+    for (int k = 0; k < 4; k++)
+        if (strlen(hosts[k][1]) > 127)
+            die("%s: the host '%s' is longer than 127 characters", hosts[k][0], hosts[k][1]);
     if (!strcmp(adv, "0.0.0.0"))
         die("--transfer %s listens on every interface: give --advertise HOST, the address "
             "prefill nodes reach this node at", c->transfer);
@@ -411,13 +370,12 @@ int main(int argc, char **argv)
     dn_publish_locked(n); /* no other thread yet */
 
     kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = thost,
-                              .listen_port = (uint16_t)tport, .name = c->id};
+                              .listen_port = (uint16_t)addrs.transfer.port, .name = c->id};
     if (kt_transport_create(&tc, &n->transport, err) != 0) {
         kc_error(NULL, "--transfer %s: %s", c->transfer, err);
         return 1;
     }
-    snprintf(n->transfer_addr, sizeof n->transfer_addr, "%s:%u", adv,
-             kt_transport_port(n->transport));
+    kc_hostport_format(adv, kt_transport_port(n->transport), n->transfer_addr, sizeof n->transfer_addr);
 
     /* the HTTP port before any thread starts: a port another process holds ends start-up here,
      * with nothing running to unwind */
@@ -426,7 +384,7 @@ int main(int argc, char **argv)
         kc_error(NULL, "--http %s: %s", c->http, err);
         return 1;
     }
-    snprintf(n->http_addr, sizeof n->http_addr, "%s:%d", hhost, hport);
+    kc_hostport_format(hhost, hport, n->http_addr, sizeof n->http_addr);
 
     kc_status st;
     const kc_server_config scfg = {.tls = &c->tls};
@@ -434,8 +392,7 @@ int main(int argc, char **argv)
         kc_error(NULL, "--listen %s: %s", c->listen, st.details);
         return 1;
     }
-    snprintf(n->grpc_addr, sizeof n->grpc_addr, "%s:%d", c->advertise ? c->advertise : ghost,
-             gport);
+    kc_hostport_format(c->advertise ? c->advertise : ghost, gport, n->grpc_addr, sizeof n->grpc_addr);
     if (dn_service_register(n, err) != 0 || dn_loop_start(n, err) != 0) {
         kc_error(NULL, "%s", err);
         return 1;

@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "flags.h"
 #include "health.h"
 #include "http.h"
 #include "log.h"
@@ -27,48 +28,8 @@
 
 #define PF_DEFAULT_MAX_PROMPT 8192
 
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvrelay-prefill --model DIR [options]\n"
-            "\n"
-            "The prefill node: runs chunked prefill with the request's KV policy, samples the\n"
-            "first token, ships the compressed KV cache to the decode node's reservation over\n"
-            "UCX and answers the router with the first token and usage (docs/prefill-node.md).\n"
-            "\n"
-            "  --model DIR             Hugging Face model directory (config.json, safetensors)\n"
-            "  --listen HOST:PORT      gRPC address (default 127.0.0.1:7101; port 0: any free)\n"
-            "  --http HOST:PORT        /metrics and /healthz (default 127.0.0.1:9101)\n"
-            "  --id NAME               node id in logs, usage and Status (default prefill-0)\n"
-            "  --threads N             engine threads (default: all online CPUs)\n"
-            "  --chunk C               prefill chunk size in tokens (default 512)\n"
-            "  --queue N               requests that may wait behind the running one; more are\n"
-            "                          refused with RESOURCE_EXHAUSTED (default 64; 0: none wait)\n"
-            "  --kv-dtype T            bundle payload: f32 (default, bit-exact decode), bf16, f16\n"
-            "  --max-prompt N          longest prompt in tokens (default: %d, at most the\n"
-            "                          model's max_position_embeddings - 1)\n"
-            "  --kv-blocks N           KV pool blocks of %d entries (default: what a --max-prompt\n"
-            "                          prompt needs under the full policy, plus one per list)\n"
-            "  --transfer-timeout-s S  cap on one bundle send (default 30; the call's deadline\n"
-            "                          caps it too)\n"
-            "  --drain-timeout-s S     on SIGTERM/SIGINT new Prefill calls are refused and the\n"
-            "                          queued and running ones finish; after S seconds (default\n"
-            "                          30) those left end UNAVAILABLE. A second signal stops at\n"
-            "                          once\n"
-            "  --advertise HOST        host registered in etcd (default: the --listen host;\n"
-            "                          required with --etcd when that is 0.0.0.0)\n"
-            "  --etcd ENDPOINTS        register in etcd (\"127.0.0.1:2379,...\") under a lease:\n"
-            "                          /kvrelay/CLUSTER/nodes/prefill/ID; etcd being down does\n"
-            "                          not stop serving (registration retries)\n"
-            "  --cluster NAME          etcd cluster name (default \"default\")\n"
-            "  --lease-ttl S           etcd lease TTL in seconds (default 10, at least 2)\n"
-            KC_ETCD_FLAGS_HELP
-            KC_TLS_FLAGS_HELP
-            "  --backend B             cpu (default) or cuda\n"
-            "  --log-level L           debug, info (default), warn, error\n"
-            "  -h, --help              this help\n",
-            PF_DEFAULT_MAX_PROMPT, PF_BLOCK_SIZE);
-}
+#define PF_STR_(x) #x
+#define PF_STR(x) PF_STR_(x)
 
 static void die(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
 
@@ -83,119 +44,89 @@ static void die(int status, const char *fmt, ...)
     exit(status);
 }
 
-static const char *flag_value(int argc, char **argv, int *i)
-{
-    if (*i + 1 >= argc) die(2, "%s needs a value (see --help)", argv[*i]);
-    return argv[++*i];
-}
-
-static long flag_long(const char *flag, const char *s, long lo, long hi)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        die(2, "%s: '%s' is not an integer in [%ld, %ld]", flag, s, lo, hi);
-    return v;
-}
-
-static double flag_double(const char *flag, const char *s, double lo, double hi)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end || !(v >= lo && v <= hi))
-        die(2, "%s: '%s' is not a number in [%g, %g]", flag, s, lo, hi);
-    return v;
-}
-
 /* Flags that depend on the model are -1 until the model is loaded. */
 static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level)
 {
-    *c = (pf_config){.listen = "127.0.0.1:7101",
-                     .http = "127.0.0.1:9101",
-                     .id = "prefill-0",
-                     .chunk = 512,
-                     .queue = 64,
-                     .kv_dtype = KT_DTYPE_F32,
-                     .max_prompt = -1,
-                     .kv_blocks = -1,
-                     .transfer_timeout_s = 30.0,
-                     .drain_timeout_s = 30.0,
-                     .cluster = "default",
-                     .lease_ttl_s = 10,
-                     .backend = KR_BACKEND_CPU};
-    *level = KC_LOG_INFO;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (!strcmp(a, "--model")) {
-            c->model_dir = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--listen")) {
-            c->listen = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--http")) {
-            c->http = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--id")) {
-            c->id = flag_value(argc, argv, &i);
-            if (!*c->id || strlen(c->id) > 128) die(2, "--id: give 1 to 128 characters");
-        } else if (!strcmp(a, "--threads")) {
-            c->threads = (int)flag_long(a, flag_value(argc, argv, &i), 1, 1024);
-        } else if (!strcmp(a, "--chunk")) {
-            c->chunk = (int)flag_long(a, flag_value(argc, argv, &i), 1, 1 << 16);
-        } else if (!strcmp(a, "--queue")) {
-            c->queue = (int)flag_long(a, flag_value(argc, argv, &i), 0, 1 << 20);
-        } else if (!strcmp(a, "--kv-dtype")) {
-            const char *v = flag_value(argc, argv, &i);
-            if (!strcmp(v, "f32"))
-                c->kv_dtype = KT_DTYPE_F32;
-            else if (!strcmp(v, "bf16"))
-                c->kv_dtype = KT_DTYPE_BF16;
-            else if (!strcmp(v, "f16"))
-                c->kv_dtype = KT_DTYPE_F16;
-            else
-                die(2, "--kv-dtype: '%s' is not f32, bf16 or f16", v);
-        } else if (!strcmp(a, "--max-prompt")) {
-            c->max_prompt = (int)flag_long(a, flag_value(argc, argv, &i), 1, INT32_MAX - 1);
-        } else if (!strcmp(a, "--kv-blocks")) {
-            c->kv_blocks = (int)flag_long(a, flag_value(argc, argv, &i), 1, INT32_MAX);
-        } else if (!strcmp(a, "--transfer-timeout-s")) {
-            c->transfer_timeout_s = flag_double(a, flag_value(argc, argv, &i), 0.001, 86400);
-        } else if (!strcmp(a, "--drain-timeout-s")) {
-            c->drain_timeout_s = flag_double(a, flag_value(argc, argv, &i), 0, 86400);
-        } else if (!strcmp(a, "--advertise")) {
-            c->advertise = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--cluster")) {
-            c->cluster = flag_value(argc, argv, &i);
-        } else if (!strcmp(a, "--lease-ttl")) {
-            c->lease_ttl_s = (int)flag_long(a, flag_value(argc, argv, &i), 2, 3600);
-        } else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&c->etcd, a, flag_value(argc, argv, &i))) {
-            continue;
-        } else if (!strncmp(a, "--tls", 5) && kc_tls_flag(&c->tls, a, flag_value(argc, argv, &i))) {
-            continue;
-        } else if (!strcmp(a, "--backend")) {
-            const char *v = flag_value(argc, argv, &i);
-            if (!strcmp(v, "cpu"))
-                c->backend = KR_BACKEND_CPU;
-            else if (!strcmp(v, "cuda"))
-                c->backend = KR_BACKEND_CUDA;
-            else
-                die(2, "--backend: '%s' is not cpu or cuda", v);
-        } else if (!strcmp(a, "--log-level")) {
-            const char *v = flag_value(argc, argv, &i);
-            if (kc_log_parse_level(v, level) != 0)
-                die(2, "--log-level: '%s' is not debug, info, warn or error", v);
-        } else {
-            die(2, "unknown argument '%s' (see --help)", a);
-        }
-    }
+    static pf_config cfg;
+    static kc_log_level lvl;
+    static kc_hostport listen, http;
+    static int kv_dtype, backend;
+    static const kc_flag_choice dtypes[] = {
+        {"f32", KT_DTYPE_F32}, {"bf16", KT_DTYPE_BF16}, {"f16", KT_DTYPE_F16}, {NULL, 0}};
+    static const kc_flag_choice backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
+    static const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &cfg.model_dir,
+         .help = "Hugging Face model directory (config.json, safetensors)"},
+        {.kind = KC_FLAG_HOSTPORT, .name = "--listen", .arg = "HOST:PORT", .dest = &listen,
+         .opts = KC_HOSTPORT_PORT_ZERO | KC_HOSTPORT_EMPTY_HOST, .def = "127.0.0.1:7101",
+         .help = "gRPC address (port 0: any free)"},
+        {.kind = KC_FLAG_HOSTPORT, .name = "--http", .arg = "HOST:PORT", .dest = &http,
+         .opts = KC_HOSTPORT_PORT_ZERO, .def = "127.0.0.1:9101", .help = "/metrics and /healthz"},
+        {.kind = KC_FLAG_STRING, .name = "--id", .arg = "NAME", .dest = &cfg.id, .def = "prefill-0",
+         .help = "node id in logs, usage and Status"},
+        {.kind = KC_FLAG_INT, .name = "--threads", .arg = "N", .dest = &cfg.threads, .min = 1, .max = 1024,
+         .def = "all online CPUs", .help = "engine threads"},
+        {.kind = KC_FLAG_INT, .name = "--chunk", .arg = "C", .dest = &cfg.chunk, .min = 1, .max = 1 << 16,
+         .def = "512", .help = "prefill chunk size in tokens"},
+        {.kind = KC_FLAG_INT, .name = "--queue", .arg = "N", .dest = &cfg.queue, .min = 0, .max = 1 << 20,
+         .def = "64; 0: none wait",
+         .help = "requests that may wait behind the running one; more are refused with RESOURCE_EXHAUSTED"},
+        {.kind = KC_FLAG_CHOICE, .name = "--kv-dtype", .arg = "T", .dest = &kv_dtype, .choices = dtypes,
+         .def = "f32", .help = "bundle payload: f32 (bit-exact decode), bf16, f16"},
+        {.kind = KC_FLAG_INT, .name = "--max-prompt", .arg = "N", .dest = &cfg.max_prompt, .min = 1,
+         .max = INT32_MAX - 1, .def = PF_STR(PF_DEFAULT_MAX_PROMPT) ", at most the model's max_position_embeddings - 1",
+         .help = "longest prompt in tokens"},
+        {.kind = KC_FLAG_INT, .name = "--kv-blocks", .arg = "N", .dest = &cfg.kv_blocks, .min = 1, .max = INT32_MAX,
+         .def = "what a --max-prompt prompt needs under the full policy, plus one per list",
+         .help = "KV pool blocks of " PF_STR(PF_BLOCK_SIZE) " entries"},
+        {.kind = KC_FLAG_DOUBLE, .name = "--transfer-timeout-s", .arg = "S", .dest = &cfg.transfer_timeout_s,
+         .dmin = 0.001, .dmax = 86400, .def = "30",
+         .help = "cap on one bundle send (the call's deadline caps it too)"},
+        {.kind = KC_FLAG_DOUBLE, .name = "--drain-timeout-s", .arg = "S", .dest = &cfg.drain_timeout_s, .dmin = 0,
+         .dmax = 86400, .def = "30",
+         .help = "on SIGTERM/SIGINT new Prefill calls are refused and the queued and running ones finish; "
+                 "after S seconds those left end UNAVAILABLE. A second signal stops at once"},
+        {.kind = KC_FLAG_STRING, .name = "--advertise", .arg = "HOST", .dest = &cfg.advertise,
+         .def = "the --listen host",
+         .help = "host registered in etcd (required with --etcd when the --listen host is 0.0.0.0)"},
+        KC_FLAGS_NODE("prefill", &cfg.etcd.endpoints, &cfg.cluster, &cfg.lease_ttl_s, &cfg.etcd, &cfg.tls),
+        {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "B", .dest = &backend, .choices = backends,
+         .def = "cpu", .help = "cpu or cuda"},
+        {.kind = KC_FLAG_FUNC, .name = "--log-level", .arg = "L", .dest = &lvl, .fn = kc_flag_log_level,
+         .def = "info", .help = "debug, info, warn, error"},
+        {.kind = KC_FLAG_END},
+    };
+    static const kc_flags flags = {
+        .prog = "kvrelay-prefill",
+        .usage = "--model DIR [options]",
+        .about = "The prefill node: runs chunked prefill with the request's KV policy, samples the\n"
+                 "first token, ships the compressed KV cache to the decode node's reservation over\n"
+                 "UCX and answers the router with the first token and usage (docs/prefill-node.md).",
+        .table = table,
+    };
+    cfg = (pf_config){.id = "prefill-0",
+                      .chunk = 512,
+                      .queue = 64,
+                      .max_prompt = -1,
+                      .kv_blocks = -1,
+                      .transfer_timeout_s = 30.0,
+                      .drain_timeout_s = 30.0,
+                      .cluster = "default",
+                      .lease_ttl_s = 10};
+    listen = (kc_hostport){.text = "127.0.0.1:7101"};
+    http = (kc_hostport){.text = "127.0.0.1:9101"};
+    kv_dtype = KT_DTYPE_F32;
+    backend = KR_BACKEND_CPU;
+    lvl = KC_LOG_INFO;
+    kc_flags_main(&flags, argc, argv, 0);
+    cfg.listen = listen.text;
+    cfg.http = http.text;
+    cfg.kv_dtype = (kt_dtype)kv_dtype;
+    cfg.backend = (kr_backend_kind)backend;
+    *c = cfg;
+    *level = lvl;
     if (!c->model_dir) die(2, "--model DIR is required (see --help)");
-    char host[256];
-    int port;
-    if (pf_parse_hostport(c->http, 0, 1, host, sizeof host, &port) != 0)
-        die(2, "--http: '%s' is not HOST:PORT", c->http);
-    if (!strrchr(c->listen, ':')) die(2, "--listen: '%s' is not HOST:PORT", c->listen);
+    if (!*c->id || strlen(c->id) > 128) die(2, "--id: give 1 to 128 characters");
     char eerr[256];
     if (kc_etcd_flags_finish(&c->etcd, eerr) != 0) die(2, "%s", eerr);
     if (kc_tls_flags_finish(&c->tls, KC_TLS_ROLE_NODE, eerr) != 0) die(2, "%s", eerr);
@@ -206,7 +137,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             die(2, "--id: '%s' is not 1 to 63 of [A-Za-z0-9._-] (it is an etcd key segment)",
                 c->id);
     }
-    if (c->etcd.endpoints && !c->advertise && !strncmp(c->listen, "0.0.0.0:", 8))
+    if (c->etcd.endpoints && !c->advertise && !strcmp(listen.host, "0.0.0.0"))
         die(2, "--listen %s listens on every interface: give --advertise HOST, the address the "
             "router reaches this node at (it is registered in etcd)", c->listen);
 }
@@ -338,10 +269,13 @@ int main(int argc, char **argv)
 
     /* the HTTP port before the transport, the gRPC server and the queue's threads: a port another
      * process holds ends start-up while nothing runs yet */
-    char http_host[256], http_err[256];
-    int http_port, http_bound;
-    pf_parse_hostport(cfg.http, 0, 1, http_host, sizeof http_host, &http_port);
-    kc_http *http = kc_http_start(http_host, http_port, n->reg, healthy, n, &http_bound,
+    char http_err[256];
+    int http_bound;
+    kc_hostport http_hp, listen_hp; /* checked by parse_flags */
+    kc_hostport_parse("--http", cfg.http, KC_HOSTPORT_PORT_ZERO, &http_hp, http_err, sizeof http_err);
+    kc_hostport_parse("--listen", cfg.listen, KC_HOSTPORT_PORT_ZERO | KC_HOSTPORT_EMPTY_HOST, &listen_hp,
+                      http_err, sizeof http_err);
+    kc_http *http = kc_http_start(http_hp.host, http_hp.port, n->reg, healthy, n, &http_bound,
                                   http_err);
     if (!http) die(1, "--http %s: %s", cfg.http, http_err);
 
@@ -357,12 +291,10 @@ int main(int argc, char **argv)
     static const char *const services[] = {"kvrelay.v1.Prefill", NULL};
     if (pf_service_register(n, srv) != 0 || !(n->health = kc_health_register(srv, services)))
         die(1, "cannot register the gRPC methods");
-    int listen_host_len = (int)(strrchr(cfg.listen, ':') - cfg.listen);
     if (cfg.advertise)
         snprintf(n->grpc_address, sizeof n->grpc_address, "%.255s:%d", cfg.advertise, grpc_port);
     else
-        snprintf(n->grpc_address, sizeof n->grpc_address, "%.*s:%d", listen_host_len, cfg.listen,
-                 grpc_port);
+        kc_hostport_format(listen_hp.host, grpc_port, n->grpc_address, sizeof n->grpc_address);
     if (pf_queue_start(n, err) != 0) die(1, "%s", err);
     if (kc_server_start(srv, &st) != 0) die(1, "starting the gRPC server: %s", st.details);
     atomic_store(&n->since_unix_ms, unix_ms());
@@ -373,8 +305,9 @@ int main(int argc, char **argv)
             cfg.model_dir, kr_model_fingerprint(n->model), n->mcfg->n_layers, n->mcfg->n_kv_heads,
             n->mcfg->head_dim, cfg.chunk, cfg.queue, cfg.max_prompt, cfg.kv_blocks,
             kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx));
-    printf("prefill %s: serving grpc %s http %s:%d\n", cfg.id, n->grpc_address, http_host,
-           http_bound);
+    char http_address[KC_HOST_MAX + 8];
+    kc_hostport_format(http_hp.host, http_bound, http_address, sizeof http_address);
+    printf("prefill %s: serving grpc %s http %s\n", cfg.id, n->grpc_address, http_address);
     fflush(stdout);
 
     if (cfg.etcd.endpoints) {

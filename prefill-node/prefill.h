@@ -171,10 +171,6 @@ grpc_status_code pf_call_gone_code(kc_call *call);
 int pf_metrics_register(pf_node *n);
 int pf_service_register(pf_node *n, kc_server *srv);
 void pf_service_free(pf_node *n); /* the policy cache; after the server is destroyed */
-/* "HOST:PORT" with a port in [min_port, 65535] and a non-empty host without ':' (or, with
- * ipv6_ok, a bracketed one: "[::1]:9101", host "[::1]"); 0 or -1. */
-int pf_parse_hostport(const char *s, int min_port, int ipv6_ok, char *host, size_t host_cap,
-                      int *port);
 double pf_now(void); /* monotonic seconds */
 
 #endif /* PF_PREFILL_H */

@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "kvrelay/v1/internal.pb-c.h"
+#include "flags.h"
 #include "log.h"
 
 #define PF_POLICY_CACHE 64 /* parsed specs kept; more distinct specs are parsed per request */
@@ -104,27 +105,6 @@ static int refuse(pf_node *n, kc_call *call, const char *rid, grpc_status_code c
     kc_warn(rid, "Prefill refused: %s: %s", kc_status_name(code), msg);
     count(n, code);
     return kc_call_error(call, code, "%s", msg);
-}
-
-int pf_parse_hostport(const char *s, int min_port, int ipv6_ok, char *host, size_t host_cap,
-                      int *port)
-{
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s) return -1;
-    size_t hl = (size_t)(colon - s), pl = strlen(colon + 1);
-    int bracketed = ipv6_ok && s[0] == '[' && colon[-1] == ']' && hl > 2;
-    if (!bracketed && memchr(s, ':', hl)) return -1;
-    if (hl >= host_cap || pl < 1 || pl > 5) return -1;
-    long v = 0;
-    for (const char *p = colon + 1; *p; p++) {
-        if (*p < '0' || *p > '9') return -1;
-        v = v * 10 + (*p - '0');
-    }
-    if (v < min_port || v > 65535) return -1;
-    memcpy(host, s, hl);
-    host[hl] = 0;
-    *port = (int)v;
-    return 0;
 }
 
 /* The parsed policy for `spec` ("" = full): cached, or when the cache is full parsed into
@@ -238,12 +218,14 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
     }
     j->logprobs = req->logprobs || j->forced_first >= 0;
 
-    int port;
-    if (pf_parse_hostport(req->transfer_address, 1, 0, j->host, sizeof j->host, &port) != 0)
+    kc_hostport hp;
+    char why[200];
+    if (kc_hostport_parse(NULL, req->transfer_address, KC_HOSTPORT_NO_IPV6, &hp, why, sizeof why) != 0)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
-                      "transfer_address '%.128s' is not HOST:PORT (port 1..65535)",
-                      req->transfer_address);
-    j->port = (uint16_t)port;
+                      "transfer_address '%.128s' is not HOST:PORT (port 1..65535): %s",
+                      req->transfer_address, why);
+    snprintf(j->host, sizeof j->host, "%s", hp.host);
+    j->port = (uint16_t)hp.port;
     if (req->reservation_id == 0)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
                       "reservation_id: 0 is not a reservation (Decode.Reserve never returns 0)");

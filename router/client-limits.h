@@ -37,16 +37,7 @@ typedef enum rt_limit_kind {
     RT_LIMIT_KINDS = 3,
 } rt_limit_kind;
 
-/* The flags' help lines, and their parsing (as the etcd and TLS flags: main.c calls these). */
-#define RT_LIMITS_FLAGS_HELP                                                                       \
-    "  --limit-concurrency N   streams in flight (queued included) per API key, or per client\n"    \
-    "                          address without keys; more are refused RESOURCE_EXHAUSTED / HTTP\n" \
-    "                          429 (default 0: no cap)\n"                                           \
-    "  --limit-rate R[/s|/m]   requests per second (or per minute) per key or address, a token\n"   \
-    "                          bucket (default 0: no rate limit)\n"                                 \
-    "  --limit-burst B         the bucket's size: requests at once after a quiet spell (default:\n" \
-    "                          the rate per second, at least 1). A key in --api-key-file may\n"     \
-    "                          follow with its own: KEY concurrency=N rate=R burst=B\n"
+/* The flags' parsing (router/main.c's flag table calls it for --limit-*). */
 /* 1 when `flag` is --limit-concurrency, --limit-rate or --limit-burst (v parsed into *c; a bad
  * value writes err (`cap` bytes) naming the flag and returns -1), 0 for another flag. */
 int rt_limits_flag(rt_limit_conf *c, const char *flag, const char *v, char *err, size_t cap);

@@ -11,6 +11,7 @@
  * Run: kvrelay-router --model DIR --nodes nodes.json --listen 127.0.0.1:7100 --http 127.0.0.1:9100
  * docs/router.md describes the flags, the request flow and its retry rules.
  */
+#include "flags.h"
 #include "health.h"
 #include "http.h"
 #include "membership.h"
@@ -27,71 +28,6 @@
 #include <time.h>
 #include <unistd.h>
 
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvrelay-router --model DIR (--nodes FILE | --etcd ENDPOINTS) [options]\n"
-            "\n"
-            "Serves the kvrelay gRPC API (kvrelay.v1.Generation, kvrelay.v1.Admin, grpc.health.v1)\n"
-            "and sends each request to a decode node and a prefill node of the membership file.\n"
-            "\n"
-            "  --model DIR             model directory: config.json, and tokenizer.json for text\n"
-            "                          prompts and text output (without it: token-id prompts only)\n"
-            "  --nodes FILE            static membership, JSON: {\"prefill\": [{\"id\": \"prefill-0\",\n"
-            "                          \"address\": \"127.0.0.1:7101\"}], \"decode\": [{\"id\": \"decode-0\",\n"
-            "                          \"address\": \"127.0.0.1:7201\"}]}\n"
-            "  --etcd ENDPOINTS        membership from etcd instead: \"127.0.0.1:2379,...\" (watches\n"
-            "                          /kvrelay/CLUSTER/nodes/; nodes come and go at run time)\n"
-            "  --cluster NAME          the etcd cluster name (default \"default\")\n"
-            KC_ETCD_FLAGS_HELP
-            KC_TLS_FLAGS_HELP
-            KC_TLS_CLIENT_AUTH_HELP
-            "  --fingerprint HEX       the model fingerprint members must report (etcd membership;\n"
-            "                          default: the first one a member reports)\n"
-            "  --listen HOST:PORT      public gRPC address (default 127.0.0.1:7100; port 0 = any free)\n"
-            "  --http HOST:PORT        /metrics, /healthz and the OpenAI-compatible API under /v1/\n"
-            "                          (default 127.0.0.1:9100; HTTPS with the --tls-cert pair)\n"
-            "  --served-model-name N   the model's name in the OpenAI API (default: the base name of\n"
-            "                          the model directory)\n"
-            "  --id NAME               this router's name in logs and ClusterStatus (default router-0)\n"
-            "  --placement P           round-robin or least-loaded (default least-loaded)\n"
-            "  --max-tokens-limit N    largest max_tokens a request may ask for (default 4096)\n"
-            "  --max-prompt-tokens N   longest prompt in tokens; longer ones are refused\n"
-            "                          INVALID_ARGUMENT / HTTP 400 (default: the model's\n"
-            "                          max_position_embeddings - 1; --max-prompt is the same flag)\n"
-            "  --max-request-bytes N   largest gRPC request message and OpenAI API body (default:\n"
-            "                          16 MiB and 4 MiB); larger ones are refused RESOURCE_EXHAUSTED\n"
-            "                          / HTTP 413\n"
-            "  --default-timeout-ms MS deadline of a request whose client set none, and the cap on\n"
-            "                          the deadlines clients set (default 300000)\n"
-            "  --max-queue-ms MS       longest wait for a node with room before a request is refused\n"
-            "                          with RESOURCE_EXHAUSTED (HTTP 429) (default 60000)\n"
-            RT_LIMITS_FLAGS_HELP
-            "  --policy-dir DIR        where policy files (heads pattern=, hsft windows=) live: clients\n"
-            "                          name them by bare file name; without it such keys are refused\n"
-            "                          (every node must see DIR at the same path)\n"
-            "  --breaker-failures N    consecutive failed calls (UNAVAILABLE, DEADLINE_EXCEEDED) that\n"
-            "                          make a node SUSPECT: skipped until a probe answers (default 3)\n"
-            "  --breaker-cooldown-ms MS  time before the half-open probe (one Status) of a suspect\n"
-            "                          node (default 2000)\n"
-            "  --prefill-timeout-ms MS cap on one Prefill call: a node silent this long has failed\n"
-            "                          and the request is retried once elsewhere (default 60000)\n"
-            "  --decode-stall-ms MS    a decode stream with no message this long has failed\n"
-            "                          (default 5000)\n"
-            "  --migrate               a failed decode stream continues on another decode node (re-\n"
-            "                          prefill of the prompt and the tokens sent) instead of failing\n"
-            "  --api-key KEY           an API key clients must send as 'authorization: Bearer KEY'\n"
-            "                          (repeatable; visible in ps: prefer the file or the variable)\n"
-            "  --api-key-file FILE     API keys, one per line ('#' comments, blank lines skipped;\n"
-            "                          repeatable). KVRELAY_API_KEY in the environment adds one more.\n"
-            "                          With no key the API is open; grpc.health.v1 always is\n"
-            "  --log-level L           debug, info, warn or error (default info)\n"
-            "  -h, --help              this help\n"
-            "\n"
-            "Prints \"router ID: serving grpc HOST:PORT http HOST:PORT\" once it serves; SIGINT or\n"
-            "SIGTERM stops it cleanly.\n");
-}
-
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void die(const char *fmt, ...)
 {
@@ -105,115 +41,141 @@ static void die(const char *fmt, ...)
 }
 
 typedef struct router_opts {
-    const char *model, *nodes, *listen, *http, *id, *placement, *log_level, *policy_dir;
+    const char *model, *nodes, *id, *placement, *policy_dir;
     const char *cluster, *fingerprint, *served_model_name;
+    kc_hostport listen, http; /* --listen, --http */
+    kc_log_level log_level;
     kc_etcd_config etcd; /* --etcd and its TLS/auth flags (etcd.h) */
     kc_tls_config tls;   /* --tls-*: the public port and the mutual TLS to the nodes (rpc.h) */
-    long max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms, max_request_bytes;
+    int64_t max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms, max_request_bytes;
     rt_limit_conf limits; /* --limit-* (client-limits.h) */
-    long breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
+    int64_t breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
     int migrate;
     const char *api_keys[64], *api_key_files[64]; /* --api-key, --api-key-file (argv strings) */
     int n_api_keys, n_api_key_files;
 } router_opts;
 
-static long parse_long(const char *flag, const char *s, long lo, long hi)
+/* --limit-concurrency, --limit-rate, --limit-burst (client-limits.h parses their syntax). */
+static int flag_limit(void *dest, const char *flag, const char *v, char *err, size_t cap)
 {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end) die("%s: '%s' is not an integer", flag, s);
-    if (v < lo || v > hi) die("%s: %ld is out of range [%ld, %ld]", flag, v, lo, hi);
-    return v;
+    return rt_limits_flag(dest, flag, v, err, cap) == 1 ? 0 : -1;
 }
 
-/* Splits HOST:PORT (HOST may be [v6]) into host (brackets kept off) and port; dies naming the
- * flag otherwise. */
-static void split_address(const char *flag, const char *s, char *host, size_t cap, int *port)
+static void parse(int argc, char **argv, router_opts *out)
 {
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s) die("%s: '%s' is not HOST:PORT", flag, s);
-    size_t n = (size_t)(colon - s);
-    if (s[0] == '[' && n >= 2 && s[n - 1] == ']') {
-        s++;
-        n -= 2;
-    }
-    if (n == 0 || n >= cap) die("%s: '%s' has no usable host", flag, s);
-    memcpy(host, s, n);
-    host[n] = 0;
-    *port = (int)parse_long(flag, colon + 1, 0, 65535);
-}
-
-static void parse(int argc, char **argv, router_opts *o)
-{
-    *o = (router_opts){.listen = "127.0.0.1:7100", .http = "127.0.0.1:9100", .id = "router-0",
-                       .placement = "least-loaded", .log_level = "info", .max_tokens_limit = 4096,
-                       .max_prompt = -1, .default_timeout_ms = 300000, .max_queue_ms = 60000,
-                       .cluster = "default", .breaker_failures = 3, .breaker_cooldown_ms = 2000, .prefill_timeout_ms = 60000,
-                       .decode_stall_ms = 5000};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            /* one write: the help is over stdio's 4 KiB pipe buffer, and `--help | grep -q X`
-             * under pipefail would otherwise fail when grep exits before the second write */
-            static char buf[1 << 14];
-            setvbuf(stdout, buf, _IOFBF, sizeof buf);
-            usage(stdout);
-            exit(0);
-        }
-        if (a[0] != '-' || a[1] != '-') die("unexpected argument '%s' (see --help)", a);
-        if (!strcmp(a, "--migrate")) {
-            o->migrate = 1;
-            continue;
-        }
-        if (i + 1 >= argc) die("%s needs a value (see --help)", a);
-        const char *v = argv[++i];
-        if (!strcmp(a, "--model")) o->model = v;
-        else if (!strcmp(a, "--nodes")) o->nodes = v;
-        else if (!strcmp(a, "--api-key")) {
-            if (o->n_api_keys == 64) die("--api-key: at most 64 (use --api-key-file for more)");
-            o->api_keys[o->n_api_keys++] = v;
-        } else if (!strcmp(a, "--api-key-file")) {
-            if (o->n_api_key_files == 64) die("--api-key-file: at most 64");
-            o->api_key_files[o->n_api_key_files++] = v;
-        } else if (!strcmp(a, "--listen")) o->listen = v;
-        else if (!strncmp(a, "--etcd", 6) && kc_etcd_flag(&o->etcd, a, v)) continue;
-        else if (!strncmp(a, "--tls", 5) && kc_tls_flag(&o->tls, a, v)) continue;
-        else if (!strcmp(a, "--cluster")) o->cluster = v;
-        else if (!strcmp(a, "--fingerprint")) o->fingerprint = v;
-        else if (!strcmp(a, "--http")) o->http = v;
-        else if (!strcmp(a, "--id")) o->id = v;
-        else if (!strcmp(a, "--placement")) o->placement = v;
-        else if (!strcmp(a, "--policy-dir")) o->policy_dir = v;
-        else if (!strcmp(a, "--log-level")) o->log_level = v;
-        else if (!strcmp(a, "--max-tokens-limit")) o->max_tokens_limit = parse_long(a, v, 1, 1 << 24);
-        else if (!strcmp(a, "--max-prompt") || !strcmp(a, "--max-prompt-tokens"))
-            o->max_prompt = parse_long(a, v, 1, 1 << 30);
-        else if (!strcmp(a, "--max-request-bytes")) o->max_request_bytes = parse_long(a, v, 1024, 1L << 30);
-        else if (!strncmp(a, "--limit-", 8)) {
-            char lerr[256];
-            int k = rt_limits_flag(&o->limits, a, v, lerr, sizeof lerr);
-            if (k < 0) die("%s", lerr);
-            if (k == 0) die("unknown flag '%s' (see --help)", a);
-        }
-        else if (!strcmp(a, "--default-timeout-ms")) o->default_timeout_ms = parse_long(a, v, 1, 86400000L);
-        else if (!strcmp(a, "--max-queue-ms")) o->max_queue_ms = parse_long(a, v, 0, 86400000L);
-        else if (!strcmp(a, "--served-model-name")) o->served_model_name = v;
-        else if (!strcmp(a, "--breaker-failures")) o->breaker_failures = parse_long(a, v, 1, 1000);
-        else if (!strcmp(a, "--breaker-cooldown-ms")) o->breaker_cooldown_ms = parse_long(a, v, 1, 3600000L);
-        else if (!strcmp(a, "--prefill-timeout-ms")) o->prefill_timeout_ms = parse_long(a, v, 1, 86400000L);
-        else if (!strcmp(a, "--decode-stall-ms")) o->decode_stall_ms = parse_long(a, v, 1, 86400000L);
-        else die("unknown flag '%s' (see --help)", a);
-    }
-    if (!o->model) die("--model DIR is required (see --help)");
-    if (!o->nodes == !o->etcd.endpoints) die("give exactly one of --nodes FILE and --etcd ENDPOINTS (see --help)");
+    static router_opts o;
+    static const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &o.model,
+         .help = "model directory: config.json, and tokenizer.json for text prompts and text output "
+                 "(without it: token-id prompts only)"},
+        {.kind = KC_FLAG_STRING, .name = "--nodes", .arg = "FILE", .dest = &o.nodes,
+         .help = "static membership, JSON: {\"prefill\": [{\"id\": \"prefill-0\", \"address\": "
+                 "\"127.0.0.1:7101\"}], \"decode\": [{\"id\": \"decode-0\", \"address\": \"127.0.0.1:7201\"}]}"},
+        {.kind = KC_FLAG_STRING, .name = "--etcd", .arg = "ENDPOINTS", .dest = &o.etcd.endpoints,
+         .help = "membership from etcd instead: \"127.0.0.1:2379,...\" (watches /kvrelay/CLUSTER/nodes/; "
+                 "nodes come and go at run time)"},
+        {.kind = KC_FLAG_STRING, .name = "--cluster", .arg = "NAME", .dest = &o.cluster, .def = "\"default\"",
+         .help = "the etcd cluster name"},
+        KC_FLAGS_ETCD(&o.etcd),
+        KC_FLAGS_TLS(&o.tls),
+        KC_FLAGS_TLS_CLIENT_AUTH(&o.tls),
+        {.kind = KC_FLAG_STRING, .name = "--fingerprint", .arg = "HEX", .dest = &o.fingerprint,
+         .def = "the first one a member reports",
+         .help = "the model fingerprint members must report (etcd membership)"},
+        {.kind = KC_FLAG_HOSTPORT, .name = "--listen", .arg = "HOST:PORT", .dest = &o.listen,
+         .opts = KC_HOSTPORT_PORT_ZERO, .def = "127.0.0.1:7100", .help = "public gRPC address (port 0 = any free)"},
+        {.kind = KC_FLAG_HOSTPORT, .name = "--http", .arg = "HOST:PORT", .dest = &o.http,
+         .opts = KC_HOSTPORT_PORT_ZERO, .def = "127.0.0.1:9100",
+         .help = "/metrics, /healthz and the OpenAI-compatible API under /v1/ (HTTPS with the --tls-cert pair)"},
+        {.kind = KC_FLAG_STRING, .name = "--served-model-name", .arg = "N", .dest = &o.served_model_name,
+         .def = "the base name of the model directory", .help = "the model's name in the OpenAI API"},
+        {.kind = KC_FLAG_STRING, .name = "--id", .arg = "NAME", .dest = &o.id, .def = "router-0",
+         .help = "this router's name in logs and ClusterStatus"},
+        {.kind = KC_FLAG_STRING, .name = "--placement", .arg = "P", .dest = &o.placement, .def = "least-loaded",
+         .help = "round-robin or least-loaded"},
+        {.kind = KC_FLAG_INT64, .name = "--max-tokens-limit", .arg = "N", .dest = &o.max_tokens_limit, .min = 1,
+         .max = 1 << 24, .def = "4096", .help = "largest max_tokens a request may ask for"},
+        {.kind = KC_FLAG_INT64, .name = "--max-prompt-tokens", .alias = "--max-prompt", .arg = "N",
+         .dest = &o.max_prompt, .min = 1, .max = 1 << 30, .def = "the model's max_position_embeddings - 1",
+         .help = "longest prompt in tokens; longer ones are refused INVALID_ARGUMENT / HTTP 400"},
+        {.kind = KC_FLAG_INT64, .name = "--max-request-bytes", .arg = "N", .dest = &o.max_request_bytes,
+         .min = 1024, .max = 1L << 30, .def = "16 MiB and 4 MiB",
+         .help = "largest gRPC request message and OpenAI API body; larger ones are refused "
+                 "RESOURCE_EXHAUSTED / HTTP 413"},
+        {.kind = KC_FLAG_INT64, .name = "--default-timeout-ms", .arg = "MS", .dest = &o.default_timeout_ms,
+         .min = 1, .max = 86400000L, .def = "300000",
+         .help = "deadline of a request whose client set none, and the cap on the deadlines clients set"},
+        {.kind = KC_FLAG_INT64, .name = "--max-queue-ms", .arg = "MS", .dest = &o.max_queue_ms, .min = 0,
+         .max = 86400000L, .def = "60000",
+         .help = "longest wait for a node with room before a request is refused with RESOURCE_EXHAUSTED "
+                 "(HTTP 429)"},
+        {.kind = KC_FLAG_FUNC, .name = "--limit-concurrency", .arg = "N", .dest = &o.limits, .fn = flag_limit,
+         .def = "0: no cap",
+         .help = "streams in flight (queued included) per API key, or per client address without keys; "
+                 "more are refused RESOURCE_EXHAUSTED / HTTP 429"},
+        {.kind = KC_FLAG_FUNC, .name = "--limit-rate", .arg = "R[/s|/m]", .dest = &o.limits, .fn = flag_limit,
+         .def = "0: no rate limit",
+         .help = "requests per second (or per minute) per key or address, a token bucket"},
+        {.kind = KC_FLAG_FUNC, .name = "--limit-burst", .arg = "B", .dest = &o.limits, .fn = flag_limit,
+         .def = "the rate per second, at least 1",
+         .help = "the bucket's size: requests at once after a quiet spell. A key in --api-key-file may "
+                 "follow with its own: KEY concurrency=N rate=R burst=B"},
+        {.kind = KC_FLAG_STRING, .name = "--policy-dir", .arg = "DIR", .dest = &o.policy_dir,
+         .help = "where policy files (heads pattern=, hsft windows=) live: clients name them by bare file "
+                 "name; without it such keys are refused (every node must see DIR at the same path)"},
+        {.kind = KC_FLAG_INT64, .name = "--breaker-failures", .arg = "N", .dest = &o.breaker_failures, .min = 1,
+         .max = 1000, .def = "3",
+         .help = "consecutive failed calls (UNAVAILABLE, DEADLINE_EXCEEDED) that make a node SUSPECT: "
+                 "skipped until a probe answers"},
+        {.kind = KC_FLAG_INT64, .name = "--breaker-cooldown-ms", .arg = "MS", .dest = &o.breaker_cooldown_ms,
+         .min = 1, .max = 3600000L, .def = "2000",
+         .help = "time before the half-open probe (one Status) of a suspect node"},
+        {.kind = KC_FLAG_INT64, .name = "--prefill-timeout-ms", .arg = "MS", .dest = &o.prefill_timeout_ms,
+         .min = 1, .max = 86400000L, .def = "60000",
+         .help = "cap on one Prefill call: a node silent this long has failed and the request is retried "
+                 "once elsewhere"},
+        {.kind = KC_FLAG_INT64, .name = "--decode-stall-ms", .arg = "MS", .dest = &o.decode_stall_ms, .min = 1,
+         .max = 86400000L, .def = "5000", .help = "a decode stream with no message this long has failed"},
+        {.kind = KC_FLAG_BOOL, .name = "--migrate", .dest = &o.migrate,
+         .help = "a failed decode stream continues on another decode node (re-prefill of the prompt and "
+                 "the tokens sent) instead of failing"},
+        {.kind = KC_FLAG_LIST, .name = "--api-key", .arg = "KEY", .dest = o.api_keys, .count = &o.n_api_keys,
+         .max_count = 64,
+         .help = "an API key clients must send as 'authorization: Bearer KEY' (repeatable, at most 64; "
+                 "visible in ps: prefer the file or the variable)"},
+        {.kind = KC_FLAG_LIST, .name = "--api-key-file", .arg = "FILE", .dest = o.api_key_files,
+         .count = &o.n_api_key_files, .max_count = 64,
+         .help = "API keys, one per line ('#' comments, blank lines skipped; repeatable). KVRELAY_API_KEY "
+                 "in the environment adds one more. With no key the API is open; grpc.health.v1 always is"},
+        {.kind = KC_FLAG_FUNC, .name = "--log-level", .arg = "L", .dest = &o.log_level, .fn = kc_flag_log_level,
+         .def = "info", .help = "debug, info, warn or error"},
+        {.kind = KC_FLAG_END},
+    };
+    static const kc_flags flags = {
+        .prog = "kvrelay-router",
+        .usage = "--model DIR (--nodes FILE | --etcd ENDPOINTS) [options]",
+        .about = "Serves the kvrelay gRPC API (kvrelay.v1.Generation, kvrelay.v1.Admin, grpc.health.v1)\n"
+                 "and sends each request to a decode node and a prefill node of the membership file.",
+        .table = table,
+        .footer = "Prints \"router ID: serving grpc HOST:PORT http HOST:PORT\" once it serves; SIGINT or\n"
+                  "SIGTERM stops it cleanly.",
+    };
+    o = (router_opts){.listen = {.text = "127.0.0.1:7100"}, .http = {.text = "127.0.0.1:9100"}, .id = "router-0",
+                      .placement = "least-loaded", .log_level = KC_LOG_INFO, .max_tokens_limit = 4096,
+                      .max_prompt = -1, .default_timeout_ms = 300000, .max_queue_ms = 60000,
+                      .cluster = "default", .breaker_failures = 3, .breaker_cooldown_ms = 2000,
+                      .prefill_timeout_ms = 60000, .decode_stall_ms = 5000};
+    kc_flags_main(&flags, argc, argv, 0);
+    if (!o.model) die("--model DIR is required (see --help)");
+    if (!o.nodes == !o.etcd.endpoints) die("give exactly one of --nodes FILE and --etcd ENDPOINTS (see --help)");
     char eerr[256];
-    if (kc_etcd_flags_finish(&o->etcd, eerr) != 0) die("%s", eerr);
-    if (kc_tls_flags_finish(&o->tls, KC_TLS_ROLE_ROUTER, eerr) != 0) die("%s", eerr);
-    if (o->fingerprint && (strlen(o->fingerprint) != 16 || strspn(o->fingerprint, "0123456789abcdef") != 16))
-        die("--fingerprint: '%s' is not 16 lower-case hex digits (the nodes log theirs at start-up)", o->fingerprint);
-    size_t idlen = strlen(o->id);
-    if (idlen == 0 || idlen > 63) die("--id: '%s' must be 1-63 characters", o->id);
+    if (kc_etcd_flags_finish(&o.etcd, eerr) != 0) die("%s", eerr);
+    if (kc_tls_flags_finish(&o.tls, KC_TLS_ROLE_ROUTER, eerr) != 0) die("%s", eerr);
+    if (o.fingerprint && (strlen(o.fingerprint) != 16 || strspn(o.fingerprint, "0123456789abcdef") != 16))
+        die("--fingerprint: '%s' is not 16 lower-case hex digits (the nodes log theirs at start-up)", o.fingerprint);
+    size_t idlen = strlen(o.id);
+    if (idlen == 0 || idlen > 63) die("--id: '%s' must be 1-63 characters", o.id);
+    *out = o;
 }
 
 static void metrics_init(rt_router *rt)
@@ -317,13 +279,9 @@ int main(int argc, char **argv)
 {
     router_opts o;
     parse(argc, argv, &o);
-    kc_log_level level;
-    if (kc_log_parse_level(o.log_level, &level) != 0)
-        die("--log-level: '%s' is not one of debug, info, warn, error", o.log_level);
-    char grpc_host[256], http_host[256];
-    int grpc_port, http_port;
-    split_address("--listen", o.listen, grpc_host, sizeof grpc_host, &grpc_port);
-    split_address("--http", o.http, http_host, sizeof http_host, &http_port);
+    kc_log_level level = o.log_level;
+    const char *grpc_host = o.listen.host, *http_host = o.http.host;
+    int http_port = o.http.port;
 
     static rt_router router; /* static: the handlers and threads reach it until exit */
     rt_router *rt = &router;
@@ -409,7 +367,8 @@ int main(int argc, char **argv)
      * fires first and its error says at which step the time ran out */
     const kc_server_config scfg = {.tls = &o.tls, .max_message_bytes = (size_t)o.max_request_bytes,
                                    .max_deadline_ms = o.default_timeout_ms + 1000};
-    if (kc_server_create(o.listen, &scfg, &srv, &bound, &st) != 0) die("--listen %s: %s", o.listen, st.details);
+    if (kc_server_create(o.listen.text, &scfg, &srv, &bound, &st) != 0)
+        die("--listen %s: %s", o.listen.text, st.details);
     if (kc_server_add_stream(srv, "/kvrelay.v1.Generation/Generate", &kvrelay__v1__generate_request__descriptor,
                              rt_generate, rt) ||
         kc_server_add_unary(srv, "/kvrelay.v1.Generation/Tokenize", &kvrelay__v1__tokenize_request__descriptor,
@@ -435,9 +394,8 @@ int main(int argc, char **argv)
         openai.tls_key_pem = https_key;
     }
     kc_http *http = kc_http_start_app(http_host, http_port, rt->m.reg, rt_nodes_healthy, rt, &openai, &http_bound, herr);
-    if (!http) die("--http %s: %s", o.http, herr);
-    snprintf(rt->grpc_address, sizeof rt->grpc_address, "%s%s%s:%d", strchr(grpc_host, ':') ? "[" : "", grpc_host,
-             strchr(grpc_host, ':') ? "]" : "", bound);
+    if (!http) die("--http %s: %s", o.http.text, herr);
+    kc_hostport_format(grpc_host, bound, rt->grpc_address, sizeof rt->grpc_address);
 
     /* a first look at the nodes, so the log says at once which ones are missing */
     rt_nodes_refresh(rt, 1000);
@@ -463,8 +421,9 @@ int main(int argc, char **argv)
                 o.tls.cert_file, client_auth[o.tls.client_auth], o.tls.ca_file);
     else
         kc_info(NULL, "TLS: off: gRPC to clients and nodes and the HTTP port are plaintext (see --tls-cert)");
-    printf("router %s: serving grpc %s http %s%s%s:%d\n", rt->id, rt->grpc_address, strchr(http_host, ':') ? "[" : "",
-           http_host, strchr(http_host, ':') ? "]" : "", http_bound);
+    char http_address[KC_HOST_MAX + 8];
+    kc_hostport_format(http_host, http_bound, http_address, sizeof http_address);
+    printf("router %s: serving grpc %s http %s\n", rt->id, rt->grpc_address, http_address);
     fflush(stdout);
 
     int sig = kc_signals_wait();

@@ -1,5 +1,6 @@
 /* cli.c - see cli.h. */
 #include "cli.h"
+#include "kr.h"
 
 #include <errno.h>
 #include <math.h>
@@ -140,6 +141,8 @@ int cli_backend(const char *s)
     if (!strcmp(s, "cuda")) return 1;
     cli_die(2, "--backend: '%s' is not a backend (cpu or cuda)", s);
 }
+
+const kc_flag_choice cli_backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
 
 void cli_json_exact(double v, char *buf, size_t cap)
 {

@@ -1,10 +1,14 @@
 /*
  * cli.h - small helpers shared by the engine command-line programs in tools/: strict number
- * parsing for flags, id lists, reading stdin. Each program owns its own flag table and --help.
- * Every parse error names the flag and the bad value and exits with status 2.
+ * parsing for flags, id lists, reading stdin. A program declares its flags in a kc_flag table
+ * (common/flags.h), which also prints its --help; the number helpers here serve the programs
+ * that still parse by hand. Every parse error names the flag and the bad value and exits with
+ * status 2.
  */
 #ifndef KR_CLI_H
 #define KR_CLI_H
+
+#include "flags.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -33,6 +37,8 @@ char *cli_read_file(FILE *f, size_t *len_out);
 char *cli_read_stdin(size_t *len_out);
 /* "cpu" or "cuda" as a kr_backend_kind (int); dies on anything else. */
 int cli_backend(const char *s);
+/* --backend's values for a KC_FLAG_CHOICE entry: cpu and cuda, as kr_backend_kind. */
+extern const kc_flag_choice cli_backends[];
 /* A JSON number that parses back to exactly `v` ("%.17g"; cJSON's own printer settles for 15
  * digits when they compare nearly equal), or "null" when v is not finite. For values that
  * must compare bit for bit, e.g. log-probabilities (float32 widened to double). */

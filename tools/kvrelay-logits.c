@@ -7,54 +7,47 @@
 #include "cli.h"
 #include "kr.h"
 
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvrelay-logits --model DIR --ids \"1 2 3\" --out FILE [options]\n"
-            "\n"
-            "Feeds the token ids (no BOS is added) at positions 0..n-1 and writes float32\n"
-            "little-endian logits, one row of vocab_size values per position, row-major.\n"
-            "\n"
-            "  --model DIR     Hugging Face model directory (config.json + safetensors)\n"
-            "  --ids LIST      prompt token ids, separated by spaces or commas\n"
-            "  --out FILE      where to write the logits ('-' for stdout)\n"
-            "  --last N        write only the last N rows (default: all)\n"
-            "  --chunk C       prefill in chunks of C tokens (default 512)\n"
-            "  --threads N     CPU threads (default: all online CPUs)\n"
-            "  --backend B     cpu (default) or cuda\n"
-            "  --weights-f32   convert bf16/f16 weights to f32 at load\n"
-            "  -h, --help      this help\n"
-            "\n"
-            "example: kvrelay-logits --model tests/fixtures/models/llama3-tiny --ids \"5 9 2\" \\\n"
-            "           --out /tmp/logits.bin --last 1\n");
-}
 
 int main(int argc, char **argv)
 {
     cli_init(argv);
     const char *model_dir = NULL, *ids_s = NULL, *out_path = NULL;
-    long last = -1, chunk = 512, threads = 0;
-    kr_backend_kind backend = KR_BACKEND_CPU;
+    int64_t last = -1, chunk = 512;
+    int threads = 0, backend = KR_BACKEND_CPU;
     kr_model_opts mo = {0};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--model")) model_dir = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--ids")) ids_s = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--out")) out_path = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--last")) last = cli_long(a, cli_value(argc, argv, &i), 1, 1L << 30);
-        else if (!strcmp(a, "--chunk")) chunk = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
-        else if (!strcmp(a, "--threads")) threads = cli_long(a, cli_value(argc, argv, &i), 1, 1024);
-        else if (!strcmp(a, "--weights-f32")) mo.weights_f32 = 1;
-        else if (!strcmp(a, "--backend")) backend = (kr_backend_kind)cli_backend(cli_value(argc, argv, &i));
-        else cli_die(2, "unknown argument '%s' (see --help)", a);
-    }
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &model_dir,
+         .help = "Hugging Face model directory (config.json + safetensors)"},
+        {.kind = KC_FLAG_STRING, .name = "--ids", .arg = "LIST", .dest = &ids_s,
+         .help = "prompt token ids, separated by spaces or commas"},
+        {.kind = KC_FLAG_STRING, .name = "--out", .arg = "FILE", .dest = &out_path,
+         .help = "where to write the logits ('-' for stdout)"},
+        {.kind = KC_FLAG_INT64, .name = "--last", .arg = "N", .dest = &last, .min = 1, .max = 1L << 30,
+         .def = "all", .help = "write only the last N rows"},
+        {.kind = KC_FLAG_INT64, .name = "--chunk", .arg = "C", .dest = &chunk, .min = 1, .max = 1 << 16,
+         .def = "512", .help = "prefill in chunks of C tokens"},
+        {.kind = KC_FLAG_INT, .name = "--threads", .arg = "N", .dest = &threads, .min = 1, .max = 1024,
+         .def = "all online CPUs", .help = "CPU threads"},
+        {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "B", .dest = &backend, .choices = cli_backends,
+         .def = "cpu", .help = "cpu or cuda"},
+        {.kind = KC_FLAG_BOOL, .name = "--weights-f32", .dest = &mo.weights_f32,
+         .help = "convert bf16/f16 weights to f32 at load"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags = {
+        .prog = "kvrelay-logits",
+        .usage = "--model DIR --ids \"1 2 3\" --out FILE [options]",
+        .about = "Feeds the token ids (no BOS is added) at positions 0..n-1 and writes float32\n"
+                 "little-endian logits, one row of vocab_size values per position, row-major.",
+        .table = table,
+        .footer = "example: kvrelay-logits --model tests/fixtures/models/llama3-tiny --ids \"5 9 2\" \\\n"
+                  "           --out /tmp/logits.bin --last 1",
+    };
+    kc_flags_main(&flags, argc, argv, 0);
     if (!model_dir || !ids_s || !out_path) cli_die(2, "--model, --ids and --out are required (see --help)");
     int n;
     int32_t *ids = cli_ids("--ids", ids_s, &n);
@@ -70,7 +63,7 @@ int main(int argc, char **argv)
             cli_die(2, "--ids: id %d (index %d) is outside the vocabulary [0, %d)", ids[i], i, cfg->vocab_size);
     if (chunk > n) chunk = n;
     kr_ctx *ctx;
-    kr_ctx_params cp = {.backend = backend, .n_threads = (int)threads, .max_chunk = (int)chunk};
+    kr_ctx_params cp = {.backend = (kr_backend_kind)backend, .n_threads = (int)threads, .max_chunk = (int)chunk};
     if (kr_ctx_create(m, &cp, &ctx, err) != KR_OK) cli_die(1, "%s", err);
     kr_kv_pool *pool;
     kr_seq *seq;
@@ -83,8 +76,8 @@ int main(int argc, char **argv)
     FILE *out = strcmp(out_path, "-") ? fopen(out_path, "wb") : stdout;
     if (!out) cli_die(1, "--out: cannot write '%s'", out_path);
     float *rows = malloc(sizeof(float) * (size_t)chunk * (size_t)cfg->vocab_size);
-    if (!rows) cli_die(1, "out of memory for %ld rows of logits", chunk);
-    long first_out = n - last;
+    if (!rows) cli_die(1, "out of memory for %" PRId64 " rows of logits", chunk);
+    int64_t first_out = n - last;
     for (int at = 0; at < n; at += (int)chunk) {
         int len = n - at < chunk ? n - at : (int)chunk;
         kr_logits_mode mode = at + len > first_out ? KR_LOGITS_ALL : KR_LOGITS_NONE;

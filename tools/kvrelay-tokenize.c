@@ -18,50 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void usage(void)
-{
-    printf("usage: kvrelay-tokenize --model DIR [--add-special] [--text TEXT]\n"
-           "       kvrelay-tokenize --model DIR --decode [--skip-special] [--ids \"1 2 3\"]\n"
-           "       kvrelay-tokenize --model DIR --chat FILE [--template FILE|builtin:NAME]\n"
-           "                        [--no-generation-prompt] [--text-only | --jsonl] [--add-special]\n"
-           "       kvrelay-tokenize --model DIR --show-template [--template FILE|builtin:NAME]\n"
-           "\n"
-           "Encodes UTF-8 text read on stdin (all of it: a trailing newline is a token too) into\n"
-           "token ids printed space-separated on one line, or with --decode reads ids (spaces,\n"
-           "commas or newlines between them) and prints their text exactly, adding no newline.\n"
-           "DIR is a Hugging Face model directory; tokenizer.json (+ tokenizer_config.json) is\n"
-           "enough.\n"
-           "\n"
-           "  --model DIR       the directory holding tokenizer.json (required)\n"
-           "  --add-special     prepend BOS (and other template tokens) as the model's config says;\n"
-           "                    off by default. Special-token strings in the text always map to\n"
-           "                    their ids.\n"
-           "  --text TEXT       encode TEXT instead of reading stdin\n"
-           "  --decode          ids -> text\n"
-           "  --ids \"1 2 3\"     with --decode: the ids, instead of reading stdin\n"
-           "  --skip-special    with --decode: leave special tokens (BOS, EOS, ...) out\n"
-           "  --chat FILE       render a conversation with the chat template and encode it (no BOS\n"
-           "                    added: the template writes its special tokens). FILE ('-': stdin)\n"
-           "                    is {\"messages\": [{\"role\": ..., \"content\": ...}, ...]} (optionally\n"
-           "                    with \"add_generation_prompt\": false) or the bare list\n"
-           "  --template T      the chat template: a Jinja file, or builtin:llama3, builtin:chatml,\n"
-           "                    builtin:mistral; default: the model's (docs/chat-templates.md)\n"
-           "  --no-generation-prompt  render with add_generation_prompt false\n"
-           "  --text-only       with --chat: print the rendered text exactly instead of its ids\n"
-           "  --jsonl           with --chat: FILE has one conversation per line; print one JSON\n"
-           "                    line each, {\"text\": ...} or {\"error\": ..., \"raised\": bool}\n"
-           "                    (raised: the template's raise_exception); render errors do not stop it\n"
-           "  --show-template   print the chat template's source (and where it came from, on stderr)\n"
-           "  -h, --help        this text\n"
-           "\n"
-           "examples:\n"
-           "  printf '%%s' 'Hello world' | kvrelay-tokenize --model models/llama3\n"
-           "  kvrelay-tokenize --model models/llama3 --decode --ids \"9906 1917\"\n"
-           "  echo '[{\"role\":\"user\",\"content\":\"Hi\"}]' | kvrelay-tokenize --model models/llama3 --chat - --text-only\n"
-           "\n"
-           "exit status: 0 success, 1 tokenizer, template or input error, 2 bad usage\n");
-}
-
 /* The special token `id` as text ("" when id < 0). */
 static char *token_text(const kr_tokenizer *t, int id)
 {
@@ -208,24 +164,61 @@ int main(int argc, char **argv)
     cli_init(argv);
     const char *dir = NULL, *text = NULL, *ids_arg = NULL;
     const char *chat = NULL, *template = NULL;
-    int add_special = 0, decode = 0, skip_special = 0, add_gen = 1, text_only = 0, jsonl = 0, show = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); return 0; }
-        else if (!strcmp(a, "--model")) dir = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--add-special")) add_special = 1;
-        else if (!strcmp(a, "--text")) text = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--decode")) decode = 1;
-        else if (!strcmp(a, "--ids")) ids_arg = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--skip-special")) skip_special = 1;
-        else if (!strcmp(a, "--chat")) chat = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--template")) template = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--no-generation-prompt")) add_gen = 0;
-        else if (!strcmp(a, "--text-only")) text_only = 1;
-        else if (!strcmp(a, "--jsonl")) jsonl = 1;
-        else if (!strcmp(a, "--show-template")) show = 1;
-        else cli_die(2, "unknown argument '%s' (see --help)", a);
-    }
+    int add_special = 0, decode = 0, skip_special = 0, no_gen = 0, text_only = 0, jsonl = 0, show = 0;
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &dir,
+         .help = "the directory holding tokenizer.json (required)"},
+        {.kind = KC_FLAG_BOOL, .name = "--add-special", .dest = &add_special,
+         .help = "prepend BOS (and other template tokens) as the model's config says; off by default. "
+                 "Special-token strings in the text always map to their ids."},
+        {.kind = KC_FLAG_STRING, .name = "--text", .arg = "TEXT", .dest = &text, .help = "encode TEXT instead of reading stdin"},
+        {.kind = KC_FLAG_BOOL, .name = "--decode", .dest = &decode, .help = "ids -> text"},
+        {.kind = KC_FLAG_STRING, .name = "--ids", .arg = "\"1 2 3\"", .dest = &ids_arg,
+         .help = "with --decode: the ids, instead of reading stdin"},
+        {.kind = KC_FLAG_BOOL, .name = "--skip-special", .dest = &skip_special,
+         .help = "with --decode: leave special tokens (BOS, EOS, ...) out"},
+        {.kind = KC_FLAG_STRING, .name = "--chat", .arg = "FILE", .dest = &chat,
+         .help = "render a conversation with the chat template and encode it (no BOS added: the template "
+                 "writes its special tokens). FILE ('-': stdin) is {\"messages\": [{\"role\": ..., \"content\": "
+                 "...}, ...]} (optionally with \"add_generation_prompt\": false) or the bare list"},
+        {.kind = KC_FLAG_STRING, .name = "--template", .arg = "T", .dest = &template, .def = "the model's",
+         .help = "the chat template: a Jinja file, or builtin:llama3, builtin:chatml, builtin:mistral "
+                 "(docs/chat-templates.md)"},
+        {.kind = KC_FLAG_BOOL, .name = "--no-generation-prompt", .dest = &no_gen,
+         .help = "render with add_generation_prompt false"},
+        {.kind = KC_FLAG_BOOL, .name = "--text-only", .dest = &text_only,
+         .help = "with --chat: print the rendered text exactly instead of its ids"},
+        {.kind = KC_FLAG_BOOL, .name = "--jsonl", .dest = &jsonl,
+         .help = "with --chat: FILE has one conversation per line; print one JSON line each, {\"text\": ...} "
+                 "or {\"error\": ..., \"raised\": bool} (raised: the template's raise_exception); render "
+                 "errors do not stop it"},
+        {.kind = KC_FLAG_BOOL, .name = "--show-template", .dest = &show,
+         .help = "print the chat template's source (and where it came from, on stderr)"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags = {
+        .prog = "kvrelay-tokenize",
+        .usage = "--model DIR [--add-special] [--text TEXT]\n"
+                 "       kvrelay-tokenize --model DIR --decode [--skip-special] [--ids \"1 2 3\"]\n"
+                 "       kvrelay-tokenize --model DIR --chat FILE [--template FILE|builtin:NAME]\n"
+                 "                        [--no-generation-prompt] [--text-only | --jsonl] [--add-special]\n"
+                 "       kvrelay-tokenize --model DIR --show-template [--template FILE|builtin:NAME]",
+        .about = "Encodes UTF-8 text read on stdin (all of it: a trailing newline is a token too) into\n"
+                 "token ids printed space-separated on one line, or with --decode reads ids (spaces,\n"
+                 "commas or newlines between them) and prints their text exactly, adding no newline.\n"
+                 "DIR is a Hugging Face model directory; tokenizer.json (+ tokenizer_config.json) is\n"
+                 "enough.",
+        .table = table,
+        .footer = "examples:\n"
+                  "  printf '%s' 'Hello world' | kvrelay-tokenize --model models/llama3\n"
+                  "  kvrelay-tokenize --model models/llama3 --decode --ids \"9906 1917\"\n"
+                  "  echo '[{\"role\":\"user\",\"content\":\"Hi\"}]' | kvrelay-tokenize --model models/llama3 --chat - "
+                  "--text-only\n"
+                  "\n"
+                  "exit status: 0 success, 1 tokenizer, template or input error, 2 bad usage",
+    };
+    kc_flags_main(&flags, argc, argv, 0);
+    int add_gen = !no_gen;
     if (!dir) cli_die(2, "--model DIR is required (see --help)");
     if (decode && (add_special || text)) cli_die(2, "--add-special and --text are for encoding, not --decode");
     if (!decode && (skip_special || ids_arg)) cli_die(2, "--skip-special and --ids need --decode");

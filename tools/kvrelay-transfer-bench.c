@@ -24,22 +24,6 @@
 #include "cli.h"
 #include "transport.h"
 
-static void usage(void)
-{
-    printf("usage: kvrelay-transfer-bench [--sizes MIB,...] [--tls LIST] [--test NAME] "
-           "[--iters N] [--inflight K] [--port P] [--validate]\n"
-           "  --sizes  bundle sizes in MiB (default 1,4,16,64,256,1024)\n"
-           "  --tls    UCX_TLS for both kvrelay and ucx_perftest (default tcp: what endpoints in\n"
-           "           PEER error mode use on one host)\n"
-           "  --test   ucx_perftest test to compare with (default ucp_am_bw; tag_bw also useful)\n"
-           "  --iters  transfers per size (default: about 4 GiB moved, 3..200)\n"
-           "  --inflight  bundles in flight at once for the pipelined column (default 8, fewer\n"
-           "           for large sizes so that they fit in 1 GiB of receive buffers)\n"
-           "  --port   first TCP port for ucx_perftest (default 13500)\n"
-           "  --validate  send real bundles (one list of f32 rows, a little under each size) and\n"
-           "           validate each on receipt before the ack, as a decode node does\n");
-}
-
 /* Completions of one round of transfers: receive and send callbacks both count here. */
 typedef struct round {
     atomic_int done;
@@ -192,28 +176,28 @@ int main(int argc, char **argv)
     cli_init(argv);
     const char *sizes_s = "1,4,16,64,256,1024", *tls = "tcp", *test = "ucp_am_bw";
     int iters_flag = 0, port = 13500, inflight_flag = 8, validate = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            usage();
-            return 0;
-        } else if (!strcmp(argv[i], "--sizes")) {
-            sizes_s = cli_value(argc, argv, &i);
-        } else if (!strcmp(argv[i], "--tls")) {
-            tls = cli_value(argc, argv, &i);
-        } else if (!strcmp(argv[i], "--test")) {
-            test = cli_value(argc, argv, &i);
-        } else if (!strcmp(argv[i], "--iters")) {
-            iters_flag = (int)cli_long("--iters", cli_value(argc, argv, &i), 1, 100000);
-        } else if (!strcmp(argv[i], "--inflight")) {
-            inflight_flag = (int)cli_long("--inflight", cli_value(argc, argv, &i), 1, 64);
-        } else if (!strcmp(argv[i], "--validate")) {
-            validate = 1;
-        } else if (!strcmp(argv[i], "--port")) {
-            port = (int)cli_long("--port", cli_value(argc, argv, &i), 1024, 65000);
-        } else {
-            cli_die(2, "unknown flag %s (see --help)", argv[i]);
-        }
-    }
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--sizes", .arg = "MIB,...", .dest = &sizes_s, .def = "1,4,16,64,256,1024",
+         .help = "bundle sizes in MiB"},
+        {.kind = KC_FLAG_STRING, .name = "--tls", .arg = "LIST", .dest = &tls,
+         .def = "tcp: what endpoints in PEER error mode use on one host",
+         .help = "UCX_TLS for both kvrelay and ucx_perftest"},
+        {.kind = KC_FLAG_STRING, .name = "--test", .arg = "NAME", .dest = &test, .def = "ucp_am_bw",
+         .help = "ucx_perftest test to compare with (tag_bw also useful)"},
+        {.kind = KC_FLAG_INT, .name = "--iters", .arg = "N", .dest = &iters_flag, .min = 1, .max = 100000,
+         .def = "about 4 GiB moved, 3..200", .help = "transfers per size"},
+        {.kind = KC_FLAG_INT, .name = "--inflight", .arg = "K", .dest = &inflight_flag, .min = 1, .max = 64,
+         .def = "8, fewer for large sizes so that they fit in 1 GiB of receive buffers",
+         .help = "bundles in flight at once for the pipelined column"},
+        {.kind = KC_FLAG_INT, .name = "--port", .arg = "P", .dest = &port, .min = 1024, .max = 65000,
+         .def = "13500", .help = "first TCP port for ucx_perftest"},
+        {.kind = KC_FLAG_BOOL, .name = "--validate", .dest = &validate,
+         .help = "send real bundles (one list of f32 rows, a little under each size) and validate each on "
+                 "receipt before the ack, as a decode node does"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags = {.prog = "kvrelay-transfer-bench", .usage = "[options]", .table = table};
+    kc_flags_main(&flags, argc, argv, 0);
     int n_sizes = 0;
     int32_t *mib = cli_ids("--sizes", sizes_s, &n_sizes);
     uint64_t max = 0;
