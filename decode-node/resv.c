@@ -156,9 +156,11 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
                  prompt_tokens, max_tokens);
         return GRPC_STATUS_INVALID_ARGUMENT;
     }
-    /* The largest bundle this reservation can receive: every list at `entries`, payload f32.
-     * The spec is sized at its maximum so that a bundle carrying a longer spelling of the policy
-     * is refused by Decode's policy check (a clear message), not by the transport's size check. */
+    /* The largest bundle this reservation can receive: every list at `entries`, in the
+     * largest payload the request may choose (f32, or int8 with its row scales when head_dim is
+     * 1). The spec is sized at its maximum so that a bundle carrying a longer spelling of the
+     * policy is refused by Decode's policy check (a clear message), not by the transport's size
+     * check. */
     kt_bundle_header h;
     memset(&h, 0, sizeof h);
     memcpy(h.fingerprint, n->fingerprint, sizeof h.fingerprint);
@@ -178,9 +180,12 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     }
     for (size_t i = 0; i < n_lists; i++)
         lists[i] = (kt_bundle_list){.count = (uint32_t)entries, .window = KT_BUNDLE_WINDOW_DENSE};
-    uint64_t size = 0;
+    uint64_t size = 0, size_q = 0;
     char berr[KT_ERR_MAX];
     int rc = kt_bundle_size(&h, lists, &size, berr);
+    h.dtype = KT_DTYPE_INT8_TOKEN;
+    if (rc == 0) rc = kt_bundle_size(&h, lists, &size_q, berr);
+    if (size_q > size) size = size_q;
     free(lists);
     if (rc != 0) {
         kr_policy_free(policy);

@@ -52,7 +52,8 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     static kc_hostport listen, http;
     static int kv_dtype, backend;
     static const kc_flag_choice dtypes[] = {
-        {"f32", KT_DTYPE_F32}, {"bf16", KT_DTYPE_BF16}, {"f16", KT_DTYPE_F16}, {NULL, 0}};
+        {"f32", KT_DTYPE_F32}, {"bf16", KT_DTYPE_BF16}, {"f16", KT_DTYPE_F16},
+        {"int8", KT_DTYPE_INT8_TOKEN}, {"fp8", KT_DTYPE_FP8_E4M3_TOKEN}, {NULL, 0}};
     static const kc_flag_choice backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
     static const kc_flag table[] = {
         {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &cfg.model_dir,
@@ -72,7 +73,9 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
          .def = "64; 0: none wait",
          .help = "requests that may wait behind the running one; more are refused with RESOURCE_EXHAUSTED"},
         {.kind = KC_FLAG_CHOICE, .name = "--kv-dtype", .arg = "T", .dest = &kv_dtype, .choices = dtypes,
-         .def = "f32", .help = "bundle payload: f32 (bit-exact decode), bf16, f16"},
+         .def = "f32",
+         .help = "bundle payload when the request names none (kv_wire_dtype): f32 (bit-exact decode), bf16, "
+                 "f16, int8 or fp8 (a scale per K and V row; docs/bundle.md)"},
         {.kind = KC_FLAG_INT, .name = "--max-prompt", .arg = "N", .dest = &cfg.max_prompt, .min = 1,
          .max = INT32_MAX - 1, .def = PF_STR(PF_DEFAULT_MAX_PROMPT) ", at most the model's max_position_embeddings - 1",
          .help = "longest prompt in tokens"},

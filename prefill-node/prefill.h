@@ -27,6 +27,10 @@
 
 #define PF_BLOCK_SIZE 16 /* KV pool block size (entries) */
 #define PF_N_CODES (GRPC_STATUS_UNAUTHENTICATED + 1) /* gRPC status codes 0..16 */
+#define PF_N_WIRE 5 /* bundle payload dtypes, in pf_wire_dtypes order */
+
+/* Every bundle payload dtype, the order of pf_metrics.kv_bytes. */
+extern const kt_dtype pf_wire_dtypes[PF_N_WIRE];
 
 /* Flags (main.c parses them; --help lists them with their defaults). */
 typedef struct pf_config {
@@ -55,7 +59,8 @@ typedef struct pf_usage {
     double prefill_s;       /* kr_prefill, the first token's sampling, writing the bundle */
     double transfer_s;      /* the send, until the decode node acknowledged the bundle */
     uint64_t kv_entries;    /* entries shipped, summed over every (layer, KV head) */
-    uint64_t kv_bytes;      /* K + V payload bytes of those entries (framing not counted) */
+    uint64_t kv_bytes;      /* K + V payload bytes of those entries, row scales included
+                               (framing not counted) */
     kr_footprint footprint; /* the sequence's, after prefill */
 } pf_usage;
 
@@ -76,6 +81,7 @@ typedef struct pf_job {
     kr_sampling sampling;    /* checked with kr_sampling_check */
     int32_t forced_first;    /* -1: sample the first token; else this id (in the vocabulary) */
     int logprobs;            /* report first_logprob / first_top_id (set when forcing too) */
+    kt_dtype wire;           /* the bundle's payload dtype: the request's, or --kv-dtype */
     char host[256];          /* transfer address */
     uint16_t port;
     uint64_t reservation_id; /* never 0 */
@@ -96,7 +102,8 @@ typedef struct pf_job {
 
 typedef struct pf_metrics {
     kc_counter *requests[PF_N_CODES]; /* by status; only the codes the node returns */
-    kc_counter *prompt_tokens, *kv_entries, *kv_bytes;
+    kc_counter *prompt_tokens, *kv_entries;
+    kc_counter *kv_bytes[PF_N_WIRE]; /* by the bundle's payload dtype (pf_wire_dtypes) */
     kc_histogram *prefill_s, *transfer_s;
     kc_gauge *queue_depth, *running, *blocks_used, *blocks_free;
 } pf_metrics;

@@ -124,7 +124,7 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int32_t 
     h.n_layers = (uint32_t)c->n_layers;
     h.n_kv_heads = (uint32_t)c->n_kv_heads;
     h.head_dim = (uint32_t)c->head_dim;
-    h.dtype = n->cfg->kv_dtype;
+    h.dtype = j->wire;
     h.first_token = first_token;
     h.prompt_len = j->n_tokens;
     h.next_pos = kr_seq_next_pos(seq);
@@ -228,7 +228,7 @@ void pf_run(pf_node *n, pf_job *j)
     pool_gauges(n);
     j->usage.prefill_s = pf_now() - t0;
     j->usage.kv_entries = entries;
-    j->usage.kv_bytes = entries * 2u * (uint64_t)c->head_dim * kt_dtype_size(n->cfg->kv_dtype);
+    j->usage.kv_bytes = entries * 2u * kt_dtype_row_bytes(j->wire, (uint32_t)c->head_dim);
 
     int64_t ms_left = kc_call_ms_left(j->call);
     if (ms_left <= 0) {
@@ -257,7 +257,7 @@ void pf_run(pf_node *n, pf_job *j)
             "prefilled %d tokens (%s): first token %d; %llu entries, %llu bytes (%s) to "
             "reservation %llu at %s:%u (%s); prefill %.3f s, transfer %.3f s",
             j->n_tokens, kr_policy_spec(j->policy), j->first_token, (unsigned long long)entries,
-            (unsigned long long)size, kt_dtype_name(n->cfg->kv_dtype),
+            (unsigned long long)size, kt_dtype_name(j->wire),
             (unsigned long long)j->reservation_id, j->host, j->port,
             j->decode_node && *j->decode_node ? j->decode_node : "-", j->usage.prefill_s,
             j->usage.transfer_s);

@@ -28,6 +28,9 @@ struct pf_policy_entry {
 };
 
 /* The codes Prefill answers with, each a series of kvrelay_requests_total. */
+const kt_dtype pf_wire_dtypes[PF_N_WIRE] = {KT_DTYPE_F32, KT_DTYPE_BF16, KT_DTYPE_F16,
+                                            KT_DTYPE_INT8_TOKEN, KT_DTYPE_FP8_E4M3_TOKEN};
+
 static const grpc_status_code pf_codes[] = {
     GRPC_STATUS_OK,
     GRPC_STATUS_INVALID_ARGUMENT,
@@ -58,10 +61,16 @@ int pf_metrics_register(pf_node *n)
                                    "KV entries (one position of one layer and KV head) in the "
                                    "bundles sent.",
                                    NULL);
-    m->kv_bytes = kc_counter_add(r, "kvrelay_kv_bytes_shipped_total",
-                                 "K and V payload bytes of the KV bundles sent (entries x 2 x "
-                                 "head_dim x dtype size; framing not counted).",
-                                 NULL);
+    for (int w = 0; w < PF_N_WIRE; w++) {
+        char label[64];
+        snprintf(label, sizeof label, "wire_dtype=\"%s\"", kt_dtype_name(pf_wire_dtypes[w]));
+        m->kv_bytes[w] = kc_counter_add(r, "kvrelay_kv_bytes_shipped_total",
+                                        "K and V payload bytes of the KV bundles sent, by payload "
+                                        "dtype (entries x 2 x (head_dim x element size + 4 for a "
+                                        "quantized row's scale); framing not counted).",
+                                        label);
+        if (!m->kv_bytes[w]) return -1;
+    }
     m->prefill_s = kc_histogram_add(r, "kvrelay_prefill_seconds",
                                     "One call's chunked prefill, first-token sampling and bundle "
                                     "writing, for calls answered OK.",
@@ -78,7 +87,7 @@ int pf_metrics_register(pf_node *n)
     m->blocks_used = kc_gauge_add(r, "kvrelay_kv_blocks_used",
                                   "KV pool blocks held by the sequence being prefilled.", NULL);
     m->blocks_free = kc_gauge_add(r, "kvrelay_kv_blocks_free", "KV pool blocks free.", NULL);
-    return m->prompt_tokens && m->kv_entries && m->kv_bytes && m->prefill_s && m->transfer_s &&
+    return m->prompt_tokens && m->kv_entries && m->prefill_s && m->transfer_s &&
                    m->queue_depth && m->running && m->blocks_used && m->blocks_free
                ? 0
                : -1;
@@ -189,6 +198,11 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
                       "kv_policy: the canonical spec is longer than the bundle's %d bytes",
                       KT_BUNDLE_MAX_POLICY);
 
+    j->wire = n->cfg->kv_dtype;
+    if (req->kv_wire_dtype && *req->kv_wire_dtype && kt_dtype_parse(req->kv_wire_dtype, &j->wire) != 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "kv_wire_dtype '%.32s' is not one of f32, bf16, f16, int8, fp8", req->kv_wire_dtype);
+
     kr_sampling *s = &j->sampling;
     kr_sampling_default(s);
     const Kvrelay__V1__Sampling *rs = req->sampling;
@@ -282,6 +296,7 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     u.transfer_s = j.usage.transfer_s;
     u.kv_entries_shipped = j.usage.kv_entries;
     u.kv_bytes_shipped = j.usage.kv_bytes;
+    u.kv_wire_dtype = (char *)kt_dtype_name(j.wire);
     u.footprint_entry_steps = (uint64_t)llround(fp->attended);
     u.peak_kv_entries = (uint64_t)fp->peak_entries;
     u.prefill_node = (char *)n->cfg->id;
@@ -297,7 +312,8 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     kc_call_send(call, &r.base); /* fails only when the call is already over */
     kc_counter_inc(n->metrics.prompt_tokens, j.n_tokens);
     kc_counter_inc(n->metrics.kv_entries, (double)j.usage.kv_entries);
-    kc_counter_inc(n->metrics.kv_bytes, (double)j.usage.kv_bytes);
+    for (int w = 0; w < PF_N_WIRE; w++)
+        if (pf_wire_dtypes[w] == j.wire) kc_counter_inc(n->metrics.kv_bytes[w], (double)j.usage.kv_bytes);
     kc_histogram_observe(n->metrics.prefill_s, j.usage.prefill_s);
     kc_histogram_observe(n->metrics.transfer_s, j.usage.transfer_s);
     code = GRPC_STATUS_OK;

@@ -22,12 +22,12 @@
 static const char *const completion_fields[] = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
     "user", "echo", "logprobs", "best_of", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-    "kv_policy", "top_k", "add_special_tokens", NULL};
+    "kv_policy", "kv_wire_dtype", "top_k", "add_special_tokens", NULL};
 static const char *const chat_fields[] = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
     "stream_options", "stop", "seed", "user", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-    "logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "kv_policy", "top_k",
-    "add_generation_prompt", NULL};
+    "logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "kv_policy", "kv_wire_dtype",
+    "top_k", "add_generation_prompt", NULL};
 
 
 static int refuse(oa_refusal *f, const char *param, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -170,6 +170,10 @@ static int parse_common(const oa_model *m, oa_request *r, const cJSON *doc, oa_r
     if (policy && strlen(policy->valuestring) >= sizeof r->policy)
         return refuse(f, "kv_policy", "'kv_policy' is over %zu bytes", sizeof r->policy - 1);
     snprintf(r->policy, sizeof r->policy, "%s", policy ? policy->valuestring : "");
+    const cJSON *wire = field(doc, "kv_wire_dtype");
+    if (wire && (!cJSON_IsString(wire) || strlen(wire->valuestring) >= sizeof r->wire))
+        return refuse(f, "kv_wire_dtype", "'kv_wire_dtype' must be one of \"f32\", \"bf16\", \"f16\", \"int8\", \"fp8\"");
+    snprintf(r->wire, sizeof r->wire, "%s", wire ? wire->valuestring : "");
     return 0;
 }
 
@@ -370,6 +374,7 @@ static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_
     r->q.n_stop = (size_t)r->n_stops;
     r->q.stop = r->stops;
     r->q.kv_policy = r->policy;
+    r->q.kv_wire_dtype = r->wire;
     return 0;
 }
 

@@ -76,6 +76,7 @@ typedef struct oa_call {
     Kvrelay__V1__FinishReason reason;
     Kvrelay__V1__Usage usage; /* numbers only */
     char prefill_node[64], decode_node[64];
+    char wire_dtype[24]; /* usage.kv_wire_dtype, copied */
     grpc_status_code code;
     kc_status st;
 
@@ -189,7 +190,7 @@ static const char *param_of(const oa_call *c, const char *details)
 {
     static const struct {
         const char *prefix, *param;
-    } map[] = {{"kv_policy", "kv_policy"}, {"sampling: temperature", "temperature"}, {"sampling: top_p", "top_p"},
+    } map[] = {{"kv_policy", "kv_policy"}, {"kv_wire_dtype", "kv_wire_dtype"}, {"sampling: temperature", "temperature"}, {"sampling: top_p", "top_p"},
                {"sampling.top_k", "top_k"}, {"sampling: top_k", "top_k"}, {"stop", "stop"},
                {"max_tokens", "max_tokens"}, {"request_id", "X-Request-Id"}};
     if (!strncmp(details, "prompt", 6)) return c->req.kind == OA_CHAT ? "messages" : "prompt";
@@ -238,6 +239,7 @@ static void add_extras(cJSON *doc, const oa_call *c)
     cJSON_AddNumberToObject(k, "peak_kv_entries", (double)c->usage.peak_kv_entries);
     cJSON_AddNumberToObject(k, "kv_bytes_shipped", (double)c->usage.kv_bytes_shipped);
     cJSON_AddNumberToObject(k, "kv_entries_shipped", (double)c->usage.kv_entries_shipped);
+    cJSON_AddStringToObject(k, "kv_wire_dtype", c->wire_dtype);
     cJSON_AddNumberToObject(k, "ttft_s", c->usage.ttft_s);
     cJSON_AddNumberToObject(k, "queue_s", c->usage.queue_s);
     cJSON_AddNumberToObject(k, "tpot_s", c->usage.tpot_s);
@@ -320,6 +322,8 @@ static void keep_finish(oa_call *c, const Kvrelay__V1__Finish *f)
     if (f->usage) {
         c->usage = *f->usage;
         c->usage.served_by = NULL;
+        snprintf(c->wire_dtype, sizeof c->wire_dtype, "%s", f->usage->kv_wire_dtype ? f->usage->kv_wire_dtype : "");
+        c->usage.kv_wire_dtype = NULL;
         if (f->usage->served_by) {
             snprintf(c->prefill_node, sizeof c->prefill_node, "%s", f->usage->served_by->prefill_node);
             snprintf(c->decode_node, sizeof c->decode_node, "%s", f->usage->served_by->decode_node);

@@ -38,6 +38,8 @@ typedef struct oa_request {
     oa_kind kind;
     int stream, include_usage;
     char policy[1024]; /* kv_policy as given ("" = full) */
+    char wire[16]; /* kv_wire_dtype as given ("" = the prefill node's --kv-dtype); the router
+                      checks its value as for gRPC */
     Kvrelay__V1__GenerateRequest q; /* q.request_id is the caller's to set */
     Kvrelay__V1__Sampling sampling;
     Kvrelay__V1__TokenIds prompt_ids;

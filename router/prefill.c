@@ -38,6 +38,7 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
     req.token_ids = ids;
     req.sampling = &r->sampling;
     req.kv_policy = (char *)r->policy;
+    req.kv_wire_dtype = r->wire;
     req.transfer_address = r->transfer_address;
     req.reservation_id = r->reservation;
     req.reservation_token = (ProtobufCBinaryData){.len = r->reservation_token_len,

@@ -17,6 +17,7 @@
 #include "request.h"
 
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -69,6 +70,7 @@ static void send_finish(rt_req *r)
     u.peak_kv_entries = peak;
     u.kv_bytes_shipped = r->pu.kv_bytes_shipped;
     u.kv_entries_shipped = r->pu.kv_entries_shipped;
+    u.kv_wire_dtype = r->wire_shipped;
     u.queue_s = r->queue_s;
     u.served_by = &by;
     Kvrelay__V1__Finish fin = KVRELAY__V1__FINISH__INIT;
@@ -106,6 +108,7 @@ static grpc_status_code start(rt_req *r, int *done, kc_status *st)
         r->pu.kv_bytes_shipped += u->kv_bytes_shipped;
         r->pu.kv_entries_shipped += u->kv_entries_shipped;
         r->pu.transfer_s = u->transfer_s;
+        snprintf(r->wire_shipped, sizeof r->wire_shipped, "%s", u->kv_wire_dtype ? u->kv_wire_dtype : "");
         kc_counter_inc(rt->m.kv_bytes_shipped, (double)u->kv_bytes_shipped); /* shipped, whatever follows */
     }
     uint32_t first = pr->first_token, first_top = pr->first_top_id;

@@ -41,6 +41,8 @@ typedef struct rt_req {
     uint32_t max_tokens;
     Kvrelay__V1__Sampling sampling; /* as forwarded: the seed always present */
     char policy[1024]; /* the client's spec ("" = full), file keys resolved (rt_policy_resolve) */
+    char wire[16]; /* the client's kv_wire_dtype ("" = the prefill node's --kv-dtype) */
+    char wire_shipped[24]; /* the payload dtype the prefill node reports it shipped */
     uint64_t kv_entries_bound; /* informational, for Reserve */
     const uint32_t *stop_ids; /* borrowed; none when forcing */
     size_t n_stop_ids;

@@ -9,6 +9,8 @@
  */
 #include "request.h"
 
+#include "bundle.h"
+
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -245,6 +247,19 @@ static grpc_status_code check_stops(rt_router *rt, const Kvrelay__V1__GenerateRe
     return GRPC_STATUS_OK;
 }
 
+/* The KV bundle's payload dtype on the wire: "" (the prefill node's default) or one kt_dtype_parse
+ * knows, kept as the client spelled it for the prefill node to parse again. */
+static grpc_status_code check_wire(const Kvrelay__V1__GenerateRequest *q, rt_req *r, kc_status *st)
+{
+    kt_dtype t;
+    const char *w = q->kv_wire_dtype ? q->kv_wire_dtype : "";
+    if (*w && (strlen(w) >= sizeof r->wire || kt_dtype_parse(w, &t) != 0))
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                             "kv_wire_dtype '%.32s' is not one of f32, bf16, f16, int8, fp8", w), st->code;
+    snprintf(r->wire, sizeof r->wire, "%s", w);
+    return GRPC_STATUS_OK;
+}
+
 grpc_status_code rt_req_validate(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, rt_req *r, kc_status *st)
 {
     /* the request id first, so every later message can carry it */
@@ -252,6 +267,7 @@ grpc_status_code rt_req_validate(rt_router *rt, const Kvrelay__V1__GenerateReque
     if (code == GRPC_STATUS_OK) code = check_prompt(rt, q, r, st);
     if (code == GRPC_STATUS_OK) code = check_length(rt, q, r, st);
     if (code == GRPC_STATUS_OK) code = check_policy(rt, q, r, st);
+    if (code == GRPC_STATUS_OK) code = check_wire(q, r, st);
     if (code == GRPC_STATUS_OK) code = check_sampling(rt, q, r, st);
     if (code == GRPC_STATUS_OK) code = check_stops(rt, q, r, st);
     return code;

@@ -5,7 +5,8 @@ prompts), all on ephemeral ports learned from their serving lines.
 
 Checked: streaming Generate (greedy, and seeded sampling with a streaming policy) gives exactly
 the tokens of kvrelay-generate in one process, one Finish last with usage that adds up (KV bytes
-shipped = entries x 2 x head_dim x 4); Tokenize without a tokenizer -> FAILED_PRECONDITION;
+shipped = entries x 2 x head_dim x 4); each KV wire dtype (f32, bf16, f16, int8, fp8, over gRPC
+and one over HTTP) reports itself and its bytes and decodes to the end; Tokenize without a tokenizer -> FAILED_PRECONDITION;
 ClusterStatus lists router, prefill and decode nodes with the decode node's KV blocks; the
 health Check is SERVING; bad requests -> INVALID_ARGUMENT naming the field; a client that
 cancels mid-stream and one whose deadline passes leave the decode node with no used or reserved
@@ -85,7 +86,7 @@ def main():
     with open(nodes, "w") as f:
         json.dump({"prefill": [{"id": "prefill-0", "address": pre}],
                    "decode": [{"id": "decode-0", "address": dec}]}, f)
-    router, _ = krprocs.start(args.work, "router", [b + "/kvrelay-router", "--model", args.model, "--nodes", nodes,
+    router, router_http = krprocs.start(args.work, "router", [b + "/kvrelay-router", "--model", args.model, "--nodes", nodes,
                                  "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                                  "--max-prompt", str(MAX_PROMPT),
                                  "--max-tokens-limit", str(MAX_TOKENS_LIMIT)])
@@ -156,6 +157,41 @@ def main():
               "a streaming policy ships fewer entries: %d" % fin.usage.kv_entries_shipped)
         check(fin.usage.kv_footprint < 1.0, "streaming footprint %r" % fin.usage.kv_footprint)
 
+    # ---- the KV bundle's payload dtype, per request (GenerateRequest.kv_wire_dtype): f32 is
+    # exact (above); every dtype reports itself and its bytes (row scales included), and decodes
+    # to the end; greedy ids agreeing with f32's are printed, not asserted (quantization may flip
+    # a near tie on this random-weight model)
+    f32_ids = one_process(prompt2, 16, ["--greedy", "--policy", policy])
+    row = {"f32": 4 * cfg["head_dim"], "bf16": 2 * cfg["head_dim"], "f16": 2 * cfg["head_dim"],
+           "int8": cfg["head_dim"] + 4, "fp8": cfg["head_dim"] + 4}
+    names = {"f32": "f32", "bf16": "bf16", "f16": "f16", "int8": "int8+scale", "fp8": "fp8_e4m3+scale"}
+    agree = []
+    for wire in ("f32", "bf16", "f16", "int8", "fp8"):
+        ids, _, fin = generate(gen, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt2), max_tokens=16,
+                                                       kv_policy=policy, kv_wire_dtype=wire))
+        check(fin is not None and fin.usage.kv_wire_dtype == names[wire],
+              "kv_wire_dtype %s: usage says %r" % (wire, fin and fin.usage.kv_wire_dtype))
+        if fin is None:
+            continue
+        u = fin.usage
+        check(u.kv_bytes_shipped == u.kv_entries_shipped * 2 * row[wire],
+              "kv_wire_dtype %s: %d bytes shipped for %d entries, want %d per entry"
+              % (wire, u.kv_bytes_shipped, u.kv_entries_shipped, 2 * row[wire]))
+        check(len(ids) == u.completion_tokens and (len(ids) == 16 or ids[-1] == eos),
+              "kv_wire_dtype %s: %d tokens" % (wire, len(ids)))
+        if wire == "f32":
+            check(ids == f32_ids[:len(ids)], "kv_wire_dtype f32: ids %s != kvrelay-generate %s" % (ids, f32_ids))
+        agree.append("%s %d/%d" % (wire, sum(a == b for a, b in zip(ids, f32_ids)), len(ids)))
+    print("greedy ids agreeing with f32, per wire dtype: " + ", ".join(agree))
+    req = urllib.request.Request("http://%s/v1/completions" % router_http, method="POST",
+                                 headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": os.path.basename(os.path.normpath(args.model)),
+                                                  "prompt": prompt2, "max_tokens": 4, "temperature": 0,
+                                                  "kv_wire_dtype": "fp8"}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        body = json.load(r)
+    check(body["kvrelay"]["kv_wire_dtype"] == "fp8_e4m3+scale", "HTTP kv_wire_dtype: %r" % body.get("kvrelay"))
+
     # ---- Tokenize without a tokenizer
     code, details = krprocs.code_of(lambda: gen.Tokenize(pb.TokenizeRequest(text="hello"), timeout=10))
     check(code == grpc.StatusCode.FAILED_PRECONDITION and "tokenizer" in details,
@@ -176,6 +212,7 @@ def main():
     bad(pb.GenerateRequest(token_ids=ok_ids, max_tokens=4, kv_policy="nosuch"), "kv_policy")
     bad(pb.GenerateRequest(token_ids=ok_ids, max_tokens=4, kv_policy="streaming:window=abc"), "kv_policy")
     bad(pb.GenerateRequest(token_ids=ok_ids, max_tokens=4, sampling=pb.Sampling(temperature=-1)), "temperature")
+    bad(pb.GenerateRequest(token_ids=ok_ids, max_tokens=4, kv_wire_dtype="int4"), "kv_wire_dtype 'int4'")
     bad(pb.GenerateRequest(text="hello", max_tokens=4), "prompt.text", grpc.StatusCode.FAILED_PRECONDITION)
     bad(pb.GenerateRequest(token_ids=ok_ids, max_tokens=4, stop=["x"]), "stop", grpc.StatusCode.FAILED_PRECONDITION)
     # garbage bytes on every method

@@ -12,6 +12,7 @@
 #include "kr_test.h"
 
 #include "bundle.h"
+#include "quant_bound.h"
 #include "le.h"
 
 #include <stdint.h>
@@ -173,17 +174,6 @@ static float rounded(float x, kt_dtype t)
     }
 }
 
-/* The documented round-trip bound of a quantized element x (read back as got) of a row of
- * `dim` elements (bundle.h): int8 max|row| / 254, fp8 max(|x| / 16, max|row| / 448 / 1024), each
- * with a float32 rounding's worth of slack. Fails on NaN. */
-static int within_bound(kt_dtype t, const float *row, uint32_t dim, float x, float got)
-{
-    double amax = 0;
-    for (uint32_t e = 0; e < dim; e++) amax = fmax(amax, fabs((double)row[e]));
-    const double bound = t == KT_DTYPE_INT8_TOKEN ? amax / 254 : fmax(fabs((double)x) / 16, amax / 448 / 1024);
-    return fabs((double)got - x) <= bound * (1 + 1e-5) + 1e-30;
-}
-
 static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dtype,
                       const uint32_t *counts, int32_t next_pos)
 {
@@ -230,8 +220,8 @@ static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dt
                 int bad = 0;
                 for (size_t e = 0; quant && e < (size_t)lv.count * dim && bad < 3; e++) {
                     const size_t row = e / dim * dim;
-                    if (!within_bound(dtype, s.k[i] + row, dim, s.k[i][e], k[e]) ||
-                        !within_bound(dtype, s.v[i] + row, dim, s.v[i][e], vv[e])) {
+                    if (!quant_within_bound(dtype, s.k[i] + row, dim, s.k[i][e], k[e]) ||
+                        !quant_within_bound(dtype, s.v[i] + row, dim, s.v[i][e], vv[e])) {
                         bad++;
                         CHECK(0, "%s list %u elem %zu: K %a from %a, V %a from %a: past the bound",
                               kt_dtype_name(dtype), i, e, k[e], s.k[i][e], vv[e], s.v[i][e]);
@@ -834,7 +824,7 @@ static void test_quantized_rows(kt_dtype t)
     float k[4 * DIM], vv[4 * DIM];
     REQUIRE(kt_bundle_list_read(&v, &lv, 0, 4, NULL, k, vv, err) == 0, "%s", err);
     for (int e = 0; e < 4 * DIM; e++) {
-        CHECK(within_bound(t, rows[e / DIM], DIM, rows[e / DIM][e % DIM], k[e]), "%s row %d elem %d: %a from %a",
+        CHECK(quant_within_bound(t, rows[e / DIM], DIM, rows[e / DIM][e % DIM], k[e]), "%s row %d elem %d: %a from %a",
               kt_dtype_name(t), e / DIM, e % DIM, k[e], rows[e / DIM][e % DIM]);
         CHECK(vv[e] == -k[e], "%s: V is not K negated at %d", kt_dtype_name(t), e);
     }

@@ -30,6 +30,7 @@
 #include <sys/socket.h>
 
 #include "bundle.h"
+#include "quant_bound.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "kr.h"
 #include "kvrelay/v1/internal.pb-c.h"
@@ -287,8 +288,22 @@ static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtyp
             REQUIRE(kt_bundle_list_read(&v, &lv, 0, (uint32_t)len, bp, bk, bv, err) == 0, "%s",
                     err);
             for (int i = 0; i < len * hd; i++) {
+                if (kt_dtype_quantized(dtype)) { /* within the bound, then compared as equal */
+                    const float *row_k = rk + i / hd * hd, *row_v = rv_ + i / hd * hd;
+                    if (quant_within_bound(dtype, row_k, hd, rk[i], bk[i]) &&
+                        quant_within_bound(dtype, row_v, hd, rv_[i], bv[i]))
+                        continue;
+                    CHECK(0, "%s: list (%d,%d) elem %d: K %a from %a, V %a from %a: past the %s bound",
+                          what, l, h, i, bk[i], rk[i], bv[i], rv_[i], kt_dtype_name(dtype));
+                    bad = 1;
+                    break;
+                }
                 rk[i] = round_to(dtype, rk[i]);
                 rv_[i] = round_to(dtype, rv_[i]);
+            }
+            if (kt_dtype_quantized(dtype)) { /* compared above */
+                memcpy(rk, bk, sizeof(float) * (size_t)len * hd);
+                memcpy(rv_, bv, sizeof(float) * (size_t)len * hd);
             }
             if (memcmp(rp, bp, sizeof(int32_t) * (size_t)len) ||
                 memcmp(rk, bk, sizeof(float) * (size_t)len * hd) ||
@@ -367,6 +382,7 @@ static void node_stop(node *nd, const char *how)
 typedef struct call_args {
     node *nd;
     const char *rid, *policy, *addr;
+    const char *wire; /* kv_wire_dtype; NULL: "" (the node's --kv-dtype) */
     const int32_t *tok;
     int n;
     uint64_t resv;
@@ -392,6 +408,7 @@ static int prefill(call_args *a)
     req.token_ids = ids;
     req.sampling = (Kvrelay__V1__Sampling *)a->sampling;
     req.kv_policy = (char *)(a->policy ? a->policy : "");
+    req.kv_wire_dtype = (char *)(a->wire ? a->wire : "");
     req.transfer_address = (char *)(a->addr ? a->addr : rx_addr);
     req.reservation_id = a->resv;
     static const uint8_t zeros[KT_RESV_TOKEN_BYTES];
@@ -457,7 +474,8 @@ static void make_prompt(int32_t *tok, int n, int vocab, uint32_t seed)
 
 /* ------------------------------------------------------------------ the cases */
 
-static uint64_t bytes_ok; /* kv_bytes_shipped summed over node A's OK answers */
+static uint64_t bytes_ok[KT_DTYPE_FP8_E4M3_TOKEN + 1]; /* kv_bytes_shipped of node A's OK
+                                                          answers, by payload dtype */
 static int n_ok;
 static int n_queue_full; /* RESOURCE_EXHAUSTED answers node A gave */
 
@@ -469,6 +487,7 @@ typedef struct pcase {
     int32_t tok[MAX_PROMPT];
     int n;
     const Kvrelay__V1__Sampling *sampling; /* NULL: greedy */
+    kt_dtype wire; /* the bundle's payload dtype expected */
     char what[160];
     ref_run x;
     resv rv;
@@ -482,6 +501,7 @@ static void pcase_prepare(pcase *c, node *nd, ref_model *r, const char *spec, in
     c->r = r;
     c->n = n;
     c->sampling = sampling;
+    c->wire = nd->dtype;
     make_prompt(c->tok, n, r->c->vocab_size, seed);
     ref_prefill(r, *spec ? spec : "full", c->tok, n, &c->x);
     resv_open(&c->rv, decode_bound(r, c->x.p, n));
@@ -540,10 +560,12 @@ static void pcase_check(pcase *c)
               a->resp->first_top_id);
     }
     if (c->rv.status == 0)
-        check_bundle(r, x, &c->rv, c->nd->dtype, c->n, (int32_t)a->resp->first_token, what);
+        check_bundle(r, x, &c->rv, c->wire, c->n, (int32_t)a->resp->first_token, what);
     const Kvrelay__V1__PrefillUsage *u = a->resp->usage;
     REQUIRE(u, "%s: no usage", what);
-    uint64_t entry_bytes = 2u * (uint64_t)r->c->head_dim * kt_dtype_size(c->nd->dtype);
+    uint64_t entry_bytes = 2u * kt_dtype_row_bytes(c->wire, (uint32_t)r->c->head_dim);
+    CHECK(!strcmp(u->kv_wire_dtype, kt_dtype_name(c->wire)), "%s: kv_wire_dtype '%s', want %s", what,
+          u->kv_wire_dtype, kt_dtype_name(c->wire));
     CHECK(u->prompt_tokens == (uint32_t)c->n, "%s: prompt_tokens %u", what, u->prompt_tokens);
     CHECK(u->kv_entries_shipped == x->entries,
           "%s: kv_entries_shipped %" PRIu64 ", reference %" PRIu64, what, u->kv_entries_shipped,
@@ -561,7 +583,7 @@ static void pcase_check(pcase *c)
     CHECK(!strcmp(u->prefill_node, c->nd->id), "%s: prefill_node '%s'", what, u->prefill_node);
     CHECK(u->prefill_s > 0 && u->transfer_s > 0, "%s: prefill_s %g transfer_s %g", what,
           u->prefill_s, u->transfer_s);
-    bytes_ok += u->kv_bytes_shipped;
+    bytes_ok[c->wire] += u->kv_bytes_shipped;
     n_ok++;
 out:
     kc_message_free((ProtobufCMessage *)a->resp);
@@ -574,6 +596,20 @@ static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_
 {
     pcase *c = calloc(1, sizeof *c);
     pcase_prepare(c, nd, r, spec, n, seed, sampling);
+    prefill(&c->a);
+    pcase_check(c);
+    free(c);
+}
+
+/* A request's own payload dtype (kv_wire_dtype, named as a user would), whatever the node's
+ * --kv-dtype: the bundle carries it, its rows within the dtype's bound of the reference. */
+static void case_wire(node *nd, ref_model *r, const char *spec, const char *wire, kt_dtype want)
+{
+    pcase *c = calloc(1, sizeof *c);
+    pcase_prepare(c, nd, r, spec, 100, 21, NULL);
+    c->wire = want;
+    c->a.wire = wire;
+    snprintf(c->what + strlen(c->what), sizeof c->what - strlen(c->what), " wire %s", wire);
     prefill(&c->a);
     pcase_check(c);
     free(c);
@@ -667,6 +703,9 @@ static void case_invalid(node *nd, ref_model *r)
     a.rid = "id outside the vocabulary";
     expect_fail(&a, IA, "token_ids[3]");
     tok[3] = 1;
+    a.rid = "unknown wire dtype", a.wire = "int4";
+    expect_fail(&a, IA, "kv_wire_dtype 'int4' is not one of f32, bf16, f16, int8, fp8");
+    a.wire = NULL;
     a.rid = "unknown policy", a.policy = "nosuchpolicy";
     expect_fail(&a, IA, "kv_policy");
     a.rid = "malformed policy", a.policy = "streaming:sink=x";
@@ -1166,6 +1205,9 @@ int main(void)
     sampled.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
     sampled.seed = 7;
     case_policy(&na, &ra, "snapkv:budget=40,obs=8", 100, 8, &sampled);
+    case_wire(&na, &ra, "snapkv:budget=40,obs=8", "int8", KT_DTYPE_INT8_TOKEN);
+    case_wire(&na, &ra, "full", "fp8", KT_DTYPE_FP8_E4M3_TOKEN);
+    case_wire(&na, &ra, "streaming:sink=4,window=24", "bf16", KT_DTYPE_BF16);
     case_concurrent(&na, &ra);
     case_invalid(&na, &ra);
     case_scoring(&na, &ra, "snapkv:budget=40,obs=8");
@@ -1174,9 +1216,14 @@ int main(void)
     case_queue(&na, &ra);
     case_garbage_and_health(&na);
     case_http_port_taken();
-    CHECK(metric(na.p.http, "kvrelay_kv_bytes_shipped_total") == (double)bytes_ok,
-          "/metrics kv bytes %g, usage says %" PRIu64,
-          metric(na.p.http, "kvrelay_kv_bytes_shipped_total"), bytes_ok);
+    for (int t = 0; t <= KT_DTYPE_FP8_E4M3_TOKEN; t++) {
+        if (!kt_dtype_size((kt_dtype)t)) continue;
+        char series[96];
+        snprintf(series, sizeof series, "kvrelay_kv_bytes_shipped_total{wire_dtype=\"%s\"}",
+                 kt_dtype_name((kt_dtype)t));
+        CHECK(metric(na.p.http, series) == (double)bytes_ok[t], "/metrics %s %g, usage says %" PRIu64,
+              series, metric(na.p.http, series), bytes_ok[t]);
+    }
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
           "/metrics OK requests %g, want %d",
           metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
