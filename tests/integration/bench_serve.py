@@ -191,13 +191,17 @@ def main():
     before = settled(a.http)
     r = bench(a, "--openai", "http://%s/v1" % a.http, "--target", a.router, "--concurrency", "2",
               "--num-requests", "6", "--prompt-len", "24:40", "--output-len", "6", "--policy", "full",
-              "--policy", P2, "--json", w + "/openai.json", "--requests-out", w + "/openai.jsonl")
+              "--policy", P2, "--wire-dtype", "int8", "--json", w + "/openai.json",
+              "--requests-out", w + "/openai.jsonl")
     if r:
         out = json.load(open(w + "/openai.json"))
         sent = out["runs"][0]["sent"]
         check(out["api"] == "openai" and sent["requests"] == 6, "openai run: %s, %s" % (out["api"], sent))
         check_counts("openai", before, settled(a.http), sent)
-        rows_match_sent("openai", rows_of(w + "/openai.jsonl"), sent)
+        orows = rows_of(w + "/openai.jsonl")
+        rows_match_sent("openai", orows, sent)
+        check(out["wire_dtype"] == "int8" and all(x["kv_wire_dtype"] == "int8+scale" for x in orows),
+              "--wire-dtype int8: %s, rows say %s" % (out["wire_dtype"], {x["kv_wire_dtype"] for x in orows}))
 
     # ---------------------------------------------------------------- bad input: exit 2, nothing sent
     with open(w + "/bad.jsonl", "w") as f:
