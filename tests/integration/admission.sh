@@ -8,7 +8,7 @@
 # Skips (77) without python3-grpcio or the stub generator. Env (set by ctest): KR_BIN, KR_SRC.
 set -euo pipefail
 . "$KR_SRC/tests/integration/lib/pystubs.sh" # PY, kr_pystubs, kr_hold_pool; skips without grpcio
-. "$KR_SRC/tests/integration/lib/cluster.sh" # kr_cluster_workdir, fail
+. "$KR_SRC/tests/integration/lib.sh" # krc_*, kr_cluster_workdir, fatal
 kr_cluster_workdir admission
 
 n=8
@@ -16,9 +16,9 @@ KRC_ROUTER_ARGS=(--max-queue-ms 60000)
 KRC_DECODE_ARGS=(--kv-blocks 4000)
 unset KVRELAY_API_KEY # a cluster without API keys, whatever the caller's environment says
 krc_start "$KR_BIN" "$KR_SRC/models/kjv-2l128-2k" 1 1 127.0.0.1:0 --threads 1 ||
-  fail "the cluster did not start"
+  fatal "the cluster did not start"
 kr_pystubs "$KRC_DIR/stubs" kvrelay/v1/internal.proto
-kr_hold_pool "$KRC_DIR/stubs" "$(krc_addr decode-0)" "$KRC_DIR" || fail "hold_pool: $(cat "$KRC_DIR/hold.out")"
+kr_hold_pool "$KRC_DIR/stubs" "$(krc_addr decode-0)" "$KRC_DIR" || fatal "hold_pool: $(cat "$KRC_DIR/hold.out")"
 echo "ok: $(cat "$KRC_DIR/hold.out")"
 
 queue_depth() {
@@ -31,12 +31,12 @@ for ((i = 0; i < n; i++)); do
   pids+=($!)
   # the next one arrives after this one waits: arrival order is then the order of the loop
   for _ in $(seq 200); do [ "$(queue_depth)" = $((i + 1)) ] && break; sleep 0.02; done
-  [ "$(queue_depth)" = $((i + 1)) ] || fail "request $i did not queue (kvrelay_queue_depth $(queue_depth))"
+  [ "$(queue_depth)" = $((i + 1)) ] || fatal "request $i did not queue (kvrelay_queue_depth $(queue_depth))"
 done
 echo "ok: $n requests wait in the router's queue"
-kr_release_pool || fail "hold_pool release: $(cat "$KRC_DIR/hold.out")"
+kr_release_pool || fatal "hold_pool release: $(cat "$KRC_DIR/hold.out")"
 for ((i = 0; i < n; i++)); do
-  wait "${pids[$i]}" || fail "request fifo-$i: $(cat "$KRC_DIR/err.$i")"
+  wait "${pids[$i]}" || fatal "request fifo-$i: $(cat "$KRC_DIR/err.$i")"
 done
 echo "ok: all $n completed"
 
@@ -45,24 +45,24 @@ accepted=$(sed -n 's/.*\[\(fifo-[0-9]*\)\] accepted:.*/\1/p' "$KRC_DIR/router.lo
 reserved=$(sed -n 's/.*\[\(fifo-[0-9]*\)\] reserved .* blocks on .*/\1/p' "$KRC_DIR/router.log" | tr '\n' ' ')
 echo "arrived:  $accepted"
 echo "admitted: $reserved"
-[ "$(echo $accepted | wc -w)" = $n ] || fail "the router accepted $(echo $accepted | wc -w) of $n requests"
-[ "$accepted" = "$reserved" ] || fail "admission order differs from arrival order"
+[ "$(echo $accepted | wc -w)" = $n ] || fatal "the router accepted $(echo $accepted | wc -w) of $n requests"
+[ "$accepted" = "$reserved" ] || fatal "admission order differs from arrival order"
 echo "ok: admitted in arrival order"
 for ((i = 0; i < n; i++)); do
-  grep -q "\[fifo-$i\] finished: .*(queued [0-9.]* s)" "$KRC_DIR/router.log" || fail "fifo-$i logged no queue time"
+  grep -q "\[fifo-$i\] finished: .*(queued [0-9.]* s)" "$KRC_DIR/router.log" || fatal "fifo-$i logged no queue time"
 done
-[ "$(queue_depth)" = 0 ] || fail "kvrelay_queue_depth is $(queue_depth) after all finished"
+[ "$(queue_depth)" = 0 ] || fatal "kvrelay_queue_depth is $(queue_depth) after all finished"
 metrics=$(curl -s "http://$KRC_ROUTER_HTTP/metrics")
 for m in queue_wait e2e ttft; do
   echo "$metrics" | grep -q "^kvrelay_${m}_seconds_count{policy=\"full\"} $n\$" ||
-    fail "kvrelay_${m}_seconds{policy=\"full\"} did not count the $n requests"
+    fatal "kvrelay_${m}_seconds{policy=\"full\"} did not count the $n requests"
 done
 echo "$metrics" | grep -q '^kvrelay_queue_wait_seconds_count{policy="streaming"} 0$' ||
-  fail "another policy family's histogram counted them"
+  fatal "another policy family's histogram counted them"
 echo "ok: the latency histograms by policy family counted them"
 dmetrics=$(curl -s "http://$(krc_http decode-0)/metrics")
-echo "$dmetrics" | grep -q "^kvrelay_decode_step_seconds_count [1-9]" || fail "the decode node timed no step"
+echo "$dmetrics" | grep -q "^kvrelay_decode_step_seconds_count [1-9]" || fatal "the decode node timed no step"
 echo "$dmetrics" | grep -q '^kvrelay_kv_blocks_used_by_policy{policy="full"} 0$' ||
-  fail "the decode node still counts blocks for the finished requests"
+  fatal "the decode node still counts blocks for the finished requests"
 echo "ok: the decode node timed its steps and holds no block for any policy"
 echo "PASS"

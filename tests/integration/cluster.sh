@@ -12,20 +12,15 @@
 # Run: ctest -R cluster, or KR_BIN=build KR_SRC=. KR_FIXTURES=tests/fixtures bash tests/integration/cluster.sh
 set -uo pipefail
 
+. "${KR_SRC:?KR_SRC must be the source directory}/tests/integration/lib.sh" # krc_*, fail, metric, kr_*
 bin=${KR_BIN:?KR_BIN must be the build directory}
-src=${KR_SRC:?KR_SRC must be the source directory}
 fixtures=$(cd "${KR_FIXTURES:?KR_FIXTURES must be tests/fixtures}" && pwd)
-for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli kvrelay-generate; do
-  [ -x "$bin/$p" ] || { echo "SKIP: $bin/$p is not built"; exit 77; }
-done
-py=/usr/bin/python3
-[ -x "$py" ] || { echo "SKIP: $py is missing (the README's test command installs it)"; exit 77; }
+kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli kvrelay-generate
+kr_need_py "(the README's test command installs it)"
+command -v curl >/dev/null || kr_skip "curl is missing"
 
 KRC_DIR=$(mktemp -d -t kvrelay-cluster-test.XXXXXX)
-. "$src/deploy/local-cluster.sh"
 trap 'krc_stop; rm -rf "$KRC_DIR"' EXIT
-fails=0
-fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
 # The fixture with a short context (max_position_embeddings 160), so "prompt over the model's
 # context" is cheap to send; weights are the fixture's own files. The context does not enter
@@ -128,18 +123,8 @@ for ms in 1 30 120; do
     grep -q DEADLINE_EXCEEDED "$KRC_DIR/deadline.err" || fail "$ms ms deadline: expected DEADLINE_EXCEEDED, got: $(tail -n1 "$KRC_DIR/deadline.err")"
   fi
 done
-# metric value of one series (no labels) from an exposition
-metric() { awk -v m="$1" '$1 == m { print $2 }' <<<"$2"; }
 for node in decode-0 decode-1; do
-  ok=0
-  for ((t = 0; t < 100; t++)); do
-    m=$("$py" -c 'import sys,urllib.request; print(urllib.request.urlopen("http://"+sys.argv[1]+"/metrics").read().decode())' "$(krc_http "$node")" 2>/dev/null)
-    used=$(metric kvrelay_kv_blocks_used "$m")
-    reserved=$(metric kvrelay_kv_blocks_reserved "$m")
-    if [ "${used:-x}" = 0 ] && [ "${reserved:-x}" = 0 ]; then ok=1; break; fi
-    sleep 0.1
-  done
-  [ $ok = 1 ] || fail "$node still holds blocks after cancel/deadline: used=${used:-?} reserved=${reserved:-?}"
+  kr_blocks_zero "$node" 100 || fail "$node still holds blocks after cancel/deadline: used=${KR_USED:-?} reserved=${KR_RESERVED:-?}"
 done
 
 # ---- bad input: a clear status, and nothing else harmed

@@ -26,24 +26,14 @@
 # Run: ctest -R failures, or KR_BIN=build KR_SRC=. KR_FIXTURES=tests/fixtures bash tests/integration/failures.sh
 set -uo pipefail
 
+. "${KR_SRC:?KR_SRC must be the source directory}/tests/integration/lib.sh" # krc_*, fail, now, elapsed, errmsg, kr_*
 bin=${KR_BIN:?KR_BIN must be the build directory}
-src=${KR_SRC:?KR_SRC must be the source directory}
 fixtures=$(cd "${KR_FIXTURES:?KR_FIXTURES must be tests/fixtures}" && pwd)
-for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli kvrelay-generate; do
-  [ -x "$bin/$p" ] || { echo "SKIP: $bin/$p is not built"; exit 77; }
-done
-py=/usr/bin/python3
-[ -x "$py" ] || { echo "SKIP: $py is missing"; exit 77; }
+kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli kvrelay-generate
+kr_need_py
 
 KRC_DIR=$(mktemp -d -t kvrelay-failures.XXXXXX)
-. "$src/deploy/local-cluster.sh"
 trap 'krc_stop; rm -rf "$KRC_DIR"' EXIT
-fails=0
-fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
-now() { date +%s.%N; }
-# a client's error output on one line (the status line and the hint after it)
-errmsg() { head -c 600 "$1" | tr '\n' ' '; }
-elapsed() { "$py" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")' "$1" "$2"; }
 
 # The fixture without an end-of-sequence token (eos_token_id removed from its config), so every
 # stream runs to max_tokens and is surely still streaming when a node is killed or stopped: with
@@ -65,41 +55,14 @@ router=$KRC_ROUTER
 router_m=$(krc_addr router-m)
 echo "cluster up: router $router, router-m $router_m (logs in $KRC_DIR)"
 
-# the state the router gives node $2 (router address $1)
-node_state() {
-  "$bin/kvrelay-cli" --router "$1" status --json 2>/dev/null |
-    "$py" -c 'import json,sys; print(next((n["state"] for n in json.load(sys.stdin)["nodes"] if n["id"] == sys.argv[1]), "absent"))' "$2"
-}
-# waits (up to $3 s) until node $2 is in state $4 at router $1; prints the time it was seen
-# wait_state ROUTER ID SECONDS STATE... : prints the time once the node is in one of the states
-wait_state() {
-  local r=$1 id=$2 limit=$3 t st w; shift 3
-  for ((t = 0; t < limit * 10; t++)); do
-    st=$(node_state "$r" "$id")
-    for w in "$@"; do [ "$st" = "$w" ] && { now; return 0; }; done
-    sleep 0.1
-  done
-  return 1
-}
-metric() { awk -v m="$1" '$1 == m { print $2 }' <<<"$2"; }
 blocks() { curl -s --max-time 2 "http://$(krc_http "$1")/metrics"; }
 # every decode node named: used + reserved blocks back to 0 (polls up to 20 s)
 check_blocks() {
-  local what=$1 node used reserved t ok; shift
+  local what=$1 node; shift
   for node in "$@"; do
-    ok=0
-    for ((t = 0; t < 200; t++)); do
-      m=$(blocks "$node")
-      used=$(metric kvrelay_kv_blocks_used "$m")
-      reserved=$(metric kvrelay_kv_blocks_reserved "$m")
-      if [ "${used:-x}" = 0 ] && [ "${reserved:-x}" = 0 ]; then ok=1; break; fi
-      sleep 0.1
-    done
-    [ $ok = 1 ] || fail "$what: $node still holds KV blocks: used=${used:-?} reserved=${reserved:-?}"
+    kr_blocks_zero "$node" 200 || fail "$what: $node still holds KV blocks: used=${KR_USED:-?} reserved=${KR_RESERVED:-?}"
   done
 }
-# prompt i: 24 pseudo-random ids (or $2 of them)
-prompt() { awk -v n="${2:-24}" -v s="$1" 'BEGIN { x = s * 7919 + 17; for (k = 0; k < n; k++) { x = (x * 1103515245 + 12345) % 2147483648; printf "%s%d", (k ? " " : ""), 1 + x % 500 } }'; }
 # gen DIR NAME ROUTER MAX_TOKENS IDS: one client in the background, its end time in NAME.end
 gen() {
   local d=$1 name=$2 r=$3 mt=$4 ids=$5
@@ -108,13 +71,7 @@ gen() {
    echo "$? $(now)" >"$d/$name.end") &
   CLIENTS+=($!)
 }
-CLIENTS=()
-# waits for the clients started by gen (not for the cluster's processes)
-wait_clients() {
-  local p
-  for p in "${CLIENTS[@]}"; do wait "$p"; done
-  CLIENTS=()
-}
+CLIENTS=() # kr_wait_clients waits for them (not for the cluster's processes)
 # waits until decode node $1 has sequences running (used blocks > 0), up to 30 s
 wait_busy() {
   local t
@@ -124,7 +81,6 @@ wait_busy() {
   done
   return 1
 }
-served_by() { "$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["usage"]["served_by"][sys.argv[2]])' "$1" "$2" 2>/dev/null; }
 
 n_streams=8
 max_tokens=400
@@ -135,17 +91,17 @@ transfer1=$("$bin/kvrelay-cli" --router "$router" status --json |
 
 # ---- (a) a decode node dies mid-stream
 d=$KRC_DIR/a; mkdir -p "$d"
-for ((i = 0; i < n_streams; i++)); do gen "$d" "$i" "$router" $max_tokens "$(prompt $i)"; done
+for ((i = 0; i < n_streams; i++)); do gen "$d" "$i" "$router" $max_tokens "$(kr_prompt $i)"; done
 wait_busy decode-0 || fail "(a) decode-0 never ran a sequence"
 sleep 0.3
 t_kill=$(now)
 krc_signal decode-0 KILL
-wait_clients
+kr_wait_clients
 affected=0 worst=0
 for ((i = 0; i < n_streams; i++)); do
   read -r rc t_end <"$d/$i.end"
   if [ "$rc" = 0 ]; then
-    by=$(served_by "$d/$i.got" decode_node)
+    by=$(kr_served_by "$d/$i.got")
     # (one that ended by EOS before the kill may have been on decode-0)
     [ "$by" = decode-1 ] || "$py" -c "import sys; sys.exit(0 if $t_end < $t_kill else 1)" ||
       fail "(a) stream $i completed on '$by' after decode-0 was killed"
@@ -166,12 +122,12 @@ check_blocks "(a)" decode-1
 t_start=$(now)
 krc_restart decode-0 --listen "$(krc_addr decode-0)" --transfer "$transfer0" --http "$(krc_http decode-0)" ||
   fail "(d) decode-0 did not restart on its ports"
-t_serving=$(wait_state "$router" decode-0 30 serving) || fail "(d) the router does not see decode-0 serving again"
+t_serving=$(kr_wait_state "$router" decode-0 30 serving) || fail "(d) the router does not see decode-0 serving again"
 used0=0
 for ((i = 0; i < 8 && used0 == 0; i++)); do
-  "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((100 + i)))" --max-tokens 8 --json >"$KRC_DIR/d.got" 2>"$KRC_DIR/d.err" ||
+  "$bin/kvrelay-cli" --router "$router" generate --ids "$(kr_prompt $((100 + i)))" --max-tokens 8 --json >"$KRC_DIR/d.got" 2>"$KRC_DIR/d.err" ||
     fail "(d) request $i: $(errmsg "$KRC_DIR/d.err")"
-  [ "$(served_by "$KRC_DIR/d.got" decode_node)" = decode-0 ] && used0=1
+  [ "$(kr_served_by "$KRC_DIR/d.got")" = decode-0 ] && used0=1
 done
 [ $used0 = 1 ] || fail "(d) no request went to the restarted decode-0"
 echo "(d) decode-0 restarted: serving at the router $(elapsed "$t_start" "${t_serving:-$t_start}") s after its restart began; used again: $used0"
@@ -179,24 +135,24 @@ check_blocks "(d)" decode-0 decode-1
 
 # ---- (b) the same kill through the --migrate router: every stream completes, same greedy ids
 d=$KRC_DIR/b; mkdir -p "$d"
-wait_state "$router_m" decode-0 30 serving >/dev/null || fail "(b) router-m does not see decode-0 serving"
-for ((i = 0; i < n_streams; i++)); do gen "$d" "$i" "$router_m" $max_tokens "$(prompt $((200 + i)))"; done
+kr_wait_state "$router_m" decode-0 30 serving >/dev/null || fail "(b) router-m does not see decode-0 serving"
+for ((i = 0; i < n_streams; i++)); do gen "$d" "$i" "$router_m" $max_tokens "$(kr_prompt $((200 + i)))"; done
 wait_busy decode-1 || fail "(b) decode-1 never ran a sequence"
 sleep 0.3
 t_kill=$(now)
 krc_signal decode-1 KILL
-wait_clients
+kr_wait_clients
 migrated=0
 for ((i = 0; i < n_streams; i++)); do
   read -r rc t_end <"$d/$i.end"
   [ "$rc" = 0 ] || { fail "(b) stream $i failed: $(errmsg "$d/$i.err")"; continue; }
-  [ "$(served_by "$d/$i.got" decode_node)" = decode-0 ] || fail "(b) stream $i finished on $(served_by "$d/$i.got" decode_node)"
+  [ "$(kr_served_by "$d/$i.got")" = decode-0 ] || fail "(b) stream $i finished on $(kr_served_by "$d/$i.got")"
 done
 migrated=$(grep -c "migrating:" "$KRC_DIR/router-m.log")
 t_last=$(cat "$d"/*.end | awk '{ print $2 }' | sort -n | tail -n1)
 # the references (one process, greedy)
 for ((i = 0; i < n_streams; i++)); do
-  "$bin/kvrelay-generate" --model "$model" --ids "$(prompt $((200 + i)))" --greedy --max-tokens $max_tokens \
+  "$bin/kvrelay-generate" --model "$model" --ids "$(kr_prompt $((200 + i)))" --greedy --max-tokens $max_tokens \
     --chunk "$chunk" --threads 1 --json >"$d/$i.want" 2>"$d/$i.want.err" || fail "(b) kvrelay-generate $i: $(errmsg "$d/$i.want.err")"
   "$py" - "$d/$i.got" "$d/$i.want" "$i" <<'EOF' || fails=$((fails + 1))
 import json, sys
@@ -214,12 +170,12 @@ check_blocks "(b)" decode-0
 
 krc_restart decode-1 --listen "$(krc_addr decode-1)" --transfer "$transfer1" --http "$(krc_http decode-1)" ||
   fail "decode-1 did not restart"
-wait_state "$router" decode-1 30 serving >/dev/null || fail "the router does not see decode-1 serving again"
+kr_wait_state "$router" decode-1 30 serving >/dev/null || fail "the router does not see decode-1 serving again"
 
 # ---- (c) a prefill node dies while it holds queued requests
 d=$KRC_DIR/c; mkdir -p "$d"
 n_long=12
-for ((i = 0; i < n_long; i++)); do gen "$d" "$i" "$router" 4 "$(prompt $((300 + i)) 900)"; done
+for ((i = 0; i < n_long; i++)); do gen "$d" "$i" "$router" 4 "$(kr_prompt $((300 + i)) 900)"; done
 for ((t = 0; t < 300; t++)); do
   q=$("$bin/kvrelay-cli" --router "$router" status --json 2>/dev/null |
     "$py" -c 'import json,sys; print(next(n["queued_requests"] for n in json.load(sys.stdin)["nodes"] if n["id"] == "prefill-0"))' 2>/dev/null)
@@ -229,32 +185,32 @@ done
 [ "${q:-0}" -gt 0 ] || fail "(c) prefill-0 never had a queue"
 t_kill=$(now)
 krc_signal prefill-0 KILL
-wait_clients
+kr_wait_clients
 for ((i = 0; i < n_long; i++)); do
   read -r rc t_end <"$d/$i.end"
   [ "$rc" = 0 ] || fail "(c) request $i failed: $(errmsg "$d/$i.err")"
 done
 retried=$(grep -c "retrying once on another prefill node" "$KRC_DIR/router.log")
 t_last=$(cat "$d"/*.end | awk '{ print $2 }' | sort -n | tail -n1)
-t_suspect=$(wait_state "$router" prefill-0 10 suspect) || fail "(c) prefill-0 not suspect"
+t_suspect=$(kr_wait_state "$router" prefill-0 10 suspect) || fail "(c) prefill-0 not suspect"
 echo "(c) prefill-0 killed with ${q:-0} queued: all $n_long requests completed ($retried retried on prefill-1), the last $(elapsed "$t_kill" "$t_last") s after the kill; prefill-0 suspect by $(elapsed "$t_kill" "${t_suspect:-$t_kill}") s"
 check_blocks "(c)" decode-0 decode-1
 # back before (e): a request whose bundle is on its way to the decode node frozen there holds
 # prefill-1's one worker until --prefill-timeout-ms, and the requests queued behind it are then
 # retried on prefill-0
 krc_restart prefill-0 --listen "$(krc_addr prefill-0)" --http "$(krc_http prefill-0)" || fail "(c) prefill-0 did not restart"
-wait_state "$router" prefill-0 30 serving >/dev/null || fail "(c) the router does not see prefill-0 serving again"
+kr_wait_state "$router" prefill-0 30 serving >/dev/null || fail "(c) the router does not see prefill-0 serving again"
 
 # ---- (e) a frozen decode node (SIGSTOP: its sockets stay open, nothing answers), stopped while
 # it streams: its streams end after --decode-stall-ms (default 5 s), the others complete
 d=$KRC_DIR/e; mkdir -p "$d"
-for ((i = 0; i < 4; i++)); do gen "$d" "$i" "$router" $max_tokens "$(prompt $((600 + i)))"; done
+for ((i = 0; i < 4; i++)); do gen "$d" "$i" "$router" $max_tokens "$(kr_prompt $((600 + i)))"; done
 wait_busy decode-1 || fail "(e) decode-1 never ran a sequence"
 sleep 0.3
 t_stop=$(now)
 krc_signal decode-1 STOP
-t_suspect=$(wait_state "$router" decode-1 20 suspect) || fail "(e) decode-1 not suspect after SIGSTOP"
-wait_clients
+t_suspect=$(kr_wait_state "$router" decode-1 20 suspect) || fail "(e) decode-1 not suspect after SIGSTOP"
+kr_wait_clients
 stalled=0 worst=0
 for ((i = 0; i < 4; i++)); do
   read -r rc t_end <"$d/$i.end"
@@ -266,18 +222,18 @@ for ((i = 0; i < 4; i++)); do
 done
 [ $stalled -gt 0 ] || fail "(e) no stream was on decode-1 when it was stopped"
 for ((i = 0; i < 4; i++)); do
-  "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((400 + i)))" --max-tokens 8 --json >"$KRC_DIR/e.got" 2>"$KRC_DIR/e.err" ||
+  "$bin/kvrelay-cli" --router "$router" generate --ids "$(kr_prompt $((400 + i)))" --max-tokens 8 --json >"$KRC_DIR/e.got" 2>"$KRC_DIR/e.err" ||
     fail "(e) request $i while decode-1 is stopped: $(errmsg "$KRC_DIR/e.err")"
-  [ "$(served_by "$KRC_DIR/e.got" decode_node)" = decode-0 ] || fail "(e) request $i went to $(served_by "$KRC_DIR/e.got" decode_node)"
+  [ "$(kr_served_by "$KRC_DIR/e.got")" = decode-0 ] || fail "(e) request $i went to $(kr_served_by "$KRC_DIR/e.got")"
 done
 t_cont=$(now)
 krc_signal decode-1 CONT
-t_back=$(wait_state "$router" decode-1 20 serving) || fail "(e) decode-1 not serving after SIGCONT"
+t_back=$(kr_wait_state "$router" decode-1 20 serving) || fail "(e) decode-1 not serving after SIGCONT"
 used1=0
 for ((i = 0; i < 8 && used1 == 0; i++)); do
-  "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((500 + i)))" --max-tokens 8 --json >"$KRC_DIR/e.got" 2>"$KRC_DIR/e.err" ||
+  "$bin/kvrelay-cli" --router "$router" generate --ids "$(kr_prompt $((500 + i)))" --max-tokens 8 --json >"$KRC_DIR/e.got" 2>"$KRC_DIR/e.err" ||
     fail "(e) request $i after SIGCONT: $(errmsg "$KRC_DIR/e.err")"
-  [ "$(served_by "$KRC_DIR/e.got" decode_node)" = decode-1 ] && used1=1
+  [ "$(kr_served_by "$KRC_DIR/e.got")" = decode-1 ] && used1=1
 done
 [ $used1 = 1 ] || fail "(e) decode-1 not used again after SIGCONT"
 echo "(e) decode-1 SIGSTOPped: $stalled streams on it ended UNAVAILABLE (stall), the last ${worst} s after the stop; suspect after $(elapsed "$t_stop" "${t_suspect:-$t_stop}") s; after SIGCONT serving again in $(elapsed "$t_cont" "${t_back:-$t_cont}") s and used again: $used1"
@@ -285,20 +241,20 @@ check_blocks "(e)" decode-0 decode-1
 
 # ---- (f) a decode node drains on SIGTERM: its streams finish, new requests go to the other
 d=$KRC_DIR/f; mkdir -p "$d"
-for ((i = 0; i < 4; i++)); do gen "$d" "$i" "$router" 500 "$(prompt $((700 + i)))"; done
+for ((i = 0; i < 4; i++)); do gen "$d" "$i" "$router" 500 "$(kr_prompt $((700 + i)))"; done
 wait_busy decode-0 || fail "(f) decode-0 never ran a sequence"
 t_term=$(now)
 krc_signal decode-0 TERM
 # the router learns of the drain from a Status poll (every 500 ms) or a refused Reserve; a drain
 # that ends before either leaves the node unreachable instead: both mean "not chosen"
-t_drain=$(wait_state "$router" decode-0 10 draining unreachable suspect) || fail "(f) the router kept decode-0 serving after its SIGTERM"
-f_state=$(node_state "$router" decode-0)
+t_drain=$(kr_wait_state "$router" decode-0 10 draining unreachable suspect) || fail "(f) the router kept decode-0 serving after its SIGTERM"
+f_state=$(kr_node_field "$router" decode-0 state)
 for ((i = 0; i < 4; i++)); do
-  "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt $((800 + i)))" --max-tokens 8 --json >"$KRC_DIR/f.got" 2>"$KRC_DIR/f.err" ||
+  "$bin/kvrelay-cli" --router "$router" generate --ids "$(kr_prompt $((800 + i)))" --max-tokens 8 --json >"$KRC_DIR/f.got" 2>"$KRC_DIR/f.err" ||
     fail "(f) request $i while decode-0 drains: $(errmsg "$KRC_DIR/f.err")"
-  [ "$(served_by "$KRC_DIR/f.got" decode_node)" = decode-1 ] || fail "(f) request $i went to $(served_by "$KRC_DIR/f.got" decode_node)"
+  [ "$(kr_served_by "$KRC_DIR/f.got")" = decode-1 ] || fail "(f) request $i went to $(kr_served_by "$KRC_DIR/f.got")"
 done
-wait_clients
+kr_wait_clients
 for ((i = 0; i < 4; i++)); do
   read -r rc t_end <"$d/$i.end"
   [ "$rc" = 0 ] || fail "(f) stream $i did not finish while decode-0 drained: $(errmsg "$d/$i.err")"
@@ -311,10 +267,10 @@ check_blocks "(f)" decode-1
 # The cap counts queue wait too, so prefill-0 must get through its own four prompts and the four
 # retried ones within it: 600-token prompts take 0.3-0.5 s each there under ASan on a loaded
 # machine (900-token ones behind a 3 s cap did not always make it)
-wait_state "$router_m" prefill-0 30 serving >/dev/null || fail "(h) router-m does not see prefill-0 serving"
-wait_state "$router_m" decode-1 30 serving >/dev/null || fail "(h) router-m does not see decode-1 serving"
+kr_wait_state "$router_m" prefill-0 30 serving >/dev/null || fail "(h) router-m does not see prefill-0 serving"
+kr_wait_state "$router_m" decode-1 30 serving >/dev/null || fail "(h) router-m does not see decode-1 serving"
 d=$KRC_DIR/h; mkdir -p "$d"
-for ((i = 0; i < 8; i++)); do gen "$d" "$i" "$router_m" 4 "$(prompt $((1000 + i)) 600)"; done
+for ((i = 0; i < 8; i++)); do gen "$d" "$i" "$router_m" 4 "$(kr_prompt $((1000 + i)) 600)"; done
 for ((t = 0; t < 300; t++)); do
   q=$("$bin/kvrelay-cli" --router "$router_m" status --json 2>/dev/null |
     "$py" -c 'import json,sys; print(next(n["queued_requests"] for n in json.load(sys.stdin)["nodes"] if n["id"] == "prefill-1"))' 2>/dev/null)
@@ -325,7 +281,7 @@ done
 [ "${q:-0}" -gt 0 ] || echo "note: (h) no queue seen on prefill-1 before the stop"
 t_stop=$(now)
 krc_signal prefill-1 STOP
-wait_clients
+kr_wait_clients
 for ((i = 0; i < 8; i++)); do
   read -r rc t_end <"$d/$i.end"
   [ "$rc" = 0 ] || fail "(h) request $i failed: $(errmsg "$d/$i.err")"
@@ -351,28 +307,28 @@ if "$bin/kvrelay-router" --help | grep -q -- '--etcd' && krc_etcd_start; then
     --listen 127.0.0.1:0 --http 127.0.0.1:0
   krc_wait_serving router-e "$(krc_pid router-e)" >/dev/null || fail "(g) router-e did not start"
   router_e=$(krc_addr router-e)
-  wait_state "$router_e" decode-1 10 serving >/dev/null || fail "(g) decode-1 not serving from etcd membership"
-  "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 900)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
+  kr_wait_state "$router_e" decode-1 10 serving >/dev/null || fail "(g) decode-1 not serving from etcd membership"
+  "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(kr_prompt 900)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
     fail "(g) a request through etcd membership: $(errmsg "$KRC_DIR/g.err")"
   t0=$(now)
   ectl put /kvrelay/t/nodes/decode/decode-1 "$(member decode decode-1 draining $fp)"
-  t_drain=$(wait_state "$router_e" decode-1 10 draining) || fail "(g) draining in etcd not seen"
+  t_drain=$(kr_wait_state "$router_e" decode-1 10 draining) || fail "(g) draining in etcd not seen"
   t1=$(now)
   ectl del /kvrelay/t/nodes/decode/decode-1
-  t_gone=$(wait_state "$router_e" decode-1 10 gone) || fail "(g) a deleted member is not gone"
-  if "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 901)" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err"; then
+  t_gone=$(kr_wait_state "$router_e" decode-1 10 gone) || fail "(g) a deleted member is not gone"
+  if "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(kr_prompt 901)" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err"; then
     fail "(g) a request was served with no decode member"
   fi
   ectl put /kvrelay/t/nodes/decode/decode-1 "$(member decode decode-1 serving 00000000000000bb)"
   sleep 1
-  if "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 902)" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err"; then
+  if "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(kr_prompt 902)" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err"; then
     fail "(g) a member with another model fingerprint was used"
   fi
   grep -q "decode-1 serves model fingerprint 00000000000000bb" "$KRC_DIR/router-e.log" || fail "(g) the fingerprint mismatch was not logged"
   ectl put /kvrelay/t/nodes/decode/decode-1 "$(member decode decode-1 serving $fp)"
   t2=$(now)
-  t_back=$(wait_state "$router_e" decode-1 10 serving) || fail "(g) decode-1 not back"
-  "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt 903)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
+  t_back=$(kr_wait_state "$router_e" decode-1 10 serving) || fail "(g) decode-1 not back"
+  "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(kr_prompt 903)" --max-tokens 8 --json >"$KRC_DIR/g.got" 2>"$KRC_DIR/g.err" ||
     fail "(g) a request after the member came back: $(errmsg "$KRC_DIR/g.err")"
   echo "(g) etcd membership: draining seen after $(elapsed "$t0" "${t_drain:-$t0}") s, a deleted key gone after $(elapsed "$t1" "${t_gone:-$t1}") s, back after $(elapsed "$t2" "${t_back:-$t2}") s"
   # etcd goes away: the router serves on the last membership; back on the same ports (same data):
@@ -380,14 +336,14 @@ if "$bin/kvrelay-router" --help | grep -q -- '--etcd' && krc_etcd_start; then
   ports="$KRC_ETCD_CLIENT_PORT $KRC_ETCD_PEER_PORT"
   krc_etcd_stop
   for ((i = 0; i < 3; i++)); do
-    "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(prompt $((910 + i)))" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err" ||
+    "$bin/kvrelay-cli" --router "$router_e" generate --ids "$(kr_prompt $((910 + i)))" --max-tokens 8 >/dev/null 2>"$KRC_DIR/g.err" ||
       fail "(g) request $i with etcd down: $(errmsg "$KRC_DIR/g.err")"
   done
   # shellcheck disable=SC2086
   krc_etcd_start $ports || fail "(g) etcd did not restart"
   t3=$(now)
   ectl del /kvrelay/t/nodes/decode/decode-1
-  t_rewatch=$(wait_state "$router_e" decode-1 30 gone) || fail "(g) after etcd restarted the router did not see a change"
+  t_rewatch=$(kr_wait_state "$router_e" decode-1 30 gone) || fail "(g) after etcd restarted the router did not see a change"
   echo "(g) etcd stopped: requests kept succeeding; restarted: a change seen $(elapsed "$t3" "${t_rewatch:-$t3}") s after the restart"
   krc_etcd_stop
 else

@@ -9,14 +9,13 @@ set -uo pipefail
 
 bin=${KR_BIN:?KR_BIN must be the build directory}
 src=${KR_SRC:?KR_SRC must be the source directory}
+. "$src/tests/integration/lib.sh" # fail, kr_need_bins
 mk=$bin/kvrelay-make-model
 corpus=$src/tools/data/corpus.txt
-[ -x "$mk" ] || { echo "SKIP: $mk is not built"; exit 77; }
+kr_need_bins kvrelay-make-model
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-fails=0
-fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
 small=(--corpus "$corpus" --vocab 512 --hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 96)
 

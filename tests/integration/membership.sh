@@ -19,23 +19,15 @@
 # Run: ctest -R membership, or KR_BIN=build KR_SRC=. KR_FIXTURES=tests/fixtures bash tests/integration/membership.sh
 set -uo pipefail
 
+. "${KR_SRC:?KR_SRC must be the source directory}/tests/integration/lib.sh" # krc_*, fail, now, elapsed, kr_*
 bin=${KR_BIN:?KR_BIN must be the build directory}
-src=${KR_SRC:?KR_SRC must be the source directory}
 fixtures=$(cd "${KR_FIXTURES:?KR_FIXTURES must be tests/fixtures}" && pwd)
-for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli; do
-  [ -x "$bin/$p" ] || { echo "SKIP: $bin/$p is not built"; exit 77; }
-done
-[ -x /usr/bin/etcd ] && command -v etcdctl >/dev/null || { echo "SKIP: etcd (etcd-server, etcd-client) is not installed"; exit 77; }
-py=/usr/bin/python3
-[ -x "$py" ] || { echo "SKIP: $py is missing"; exit 77; }
+kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli
+[ -x /usr/bin/etcd ] && command -v etcdctl >/dev/null || kr_skip "etcd (etcd-server, etcd-client) is not installed"
+kr_need_py
 
 KRC_DIR=$(mktemp -d -t kvrelay-membership.XXXXXX)
-. "$src/deploy/local-cluster.sh"
 trap 'kill -CONT "${KRC_ETCD_PID:-0}" 2>/dev/null; krc_stop; krc_etcd_stop; rm -rf "$KRC_DIR"' EXIT
-fails=0
-fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
-now() { date +%s.%N; }
-elapsed() { "$py" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")' "$1" "$2"; }
 ttl=3
 
 krc_etcd_start || { echo "FAIL: etcd did not start (log: $KRC_DIR/etcd.log)"; exit 1; }
@@ -85,42 +77,24 @@ wait_member() {
   return 1
 }
 # the state router ClusterStatus gives node $1 ("absent" when not listed)
-node_state() {
-  "$bin/kvrelay-cli" --router "$router" status --json 2>/dev/null |
-    "$py" -c 'import json,sys; print(next((n["state"] for n in json.load(sys.stdin)["nodes"] if n["id"] == sys.argv[1]), "absent"))' "$1"
-}
-wait_state() {
-  local t
-  for ((t = 0; t < $2 * 10; t++)); do
-    case " ${*:3} " in *" $(node_state "$1") "*) now; return 0 ;; esac
-    sleep 0.1
-  done
-  return 1
-}
-metric() { awk -v m="$1" '$1 == m { print $2 }' <<<"$2"; }
+node_state() { kr_node_field "$router" "$1" state; }
+# waits up to $2 s until node $1 is in one of the states $3...; prints the time it was seen
+wait_state() { kr_wait_state "$router" "$@"; }
 blocks_zero() { # decode node $1: used + reserved blocks 0 within 20 s
-  local t m
-  for ((t = 0; t < 200; t++)); do
-    m=$(curl -s --max-time 2 "http://$(krc_http "$1")/metrics")
-    [ "$(metric kvrelay_kv_blocks_used "$m")" = 0 ] && [ "$(metric kvrelay_kv_blocks_reserved "$m")" = 0 ] && return 0
-    sleep 0.1
-  done
-  fail "$1 still holds KV blocks: $(grep -E '^kvrelay_kv_blocks_(used|reserved) ' <<<"$m" | tr '\n' ' ')"
+  kr_blocks_zero "$1" 200 ||
+    fail "$1 still holds KV blocks: $(grep -E '^kvrelay_kv_blocks_(used|reserved) ' <<<"$KR_METRICS" | tr '\n' ' ')"
 }
-prompt() { awk -v s="$1" 'BEGIN { x = s * 7919 + 17; for (k = 0; k < 24; k++) { x = (x * 1103515245 + 12345) % 2147483648; printf "%s%d", (k ? " " : ""), 1 + x % 500 } }'; }
 CLIENTS=()
 gen() { # gen NAME MAX_TOKENS SEED: one client in the background
-  ("$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt "$3")" --max-tokens "$2" \
+  ("$bin/kvrelay-cli" --router "$router" generate --ids "$(kr_prompt "$3")" --max-tokens "$2" \
      --timeout-ms 120000 --json >"$KRC_DIR/$1.got" 2>"$KRC_DIR/$1.err"
    echo $? >"$KRC_DIR/$1.rc") &
   CLIENTS+=($!)
 }
-wait_clients() { local p; for p in "${CLIENTS[@]}"; do wait "$p"; done; CLIENTS=(); }
-served_by() { "$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["usage"]["served_by"]["decode_node"])' "$1" 2>/dev/null; }
 one_request() { # one short request must succeed; prints its decode node
-  "$bin/kvrelay-cli" --router "$router" generate --ids "$(prompt "$1")" --max-tokens 4 --json \
+  "$bin/kvrelay-cli" --router "$router" generate --ids "$(kr_prompt "$1")" --max-tokens 4 --json \
     >"$KRC_DIR/one.got" 2>"$KRC_DIR/one.err" || { fail "$2: $(tail -n1 "$KRC_DIR/one.err")"; return 1; }
-  served_by "$KRC_DIR/one.got"
+  kr_served_by "$KRC_DIR/one.got"
 }
 
 # ---- (a) registered: JSON in etcd, serving in ClusterStatus
@@ -171,11 +145,11 @@ for ((i = 0; i < 3; i++)); do
   d=$(one_request $((200 + i)) "(c) request $i while decode-1 drains")
   [ -z "$d" ] || [ "$d" = decode-0 ] || fail "(c) request $i during the drain went to $d"
 done
-wait_clients
+kr_wait_clients
 on1=0
 for ((i = 0; i < 4; i++)); do
   [ "$(cat "$KRC_DIR/c$i.rc")" = 0 ] || fail "(c) stream $i did not finish: $(tail -n1 "$KRC_DIR/c$i.err")"
-  [ "$(served_by "$KRC_DIR/c$i.got")" = decode-1 ] && on1=$((on1 + 1))
+  [ "$(kr_served_by "$KRC_DIR/c$i.got")" = decode-1 ] && on1=$((on1 + 1))
 done
 [ $on1 -gt 0 ] || fail "(c) no stream ran on decode-1 (nothing was drained)"
 t_dg=$(wait_member decode-1 30 "") || fail "(c) decode-1's key stayed after its drain"

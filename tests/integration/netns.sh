@@ -27,17 +27,14 @@ set -uo pipefail
 
 bin=${KR_BIN:?KR_BIN must be the build directory}
 src=${KR_SRC:?KR_SRC must be the source directory}
-skip() { echo "SKIP: $*"; exit 77; }
-[ "$(id -u)" = 0 ] || skip "network namespaces need root (CAP_NET_ADMIN); run it as root"
-command -v ip >/dev/null || skip "ip (iproute2) is missing"
-for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli kvrelay-generate; do
-  [ -x "$bin/$p" ] || skip "$bin/$p is not built"
-done
-model=$(cd "$src/models/kjv-2l128-2k" 2>/dev/null && pwd) || skip "models/kjv-2l128-2k is missing"
-py=/usr/bin/python3
-[ -x "$py" ] || skip "$py is missing"
-[ -x /usr/bin/etcd ] && command -v etcdctl >/dev/null || skip "etcd (etcd-server, etcd-client) is not installed"
-command -v curl >/dev/null || skip "curl is missing"
+. "$src/tests/integration/lib.sh" # krc_*, kr_skip, fail, now, elapsed, metric, kr_*
+[ "$(id -u)" = 0 ] || kr_skip "network namespaces need root (CAP_NET_ADMIN); run it as root"
+command -v ip >/dev/null || kr_skip "ip (iproute2) is missing"
+kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli kvrelay-generate
+model=$(cd "$src/models/kjv-2l128-2k" 2>/dev/null && pwd) || kr_skip "models/kjv-2l128-2k is missing"
+kr_need_py
+[ -x /usr/bin/etcd ] && command -v etcdctl >/dev/null || kr_skip "etcd (etcd-server, etcd-client) is not installed"
+command -v curl >/dev/null || kr_skip "curl is missing"
 
 prefix=kvrelay-netns
 tag=$prefix-$$
@@ -51,12 +48,10 @@ for ns in $(ip netns list 2>/dev/null | awk '{ print $1 }' | grep "^$prefix-[0-9
   for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
   ip netns del "$ns" 2>/dev/null && echo "removed the leftover namespace $ns"
 done
-ip netns add "$tag-br" 2>/dev/null || skip "cannot create a network namespace (ip netns add: no CAP_NET_ADMIN?)"
+ip netns add "$tag-br" 2>/dev/null || kr_skip "cannot create a network namespace (ip netns add: no CAP_NET_ADMIN?)"
 NAMESPACES=("$tag-br")
 
 KRC_DIR=$(mktemp -d -t kvrelay-netns.XXXXXX)
-. "$src/deploy/local-cluster.sh"
-fails=0
 cleanup() {
   local i pid ns
   kill "${refs_pid:-}" "${refs_long_pid:-}" 2>/dev/null
@@ -76,9 +71,6 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'fails=$((fails + 1)); exit 130' INT TERM
-fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
-now() { date +%s.%N; }
-elapsed() { "$py" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")' "$1" "$2"; }
 
 # ------------------------------------------------------------------ the network
 # one namespace per process; eth0 in it, v-<role> on the bridge br0 in $tag-br
@@ -167,9 +159,7 @@ done
 
 cli() { nsx client "$bin/kvrelay-cli" --router "$R:7000" "$@"; }
 status_json() { cli status --json 2>/dev/null; }
-node_state() {
-  status_json | "$py" -c 'import json,sys; print(next((n["state"] for n in json.load(sys.stdin)["nodes"] if n["id"] == sys.argv[1]), "absent"))' "$1" 2>/dev/null
-}
+node_state() { status_json | kr_status_field "$1" state 2>/dev/null; }
 # wait_state ID SECONDS STATE... : prints the time once the router shows the node in one of them
 wait_state() {
   local id=$1 end=$(($(date +%s) + $2)) st w
@@ -200,7 +190,6 @@ else:
     sys.exit(1)
 PY
 }
-metric() { awk -v m="$1" '$1 == m { print $2 }' <<<"$2"; }
 metrics() { nsx client curl -s --max-time 2 "http://${ADDR[$1]}:7002/metrics"; }
 # blocks_zero WHAT NODE: used and reserved KV blocks back to 0 (polls up to 20 s); prints the time
 blocks_zero() {
@@ -230,7 +219,6 @@ req() {
    echo $? >"$KRC_DIR/req/$1.rc") &
   CLIENTS+=($!)
 }
-wait_clients() { local p; for p in "${CLIENTS[@]}"; do wait "$p"; done; CLIENTS=(); }
 # check NAME I N WHAT: request NAME succeeded with the one-process ids
 check() {
   local got
@@ -247,7 +235,7 @@ wait "$refs_pid"
 declare -A SEEN=()
 for round in 0 1 2; do
   for ((i = 0; i < ${#PROMPTS[@]}; i++)); do req "r$round.$i" "$i" 48; done
-  wait_clients
+  kr_wait_clients
   for ((i = 0; i < ${#PROMPTS[@]}; i++)); do
     check "r$round.$i" "$i" 48 "(0)" && SEEN[$(by "r$round.$i" prefill_node)]=1 && SEEN[$(by "r$round.$i" decode_node)]=1
   done
@@ -259,7 +247,7 @@ ttft_run() {
   local i ts=()
   for ((i = 0; i < 4; i++)); do
     req "$1$i" "$i" 8
-    wait_clients
+    kr_wait_clients
     check "$1$i" "$i" 8 "TTFT run $1" && ts+=("$(ttft_ms "$1$i")")
   done
   echo "$(echo "${ts[*]}" | median) ms (${ts[*]})"
@@ -279,7 +267,7 @@ else
   for r in prefill-0 prefill-1; do tc -n "$tag-$r" qdisc add dev eth0 root netem delay 20ms loss 1% || fail "(1) netem on $r"; done
   ttft1=$(ttft_run n)
   for ((i = 0; i < ${#PROMPTS[@]}; i++)); do req "nc$i" "$i" 48; done
-  wait_clients
+  kr_wait_clients
   for ((i = 0; i < ${#PROMPTS[@]}; i++)); do check "nc$i" "$i" 48 "(1) concurrent"; done
   for r in prefill-0 prefill-1; do tc -n "$tag-$r" qdisc del dev eth0 root; done
   echo "(1) netem delay 20ms loss 1% on the prefill nodes' links: ${#PROMPTS[@]} concurrent requests still equal kvrelay-generate; TTFT median $ttft1, against $ttft0 without"
@@ -301,7 +289,7 @@ t0=$(now)
 part decode-1
 for ((i = 0; i < 4; i++)); do req "pa$i" "$i" 24; done
 wait_state decode-1 15 suspect gone >/dev/null || fail "(2) the router does not show decode-1 suspect or gone 15 s into its partition: $(node_state decode-1)"
-wait_clients
+kr_wait_clients
 for ((i = 0; i < 4; i++)); do
   check "pa$i" "$i" 24 "(2) during the partition" && [ "$(by "pa$i" decode_node)" != decode-0 ] &&
     fail "(2) request pa$i was served by $(by "pa$i" decode_node) during its partition"
@@ -317,7 +305,7 @@ blocks_zero "(2) after the heal" decode-1 >/dev/null
 used=0
 for ((i = 0; i < 8 && used == 0; i++)); do
   req "pb$i" $((i % 4)) 24
-  wait_clients
+  kr_wait_clients
   check "pb$i" $((i % 4)) 24 "(2) after healing" && [ "$(by "pb$i" decode_node)" = decode-1 ] && used=1
 done
 [ $used = 1 ] || fail "(2) no request went to decode-1 after the partition healed"
@@ -337,7 +325,7 @@ done
 [ $on1 = 1 ] || fail "(2) no request streamed from decode-1"
 t0=$(now)
 part decode-1
-wait_clients
+kr_wait_clients
 t_end=$(now)
 wait "$refs_long_pid"
 check s0 0 $long "(2) streaming"
@@ -366,7 +354,7 @@ part etcd
 ok=0 n=0 t_exp=
 while :; do
   req "e$n" $((n % ${#PROMPTS[@]})) 16
-  wait_clients
+  kr_wait_clients
   check "e$n" $((n % ${#PROMPTS[@]})) 16 "(3) during the etcd partition" && ok=$((ok + 1))
   n=$((n + 1))
   # etcd's own view, asked inside its namespace (its address is local there: no bridge)
@@ -383,7 +371,7 @@ unpart etcd
 ok=0 n=0 gap=0 t_reg= t_all=
 while :; do
   req "h$n" $((n % ${#PROMPTS[@]})) 16
-  wait_clients
+  kr_wait_clients
   if [ "$(cat "$KRC_DIR/req/h$n.rc")" != 0 ] && grep -q "no \(decode\|prefill\) node can take the request" "$KRC_DIR/req/h$n.err"; then
     gap=$((gap + 1))
   else

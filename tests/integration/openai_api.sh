@@ -20,7 +20,7 @@ if ! command -v curl >/dev/null; then
   exit 77
 fi
 
-. "$KR_SRC/tests/integration/lib/cluster.sh" # kr_cluster_workdir, fail
+. "$KR_SRC/tests/integration/lib.sh" # krc_*, kr_cluster_workdir, fatal
 kr_cluster_workdir openai
 
 model=$KR_SRC/models/kjv-2l128-2k
@@ -30,21 +30,21 @@ key2=sk-env-0c6e1b9d84f2a753
 printf '# the test keys\n\n%s\n' "$key1" >"$KRC_DIR/keys"
 KRC_ROUTER_ARGS=(--api-key-file "$KRC_DIR/keys" --served-model-name "$name" --max-queue-ms 300)
 KRC_DECODE_ARGS=(--kv-blocks 20000)
-KVRELAY_API_KEY=$key2 krc_start "$KR_BIN" "$model" 1 1 127.0.0.1:0 --threads 1 || fail "the cluster did not start"
+KVRELAY_API_KEY=$key2 krc_start "$KR_BIN" "$model" 1 1 127.0.0.1:0 --threads 1 || fatal "the cluster did not start"
 api=http://$KRC_ROUTER_HTTP/v1
 cli=("$KR_BIN/kvrelay-cli" --router "$KRC_ROUTER" --api-key "$key1")
 
 # ------------------------------------------------------------------ what the gRPC API says
 prompt="And God said"
 policy=streaming:sink=4,window=8
-ref=$("${cli[@]}" generate --prompt "$prompt" --max-tokens 24 --json) || fail "gRPC generate"
-ref_policy=$("${cli[@]}" generate --prompt "$prompt" --max-tokens 24 --policy "$policy" --json) || fail "gRPC generate --policy"
-ids=$("${cli[@]}" tokenize --text "$prompt" --add-special) || fail "gRPC tokenize"
+ref=$("${cli[@]}" generate --prompt "$prompt" --max-tokens 24 --json) || fatal "gRPC generate"
+ref_policy=$("${cli[@]}" generate --prompt "$prompt" --max-tokens 24 --policy "$policy" --json) || fatal "gRPC generate --policy"
+ids=$("${cli[@]}" tokenize --text "$prompt" --add-special) || fatal "gRPC tokenize"
 # the chat of client.cjs as the model's chat template renders it, generated from its ids
 chat_json='{"messages": [{"role": "system", "content": "In the beginning"}, {"role": "user", "content": "God created the heaven"}]}'
 echo "$chat_json" >"$KRC_DIR/chat.json"
-chat_ids=$("$KR_BIN/kvrelay-tokenize" --model "$model" --chat "$KRC_DIR/chat.json") || fail "kvrelay-tokenize --chat"
-ref_chat=$("${cli[@]}" generate --ids "$chat_ids" --max-tokens 20 --json) || fail "gRPC generate of the chat prompt"
+chat_ids=$("$KR_BIN/kvrelay-tokenize" --model "$model" --chat "$KRC_DIR/chat.json") || fatal "kvrelay-tokenize --chat"
+ref_chat=$("${cli[@]}" generate --ids "$chat_ids" --max-tokens 20 --json) || fatal "gRPC generate of the chat prompt"
 expect=$(REF="$ref" REF_POLICY="$ref_policy" IDS="$ids" REF_CHAT="$ref_chat" PROMPT="$prompt" POLICY="$policy" \
   ROUTER_METRICS="http://$KRC_ROUTER_HTTP/metrics" DECODE_METRICS="http://$(krc_http decode-0)/metrics" "$PY" -c '
 import json, os
@@ -60,11 +60,11 @@ print(json.dumps({
     "chat": chat["text"], "stop": stop, "long_tokens": 3000,
     "router_metrics": os.environ["ROUTER_METRICS"], "decode_metrics": os.environ["DECODE_METRICS"]}))')
 [ "$(echo "$ref" | "$PY" -c 'import json,sys; print(len(json.load(sys.stdin)["text"]) >= 6)')" = True ] ||
-  fail "the gRPC reference text is too short to cut a stop string from: $ref"
+  fatal "the gRPC reference text is too short to cut a stop string from: $ref"
 
 # ------------------------------------------------------------------ the openai package
 export NODE_PATH=$modules
-KR_EXPECT=$expect node "$KR_SRC/tests/integration/openai/client.cjs" main "$api" "$key1" "$name" || fail "client.cjs main"
+KR_EXPECT=$expect node "$KR_SRC/tests/integration/openai/client.cjs" main "$api" "$key1" "$name" || fatal "client.cjs main"
 KR_EXPECT=$expect node -e '
 const OpenAI = require("openai");
 const e = JSON.parse(process.env.KR_EXPECT);
@@ -72,15 +72,15 @@ new OpenAI({baseURL: process.argv[1], apiKey: process.argv[2], maxRetries: 0})
   .completions.create({model: process.argv[3], prompt: e.prompt, max_tokens: 24, temperature: 0})
   .then((r) => { if (r.choices[0].text !== e.full) { console.error("FAIL: the KVRELAY_API_KEY key"); process.exit(1); }
                  console.log("ok: the key from KVRELAY_API_KEY works too"); })' "$api" "$key2" "$name" ||
-  fail "the key from KVRELAY_API_KEY"
+  fatal "the key from KVRELAY_API_KEY"
 
 # ------------------------------------------------------------------ curl: a raw SSE stream
 curl -sS -N -D "$KRC_DIR/sse.headers" -o "$KRC_DIR/sse.body" -H "Authorization: Bearer $key1" \
   -H 'Content-Type: application/json' \
   -d "{\"model\": \"$name\", \"prompt\": \"$prompt\", \"max_tokens\": 24, \"temperature\": 0, \"stream\": true}" \
-  "$api/completions" || fail "curl stream"
-grep -qi '^content-type: text/event-stream' "$KRC_DIR/sse.headers" || fail "curl: not text/event-stream: $(cat "$KRC_DIR/sse.headers")"
-REF="$ref" "$PY" - "$KRC_DIR/sse.body" <<'EOF' || fail "curl: the SSE stream"
+  "$api/completions" || fatal "curl stream"
+grep -qi '^content-type: text/event-stream' "$KRC_DIR/sse.headers" || fatal "curl: not text/event-stream: $(cat "$KRC_DIR/sse.headers")"
+REF="$ref" "$PY" - "$KRC_DIR/sse.body" <<'EOF' || fatal "curl: the SSE stream"
 import json, os, sys
 raw = open(sys.argv[1], encoding="utf-8").read()
 events = raw.split("\n\n")
@@ -96,25 +96,25 @@ assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 print(f"ok: curl read {len(chunks)} SSE chunks and [DONE]: the gRPC text")
 EOF
 code=$(curl -s -o /dev/null -w '%{http_code}' "http://$KRC_ROUTER_HTTP/healthz")
-[ "$code" = 200 ] || fail "/healthz without a key: $code"
+[ "$code" = 200 ] || fatal "/healthz without a key: $code"
 code=$(curl -s -o /dev/null -w '%{http_code}' "http://$KRC_ROUTER_HTTP/metrics")
-[ "$code" = 200 ] || fail "/metrics without a key: $code"
+[ "$code" = 200 ] || fatal "/metrics without a key: $code"
 echo "ok: /healthz and /metrics stay open"
 
 # ------------------------------------------------------------------ 429: no room in the decode pool
 kr_pystubs "$KRC_DIR/stubs" kvrelay/v1/internal.proto
-kr_hold_pool "$KRC_DIR/stubs" "$(krc_addr decode-0)" "$KRC_DIR" || fail "hold_pool: $(cat "$KRC_DIR/hold.out")"
+kr_hold_pool "$KRC_DIR/stubs" "$(krc_addr decode-0)" "$KRC_DIR" || fatal "hold_pool: $(cat "$KRC_DIR/hold.out")"
 echo "ok: $(cat "$KRC_DIR/hold.out")"
-KR_EXPECT=$expect node "$KR_SRC/tests/integration/openai/client.cjs" full "$api" "$key1" "$name" || fail "client.cjs full"
-kr_release_pool || fail "hold_pool release: $(cat "$KRC_DIR/hold.out")"
+KR_EXPECT=$expect node "$KR_SRC/tests/integration/openai/client.cjs" full "$api" "$key1" "$name" || fatal "client.cjs full"
+kr_release_pool || fatal "hold_pool release: $(cat "$KRC_DIR/hold.out")"
 
 # ------------------------------------------------------------------ 503: no decode node
 krc_signal decode-0 KILL
-KR_EXPECT=$expect node "$KR_SRC/tests/integration/openai/client.cjs" down "$api" "$key1" "$name" || fail "client.cjs down"
+KR_EXPECT=$expect node "$KR_SRC/tests/integration/openai/client.cjs" down "$api" "$key1" "$name" || fatal "client.cjs down"
 
 # ------------------------------------------------------------------ the keys never reach a log
 for f in "$KRC_DIR"/*.log; do
-  if grep -q -e "$key1" -e "$key2" "$f"; then fail "$f holds an API key"; fi
+  if grep -q -e "$key1" -e "$key2" "$f"; then fatal "$f holds an API key"; fi
 done
 echo "ok: no log holds an API key"
 echo "PASS"

@@ -22,26 +22,24 @@ set -uo pipefail
 bin=${KR_BIN:?KR_BIN must be the build directory}
 src=${KR_SRC:?KR_SRC must be the source directory}
 model=$(cd "${KR_FIXTURES:?KR_FIXTURES must be tests/fixtures}" && pwd)/models/llama3-tiny
-for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli; do
-  [ -x "$bin/$p" ] || { echo "SKIP: $bin/$p is not built"; exit 77; }
-done
-command -v openssl >/dev/null || { echo "SKIP: openssl is not installed"; exit 77; }
+. "$src/tests/integration/lib.sh" # krc_*, kr_cluster_workdir, fatal, kr_need_bins, kr_skip
+kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli
+command -v openssl >/dev/null || kr_skip "openssl is not installed"
 . "$src/tests/integration/lib/pystubs.sh" # PY, kr_pystubs; skips without grpcio
-. "$src/tests/integration/lib/cluster.sh" # krc_*, kr_cluster_workdir, fail
 kr_cluster_workdir tls
 work=$KRC_DIR
 trap 'krc_stop; krc_etcd_stop; rm -rf "$work"' EXIT
 KRC_START_TIMEOUT=1200 # tenths of a second: the sanitizer build loads slowly on 2 cores
 
 tls=$work/tls other=$work/other
-"$src/deploy/tls-certs.sh" "$tls" router prefill-0 decode-0 client >/dev/null || fail "tls-certs.sh (cluster CA)"
-"$src/deploy/tls-certs.sh" "$other" decode-9 client >/dev/null || fail "tls-certs.sh (other CA)"
+"$src/deploy/tls-certs.sh" "$tls" router prefill-0 decode-0 client >/dev/null || fatal "tls-certs.sh (cluster CA)"
+"$src/deploy/tls-certs.sh" "$other" decode-9 client >/dev/null || fatal "tls-certs.sh (other CA)"
 
 # ---- start-up refusals: each program exits non-zero with a message naming the problem
 refuses() { # refuses WANT PROGRAM ARGS...
   local want=$1 out; shift
-  out=$("$@" 2>&1 </dev/null) && fail "$* started (wanted a refusal: $want)"
-  grep -qF -- "$want" <<<"$out" || fail "$*: message lacks '$want': $out"
+  out=$("$@" 2>&1 </dev/null) && fatal "$* started (wanted a refusal: $want)"
+  grep -qF -- "$want" <<<"$out" || fatal "$*: message lacks '$want': $out"
   echo "refused as expected: ${out##*$'\n'}"
 }
 refuses "does not belong to the certificate in --tls-cert" "$bin/kvrelay-decode" --model "$model" \
@@ -67,13 +65,13 @@ answer() { # answer OUT CLI-ARGS...: the greedy ids of every prompt x policy, on
   for p in "${prompts[@]}"; do
     for q in "${policies[@]}"; do
       line=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" "$@" generate --ids "$p" --max-tokens 8 \
-        --policy "$q" --timeout-ms 120000 --json) || fail "generate '$p' ($q) $*"
+        --policy "$q" --timeout-ms 120000 --json) || fatal "generate '$p' ($q) $*"
       "$PY" -c 'import json,sys; r=json.loads(sys.argv[1]); print(" ".join(map(str, r["ids"])), r["usage"]["served_by"]["decode_node"])' "$line" >>"$out"
     done
   done
 }
 KRC_DIR=$work/plain
-krc_start "$bin" "$model" 1 1 127.0.0.1:0 --threads 1 || fail "the plaintext cluster did not start"
+krc_start "$bin" "$model" 1 1 127.0.0.1:0 --threads 1 || fatal "the plaintext cluster did not start"
 answer "$work/plain.ids"
 krc_stop
 
@@ -86,7 +84,7 @@ rogue_etcd=()
 if krc_etcd_start; then
   echo "etcd with TLS and client-certificate auth at $KRC_ETCD"
   etcdctl --endpoints "https://$KRC_ETCD" --cacert "$tls/ca.pem" --dial-timeout 3s endpoint health >/dev/null 2>&1 &&
-    fail "etcdctl without a client certificate was let in"
+    fatal "etcdctl without a client certificate was let in"
   # the node from another CA may reach etcd: only the router's own check keeps it out
   rogue_etcd=(--etcd "$KRC_ETCD" --cluster local --etcd-ca "$tls/ca.pem" --etcd-cert "$tls/client.pem"
     --etcd-key "$tls/client.key")
@@ -96,33 +94,33 @@ fi
 krc_spawn decode-9 "$bin/kvrelay-decode" --model "$model" --id decode-9 --listen 127.0.0.1:0 \
   --transfer 127.0.0.1:0 --http 127.0.0.1:0 --threads 1 --tls-cert "$other/decode-9.pem" \
   --tls-key "$other/decode-9.key" --tls-ca "$other/ca.pem" "${rogue_etcd[@]}"
-krc_start "$bin" "$model" 1 1 127.0.0.1:0 --threads 1 || fail "the TLS cluster did not start"
+krc_start "$bin" "$model" 1 1 127.0.0.1:0 --threads 1 || fatal "the TLS cluster did not start"
 echo "TLS cluster up: router $KRC_ROUTER (logs in $KRC_DIR)"
-grep -q "TLS: gRPC port with .*client certificates: require" "$KRC_DIR/router.log" || fail "the router does not say it serves TLS"
+grep -q "TLS: gRPC port with .*client certificates: require" "$KRC_DIR/router.log" || fatal "the router does not say it serves TLS"
 mine=(--tls-ca "$tls/ca.pem" --tls-cert "$tls/client.pem" --tls-key "$tls/client.key")
 
 # the router knows decode-9 (membership) but cannot reach it over mutual TLS
 status=""
 for ((i = 0; i < 100; i++)); do
-  status=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" "${mine[@]}" status --json) || fail "status over TLS"
+  status=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" "${mine[@]}" status --json) || fatal "status over TLS"
   grep -q '"decode-9"' <<<"$status" && break
   sleep 0.1
 done
 rogue_state=$("$PY" -c 'import json,sys; print([n["state"] for n in json.loads(sys.argv[1])["nodes"] if n["id"] == "decode-9"])' "$status")
 echo "decode-9 (another CA) in the router's view: $rogue_state"
-[ "$rogue_state" != "[]" ] || fail "decode-9 is not in the membership: the test proves nothing"
-grep -qE "unreachable|suspect" <<<"$rogue_state" || fail "decode-9, certified by another CA, is $rogue_state"
+[ "$rogue_state" != "[]" ] || fatal "decode-9 is not in the membership: the test proves nothing"
+grep -qE "unreachable|suspect" <<<"$rogue_state" || fatal "decode-9, certified by another CA, is $rogue_state"
 
 answer "$work/tls.ids" "${mine[@]}"
-diff "$work/plain.ids" "$work/tls.ids" >/dev/null || fail "TLS answers differ from plaintext ones: $(diff "$work/plain.ids" "$work/tls.ids")"
-grep -q decode-9 "$work/tls.ids" && fail "a request was decoded on decode-9 (another CA)"
+diff "$work/plain.ids" "$work/tls.ids" >/dev/null || fatal "TLS answers differ from plaintext ones: $(diff "$work/plain.ids" "$work/tls.ids")"
+grep -q decode-9 "$work/tls.ids" && fatal "a request was decoded on decode-9 (another CA)"
 echo "greedy answers over TLS equal the plaintext cluster's ($(wc -l <"$work/tls.ids") requests, all on decode-0)"
 
 # kvrelay-cli without the client certificate, and without TLS: refused with a hint
-out=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" --tls-ca "$tls/ca.pem" status 2>&1) && fail "status without a client certificate was served"
-grep -q "UNAVAILABLE" <<<"$out" && grep -q "client certificate" <<<"$out" || fail "no client certificate: $out"
-out=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" status 2>&1) && fail "plaintext status to a TLS router was served"
-grep -q "UNAVAILABLE" <<<"$out" && grep -q "give --tls-ca" <<<"$out" || fail "plaintext client: $out"
+out=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" --tls-ca "$tls/ca.pem" status 2>&1) && fatal "status without a client certificate was served"
+grep -q "UNAVAILABLE" <<<"$out" && grep -q "client certificate" <<<"$out" || fatal "no client certificate: $out"
+out=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" status 2>&1) && fatal "plaintext status to a TLS router was served"
+grep -q "UNAVAILABLE" <<<"$out" && grep -q "give --tls-ca" <<<"$out" || fatal "plaintext client: $out"
 
 # the HTTP port: HTTPS with the router's certificate (the OpenAI API and /healthz); plain HTTP fails
 out=$("$PY" - "$KRC_ROUTER_HTTP" "$tls/ca.pem" <<'EOF'
@@ -138,15 +136,15 @@ try:
 except Exception as e:
     print("plain http: refused (%s)" % type(e).__name__)
 EOF
-) || fail "HTTPS on the router's HTTP port: $out"
+) || fatal "HTTPS on the router's HTTP port: $out"
 echo "$out"
-grep -q "https healthz: 200" <<<"$out" && grep -q "plain http: refused" <<<"$out" || fail "HTTP port: $out"
+grep -q "https healthz: 200" <<<"$out" && grep -q "plain http: refused" <<<"$out" || fatal "HTTP port: $out"
 
 # grpcio: refusals of every kind, then served again
 kr_pystubs "$work/stubs"
 out=$("$PY" "$src/tests/integration/tls_client.py" "$work/stubs" "$KRC_ROUTER" "$tls" "$other" "${prompts[0]}" 2>&1) ||
-  fail "tls_client.py: $out"
+  fatal "tls_client.py: $out"
 echo "$out"
 want=$(head -n1 "$work/plain.ids" | cut -d' ' -f1-8)
-grep -qx "ids: $want" <<<"$out" || fail "grpcio over TLS got other ids than the plaintext cluster ($want)"
+grep -qx "ids: $want" <<<"$out" || fatal "grpcio over TLS got other ids than the plaintext cluster ($want)"
 echo "PASS"

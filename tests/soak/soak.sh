@@ -42,7 +42,7 @@ while [ $# -gt 0 ]; do
 done
 bin=$(cd "$bin" && pwd)
 export KR_SRC=$src KR_BIN=$bin
-. "$src/tests/integration/lib/cluster.sh"  # krc_* helpers, kr_need_bins
+. "$src/tests/integration/lib.sh"  # krc_* helpers, kr_need_bins, kr_blocks_zero
 . "$src/tests/integration/lib/pystubs.sh"  # PY, kr_pystubs; skips without python3-grpcio
 kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli
 client=$src/tests/soak/soak_client.py
@@ -173,14 +173,8 @@ echo "soak: load done; checking"
 # leak check runs at exit) and every log searched for sanitizer reports
 leaks=0
 for id in decode-0 decode-1; do
-  for ((t = 0; t < 600; t++)); do
-    m=$(curl -s --max-time 2 "http://$(krc_http "$id")/metrics")
-    used=$(awk '$1 == "kvrelay_kv_blocks_used" { print $2 }' <<<"$m")
-    reserved=$(awk '$1 == "kvrelay_kv_blocks_reserved" { print $2 }' <<<"$m")
-    [ "${used:-x}" = 0 ] && [ "${reserved:-x}" = 0 ] && continue 2
-    sleep 0.1
-  done
-  echo "soak: LEAK: $id still holds KV blocks 60 s after the load: used=${used:-?} reserved=${reserved:-?}"
+  kr_blocks_zero "$id" 600 && continue
+  echo "soak: LEAK: $id still holds KV blocks 60 s after the load: used=${KR_USED:-?} reserved=${KR_RESERVED:-?}"
   leaks=$((leaks + 1))
 done
 krc_stop
