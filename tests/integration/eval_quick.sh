@@ -133,6 +133,7 @@ expect_error "No such file" --text "$tmp/no-such-file.txt"
 expect_error "budget" --tasks kv --policy "snapkv:budget=8,obs=16"
 expect_error "no policy files" --tasks kv --policy "heads:pattern=broken-gates.tsv"
 expect_error "unknown policy family" --families snapkv,nonsense
+expect_error "unknown wire dtype 'int4'" --wire-dtypes f32,int4
 
 # a broken gate file, through a cluster the evaluator starts with the file's directory as --policy-dir
 rc=0
@@ -141,15 +142,25 @@ rc=0
 [ "$rc" = 2 ] && grep -q 'broken-gates.tsv: row 1, column 3 is not a number' "$tmp/e.err" ||
   bad "a broken gate file: exit $rc, $(tail -n 3 "$tmp/e.err")"
 
-# the cluster still serves: a good run on the same router
-"$PY" "$EVAL" --router "$router" --lengths 256 --cases 4 --tasks kv --no-sweep \
+# the cluster still serves: a good run on the same router, every point also with an int8 bundle
+# (the wire dtype sweep: the same entries shipped in about a quarter of f32's bytes)
+"$PY" "$EVAL" --router "$router" --lengths 256 --cases 4 --tasks kv --no-sweep --wire-dtypes int8 \
   --policy snapkv:budget=64,obs=16 --out "$tmp/after.json" >"$tmp/after.out" 2>"$tmp/after.err" ||
   bad "a good run after the bad ones failed: $(tail -n 5 "$tmp/after.err")"
 "$PY" -c '
 import json, sys
 d = json.load(open(sys.argv[1]))
 acc = [r["accuracy"] for r in d["records"]]
-sys.exit(0 if len(acc) == 2 and all(a >= 0.75 for a in acc) else "after the bad runs: accuracies %s" % acc)
+if len(acc) != 4 or not all(a >= 0.75 for a in acc):
+    sys.exit("after the bad runs: accuracies %s" % acc)
+by = {(r["policy"], r["wire_dtype"]): r for r in d["records"]}
+for pol in ("full", "snapkv:budget=64,obs=16"):
+    f, q = by[(pol, "f32")], by[(pol, "int8")]
+    if not (q["kv_entries_shipped"] == f["kv_entries_shipped"] and 0 < q["kv_bytes_shipped"] < 0.4 * f["kv_bytes_shipped"]):
+        sys.exit("%s: int8 shipped %r bytes for %r entries, f32 %r for %r" % (pol, q["kv_bytes_shipped"],
+                 q["kv_entries_shipped"], f["kv_bytes_shipped"], f["kv_entries_shipped"]))
+if by[("full", "int8")]["family"] != "full+int8":
+    sys.exit("the int8 full point is grouped as %r" % by[("full", "int8")]["family"])
 ' "$tmp/after.json" || fail=1
 
 [ $fail = 0 ] && echo "eval_quick: all checks passed"
