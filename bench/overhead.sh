@@ -7,7 +7,7 @@
 # the figures depend on the machine; run it by hand.
 #
 #   bench/overhead.sh [--bin DIR] [--model DIR] [--threads N] [--tokens N] [--prompt-chars N]
-#                     [--rounds N] [--limit R] [--out DIR] [--policy SPEC]...
+#                     [--rounds N] [--limit R] [--out DIR] [--no-pin] [--policy SPEC]...
 #
 # Defaults: --bin build, a model made by kvrelay-make-model (random bf16 weights, the shape of
 # tools/data/llama-110m.json with the vocabulary tools/data/corpus.txt gives: hidden 768, 12
@@ -29,10 +29,15 @@
 # that thread's run-queue wait per token (time it was runnable but another thread had the CPU).
 # Every run must produce exactly --tokens tokens (random weights rarely sample EOS; a run that
 # ends early stops the bench).
+# Pinning (default on a machine of 2 or more CPUs; --no-pin turns it off): the decode node and
+# the engine run on the last CPU (--threads of them at most), the router, the prefill node and the
+# client on the others, as a deployment gives a decode node cores of its own: both sides of the
+# ratio then compute on a core nobody else wakes up on, and the per-token wake-ups of the router
+# and the client land on the other cores.
 # Exit 0 when every policy's ratio is within --limit, 1 when one is not, 2 for bad flags.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-bin=$here/build model= threads=1 tokens=128 chars=2000 rounds=5 limit=1.05 out= policies=()
+bin=$here/build model= threads=1 tokens=128 chars=2000 rounds=5 limit=1.05 out= policies=() pin=1
 while [ $# -gt 0 ]; do
   case $1 in
     --bin) bin=$2; shift 2 ;;
@@ -44,7 +49,8 @@ while [ $# -gt 0 ]; do
     --limit) limit=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --policy) policies+=("$2"); shift 2 ;;
-    -h | --help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --no-pin) pin=0; shift ;;
+    -h | --help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "overhead.sh: unknown flag '$1' (--help lists them)" >&2; exit 2 ;;
   esac
 done
@@ -80,13 +86,26 @@ trap krc_stop EXIT
 KRC_DECODE_ARGS=(--threads "$threads")
 KRC_PREFILL_ARGS=(--threads "$threads")
 krc_start "$bin" "$model" 1 1 127.0.0.1:0 --log-level info || exit 1
+# CPU sets: the compute one (decode node, engine) and the rest; none without pinning
+ncpu=$(nproc)
+compute_cpus= other_cpus=
+if [ "$pin" = 1 ] && [ "$ncpu" -ge 2 ] && command -v taskset >/dev/null; then
+  compute_cpus=$((ncpu - (threads < ncpu - 1 ? threads : ncpu - 1)))-$((ncpu - 1))
+  other_cpus=0-$((ncpu - (threads < ncpu - 1 ? threads : ncpu - 1) - 1))
+  taskset -a -pc "$compute_cpus" "$(krc_pid decode-0)" >/dev/null
+  for id in router prefill-0; do taskset -a -pc "$other_cpus" "$(krc_pid "$id")" >/dev/null; done
+fi
+on() { # on CPUS COMMAND...: runs COMMAND on those CPUs (as it is when CPUS is empty)
+  local cpus=$1; shift
+  if [ -n "$cpus" ]; then taskset -c "$cpus" "$@"; else "$@"; fi
+}
 echo "overhead.sh: cluster up, router $KRC_ROUTER; model $model; $(nproc) CPUs, load" \
-  "$(cut -d' ' -f1-3 /proc/loadavg); output in $out" >&2
+  "$(cut -d' ' -f1-3 /proc/loadavg); ${compute_cpus:+decode node and engine on CPU(s) $compute_cpus, the rest on $other_cpus; }output in $out" >&2
 
 # engine POLICY -> "tpot_s prompt_tokens generated_tokens cpu_s_per_token": the CPU per decode
 # token is (CPU of a --tokens run - CPU of a 2-token run) / (--tokens - 2), from wait4's rusage
 engine() {
-  $py - "$1" "$bin/kvrelay-generate" --model "$model" --prompt "$prompt" --greedy --ignore-eos \
+  on "$compute_cpus" $py - "$1" "$bin/kvrelay-generate" --model "$model" --prompt "$prompt" --greedy --ignore-eos \
     --threads "$threads" --stats --json 2>"$out/engine.err" <<'PY'
 import json, os, subprocess, sys
 policy, cmd, n = sys.argv[1], sys.argv[2:], int(os.environ["OVH_TOKENS"])
@@ -116,7 +135,7 @@ cluster() {
   local js rid a b dpid
   dpid=$(krc_pid decode-0)
   a=$(threads_of "$dpid")
-  js=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" generate --prompt "$prompt" --max-tokens "$tokens" \
+  js=$(on "$other_cpus" "$bin/kvrelay-cli" --router "$KRC_ROUTER" generate --prompt "$prompt" --max-tokens "$tokens" \
     --policy "$1" --json 2>"$out/cli.err")
   b=$(threads_of "$dpid")
   rid=$($py -c 'import json, sys; print(json.loads(sys.argv[1])["request_id"])' "$js")
