@@ -4,7 +4,7 @@
  * Run: ctest -R fuzz_config (replay of tests/fuzz/corpus/config/ + mutations), or with
  * -DKR_FUZZ=ON: ./fuzz_config tests/fuzz/corpus/config.
  */
-#include "kr-impl.h"
+#include "kr-model.h" /* kr_config_check */
 
 #include <string.h>
 

@@ -11,9 +11,10 @@
  * It is not a correctness test of ids (test_tokenizer.c is). Run: ctest -R fuzz_tokenizer, or
  * build with -DKR_FUZZ=ON (clang) for libFuzzer.
  */
-#include "kr-impl.h"
+#include "kr-tokenizer.h" /* kr_tokenizer_parse */
 
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
