@@ -3,7 +3,8 @@
 # (docs/benchmarks.md, "Prompt length"): one cluster of 1 prefill + 1 decode node on the
 # default model (context 4096 positions, so 4000 + 16 output tokens is the longest that fits),
 # 1 thread each, one request at a time (closed loop, 1 client: no queueing), `full` against a
-# compressed policy at each length. Per point: KV bytes shipped per request (Usage), TTFT
+# compressed policy at each length, each with the KV bundle in f32 and in int8 (kv_wire_dtype).
+# Per point: KV bytes shipped per request (Usage), TTFT
 # p50 / p99 (the client's), and the bundle's transfer time, which no per-request usage carries:
 # the prefill node's `kvrelay_kv_transfer_seconds` histogram (send start to the decode node's
 # acknowledgement), read from its /metrics before and after each point, sum / count of the
@@ -13,9 +14,9 @@
 #   bench/experiments/prompt-length.sh [--bin DIR] [--quick] [--out DIR]
 #
 # --bin DIR: built programs (default build/: ./kvrelay build). --quick: 4 requests per point
-# (about 30 s) instead of 20 (about 1.5 minutes). --out DIR: where results go (default
+# (about 1 minute) instead of 20 (about 3 minutes). --out DIR: where results go (default
 # bench/results/prompt-length/): table.md, summary.json, prompt-length.png, one
-# kvrelay-bench-serve JSON per point (L-FAMILY.json) and the cluster's logs (logs/).
+# kvrelay-bench-serve JSON per point (L-FAMILY-WIRE.json) and the cluster's logs (logs/).
 #
 # Each point starts with one warmup request of its own (a separate run, before the first
 # scrape), so the histogram's difference covers exactly the point's measured requests; the
@@ -27,6 +28,7 @@ exp_parse prompt-length "$@"
 
 LENGTHS=(256 512 1024 2048 4000)
 POLICIES=(full snapkv:mode=patched,budget=64,obs=8)
+WIRES=(f32 int8)
 OUTPUT=16
 if [ "$EXP_QUICK" = 1 ]; then N=4; else N=20; fi
 machine=$(exp_machine)
@@ -43,6 +45,9 @@ for line in urllib.request.urlopen(sys.argv[1], timeout=10).read().decode().spli
     if line.startswith("#") or not line.strip():
         continue
     name, _, value = line.rpartition(" ")
+    if name.startswith("kvrelay_kv_bytes_shipped_total{"):  # one series per wire dtype: their sum
+        name = "kvrelay_kv_bytes_shipped_total"
+        value = str(v.get(name, 0.0) + float(value))
     m = re.fullmatch(r'kvrelay_kv_transfer_seconds_bucket\{le="([^"]+)"\}', name)
     if m:
         buckets[m.group(1)] = float(value)
@@ -59,16 +64,18 @@ PY
 points=()
 for len in "${LENGTHS[@]}"; do
   for p in "${POLICIES[@]}"; do
-    f=$EXP_OUT/$len-${p%%:*}.json
-    "$EXP_BENCH" --target "$KRC_ROUTER" --concurrency 1 --num-requests 1 --prompt-len "$len" \
-      --output-len "$OUTPUT" --policy "$p" --timeout 120 --no-progress >/dev/null
-    before=$(scrape)
-    "$EXP_BENCH" --target "$KRC_ROUTER" --concurrency 1 --num-requests "$N" \
-      --prompt-len "$len" --output-len "$OUTPUT" --policy "$p" --timeout 120 \
-      --json "$f" --no-progress >"$EXP_OUT/logs/$len-${p%%:*}.txt"
-    after=$(scrape)
-    echo "prompt-length: $len tokens, $p done" >&2
-    points+=("$f" "$before" "$after")
+    for w in "${WIRES[@]}"; do
+      f=$EXP_OUT/$len-${p%%:*}-$w.json
+      "$EXP_BENCH" --target "$KRC_ROUTER" --concurrency 1 --num-requests 1 --prompt-len "$len" \
+        --output-len "$OUTPUT" --policy "$p" --wire-dtype "$w" --timeout 120 --no-progress >/dev/null
+      before=$(scrape)
+      "$EXP_BENCH" --target "$KRC_ROUTER" --concurrency 1 --num-requests "$N" \
+        --prompt-len "$len" --output-len "$OUTPUT" --policy "$p" --wire-dtype "$w" --timeout 120 \
+        --json "$f" --no-progress >"$EXP_OUT/logs/$len-${p%%:*}-$w.txt"
+      after=$(scrape)
+      echo "prompt-length: $len tokens, $p, $w done" >&2
+      points+=("$f" "$before" "$after")
+    done
   done
 done
 exp_cluster_stop
@@ -99,27 +106,29 @@ for i in range(0, len(args), 3):
         lo, below = le, cum
     s = d["runs"][0]["summary"]
     points.append({
-        "prompt_len": d["prompt_len"][0], "policy": d["policies"][0], "requests": s["requests"],
+        "prompt_len": d["prompt_len"][0], "policy": d["policies"][0], "wire": d["wire_dtype"],
+        "requests": s["requests"],
         "ok": s["ok"], "kv_bytes": s["kv_bytes_shipped"] / s["ok"] if s["ok"] else None,
         "footprint": s["kv_footprint_mean"],
         "ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],
         "e2e_p50": s["e2e_ms"]["p50"], "bundles": int(n),
         "transfer_ms": 1e3 * secs / n if n else None, "transfer_p50_ms": p50,
         "bundle_bytes": nbytes / n if n else None})
-full = {p["prompt_len"]: p for p in points if p["policy"] == "full"}
+full = {p["prompt_len"]: p for p in points if p["policy"] == "full" and p["wire"] == "f32"}
 for p in points:
     f = full.get(p["prompt_len"])
     p["bytes_ratio"] = f["kv_bytes"] / p["kv_bytes"] if f and p["kv_bytes"] else None
 json.dump({"machine": machine, "points": points}, open(os.path.join(out, "summary.json"), "w"), indent=1)
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.6))
-for spec in dict.fromkeys(p["policy"] for p in points):
-    pts = [p for p in points if p["policy"] == spec]
+for spec, wire in dict.fromkeys((p["policy"], p["wire"]) for p in points):
+    pts = [p for p in points if (p["policy"], p["wire"]) == (spec, wire)]
     L = [p["prompt_len"] for p in pts]
-    ax1.plot(L, [p["kv_bytes"] / 1024 for p in pts], marker="o", label=spec)
-    l, = ax2.plot(L, [p["ttft_p50"] for p in pts], marker="o", label="TTFT p50, " + spec.split(":")[0])
+    name = "%s, %s" % (spec.split(":")[0], wire)
+    ax1.plot(L, [p["kv_bytes"] / 1024 for p in pts], marker="o", label=name)
+    l, = ax2.plot(L, [p["ttft_p50"] for p in pts], marker="o", label="TTFT p50, " + name)
     ax2.plot(L, [p["transfer_ms"] for p in pts], marker="s", linestyle="--", color=l.get_color(),
-             label="transfer, " + spec.split(":")[0])
+             label="transfer, " + name)
 for a in (ax1, ax2):
     a.set_xscale("log", base=2); a.set_yscale("log"); a.grid(alpha=0.3); a.legend(fontsize=7)
     a.set_xlabel("prompt tokens")
@@ -132,14 +141,14 @@ save_png(fig, png)
 def fmt(v, spec):
     return "—" if v is None else spec % v
 lines = ["Machine: %s. 1 prefill + 1 decode node, 1 thread each, prefill chunk 512, closed loop with 1 client, "
-         "16 output tokens; transfer: the prefill node's kvrelay_kv_transfer_seconds over the point's bundles (mean = sum / count; "
+         "16 output tokens; wire: the KV bundle's payload dtype (kv_wire_dtype); transfer: the prefill node's kvrelay_kv_transfer_seconds over the point's bundles (mean = sum / count; "
          "p50 interpolated within the histogram's buckets: 1, 2.5, 5, 10, 25 ms ...)." % machine, "",
-         "| prompt tokens | policy | requests (bundles) | KV shipped per request | full / this (bytes) | KV footprint | TTFT p50 / p99 ms | transfer mean / p50 ms | MB/s at the mean | E2E p50 ms |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| prompt tokens | policy | wire | requests (bundles) | KV shipped per request | full f32 / this (bytes) | KV footprint | TTFT p50 / p99 ms | transfer mean / p50 ms | MB/s at the mean | E2E p50 ms |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
 for p in points:
     mbps = p["bundle_bytes"] / (p["transfer_ms"] / 1e3) / 1e6 if p["transfer_ms"] else None
-    lines.append("| %d | `%s` | %d (%d) | %s | %s | %.3f | %.0f / %.0f | %s / %s | %s | %.0f |" % (
-        p["prompt_len"], p["policy"], p["ok"], p["bundles"], fmt(p["kv_bytes"] / 1024 if p["kv_bytes"] else None, "%.0f KiB"),
+    lines.append("| %d | `%s` | %s | %d (%d) | %s | %s | %.3f | %.0f / %.0f | %s / %s | %s | %.0f |" % (
+        p["prompt_len"], p["policy"], p["wire"], p["ok"], p["bundles"], fmt(p["kv_bytes"] / 1024 if p["kv_bytes"] else None, "%.0f KiB"),
         fmt(p["bytes_ratio"], "%.1f×"), p["footprint"], p["ttft_p50"], p["ttft_p99"],
         fmt(p["transfer_ms"], "%.2f"), fmt(p["transfer_p50_ms"], "%.1f"), fmt(mbps, "%.0f"), p["e2e_p50"]))
 open(os.path.join(out, "table.md"), "w").write("\n".join(lines) + "\n")
