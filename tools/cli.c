@@ -70,6 +70,33 @@ uint64_t cli_u64(const char *flag, const char *s)
     return (uint64_t)v;
 }
 
+int cli_flag_u64(void *dest, const char *flag, const char *v, char *err, size_t cap)
+{
+    char *end;
+    errno = 0;
+    if (*v == '-') return snprintf(err, cap, "%s: '%.64s' must not be negative", flag, v), -1;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (errno || end == v || *end) return snprintf(err, cap, "%s: '%.64s' is not an unsigned integer", flag, v), -1;
+    *(uint64_t *)dest = (uint64_t)x;
+    return 0;
+}
+
+int cli_flag_id(void *dest, const char *flag, const char *v, char *err, size_t cap)
+{
+    cli_id_list *l = dest;
+    if (l->n == CLI_MAX_IDS) return snprintf(err, cap, "%s: at most %d", flag, CLI_MAX_IDS), -1;
+    /* the table parser's own integer check, so the messages are those of every other flag */
+    int64_t id;
+    const kc_flag one[] = {{.kind = KC_FLAG_INT64, .name = flag, .dest = &id, .min = 0, .max = l->max},
+                           {.kind = KC_FLAG_END}};
+    const kc_flags f = {.prog = flag, .usage = "", .table = one};
+    char *argv[] = {(char *)flag, (char *)flag, (char *)v};
+    int i = 1;
+    if (kc_flags_parse(&f, 3, argv, &i, NULL, err, cap) != 0) return -1;
+    l->ids[l->n++] = (uint32_t)id;
+    return 0;
+}
+
 int32_t *cli_ids(const char *flag, const char *s, int *n_out)
 {
     size_t cap = 64, n = 0;
@@ -143,6 +170,8 @@ int cli_backend(const char *s)
 }
 
 const kc_flag_choice cli_backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
+const kc_flag_choice cli_weight_dtypes[] = {
+    {"bf16", KR_DTYPE_BF16}, {"f16", KR_DTYPE_F16}, {"f32", KR_DTYPE_F32}, {NULL, 0}};
 
 void cli_json_exact(double v, char *buf, size_t cap)
 {

@@ -1,9 +1,10 @@
 /*
- * cli.h - small helpers shared by the engine command-line programs in tools/: strict number
- * parsing for flags, id lists, reading stdin. A program declares its flags in a kc_flag table
- * (common/flags.h), which also prints its --help; the number helpers here serve the programs
- * that still parse by hand. Every parse error names the flag and the bad value and exits with
- * status 2.
+ * cli.h - small helpers shared by the engine command-line programs in tools/: id lists, reading
+ * stdin, and what their kc_flag tables (common/flags.h) share beyond the kinds flags.h has:
+ * callbacks for unsigned 64-bit values and repeatable token ids, the --backend and weight
+ * --dtype choices. A program declares its flags in such a table, which parses argv and prints
+ * its --help; the number helpers here serve kvrelay-cli, which still parses by hand. Every
+ * parse error names the flag and the bad value and exits with status 2.
  */
 #ifndef KR_CLI_H
 #define KR_CLI_H
@@ -29,6 +30,19 @@ long cli_long(const char *flag, const char *s, long lo, long hi);
 double cli_double(const char *flag, const char *s, double lo, double hi);
 uint64_t cli_u64(const char *flag, const char *s);
 
+/* KC_FLAG_FUNC callbacks (flags.h's kc_flag_fn; dest in parentheses). */
+/* (uint64_t) 0..UINT64_MAX: "'-1' must not be negative", "'x' is not an unsigned integer" */
+int cli_flag_u64(void *dest, const char *flag, const char *v, char *err, size_t cap);
+/* (cli_id_list) a repeatable id flag (--stop-id): each use appends one id in [0, max]; an
+ * out-of-range or non-integer value is refused as a KC_FLAG_INT64 flag's would be. */
+enum { CLI_MAX_IDS = 64 };
+typedef struct cli_id_list {
+    int64_t max; /* the largest id accepted; set before parsing */
+    int n;
+    uint32_t ids[CLI_MAX_IDS]; /* [n] in the order given */
+} cli_id_list;
+int cli_flag_id(void *dest, const char *flag, const char *v, char *err, size_t cap);
+
 /* Parses "1 2 3" (spaces, commas or newlines between) into a malloc'd array; dies on a bad
  * entry, naming it. */
 int32_t *cli_ids(const char *flag, const char *s, int *n_out);
@@ -39,6 +53,8 @@ char *cli_read_stdin(size_t *len_out);
 int cli_backend(const char *s);
 /* --backend's values for a KC_FLAG_CHOICE entry: cpu and cuda, as kr_backend_kind. */
 extern const kc_flag_choice cli_backends[];
+/* --dtype's values for weights: bf16, f16 and f32, as kr_dtype. */
+extern const kc_flag_choice cli_weight_dtypes[];
 /* A JSON number that parses back to exactly `v` ("%.17g"; cJSON's own printer settles for 15
  * digits when they compare nearly equal), or "null" when v is not finite. For values that
  * must compare bit for bit, e.g. log-probabilities (float32 widened to double). */

@@ -25,45 +25,31 @@
 
 enum { MAX_LIST = 16, BLOCK = 16 };
 
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvrelay-bench-engine (--model DIR | --random CONFIG.json) [options]\n"
-            "\n"
-            "Measures prefill and decode speed and prints each as a fraction of a limit\n"
-            "measured in the same run (GEMM peak for prefill, memory bandwidth for decode).\n"
-            "\n"
-            "  --model DIR          a Hugging Face model directory\n"
-            "  --random CONFIG      a config.json: that shape with random weights (no checkpoint)\n"
-            "  --dtype D            weights for --random: bf16 (default), f16 or f32\n"
-            "  --weights-f32        convert a checkpoint's bf16/f16 weights to f32 at load\n"
-            "  --threads N          CPU threads (default: all online CPUs)\n"
-            "  --backend B          cpu (default) or cuda\n"
-            "  --policy SPEC        KV policy (default full): full, streaming, heads, hsft, snapkv,\n"
-            "                       pyramidkv, take, sage; name:key=value,... (docs/policies.md)\n"
-            "  --prefill LIST       prompt lengths to time prefill at (default 512)\n"
-            "  --contexts LIST      contexts to time decode at (default 128,2048)\n"
-            "  --batch LIST         sequences decoded together (default 1)\n"
-            "  --decode-tokens N    decode steps timed per context (default 32)\n"
-            "  --chunk C            prefill chunk size (default 512)\n"
-            "  --repeat R           best of R timings (default 3)\n"
-            "  --json               one JSON object on stdout\n"
-            "  -h, --help           this help\n"
-            "\n"
-            "example: kvrelay-bench-engine --random tools/data/llama-110m.json --dtype bf16 --threads 2\n");
-}
-
-static int parse_list(const char *flag, const char *s, int *out)
-{
+/* A list of 1..MAX_LIST positive integers (--prefill, --contexts, --batch). */
+typedef struct int_list {
     int n;
+    int v[MAX_LIST];
+} int_list;
+
+static int flag_list(void *dest, const char *flag, const char *s, char *err, size_t cap)
+{
+    int_list *l = dest;
+    int n, rc = 0;
     int32_t *v = cli_ids(flag, s, &n);
-    if (n == 0 || n > MAX_LIST) cli_die(2, "%s: give 1 to %d values", flag, MAX_LIST);
-    for (int i = 0; i < n; i++) {
-        if (v[i] < 1) cli_die(2, "%s: %d must be positive", flag, v[i]);
-        out[i] = v[i];
+    if (n == 0 || n > MAX_LIST) {
+        snprintf(err, cap, "%s: give 1 to %d values", flag, MAX_LIST);
+        rc = -1;
     }
+    for (int i = 0; rc == 0 && i < n; i++) {
+        if (v[i] < 1) {
+            snprintf(err, cap, "%s: %d must be positive", flag, v[i]);
+            rc = -1;
+        }
+        l->v[i] = v[i];
+    }
+    if (rc == 0) l->n = n;
     free(v);
-    return n;
+    return rc;
 }
 
 /* ---- limits measured in this run */
@@ -307,38 +293,50 @@ int main(int argc, char **argv)
 {
     cli_init(argv);
     const char *model_dir = NULL, *random_cfg = NULL, *policy = "full";
-    kr_dtype dtype = KR_DTYPE_BF16;
+    int dtype = KR_DTYPE_BF16, backend = KR_BACKEND_CPU, json = 0;
     kr_model_opts mo = {.verbose = 1};
-    kr_backend_kind backend = KR_BACKEND_CPU;
-    long threads = 0, decode_tokens = 32, chunk = 512, repeat = 3;
-    int prefill_lens[MAX_LIST] = {512}, contexts[MAX_LIST] = {128, 2048}, batches[MAX_LIST] = {1};
-    int n_prefill = 1, n_contexts = 2, n_batches = 1, json = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--model")) model_dir = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--random")) random_cfg = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--dtype")) {
-            const char *d = cli_value(argc, argv, &i);
-            if (!strcmp(d, "bf16")) dtype = KR_DTYPE_BF16;
-            else if (!strcmp(d, "f16")) dtype = KR_DTYPE_F16;
-            else if (!strcmp(d, "f32")) dtype = KR_DTYPE_F32;
-            else cli_die(2, "--dtype: '%s' is not bf16, f16 or f32", d);
-        } else if (!strcmp(a, "--weights-f32")) mo.weights_f32 = 1;
-        else if (!strcmp(a, "--threads")) threads = cli_long(a, cli_value(argc, argv, &i), 1, 256);
-        else if (!strcmp(a, "--backend")) backend = (kr_backend_kind)cli_backend(cli_value(argc, argv, &i));
-        else if (!strcmp(a, "--policy")) policy = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--prefill")) n_prefill = parse_list(a, cli_value(argc, argv, &i), prefill_lens);
-        else if (!strcmp(a, "--contexts")) n_contexts = parse_list(a, cli_value(argc, argv, &i), contexts);
-        else if (!strcmp(a, "--batch")) n_batches = parse_list(a, cli_value(argc, argv, &i), batches);
-        else if (!strcmp(a, "--decode-tokens")) decode_tokens = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
-        else if (!strcmp(a, "--chunk")) chunk = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
-        else if (!strcmp(a, "--repeat")) repeat = cli_long(a, cli_value(argc, argv, &i), 1, 100);
-        else if (!strcmp(a, "--json")) json = 1;
-        else cli_die(2, "unknown argument '%s' (see --help)", a);
-    }
+    int threads = 0, decode_tokens = 32, chunk = 512, repeat = 3;
+    int_list prefill = {1, {512}}, contexts = {2, {128, 2048}}, batches = {1, {1}};
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &model_dir,
+         .help = "a Hugging Face model directory"},
+        {.kind = KC_FLAG_STRING, .name = "--random", .arg = "CONFIG", .dest = &random_cfg,
+         .help = "a config.json: that shape with random weights (no checkpoint)"},
+        {.kind = KC_FLAG_CHOICE, .name = "--dtype", .arg = "D", .dest = &dtype, .choices = cli_weight_dtypes,
+         .def = "bf16", .help = "weights for --random: bf16, f16 or f32"},
+        {.kind = KC_FLAG_BOOL, .name = "--weights-f32", .dest = &mo.weights_f32,
+         .help = "convert a checkpoint's bf16/f16 weights to f32 at load"},
+        {.kind = KC_FLAG_INT, .name = "--threads", .arg = "N", .dest = &threads, .min = 1, .max = 256,
+         .def = "all online CPUs", .help = "CPU threads"},
+        {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "B", .dest = &backend, .choices = cli_backends,
+         .def = "cpu", .help = "cpu or cuda"},
+        {.kind = KC_FLAG_STRING, .name = "--policy", .arg = "SPEC", .dest = &policy, .def = "full",
+         .help = "KV policy: full, streaming, heads, hsft, snapkv, pyramidkv, take, sage; name:key=value,... "
+                 "(docs/policies.md)"},
+        {.kind = KC_FLAG_FUNC, .name = "--prefill", .arg = "LIST", .dest = &prefill, .fn = flag_list,
+         .def = "512", .help = "prompt lengths to time prefill at"},
+        {.kind = KC_FLAG_FUNC, .name = "--contexts", .arg = "LIST", .dest = &contexts, .fn = flag_list,
+         .def = "128,2048", .help = "contexts to time decode at"},
+        {.kind = KC_FLAG_FUNC, .name = "--batch", .arg = "LIST", .dest = &batches, .fn = flag_list,
+         .def = "1", .help = "sequences decoded together"},
+        {.kind = KC_FLAG_INT, .name = "--decode-tokens", .arg = "N", .dest = &decode_tokens, .min = 1,
+         .max = 1 << 16, .def = "32", .help = "decode steps timed per context"},
+        {.kind = KC_FLAG_INT, .name = "--chunk", .arg = "C", .dest = &chunk, .min = 1, .max = 1 << 16,
+         .def = "512", .help = "prefill chunk size"},
+        {.kind = KC_FLAG_INT, .name = "--repeat", .arg = "R", .dest = &repeat, .min = 1, .max = 100,
+         .def = "3", .help = "best of R timings"},
+        {.kind = KC_FLAG_BOOL, .name = "--json", .dest = &json, .help = "one JSON object on stdout"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags = {
+        .prog = "kvrelay-bench-engine",
+        .usage = "(--model DIR | --random CONFIG.json) [options]",
+        .about = "Measures prefill and decode speed and prints each as a fraction of a limit\n"
+                 "measured in the same run (GEMM peak for prefill, memory bandwidth for decode).",
+        .table = table,
+        .footer = "example: kvrelay-bench-engine --random tools/data/llama-110m.json --dtype bf16 --threads 2",
+    };
+    kc_flags_main(&flags, argc, argv, 0);
     if (!model_dir == !random_cfg) cli_die(2, "give exactly one of --model and --random (see --help)");
 
     char err[KR_ERR_MAX];
@@ -356,24 +354,24 @@ int main(int argc, char **argv)
         kr_config cfg;
         if (kr_config_parse(text, len, random_cfg, &cfg, err) != KR_OK) cli_die(1, "%s", err);
         free(text);
-        fprintf(stderr, "bench: random %s weights for the shape in %s\n", kr_dtype_name(dtype), random_cfg);
-        if (kr_model_random(&cfg, dtype, 1234, &m, err) != KR_OK) cli_die(1, "%s", err);
+        fprintf(stderr, "bench: random %s weights for the shape in %s\n", kr_dtype_name((kr_dtype)dtype), random_cfg);
+        if (kr_model_random(&cfg, (kr_dtype)dtype, 1234, &m, err) != KR_OK) cli_die(1, "%s", err);
     }
     t_load = cli_now() - t_load;
     const kr_config *cfg = kr_model_config(m);
 
     int longest = 0;
-    for (int i = 0; i < n_prefill; i++) longest = prefill_lens[i] > longest ? prefill_lens[i] : longest;
-    for (int i = 0; i < n_contexts; i++)
-        longest = contexts[i] + (int)(decode_tokens * repeat) > longest ? contexts[i] + (int)(decode_tokens * repeat) : longest;
+    for (int i = 0; i < prefill.n; i++) longest = prefill.v[i] > longest ? prefill.v[i] : longest;
+    for (int i = 0; i < contexts.n; i++)
+        longest = contexts.v[i] + decode_tokens * repeat > longest ? contexts.v[i] + decode_tokens * repeat : longest;
     kr_policy *pol;
     if (kr_policy_parse(policy, cfg, &pol, err) != KR_OK) cli_die(2, "--policy: %s", err);
-    bench b = {.cfg = cfg, .policy = pol, .chunk = (int)chunk, .repeat = (int)repeat};
-    kr_ctx_params cp = {.backend = backend, .n_threads = (int)threads, .max_chunk = (int)chunk};
+    bench b = {.cfg = cfg, .policy = pol, .chunk = chunk, .repeat = repeat};
+    kr_ctx_params cp = {.backend = (kr_backend_kind)backend, .n_threads = threads, .max_chunk = chunk};
     if (kr_ctx_create(m, &cp, &b.ctx, err) != KR_OK) cli_die(1, "%s", err);
     int nth = kr_ctx_n_threads(b.ctx), most_batch = 1;
-    for (int i = 0; i < n_batches; i++) most_batch = batches[i] > most_batch ? batches[i] : most_batch;
-    if (most_batch > chunk) cli_die(2, "--batch: %d is more than --chunk %ld (a batch is one step)", most_batch, chunk);
+    for (int i = 0; i < batches.n; i++) most_batch = batches.v[i] > most_batch ? batches.v[i] : most_batch;
+    if (most_batch > chunk) cli_die(2, "--batch: %d is more than --chunk %d (a batch is one step)", most_batch, chunk);
     int blocks = ((longest + kr_policy_appended(pol, longest) + 2 * BLOCK - 1) / BLOCK) * cfg->n_layers *
                  cfg->n_kv_heads * most_batch;
     if (kr_ctx_kv_pool_create(b.ctx, BLOCK, blocks, &b.pool, err) != KR_OK) cli_die(1, "%s", err);
@@ -429,9 +427,9 @@ int main(int argc, char **argv)
                peak_what, peak / 1e9);
     }
     cJSON *pre = cJSON_AddArrayToObject(root, "prefill");
-    for (int i = 0; i < n_prefill; i++) {
-        int n = prefill_lens[i];
-        fprintf(stderr, "bench: prefill %d tokens x %ld\n", n, repeat);
+    for (int i = 0; i < prefill.n; i++) {
+        int n = prefill.v[i];
+        fprintf(stderr, "bench: prefill %d tokens x %d\n", n, repeat);
         double dt = time_prefill(&b, n);
         /* attention FLOPs: causal QK^T and PV over n(n+1)/2 pairs per query head */
         double att = 4.0 * cfg->n_layers * cfg->n_heads * hd * (double)n * (n + 1) / 2.0;
@@ -450,10 +448,10 @@ int main(int argc, char **argv)
                    flops / dt / 1e9, frac, peak_what);
     }
     cJSON *dec = cJSON_AddArrayToObject(root, "decode");
-    for (int i = 0; i < n_contexts * n_batches; i++) {
-        int c = contexts[i / n_batches], nb = batches[i % n_batches];
-        fprintf(stderr, "bench: decode at context %d, batch %d (%ld steps x %ld)\n", c, nb, decode_tokens, repeat);
-        decode_run run = time_decode(&b, c, (int)decode_tokens, nb);
+    for (int i = 0; i < contexts.n * batches.n; i++) {
+        int c = contexts.v[i / batches.n], nb = batches.v[i % batches.n];
+        fprintf(stderr, "bench: decode at context %d, batch %d (%d steps x %d)\n", c, nb, decode_tokens, repeat);
+        decode_run run = time_decode(&b, c, decode_tokens, nb);
         double dt = run.seconds;
         /* bytes a step must read: every weight matrix once (one embedding row per sequence,
          * negligible) and every cached K and V entry the policy holds in the batch, f32 */

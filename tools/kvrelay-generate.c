@@ -18,104 +18,93 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { MAX_STOP = 64, BLOCK = 16 };
-
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvrelay-generate --model DIR (--prompt TEXT | --ids \"1 2 3\") --max-tokens N [options]\n"
-            "       kvrelay-generate --model DIR (--prompt TEXT | --ids LIST) --force-ids LIST [options]\n"
-            "\n"
-            "Runs chunked prefill and decode in one process and prints the generated text.\n"
-            "\n"
-            "  --model DIR        Hugging Face model directory (config.json, safetensors,\n"
-            "                     tokenizer.json for --prompt and for text output)\n"
-            "  --prompt TEXT      prompt text; tokenized with the BOS the tokenizer config asks for\n"
-            "  --ids LIST         prompt token ids, fed as given (no BOS added)\n"
-            "  --max-tokens N     tokens to generate (required unless --force-ids)\n"
-            "  --force-ids LIST   score these continuation ids: the i-th generated token is the\n"
-            "                     i-th id (no sampling; stop ids and EOS do not end it); implies\n"
-            "                     --logprobs and the count (--max-tokens, if given, must equal it)\n"
-            "  --logprobs         report each generated id's log-probability under the full\n"
-            "                     softmax at temperature 1 and the step's argmax id (in --json:\n"
-            "                     \"logprobs\" and \"top_ids\"; otherwise one line per token on stderr)\n"
-            "  --greedy           argmax decoding (same as --temperature 0)\n"
-            "  --temperature T    sampling temperature (default 1; 0 = greedy)\n"
-            "  --top-k K          keep the K most likely tokens (default 0 = off)\n"
-            "  --top-p P          nucleus sampling mass (default 1 = off)\n"
-            "  --seed S           sampling seed (default 0)\n"
-            "  --stop-id ID       stop after generating ID (repeatable)\n"
-            "  --ignore-eos       with --prompt, do not stop at the tokenizer's EOS\n"
-            "  --policy SPEC      KV policy (default full): full, streaming, heads, hsft, snapkv,\n"
-            "                     pyramidkv, take, sage; name:key=value,... e.g.\n"
-            "                     streaming:sink=4,window=1024 (docs/policies.md)\n"
-            "  --chunk C          prefill chunk size in tokens (default 512)\n"
-            "  --threads N        CPU threads (default: all online CPUs)\n"
-            "  --backend B        cpu (default) or cuda\n"
-            "  --stats            report prompt/generated tokens, KV footprint, peak KV, KV kept\n"
-            "                     after prefill, prefill/decode seconds (stderr, or in --json)\n"
-            "  --json             print one JSON object instead of streaming text\n"
-            "  -h, --help         this help\n"
-            "\n"
-            "example: kvrelay-generate --model build/models/default --prompt \"The relay\" \\\n"
-            "           --max-tokens 32 --greedy --stats\n");
-}
+enum { BLOCK = 16 };
 
 typedef struct gen_opts {
     const char *model_dir, *prompt, *ids_s, *policy, *force_s;
-    long max_tokens, chunk, threads;
-    int json, stats, ignore_eos, logprobs;
-    kr_backend_kind backend;
+    int max_tokens, chunk, threads, json, stats, ignore_eos, logprobs, backend;
     kr_sampling sampling;
-    int32_t stop[MAX_STOP];
-    int n_stop;
+    double temperature, top_p; /* as parsed, before they narrow to sampling's floats */
+    cli_id_list stop; /* --stop-id, then the tokenizer's EOS */
 } gen_opts;
 
 static void parse(int argc, char **argv, gen_opts *o)
 {
-    memset(o, 0, sizeof *o);
-    o->max_tokens = -1;
-    o->chunk = 512;
-    o->policy = "full";
+    *o = (gen_opts){.max_tokens = -1, .chunk = 512, .policy = "full", .backend = KR_BACKEND_CPU,
+                    .stop = {.max = INT32_MAX}};
     kr_sampling_default(&o->sampling);
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (!strcmp(a, "--model")) o->model_dir = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--prompt")) o->prompt = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--ids")) o->ids_s = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--max-tokens")) o->max_tokens = cli_long(a, cli_value(argc, argv, &i), 0, 1 << 24);
-        else if (!strcmp(a, "--greedy")) o->sampling.greedy = 1;
-        else if (!strcmp(a, "--temperature")) o->sampling.temperature = (float)cli_double(a, cli_value(argc, argv, &i), 0, 100);
-        else if (!strcmp(a, "--top-k")) o->sampling.top_k = (int)cli_long(a, cli_value(argc, argv, &i), 0, 1 << 24);
-        else if (!strcmp(a, "--top-p")) o->sampling.top_p = (float)cli_double(a, cli_value(argc, argv, &i), 0, 1);
-        else if (!strcmp(a, "--seed")) o->sampling.seed = cli_u64(a, cli_value(argc, argv, &i));
-        else if (!strcmp(a, "--stop-id")) {
-            if (o->n_stop == MAX_STOP) cli_die(2, "--stop-id: at most %d stop ids", MAX_STOP);
-            o->stop[o->n_stop++] = (int32_t)cli_long(a, cli_value(argc, argv, &i), 0, INT32_MAX);
-        } else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = 1;
-        else if (!strcmp(a, "--policy")) o->policy = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--chunk")) o->chunk = cli_long(a, cli_value(argc, argv, &i), 1, 1 << 16);
-        else if (!strcmp(a, "--threads")) o->threads = cli_long(a, cli_value(argc, argv, &i), 1, 1024);
-        else if (!strcmp(a, "--backend")) o->backend = (kr_backend_kind)cli_backend(cli_value(argc, argv, &i));
-        else if (!strcmp(a, "--force-ids")) o->force_s = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--logprobs")) o->logprobs = 1;
-        else if (!strcmp(a, "--stats")) o->stats = 1;
-        else if (!strcmp(a, "--json")) o->json = 1;
-        else cli_die(2, "unknown argument '%s' (see --help)", a);
-    }
+    o->temperature = o->sampling.temperature;
+    o->top_p = o->sampling.top_p;
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &o->model_dir,
+         .help = "Hugging Face model directory (config.json, safetensors, tokenizer.json for --prompt and "
+                 "for text output)"},
+        {.kind = KC_FLAG_STRING, .name = "--prompt", .arg = "TEXT", .dest = &o->prompt,
+         .help = "prompt text; tokenized with the BOS the tokenizer config asks for"},
+        {.kind = KC_FLAG_STRING, .name = "--ids", .arg = "LIST", .dest = &o->ids_s,
+         .help = "prompt token ids, fed as given (no BOS added)"},
+        {.kind = KC_FLAG_INT, .name = "--max-tokens", .arg = "N", .dest = &o->max_tokens, .min = 0,
+         .max = 1 << 24, .help = "tokens to generate (required unless --force-ids)"},
+        {.kind = KC_FLAG_STRING, .name = "--force-ids", .arg = "LIST", .dest = &o->force_s,
+         .help = "score these continuation ids: the i-th generated token is the i-th id (no sampling; stop "
+                 "ids and EOS do not end it); implies --logprobs and the count (--max-tokens, if given, "
+                 "must equal it)"},
+        {.kind = KC_FLAG_BOOL, .name = "--logprobs", .dest = &o->logprobs,
+         .help = "report each generated id's log-probability under the full softmax at temperature 1 and "
+                 "the step's argmax id (in --json: \"logprobs\" and \"top_ids\"; otherwise one line per "
+                 "token on stderr)"},
+        {.kind = KC_FLAG_BOOL, .name = "--greedy", .dest = &o->sampling.greedy,
+         .help = "argmax decoding (same as --temperature 0)"},
+        {.kind = KC_FLAG_DOUBLE, .name = "--temperature", .arg = "T", .dest = &o->temperature, .dmin = 0,
+         .dmax = 100, .def = "1", .help = "sampling temperature; 0 = greedy"},
+        {.kind = KC_FLAG_INT, .name = "--top-k", .arg = "K", .dest = &o->sampling.top_k, .min = 0, .max = 1 << 24,
+         .def = "0 = off", .help = "keep the K most likely tokens"},
+        {.kind = KC_FLAG_DOUBLE, .name = "--top-p", .arg = "P", .dest = &o->top_p, .dmin = 0, .dmax = 1,
+         .def = "1 = off", .help = "nucleus sampling mass"},
+        {.kind = KC_FLAG_FUNC, .name = "--seed", .arg = "S", .dest = &o->sampling.seed, .fn = cli_flag_u64, .def = "0",
+         .help = "sampling seed"},
+        {.kind = KC_FLAG_FUNC, .name = "--stop-id", .arg = "ID", .dest = &o->stop, .fn = cli_flag_id,
+         .help = "stop after generating ID (repeatable)"},
+        {.kind = KC_FLAG_BOOL, .name = "--ignore-eos", .dest = &o->ignore_eos,
+         .help = "with --prompt, do not stop at the tokenizer's EOS"},
+        {.kind = KC_FLAG_STRING, .name = "--policy", .arg = "SPEC", .dest = &o->policy, .def = "full",
+         .help = "KV policy: full, streaming, heads, hsft, snapkv, pyramidkv, take, sage; "
+                 "name:key=value,... e.g. streaming:sink=4,window=1024 (docs/policies.md)"},
+        {.kind = KC_FLAG_INT, .name = "--chunk", .arg = "C", .dest = &o->chunk, .min = 1, .max = 1 << 16,
+         .def = "512", .help = "prefill chunk size in tokens"},
+        {.kind = KC_FLAG_INT, .name = "--threads", .arg = "N", .dest = &o->threads, .min = 1, .max = 1024,
+         .def = "all online CPUs", .help = "CPU threads"},
+        {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "B", .dest = &o->backend, .choices = cli_backends,
+         .def = "cpu", .help = "cpu or cuda"},
+        {.kind = KC_FLAG_BOOL, .name = "--stats", .dest = &o->stats,
+         .help = "report prompt/generated tokens, KV footprint, peak KV, KV kept after prefill, "
+                 "prefill/decode seconds (stderr, or in --json)"},
+        {.kind = KC_FLAG_BOOL, .name = "--json", .dest = &o->json,
+         .help = "print one JSON object instead of streaming text"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags = {
+        .prog = "kvrelay-generate",
+        .usage = "--model DIR (--prompt TEXT | --ids \"1 2 3\") --max-tokens N [options]\n"
+                 "       kvrelay-generate --model DIR (--prompt TEXT | --ids LIST) --force-ids LIST [options]",
+        .about = "Runs chunked prefill and decode in one process and prints the generated text.",
+        .table = table,
+        .footer = "example: kvrelay-generate --model build/models/default --prompt \"The relay\" \\\n"
+                  "           --max-tokens 32 --greedy --stats",
+    };
+    kc_flags_main(&flags, argc, argv, 0);
     if (!o->model_dir) cli_die(2, "--model is required (see --help)");
     if (!o->prompt == !o->ids_s) cli_die(2, "give exactly one of --prompt and --ids");
     if (o->max_tokens < 0 && !o->force_s) cli_die(2, "--max-tokens is required");
     if (o->force_s) o->logprobs = 1;
+    o->sampling.temperature = (float)o->temperature;
+    o->sampling.top_p = (float)o->top_p;
 }
 
 static int is_stop(const gen_opts *o, int32_t id)
 {
-    for (int i = 0; i < o->n_stop; i++)
-        if (o->stop[i] == id) return 1;
+    for (int i = 0; i < o->stop.n; i++)
+        if (o->stop.ids[i] == (uint32_t)id) return 1;
     return 0;
 }
 
@@ -154,7 +143,7 @@ int main(int argc, char **argv)
         if (kr_tokenizer_encode(tok, o.prompt, strlen(o.prompt), 1, &prompt, &n_prompt, err) != KR_OK)
             cli_die(2, "--prompt: %s", err);
         int eos = kr_tokenizer_eos(tok);
-        if (!o.ignore_eos && eos >= 0 && o.n_stop < MAX_STOP) o.stop[o.n_stop++] = eos;
+        if (!o.ignore_eos && eos >= 0 && o.stop.n < CLI_MAX_IDS) o.stop.ids[o.stop.n++] = (uint32_t)eos;
     } else {
         prompt = cli_ids("--ids", o.ids_s, &n_prompt);
     }
@@ -165,10 +154,10 @@ int main(int argc, char **argv)
         forced = cli_ids("--force-ids", o.force_s, &n_forced);
         if (n_forced == 0) cli_die(2, "--force-ids: no ids");
         if (o.max_tokens >= 0 && o.max_tokens != n_forced)
-            cli_die(2, "--max-tokens %ld differs from the %d ids of --force-ids (give one or make them equal)",
+            cli_die(2, "--max-tokens %d differs from the %d ids of --force-ids (give one or make them equal)",
                     o.max_tokens, n_forced);
         o.max_tokens = n_forced;
-        o.n_stop = 0; /* a forced continuation is scored to its end, EOS or not */
+        o.stop.n = 0; /* a forced continuation is scored to its end, EOS or not */
     }
 
     kr_model *m;
@@ -185,14 +174,14 @@ int main(int argc, char **argv)
         cli_die(1, "%s: the tokenizer has %d ids but the model only %d", o.model_dir, kr_tokenizer_n_vocab(tok), cfg->vocab_size);
 
     kr_ctx *ctx;
-    kr_ctx_params cp = {.backend = o.backend, .n_threads = (int)o.threads,
-                        .max_chunk = (int)(o.chunk < n_prompt ? o.chunk : n_prompt)};
+    kr_ctx_params cp = {.backend = (kr_backend_kind)o.backend, .n_threads = o.threads,
+                        .max_chunk = o.chunk < n_prompt ? o.chunk : n_prompt};
     if (kr_ctx_create(m, &cp, &ctx, err) != KR_OK) cli_die(1, "%s", err);
     kr_policy *policy;
     if (kr_policy_parse(o.policy, cfg, &policy, err) != KR_OK) cli_die(2, "--policy: %s", err);
     /* room for the whole sequence plus a policy's appended observers and one block of list
      * offset: a policy never holds more than full attention would */
-    int total = n_prompt + (int)o.max_tokens + kr_policy_appended(policy, n_prompt) + BLOCK;
+    int total = n_prompt + o.max_tokens + kr_policy_appended(policy, n_prompt) + BLOCK;
     kr_kv_pool *pool;
     kr_seq *seq;
     int blocks = ((total + BLOCK - 1) / BLOCK) * cfg->n_layers * cfg->n_kv_heads;
@@ -217,7 +206,7 @@ int main(int argc, char **argv)
     int n_out = 0;
     const char *finish = "length";
     if (o.max_tokens > 0) {
-        if (kr_prefill(ctx, seq, prompt, n_prompt, (int)o.chunk, KR_LOGITS_LAST, logits, err) != KR_OK)
+        if (kr_prefill(ctx, seq, prompt, n_prompt, o.chunk, KR_LOGITS_LAST, logits, err) != KR_OK)
             cli_die(1, "prefill: %s", err);
     }
     double t1 = cli_now();

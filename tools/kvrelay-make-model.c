@@ -48,56 +48,59 @@ static const char *const MM_SPECIALS[] = {"<|begin_of_text|>", "<|end_of_text|>"
 #define MM_N_SPECIALS 3
 #define MM_MAX_POS 8192
 
-static void usage(FILE *f)
+/* --dtype; refused as "is not one of bf16, f16, f32", the wording scripts match */
+static int flag_dtype(void *dest, const char *flag, const char *v, char *err, size_t cap)
 {
-    fprintf(f,
-"usage: kvrelay-make-model --corpus FILE --out DIR [options]\n"
-"\n"
-"Makes a Hugging Face Llama model directory: a byte-level BPE tokenizer (Llama 3 style) trained\n"
-"on FILE, config.json, generation_config.json and model.safetensors with random weights.\n"
-"Random weights generate fluent-looking gibberish, not language (docs/default-model.md).\n"
-"The same corpus and flags give byte-identical files.\n"
-"\n"
-"  --corpus FILE      UTF-8 text to train the tokenizer on (required)\n"
-"  --out DIR          output directory (required); created, or its five model files replaced\n"
-"  --vocab N          vocabulary size including the %d special tokens (default 2048, min %d)\n"
-"  --hidden N         hidden size (default 256)\n"
-"  --layers N         transformer layers (default 4)\n"
-"  --heads N          query heads; must divide --hidden, head_dim must be even (default 8)\n"
-"  --kv-heads N       key/value heads; must divide --heads (default 2)\n"
-"  --intermediate N   MLP intermediate size (default 688)\n"
-"  --seed N           seed of the random weights (default 1)\n"
-"  --dtype T          bf16, f16 or f32 (default bf16)\n"
-"  -h, --help         this text\n",
-            MM_N_SPECIALS, 256 + MM_N_SPECIALS + 1);
+    for (const kc_flag_choice *c = cli_weight_dtypes; c->name; c++)
+        if (!strcmp(c->name, v)) {
+            *(kr_dtype *)dest = (kr_dtype)c->value;
+            return 0;
+        }
+    snprintf(err, cap, "%s: '%.64s' is not one of bf16, f16, f32", flag, v);
+    return -1;
 }
+
+/* The vocabulary's floor: the 256 byte tokens, the specials and at least one merge. */
+#define MM_MIN_VOCAB 260
+_Static_assert(MM_MIN_VOCAB == 256 + MM_N_SPECIALS + 1, "--vocab's help names the specials' count and the floor");
 
 static void parse_args(int argc, char **argv, mm_opts *o)
 {
     *o = (mm_opts){.vocab = 2048, .hidden = 256, .layers = 4, .heads = 8, .kv_heads = 2,
                    .intermediate = 688, .seed = 1, .dtype = KR_DTYPE_BF16};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
-        else if (!strcmp(a, "--corpus")) o->corpus = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--out")) o->out = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--vocab"))
-            o->vocab = (int)cli_long(a, cli_value(argc, argv, &i), 256 + MM_N_SPECIALS + 1, 1 << 20);
-        else if (!strcmp(a, "--hidden")) o->hidden = (int)cli_long(a, cli_value(argc, argv, &i), 2, 65536);
-        else if (!strcmp(a, "--layers")) o->layers = (int)cli_long(a, cli_value(argc, argv, &i), 1, 1024);
-        else if (!strcmp(a, "--heads")) o->heads = (int)cli_long(a, cli_value(argc, argv, &i), 1, 1024);
-        else if (!strcmp(a, "--kv-heads")) o->kv_heads = (int)cli_long(a, cli_value(argc, argv, &i), 1, 1024);
-        else if (!strcmp(a, "--intermediate"))
-            o->intermediate = (int)cli_long(a, cli_value(argc, argv, &i), 1, 1 << 20);
-        else if (!strcmp(a, "--seed")) o->seed = cli_u64(a, cli_value(argc, argv, &i));
-        else if (!strcmp(a, "--dtype")) {
-            const char *t = cli_value(argc, argv, &i);
-            if (!strcmp(t, "bf16")) o->dtype = KR_DTYPE_BF16;
-            else if (!strcmp(t, "f16")) o->dtype = KR_DTYPE_F16;
-            else if (!strcmp(t, "f32")) o->dtype = KR_DTYPE_F32;
-            else cli_die(2, "--dtype: '%s' is not one of bf16, f16, f32", t);
-        } else cli_die(2, "unknown argument '%s' (see --help)", a);
-    }
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--corpus", .arg = "FILE", .dest = &o->corpus,
+         .help = "UTF-8 text to train the tokenizer on (required)"},
+        {.kind = KC_FLAG_STRING, .name = "--out", .arg = "DIR", .dest = &o->out,
+         .help = "output directory (required); created, or its five model files replaced"},
+        {.kind = KC_FLAG_INT, .name = "--vocab", .arg = "N", .dest = &o->vocab, .min = MM_MIN_VOCAB,
+         .max = 1 << 20, .def = "2048, min 260", .help = "vocabulary size including the 3 special tokens"},
+        {.kind = KC_FLAG_INT, .name = "--hidden", .arg = "N", .dest = &o->hidden, .min = 2, .max = 65536,
+         .def = "256", .help = "hidden size"},
+        {.kind = KC_FLAG_INT, .name = "--layers", .arg = "N", .dest = &o->layers, .min = 1, .max = 1024,
+         .def = "4", .help = "transformer layers"},
+        {.kind = KC_FLAG_INT, .name = "--heads", .arg = "N", .dest = &o->heads, .min = 1, .max = 1024,
+         .def = "8", .help = "query heads; must divide --hidden, head_dim must be even"},
+        {.kind = KC_FLAG_INT, .name = "--kv-heads", .arg = "N", .dest = &o->kv_heads, .min = 1, .max = 1024,
+         .def = "2", .help = "key/value heads; must divide --heads"},
+        {.kind = KC_FLAG_INT, .name = "--intermediate", .arg = "N", .dest = &o->intermediate, .min = 1,
+         .max = 1 << 20, .def = "688", .help = "MLP intermediate size"},
+        {.kind = KC_FLAG_FUNC, .name = "--seed", .arg = "N", .dest = &o->seed, .fn = cli_flag_u64, .def = "1",
+         .help = "seed of the random weights"},
+        {.kind = KC_FLAG_FUNC, .name = "--dtype", .arg = "T", .dest = &o->dtype, .fn = flag_dtype,
+         .def = "bf16", .help = "bf16, f16 or f32"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags = {
+        .prog = "kvrelay-make-model",
+        .usage = "--corpus FILE --out DIR [options]",
+        .about = "Makes a Hugging Face Llama model directory: a byte-level BPE tokenizer (Llama 3 style) trained\n"
+                 "on FILE, config.json, generation_config.json and model.safetensors with random weights.\n"
+                 "Random weights generate fluent-looking gibberish, not language (docs/default-model.md).\n"
+                 "The same corpus and flags give byte-identical files.",
+        .table = table,
+    };
+    kc_flags_main(&flags, argc, argv, 0);
     if (!o->corpus) cli_die(2, "--corpus FILE is required (the project's is tools/data/corpus.txt)");
     if (!o->out) cli_die(2, "--out DIR is required");
     if (!*o->out) cli_die(2, "--out: the directory name is empty");
