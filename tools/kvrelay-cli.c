@@ -8,6 +8,7 @@
  * manual.
  * Run: kvrelay-cli --router 127.0.0.1:7100 generate --prompt "The relay" --max-tokens 32
  */
+#include "bundle.h" /* kt_dtype_parse: --kv-wire-dtype is checked before it is sent */
 #include "cli.h"
 #include "names.h"
 #include "rpc.h"
@@ -21,7 +22,7 @@
 #include <string.h>
 #include <time.h>
 
-enum { MAX_STOPS = 64 };
+enum { MAX_STOPS = 64, DEFAULT_MAX_TOKENS = 64 };
 
 /* --router, --api-key and --tls-*, which may come before or after the command */
 static const char *router_addr;
@@ -33,50 +34,6 @@ static const char *api_key_src = "--api-key"; /* where it came from, for message
 static kc_md auth_md[1];
 static size_t n_auth_md;
 static char auth_value[300];
-
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvrelay-cli [--router HOST:PORT] [--api-key KEY] [--tls-ca FILE] COMMAND [options]\n"
-            "\n"
-            "A client of kvrelay-router's gRPC API.\n"
-            "\n"
-            "  --router HOST:PORT   the router (default $KVRELAY_ROUTER, else 127.0.0.1:7100)\n"
-            "  --api-key KEY        the router's API key, sent as 'authorization: Bearer KEY' on\n"
-            "                       every call (default $KVRELAY_API_KEY; none when both are unset)\n"
-            "  --tls-ca FILE        TLS to the router, whose certificate must chain to FILE (PEM)\n"
-            "                       (default $KVRELAY_TLS_CA; plaintext when both are unset)\n"
-            "  --tls-cert FILE      with --tls-key: the client certificate a router that verifies\n"
-            "  --tls-key FILE       clients asks for (default $KVRELAY_TLS_CERT, $KVRELAY_TLS_KEY)\n"
-            "\n"
-            "generate (--prompt TEXT | --ids \"1 2 3\") [options]\n"
-            "  streams the generated text to stdout as it arrives (token ids when the router's\n"
-            "  model has no tokenizer), then the finish reason and usage to stderr\n"
-            "  --max-tokens N       tokens to generate, the first included (default 64)\n"
-            "  --temperature T      0 = greedy (default); --top-p P, --top-k K, --seed S\n"
-            "  --policy SPEC        KV policy, e.g. streaming:sink=4,window=64 (default full)\n"
-            "  --stop STR           stop string, not included in the output (repeatable)\n"
-            "  --stop-id N          stop token id (repeatable)\n"
-            "  --force-ids LIST     score these continuation ids instead of sampling: exactly\n"
-            "                       that many tokens (--max-tokens then defaults to their count);\n"
-            "                       implies --logprobs\n"
-            "  --logprobs           each token's log-probability and the step's argmax id: one\n"
-            "                       line per token on stderr, or \"logprobs\"/\"top_ids\" in --json\n"
-            "  --raw                do not add the tokenizer's special tokens (BOS) to --prompt\n"
-            "  --request-id ID      the request's id (default: the router makes one)\n"
-            "  --timeout-ms MS      deadline for the whole request (default: the router's)\n"
-            "  --json               print one JSON object {ids, text, finish_reason, usage,\n"
-            "                       request_id} instead of streaming\n"
-            "  --cancel-after N     cancel the stream after N tokens and exit 0 with what came\n"
-            "                       (finish_reason \"cancelled\"; for tests)\n"
-            "tokenize --text TEXT [--add-special]\n"
-            "  prints the token ids, space-separated\n"
-            "status [--json]\n"
-            "  prints the router and every node: role, state, load, KV blocks\n"
-            "\n"
-            "A request the router refuses prints \"kvrelay-cli: CODE: details\" and exits 1;\n"
-            "bad flags exit 2.\n");
-}
 
 /* A non-OK status: the message the tests and users rely on, exit 1. */
 static void fail_status(const kc_status *st)
@@ -96,12 +53,6 @@ static void fail_status(const kc_status *st)
     exit(1);
 }
 
-static void set_api_key(const char *v)
-{
-    api_key = v;
-    api_key_src = "--api-key";
-}
-
 /* Checks the key as the router would (so that gRPC does not refuse it as metadata with a vaguer
  * error) and makes the metadata. The key itself is never printed. */
 static void auth_init(void)
@@ -117,19 +68,52 @@ static void auth_init(void)
     n_auth_md = 1;
 }
 
-/* The flags every command takes, before or after it: 1 when argv[*i] was one (its value taken). */
-static int common_flag(int argc, char **argv, int *i)
+static int flag_router(void *dest, const char *flag, const char *v, char *err, size_t cap)
 {
-    const char *a = argv[*i];
-    if (!strcmp(a, "--router")) {
-        router_addr = cli_value(argc, argv, i);
-        if (!*router_addr) cli_die(2, "--router: empty; give the router's HOST:PORT");
-    }
-    else if (!strcmp(a, "--api-key")) set_api_key(cli_value(argc, argv, i));
-    else if (!strncmp(a, "--tls-", 6)) {
-        if (!kc_tls_flag(&tls, a, cli_value(argc, argv, i))) cli_die(2, "unknown flag '%s' (see --help)", a);
-    } else return 0;
-    return 1;
+    if (!*v) return snprintf(err, cap, "%s: empty; give the router's HOST:PORT", flag), -1;
+    *(const char **)dest = v;
+    return 0;
+}
+
+static int flag_api_key(void *dest, const char *flag, const char *v, char *err, size_t cap)
+{
+    (void)err, (void)cap;
+    *(const char **)dest = v;
+    api_key_src = flag;
+    return 0;
+}
+
+/* The flags every command takes, before or after it: the top level's table and each command's
+ * `more` table. Their defaults come from the environment, read in main before parsing. */
+static const kc_flag common_flags[] = {
+    {.kind = KC_FLAG_SECTION, .help = "every command takes these, before or after it:"},
+    {.kind = KC_FLAG_FUNC, .name = "--router", .arg = "HOST:PORT", .dest = &router_addr, .fn = flag_router,
+     .def = "$KVRELAY_ROUTER, else 127.0.0.1:7100", .help = "the router"},
+    {.kind = KC_FLAG_FUNC, .name = "--api-key", .arg = "KEY", .dest = &api_key, .fn = flag_api_key,
+     .def = "$KVRELAY_API_KEY; none when both are unset",
+     .help = "the router's API key, sent as 'authorization: Bearer KEY' on every call"},
+    {.kind = KC_FLAG_FUNC, .name = "--tls-ca", .arg = "FILE", .dest = &tls, .fn = kc_flag_tls,
+     .def = "$KVRELAY_TLS_CA; plaintext when both are unset",
+     .help = "TLS to the router, whose certificate must chain to FILE (PEM)"},
+    {.kind = KC_FLAG_FUNC, .name = "--tls-cert", .arg = "FILE", .dest = &tls, .fn = kc_flag_tls,
+     .def = "$KVRELAY_TLS_CERT",
+     .help = "with --tls-key: the client certificate a router that verifies clients asks for"},
+    {.kind = KC_FLAG_FUNC, .name = "--tls-key", .arg = "FILE", .dest = &tls, .fn = kc_flag_tls,
+     .def = "$KVRELAY_TLS_KEY", .help = "its private key (PEM, unencrypted)"},
+    KC_FLAGS_TLS_CLIENT_AUTH_REFUSED(&tls),
+    {.kind = KC_FLAG_END},
+};
+
+/* the end of every --help */
+#define EXIT_STATUS                                                                                \
+    "A request the router refuses prints \"kvrelay-cli: CODE: details\" and exits 1;\n"           \
+    "bad flags exit 2."
+
+/* A command's flags: its own table, then the common ones. argv[0] is the command's name. */
+static kc_flags command_flags(const kc_flag *table, const char *usage, const char *about)
+{
+    return (kc_flags){.prog = "kvrelay-cli", .usage = usage, .about = about, .table = table,
+                      .more = common_flags, .footer = EXIT_STATUS};
 }
 
 static kc_channel *connect_router(void)
@@ -151,63 +135,88 @@ static kc_channel *connect_router(void)
 /* ------------------------------------------------------------------ generate */
 
 typedef struct gen_opts {
-    const char *prompt, *ids_s, *policy, *request_id, *force_s;
-    long max_tokens, timeout_ms, cancel_after;
-    int json, raw, has_sampling, has_seed, logprobs, max_tokens_given;
-    double temperature, top_p;
-    long top_k;
+    const char *prompt, *ids_s, *policy, *request_id, *force_s, *wire;
+    int64_t max_tokens, cancel_after, top_k; /* -1: not given */
+    int64_t timeout_ms; /* 0: the router's deadline */
+    int json, raw, has_seed, logprobs;
+    double temperature, top_p; /* -1: not given */
     uint64_t seed;
-    char *stops[MAX_STOPS];
+    const char *stops[MAX_STOPS];
     int n_stops;
-    uint32_t stop_ids[MAX_STOPS];
-    int n_stop_ids;
+    cli_id_list stop_ids;
 } gen_opts;
 
-static void parse_generate(int argc, char **argv, int i, gen_opts *o)
+static int flag_seed(void *dest, const char *flag, const char *v, char *err, size_t cap)
 {
-    memset(o, 0, sizeof *o);
-    o->max_tokens = 64;
-    o->cancel_after = -1;
-    for (; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (common_flag(argc, argv, &i)) continue;
-        else if (!strcmp(a, "--prompt")) o->prompt = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--ids")) o->ids_s = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--max-tokens")) {
-            o->max_tokens = cli_long(a, cli_value(argc, argv, &i), 0, UINT32_MAX);
-            o->max_tokens_given = 1;
-        } else if (!strcmp(a, "--force-ids")) o->force_s = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--logprobs")) o->logprobs = 1;
-        else if (!strcmp(a, "--temperature")) {
-            o->temperature = cli_double(a, cli_value(argc, argv, &i), 0, 100);
-            o->has_sampling = 1;
-        } else if (!strcmp(a, "--top-p")) {
-            o->top_p = cli_double(a, cli_value(argc, argv, &i), 0, 1);
-            o->has_sampling = 1;
-        } else if (!strcmp(a, "--top-k")) {
-            o->top_k = cli_long(a, cli_value(argc, argv, &i), 0, UINT32_MAX);
-            o->has_sampling = 1;
-        } else if (!strcmp(a, "--seed")) {
-            o->seed = cli_u64(a, cli_value(argc, argv, &i));
-            o->has_sampling = o->has_seed = 1;
-        } else if (!strcmp(a, "--policy")) o->policy = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--stop")) {
-            if (o->n_stops == MAX_STOPS) cli_die(2, "--stop: at most %d", MAX_STOPS);
-            o->stops[o->n_stops++] = (char *)cli_value(argc, argv, &i);
-        } else if (!strcmp(a, "--stop-id")) {
-            if (o->n_stop_ids == MAX_STOPS) cli_die(2, "--stop-id: at most %d", MAX_STOPS);
-            o->stop_ids[o->n_stop_ids++] = (uint32_t)cli_long(a, cli_value(argc, argv, &i), 0, UINT32_MAX);
-        } else if (!strcmp(a, "--raw")) o->raw = 1;
-        else if (!strcmp(a, "--request-id")) o->request_id = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--timeout-ms")) o->timeout_ms = cli_long(a, cli_value(argc, argv, &i), 1, 86400000L);
-        else if (!strcmp(a, "--json")) o->json = 1;
-        else if (!strcmp(a, "--cancel-after")) o->cancel_after = cli_long(a, cli_value(argc, argv, &i), 0, 1 << 30);
-        else cli_die(2, "generate: unknown argument '%s' (see --help)", a);
-    }
-    if (!o->prompt == !o->ids_s) cli_die(2, "generate: give exactly one of --prompt and --ids");
+    gen_opts *o = dest;
+    o->has_seed = 1;
+    return cli_flag_u64(&o->seed, flag, v, err, cap);
+}
+
+/* Checked here so that a typo exits 2 naming the flag; sent as given (the router parses it
+ * with the same kt_dtype_parse). */
+static int flag_wire(void *dest, const char *flag, const char *v, char *err, size_t cap)
+{
+    kt_dtype t;
+    if (kt_dtype_parse(v, &t) != 0)
+        return snprintf(err, cap, "%s: '%.64s' is not f32, bf16, f16, int8 or fp8", flag, v), -1;
+    *(const char **)dest = v;
+    return 0;
+}
+
+static void parse_generate(int argc, char **argv, gen_opts *o)
+{
+    *o = (gen_opts){.max_tokens = -1, .cancel_after = -1, .top_k = -1, .temperature = -1, .top_p = -1,
+                    .stop_ids = {.max = UINT32_MAX}};
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--prompt", .arg = "TEXT", .dest = &o->prompt,
+         .help = "the prompt, tokenized by the router"},
+        {.kind = KC_FLAG_STRING, .name = "--ids", .arg = "\"1 2 3\"", .dest = &o->ids_s,
+         .help = "the prompt as token ids (spaces or commas between)"},
+        {.kind = KC_FLAG_INT64, .name = "--max-tokens", .arg = "N", .dest = &o->max_tokens, .min = 0,
+         .max = UINT32_MAX, .def = "64", .help = "tokens to generate, the first included"},
+        {.kind = KC_FLAG_DOUBLE, .name = "--temperature", .arg = "T", .dest = &o->temperature, .dmin = 0,
+         .dmax = 100, .def = "0 = greedy", .help = "sampling temperature"},
+        {.kind = KC_FLAG_DOUBLE, .name = "--top-p", .arg = "P", .dest = &o->top_p, .dmin = 0, .dmax = 1,
+         .help = "nucleus sampling mass"},
+        {.kind = KC_FLAG_INT64, .name = "--top-k", .arg = "K", .dest = &o->top_k, .min = 0, .max = UINT32_MAX,
+         .help = "keep the K most likely tokens"},
+        {.kind = KC_FLAG_FUNC, .name = "--seed", .arg = "S", .dest = o, .fn = flag_seed, .help = "sampling seed"},
+        {.kind = KC_FLAG_STRING, .name = "--policy", .arg = "SPEC", .dest = &o->policy, .def = "full",
+         .help = "KV policy, e.g. streaming:sink=4,window=64"},
+        {.kind = KC_FLAG_FUNC, .name = "--kv-wire-dtype", .arg = "T", .dest = &o->wire, .fn = flag_wire,
+         .def = "the prefill node's --kv-dtype",
+         .help = "the KV bundle's payload dtype from the prefill to the decode node: f32, bf16, f16, int8 or fp8 "
+                 "(docs/rpc.md)"},
+        {.kind = KC_FLAG_LIST, .name = "--stop", .arg = "STR", .dest = o->stops, .count = &o->n_stops,
+         .max_count = MAX_STOPS, .help = "stop string, not included in the output (repeatable)"},
+        {.kind = KC_FLAG_FUNC, .name = "--stop-id", .arg = "N", .dest = &o->stop_ids, .fn = cli_flag_id,
+         .help = "stop token id (repeatable)"},
+        {.kind = KC_FLAG_STRING, .name = "--force-ids", .arg = "LIST", .dest = &o->force_s,
+         .help = "score these continuation ids instead of sampling: exactly that many tokens (--max-tokens then "
+                 "defaults to their count); implies --logprobs"},
+        {.kind = KC_FLAG_BOOL, .name = "--logprobs", .dest = &o->logprobs,
+         .help = "each token's log-probability and the step's argmax id: one line per token on stderr, or "
+                 "\"logprobs\"/\"top_ids\" in --json"},
+        {.kind = KC_FLAG_BOOL, .name = "--raw", .dest = &o->raw,
+         .help = "do not add the tokenizer's special tokens (BOS) to --prompt"},
+        {.kind = KC_FLAG_STRING, .name = "--request-id", .arg = "ID", .dest = &o->request_id,
+         .def = "made by the router", .help = "the request's id"},
+        {.kind = KC_FLAG_INT64, .name = "--timeout-ms", .arg = "MS", .dest = &o->timeout_ms, .min = 1,
+         .max = 86400000, .def = "the router's", .help = "deadline for the whole request"},
+        {.kind = KC_FLAG_BOOL, .name = "--json", .dest = &o->json,
+         .help = "print one JSON object {ids, text, finish_reason, usage, request_id} instead of streaming"},
+        {.kind = KC_FLAG_INT64, .name = "--cancel-after", .arg = "N", .dest = &o->cancel_after, .min = 0,
+         .max = 1 << 30, .help = "cancel the stream after N tokens and exit 0 with what came (finish_reason "
+                                 "\"cancelled\"; for tests)"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags =
+        command_flags(table, "[--router HOST:PORT] generate (--prompt TEXT | --ids \"1 2 3\") [options]",
+                      "Streams the generated text to stdout as it arrives (token ids when the router's\n"
+                      "model has no tokenizer), then the finish reason and usage to stderr.");
+    kc_flags_main(&flags, argc, argv, 0);
+    if (!o->prompt == !o->ids_s) kc_flags_die(&flags, "generate: give exactly one of --prompt and --ids");
 }
 
 /* What the stream brought. */
@@ -284,6 +293,7 @@ static void print_json(const gen_result *g)
         cJSON_AddNumberToObject(ju, "kv_footprint", u->kv_footprint);
         cJSON_AddNumberToObject(ju, "peak_kv_entries", (double)u->peak_kv_entries);
         cJSON_AddNumberToObject(ju, "kv_bytes_shipped", (double)u->kv_bytes_shipped);
+        cJSON_AddStringToObject(ju, "kv_wire_dtype", u->kv_wire_dtype);
         cJSON_AddNumberToObject(ju, "kv_entries_shipped", (double)u->kv_entries_shipped);
         cJSON *sb = cJSON_AddObjectToObject(ju, "served_by");
         cJSON_AddStringToObject(sb, "prefill_node", u->served_by ? u->served_by->prefill_node : "");
@@ -310,17 +320,18 @@ static void print_usage_line(const gen_result *g)
     }
     fprintf(stderr,
             "finish: %s | prompt %u + completion %u tokens | ttft %.1f ms | tpot %.2f ms | kv footprint %.3f | "
-            "peak kv %" PRIu64 " entries | shipped %" PRIu64 " bytes (%" PRIu64 " entries) | %s -> %s | %s\n",
+            "peak kv %" PRIu64 " entries | shipped %" PRIu64 " bytes (%" PRIu64 " entries, %s) | %s -> %s | %s\n",
             kc_finish_reason_name(f->reason), u->prompt_tokens, u->completion_tokens, u->ttft_s * 1e3, u->tpot_s * 1e3,
             u->kv_footprint, u->peak_kv_entries, u->kv_bytes_shipped, u->kv_entries_shipped,
+            u->kv_wire_dtype[0] ? u->kv_wire_dtype : "?",
             u->served_by ? u->served_by->prefill_node : "?", u->served_by ? u->served_by->decode_node : "?",
             f->request_id);
 }
 
-static int cmd_generate(int argc, char **argv, int i)
+static int cmd_generate(int argc, char **argv)
 {
     gen_opts o;
-    parse_generate(argc, argv, i, &o);
+    parse_generate(argc, argv, &o);
     Kvrelay__V1__GenerateRequest req = KVRELAY__V1__GENERATE_REQUEST__INIT;
     Kvrelay__V1__TokenIds tids = KVRELAY__V1__TOKEN_IDS__INIT;
     uint32_t *ids = NULL;
@@ -340,7 +351,7 @@ static int cmd_generate(int argc, char **argv, int i)
         req.prompt_case = KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS;
         req.token_ids = &tids;
     }
-    req.max_tokens = (uint32_t)o.max_tokens;
+    req.max_tokens = o.max_tokens < 0 ? DEFAULT_MAX_TOKENS : (uint32_t)o.max_tokens;
     Kvrelay__V1__TokenIds fids = KVRELAY__V1__TOKEN_IDS__INIT;
     uint32_t *forced = NULL;
     if (o.force_s) {
@@ -355,14 +366,15 @@ static int cmd_generate(int argc, char **argv, int i)
         fids.ids = forced;
         req.forced = &fids;
         /* the server takes 0 as "as many as forced"; a given --max-tokens is sent for it to check */
-        if (!o.max_tokens_given) req.max_tokens = 0;
+        if (o.max_tokens < 0) req.max_tokens = 0;
     }
     req.logprobs = o.logprobs;
     Kvrelay__V1__Sampling sampling = KVRELAY__V1__SAMPLING__INIT;
-    if (o.has_sampling) {
-        sampling.temperature = (float)o.temperature;
-        sampling.top_p = (float)o.top_p;
-        sampling.top_k = (uint32_t)o.top_k;
+    if (o.temperature >= 0 || o.top_p >= 0 || o.top_k >= 0 || o.has_seed) {
+        /* a flag not given is the proto's zero: the server's default */
+        sampling.temperature = o.temperature < 0 ? 0.0f : (float)o.temperature;
+        sampling.top_p = o.top_p < 0 ? 0.0f : (float)o.top_p;
+        sampling.top_k = o.top_k < 0 ? 0 : (uint32_t)o.top_k;
         if (o.has_seed) {
             sampling.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
             sampling.seed = o.seed;
@@ -370,11 +382,12 @@ static int cmd_generate(int argc, char **argv, int i)
         req.sampling = &sampling;
     }
     req.n_stop = (size_t)o.n_stops;
-    req.stop = o.stops;
-    req.n_stop_ids = (size_t)o.n_stop_ids;
-    req.stop_ids = o.stop_ids;
+    req.stop = (char **)o.stops;
+    req.n_stop_ids = (size_t)o.stop_ids.n;
+    req.stop_ids = o.stop_ids.ids;
     if (o.policy) req.kv_policy = (char *)o.policy;
     if (o.request_id) req.request_id = (char *)o.request_id;
+    if (o.wire) req.kv_wire_dtype = (char *)o.wire;
 
     kc_channel *ch = connect_router();
     kc_stream *s;
@@ -442,21 +455,20 @@ static int cmd_generate(int argc, char **argv, int i)
 
 /* ------------------------------------------------------------------ tokenize */
 
-static int cmd_tokenize(int argc, char **argv, int i)
+static int cmd_tokenize(int argc, char **argv)
 {
     const char *text = NULL;
     int add_special = 0;
-    for (; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (common_flag(argc, argv, &i)) continue;
-        else if (!strcmp(a, "--text")) text = cli_value(argc, argv, &i);
-        else if (!strcmp(a, "--add-special")) add_special = 1;
-        else cli_die(2, "tokenize: unknown argument '%s' (see --help)", a);
-    }
-    if (!text) cli_die(2, "tokenize: --text is required");
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_STRING, .name = "--text", .arg = "TEXT", .dest = &text, .help = "the text (required)"},
+        {.kind = KC_FLAG_BOOL, .name = "--add-special", .dest = &add_special,
+         .help = "add the tokenizer's special tokens (BOS)"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags = command_flags(table, "[--router HOST:PORT] tokenize --text TEXT [--add-special]",
+                                         "Prints the token ids, space-separated.");
+    kc_flags_main(&flags, argc, argv, 0);
+    if (!text) kc_flags_die(&flags, "tokenize: --text is required");
     Kvrelay__V1__TokenizeRequest req = KVRELAY__V1__TOKENIZE_REQUEST__INIT;
     req.text = (char *)text;
     req.add_special = add_special;
@@ -475,17 +487,16 @@ static int cmd_tokenize(int argc, char **argv, int i)
 
 /* ------------------------------------------------------------------ status */
 
-static int cmd_status(int argc, char **argv, int i)
+static int cmd_status(int argc, char **argv)
 {
     int json = 0;
-    for (; i < argc; i++) {
-        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (common_flag(argc, argv, &i)) continue;
-        else if (!strcmp(argv[i], "--json")) json = 1;
-        else cli_die(2, "status: unknown argument '%s' (see --help)", argv[i]);
-    }
+    const kc_flag table[] = {
+        {.kind = KC_FLAG_BOOL, .name = "--json", .dest = &json, .help = "one JSON object {nodes: [...]}"},
+        {.kind = KC_FLAG_END},
+    };
+    const kc_flags flags = command_flags(table, "[--router HOST:PORT] status [--json]",
+                                         "Prints the router and every node: role, state, load, KV blocks.");
+    kc_flags_main(&flags, argc, argv, 0);
     kc_channel *ch = connect_router();
     Kvrelay__V1__ClusterStatusRequest req = KVRELAY__V1__CLUSTER_STATUS_REQUEST__INIT;
     Kvrelay__V1__ClusterStatusResponse *resp;
@@ -561,17 +572,27 @@ int main(int argc, char **argv)
     if (api_key) api_key_src = "KVRELAY_API_KEY";
     tls = (kc_tls_config){.ca_file = getenv("KVRELAY_TLS_CA"), .cert_file = getenv("KVRELAY_TLS_CERT"),
                           .key_file = getenv("KVRELAY_TLS_KEY")}; /* the flags win */
-    int i = 1;
-    for (; i < argc; i++) {
-        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            usage(stdout);
-            return 0;
-        } else if (!common_flag(argc, argv, &i)) break;
-    }
-    if (i >= argc) cli_die(2, "give a command: generate, tokenize or status (see --help)");
-    const char *cmd = argv[i++];
-    if (!strcmp(cmd, "generate")) return cmd_generate(argc, argv, i);
-    if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc, argv, i);
-    if (!strcmp(cmd, "status")) return cmd_status(argc, argv, i);
-    cli_die(2, "unknown command '%s' (generate, tokenize or status; see --help)", cmd);
+    const kc_flags flags = {
+        .prog = "kvrelay-cli",
+        .usage = "[--router HOST:PORT] [--api-key KEY] [--tls-ca FILE] COMMAND [options]",
+        .about = "A client of kvrelay-router's gRPC API.",
+        .table = common_flags + 1, /* without the heading: here they are the only flags */
+        .footer = "commands (kvrelay-cli COMMAND --help lists a command's flags):\n"
+                  "  generate (--prompt TEXT | --ids \"1 2 3\") [options]\n"
+                  "      streams the generated text to stdout as it arrives, then the finish reason and\n"
+                  "      usage to stderr\n"
+                  "  tokenize --text TEXT [--add-special]\n"
+                  "      prints the token ids, space-separated\n"
+                  "  status [--json]\n"
+                  "      prints the router and every node: role, state, load, KV blocks\n"
+                  "\n" EXIT_STATUS,
+    };
+    int at = kc_flags_main(&flags, argc, argv, 1);
+    if (at >= argc) kc_flags_die(&flags, "give a command: generate, tokenize or status (see --help)");
+    /* the command's own parser starts after its name, which stands in for argv[0] */
+    const char *cmd = argv[at];
+    if (!strcmp(cmd, "generate")) return cmd_generate(argc - at, argv + at);
+    if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - at, argv + at);
+    if (!strcmp(cmd, "status")) return cmd_status(argc - at, argv + at);
+    kc_flags_die(&flags, "unknown command '%s' (generate, tokenize or status; see --help)", cmd);
 }
