@@ -1,27 +1,34 @@
 /*
- * membership.h - cluster membership in etcd: a node registers itself under a lease and keeps it
- * alive from a background thread (re-registering when the lease was lost or etcd came back); the
- * router watches the nodes prefix and is told the whole current set after every change.
- * Key: /kvrelay/<cluster>/nodes/<role>/<id>; value: JSON of kc_member's fields.
+ * membership.h - cluster membership: who the prefill and decode nodes are, from either of its two
+ * sources, both giving the router the same kc_member list:
+ *   - etcd: a node registers itself under a lease and keeps it alive from a background thread
+ *     (re-registering when the lease was lost or etcd came back); the router watches the nodes
+ *     prefix and is told the whole current set after every change. Key:
+ *     /kvrelay/<cluster>/nodes/<role>/<id>; value: JSON of kc_member's fields.
+ *   - the router's static --nodes file (kc_members_file_load), read once at start-up.
  * What it is not: placement or health checking (a live lease says the process keeps etcd
- * informed, not that it answers calls). Docs: docs/etcd.md. Test: ctest -R test_membership.
+ * informed, not that it answers calls); the router's live view of a node is rt_node
+ * (router/router.h). Docs: docs/etcd.md, docs/router.md. Tests: ctest -R test_membership.
  */
 #ifndef KC_MEMBERSHIP_H
 #define KC_MEMBERSHIP_H
 
 #include "etcd.h"
 
+#include <stddef.h>
 #include <stdint.h>
 
-#define KC_MEMBER_ERR_LEN 256 /* size of the `err` buffers below */
+#define KC_MEMBER_ERR_LEN 512 /* size of the `err` buffers below (a file's messages name its path) */
 
+/* One member of the cluster as a membership source gives it. The static file gives id, role,
+ * state "serving" and grpc only; the other fields are then empty or 0. */
 typedef struct kc_member {
     char id[128];
     char role[16];  /* "prefill" | "decode" */
     char state[16]; /* "serving" | "draining" */
-    char grpc[256];
-    char transfer[256];
-    char fingerprint[17];
+    char grpc[256];  /* HOST:PORT of its gRPC server */
+    char transfer[256];  /* a decode node's UCX listener ("" for prefill) */
+    char fingerprint[17];  /* its model's (docs/failures.md); "" when it did not say */
     uint64_t kv_capacity;
     char version[32];
     int64_t start_unix_ms;
@@ -86,6 +93,25 @@ int kc_watch_start_cfg(const kc_etcd_config *cfg, const char *cluster, kc_member
 /* Stops the thread (within about a second; fn is not called after it returns) and frees. NULL is
  * fine. */
 void kc_watch_stop(kc_watch *w);
+
+/* ------------------------------------------------------------------ the static file */
+
+/* The router's --nodes file (docs/router.md), the membership source without etcd:
+ *   {"prefill": [{"id": "prefill-0", "address": "127.0.0.1:7101"}],
+ *    "decode":  [{"id": "decode-0",  "address": "127.0.0.1:7201"}]}
+ * Both lists are required and non-empty; ids are unique across both, [A-Za-z0-9._-], at most
+ * 63 characters; addresses are HOST:PORT (HOST may be [v6]) and unique; unknown keys are errors
+ * (a typo must not silently drop a node). Every error names the file, the entry and the field. */
+#define KC_MEMBERS_FILE_MAX 256 /* members per role */
+
+/* Parses the JSON text `json` (`len` bytes; `path` only names it in messages) into members with
+ * state "serving" and the address as grpc, the prefill ones first. Returns 0 with *out (malloc'd,
+ * caller frees) and *n, or -1 with a message in err (KC_MEMBER_ERR_LEN); outputs set only on
+ * success. */
+int kc_members_file_parse(const char *json, size_t len, const char *path, kc_member **out, int *n,
+                          char *err);
+/* Reads the file at `path` (at most 1 MiB) and parses it as above. */
+int kc_members_file_load(const char *path, kc_member **out, int *n, char *err);
 
 /* 1 when s is 1..max_len bytes of [A-Za-z0-9._-]: node ids, cluster names, key segments. */
 int kc_name_ok(const char *s, size_t max_len);

@@ -5,7 +5,8 @@
  * prefill node (Prefill) chosen by its placement. It loads the model's config.json and
  * tokenizer.json only: it never runs the model.
  * Membership comes from a static file (--nodes) or from etcd (--etcd: it changes while the
- * router runs; router/nodes.c keeps the table); failed
+ * router runs); both give a kc_member list (common/membership.h) that router/nodes.c makes the
+ * node table match; failed
  * nodes are handled as docs/failures.md says (circuit breaker, prefill retry, decode failure or
  * --migrate). Not here: TLS, several routers sharing load information.
  * Run: kvrelay-router --model DIR --nodes nodes.json --listen 127.0.0.1:7100 --http 127.0.0.1:9100
@@ -250,29 +251,11 @@ static int64_t unix_ms(void)
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
-/* kc_watch's callback: the whole membership from etcd. */
+/* kc_watch's callback: the whole membership from etcd, applied as the --nodes file's is. */
 static void on_members(void *user, const kc_member *ms, int n)
 {
-    rt_router *rt = user;
-    rt_member_info *info = calloc((size_t)n + 1, sizeof *info);
-    if (!info) {
-        kc_error(NULL, "etcd membership: out of memory; keeping the last set");
-        return;
-    }
-    int k = 0;
-    for (int i = 0; i < n; i++) {
-        const kc_member *m = &ms[i];
-        if (strlen(m->id) > 63) {
-            kc_warn(NULL, "etcd membership: node id '%.80s...' is over 63 characters: left out", m->id);
-            continue;
-        }
-        info[k++] = (rt_member_info){.role = strcmp(m->role, "prefill") == 0 ? RT_ROLE_PREFILL : RT_ROLE_DECODE,
-                                     .id = m->id, .address = m->grpc, .draining = strcmp(m->state, "draining") == 0,
-                                     .fingerprint = m->fingerprint};
-    }
     char err[KR_ERR_MAX];
-    if (rt_nodes_apply(rt, info, k, err) != 0) kc_warn(NULL, "etcd membership: %s", err);
-    free(info);
+    if (rt_nodes_apply(user, ms, n, err) != 0) kc_warn(NULL, "etcd membership: %s", err);
 }
 
 int main(int argc, char **argv)
@@ -340,17 +323,12 @@ int main(int argc, char **argv)
         die("%s", st.details);
     kc_watch *watch = NULL;
     if (o.nodes) {
-        rt_members ms;
-        char merr[RT_MEMBERS_ERR_MAX];
-        if (rt_members_load(o.nodes, &ms, merr) != 0) die("--nodes: %s", merr);
-        static rt_member_info info[2 * RT_MEMBERS_MAX];
-        int n_info = 0;
-        for (int i = 0; i < ms.n_prefill; i++)
-            info[n_info++] = (rt_member_info){.role = RT_ROLE_PREFILL, .id = ms.prefill[i].id, .address = ms.prefill[i].address};
-        for (int i = 0; i < ms.n_decode; i++)
-            info[n_info++] = (rt_member_info){.role = RT_ROLE_DECODE, .id = ms.decode[i].id, .address = ms.decode[i].address};
-        if (rt_nodes_apply(rt, info, n_info, err) != 0) die("--nodes: %s", err);
-        rt_members_free(&ms);
+        kc_member *ms;
+        int n_ms;
+        char merr[KC_MEMBER_ERR_LEN];
+        if (kc_members_file_load(o.nodes, &ms, &n_ms, merr) != 0) die("--nodes: %s", merr);
+        if (rt_nodes_apply(rt, ms, n_ms, err) != 0) die("--nodes: %s", err);
+        free(ms);
     } else {
         char werr[KC_MEMBER_ERR_LEN];
         if (kc_watch_start_cfg(&o.etcd, o.cluster, on_members, rt, &watch, werr) != 0)

@@ -5,7 +5,8 @@
  * started or finished on it since that answer was asked for, so a burst of requests between two
  * polls does not all land on the node that looked emptiest. Several routers would each see only
  * their own corrections (a known limit, docs/router.md).
- * The table changes at run time (rt_nodes_apply, from the static file or etcd); each node has a
+ * The table changes at run time (rt_nodes_apply: one kc_member list, from the static file or from
+ * etcd, applied the same way); each node has a
  * circuit breaker fed by every call's outcome (rt_node_outcome) and the router's view of its
  * state (serving, draining, unreachable, suspect, gone) with the time it entered it
  * (docs/failures.md).
@@ -48,6 +49,12 @@ static int node_channel(const rt_router *rt, const char *address, kc_channel **o
     return kc_channel_create_opts(address, &opts, out, st);
 }
 
+/* The member itself says it drains (etcd; a static file cannot). rt->mu held. */
+static int member_draining(const rt_node *x)
+{
+    return strcmp(x->member.state, "draining") == 0;
+}
+
 /* A member that left the membership less than RT_GONE_GRACE_MS ago but whose last Status (it is
  * still polled) says it serves, and that never said it drains: still placed. When etcd comes back
  * from an outage longer than the lease TTL it expires every lease at once, before the nodes (all
@@ -56,7 +63,7 @@ static int node_channel(const rt_router *rt, const char *address, kc_channel **o
 static int departing_usable(const rt_node *x, int64_t now_unix_ms)
 {
     return x->gone && now_unix_ms - x->gone_unix_ms <= RT_GONE_GRACE_MS && x->polled && x->reachable &&
-           x->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING && !x->member_draining && !x->refused_draining;
+           x->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING && !member_draining(x) && !x->refused_draining;
 }
 
 /* Recomputes the router's view of n (rt->mu held); logs and stamps a change. */
@@ -66,11 +73,11 @@ static void view_update(rt_node *n)
     if (n->gone) v = KVRELAY__V1__NODE_STATE__NODE_STATE_GONE;
     else if (n->breaker.open) v = KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT;
     else if (n->polled && !n->reachable) v = KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE;
-    else if (n->member_draining || n->refused_draining || (n->reachable && n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING))
+    else if (member_draining(n) || n->refused_draining || (n->reachable && n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING))
         v = KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING;
     else v = KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
     if (v == n->view) return;
-    kc_info(NULL, "node %s (%s): %s -> %s%s%s", n->id, n->address, kc_node_state_name(n->view), kc_node_state_name(v),
+    kc_info(NULL, "node %s (%s): %s -> %s%s%s", n->id, n->member.grpc, kc_node_state_name(n->view), kc_node_state_name(v),
             n->error[0] && (v == KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT || v == KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE) ? ": " : "",
             v == KVRELAY__V1__NODE_STATE__NODE_STATE_SUSPECT || v == KVRELAY__V1__NODE_STATE__NODE_STATE_UNREACHABLE ? n->error : "");
     n->view = v;
@@ -117,16 +124,16 @@ kc_channel *rt_node_channel(rt_router *rt, rt_node *n)
 
 /* ------------------------------------------------------------------ membership */
 
-static const char *role_word(rt_role r)
+static rt_role member_role(const kc_member *m)
 {
-    return r == RT_ROLE_PREFILL ? "prefill" : "decode";
+    return strcmp(m->role, "prefill") == 0 ? RT_ROLE_PREFILL : RT_ROLE_DECODE;
 }
 
 /* Whether a member's fingerprint rules it out (rt->mu held): the first one seen becomes the
  * reference when the router could not compute its own (docs/failures.md). */
 static int fingerprint_mismatch(rt_router *rt, const char *fp)
 {
-    if (!fp || !fp[0]) return 0;
+    if (!fp[0]) return 0;
     if (!rt->fingerprint[0]) {
         snprintf(rt->fingerprint, sizeof rt->fingerprint, "%s", fp);
         rt->fingerprint_from_node = 1;
@@ -136,70 +143,98 @@ static int fingerprint_mismatch(rt_router *rt, const char *fp)
     return strcmp(rt->fingerprint, fp) != 0;
 }
 
-int rt_nodes_apply(rt_router *rt, const rt_member_info *ms, int n, char *err)
+/* A node for a member not in the table yet, with its channel (rt->mu held). Returns it, or NULL
+ * with err. */
+static rt_node *node_add(rt_router *rt, const kc_member *m, char *err)
+{
+    if (rt->n_nodes >= RT_NODES_MAX) {
+        snprintf(err, KR_ERR_MAX, "node %.63s: the router knows %d nodes already (at most %d)", m->id, rt->n_nodes, RT_NODES_MAX);
+        return NULL;
+    }
+    kc_channel *ch;
+    kc_status st;
+    if (node_channel(rt, m->grpc, &ch, &st) != 0) {
+        snprintf(err, KR_ERR_MAX, "node %.63s (%.200s): %.200s", m->id, m->grpc, st.details);
+        return NULL;
+    }
+    rt_node *x = calloc(1, sizeof *x);
+    if (!x) {
+        kc_channel_destroy(ch);
+        snprintf(err, KR_ERR_MAX, "out of memory");
+        return NULL;
+    }
+    x->role = member_role(m);
+    x->member = *m;
+    x->id = x->member.id;
+    snprintf(x->error, sizeof x->error, "not polled yet");
+    x->ch = ch;
+    x->view_since_unix_ms = unix_now_ms();
+    rt->nodes[rt->n_nodes++] = x;
+    kc_info(NULL, "member %s node %s at %s", x->member.role, x->id, x->member.grpc);
+    return x;
+}
+
+/* Takes a known node's new record (rt->mu held): a new address gets a new channel, the old one
+ * is retired (calls in flight may still use it). The id and role are equal (they matched) and
+ * are left as they are, since the request path reads them without the lock. Returns 0, or -1
+ * with err when the node cannot move (it keeps its old record). */
+static int node_update(rt_router *rt, rt_node *x, const kc_member *m, char *err)
+{
+    if (strcmp(x->member.grpc, m->grpc) != 0) {
+        kc_channel *ch;
+        kc_status st;
+        if (rt->n_retired >= RT_NODES_MAX || node_channel(rt, m->grpc, &ch, &st) != 0) {
+            snprintf(err, KR_ERR_MAX, "node %.63s: cannot move to %.200s", m->id, m->grpc);
+            return -1;
+        }
+        kc_info(NULL, "node %s moved from %s to %s", x->id, x->member.grpc, m->grpc);
+        rt->retired[rt->n_retired++] = x->ch;
+        x->ch = ch;
+        x->polled = 0;
+        x->breaker = (rt_breaker){0};
+    }
+    kc_member *r = &x->member; /* every field but id and role: a field added to kc_member goes here too */
+    memcpy(r->state, m->state, sizeof r->state);
+    memcpy(r->grpc, m->grpc, sizeof r->grpc);
+    memcpy(r->transfer, m->transfer, sizeof r->transfer);
+    memcpy(r->fingerprint, m->fingerprint, sizeof r->fingerprint);
+    r->kv_capacity = m->kv_capacity;
+    memcpy(r->version, m->version, sizeof r->version);
+    r->start_unix_ms = m->start_unix_ms;
+    return 0;
+}
+
+int rt_nodes_apply(rt_router *rt, const kc_member *ms, int n, char *err)
 {
     int rc = 0;
     pthread_mutex_lock(&rt->mu);
     int n_old = rt->n_nodes; /* the nodes before this call: those not in ms become gone */
     char *seen = calloc((size_t)n_old + 1, 1);
     for (int i = 0; i < n; i++) {
-        const rt_member_info *m = &ms[i];
+        const kc_member *m = &ms[i];
+        if (strlen(m->id) > RT_NODE_ID_MAX) {
+            kc_warn(NULL, "membership: node id '%.80s...' is over %d characters: left out", m->id, RT_NODE_ID_MAX);
+            continue;
+        }
+        rt_role role = member_role(m);
         rt_node *x = NULL;
         for (int k = 0; k < rt->n_nodes; k++)
-            if (rt->nodes[k]->role == m->role && !strcmp(rt->nodes[k]->id, m->id)) {
+            if (rt->nodes[k]->role == role && !strcmp(rt->nodes[k]->id, m->id)) {
                 x = rt->nodes[k];
                 if (seen && k < n_old) seen[k] = 1;
                 break;
             }
+        if (!x) x = node_add(rt, m, err);
+        else if (node_update(rt, x, m, err) != 0) x = NULL;
         if (!x) {
-            if (rt->n_nodes >= RT_NODES_MAX) {
-                snprintf(err, KR_ERR_MAX, "node %s: the router knows %d nodes already (at most %d)", m->id, rt->n_nodes, RT_NODES_MAX);
-                rc = -1;
-                continue;
-            }
-            kc_channel *ch;
-            kc_status st;
-            if (node_channel(rt, m->address, &ch, &st) != 0) {
-                snprintf(err, KR_ERR_MAX, "node %s (%.200s): %.200s", m->id, m->address, st.details);
-                rc = -1;
-                continue;
-            }
-            x = calloc(1, sizeof *x);
-            if (!x) {
-                kc_channel_destroy(ch);
-                snprintf(err, KR_ERR_MAX, "out of memory");
-                rc = -1;
-                continue;
-            }
-            x->role = m->role;
-            snprintf(x->id, sizeof x->id, "%s", m->id);
-            snprintf(x->address, sizeof x->address, "%s", m->address);
-            snprintf(x->error, sizeof x->error, "not polled yet");
-            x->ch = ch;
-            x->view_since_unix_ms = unix_now_ms();
-            rt->nodes[rt->n_nodes++] = x;
-            kc_info(NULL, "member %s node %s at %s", role_word(m->role), x->id, x->address);
-        } else if (strcmp(x->address, m->address) != 0) {
-            kc_channel *ch;
-            kc_status st;
-            if (rt->n_retired >= RT_NODES_MAX || node_channel(rt, m->address, &ch, &st) != 0) {
-                snprintf(err, KR_ERR_MAX, "node %s: cannot move to %.200s", m->id, m->address);
-                rc = -1;
-                continue;
-            }
-            kc_info(NULL, "node %s moved from %s to %s", x->id, x->address, m->address);
-            rt->retired[rt->n_retired++] = x->ch; /* calls in flight may still use it */
-            x->ch = ch;
-            snprintf(x->address, sizeof x->address, "%s", m->address);
-            x->polled = 0;
-            x->breaker = (rt_breaker){0};
+            rc = -1;
+            continue;
         }
         if (x->gone) kc_info(NULL, "node %s is a member again", x->id);
         /* registered again (or still listed) while the router cannot reach it: it is likely back,
          * so its channel reconnects now instead of when its backoff runs out */
         if (x->gone || x->breaker.open || (x->polled && !x->reachable)) kc_channel_reset_backoff(x->ch);
         x->gone = 0;
-        x->member_draining = m->draining;
         int bad = fingerprint_mismatch(rt, m->fingerprint);
         if (bad && !x->fingerprint_bad)
             kc_warn(NULL, "node %s serves model fingerprint %s, the router's is %s: not used", x->id, m->fingerprint, rt->fingerprint);
@@ -461,7 +496,7 @@ int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user)
         *o = (Kvrelay__V1__Node)KVRELAY__V1__NODE__INIT;
         o->id = (char *)x->id;
         o->role = x->role == RT_ROLE_PREFILL ? KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL : KVRELAY__V1__NODE_ROLE__NODE_ROLE_DECODE;
-        o->grpc_address = (char *)x->address;
+        o->grpc_address = (char *)x->member.grpc;
         o->state = x->view;
         o->since_unix_ms = x->view_since_unix_ms;
         if (x->reachable) {

@@ -1,7 +1,8 @@
 /*
  * router.h - the insides of kvrelay-router shared by its files (not a library):
  *   main.c      flags, start-up, metrics, the serving line, shutdown
- *   nodes.c     the nodes of the membership file: channels, Status polling, load estimates for
+ *   nodes.c     the nodes membership lists (common/membership.h: the --nodes file or etcd, one
+ *               kc_member list either way): channels, Status polling, load estimates for
  *               placement, Admin.ClusterStatus
  *   request.c   Generation.Generate (validate, place, relay the decode stream, finish) and
  *               Generation.Tokenize, with validate.c, admission.c, reserve.c, prefill.c,
@@ -9,7 +10,7 @@
  *   openai.c    the OpenAI-compatible HTTP API (/v1/models, completions, chat completions) on
  *               the HTTP port, served through request.c; its request bodies are parsed by
  *               openai-request.c (openai.h, pure, fuzzed)
- *   members.c, placement.c, stop.c, breaker.c: the pure parts (their own headers, unit-tested)
+ *   placement.c, stop.c, breaker.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
  */
 #ifndef RT_ROUTER_H
@@ -22,7 +23,7 @@
 #include "client-limits.h"
 #include "log.h"
 #include "metrics.h"
-#include "members.h"
+#include "membership.h"
 #include "placement.h"
 #include "rpc.h"
 
@@ -38,7 +39,8 @@
 #define RT_POLL_INTERVAL_MS 500
 #define RT_RELEASE_TIMEOUT_MS 2000 /* Release runs even after the client's deadline passed */
 #define RT_RESERVE_TIMEOUT_MS 2000 /* Reserve is bookkeeping: a node that takes longer is failing */
-#define RT_NODES_MAX (2 * RT_MEMBERS_MAX) /* nodes ever known, gone ones included */
+#define RT_NODES_MAX (2 * KC_MEMBERS_FILE_MAX) /* nodes ever known, gone ones included */
+#define RT_NODE_ID_MAX 63 /* bytes of a node id: longer ones from etcd are left out, as the file refuses them */
 #define RT_GONE_LISTED_MS 300000 /* a gone node stays in ClusterStatus this long */
 #define RT_GONE_GRACE_MS 10000 /* a gone node still answering as serving is placed this long */
 #define RT_NODE_RECONNECT_MS 1000 /* the cap on a node channel's reconnect backoff */
@@ -48,26 +50,19 @@
 #define RT_HTTP_CODES 10 /* HTTP statuses the OpenAI API answers with (openai.c) */
 #define RT_FAMILIES_MAX 16 /* policy families with their own latency histograms */
 
-/* One member as a membership source gives it (the static file, or etcd). */
-typedef struct rt_member_info {
-    rt_role role;
-    const char *id, *address;
-    int draining; /* the member itself says it is draining */
-    const char *fingerprint; /* "" or NULL: not known */
-} rt_member_info;
-
-/* One node the router knows of. Nodes are created by membership and never freed while the
- * router runs (a gone node may still have calls in flight); every field below `role`/`id` is
- * guarded by rt_router.mu. */
+/* One node the router knows of: the member record membership gave last, and the router's live
+ * state of it. Nodes are created by membership and never freed while the router runs (a gone
+ * node may still have calls in flight). `role` and `id` are its identity (membership matches
+ * nodes by both), never rewritten, so read without a lock; every other field is guarded by
+ * rt_router.mu. */
 typedef struct rt_node {
-    rt_role role;
-    char id[64];
+    rt_role role; /* member.role, parsed */
+    char *id; /* = member.id: the name the request path's logs and errors give the node */
+    kc_member member; /* as its source says now: address (grpc), state "draining", fingerprint */
 
-    char address[256];
-    kc_channel *ch; /* shared by every call to this node; read with rt_node_channel */
+    kc_channel *ch; /* to member.grpc, shared by every call to this node; read with rt_node_channel */
     int gone; /* left membership: never chosen */
     int64_t gone_unix_ms;
-    int member_draining; /* membership says draining */
     int refused_draining; /* a call was answered UNAVAILABLE "draining" (cleared by a SERVING Status) */
     int fingerprint_bad; /* the member's model differs from the router's: never chosen */
 
@@ -160,10 +155,12 @@ typedef struct rt_router {
 
 /* ------------------------------------------------------------------ nodes.c */
 
-/* Makes the node table match `ms` (the whole membership): new members are added, addresses
- * and draining flags updated, nodes missing from `ms` marked GONE. Thread-safe. Returns 0, or -1
- * with err when a channel cannot be made (the rest is applied). */
-int rt_nodes_apply(rt_router *rt, const rt_member_info *ms, int n, char *err);
+/* Makes the node table match `ms` (the whole membership, from the --nodes file or etcd): new
+ * members are added, the records of known ones replaced (a new address gets a new channel,
+ * "draining" applies), nodes missing from `ms` marked GONE. Members with an id over
+ * RT_NODE_ID_MAX bytes are left out with a warning. Thread-safe; `ms` is not kept. Returns 0,
+ * or -1 with err (KR_ERR_MAX) when a channel cannot be made (the rest is applied). */
+int rt_nodes_apply(rt_router *rt, const kc_member *ms, int n, char *err);
 void rt_nodes_free(rt_router *rt);
 /* Calls every node's Status at once (one thread each) with `timeout_ms`, updating what the
  * router knows; returns when all answered or failed. A node whose breaker is open is asked only

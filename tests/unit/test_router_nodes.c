@@ -20,6 +20,18 @@
 
 static rt_router rt;
 
+/* A member as a membership source gives it (state "serving" unless `state`). */
+static kc_member member(const char *role, const char *id, const char *grpc, const char *state, const char *fingerprint)
+{
+    kc_member m = {0};
+    snprintf(m.role, sizeof m.role, "%s", role);
+    snprintf(m.id, sizeof m.id, "%s", id);
+    snprintf(m.grpc, sizeof m.grpc, "%s", grpc);
+    snprintf(m.state, sizeof m.state, "%s", state ? state : "serving");
+    snprintf(m.fingerprint, sizeof m.fingerprint, "%s", fingerprint ? fingerprint : "");
+    return m;
+}
+
 static rt_node *find(const char *id)
 {
     for (int i = 0; i < rt.n_nodes; i++)
@@ -49,10 +61,10 @@ static int has(const char *list, const char *id)
 static void membership(void)
 {
     char err[KR_ERR_MAX];
-    rt_member_info set1[] = {
-        {.role = RT_ROLE_PREFILL, .id = "p0", .address = "127.0.0.1:1"},
-        {.role = RT_ROLE_DECODE, .id = "d0", .address = "127.0.0.1:2"},
-        {.role = RT_ROLE_DECODE, .id = "d1", .address = "127.0.0.1:3"},
+    kc_member set1[] = {
+        member("prefill", "p0", "127.0.0.1:1", NULL, NULL),
+        member("decode", "d0", "127.0.0.1:2", NULL, NULL),
+        member("decode", "d1", "127.0.0.1:3", NULL, NULL),
     };
     REQUIRE(rt_nodes_apply(&rt, set1, 3, err) == 0, "%s", err);
     CHECK(rt.n_nodes == 3, "%d nodes", rt.n_nodes);
@@ -73,26 +85,26 @@ static void membership(void)
     d1->polled = d1->reachable = 1;
     d1->state = KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
     CHECK(has(order_ids(RT_ROLE_DECODE), "d1"), "a node gone just now and serving is placed: %s", order_ids(RT_ROLE_DECODE));
-    d1->member_draining = 1;
+    snprintf(d1->member.state, sizeof d1->member.state, "draining");
     CHECK(!has(order_ids(RT_ROLE_DECODE), "d1"), "a gone node that drained is not placed");
-    d1->member_draining = 0;
+    snprintf(d1->member.state, sizeof d1->member.state, "serving");
     d1->gone_unix_ms -= RT_GONE_GRACE_MS + 1000;
     CHECK(!has(order_ids(RT_ROLE_DECODE), "d1"), "a node gone longer than the grace is not placed");
     d1->polled = d1->reachable = 0;
 
     /* d1 comes back at a new address, d0 says it drains */
-    rt_member_info set2[] = {
-        {.role = RT_ROLE_PREFILL, .id = "p0", .address = "127.0.0.1:1"},
-        {.role = RT_ROLE_DECODE, .id = "d0", .address = "127.0.0.1:2", .draining = 1},
-        {.role = RT_ROLE_DECODE, .id = "d1", .address = "127.0.0.1:4"},
+    kc_member set2[] = {
+        member("prefill", "p0", "127.0.0.1:1", NULL, NULL),
+        member("decode", "d0", "127.0.0.1:2", "draining", NULL),
+        member("decode", "d1", "127.0.0.1:4", NULL, NULL),
     };
     REQUIRE(rt_nodes_apply(&rt, set2, 3, err) == 0, "%s", err);
     CHECK(rt.n_nodes == 3 && d1->view == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING, "d1 back (view %d)", d1->view);
-    CHECK(!strcmp(d1->address, "127.0.0.1:4") && rt.n_retired == 1, "d1 moved: %s, %d retired channels", d1->address,
+    CHECK(!strcmp(d1->member.grpc, "127.0.0.1:4") && rt.n_retired == 1, "d1 moved: %s, %d retired channels", d1->member.grpc,
           rt.n_retired);
     CHECK(find("d0")->view == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING, "d0 draining");
     CHECK(!strcmp(order_ids(RT_ROLE_DECODE), "d1 d0"), "draining goes last: %s", order_ids(RT_ROLE_DECODE));
-    set2[1].draining = 0;
+    snprintf(set2[1].state, sizeof set2[1].state, "serving");
     REQUIRE(rt_nodes_apply(&rt, set2, 3, err) == 0, "%s", err);
     CHECK(find("d0")->view == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING, "d0 serving again");
 }
@@ -100,16 +112,16 @@ static void membership(void)
 static void fingerprints(void)
 {
     char err[KR_ERR_MAX];
-    rt_member_info set[] = {
-        {.role = RT_ROLE_PREFILL, .id = "p0", .address = "127.0.0.1:1", .fingerprint = "0123456789abcdef"},
-        {.role = RT_ROLE_DECODE, .id = "d0", .address = "127.0.0.1:2", .fingerprint = "0123456789abcdef"},
-        {.role = RT_ROLE_DECODE, .id = "d1", .address = "127.0.0.1:4", .fingerprint = "fedcba9876543210"},
+    kc_member set[] = {
+        member("prefill", "p0", "127.0.0.1:1", NULL, "0123456789abcdef"),
+        member("decode", "d0", "127.0.0.1:2", NULL, "0123456789abcdef"),
+        member("decode", "d1", "127.0.0.1:4", NULL, "fedcba9876543210"),
     };
     REQUIRE(rt_nodes_apply(&rt, set, 3, err) == 0, "%s", err);
     CHECK(!strcmp(rt.fingerprint, "0123456789abcdef") && rt.fingerprint_from_node, "the first one is the reference: %s",
           rt.fingerprint);
     CHECK(!strcmp(order_ids(RT_ROLE_DECODE), "d0"), "another model is never placed: %s", order_ids(RT_ROLE_DECODE));
-    set[2].fingerprint = "0123456789abcdef"; /* redeployed with the right model */
+    snprintf(set[2].fingerprint, sizeof set[2].fingerprint, "0123456789abcdef"); /* redeployed with the right model */
     REQUIRE(rt_nodes_apply(&rt, set, 3, err) == 0, "%s", err);
     CHECK(has(order_ids(RT_ROLE_DECODE), "d1"), "same model: placed again: %s", order_ids(RT_ROLE_DECODE));
 }

@@ -1,36 +1,47 @@
 /*
- * test_router_members.c - the router's static membership file (router/members.c): a valid file
- * with IPv4, IPv6 and host-name addresses, then one broken file per rule, each rejected with a
- * message naming the file, the entry and the field; and a missing file.
- * No network. Run: ctest -R test_router_members.
+ * test_membership_file.c - the router's static membership file (common/membership-file.c): a
+ * valid file with IPv4, IPv6 and host-name addresses read into kc_members (prefill first, state
+ * serving), then one broken file per rule, each rejected with a message naming the file, the
+ * entry and the field; and a missing file.
+ * No network. Run: ctest -R test_membership_file.
  */
 #include "kr_test.h"
-
-#include "../../router/members.c"
+#include "membership.h"
 
 static void valid(void)
 {
     const char *json = "{\"prefill\": [{\"id\": \"prefill-0\", \"address\": \"127.0.0.1:7101\"},"
                        "             {\"id\": \"prefill-1\", \"address\": \"[::1]:7102\"}],"
                        " \"decode\": [{\"id\": \"decode_0.a\", \"address\": \"node-3.cluster:7201\"}]}";
-    rt_members ms;
-    char err[RT_MEMBERS_ERR_MAX];
-    REQUIRE(rt_members_parse(json, strlen(json), "nodes.json", &ms, err) == 0, "%s", err);
-    CHECK(ms.n_prefill == 2 && ms.n_decode == 1, "%d prefill %d decode", ms.n_prefill, ms.n_decode);
-    CHECK(!strcmp(ms.prefill[0].id, "prefill-0") && !strcmp(ms.prefill[0].address, "127.0.0.1:7101"), "prefill[0]");
-    CHECK(!strcmp(ms.prefill[1].address, "[::1]:7102"), "prefill[1] %s", ms.prefill[1].address);
-    CHECK(!strcmp(ms.decode[0].id, "decode_0.a") && !strcmp(ms.decode[0].address, "node-3.cluster:7201"), "decode[0]");
-    rt_members_free(&ms);
+    kc_member *ms;
+    int n;
+    char err[KC_MEMBER_ERR_LEN];
+    REQUIRE(kc_members_file_parse(json, strlen(json), "nodes.json", &ms, &n, err) == 0, "%s", err);
+    REQUIRE(n == 3, "%d members", n);
+    int n_prefill = 0, n_decode = 0;
+    for (int i = 0; i < n; i++) {
+        n_prefill += !strcmp(ms[i].role, "prefill");
+        n_decode += !strcmp(ms[i].role, "decode");
+        CHECK(!strcmp(ms[i].state, "serving") && !ms[i].fingerprint[0], "%s: state %s", ms[i].id, ms[i].state);
+    }
+    CHECK(n_prefill == 2 && n_decode == 1, "%d prefill %d decode", n_prefill, n_decode);
+    CHECK(!strcmp(ms[0].role, "prefill") && !strcmp(ms[0].id, "prefill-0") && !strcmp(ms[0].grpc, "127.0.0.1:7101"),
+          "prefill[0]");
+    CHECK(!strcmp(ms[1].role, "prefill") && !strcmp(ms[1].grpc, "[::1]:7102"), "prefill[1] %s", ms[1].grpc);
+    CHECK(!strcmp(ms[2].role, "decode") && !strcmp(ms[2].id, "decode_0.a") && !strcmp(ms[2].grpc, "node-3.cluster:7201"),
+          "decode[0]");
+    free(ms);
 }
 
 static void rejected(const char *json, const char *needle)
 {
-    rt_members ms;
-    char err[RT_MEMBERS_ERR_MAX] = "";
-    int rc = rt_members_parse(json, strlen(json), "nodes.json", &ms, err);
+    kc_member *ms;
+    int n;
+    char err[KC_MEMBER_ERR_LEN] = "";
+    int rc = kc_members_file_parse(json, strlen(json), "nodes.json", &ms, &n, err);
     CHECK(rc == -1, "accepted: %s", json);
     if (rc == 0) {
-        rt_members_free(&ms);
+        free(ms);
         return;
     }
     CHECK_ERR_HAS(err, "nodes.json: ");
@@ -70,9 +81,10 @@ static void invalid(void)
 
 static void missing_file(void)
 {
-    rt_members ms;
-    char err[RT_MEMBERS_ERR_MAX] = "";
-    CHECK(rt_members_load("/nonexistent/nodes.json", &ms, err) == -1, "a missing file loaded");
+    kc_member *ms;
+    int n;
+    char err[KC_MEMBER_ERR_LEN] = "";
+    CHECK(kc_members_file_load("/nonexistent/nodes.json", &ms, &n, err) == -1, "a missing file loaded");
     CHECK_ERR_HAS(err, "/nonexistent/nodes.json: cannot open");
 }
 
@@ -81,5 +93,5 @@ int main(void)
     valid();
     invalid();
     missing_file();
-    return kt_done("test_router_members");
+    return kt_done("test_membership_file");
 }
