@@ -34,42 +34,6 @@ void cli_die(int status, const char *fmt, ...)
     exit(status);
 }
 
-const char *cli_value(int argc, char **argv, int *i)
-{
-    if (*i + 1 >= argc) cli_die(2, "%s needs a value (see --help)", argv[*i]);
-    return argv[++*i];
-}
-
-long cli_long(const char *flag, const char *s, long lo, long hi)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end) cli_die(2, "%s: '%s' is not an integer", flag, s);
-    if (v < lo || v > hi) cli_die(2, "%s: %ld is out of range [%ld, %ld]", flag, v, lo, hi);
-    return v;
-}
-
-double cli_double(const char *flag, const char *s, double lo, double hi)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end || isnan(v)) cli_die(2, "%s: '%s' is not a number", flag, s);
-    if (v < lo || v > hi) cli_die(2, "%s: %g is out of range [%g, %g]", flag, v, lo, hi);
-    return v;
-}
-
-uint64_t cli_u64(const char *flag, const char *s)
-{
-    char *end;
-    errno = 0;
-    if (*s == '-') cli_die(2, "%s: '%s' must not be negative", flag, s);
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end) cli_die(2, "%s: '%s' is not an unsigned integer", flag, s);
-    return (uint64_t)v;
-}
-
 int cli_flag_u64(void *dest, const char *flag, const char *v, char *err, size_t cap)
 {
     char *end;
@@ -160,13 +124,6 @@ double cli_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-int cli_backend(const char *s)
-{
-    if (!strcmp(s, "cpu")) return 0;
-    if (!strcmp(s, "cuda")) return 1;
-    cli_die(2, "--backend: '%s' is not a backend (cpu or cuda)", s);
 }
 
 const kc_flag_choice cli_backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};

@@ -2,9 +2,8 @@
  * cli.h - small helpers shared by the engine command-line programs in tools/: id lists, reading
  * stdin, and what their kc_flag tables (common/flags.h) share beyond the kinds flags.h has:
  * callbacks for unsigned 64-bit values and repeatable token ids, the --backend and weight
- * --dtype choices. A program declares its flags in such a table, which parses argv and prints
- * its --help; the number helpers here serve kvrelay-cli, which still parses by hand. Every
- * parse error names the flag and the bad value and exits with status 2.
+ * --dtype choices. Every program declares its flags in such a table, which parses argv and
+ * prints its --help; every parse error names the flag and the bad value and exits with status 2.
  */
 #ifndef KR_CLI_H
 #define KR_CLI_H
@@ -23,12 +22,6 @@ void cli_die(int status, const char *fmt, ...) __attribute__((format(printf, 2, 
  * engine's workers. OPENBLAS_NUM_THREADS is only read at load, so the program re-executes
  * itself once with it set (unless the user set it). */
 void cli_init(char **argv);
-
-/* The value following flag argv[*i] (advances *i); dies when it is missing. */
-const char *cli_value(int argc, char **argv, int *i);
-long cli_long(const char *flag, const char *s, long lo, long hi);
-double cli_double(const char *flag, const char *s, double lo, double hi);
-uint64_t cli_u64(const char *flag, const char *s);
 
 /* KC_FLAG_FUNC callbacks (flags.h's kc_flag_fn; dest in parentheses). */
 /* (uint64_t) 0..UINT64_MAX: "'-1' must not be negative", "'x' is not an unsigned integer" */
@@ -49,8 +42,6 @@ int32_t *cli_ids(const char *flag, const char *s, int *n_out);
 /* Reads all of a stream into a malloc'd NUL-terminated buffer. */
 char *cli_read_file(FILE *f, size_t *len_out);
 char *cli_read_stdin(size_t *len_out);
-/* "cpu" or "cuda" as a kr_backend_kind (int); dies on anything else. */
-int cli_backend(const char *s);
 /* --backend's values for a KC_FLAG_CHOICE entry: cpu and cuda, as kr_backend_kind. */
 extern const kc_flag_choice cli_backends[];
 /* --dtype's values for weights: bf16, f16 and f32, as kr_dtype. */
