@@ -17,6 +17,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 
 #include "cli.h"
+#include "kr.h"
 #include "kr-util.h" /* kr_f32_to_bf16, kr_f32_to_f16: the engine's own conversions */
 
 #include <cjson/cJSON.h>
