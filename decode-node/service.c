@@ -8,6 +8,8 @@
  */
 #include "node.h"
 
+#include "bundle-rule.h"
+
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -224,10 +226,13 @@ static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_res
     return code;
 }
 
-/* The bundle against this model and against what the reservation promised: a bundle that
- * brought more than the blocks bound assumed could take blocks promised to others. (The lists'
- * decode rules are not checked against the policy: decode applies them as they came, and for
- * hsft and sage they depend on the sender's sequence.) */
+/* The bundle against this model and against what the reservation promised: a bundle whose
+ * lists could hold more blocks than the reservation's bound could take blocks promised to
+ * others. Two checks: no list brings more entries than the bound assumed, and the lists' decode
+ * rules, as the bundle carries them, keep the whole sequence within r->blocks over the
+ * reservation's max_tokens - 1 decode steps (kr_list_rule_blocks_bound summed over the lists).
+ * The rules themselves are not compared with the policy's (for hsft and sage they depend on the
+ * sender's sequence): a rule that trims less than the policy's passes while its peak fits. */
 static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, const char *rid)
 {
     const kr_config *c = n->mcfg;
@@ -258,6 +263,11 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
         return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
                              "the KV bundle's next_pos %d is at the model's context limit %d",
                              h->next_pos, c->max_position_embeddings);
+    const int n_generate = r->max_tokens - 1; /* tokens fed after the bundle, as reserved */
+    int64_t need = 0, worst = -1;
+    int worst_l = 0, worst_h = 0;
+    kt_bundle_list_view worst_lv;
+    memset(&worst_lv, 0, sizeof worst_lv);
     for (int l = 0; l < c->n_layers; l++) {
         for (int hd = 0; hd < c->n_kv_heads; hd++) {
             kt_bundle_list_view lv;
@@ -268,7 +278,36 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
                                      "the KV bundle's list (layer %d, head %d) has %u entries; "
                                      "the reservation allows at most %d", l, hd, lv.count,
                                      r->max_list_entries);
+            const kr_list_rule rule = kt_bundle_list_rule(&lv);
+            int64_t b = kr_list_rule_blocks_bound(n->pool, &rule, (int)lv.count, (int)lv.pinned,
+                                                  n_generate);
+            if (b < 0)
+                return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
+                              "the KV bundle's list (layer %d, head %d) has a decode rule out of "
+                              "range (sink %u, window %u, lazy %u, slack %u, max_drop %u; %u "
+                              "entries, %u pinned)", l, hd, lv.sink, lv.window, lv.lazy, lv.slack,
+                              lv.max_drop, lv.count, lv.pinned);
+            need += b;
+            if (b > worst) {
+                worst = b;
+                worst_l = l;
+                worst_h = hd;
+                worst_lv = lv;
+            }
         }
+    }
+    if (need > r->blocks) {
+        char window[16] = "dense";
+        if (worst_lv.window != KT_BUNDLE_WINDOW_DENSE)
+            snprintf(window, sizeof window, "%u", worst_lv.window);
+        return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
+                      "the KV bundle's decode rules could need %" PRId64 " KV blocks over %d "
+                      "decode steps, more than the reservation's %" PRId64 "; the largest, list "
+                      "(layer %d, head %d) with %u entries (%u pinned) under sink %u, window %s, "
+                      "lazy %u, slack %u, max_drop %u, alone could need %" PRId64, need,
+                      n_generate, r->blocks, worst_l, worst_h, worst_lv.count, worst_lv.pinned,
+                      worst_lv.sink, window, worst_lv.lazy, worst_lv.slack, worst_lv.max_drop,
+                      worst);
     }
     return GRPC_STATUS_OK;
 }

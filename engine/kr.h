@@ -361,6 +361,15 @@ int kr_seq_set_next_pos(kr_seq *s, int next_pos, char *err);
  * (negative counts, p parsed for another shape). */
 int64_t kr_seq_blocks_bound(const kr_kv_pool *pool, const kr_policy *p, int n_layers,
                             int n_kv_heads, int n_prompt, int n_generate);
+/* The blocks one list can hold at any moment (inside decode steps included) when it arrives
+ * with `count` entries, the first `pinned` pinned, and decodes n_generate tokens under `rule`,
+ * whatever the policy: its peak entry count is max(count + 1, max(pinned, sink) + window +
+ * lazy) when the rule trims within those steps (spanning block_size - 1 more slots, as
+ * kr_seq_blocks_bound counts for windowed lists), count + n_generate when it never does. What
+ * a decode node checks a bundle's rules against. -1 on bad arguments (a rule field out of
+ * kr_seq_list_set_rule's range, pinned outside 0..count, negative counts). */
+int64_t kr_list_rule_blocks_bound(const kr_kv_pool *pool, const kr_list_rule *rule, int count, int pinned,
+                                  int n_generate);
 
 /* ------------------------------------------------------------------ sampler */
 

@@ -238,3 +238,26 @@ int64_t kr_seq_blocks_bound(const kr_kv_pool *pool, const kr_policy *p, int n_la
     free(most);
     return total;
 }
+
+/* Decode appends one entry, then the rule trims (forward.c decode_trim). While len <= sink the
+ * pinned set covers the whole list and nothing is trimmed; past it the pinned set is
+ * P = max(pinned, sink) for good, so C = P + window and the first trim comes at the first length
+ * (after the append) of at least T = C + lazy. Every trim shrinks the list, and after it the list
+ * regrows one entry a step to T at most, or is trimmed again at once from at most its previous
+ * length minus one: so the first trim's length, max(count + 1, T), is the peak. A list that
+ * reaches T within n_generate steps may have had its front dropped (offset up to
+ * block_size - 1): it spans peak + block_size - 1 slots, as in kr_seq_blocks_bound. */
+int64_t kr_list_rule_blocks_bound(const kr_kv_pool *pool, const kr_list_rule *rule, int count, int pinned,
+                                  int n_generate)
+{
+    if (!pool || !rule || count < 0 || pinned < 0 || pinned > count || n_generate < 0 || rule->sink < 0 ||
+        rule->window < -1 || rule->lazy < 0 || rule->slack < 0 || rule->max_drop < 0)
+        return -1;
+    const int64_t B = pool->block_size, grown = (int64_t)count + n_generate;
+    int64_t span = grown; /* never trimmed: every entry stays */
+    if (rule->window >= 0 && rule->lazy > 0 && n_generate > 0) {
+        int64_t first = (int64_t)(pinned > rule->sink ? pinned : rule->sink) + rule->window + rule->lazy;
+        if (first <= grown) span = (first > (int64_t)count + 1 ? first : (int64_t)count + 1) + B - 1;
+    }
+    return (span + B - 1) / B;
+}

@@ -14,7 +14,9 @@
  *     blocks (polled for a few seconds, no timing asserted);
  *   - refusals: Release of an unknown id (released=false), Reserve over capacity
  *     (RESOURCE_EXHAUSTED), bad Reserve fields (INVALID_ARGUMENT naming them), a bundle for
- *     another model (FAILED_PRECONDITION naming both fingerprints), garbage bytes on all four
+ *     another model (FAILED_PRECONDITION naming both fingerprints), a bundle whose decode rules
+ *     never trim against a reservation sized for streaming (FAILED_PRECONDITION naming the
+ *     list and the blocks; the blocks return), garbage bytes on all four
  *     RPCs (INVALID_ARGUMENT), after all of which the node still serves;
  *   - a node killed with SIGKILL and restarted on the same ports serves the same
  *     sender again; SIGTERM drains (running and reserved work finishes with one-process tokens,
@@ -380,6 +382,8 @@ typedef struct request {
     int stop_at; /* > 0: the id one process generated at this index is a stop id */
     int forced; /* scoring: the first token and the decode node's ids are given (EOS among them),
                    a stop id too: none of it ends the stream, and logprobs come back */
+    int never_trims; /* the bundle carries the never-trimmed rule on every list, whatever the
+                        policy left there (a sender that lies about its rules) */
     uint32_t forced_ids[MAX_OUT]; /* the ids after the first: max_tokens - 1 */
     float want_lps[MAX_OUT]; /* kr_logprob of each, and each row's argmax */
     uint32_t want_tops[MAX_OUT];
@@ -467,6 +471,8 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
             kr_list_rule rule;
             kr_seq_list_shape(seq, l, hd, &len, &pinned);
             kr_seq_list_rule(seq, l, hd, &rule);
+            if (rq->never_trims)
+                rule.window = -1;
             lists[l * c->n_kv_heads + hd] = kt_bundle_list_of(len, pinned, &rule);
         }
     char terr[KT_ERR_MAX];
@@ -807,6 +813,50 @@ static void test_refusals(engine *e, node *nd)
           "bundle under another policy: %s %s", kc_status_name(out.st.code), out.st.details);
     CHECK_ERR_HAS(out.st.details, "policy");
     CHECK(idle(nd), "refused bundles return their blocks");
+
+    /* A bundle whose lists never trim against a reservation sized for streaming's window: the
+     * lists would grow past the reservation's blocks into blocks promised to others. Refused
+     * naming a list and the numbers; the reservation's blocks go back, and a bundle with the
+     * policy's own rules for the same reservation size decodes. */
+    request rq3 = {.policy = "streaming:sink=4,window=16", .n_prompt = 40, .max_tokens = 60,
+                   .never_trims = 1};
+    int64_t promised = 0;
+    id = reserve(nd, "never-trims", 40, 60, rq3.policy, 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    Kvrelay__V1__Node *n0 = status(nd);
+    if (n0)
+        promised = (int64_t)n0->reserved_kv_blocks;
+    kc_message_free((ProtobufCMessage *)n0);
+    prefill(e, &rq3, 202, 0);
+    REQUIRE(ship(e, nd, id, &rq3, err) == 0, "%s", err);
+    s = decode_open(nd, id, "never-trims", 60, NULL, 5000);
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION,
+          "a bundle whose rules never trim: %s %s", kc_status_name(out.st.code), out.st.details);
+    CHECK_ERR_HAS(out.st.details, "decode rules could need");
+    CHECK_ERR_HAS(out.st.details, "window dense");
+    CHECK_ERR_HAS(out.st.details, "list (layer ");
+    char held[64];
+    snprintf(held, sizeof held, "the reservation's %" PRId64 ";", promised);
+    CHECK(promised > 0, "the reservation showed in Status");
+    CHECK_ERR_HAS(out.st.details, held);
+    CHECK(idle(nd), "the refused bundle's reservation returns its blocks");
+    request rq4 = {.policy = "streaming:sink=4,window=16", .n_prompt = 40, .max_tokens = 60};
+    id = reserve(nd, "trims", 40, 60, rq4.policy, 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    prefill(e, &rq4, 202, 1);
+    REQUIRE(ship(e, nd, id, &rq4, err) == 0, "%s", err);
+    s = decode_open(nd, id, "trims", 60, NULL, 20000);
+    decode_read(s, &out);
+    kc_stream_close(s);
+    int same = out.n == rq4.n_want;
+    for (int i = 0; same && i < out.n; i++)
+        same = out.ids[i] == rq4.want[i];
+    CHECK(out.rc == 0 && same, "the policy's own rules: ended %s %s with %d tokens (%d from one "
+          "process, %s)", kc_status_name(out.st.code), out.st.details, out.n, rq4.n_want,
+          same ? "equal" : "different");
+    CHECK(idle(nd), "the decoded reservation returns its blocks");
 
     /* Release of a waiting reservation, then of the same id again. */
     id = reserve(nd, "rel", 20, 8, "full", 0, &st);

@@ -11,6 +11,9 @@
  *   long continuation without running out (transients inside a step included), for every policy
  *   and block sizes 1, 3, 8, 16; under full attention one block less runs out (the bound is
  *   tight there);
+ * - the rule bound: kr_list_rule_blocks_bound against each list decoded step by step under random
+ *   rules (exact in entries, never below in blocks), and, summed over the lists every policy's
+ *   prefill leaves, between what the sequence held and kr_seq_blocks_bound's reservation;
  * - list windows: kr_policy_list_window and kr_seq_list_window per family;
  * - errors: appending after tokens or after set_next_pos, positions not strictly increasing or
  *   not above the list's last, a pool that runs out (list untouched), pinned beyond the list,
@@ -304,6 +307,27 @@ static int decode_in_pool(kr_ctx *c, const kr_config *cfg, const kr_policy *pol,
     return steps;
 }
 
+/* The sum of kr_list_rule_blocks_bound over the L x H lists of s as they are, in blocks of `bs`. */
+static int64_t rules_bound(const kr_seq *s, int L, int H, int bs, int n_generate)
+{
+    char err[KR_ERR_MAX];
+    kr_kv_pool *probe;
+    REQUIRE(kr_kv_pool_create(4, bs, 1, &probe, err) == KR_OK, "%s", err);
+    int64_t total = 0;
+    for (int l = 0; l < L; l++)
+        for (int g = 0; g < H; g++) {
+            kr_list_rule rule;
+            int len, pinned;
+            kr_seq_list_rule(s, l, g, &rule);
+            kr_seq_list_shape(s, l, g, &len, &pinned);
+            int64_t b = kr_list_rule_blocks_bound(probe, &rule, len, pinned, n_generate);
+            CHECK(b >= 0, "list (%d, %d): no bound", l, g);
+            total += b;
+        }
+    kr_kv_pool_free(probe);
+    return total;
+}
+
 static void check_bound(const kr_model *m, const char *label)
 {
     char err[KR_ERR_MAX];
@@ -343,6 +367,10 @@ static void check_bound(const kr_model *m, const char *label)
             CHECK(ran == N_LONG, "%s %s, blocks of %d: a pool of the bound's %lld blocks ran out after %d of %d steps",
                   label, name, sizes[z], (long long)bound, ran, N_LONG);
             CHECK(most <= bound, "%s %s: %d blocks held, bound %lld", label, name, most, (long long)bound);
+            /* what a decode node checks the bundle's rules against: the real lists pass */
+            int64_t by_rules = rules_bound(a, L, H, sizes[z], N_LONG);
+            CHECK(by_rules >= most && by_rules <= bound, "%s %s, blocks of %d: the lists' rules bound %lld blocks, "
+                  "held %d, reserved %lld", label, name, sizes[z], (long long)by_rules, most, (long long)bound);
             if ((double)bound / most > loosest) loosest = (double)bound / most;
             if (!pol || !strcmp(SPECS[k], "full")) { /* full attention: the bound is exact */
                 CHECK(most == bound, "%s %s, blocks of %d: held %d, bound %lld", label, name, sizes[z], most,
@@ -583,8 +611,81 @@ static void check_errors(const kr_model *m)
     kr_ctx_free(c);
 }
 
+/* One list under `rule` step by step as forward.c's decode_trim runs it (kr_streaming_target,
+ * the pinned set growing to the sink, keep_ends moving the offset when it drops the front):
+ * the most blocks it holds in blocks of bs. */
+static int64_t rule_brute(const kr_list_rule *r, int count, int pinned, int n_generate, int bs)
+{
+    int len = count, off = 0;
+    int64_t most = (count + bs - 1) / bs;
+    for (int t = 0; t < n_generate; t++) {
+        len++;
+        int64_t held = (off + len + bs - 1) / bs;
+        if (held > most) most = held;
+        int head = pinned;
+        if (r->sink > head) head = r->sink < len ? r->sink : len;
+        int target = r->window < 0 ? -1 : kr_streaming_target(len, head, r->window, r->lazy, r->slack, r->max_drop);
+        if (target >= 0 && target < len && target - head > head)
+            off = (off + len - target) % bs; /* kr_seq_keep_ends drops the front */
+        if (target >= 0) len = target;
+        pinned = head;
+    }
+    return most;
+}
+
+/* kr_list_rule_blocks_bound against rule_brute for random rules, counts and block sizes: never
+ * below it, and exact in entries (blocks of 1). */
+static void check_rule_bound(void)
+{
+    char err[KR_ERR_MAX];
+    uint64_t x = 0x2545f4914f6cdd1dull;
+    int n = 0, tight = 0;
+    for (int i = 0; i < 20000; i++) {
+        uint64_t v[10];
+        for (int j = 0; j < 10; j++) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            v[j] = x;
+        }
+        kr_list_rule r = {.sink = (int)(v[0] % 12), .window = (int)(v[1] % 40) - 1, .lazy = (int)(v[2] % 8),
+                          .slack = (int)(v[3] % 10), .max_drop = (int)(v[4] % 6), .rel = (int)(v[5] & 1)};
+        if (v[5] % 7 == 0) r.sink = 1 << 30; /* a sink beyond any length: never trims */
+        int count = (int)(v[6] % 120), pinned = count ? (int)(v[7] % (uint64_t)(count + 1)) : 0;
+        int gen = (int)(v[8] % 150), bs = 1 + (int)(v[9] % 17);
+        kr_kv_pool *pool;
+        REQUIRE(kr_kv_pool_create(4, bs, 1, &pool, err) == KR_OK, "%s", err);
+        int64_t got = kr_list_rule_blocks_bound(pool, &r, count, pinned, gen);
+        int64_t want = rule_brute(&r, count, pinned, gen, bs);
+        kr_kv_pool_free(pool);
+        CHECK(got >= want, "sink %d window %d lazy %d slack %d max_drop %d, %d entries (%d pinned), %d steps, blocks "
+              "of %d: bound %lld, the list held %lld", r.sink, r.window, r.lazy, r.slack, r.max_drop, count, pinned,
+              gen, bs, (long long)got, (long long)want);
+        tight += got == want;
+        REQUIRE(kr_kv_pool_create(4, 1, 1, &pool, err) == KR_OK, "%s", err);
+        got = kr_list_rule_blocks_bound(pool, &r, count, pinned, gen);
+        want = rule_brute(&r, count, pinned, gen, 1);
+        kr_kv_pool_free(pool);
+        CHECK(got == want, "sink %d window %d lazy %d slack %d max_drop %d, %d entries (%d pinned), %d steps: peak "
+              "%lld entries, the bound says %lld", r.sink, r.window, r.lazy, r.slack, r.max_drop, count, pinned, gen,
+              (long long)want, (long long)got);
+        n++;
+    }
+    kr_kv_pool *pool;
+    REQUIRE(kr_kv_pool_create(4, 16, 1, &pool, err) == KR_OK, "%s", err);
+    kr_list_rule r = {.sink = 0, .window = 4, .lazy = 1};
+    CHECK(kr_list_rule_blocks_bound(pool, &r, 5, 6, 1) == -1, "pinned beyond count");
+    CHECK(kr_list_rule_blocks_bound(pool, &r, 5, 0, -1) == -1, "negative generate");
+    r.window = -2;
+    CHECK(kr_list_rule_blocks_bound(pool, &r, 5, 0, 1) == -1, "window -2");
+    kr_kv_pool_free(pool);
+    printf("kr_list_rule_blocks_bound: %d random rules, never below step-by-step decode, exact in entries; %d of them "
+           "exact in blocks too\n", n, tight);
+}
+
 int main(void)
 {
+    check_rule_bound();
     const char *fx = kt_env("KR_FIXTURES");
     REQUIRE(fx, "KR_FIXTURES is not set (run through ctest)");
     snprintf(tmp, sizeof tmp, "/tmp/kr_test_seq_io.XXXXXX");
