@@ -116,17 +116,23 @@ static void streaming_list_rule(const kr_policy *p, const kr_seq *s, int layer, 
 
 /* Between steps a list never holds more than C + R entries (pruning triggers at L - C >= R and
  * never keeps more than it had); without pruning it grows. */
+/* The longest a list gets. A prune fires once it is R past C = S + W, so one entry at a time
+ * it peaks at C + R. But a prefill chunk appends many at once, and with max_drop > 0 the prune
+ * cuts to min(max(L - max_drop, C), H): a chunk can leave H = C + slack entries, which the next
+ * token tops by one before it is pruned again. So the peak is C + max(R, slack + 1) then
+ * (64-bit: each parameter may be up to 2^30). */
 static int streaming_max_entries(const kr_policy *p, int n_prompt, int n_generate)
 {
     const streaming_params *sp = p->params;
-    int total = n_prompt + n_generate;
-    if (sp->lazy == 0) return total;
-    if (sp->decode_grows) {
-        int after = sp->sink + sp->window + sp->lazy;
-        return (n_prompt < after ? n_prompt : after) + n_generate;
-    }
-    int cap = sp->sink + sp->window + sp->lazy;
-    return total < cap ? total : cap;
+    int64_t total = (int64_t)n_prompt + n_generate;
+    if (sp->lazy == 0) return total < INT32_MAX ? (int)total : INT32_MAX;
+    int64_t over = sp->max_drop > 0 && sp->slack + 1 > sp->lazy ? sp->slack + 1 : sp->lazy;
+    int64_t peak = (int64_t)sp->sink + sp->window + over, most;
+    if (sp->decode_grows) /* after prefill below the peak, then every decoded entry kept */
+        most = (n_prompt < peak ? n_prompt : peak) + (int64_t)n_generate;
+    else
+        most = total < peak ? total : peak;
+    return most < INT32_MAX ? (int)most : INT32_MAX;
 }
 
 const kr_policy_ops kr_policy_streaming = {

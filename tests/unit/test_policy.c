@@ -218,6 +218,39 @@ static void test_streaming(rig *r)
     CHECK(!strcmp(got, want), "lazy/slack/max_drop: '%s', expected '%s'", got, want);
     kr_seq_free(s);
     kr_policy_free(p);
+
+    /* what a decode node holds of a list stays within kr_policy_max_entries, what it reserves:
+     * the list after prefill, and at each decode step that list plus the step's entry before
+     * the step trims it. With slack >= lazy and max_drop > 0 a chunk leaves C + slack entries,
+     * which the next token tops by one. */
+    static const char *const bounded[] = {
+        "streaming:sink=4,window=16,lazy=2,slack=8,max_drop=4", "streaming:sink=4,window=16,lazy=2,slack=30,max_drop=1",
+        "streaming:sink=2,window=6,lazy=8,slack=4,max_drop=3", "streaming:sink=0,window=10,lazy=3,slack=3,max_drop=2",
+        "streaming:sink=4,window=16", "streaming:sink=4,window=16,lazy=5,slack=9,max_drop=0",
+        "streaming:sink=4,window=16,lazy=2,slack=8,max_drop=4,decode=grow"};
+    float *lg = malloc(sizeof(float) * r->cfg->vocab_size);
+    for (size_t k = 0; k < sizeof bounded / sizeof bounded[0]; k++)
+        for (int chunk = 7; chunk <= 100; chunk += 93) {
+            p = parse_ok(bounded[k], r->cfg);
+            s = run(r, p, ids, 100, chunk, 0);
+            const int most = kr_policy_max_entries(p, 100, 20);
+            int worst = 0;
+            for (int step = 0; step <= 20; step++) {
+                for (int l = 0; l < r->cfg->n_layers; l++)
+                    for (int g = 0; g < r->cfg->n_kv_heads; g++) {
+                        const int held = kr_seq_len(s, l, g) + (step < 20); /* + the next step's entry */
+                        if (held > worst) worst = held;
+                    }
+                char err[KR_ERR_MAX];
+                if (step < 20)
+                    REQUIRE(kr_forward(r->ctx, s, &ids[100 + step], 1, KR_LOGITS_LAST, lg, err) == KR_OK, "%s", err);
+            }
+            CHECK(worst <= most, "%s, chunk %d: a list held %d entries, more than the %d of "
+                  "kr_policy_max_entries", bounded[k], chunk, worst, most);
+            kr_seq_free(s);
+            kr_policy_free(p);
+        }
+    free(lg);
 }
 
 static void test_pattern(const kr_config *cfg)
