@@ -29,11 +29,12 @@
 # that thread's run-queue wait per token (time it was runnable but another thread had the CPU).
 # Every run must produce exactly --tokens tokens (random weights rarely sample EOS; a run that
 # ends early stops the bench).
-# Pinning (default on a machine of 2 or more CPUs; --no-pin turns it off): the decode node and
-# the engine run on the last CPU (--threads of them at most), the router, the prefill node and the
-# client on the others, as a deployment gives a decode node cores of its own: both sides of the
-# ratio then compute on a core nobody else wakes up on, and the per-token wake-ups of the router
-# and the client land on the other cores.
+# Pinning (default on a machine of 2 or more CPUs; --no-pin turns it off): the engine and the
+# decode node's --threads busiest threads (its compute: found after the warm-up requests) run on
+# the last CPU(s), everything else (the decode node's gRPC, transport and HTTP threads, the
+# router, the prefill node, the client) on the others, as a deployment gives a decode node's
+# compute cores of its own: both sides of the ratio then compute on a core nobody else wakes up
+# on, and the per-token wake-ups land on the other cores.
 # Exit 0 when every policy's ratio is within --limit, 1 when one is not, 2 for bad flags.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -92,8 +93,7 @@ compute_cpus= other_cpus=
 if [ "$pin" = 1 ] && [ "$ncpu" -ge 2 ] && command -v taskset >/dev/null; then
   compute_cpus=$((ncpu - (threads < ncpu - 1 ? threads : ncpu - 1)))-$((ncpu - 1))
   other_cpus=0-$((ncpu - (threads < ncpu - 1 ? threads : ncpu - 1) - 1))
-  taskset -a -pc "$compute_cpus" "$(krc_pid decode-0)" >/dev/null
-  for id in router prefill-0; do taskset -a -pc "$other_cpus" "$(krc_pid "$id")" >/dev/null; done
+  for id in router prefill-0 decode-0; do taskset -a -pc "$other_cpus" "$(krc_pid "$id")" >/dev/null; done
 fi
 on() { # on CPUS COMMAND...: runs COMMAND on those CPUs (as it is when CPUS is empty)
   local cpus=$1; shift
@@ -161,6 +161,12 @@ print("%.9f %d %d %.9f %.9f %.9f" % (u.get("tpot_s", 0), u.get("prompt_tokens", 
 
 # one request per policy first: the decode pool's pages and both nodes' caches warm up
 for p in "${policies[@]}"; do cluster "$p" >/dev/null; done
+# then the decode node's compute threads (the most CPU so far) move to the compute CPUs
+if [ -n "$compute_cpus" ]; then
+  threads_of "$(krc_pid decode-0)" | sort -k2,2nr | head -n "$threads" | while read -r tid _; do
+    taskset -pc "$compute_cpus" "$tid" >/dev/null
+  done
+fi
 
 export OVH_TOKENS=$tokens
 printf 'round\tpolicy\tengine_tpot_s\tcluster_tpot_s\tdecode_node_tpot_s\tprompt_tokens\tengine_cpu_s\tloop_cpu_s\tloop_wait_s\n' \
