@@ -258,6 +258,75 @@ static void on_members(void *user, const kc_member *ms, int n)
     if (rt_nodes_apply(user, ms, n, err) != 0) kc_warn(NULL, "etcd membership: %s", err);
 }
 
+/* The model's config, its tokenizer and chat template when it has them: what the router checks
+ * and tokenizes requests with (it holds no weights). */
+static void load_model(rt_router *rt, const char *model)
+{
+    char err[KR_ERR_MAX];
+    if (kr_config_load(model, &rt->cfg, err) != KR_OK) die("--model: %s", err);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/tokenizer.json", model);
+    if (access(path, F_OK) == 0) {
+        if (kr_tokenizer_load(model, &rt->tok, err) != KR_OK) die("--model: %s", err);
+        if (kr_tokenizer_n_vocab(rt->tok) > rt->cfg.vocab_size)
+            die("--model: %s: the tokenizer has %d ids but config.json's vocab_size is %d", model,
+                kr_tokenizer_n_vocab(rt->tok), rt->cfg.vocab_size);
+    }
+    if (rt->cfg.max_position_embeddings < 2)
+        die("--model: %s/config.json: max_position_embeddings %d leaves no room to generate", model,
+            rt->cfg.max_position_embeddings);
+    if (!rt->tok) snprintf(rt->chat_error, sizeof rt->chat_error, "no tokenizer.json");
+    else if (kr_chat_template_load(model, &rt->chat, rt->chat_error) != KR_OK)
+        kc_warn(NULL, "chat completions are off: %s", rt->chat_error);
+    else kc_info(NULL, "chat template: %s", kr_chat_template_source(rt->chat));
+}
+
+/* What the router serves and how, in the log before it says it serves. */
+static void log_setup(rt_router *rt, const router_opts *o)
+{
+    int n_prefill = 0;
+    pthread_mutex_lock(&rt->mu);
+    for (int i = 0; i < rt->n_nodes; i++) n_prefill += rt->nodes[i]->role == RT_ROLE_PREFILL;
+    int n_decode = rt->n_nodes - n_prefill;
+    pthread_mutex_unlock(&rt->mu);
+    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s%s", o->model,
+            rt->cfg.arch_name, rt->cfg.vocab_size, rt->cfg.max_position_embeddings,
+            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", n_prefill, n_decode, rt->placement->name,
+            rt->migrate ? ", --migrate" : "");
+    char keys_desc[160];
+    rt_apikeys_describe(rt->keys, keys_desc, sizeof keys_desc);
+    kc_info(NULL, "API keys: %s%s", keys_desc, rt->keys ? "" : ": the API is open to every client");
+    static const char *const client_auth[] = {"none", "request", "require"};
+    if (kc_tls_enabled(&o->tls))
+        kc_info(NULL, "TLS: gRPC port with %s (client certificates: %s), HTTPS on the HTTP port, mutual TLS to the nodes (CA %s)",
+                o->tls.cert_file, client_auth[o->tls.client_auth], o->tls.ca_file);
+    else
+        kc_info(NULL, "TLS: off: gRPC to clients and nodes and the HTTP port are plaintext (see --tls-cert)");
+}
+
+/* Ends the watcher and the poller (after the servers: nothing starts a request any more). */
+static void stop_threads(rt_router *rt)
+{
+    pthread_mutex_lock(&rt->mu);
+    rt->stopping = 1;
+    pthread_cond_broadcast(&rt->cv);
+    pthread_mutex_unlock(&rt->mu);
+    pthread_join(rt->watcher, NULL);
+    pthread_join(rt->poller, NULL);
+}
+
+/* What the router's state still holds once the nodes and every thread are gone. */
+static void free_state(rt_router *rt)
+{
+    kc_registry_free(rt->m.reg);
+    kr_tokenizer_free(rt->tok);
+    kr_chat_template_free(rt->chat);
+    rt_limits_free(rt->limits);
+    pthread_cond_destroy(&rt->cv);
+    pthread_cond_destroy(&rt->fifo_cv);
+    pthread_mutex_destroy(&rt->mu);
+}
+
 int main(int argc, char **argv)
 {
     router_opts o;
@@ -274,19 +343,8 @@ int main(int argc, char **argv)
     if (!rt->placement) die("--placement: '%s' is not round-robin or least-loaded", o.placement);
     kc_log_init(rt->id, level);
 
+    load_model(rt, o.model);
     char err[KR_ERR_MAX];
-    if (kr_config_load(o.model, &rt->cfg, err) != KR_OK) die("--model: %s", err);
-    char path[1200];
-    snprintf(path, sizeof path, "%s/tokenizer.json", o.model);
-    if (access(path, F_OK) == 0) {
-        if (kr_tokenizer_load(o.model, &rt->tok, err) != KR_OK) die("--model: %s", err);
-        if (kr_tokenizer_n_vocab(rt->tok) > rt->cfg.vocab_size)
-            die("--model: %s: the tokenizer has %d ids but config.json's vocab_size is %d", o.model,
-                kr_tokenizer_n_vocab(rt->tok), rt->cfg.vocab_size);
-    }
-    if (rt->cfg.max_position_embeddings < 2)
-        die("--model: %s/config.json: max_position_embeddings %d leaves no room to generate", o.model,
-            rt->cfg.max_position_embeddings);
     rt_apikeys *api_keys; /* NULL: no key from any source, the API is open */
     if (rt_apikeys_load(o.api_keys, o.n_api_keys, o.api_key_files, o.n_api_key_files, getenv("KVRELAY_API_KEY"),
                         &api_keys, err, sizeof err) != 0)
@@ -302,10 +360,6 @@ int main(int argc, char **argv)
     rt->limits = rt_limits_create(&o.limits, 0);
     if (!rt->limits) die("out of memory");
     served_model_init(rt, o.served_model_name, o.model);
-    if (!rt->tok) snprintf(rt->chat_error, sizeof rt->chat_error, "no tokenizer.json");
-    else if (kr_chat_template_load(o.model, &rt->chat, rt->chat_error) != KR_OK)
-        kc_warn(NULL, "chat completions are off: %s", rt->chat_error);
-    else kc_info(NULL, "chat template: %s", kr_chat_template_source(rt->chat));
     rt->started_unix_ms = unix_ms();
     rt->breaker_failures = (int)o.breaker_failures;
     rt->breaker_cooldown_ms = o.breaker_cooldown_ms;
@@ -381,24 +435,7 @@ int main(int argc, char **argv)
         pthread_create(&rt->watcher, NULL, rt_watcher_main, rt) != 0)
         die("cannot start the router's threads");
     if (kc_server_start(srv, &st) != 0) die("cannot start the gRPC server: %s", st.details);
-    int n_prefill = 0, n_decode = 0;
-    pthread_mutex_lock(&rt->mu);
-    for (int i = 0; i < rt->n_nodes; i++) n_prefill += rt->nodes[i]->role == RT_ROLE_PREFILL;
-    n_decode = rt->n_nodes - n_prefill;
-    pthread_mutex_unlock(&rt->mu);
-    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s%s", o.model,
-            rt->cfg.arch_name, rt->cfg.vocab_size, rt->cfg.max_position_embeddings,
-            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", n_prefill, n_decode, rt->placement->name,
-            rt->migrate ? ", --migrate" : "");
-    char keys_desc[160];
-    rt_apikeys_describe(rt->keys, keys_desc, sizeof keys_desc);
-    kc_info(NULL, "API keys: %s%s", keys_desc, rt->keys ? "" : ": the API is open to every client");
-    static const char *const client_auth[] = {"none", "request", "require"};
-    if (kc_tls_enabled(&o.tls))
-        kc_info(NULL, "TLS: gRPC port with %s (client certificates: %s), HTTPS on the HTTP port, mutual TLS to the nodes (CA %s)",
-                o.tls.cert_file, client_auth[o.tls.client_auth], o.tls.ca_file);
-    else
-        kc_info(NULL, "TLS: off: gRPC to clients and nodes and the HTTP port are plaintext (see --tls-cert)");
+    log_setup(rt, &o);
     char http_address[KC_HOST_MAX + 8];
     kc_hostport_format(http_host, http_bound, http_address, sizeof http_address);
     printf("router %s: serving grpc %s http %s\n", rt->id, rt->grpc_address, http_address);
@@ -413,12 +450,7 @@ int main(int argc, char **argv)
     kc_server_destroy(srv); /* cancels the calls in flight; the watcher cancels their streams */
     atomic_store(&rt->http_stopping, 1); /* and the OpenAI API's requests, which it watches too */
     while (atomic_load(&rt->http_generations) > 0) nanosleep(&(struct timespec){0, 10000000L}, NULL);
-    pthread_mutex_lock(&rt->mu);
-    rt->stopping = 1;
-    pthread_cond_broadcast(&rt->cv);
-    pthread_mutex_unlock(&rt->mu);
-    pthread_join(rt->watcher, NULL);
-    pthread_join(rt->poller, NULL);
+    stop_threads(rt);
     kc_watch_stop(watch); /* before the table goes: it calls into it */
     kc_health_free(health);
     kc_http_stop(http);
@@ -427,14 +459,8 @@ int main(int argc, char **argv)
     rt_nodes_free(rt);
     if (rt->node_creds) grpc_channel_credentials_release(rt->node_creds); /* the channels are gone */
     grpc_shutdown();
-    kc_registry_free(rt->m.reg);
-    kr_tokenizer_free(rt->tok);
-    kr_chat_template_free(rt->chat);
     rt_apikeys_free(api_keys); /* the HTTP and gRPC servers that read it are gone */
-    rt_limits_free(rt->limits);
-    pthread_cond_destroy(&rt->cv);
-    pthread_cond_destroy(&rt->fifo_cv);
-    pthread_mutex_destroy(&rt->mu);
+    free_state(rt);
     kc_info(NULL, "stopped");
     return 0;
 }
