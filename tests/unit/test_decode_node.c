@@ -558,6 +558,19 @@ static int ship(engine *e, node *nd, uint64_t id, request *rq, char *err)
     return rc;
 }
 
+/* Prefills rq (with `salt`, against the one-process oracle when asked), ships its bundle to
+ * reservation `id` and reads the Decode stream it opens into *out. */
+static void ship_and_decode(engine *e, node *nd, uint64_t id, request *rq, int salt, int oracle,
+                            const char *rid, uint32_t max_tokens, int64_t timeout_ms, streamed *out)
+{
+    char err[KT_ERR_MAX];
+    prefill(e, rq, salt, oracle);
+    REQUIRE(ship(e, nd, id, rq, err) == 0, "the transport takes it: %s", err);
+    kc_stream *s = decode_open(nd, id, rid, max_tokens, NULL, timeout_ms);
+    decode_read(s, out);
+    kc_stream_close(s);
+}
+
 /* ------------------------------------------------------------------ tests */
 
 /* Files the heads and hsft policies read (the node reads the same paths): per layer, KV head
@@ -728,7 +741,6 @@ static void test_cancel_and_deadline(engine *e, node *nd)
 static void test_refusals(engine *e, node *nd)
 {
     kc_status st;
-    char err[KT_ERR_MAX];
     CHECK(release(nd, 12345) == 0, "Release of an unknown id: released=false");
     CHECK(release(nd, 0) == 0, "Release of id 0: released=false");
 
@@ -790,11 +802,7 @@ static void test_refusals(engine *e, node *nd)
                   .fingerprint = "0123456789abcdef"};
     uint64_t id = reserve(nd, "other-model", 20, 8, "full", 0, &st);
     REQUIRE(id, "Reserve: %s", st.details);
-    prefill(e, &rq, 200, 0);
-    REQUIRE(ship(e, nd, id, &rq, err) == 0, "the transport takes it (it parses): %s", err);
-    s = decode_open(nd, id, "other-model", 8, NULL, 5000);
-    decode_read(s, &out);
-    kc_stream_close(s);
+    ship_and_decode(e, nd, id, &rq, 200, 0, "other-model", 8, 5000, &out);
     CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION,
           "bundle for another model: %s %s", kc_status_name(out.st.code), out.st.details);
     CHECK_ERR_HAS(out.st.details, "0123456789abcdef");
@@ -804,11 +812,7 @@ static void test_refusals(engine *e, node *nd)
     request rq2 = {.policy = "streaming:sink=4,window=16", .n_prompt = 20, .max_tokens = 8};
     id = reserve(nd, "other-policy", 20, 8, "full", 0, &st);
     REQUIRE(id, "Reserve: %s", st.details);
-    prefill(e, &rq2, 201, 0);
-    REQUIRE(ship(e, nd, id, &rq2, err) == 0, "%s", err);
-    s = decode_open(nd, id, "other-policy", 8, NULL, 5000);
-    decode_read(s, &out);
-    kc_stream_close(s);
+    ship_and_decode(e, nd, id, &rq2, 201, 0, "other-policy", 8, 5000, &out);
     CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION,
           "bundle under another policy: %s %s", kc_status_name(out.st.code), out.st.details);
     CHECK_ERR_HAS(out.st.details, "policy");
@@ -827,11 +831,7 @@ static void test_refusals(engine *e, node *nd)
     if (n0)
         promised = (int64_t)n0->reserved_kv_blocks;
     kc_message_free((ProtobufCMessage *)n0);
-    prefill(e, &rq3, 202, 0);
-    REQUIRE(ship(e, nd, id, &rq3, err) == 0, "%s", err);
-    s = decode_open(nd, id, "never-trims", 60, NULL, 5000);
-    decode_read(s, &out);
-    kc_stream_close(s);
+    ship_and_decode(e, nd, id, &rq3, 202, 0, "never-trims", 60, 5000, &out);
     CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION,
           "a bundle whose rules never trim: %s %s", kc_status_name(out.st.code), out.st.details);
     CHECK_ERR_HAS(out.st.details, "decode rules could need");
@@ -845,11 +845,7 @@ static void test_refusals(engine *e, node *nd)
     request rq4 = {.policy = "streaming:sink=4,window=16", .n_prompt = 40, .max_tokens = 60};
     id = reserve(nd, "trims", 40, 60, rq4.policy, 0, &st);
     REQUIRE(id, "Reserve: %s", st.details);
-    prefill(e, &rq4, 202, 1);
-    REQUIRE(ship(e, nd, id, &rq4, err) == 0, "%s", err);
-    s = decode_open(nd, id, "trims", 60, NULL, 20000);
-    decode_read(s, &out);
-    kc_stream_close(s);
+    ship_and_decode(e, nd, id, &rq4, 202, 1, "trims", 60, 20000, &out);
     int same = out.n == rq4.n_want;
     for (int i = 0; same && i < out.n; i++)
         same = out.ids[i] == rq4.want[i];
