@@ -105,7 +105,11 @@ static int on_watch(kc_call *call, const ProtobufCMessage *req, void *user)
             sent = now;
         }
     }
-    /* the client cancelled or the server is stopping: nobody reads this status */
+    /* The call's deadline passed: say so, as gRPC would. This side sees the deadline a little
+     * before the client does (it arrives as a relative timeout), so a CANCELLED sent here
+     * would reach the client ahead of its own DEADLINE_EXCEEDED. Otherwise the client cancelled
+     * or the server is stopping, and nobody reads the status. */
+    if (kc_call_ms_left(call) <= 0) return kc_call_error(call, GRPC_STATUS_DEADLINE_EXCEEDED, "watch deadline passed");
     return kc_call_error(call, GRPC_STATUS_CANCELLED, "watch ended");
 }
 
