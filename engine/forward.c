@@ -10,6 +10,8 @@
  * kr_list_rule. kr_forward_batch runs the same layer
  * loop over one row per sequence (continuous batching): weights once for all rows, cache,
  * tallies and policy per sequence, each row bit-identical to decoding its sequence alone.
+ * kr_prefill_layers tells its caller, in the prompt's last chunk, when leading layers' lists
+ * are final, so a prefill node can ship them while the later layers still compute.
  * What it is not: a scheduler (which sequences share a step is the caller's business).
  */
 #include "kr-kv.h"
@@ -253,9 +255,12 @@ static void tally_footprint(kr_seq *s, int layer, int n, int n_real, const int32
 }
 
 /* One prefill chunk as forward_rows passes it to the policy; NULL for decode calls, which get
- * the decode rule instead. */
+ * the decode rule instead. In the last chunk, final_fn (may be NULL) hears which leading layers
+ * are final (kr_prefill_layers). */
 typedef struct chunk_info {
     int start, n_prompt, last;
+    kr_layers_final_fn final_fn;
+    void *final_arg;
 } chunk_info;
 
 /* The policy's chunk rule for one layer, then dropping appended observers. */
@@ -280,6 +285,26 @@ static int run_policy(kr_ctx *c, kr_seq *s, int layer, int n_real, int n_app, co
             kr_seq_keep_ends(s, layer, g, l->len - n_app, 0);
             l->pinned = pinned < l->len ? pinned : l->len;
         }
+    return KR_OK;
+}
+
+/* After layer `layer` of the prompt's last chunk (its policy hook included): tells final_fn how
+ * many leading layers are final when that is more than it was last told (*told). The policy's
+ * final_layers op knows (TAKE prunes its warm-up layers late); otherwise each layer is final
+ * once its own hook ran. The last layer makes every layer final whatever the op says, so the
+ * n_layers call always comes, before any logits. */
+static int announce_final(kr_ctx *c, kr_seq *s, int layer, const chunk_info *ci, int *told, char *err)
+{
+    const kr_policy *p = s->policy;
+    int n_final = p && p->ops->final_layers ? p->ops->final_layers(p, s, layer) : layer + 1;
+    if (layer == s->n_layers - 1) n_final = s->n_layers;
+    if (n_final <= *told) return KR_OK;
+    if (c->ops->sync) c->ops->sync(c->be); /* the caller reads the final lists on the host */
+    char why[KR_ERR_MAX] = "";
+    if (ci->final_fn(ci->final_arg, s, n_final, why) != KR_OK)
+        return kr_errf(err, "%s",
+                       why[0] ? why : "prefill: the layers-final callback failed without a message");
+    *told = n_final;
     return KR_OK;
 }
 
@@ -325,6 +350,7 @@ static int run_layers(kr_ctx *c, seq_rows *sr, int n_seqs, kr_seq *const *seqs, 
     void (*mm)(kr_backend *, const kr_tensor *, const kr_tensor *, const float *, int, int, float *) =
         seqs ? ops->matmul_rows : ops->matmul;
     for (int i = 0; i < n_seqs; i++) sr[i].held = kr_seq_entries(sr[i].s);
+    int told = 0; /* leading layers final_fn was told are final */
     for (int l = 0; l < cfg->n_layers; l++) {
         const kr_layer_weights *w = &m->layers[l];
         ops->rmsnorm(be, c->x, &w->attn_norm, n, d, cfg->rms_norm_eps, c->xn);
@@ -364,6 +390,9 @@ static int run_layers(kr_ctx *c, seq_rows *sr, int n_seqs, kr_seq *const *seqs, 
             }
             sr[i].held = kr_seq_entries(s);
         }
+        /* a prefill chunk is one sequence (n_seqs == 1) */
+        if (ci && ci->last && ci->final_fn && announce_final(c, sr[0].s, l, ci, &told, err) != KR_OK)
+            return -1;
         mm(be, &w->wo, NULL, c->att, n, 1, c->x);
         ops->rmsnorm(be, c->x, &w->ffn_norm, n, d, cfg->rms_norm_eps, c->xn);
         mm(be, &w->w_gate, NULL, c->xn, n, 0, c->gate);
@@ -492,6 +521,13 @@ int kr_forward_batch(kr_ctx *c, kr_seq *const *seqs, const int32_t *tokens, int 
 int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,
                float *logits, char *err)
 {
+    return kr_prefill_layers(c, s, tokens, n, chunk, mode, logits, NULL, NULL, err);
+}
+
+int kr_prefill_layers(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk,
+                      kr_logits_mode mode, float *logits, kr_layers_final_fn fn, void *arg,
+                      char *err)
+{
     if (n < 1) return kr_errf(err, "prefill: empty prompt");
     if (chunk <= 0 || chunk > c->max_chunk) chunk = c->max_chunk;
     const int vocab = c->model->cfg.vocab_size;
@@ -506,7 +542,7 @@ int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr
         int last = at + len == n;
         kr_logits_mode m = mode == KR_LOGITS_ALL ? KR_LOGITS_ALL : (last ? mode : KR_LOGITS_NONE);
         float *dst = mode == KR_LOGITS_ALL ? logits + (size_t)at * vocab : logits;
-        chunk_info ci = {.start = at, .n_prompt = n, .last = last};
+        chunk_info ci = {.start = at, .n_prompt = n, .last = last, .final_fn = fn, .final_arg = arg};
         int app = last ? 0 : n_app;
         if (forward_rows(c, s, tokens + at, len, tokens + n - app, app, pos0 + n - app,
                          &ci, m, dst, err) != KR_OK)

@@ -241,6 +241,14 @@ static void take_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
     }
 }
 
+/* Layers below the first scoring one keep whatever that layer's hook picks (eq. 6), so nothing
+ * is final until it ran; from then on each layer's hook touches only its own lists. */
+static int take_final_layers(const kr_policy *p, const kr_seq *s, int layer)
+{
+    const take_state *st = s->policy_state;
+    return layer < st->first_layer ? 0 : layer + 1;
+}
+
 /* After prefill every list holds min(B, n_prompt) pinned entries; decode adds to them. */
 static int take_max_entries(const kr_policy *p, int n_prompt, int n_generate)
 {
@@ -258,5 +266,6 @@ const kr_policy_ops kr_policy_take = {
     .appended = take_appended,
     .state_init = take_state_init,
     .after_chunk = take_after_chunk,
+    .final_layers = take_final_layers,
     .max_entries = take_max_entries,
 };

@@ -75,6 +75,11 @@ struct kr_policy_ops {
     int (*state_init)(const kr_policy *p, kr_seq *s, char *err);
     void (*after_chunk)(const kr_policy *p, kr_seq *s, const kr_evict_env *env, const kr_chunk *c,
                         int layer);
+    /* How many leading layers are final (no hook will change their lists again in this
+     * prefill) once `layer`'s after_chunk ran in the prompt's last chunk; 0: none yet. Only
+     * families whose hook changes lists of layers below its own need it (TAKE's delayed
+     * eviction); it backs kr_prefill_layers' promise (kr.h). NULL: layer + 1. */
+    int (*final_layers)(const kr_policy *p, const kr_seq *s, int layer);
     /* Most entries one (layer, KV head) holds at any moment after prefilling n_prompt tokens,
      * while generating n_generate (for reservations): inside a decode step the new token's entry
      * is there before the step's trim, and counts. NULL: the pinned set of a full prompt plus
