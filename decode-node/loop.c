@@ -215,21 +215,22 @@ static int import(dn_loop *L, dn_job *j, char *err)
 {
     dn_node *n = L->n;
     const kr_config *c = n->mcfg;
-    const kt_bundle_view *v = &j->view;
+    const kt_bundle_set *v = &j->set;
     kr_seq *s = NULL;
     if (kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &s, err) != KR_OK)
         return -1;
     for (int l = 0; l < c->n_layers; l++) {
         for (int h = 0; h < c->n_kv_heads; h++) {
             kt_bundle_list_view lv;
-            if (kt_bundle_view_list(v, (uint32_t)l, (uint32_t)h, &lv, err) != 0)
+            const kt_bundle_view *part;
+            if (kt_bundle_set_list(v, (uint32_t)l, (uint32_t)h, &part, &lv, err) != 0)
                 goto err_seq;
             const kr_list_rule rule = kt_bundle_list_rule(&lv);
             if (kr_seq_list_set_rule(s, l, h, &rule, err) != KR_OK)
                 goto err_seq;
             if (lv.count == 0)
                 continue;
-            fill_arg a = {.view = v, .list = &lv};
+            fill_arg a = {.view = part, .list = &lv};
             if (kr_seq_list_fill(s, l, h, (int)lv.count, (int)lv.pinned, fill_rows, &a, err) !=
                 KR_OK)
                 goto err_seq;
@@ -249,7 +250,7 @@ static void admit(dn_loop *L, dn_job *j)
     dn_node *n = L->n;
     j->t_join = j->t_last = dn_now();
     j->n_gen = 1; /* the prefill node's first token */
-    int32_t first = j->view.hdr.first_token;
+    int32_t first = j->set.hdr.first_token;
     Kvrelay__V1__FinishReason why = stop_reason(n, j, first);
     if (why) { /* nothing to decode: the router already has the only token */
         finish_ok(L, j, why);

@@ -82,7 +82,9 @@ typedef struct dn_resv {
     uint8_t *buf; /* receive buffer the bundle lands in (owned), `cap` bytes; freed once the
                      loop copied the rows into the sequence's blocks */
     uint64_t cap, len; /* len: bytes that arrived (READY) */
-    kt_bundle_view view; /* READY: the transport's validated view of buf[0, len) */
+    kt_bundle_view *parts; /* [the model's n_layers]: room for one part per layer (owned) */
+    kt_bundle_set set; /* READY: the transport's validated parts of buf[0, len) (a whole bundle,
+                          or the layer segments of a pipelined transfer) */
     int xfer_open; /* the transport still holds buf (its callback has not run) */
     int cancel; /* DECODING: Release asked to end it */
     double expires; /* monotonic seconds: an unused READY reservation is dropped then */
@@ -98,7 +100,7 @@ typedef struct dn_job {
     dn_resv *resv; /* DECODING: nobody else frees it */
     kc_call *call; /* detached; finished exactly once by the loop */
     char request_id[DN_REQUEST_ID_MAX + 1];
-    kt_bundle_view view; /* resv->view, into resv->buf, until imported */
+    kt_bundle_set set; /* resv->set, into resv->buf and resv->parts, until imported */
     kr_sampler *sampler;
     int32_t *stop_ids; /* [n_stop] */
     int n_stop;

@@ -81,6 +81,7 @@ void dn_resv_free(dn_resv *r)
     if (!r)
         return;
     kr_policy_free(r->policy);
+    free(r->parts);
     free(r->buf);
     free(r);
 }
@@ -193,16 +194,21 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
                  prompt_tokens, berr);
         return GRPC_STATUS_INVALID_ARGUMENT;
     }
-    size += KT_BUNDLE_MAX_POLICY + 64;
+    /* room for the policy spec's longest spelling, and for the headers and padding of a
+     * transfer pipelined in up to one segment per layer */
+    size += KT_BUNDLE_MAX_POLICY + 64 + (uint64_t)c->n_layers * KT_BUNDLE_SEGMENT_SLACK;
 
     dn_resv *r = calloc(1, sizeof *r);
-    if (!r || !(r->buf = malloc(size))) {
+    if (!r || !(r->buf = malloc(size)) ||
+        !(r->parts = calloc((size_t)c->n_layers, sizeof *r->parts))) {
+        if (r) free(r->buf);
         free(r);
         kr_policy_free(policy);
         snprintf(err, KT_ERR_MAX, "cannot allocate a %" PRIu64 "-byte receive buffer", size);
         return GRPC_STATUS_RESOURCE_EXHAUSTED;
     }
     r->policy = policy;
+    kt_bundle_set_init(&r->set, r->parts, (uint32_t)c->n_layers);
     snprintf(r->request_id, sizeof r->request_id, "%s", request_id);
     r->state = DN_RESV_WAITING;
     r->prompt_tokens = prompt_tokens;
@@ -254,7 +260,7 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
      * stays valid meanwhile: only the callback or Release frees it, and neither can act on an
      * id the transport does not know yet (nor the router, before this call answers). */
     uint8_t *buf = r->buf;
-    if (kt_transport_reserve_bundle(n->transport, id, buf, size, ttl_s, &r->view, on_transfer,
+    if (kt_transport_reserve_bundle(n->transport, id, buf, size, ttl_s, &r->set, on_transfer,
                                     n, token_out, berr) != 0) {
         pthread_mutex_lock(&n->lock);
         r = dn_resv_find_locked(n, id); /* by id: never trust a pointer across the unlock */

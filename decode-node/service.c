@@ -237,9 +237,9 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
 {
     const kr_config *c = n->mcfg;
     char err[KT_ERR_MAX > KR_ERR_MAX ? KT_ERR_MAX : KR_ERR_MAX];
-    kt_bundle_view *v = &job->view;
-    *v = r->view; /* validated by the transport as the bytes arrived (kt_transport_reserve_bundle) */
-    if (kt_bundle_check_model(v, n->fingerprint, (uint32_t)c->n_layers, (uint32_t)c->n_kv_heads,
+    kt_bundle_set *v = &job->set;
+    *v = r->set; /* validated by the transport as the bytes arrived (kt_transport_reserve_bundle) */
+    if (kt_bundle_check_model(&v->hdr, n->fingerprint, (uint32_t)c->n_layers, (uint32_t)c->n_kv_heads,
                               (uint32_t)c->head_dim, err) != 0)
         return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
                              "the KV bundle is for another model than this node's (%s, "
@@ -271,7 +271,8 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
     for (int l = 0; l < c->n_layers; l++) {
         for (int hd = 0; hd < c->n_kv_heads; hd++) {
             kt_bundle_list_view lv;
-            if (kt_bundle_view_list(v, (uint32_t)l, (uint32_t)hd, &lv, err) != 0)
+            const kt_bundle_view *part;
+            if (kt_bundle_set_list(v, (uint32_t)l, (uint32_t)hd, &part, &lv, err) != 0)
                 return refuse(call, rid, GRPC_STATUS_INTERNAL, "%s", err);
             if (lv.count > (uint32_t)r->max_list_entries)
                 return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,

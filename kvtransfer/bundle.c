@@ -36,6 +36,7 @@ enum {
     BL_QUANT_SECTIONS = 6, /* a quantized payload adds the K and V row scales (format 2.1) */
     BL_MAX_SECTIONS = 16, /* a newer minor may append sections after V; this many at most */
     BL_REQUIRED_FLAGS = 0xffff, /* low flag bits: a reader that does not know one must refuse */
+    BL_FLAG_SEGMENT = 0x1, /* required: a layer segment (2.2); first_layer at BL_OFF_RESERVED */
 };
 
 /* Fixed header field offsets (docs/bundle.md, "Fixed header"). */
@@ -523,6 +524,13 @@ static int check_header(const kt_bundle_header *h, size_t policy_len, char *err)
     if (h->first_token < 0) return fail(err, "first_token %" PRId32 " is negative", h->first_token);
     if (h->prompt_len < 1) return fail(err, "prompt_len %" PRId32 " is below 1", h->prompt_len);
     if (h->next_pos < 0) return fail(err, "next_pos %" PRId32 " is negative", h->next_pos);
+    if (h->segment > 1) return fail(err, "segment %" PRIu32 " is neither 0 nor 1", h->segment);
+    if (!h->segment && h->first_layer != 0)
+        return fail(err, "first_layer %" PRIu32 " in a whole bundle (only a layer segment starts "
+                    "past layer 0)", h->first_layer);
+    if (h->first_layer >= KT_BUNDLE_MAX_LAYERS || h->n_layers > KT_BUNDLE_MAX_LAYERS - h->first_layer)
+        return fail(err, "segment layers [%" PRIu32 ", %" PRIu64 ") go past the %d-layer limit",
+                    h->first_layer, (uint64_t)h->first_layer + h->n_layers, KT_BUNDLE_MAX_LAYERS);
     if (policy_len == 0) return fail(err, "policy spec is empty (\"full\" is the no-eviction policy)");
     if (policy_len > KT_BUNDLE_MAX_POLICY)
         return fail(err, "policy spec is %zu bytes, more than the %d allowed", policy_len,
@@ -561,7 +569,7 @@ static void list_wr(uint8_t *t, uint64_t first, const kt_bundle_list *l)
 
 static int check_list(const kt_bundle_header *h, uint32_t i, const kt_bundle_list *l, char *err)
 {
-    const uint32_t layer = i / h->n_kv_heads, head = i % h->n_kv_heads;
+    const uint32_t layer = h->first_layer + i / h->n_kv_heads, head = i % h->n_kv_heads;
     const struct {
         const char *name;
         uint32_t value;
@@ -685,10 +693,12 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     memset(b, 0, L.off[BL_SEC_LISTS]);
     memcpy(b + BL_OFF_MAGIC, BL_MAGIC, 8);
     kt_wr16(b + BL_OFF_MAJOR, KT_BUNDLE_VERSION_MAJOR);
-    kt_wr16(b + BL_OFF_MINOR, L.n == BL_BASE_SECTIONS ? 0 : 1); /* 2.0 unless quantized */
+    /* the oldest minor that reads it: 2.0 unless quantized (2.1) or a segment (2.2) */
+    kt_wr16(b + BL_OFF_MINOR, h->segment ? 2 : L.n == BL_BASE_SECTIONS ? 0 : 1);
     kt_wr32(b + BL_OFF_HEADER_SIZE, (uint32_t)L.header_size);
     kt_wr64(b + BL_OFF_TOTAL, L.total);
-    kt_wr32(b + BL_OFF_FLAGS, 0);
+    kt_wr32(b + BL_OFF_FLAGS, h->segment ? BL_FLAG_SEGMENT : 0);
+    kt_wr16(b + BL_OFF_RESERVED, (uint16_t)h->first_layer);
     memcpy(b + BL_OFF_FINGERPRINT, h->fingerprint, 16);
     kt_wr32(b + BL_OFF_LAYERS, h->n_layers);
     kt_wr32(b + BL_OFF_KV_HEADS, h->n_kv_heads);
@@ -945,15 +955,22 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
 
     /* From here the header is what the sender wrote: what remains are lies, not line noise. */
     const uint32_t flags = kt_rd32(b + BL_OFF_FLAGS);
-    if (flags & BL_REQUIRED_FLAGS)
+    if (flags & BL_REQUIRED_FLAGS & ~(uint32_t)BL_FLAG_SEGMENT)
         return fail(err, "unknown required flags 0x%04" PRIx32 " ---> HINT: the sender is a newer "
-                    "kvrelay using a feature this build lacks", flags & BL_REQUIRED_FLAGS);
-    if (kt_rd16(b + BL_OFF_RESERVED) != 0)
-        return fail(err, "reserved header field at offset %d is 0x%04x, not zero", BL_OFF_RESERVED,
-                    kt_rd16(b + BL_OFF_RESERVED));
+                    "kvrelay using a feature this build lacks",
+                    flags & BL_REQUIRED_FLAGS & ~(uint32_t)BL_FLAG_SEGMENT);
+    const int segment = (flags & BL_FLAG_SEGMENT) != 0;
+    if (segment && minor < 2)
+        return fail(err, "the layer segment flag in a version %u.%u bundle (segments are 2.2)",
+                    major, minor);
+    if (!segment && kt_rd16(b + BL_OFF_RESERVED) != 0)
+        return fail(err, "reserved header field at offset %d is 0x%04x, not zero (it is the first "
+                    "layer of a layer segment only)", BL_OFF_RESERVED, kt_rd16(b + BL_OFF_RESERVED));
     kt_bundle_view v;
     memset(&v, 0, sizeof v);
     kt_bundle_header *h = &v.hdr;
+    h->segment = (uint32_t)segment;
+    h->first_layer = segment ? kt_rd16(b + BL_OFF_RESERVED) : 0;
     memcpy(h->fingerprint, b + BL_OFF_FINGERPRINT, 16);
     h->fingerprint[16] = '\0';
     h->n_layers = kt_rd32(b + BL_OFF_LAYERS);
@@ -1024,7 +1041,7 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
         if (kt_rd64(t) != n_entries)
             return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") starts at entry %" PRIu64
                         ", expected %" PRIu64 " (the sum of the counts before it)",
-                        i / h->n_kv_heads, i % h->n_kv_heads, kt_rd64(t), n_entries);
+                        h->first_layer + i / h->n_kv_heads, i % h->n_kv_heads, kt_rd64(t), n_entries);
         if (check_list(h, i, &l, err)) return -1;
         n_entries += l.count; /* < 2^20 lists x 2^31: no overflow */
     }
@@ -1054,7 +1071,8 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
                 return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") entry %" PRIu32
                             " has position %" PRId32 " (previous %" PRId32 ", next_pos %" PRId32
                             "): positions must increase strictly and stay in [0, next_pos)",
-                            i / h->n_kv_heads, i % h->n_kv_heads, j, p, last, h->next_pos);
+                            h->first_layer + i / h->n_kv_heads, i % h->n_kv_heads, j, p, last,
+                            h->next_pos);
             last = p;
         }
     }
@@ -1085,10 +1103,9 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     return 0;
 }
 
-int kt_bundle_check_model(const kt_bundle_view *v, const char *fingerprint, uint32_t n_layers,
+int kt_bundle_check_model(const kt_bundle_header *h, const char *fingerprint, uint32_t n_layers,
                           uint32_t n_kv_heads, uint32_t head_dim, char *err)
 {
-    const kt_bundle_header *h = &v->hdr;
     if (fingerprint && strcmp(h->fingerprint, fingerprint) != 0)
         return fail(err, "model fingerprint %s does not match this node's %s ---> HINT: prefill "
                     "and decode nodes must serve the same checkpoint", h->fingerprint, fingerprint);
@@ -1148,4 +1165,95 @@ int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, u
     if (k) convert((uint8_t *)k, KT_DTYPE_F32, l->k + at, v->hdr.dtype, elems);
     if (v_out) convert((uint8_t *)v_out, KT_DTYPE_F32, l->v + at, v->hdr.dtype, elems);
     return 0;
+}
+
+/* ------------------------------------------------------------------ assembling parts */
+
+void kt_bundle_set_init(kt_bundle_set *s, kt_bundle_view *parts, uint32_t cap)
+{
+    memset(s, 0, sizeof *s);
+    s->parts = parts;
+    s->cap = cap;
+}
+
+/* The largest position in a validated view (each list's last entry: positions increase), or
+ * -1 when it holds no entry. */
+static int32_t view_max_position(const kt_bundle_view *v)
+{
+    int32_t most = -1;
+    for (uint32_t i = 0; i < v->n_lists; i++) {
+        const uint8_t *t = v->lists + (size_t)i * BL_LIST_ENTRY;
+        const uint32_t count = kt_rd32(t + 8);
+        if (count) {
+            const int32_t p = (int32_t)kt_rd32(v->positions + (kt_rd64(t) + count - 1) * 4);
+            most = p > most ? p : most;
+        }
+    }
+    return most;
+}
+
+int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, char *err)
+{
+    const kt_bundle_header *h = &part->hdr;
+    if (s->complete)
+        return fail(err, "a part after the last one (the set is complete)");
+    if (s->n_parts == s->cap)
+        return fail(err, "more than %" PRIu32 " parts", s->cap);
+    if (s->n_parts == 0) {
+        if (!h->segment && !last)
+            return fail(err, "a whole bundle (not a layer segment) with more parts announced after it");
+        if (h->first_layer != 0)
+            return fail(err, "the first segment starts at layer %" PRIu32 ", not 0", h->first_layer);
+    } else {
+        const kt_bundle_header *f = &s->hdr;
+        if (!h->segment)
+            return fail(err, "part %" PRIu32 " is a whole bundle, not a layer segment", s->n_parts);
+        if (h->first_layer != f->n_layers)
+            return fail(err, "segment %" PRIu32 " starts at layer %" PRIu32 ", expected %" PRIu32
+                        " (where the previous one ended)", s->n_parts, h->first_layer, f->n_layers);
+        if (strcmp(h->fingerprint, f->fingerprint) != 0 || h->n_kv_heads != f->n_kv_heads ||
+            h->head_dim != f->head_dim || h->dtype != f->dtype || h->prompt_len != f->prompt_len ||
+            strcmp(h->policy, f->policy) != 0)
+            return fail(err, "segment %" PRIu32 " disagrees with the first on the model, dtype, "
+                        "prompt length or policy", s->n_parts);
+    }
+    if (last) {
+        for (uint32_t i = 0; i < s->n_parts; i++) {
+            const int32_t most = view_max_position(&s->parts[i]);
+            if (most >= h->next_pos)
+                return fail(err, "segment %" PRIu32 " holds position %" PRId32 ", not below the "
+                            "last segment's next_pos %" PRId32, i, most, h->next_pos);
+        }
+    }
+    if (s->n_parts == 0) {
+        s->hdr = *h;
+        s->hdr.segment = 0;
+    } else {
+        s->hdr.n_layers += h->n_layers;
+    }
+    if (last) {
+        s->hdr.first_token = h->first_token;
+        s->hdr.next_pos = h->next_pos;
+        s->complete = 1;
+    }
+    s->size += part->size;
+    s->n_entries += part->n_entries;
+    if (part != &s->parts[s->n_parts]) s->parts[s->n_parts] = *part;
+    s->n_parts++;
+    return 0;
+}
+
+int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head,
+                       const kt_bundle_view **part, kt_bundle_list_view *out, char *err)
+{
+    if (!s->complete) return fail(err, "the set is not complete (its last part has not arrived)");
+    for (uint32_t i = 0; i < s->n_parts; i++) {
+        const kt_bundle_view *v = &s->parts[i];
+        if (layer >= v->hdr.first_layer && layer - v->hdr.first_layer < v->hdr.n_layers) {
+            *part = v;
+            return kt_bundle_view_list(v, layer - v->hdr.first_layer, head, out, err);
+        }
+    }
+    return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") outside the set's %" PRIu32
+                " layers", layer, head, s->hdr.n_layers);
 }

@@ -31,8 +31,9 @@ extern "C" {
 
 #define KT_BUNDLE_VERSION_MAJOR 2 /* a different major is refused */
 /* The highest minor this build writes and reads: 2.1 adds the per-row scale sections of the
- * quantized dtypes. A bundle of f32, f16 or bf16 is still written as 2.0, byte for byte. */
-#define KT_BUNDLE_VERSION_MINOR 1
+ * quantized dtypes, 2.2 the layer segment (a layer-pipelined transfer's parts). A whole bundle
+ * of f32, f16 or bf16 is still written as 2.0, byte for byte. */
+#define KT_BUNDLE_VERSION_MINOR 2
 
 /* Bounds every field is checked against: generous for real models (Llama 3 405B has 126
  * layers of 8 KV heads of 128), tight enough that no product of them overflows. */
@@ -41,6 +42,9 @@ extern "C" {
 #define KT_BUNDLE_MAX_HEAD_DIM 4096
 #define KT_BUNDLE_MAX_POLICY 1024 /* bytes of the policy spec, UTF-8, no NUL */
 #define KT_BUNDLE_MAX_BYTES ((uint64_t)1 << 38) /* 256 GiB: a bundle is never larger */
+/* Bytes a layer segment can take beyond its layers' share of the whole bundle (its own header,
+ * policy spec and section padding): a receiver of up to S segments reserves S times this more. */
+#define KT_BUNDLE_SEGMENT_SLACK 2560
 /* kt_bundle_list.window for a list the decode node never trims (a dense head). */
 #define KT_BUNDLE_WINDOW_DENSE 0xffffffffu
 /* kt_bundle_list.flags: after each decode step the list's positions become 0..count-1 (pos=rel).
@@ -92,6 +96,12 @@ typedef struct kt_bundle_header {
                          below it */
     char policy[KT_BUNDLE_MAX_POLICY + 1]; /* the eviction policy spec with defaults filled in
                                               (kr_policy_spec), NUL-terminated */
+    /* A layer segment (format 2.2): one part of a layer-pipelined transfer, holding layers
+     * [first_layer, first_layer + n_layers) of the model; the parts of one request are
+     * assembled by kt_bundle_set. In every part but the last, first_token and next_pos are
+     * provisional (0 and a bound on the positions). 0 and 0: a whole bundle. */
+    uint32_t segment; /* 1: a layer segment (required flag bit 0) */
+    uint32_t first_layer; /* a segment's first layer, < KT_BUNDLE_MAX_LAYERS */
 } kt_bundle_header;
 
 /* What a bundle says about one (layer, KV head) list: its entries and the decode rule the decode
@@ -194,9 +204,10 @@ typedef struct kt_bundle_list_view {
 /* Validates the `len` bytes at `buf` as a whole bundle: structure, every bound, every list,
  * every position, every padding byte and every checksum. On success *out points into buf. */
 int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err);
-/* The receiver's own model: fails with both values named when the bundle was made for another
- * fingerprint or shape (checked field by field; `fingerprint` may be NULL to skip it). */
-int kt_bundle_check_model(const kt_bundle_view *v, const char *fingerprint, uint32_t n_layers,
+/* The receiver's own model: fails with both values named when the bundle (a view's or a set's
+ * header) was made for another fingerprint or shape (checked field by field; `fingerprint` may
+ * be NULL to skip it). */
+int kt_bundle_check_model(const kt_bundle_header *h, const char *fingerprint, uint32_t n_layers,
                           uint32_t n_kv_heads, uint32_t head_dim, char *err);
 /* List (layer, head) of a validated view; fails only for layer or head out of range. */
 int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
@@ -206,6 +217,36 @@ int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
  * list. */
 int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
                         uint32_t n, int32_t *positions, float *k, float *v_out, char *err);
+
+/* ------------------------------------------------------------------ assembling parts */
+
+/* One request's KV as a receiver holds it: a whole bundle, or the layer segments of a
+ * pipelined transfer, in the order sent. Each part is a validated view into the receive
+ * buffer; kt_bundle_set_add checks that the parts fit together. */
+typedef struct kt_bundle_set {
+    /* The request's header once complete: n_layers summed over the parts, first_token and
+     * next_pos from the last part, segment and first_layer 0. */
+    kt_bundle_header hdr;
+    uint64_t size; /* bytes over every part */
+    uint64_t n_entries; /* entries over every part */
+    uint32_t n_parts, cap;
+    kt_bundle_view *parts; /* the caller's array of cap views */
+    int complete; /* the last part was added */
+} kt_bundle_set;
+
+/* An empty set over the caller's `parts` (cap views, at least 1). */
+void kt_bundle_set_init(kt_bundle_set *s, kt_bundle_view *parts, uint32_t cap);
+/* Adds the next part (`part` may be &s->parts[s->n_parts]; it is copied there). A whole bundle
+ * must come alone and last; segments must start at layer 0, each where the previous ended, and
+ * agree on the model, dtype, prompt length and policy; `last` (the sender said no part
+ * follows) completes the set, and then every position of every part must lie below the last
+ * part's next_pos. Fails, leaving the set as it was, when the part does not fit, the set is
+ * full or already complete. */
+int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, char *err);
+/* List (layer, head) of a complete set: *part is the view holding it, *out the list in that
+ * view (read its rows with kt_bundle_list_read(*part, out, ...)). */
+int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head,
+                       const kt_bundle_view **part, kt_bundle_list_view *out, char *err);
 
 /* ------------------------------------------------------------------ helpers */
 

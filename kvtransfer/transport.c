@@ -92,11 +92,13 @@ typedef struct kt_resv {
     uint64_t id;
     uint8_t *buf;
     uint64_t size; /* capacity of buf: the largest bundle accepted */
-    uint64_t len; /* the arriving bundle's size (<= size), set when it is accepted */
+    uint64_t filled; /* bytes of the earlier parts of a bundle sent in parts, at buf[0, filled) */
+    uint64_t len; /* the arriving part's size (<= size - filled), set when it is accepted */
+    int more; /* the arriving part is not the last (KT_SEND_MORE) */
     uint8_t resv_token[KT_RESV_TOKEN_BYTES]; /* what a bundle for it must carry */
     double deadline;
     unsigned flags;
-    kt_bundle_view *view; /* KT_RESERVE_PARSE: the caller's, written once the bundle is valid */
+    kt_bundle_set *set; /* KT_RESERVE_PARSE: the caller's; each valid part is added to it */
     kt_xfer_cb cb;
     void *cb_arg;
     kt_xfer_state state;
@@ -409,11 +411,11 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
                  "transport: bundle for reservation %" PRIu64 " is malformed: header says %"
                  PRIu64 " bytes, %zu arrived",
                  id, size, length);
-    } else if (length > r->size) {
+    } else if (length > r->size - r->filled) {
         snprintf(msg, sizeof msg,
                  "transport: bundle too large for reservation %" PRIu64
-                 ": reserved at most %" PRIu64 " bytes, bundle has %zu",
-                 id, r->size, length);
+                 ": reserved at most %" PRIu64 " bytes, bundle has %" PRIu64, id, r->size,
+                 r->filled + length);
     } else {
         msg[0] = 0;
     }
@@ -426,6 +428,8 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     r->from = c;
     r->seq = seq;
     r->len = length;
+    r->more = (kt_rd16(h + 6) & KT_SEND_MORE) != 0;
+    uint8_t *dst = r->buf + r->filled;
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         ucp_request_param_t p = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -434,7 +438,7 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
             .user_data = r,
         };
         r->req_pending = 1; /* before the call: UCX may run the callback inside it */
-        ucs_status_ptr_t sp = ucp_am_recv_data_nbx(t->worker, data, r->buf, length, &p);
+        ucs_status_ptr_t sp = ucp_am_recv_data_nbx(t->worker, data, dst, length, &p);
         if (UCS_PTR_IS_ERR(sp)) {
             r->req_pending = 0;
             snprintf(msg, sizeof msg, "transport: ucp_am_recv_data_nbx failed: %s",
@@ -448,7 +452,7 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         r->state = KT_XFER_STATE_RECEIVING;
     } else {
         /* Eager data is valid only inside this callback: copy it now. */
-        memcpy(r->buf, data, length);
+        memcpy(dst, data, length);
         r->state = KT_XFER_STATE_RECEIVING;
         r->req_status = UCS_OK; /* no request: the loop sees req == NULL, !req_pending */
     }
@@ -673,18 +677,24 @@ static double kt_step(kt_transport *t)
             }
         }
         if (!r->done && !r->req && r->state == KT_XFER_STATE_RECEIVING) {
-            /* Every byte is in the buffer. */
+            /* Every byte of this part is in the buffer. */
             char perr[KT_ERR_MAX] = "";
             kt_bundle_view v;
             int bad = (r->flags & KT_RESERVE_PARSE) &&
-                      kt_bundle_parse(r->buf, (size_t)r->len, r->view ? r->view : &v, perr) != 0;
+                      (kt_bundle_parse(r->buf + r->filled, (size_t)r->len, &v, perr) != 0 ||
+                       (r->set && kt_bundle_set_add(r->set, &v, !r->more, perr) != 0));
             char msg[KT_ERR_MAX];
             if (bad) {
                 snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 " rejected: %s", r->id,
                          perr);
                 kt_log(t, "%s", msg);
+                kt_resv_finish(r, -1, 0, msg);
+            } else if (r->more) { /* the part is in: wait for the next one */
+                r->filled += r->len;
+                r->state = KT_XFER_STATE_RESERVED;
+            } else {
+                kt_resv_finish(r, 0, r->filled + r->len, "");
             }
-            kt_resv_finish(r, bad ? -1 : 0, bad ? 0 : r->len, bad ? msg : "");
             kt_ack_queue(t, r->from, r->seq, r->id, bad ? -1 : 0, bad ? 0 : r->len,
                          bad ? msg : "");
         }
@@ -1045,7 +1055,7 @@ void kt_transport_destroy(kt_transport *t)
 uint16_t kt_transport_port(const kt_transport *t) { return t->port; }
 
 static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
-                      unsigned flags, kt_bundle_view *view, kt_xfer_cb cb, void *cb_arg,
+                      unsigned flags, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
                       uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
 {
     if (!t->listener) {
@@ -1066,7 +1076,7 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, do
     r->buf = buf;
     r->size = size;
     r->flags = flags;
-    r->view = view;
+    r->set = set;
     r->cb = cb;
     r->cb_arg = cb_arg;
     r->state = KT_XFER_STATE_RESERVED;
@@ -1101,14 +1111,15 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
 }
 
 int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
-                                double timeout_s, kt_bundle_view *view, kt_xfer_cb cb,
+                                double timeout_s, kt_bundle_set *set, kt_xfer_cb cb,
                                 void *cb_arg, uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
 {
-    if (!view) {
-        kt_seterr(err, "transport: reserve %" PRIu64 ": needs a view to parse the bundle into", id);
+    if (!set || set->cap == 0 || set->n_parts != 0) {
+        kt_seterr(err, "transport: reserve %" PRIu64 ": needs an empty set (kt_bundle_set_init) "
+                  "to assemble the bundle in", id);
         return -1;
     }
-    return kt_reserve(t, id, buf, size, timeout_s, KT_RESERVE_PARSE, view, cb, cb_arg, token,
+    return kt_reserve(t, id, buf, size, timeout_s, KT_RESERVE_PARSE, set, cb, cb_arg, token,
                       err);
 }
 
@@ -1148,7 +1159,7 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id)
 
 int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
                       const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
-                      double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
+                      unsigned flags, double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
 {
     if (!host || !buf || size == 0 || !cb || !(timeout_s > 0)) {
         kt_seterr(err, "transport: send %" PRIu64 ": needs a host, a buffer, a size > 0, a "
@@ -1192,7 +1203,7 @@ int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t
     op->seq = t->next_seq++;
     kt_wr32(op->hdr, KT_WIRE_MAGIC);
     kt_wr16(op->hdr + 4, KT_WIRE_VERSION);
-    kt_wr16(op->hdr + 6, 0);
+    kt_wr16(op->hdr + 6, (uint16_t)(flags & KT_SEND_MORE));
     kt_wr64(op->hdr + 8, op->seq);
     kt_wr64(op->hdr + 16, id);
     kt_wr64(op->hdr + 24, size);
@@ -1232,7 +1243,7 @@ int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uin
     kt_waiter w = {.done = 0};
     pthread_mutex_init(&w.m, NULL);
     pthread_cond_init(&w.c, NULL);
-    int rc = kt_transport_send(t, host, port, id, token, buf, size, timeout_s, kt_waiter_cb, &w,
+    int rc = kt_transport_send(t, host, port, id, token, buf, size, 0, timeout_s, kt_waiter_cb, &w,
                                err);
     if (rc == 0) {
         pthread_mutex_lock(&w.m);

@@ -101,11 +101,14 @@ typedef void (*kt_xfer_cb)(void *arg, uint64_t id, int status, uint64_t bytes, c
 int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
                          unsigned flags, kt_xfer_cb cb, void *cb_arg,
                          uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
-/* kt_transport_reserve with KT_RESERVE_PARSE that keeps the parse: before a successful callback
- * *view (caller-owned, valid as long as buf) is the validated view of the bytes that arrived,
- * so the receiver validates a bundle once, in the transport, and reads it through this view. */
+/* kt_transport_reserve with KT_RESERVE_PARSE that keeps the parse: each part that arrives (a
+ * whole bundle, or one layer segment of a pipelined transfer) is parsed and added to *set
+ * (caller-owned, empty from kt_bundle_set_init, valid as long as buf); a part that does not
+ * parse or does not fit the set fails the reservation. Before a successful callback the set is
+ * complete, so the receiver validates a bundle once, in the transport, and reads it through
+ * the set. */
 int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
-                                double timeout_s, kt_bundle_view *view, kt_xfer_cb cb,
+                                double timeout_s, kt_bundle_set *set, kt_xfer_cb cb,
                                 void *cb_arg, uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
 /* Abandons a reservation: if it has not completed, its callback reports "released" before this
  * returns (a transfer in flight is cancelled first), so the buffer may be freed on return.
@@ -117,8 +120,17 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id);
 
 /* ------------------------------------------------------------------ sending side */
 
+/* kt_transport_send flag: this is one part of a bundle sent in parts, and more parts follow for
+ * the same reservation. */
+#define KT_SEND_MORE 1u
+
 /* Sends `size` bytes at `buf` to the receiver listening on host:port, for reservation `id`
  * whose token (from the receiver's kt_transport_reserve) is `token`.
+ * A bundle may go in parts (a layer-pipelined transfer): every part but the last with
+ * KT_SEND_MORE in `flags`, each sent only once the previous one's callback reported success
+ * (a part that arrives while the previous one is still landing is refused). Part k lands in the
+ * reserved buffer right after part k-1; each part is acknowledged on its own; the
+ * reservation completes with the part sent without KT_SEND_MORE, its `bytes` then the sum.
  * Connects on first use (an endpoint per address, re-created after a failure). Completes
  * through `cb` when the receiver acknowledged the bundle (status 0) or refused it, when the
  * peer died, or after timeout_s seconds. `buf` must stay valid until the callback. A send
@@ -126,8 +138,9 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id);
  * a stalled connection is not trusted). */
 int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
                       const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
-                      double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err);
-/* kt_transport_send, waiting for the outcome. Not from a kt_ callback. */
+                      unsigned flags, double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err);
+/* kt_transport_send of a whole bundle (no flags), waiting for the outcome. Not from a kt_
+ * callback. */
 int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,
                            const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf,
                            uint64_t size, double timeout_s, char *err);

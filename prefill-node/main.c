@@ -50,11 +50,12 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     static pf_config cfg;
     static kc_log_level lvl;
     static kc_hostport listen, http;
-    static int kv_dtype, backend;
+    static int kv_dtype, backend, pipeline;
     static const kc_flag_choice dtypes[] = {
         {"f32", KT_DTYPE_F32}, {"bf16", KT_DTYPE_BF16}, {"f16", KT_DTYPE_F16},
         {"int8", KT_DTYPE_INT8_TOKEN}, {"fp8", KT_DTYPE_FP8_E4M3_TOKEN}, {NULL, 0}};
     static const kc_flag_choice backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
+    static const kc_flag_choice on_off[] = {{"on", 1}, {"off", 0}, {NULL, 0}};
     static const kc_flag table[] = {
         {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &cfg.model_dir,
          .help = "Hugging Face model directory (config.json, safetensors)"},
@@ -76,6 +77,11 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
          .def = "f32",
          .help = "bundle payload when the request names none (kv_wire_dtype): f32 (bit-exact decode), bf16, "
                  "f16, int8 or fp8 (a scale per K and V row; docs/bundle.md)"},
+        {.kind = KC_FLAG_CHOICE, .name = "--pipeline", .arg = "on|off", .dest = &pipeline, .choices = on_off,
+         .def = "on",
+         .help = "layer-wise pipelining of the transfer: each layer's kept KV is sent as soon as the "
+                 "last chunk has made it final, while the later layers still compute (docs/prefill-node.md); "
+                 "off: one bundle after the whole prefill"},
         {.kind = KC_FLAG_INT, .name = "--max-prompt", .arg = "N", .dest = &cfg.max_prompt, .min = 1,
          .max = INT32_MAX - 1, .def = PF_STR(PF_DEFAULT_MAX_PROMPT) ", at most the model's max_position_embeddings - 1",
          .help = "longest prompt in tokens"},
@@ -119,12 +125,14 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     listen = (kc_hostport){.text = "127.0.0.1:7101"};
     http = (kc_hostport){.text = "127.0.0.1:9101"};
     kv_dtype = KT_DTYPE_F32;
+    pipeline = 1;
     backend = KR_BACKEND_CPU;
     lvl = KC_LOG_INFO;
     kc_flags_main(&flags, argc, argv, 0);
     cfg.listen = listen.text;
     cfg.http = http.text;
     cfg.kv_dtype = (kt_dtype)kv_dtype;
+    cfg.pipeline = pipeline;
     cfg.backend = (kr_backend_kind)backend;
     *c = cfg;
     *level = lvl;

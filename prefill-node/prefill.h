@@ -42,6 +42,7 @@ typedef struct pf_config {
     int chunk;                 /* prefill chunk (tokens), also the context's max_chunk */
     int queue;                 /* most jobs waiting behind the running one */
     kt_dtype kv_dtype;         /* bundle payload */
+    int pipeline;              /* 1: layer-wise pipelined transfer (--pipeline on) */
     int max_prompt;            /* longest prompt accepted (tokens) */
     int kv_blocks;             /* KV pool blocks */
     double transfer_timeout_s; /* cap on one bundle send */
@@ -57,7 +58,10 @@ typedef struct pf_config {
 /* What a finished prefill reports (PrefillUsage without the node id). */
 typedef struct pf_usage {
     double prefill_s;       /* kr_prefill, the first token's sampling, writing the bundle */
-    double transfer_s;      /* the send, until the decode node acknowledged the bundle */
+    double transfer_s;      /* from the end of prefill_s until the decode node acknowledged the
+                               bundle's last part: what the transfer adds to the first token */
+    int parts, parts_early; /* parts sent (1: a whole bundle), and how many of them the decode
+                               node acknowledged before the prefill ended */
     uint64_t kv_entries;    /* entries shipped, summed over every (layer, KV head) */
     uint64_t kv_bytes;      /* K + V payload bytes of those entries, row scales included
                                (framing not counted) */
@@ -109,6 +113,12 @@ typedef struct pf_metrics {
 } pf_metrics;
 
 typedef struct pf_policy_entry pf_policy_entry;
+/* A send buffer, 64-byte aligned, grown to the largest part it held so far: a request does not
+ * allocate it again. */
+typedef struct pf_buf {
+    uint8_t *p;
+    size_t cap;
+} pf_buf;
 
 typedef struct pf_node {
     const pf_config *cfg;
@@ -129,8 +139,8 @@ typedef struct pf_node {
     kr_kv_pool *pool;
     float *logits;          /* [vocab_size] */
     kt_bundle_list *lists;  /* [n_layers * n_kv_heads] */
-    uint8_t *bundle;        /* 64-byte aligned, grown to the largest bundle so far */
-    size_t bundle_cap;
+    pf_buf *bufs;           /* [n_layers]: a send buffer per part in flight (a whole bundle, or a
+                               pipelined transfer's layer segments); bufs[0] for a whole one */
     pthread_t worker;
 
     /* the queue, under mu */

@@ -4,14 +4,20 @@
  * and the row's argmax when asked), the KV bundle written straight from the
  * sequence's lists, the send to the decode node's reservation, and the usage.
  *
- * The bundle goes into one worker-owned buffer grown to the largest bundle so far (a request
- * does not allocate it again), which is also the send buffer: kr_seq_list_visit hands over each
- * list's rows in place in the KV blocks, one run per block, and the writer converts them to the
- * payload dtype as it copies them in, so each shipped byte is written once on this side. The
- * sequence is freed as soon as the bundle is written, before the send, so the pool never holds a
- * request's blocks across a network wait.
+ * Layer-wise pipelining (--pipeline on, with more than one layer): kr_prefill_layers says when
+ * leading layers are final during the last chunk; each such group of layers is written as a
+ * layer segment and sent while the later layers compute, one part in flight at a time. The
+ * last part (the remaining layers, with the sampled first token) follows the prefill; the
+ * decode node assembles the parts and admits the sequence once the last one arrived. Off, or
+ * with one layer: one whole bundle after the prefill.
+ * Each part goes into its own worker-owned buffer (n->bufs), grown to the largest part so far
+ * (a request does not allocate it again), which is also the send buffer: kr_seq_list_visit
+ * hands over each list's rows in place in the KV blocks, one run per block, and the writer
+ * converts them to the payload dtype as it copies them in, so each shipped byte is written once
+ * on this side. The sequence is freed as soon as the last part is written, before the wait for
+ * the transfer, so the pool never holds a request's blocks across a network wait.
  * Cancellation: kr_prefill runs its chunks in one call, so a call cancelled mid-prefill is
- * noticed after it; the transfer is skipped then.
+ * noticed after it; the rest of the transfer is skipped then.
  */
 #include "bundle-rule.h"
 #include "prefill.h"
@@ -50,7 +56,8 @@ int pf_run_init(pf_node *n, char *err)
         return -1;
     n->logits = malloc(sizeof(float) * (size_t)c->vocab_size);
     n->lists = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->lists);
-    if (!n->logits || !n->lists) {
+    n->bufs = calloc((size_t)c->n_layers, sizeof *n->bufs);
+    if (!n->logits || !n->lists || !n->bufs) {
         snprintf(err, KR_ERR_MAX, "out of memory for the worker's scratch buffers");
         return -1;
     }
@@ -59,7 +66,9 @@ int pf_run_init(pf_node *n, char *err)
 
 void pf_run_free(pf_node *n)
 {
-    free(n->bundle);
+    for (int l = 0; n->bufs && l < n->mcfg->n_layers; l++)
+        free(n->bufs[l].p);
+    free(n->bufs);
     free(n->lists);
     free(n->logits);
     kr_kv_pool_free(n->pool);
@@ -79,29 +88,29 @@ static void job_fail(pf_job *j, grpc_status_code code, const char *fmt, ...)
     kc_warn(j->request_id, "prefill failed: %s: %s", kc_status_name(code), j->details);
 }
 
-/* The worker's bundle buffer, at least `size` bytes, 64-byte aligned (the bundle's sections are
- * 64-byte aligned relative to it, so rows land aligned). */
-static int bundle_room(pf_node *n, uint64_t size, char *err)
+/* A send buffer of at least `size` bytes, 64-byte aligned (the bundle's sections are 64-byte
+ * aligned relative to it, so rows land aligned). */
+static int buf_room(pf_buf *b, uint64_t size, char *err)
 {
-    if (size <= n->bundle_cap) return 0;
-    size_t cap = n->bundle_cap ? n->bundle_cap : 1u << 20;
+    if (size <= b->cap) return 0;
+    size_t cap = b->cap ? b->cap : 1u << 16;
     while (cap < size)
         cap *= 2;
-    uint8_t *b = aligned_alloc(64, cap);
-    if (!b) {
+    uint8_t *p = aligned_alloc(64, cap);
+    if (!p) {
         snprintf(err, KR_ERR_MAX, "out of memory for a %llu-byte bundle", (unsigned long long)size);
         return -1;
     }
-    free(n->bundle);
-    n->bundle = b;
-    n->bundle_cap = cap;
+    free(b->p);
+    b->p = p;
+    b->cap = cap;
     return 0;
 }
 
 /* One run of a list's rows, from the KV blocks into the bundle (kr_list_rows_fn). */
 typedef struct put_arg {
     kt_bundle_writer *w;
-    uint32_t layer, head;
+    uint32_t layer, head; /* layer within the bundle being written */
 } put_arg;
 
 static int put_rows(void *arg, int first, int n, const int32_t *pos, const float *k,
@@ -113,45 +122,170 @@ static int put_rows(void *arg, int first, int n, const int32_t *pos, const float
                                 err);
 }
 
-/* Writes the bundle of `seq` into n->bundle: *size_out bytes, *entries_out entries. */
-static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int32_t first_token,
+/* Writes layers [first, first + count) of `seq` into `b`: a whole bundle (segment 0, all the
+ * layers) or a layer segment, whose first_token and next_pos the caller passes provisional
+ * when a later segment follows. Adds to *size_out and *entries_out. */
+static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int first, int count,
+                        int segment, int32_t first_token, int32_t next_pos, pf_buf *b,
                         uint64_t *size_out, uint64_t *entries_out, char *err)
 {
     const kr_config *c = n->mcfg;
     kt_bundle_header h;
     memset(&h, 0, sizeof h);
     snprintf(h.fingerprint, sizeof h.fingerprint, "%s", kr_model_fingerprint(n->model));
-    h.n_layers = (uint32_t)c->n_layers;
+    h.n_layers = (uint32_t)count;
     h.n_kv_heads = (uint32_t)c->n_kv_heads;
     h.head_dim = (uint32_t)c->head_dim;
     h.dtype = j->wire;
     h.first_token = first_token;
     h.prompt_len = j->n_tokens;
-    h.next_pos = kr_seq_next_pos(seq);
+    h.next_pos = next_pos;
+    h.segment = (uint32_t)segment;
+    h.first_layer = (uint32_t)first;
     snprintf(h.policy, sizeof h.policy, "%s", kr_policy_spec(j->policy));
+    kt_bundle_list *lists = n->lists + (size_t)first * (size_t)c->n_kv_heads;
     uint64_t entries = 0;
-    for (int l = 0; l < c->n_layers; l++)
+    for (int l = 0; l < count; l++)
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
             int len, pinned;
-            kr_seq_list_shape(seq, l, kv, &len, &pinned);
+            kr_seq_list_shape(seq, first + l, kv, &len, &pinned);
             kr_list_rule rule;
-            kr_seq_list_rule(seq, l, kv, &rule);
-            n->lists[l * c->n_kv_heads + kv] = kt_bundle_list_of(len, pinned, &rule);
+            kr_seq_list_rule(seq, first + l, kv, &rule);
+            lists[l * c->n_kv_heads + kv] = kt_bundle_list_of(len, pinned, &rule);
             entries += (uint64_t)len;
         }
     uint64_t size;
-    if (kt_bundle_size(&h, n->lists, &size, err) != 0 || bundle_room(n, size, err) != 0) return -1;
+    if (kt_bundle_size(&h, lists, &size, err) != 0 || buf_room(b, size, err) != 0) return -1;
     kt_bundle_writer w;
-    if (kt_bundle_writer_begin(&w, &h, n->lists, n->bundle, n->bundle_cap, err) != 0) return -1;
-    for (int l = 0; l < c->n_layers; l++)
+    if (kt_bundle_writer_begin(&w, &h, lists, b->p, b->cap, err) != 0) return -1;
+    for (int l = 0; l < count; l++)
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
             put_arg a = {.w = &w, .layer = (uint32_t)l, .head = (uint32_t)kv};
-            int len = (int)n->lists[l * c->n_kv_heads + kv].count;
-            if (kr_seq_list_visit(seq, l, kv, 0, len, put_rows, &a, err) != KR_OK) return -1;
+            int len = (int)lists[l * c->n_kv_heads + kv].count;
+            if (kr_seq_list_visit(seq, first + l, kv, 0, len, put_rows, &a, err) != KR_OK) return -1;
         }
-    if (kt_bundle_writer_finish(&w, size_out, err) != 0) return -1;
-    *entries_out = entries;
+    if (kt_bundle_writer_finish(&w, &size, err) != 0) return -1;
+    *size_out += size;
+    *entries_out += entries;
     return 0;
+}
+
+/* A transfer in parts (docs/prefill-node.md, "Layer-wise pipelining"): part k is written into
+ * n->bufs[k] as soon as its layers are final and sent once part k-1 is acknowledged, which is
+ * what the transport asks of parts. The transport's callbacks (its progress thread) count the
+ * outcomes under `mu`; the worker sends and waits. */
+typedef struct pf_pipe {
+    pf_node *n;
+    pf_job *j;
+    int layers_written; /* layers [0, layers_written) are in parts 0..written-1 */
+    int written, sent; /* parts written, parts handed to the transport */
+    uint64_t size[KT_BUNDLE_MAX_LAYERS]; /* bytes of each part */
+    uint64_t bytes, entries;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int settled; /* sends whose callback ran */
+    int failed; /* a part failed: nothing more is sent */
+    double failed_after; /* seconds from that send to its failure */
+    double sent_at, timeout; /* when the part in flight was handed over, and its timeout */
+    char err[KT_ERR_MAX];
+} pf_pipe;
+
+static void pipe_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
+{
+    pf_pipe *p = arg;
+    (void)id;
+    (void)bytes;
+    pthread_mutex_lock(&p->mu);
+    if (status != 0 && !p->failed) {
+        p->failed = 1;
+        p->failed_after = pf_now() - p->sent_at;
+        snprintf(p->err, sizeof p->err, "%s", err);
+    }
+    p->settled++;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The next written part, once the one before it is acknowledged; `last` says whether every
+ * part is written. Returns -1 once a part failed (p->err says why). */
+static int pipe_pump(pf_pipe *p, int last)
+{
+    pthread_mutex_lock(&p->mu);
+    int idle = p->settled == p->sent, failed = p->failed;
+    pthread_mutex_unlock(&p->mu);
+    if (failed) return -1;
+    if (!idle || p->sent == p->written) return 0;
+    const pf_job *j = p->j;
+    int64_t ms_left = kc_call_ms_left(j->call);
+    double timeout = p->n->cfg->transfer_timeout_s;
+    if ((double)ms_left / 1000.0 < timeout) timeout = (double)ms_left / 1000.0;
+    char err[KT_ERR_MAX];
+    int k = p->sent;
+    unsigned flags = last && k == p->written - 1 ? 0 : KT_SEND_MORE;
+    p->sent_at = pf_now();
+    p->timeout = timeout;
+    if (ms_left <= 0 ||
+        kt_transport_send(p->n->tx, j->host, j->port, j->reservation_id, j->reservation_token,
+                          p->n->bufs[k].p, p->size[k], flags, timeout, pipe_cb, p, err) != 0) {
+        pthread_mutex_lock(&p->mu);
+        p->failed = 1;
+        p->failed_after = ms_left <= 0 ? p->timeout : 0;
+        snprintf(p->err, sizeof p->err, "%s", ms_left <= 0 ? "deadline passed before the bundle was sent" : err);
+        pthread_mutex_unlock(&p->mu);
+        return -1;
+    }
+    p->sent++;
+    return 0;
+}
+
+/* kr_layers_final_fn: layers [0, n_final) are final. Every layer but the last goes out now as
+ * a segment; the last waits for the first token (the last part carries it). */
+static int pipe_layers_final(void *arg, const kr_seq *s, int n_final, char *err)
+{
+    pf_pipe *p = arg;
+    if (n_final < p->n->mcfg->n_layers && n_final > p->layers_written) {
+        int first = p->layers_written;
+        /* provisional: the token is not sampled yet; every position is below the prompt's end */
+        if (write_bundle(p->n, p->j, s, first, n_final - first, 1, 0, kr_seq_next_pos(s),
+                         &p->n->bufs[p->written], &p->size[p->written], &p->entries, err) != 0)
+            return -1;
+        p->bytes += p->size[p->written];
+        p->written++;
+        p->layers_written = n_final;
+    }
+    if (pipe_pump(p, 0) != 0) {
+        snprintf(err, KR_ERR_MAX, "the KV transfer failed: %.480s", p->err);
+        return -1;
+    }
+    return KR_OK;
+}
+
+/* Waits for the callback of every part sent: the buffers are the worker's again. */
+static void pipe_wait(pf_pipe *p)
+{
+    pthread_mutex_lock(&p->mu);
+    while (p->settled < p->sent)
+        pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Sends what is left, one part at a time, and waits for the last callback. */
+static int pipe_finish(pf_pipe *p)
+{
+    pipe_pump(p, 1);
+    pthread_mutex_lock(&p->mu);
+    while (p->settled < p->sent || (!p->failed && p->sent < p->written)) {
+        if (p->settled == p->sent) { /* idle, more to send */
+            pthread_mutex_unlock(&p->mu);
+            pipe_pump(p, 1);
+            pthread_mutex_lock(&p->mu);
+            continue;
+        }
+        pthread_cond_wait(&p->cv, &p->mu);
+    }
+    int failed = p->failed;
+    pthread_mutex_unlock(&p->mu);
+    return failed ? -1 : 0;
 }
 
 static void pool_gauges(pf_node *n)
@@ -159,6 +293,17 @@ static void pool_gauges(pf_node *n)
     int free_blocks = kr_kv_pool_n_free(n->pool);
     kc_gauge_set(n->metrics.blocks_used, kr_kv_pool_n_blocks(n->pool) - free_blocks);
     kc_gauge_set(n->metrics.blocks_free, free_blocks);
+}
+
+/* The transport's failure as the call's status: a part that failed at its timeout is the
+ * deadline (or the transfer cap); anything earlier is the peer. */
+static void transfer_fail(pf_job *j, const pf_pipe *p)
+{
+    grpc_status_code code = p->failed_after >= p->timeout * 0.999 ? GRPC_STATUS_DEADLINE_EXCEEDED
+                                                                  : GRPC_STATUS_UNAVAILABLE;
+    job_fail(j, code, "KV bundle for reservation %llu at %s:%u (%s): %s",
+             (unsigned long long)j->reservation_id, j->host, j->port,
+             j->decode_node && *j->decode_node ? j->decode_node : "decode node", p->err);
 }
 
 void pf_run(pf_node *n, pf_job *j)
@@ -177,6 +322,15 @@ void pf_run(pf_node *n, pf_job *j)
     double t0 = pf_now();
     kr_seq *seq = NULL;
     kr_sampler *sampler = NULL;
+    pf_pipe *p = calloc(1, sizeof *p);
+    if (!p) {
+        job_fail(j, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    p->n = n;
+    p->j = j;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
     if (kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &seq, err) != KR_OK ||
         kr_seq_set_policy(seq, j->policy, err) != KR_OK) {
         job_fail(j, GRPC_STATUS_INTERNAL, "%s", err);
@@ -186,13 +340,18 @@ void pf_run(pf_node *n, pf_job *j)
      * chunk transients do not fit next to a long prompt. The pool is empty when a job starts,
      * so the same request fails the same way every time: FAILED_PRECONDITION (the operator
      * must raise --kv-blocks), not RESOURCE_EXHAUSTED, which the router reads as "queue full,
-     * try again later". */
-    if (kr_prefill(n->ctx, seq, j->tokens, j->n_tokens, n->cfg->chunk, KR_LOGITS_LAST, n->logits,
-                   err) != KR_OK) {
-        job_fail(j, GRPC_STATUS_FAILED_PRECONDITION,
-                 "%s (this node's --kv-blocks %d is too "
-                 "small for this prompt under kv_policy %s)",
-                 err, n->cfg->kv_blocks, kr_policy_spec(j->policy));
+     * try again later". With pipelining, a failed part stops the prefill early: that is the
+     * transfer's failure. */
+    int pipelined = n->cfg->pipeline && c->n_layers > 1;
+    if (kr_prefill_layers(n->ctx, seq, j->tokens, j->n_tokens, n->cfg->chunk, KR_LOGITS_LAST,
+                          n->logits, pipelined ? pipe_layers_final : NULL, p, err) != KR_OK) {
+        if (p->failed)
+            transfer_fail(j, p);
+        else
+            job_fail(j, GRPC_STATUS_FAILED_PRECONDITION,
+                     "%s (this node's --kv-blocks %d is too small for this prompt under "
+                     "kv_policy %s)",
+                     err, n->cfg->kv_blocks, kr_policy_spec(j->policy));
         goto out;
     }
     if (j->forced_first >= 0) {
@@ -218,50 +377,50 @@ void pf_run(pf_node *n, pf_job *j)
         goto out;
     }
 
-    uint64_t size = 0, entries = 0;
-    if (write_bundle(n, j, seq, j->first_token, &size, &entries, err) != 0) {
+    /* the last part: the layers not sent yet, with the first token; a whole bundle when
+     * nothing was sent before */
+    int first = p->layers_written;
+    if (write_bundle(n, j, seq, first, c->n_layers - first, p->written > 0, j->first_token,
+                     kr_seq_next_pos(seq), &n->bufs[p->written], &p->size[p->written],
+                     &p->entries, err) != 0) {
         job_fail(j, GRPC_STATUS_INTERNAL, "writing the KV bundle: %s", err);
         goto out;
     }
+    p->bytes += p->size[p->written];
+    p->written++;
     kr_seq_free(seq); /* the bundle holds what is shipped: the blocks go back now */
     seq = NULL;
     pool_gauges(n);
-    j->usage.prefill_s = pf_now() - t0;
-    j->usage.kv_entries = entries;
-    j->usage.kv_bytes = entries * 2u * kt_dtype_row_bytes(j->wire, (uint32_t)c->head_dim);
-
-    int64_t ms_left = kc_call_ms_left(j->call);
-    if (ms_left <= 0) {
-        job_fail(j, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline passed before the bundle was sent");
-        goto out;
-    }
-    double timeout = n->cfg->transfer_timeout_s;
-    if ((double)ms_left / 1000.0 < timeout) timeout = (double)ms_left / 1000.0;
     double t1 = pf_now();
-    int rc = kt_transport_send_wait(n->tx, j->host, j->port, j->reservation_id,
-                                    j->reservation_token, n->bundle, size, timeout, err);
+    j->usage.prefill_s = t1 - t0;
+    j->usage.kv_entries = p->entries;
+    j->usage.kv_bytes = p->entries * 2u * kt_dtype_row_bytes(j->wire, (uint32_t)c->head_dim);
+    pthread_mutex_lock(&p->mu);
+    j->usage.parts_early = p->settled;
+    pthread_mutex_unlock(&p->mu);
+    int rc = pipe_finish(p);
     j->usage.transfer_s = pf_now() - t1;
+    j->usage.parts = p->written;
     if (rc != 0) {
-        /* the transport reports a timeout at its deadline; anything earlier is the peer */
-        grpc_status_code code = j->usage.transfer_s >= timeout * 0.999
-                                    ? GRPC_STATUS_DEADLINE_EXCEEDED
-                                    : GRPC_STATUS_UNAVAILABLE;
-        job_fail(j, code, "KV bundle for reservation %llu at %s:%u (%s): %s",
-                 (unsigned long long)j->reservation_id, j->host, j->port,
-                 j->decode_node && *j->decode_node ? j->decode_node : "decode node", err);
+        transfer_fail(j, p);
         goto out;
     }
     j->code = GRPC_STATUS_OK;
     j->details[0] = 0;
     kc_info(j->request_id,
-            "prefilled %d tokens (%s): first token %d; %llu entries, %llu bytes (%s) to "
-            "reservation %llu at %s:%u (%s); prefill %.3f s, transfer %.3f s",
-            j->n_tokens, kr_policy_spec(j->policy), j->first_token, (unsigned long long)entries,
-            (unsigned long long)size, kt_dtype_name(j->wire),
-            (unsigned long long)j->reservation_id, j->host, j->port,
-            j->decode_node && *j->decode_node ? j->decode_node : "-", j->usage.prefill_s,
-            j->usage.transfer_s);
+            "prefilled %d tokens (%s): first token %d; %llu entries, %llu bytes (%s) in %d "
+            "part(s), %d sent during prefill, to reservation %llu at %s:%u (%s); prefill %.3f s, "
+            "transfer %.3f s after it",
+            j->n_tokens, kr_policy_spec(j->policy), j->first_token,
+            (unsigned long long)p->entries, (unsigned long long)p->bytes, kt_dtype_name(j->wire),
+            p->written, j->usage.parts_early, (unsigned long long)j->reservation_id, j->host,
+            j->port, j->decode_node && *j->decode_node ? j->decode_node : "-",
+            j->usage.prefill_s, j->usage.transfer_s);
 out:
+    pipe_wait(p); /* no send may still read a buffer when the next job starts */
+    pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->mu);
+    free(p);
     kr_sampler_free(sampler);
     if (seq) {
         kr_seq_free(seq);

@@ -76,8 +76,10 @@ int pf_metrics_register(pf_node *n)
                                     "writing, for calls answered OK.",
                                     NULL, kc_latency_buckets, kc_n_latency_buckets);
     m->transfer_s = kc_histogram_add(r, "kvrelay_kv_transfer_seconds",
-                                     "One bundle's transfer, from the start of the send to the "
-                                     "decode node's acknowledgement.",
+                                     "What one bundle's transfer adds after the prefill: from "
+                                     "the end of the prefill to the decode node's acknowledgement "
+                                     "of the last part (parts sent while later layers computed "
+                                     "are hidden behind them).",
                                      NULL, kc_latency_buckets, kc_n_latency_buckets);
     m->queue_depth =
         kc_gauge_add(r, "kvrelay_queue_depth",

@@ -58,10 +58,12 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
         round r = {0};
         uint8_t tok[inflight][KT_RESV_TOKEN_BYTES];
         kt_bundle_view views[inflight];
+        kt_bundle_set sets[inflight];
         for (int k = 0; k < inflight; k++) {
             uint8_t *buf = dst + (uint64_t)k * size;
+            kt_bundle_set_init(&sets[k], &views[k], 1);
             int rc = validate ? kt_transport_reserve_bundle(rx, id + (uint64_t)k, buf, size, 60.0,
-                                                            &views[k], count_cb, &r, tok[k], err)
+                                                            &sets[k], count_cb, &r, tok[k], err)
                               : kt_transport_reserve(rx, id + (uint64_t)k, buf, size, 60.0, 0,
                                                      count_cb, &r, tok[k], err);
             if (rc != 0)
@@ -69,7 +71,7 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
         }
         for (int k = 0; k < inflight; k++)
             if (kt_transport_send(tx, "127.0.0.1", kt_transport_port(rx), id + (uint64_t)k,
-                                  tok[k], src, size, 60.0, count_cb, &r, err) != 0)
+                                  tok[k], src, size, 0, 60.0, count_cb, &r, err) != 0)
                 goto fail;
         while (atomic_load(&r.done) < 2 * inflight) /* both callbacks of every transfer */
             usleep(5);

@@ -4,7 +4,8 @@
  * position, K/V byte and row scale lies inside the input: the target walks all of them (and
  * reads each list back through kt_bundle_list_read, a quantized one to finite values only) so
  * ASan reports any lie the parser let through, and
- * re-checks the invariants the parser promises. Random bytes almost never carry valid CRC32Cs,
+ * re-checks the invariants the parser promises, then adds the view to a kt_bundle_set as its
+ * only part. Random bytes almost never carry valid CRC32Cs,
  * so each input is parsed twice: as it is, and "resealed" (every checksum the section table
  * makes computable recomputed) - that is what a buggy or hostile sender produces, and it
  * takes the fuzzer past the checksums into the field checks.
@@ -54,7 +55,7 @@ static void parse_and_walk(const uint8_t *data, size_t size)
         return;
     }
     if (v.size != size || v.n_lists != v.hdr.n_layers * v.hdr.n_kv_heads) __builtin_trap();
-    if (kt_bundle_check_model(&v, v.hdr.fingerprint, v.hdr.n_layers, v.hdr.n_kv_heads,
+    if (kt_bundle_check_model(&v.hdr, v.hdr.fingerprint, v.hdr.n_layers, v.hdr.n_kv_heads,
                               v.hdr.head_dim, err) != 0)
         __builtin_trap();
     const size_t dim = v.hdr.head_dim;
@@ -90,6 +91,24 @@ static void parse_and_walk(const uint8_t *data, size_t size)
             }
         }
     if (entries != v.n_entries) __builtin_trap();
+    /* as the one part of a set: taken exactly when it starts at layer 0, then every list of
+     * the set is the view's own */
+    kt_bundle_view part;
+    kt_bundle_set set;
+    kt_bundle_set_init(&set, &part, 1);
+    if (kt_bundle_set_add(&set, &v, 1, err) != 0) {
+        if (v.hdr.first_layer == 0 || strncmp(err, "bundle: ", 8) != 0) __builtin_trap();
+    } else {
+        if (v.hdr.first_layer != 0 || set.hdr.n_layers != v.hdr.n_layers || set.size != v.size)
+            __builtin_trap();
+        for (uint32_t l = 0; l < v.hdr.n_layers; l++) {
+            const kt_bundle_view *pv;
+            kt_bundle_list_view a, b;
+            if (kt_bundle_set_list(&set, l, 0, &pv, &a, err) != 0 || pv != &part ||
+                kt_bundle_view_list(&v, l, 0, &b, err) != 0 || a.first != b.first || a.count != b.count)
+                __builtin_trap();
+        }
+    }
     free(vv);
     free(k);
     /* keep the reads from being optimised away */

@@ -198,7 +198,7 @@ static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dt
         const int quant = kt_dtype_quantized(dtype);
         CHECK(v.version_major == 2 && v.version_minor == (quant ? 1 : 0), "version");
         CHECK((v.k_scale != NULL) == quant && (v.v_scale != NULL) == quant, "scale sections");
-        CHECK(kt_bundle_check_model(&v, "0123456789abcdef", layers, heads, dim, err) == 0, "%s", err);
+        CHECK(kt_bundle_check_model(&v.hdr, "0123456789abcdef", layers, heads, dim, err) == 0, "%s", err);
         uint64_t total = 0;
         float *k = malloc((next_pos * (size_t)dim + 1) * sizeof(float));
         float *vv = malloc((next_pos * (size_t)dim + 1) * sizeof(float));
@@ -440,7 +440,8 @@ static void test_damage(void)
     /* header checksum, flags, reserved */
     FRESH(); b[40] ^= 1; REJECT(b, n, "header checksum mismatch (expected 0x");
     FRESH(); b[28] ^= 1; REJECT(b, n, "header checksum mismatch");
-    FRESH(); kt_wr32(b + 24, 1); reseal_header(b); REJECT(b, n, "unknown required flags 0x0001");
+    FRESH(); kt_wr32(b + 24, 1); reseal_header(b); REJECT(b, n, "segments are 2.2"); /* 2.0 */
+    FRESH(); kt_wr32(b + 24, 2); reseal_header(b); REJECT(b, n, "unknown required flags 0x0002");
     FRESH(); kt_wr32(b + 24, 0x10000); reseal_header(b); ACCEPT(b, n); /* optional bit: ignored */
     FRESH(); kt_wr16(b + 78, 1); reseal_header(b); REJECT(b, n, "reserved header field");
 
@@ -902,6 +903,155 @@ static void test_quantized(void)
     CHECK(kt_dtype_parse("int4", &t) == -1 && kt_dtype_parse(NULL, &t) == -1, "parse junk");
 }
 
+/* A request's KV in layer segments (format 2.2), as a pipelining prefill node writes it: each
+ * segment parses on its own, the set assembles them into the whole, and every way segments can
+ * fail to fit together is refused. */
+static void test_segments(void)
+{
+    enum { LAYERS = 3, HEADS = 2, DIM = 8, NEXT = 50 };
+    char err[KT_ERR_MAX];
+    seqkv seg[LAYERS];
+    uint8_t *buf[LAYERS];
+    uint64_t size[LAYERS];
+    kt_bundle_view parts[LAYERS], v;
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        const uint32_t counts[HEADS] = {10 + l, l == 1 ? 0 : 7};
+        seqkv_make(&seg[l], 1, HEADS, DIM, KT_DTYPE_F32, counts, NEXT, "full");
+        seg[l].h.segment = 1;
+        seg[l].h.first_layer = l;
+        seg[l].h.first_token = l == LAYERS - 1 ? 42 : 0; /* provisional until the last */
+        buf[l] = encode(&seg[l], &size[l]);
+        REQUIRE(kt_bundle_parse(buf[l], size[l], &v, err) == 0, "segment %u: %s", l, err);
+        CHECK(v.version_minor == 2 && v.hdr.segment == 1 && v.hdr.first_layer == l &&
+              v.hdr.n_layers == 1, "segment %u parsed as 2.%u, first layer %u", l,
+              v.version_minor, v.hdr.first_layer);
+    }
+    kt_bundle_set set;
+    kt_bundle_set_init(&set, parts, LAYERS);
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        REQUIRE(kt_bundle_parse(buf[l], size[l], &v, err) == 0, "%s", err);
+        CHECK(kt_bundle_set_add(&set, &v, l == LAYERS - 1, err) == 0, "add %u: %s", l, err);
+    }
+    CHECK(set.complete && set.hdr.n_layers == LAYERS && set.hdr.first_token == 42 &&
+          set.hdr.segment == 0 && set.size == size[0] + size[1] + size[2],
+          "set: %u layers, first token %d", set.hdr.n_layers, set.hdr.first_token);
+    CHECK(kt_bundle_check_model(&set.hdr, "0123456789abcdef", LAYERS, HEADS, DIM, err) == 0, "%s", err);
+    for (uint32_t l = 0; l < LAYERS; l++)
+        for (uint32_t h = 0; h < HEADS; h++) {
+            const kt_bundle_view *pv;
+            kt_bundle_list_view lv;
+            REQUIRE(kt_bundle_set_list(&set, l, h, &pv, &lv, err) == 0, "%s", err);
+            const uint32_t c = seg[l].lists[h].count;
+            int32_t pos[16];
+            float k[16 * DIM], vv[16 * DIM];
+            CHECK(pv == &parts[l] && lv.count == c, "list (%u, %u) in part %u", l, h, l);
+            REQUIRE(kt_bundle_list_read(pv, &lv, 0, c, pos, k, vv, err) == 0, "%s", err);
+            CHECK(memcmp(pos, seg[l].pos[h], c * sizeof *pos) == 0 &&
+                  memcmp(k, seg[l].k[h], c * DIM * sizeof *k) == 0 &&
+                  memcmp(vv, seg[l].v[h], c * DIM * sizeof *vv) == 0, "list (%u, %u) rows", l, h);
+        }
+    const kt_bundle_view *pv;
+    kt_bundle_list_view lv;
+    CHECK(kt_bundle_set_list(&set, LAYERS, 0, &pv, &lv, err) == -1, "layer past the set");
+    CHECK(kt_bundle_set_add(&set, &v, 1, err) == -1 && strstr(err, "complete"), "add after the last");
+
+#define SET_REFUSES(adds, needle)                                                             \
+    do {                                                                                       \
+        kt_bundle_set_init(&set, parts, LAYERS);                                               \
+        int rc_ = 0;                                                                           \
+        for (size_t i_ = 0; i_ < sizeof adds / sizeof adds[0] && rc_ == 0; i_++) {             \
+            REQUIRE(kt_bundle_parse(buf[adds[i_][0]], size[adds[i_][0]], &v, err) == 0, "%s", err); \
+            rc_ = kt_bundle_set_add(&set, &v, adds[i_][1], err);                               \
+        }                                                                                      \
+        CHECK(rc_ == -1 && strstr(err, needle), "expected '%s', got '%s'", needle, err);        \
+    } while (0)
+    const int start1[][2] = {{1, 1}};
+    SET_REFUSES(start1, "starts at layer 1, not 0");
+    const int gap[][2] = {{0, 0}, {2, 1}};
+    SET_REFUSES(gap, "starts at layer 2, expected 1");
+    const int again[][2] = {{0, 0}, {0, 0}};
+    SET_REFUSES(again, "starts at layer 0, expected 1");
+    kt_bundle_set_init(&set, parts, 1); /* a set with room for one part */
+    REQUIRE(kt_bundle_parse(buf[0], size[0], &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 0, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_parse(buf[1], size[1], &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 1, err) == -1 && strstr(err, "more than 1 parts"), "%s", err);
+
+    /* a segment that disagrees with the first: another policy */
+    seqkv other;
+    const uint32_t counts[HEADS] = {3, 3};
+    seqkv_make(&other, 1, HEADS, DIM, KT_DTYPE_F32, counts, NEXT, "streaming:sink=4,window=16");
+    other.h.segment = 1;
+    other.h.first_layer = 1;
+    uint64_t on;
+    uint8_t *ob = encode(&other, &on);
+    kt_bundle_set_init(&set, parts, LAYERS);
+    REQUIRE(kt_bundle_parse(buf[0], size[0], &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 0, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_parse(ob, on, &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 1, err) == -1 && strstr(err, "disagrees"), "%s", err);
+    /* the last segment's next_pos must lie above every earlier position */
+    free(ob);
+    seqkv_free(&other);
+    seqkv_make(&other, 1, HEADS, DIM, KT_DTYPE_F32, counts, 5, "full");
+    other.h.prompt_len = NEXT;
+    other.h.segment = 1;
+    other.h.first_layer = 1;
+    ob = encode(&other, &on);
+    kt_bundle_set_init(&set, parts, LAYERS);
+    REQUIRE(kt_bundle_parse(buf[0], size[0], &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 0, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_parse(ob, on, &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 1, err) == -1 && strstr(err, "not below the last segment's next_pos"),
+          "%s", err);
+    CHECK(set.n_parts == 1 && !set.complete, "a refused part leaves the set as it was");
+    free(ob);
+    seqkv_free(&other);
+
+    /* a whole bundle comes alone */
+    seqkv whole;
+    const uint32_t wc[HEADS] = {4, 4};
+    seqkv_make(&whole, 1, HEADS, DIM, KT_DTYPE_F32, wc, NEXT, "full");
+    uint64_t wn;
+    uint8_t *wb = encode(&whole, &wn);
+    kt_bundle_set_init(&set, parts, LAYERS);
+    REQUIRE(kt_bundle_parse(wb, wn, &v, err) == 0, "%s", err);
+    CHECK(v.version_minor == 0 && v.hdr.segment == 0, "a whole f32 bundle stays 2.0");
+    CHECK(kt_bundle_set_add(&set, &v, 0, err) == -1 && strstr(err, "whole bundle"), "%s", err);
+    REQUIRE(kt_bundle_parse(buf[0], size[0], &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 0, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_parse(wb, wn, &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 1, err) == -1 && strstr(err, "not a layer segment"), "%s", err);
+
+    /* the header's rules: the flag needs 2.2, the first layer lives only in segments */
+    uint8_t *b = malloc(size[1]);
+    memcpy(b, buf[1], size[1]);
+    kt_wr16(b + 10, 1);
+    reseal_header(b);
+    REJECT(b, size[1], "segments are 2.2");
+    memcpy(b, buf[1], size[1]);
+    kt_wr32(b + 24, 0); /* the segment flag off, the first layer left in the reserved field */
+    reseal_header(b);
+    REJECT(b, size[1], "reserved header field at offset 78");
+    memcpy(b, buf[1], size[1]);
+    kt_wr16(b + 78, KT_BUNDLE_MAX_LAYERS);
+    reseal_header(b);
+    REJECT(b, size[1], "past the 1024-layer limit");
+    free(b);
+    kt_bundle_header hh = whole.h;
+    hh.first_layer = 2;
+    uint64_t sz;
+    CHECK(kt_bundle_size(&hh, whole.lists, &sz, err) == -1 && strstr(err, "whole bundle"),
+          "the writer refuses a first layer outside a segment: %s", err);
+    free(wb);
+    seqkv_free(&whole);
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        free(buf[l]);
+        seqkv_free(&seg[l]);
+    }
+#undef SET_REFUSES
+}
+
 static void test_check_model(void)
 {
     char err[KT_ERR_MAX];
@@ -910,16 +1060,16 @@ static void test_check_model(void)
     uint8_t *b = base_bundle(&s, &n);
     kt_bundle_view v;
     REQUIRE(kt_bundle_parse(b, n, &v, err) == 0, "%s", err);
-    CHECK(kt_bundle_check_model(&v, "0123456789abcdef", 2, 2, 4, err) == 0, "%s", err);
-    CHECK(kt_bundle_check_model(&v, NULL, 2, 2, 4, err) == 0, "%s", err);
-    CHECK(kt_bundle_check_model(&v, "fedcba9876543210", 2, 2, 4, err) == -1, "fingerprint");
+    CHECK(kt_bundle_check_model(&v.hdr, "0123456789abcdef", 2, 2, 4, err) == 0, "%s", err);
+    CHECK(kt_bundle_check_model(&v.hdr, NULL, 2, 2, 4, err) == 0, "%s", err);
+    CHECK(kt_bundle_check_model(&v.hdr, "fedcba9876543210", 2, 2, 4, err) == -1, "fingerprint");
     CHECK_ERR_HAS(err, "bundle: model fingerprint 0123456789abcdef does not match this node's fedcba9876543210");
     CHECK_ERR_HAS(err, "HINT");
-    CHECK(kt_bundle_check_model(&v, NULL, 3, 2, 4, err) == -1, "layers");
+    CHECK(kt_bundle_check_model(&v.hdr, NULL, 3, 2, 4, err) == -1, "layers");
     CHECK_ERR_HAS(err, "n_layers 2 does not match this node's model (3)");
-    CHECK(kt_bundle_check_model(&v, NULL, 2, 8, 4, err) == -1, "heads");
+    CHECK(kt_bundle_check_model(&v.hdr, NULL, 2, 8, 4, err) == -1, "heads");
     CHECK_ERR_HAS(err, "n_kv_heads 2 does not match this node's model (8)");
-    CHECK(kt_bundle_check_model(&v, NULL, 2, 2, 128, err) == -1, "head_dim");
+    CHECK(kt_bundle_check_model(&v.hdr, NULL, 2, 2, 128, err) == -1, "head_dim");
     CHECK_ERR_HAS(err, "head_dim 4 does not match this node's model (128)");
     free(b);
     seqkv_free(&s);
@@ -984,5 +1134,6 @@ int main(void)
     test_writer();
     test_check_model();
     test_quantized();
+    test_segments();
     return kt_done("test_bundle");
 }

@@ -66,6 +66,8 @@ typedef struct resv {
     uint8_t token[KT_RESV_TOKEN_BYTES];
     uint8_t *buf;
     uint64_t cap;
+    kt_bundle_view parts[8]; /* one per layer at most (the fixtures have up to 4) */
+    kt_bundle_set set; /* the whole bundle, or a pipelined transfer's layer segments */
     int done, status;
     int order; /* completions before this one, over all reservations */
     uint64_t bytes;
@@ -96,9 +98,10 @@ static void resv_open(resv *r, uint64_t cap)
     r->id = next_resv++;
     r->cap = cap;
     r->buf = malloc(cap);
+    kt_bundle_set_init(&r->set, r->parts, 8);
     char err[KT_ERR_MAX];
-    REQUIRE(r->buf && kt_transport_reserve(rx, r->id, r->buf, cap, 60.0, KT_RESERVE_PARSE, resv_cb,
-                                           r, r->token, err) == 0,
+    REQUIRE(r->buf && kt_transport_reserve_bundle(rx, r->id, r->buf, cap, 60.0, &r->set, resv_cb,
+                                                  r, r->token, err) == 0,
             "reserve: %s", err);
 }
 
@@ -205,7 +208,8 @@ static void ref_free(ref_run *x)
     free(x->logits);
 }
 
-/* What a decode node reserves (brief step 2): every list at min(n, max entries), f32. */
+/* What a decode node reserves (brief step 2): every list at min(n, max entries), f32, with room
+ * for the segment headers of a pipelined transfer. */
 static uint64_t decode_bound(ref_model *r, const kr_policy *p, int n)
 {
     kt_bundle_header h;
@@ -228,7 +232,7 @@ static uint64_t decode_bound(ref_model *r, const kr_policy *p, int n)
     char err[KT_ERR_MAX];
     REQUIRE(kt_bundle_size(&h, lists, &size, err) == 0, "%s", err);
     free(lists);
-    return size;
+    return size + (uint64_t)r->c->n_layers * KT_BUNDLE_SEGMENT_SLACK;
 }
 
 static float round_to(kt_dtype t, float x)
@@ -238,17 +242,17 @@ static float round_to(kt_dtype t, float x)
     return x;
 }
 
-/* The received bundle against the reference, list by list. */
+/* The received bundle (`parts` parts: 1 for a whole bundle, a segment per layer when the node
+ * pipelines) against the reference, list by list. */
 static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtype, int n,
-                         int32_t first_token, const char *what)
+                         int32_t first_token, int parts, const char *what)
 {
     char err[KT_ERR_MAX];
-    kt_bundle_view v;
-    if (kt_bundle_parse(rv->buf, rv->bytes, &v, err) != 0) {
-        CHECK(0, "%s: received bundle does not parse: %s", what, err);
-        return;
-    }
-    CHECK(kt_bundle_check_model(&v, kr_model_fingerprint(r->m), (uint32_t)r->c->n_layers,
+    const kt_bundle_set v = rv->set; /* parsed and assembled by the transport */
+    CHECK(v.complete && v.size == rv->bytes && (int)v.n_parts == parts,
+          "%s: %u parts of %" PRIu64 " bytes, want %d parts of %" PRIu64, what, v.n_parts,
+          v.size, parts, rv->bytes);
+    CHECK(kt_bundle_check_model(&v.hdr, kr_model_fingerprint(r->m), (uint32_t)r->c->n_layers,
                                 (uint32_t)r->c->n_kv_heads, (uint32_t)r->c->head_dim, err) == 0,
           "%s: %s", what, err);
     CHECK(v.hdr.dtype == dtype, "%s: dtype %s", what, kt_dtype_name(v.hdr.dtype));
@@ -268,7 +272,9 @@ static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtyp
             kr_seq_list_shape(x->s, l, h, &len, &pinned);
             int w = kr_seq_list_window(x->s, l, h);
             kt_bundle_list_view lv;
-            REQUIRE(kt_bundle_view_list(&v, (uint32_t)l, (uint32_t)h, &lv, err) == 0, "%s", err);
+            const kt_bundle_view *part;
+            REQUIRE(kt_bundle_set_list(&v, (uint32_t)l, (uint32_t)h, &part, &lv, err) == 0, "%s",
+                    err);
             if (lv.count != (uint32_t)len || lv.pinned != (uint32_t)pinned ||
                 lv.window != (w < 0 ? KT_BUNDLE_WINDOW_DENSE : (uint32_t)w)) {
                 CHECK(0, "%s: list (%d,%d): count/pinned/window %u/%u/%u, reference %d/%d/%d", what,
@@ -285,7 +291,7 @@ static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtyp
                   *bv = malloc(sizeof(float) * (size_t)len * hd);
             REQUIRE(rp && bp && rk && rv_ && bk && bv, "out of memory");
             REQUIRE(kr_seq_list_read(x->s, l, h, 0, len, rp, rk, rv_, err) == KR_OK, "%s", err);
-            REQUIRE(kt_bundle_list_read(&v, &lv, 0, (uint32_t)len, bp, bk, bv, err) == 0, "%s",
+            REQUIRE(kt_bundle_list_read(part, &lv, 0, (uint32_t)len, bp, bk, bv, err) == 0, "%s",
                     err);
             for (int i = 0; i < len * hd; i++) {
                 if (kt_dtype_quantized(dtype)) { /* within the bound, then compared as equal */
@@ -328,10 +334,12 @@ typedef struct node {
     kc_channel *ch;
     const char *id;
     kt_dtype dtype;
+    int parts; /* a bundle's parts: a segment per layer when pipelined, else 1 */
 } node;
 
 static void node_start(node *nd, ref_model *r, const char *id, const char *queue, const char *dtype,
-                       const char *transfer_timeout_s, const char *drain_timeout_s)
+                       const char *transfer_timeout_s, const char *drain_timeout_s,
+                       const char *pipeline)
 {
     char exe[1024], max_prompt[16], chunk[16];
     snprintf(exe, sizeof exe, "%s/kvrelay-prefill", bin_dir);
@@ -360,11 +368,14 @@ static void node_start(node *nd, ref_model *r, const char *id, const char *queue
                     (char *)transfer_timeout_s,
                     "--drain-timeout-s",
                     (char *)drain_timeout_s,
+                    "--pipeline",
+                    (char *)pipeline,
                     NULL};
     REQUIRE(test_proc_start(argv, 60, &nd->p) == 0, "kvrelay-prefill %s did not start", id);
     kc_status st;
     REQUIRE(kc_channel_create(nd->p.grpc, 0, &nd->ch, &st) == 0, "channel: %s", st.details);
     nd->id = id;
+    nd->parts = !strcmp(pipeline, "on") ? r->c->n_layers : 1;
     nd->dtype = !strcmp(dtype, "bf16")  ? KT_DTYPE_BF16
                 : !strcmp(dtype, "f16") ? KT_DTYPE_F16
                                         : KT_DTYPE_F32;
@@ -560,7 +571,8 @@ static void pcase_check(pcase *c)
               a->resp->first_top_id);
     }
     if (c->rv.status == 0)
-        check_bundle(r, x, &c->rv, c->wire, c->n, (int32_t)a->resp->first_token, what);
+        check_bundle(r, x, &c->rv, c->wire, c->n, (int32_t)a->resp->first_token, c->nd->parts,
+                     what);
     const Kvrelay__V1__PrefillUsage *u = a->resp->usage;
     REQUIRE(u, "%s: no usage", what);
     uint64_t entry_bytes = 2u * kt_dtype_row_bytes(c->wire, (uint32_t)r->c->head_dim);
@@ -1195,7 +1207,7 @@ int main(void)
     ref_model ra;
     ref_open(&ra, "llama3-tiny");
     node na;
-    node_start(&na, &ra, "prefill-a", QUEUE_S, "f32", "60", "60");
+    node_start(&na, &ra, "prefill-a", QUEUE_S, "f32", "60", "60", "on");
     for (int i = 0; i < n_pol; i++)
         case_policy(&na, &ra, policies[i], 100, 1 + (uint32_t)i, NULL);
     case_policy(&na, &ra, "streaming:sink=4,window=24", 5, 7, NULL); /* one chunk, no eviction */
@@ -1239,7 +1251,7 @@ int main(void)
           "/metrics queue depth and running back to 0");
     case_drain(&na, &ra, 0);
     node nd1;
-    node_start(&nd1, &ra, "prefill-d", "4", "f32", "60", "1");
+    node_start(&nd1, &ra, "prefill-d", "4", "f32", "60", "1", "on");
     case_drain(&nd1, &ra, 1);
     ref_close(&ra);
 
@@ -1248,7 +1260,7 @@ int main(void)
     ref_open(&rb, "mistral-tiny");
     case_flags(&rb);
     node nb;
-    node_start(&nb, &rb, "prefill-b", "0", "bf16", "60", "60");
+    node_start(&nb, &rb, "prefill-b", "0", "bf16", "60", "60", "off"); /* one whole bundle */
     for (int i = 1; i < n_pol; i++)
         case_policy(&nb, &rb, policies[i], 120, 20 + (uint32_t)i, NULL);
     case_queue0(&nb, &rb, 0);
@@ -1256,7 +1268,7 @@ int main(void)
 
     /* --transfer-timeout-s 1: a send that is never acknowledged ends DEADLINE_EXCEEDED */
     node nc;
-    node_start(&nc, &rb, "prefill-c", "0", "f32", "1", "60");
+    node_start(&nc, &rb, "prefill-c", "0", "f32", "1", "60", "on");
     case_send_timeout(&nc, &rb);
     node_stop(&nc, "after a timed-out send");
     ref_close(&rb);

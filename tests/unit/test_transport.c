@@ -170,7 +170,7 @@ static int child_sender(uint16_t port, uint64_t id, uint64_t size, const char *h
     fill(buf, size, (uint32_t)id);
     done_box b;
     box_init(&b);
-    if (kt_transport_send(t, HOST, port, id, tok, buf, size, 30.0, box_cb, &b, err) != 0)
+    if (kt_transport_send(t, HOST, port, id, tok, buf, size, 0, 30.0, box_cb, &b, err) != 0)
         return 3;
     pause();
     return 0;
@@ -272,11 +272,12 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
     box_init(&rb);
     uint8_t tok[KT_RESV_TOKEN_BYTES];
     kt_bundle_view view;
-    memset(&view, 0, sizeof view);
+    kt_bundle_set set;
+    kt_bundle_set_init(&set, &view, 1);
     CHECK(kt_transport_reserve_bundle(rx, 1, dst, cap, 5.0, NULL, box_cb, &rb, tok, err) != 0,
-          "a bundle reservation without a view refused");
-    CHECK_ERR_HAS(err, "needs a view");
-    REQUIRE(kt_transport_reserve_bundle(rx, 1, dst, cap, 5.0, &view, box_cb, &rb, tok, err) == 0,
+          "a bundle reservation without a set refused");
+    CHECK_ERR_HAS(err, "needs an empty set");
+    REQUIRE(kt_transport_reserve_bundle(rx, 1, dst, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
             "%s", err);
     CHECK(kt_transport_reservation_state(rx, 1) == KT_XFER_STATE_RESERVED, "state RESERVED");
     int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 1, tok, src, size, 5.0, err);
@@ -291,8 +292,117 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
           view.size, view.hdr.first_token, view.n_entries);
     CHECK(view.lists >= dst && view.v + view.n_entries * view.row_bytes == dst + size,
           "the view points into the receive buffer");
+    CHECK(set.complete && set.n_parts == 1 && set.size == size, "a whole bundle is a set of one");
     free(src);
     free(dst);
+}
+
+/* Writes layer `layer` of the 2-layer test model as a layer segment into buf (cap bytes);
+ * returns its size. Layer 0 carries a provisional first token and next_pos, layer 1 the real
+ * ones; `first_layer` lets a test lie about where the segment starts. */
+static uint64_t write_segment(uint8_t *buf, uint64_t cap, uint32_t layer, uint32_t first_layer)
+{
+    kt_bundle_header h;
+    memset(&h, 0, sizeof h);
+    snprintf(h.fingerprint, sizeof h.fingerprint, "0123456789abcdef");
+    h.n_layers = 1;
+    h.n_kv_heads = 2;
+    h.head_dim = 32;
+    h.dtype = KT_DTYPE_INT8_TOKEN;
+    h.first_token = layer == 1 ? 9 : 0;
+    h.prompt_len = 30;
+    h.next_pos = 30;
+    h.segment = 1;
+    h.first_layer = first_layer;
+    snprintf(h.policy, sizeof h.policy, "full");
+    kt_bundle_list lists[2] = {{.count = 10 + layer, .window = KT_BUNDLE_WINDOW_DENSE},
+                               {.count = 5, .window = KT_BUNDLE_WINDOW_DENSE}};
+    char err[KT_ERR_MAX];
+    kt_bundle_writer w;
+    REQUIRE(kt_bundle_writer_begin(&w, &h, lists, buf, cap, err) == 0, "%s", err);
+    float k[11 * 32], v[11 * 32];
+    int32_t pos[11];
+    for (uint32_t hd = 0; hd < 2; hd++) {
+        for (uint32_t e = 0; e < lists[hd].count; e++) {
+            pos[e] = (int32_t)(2 * e);
+            for (int d = 0; d < 32; d++) {
+                k[e * 32 + d] = (float)(layer * 100 + hd * 10 + e) + (float)d * 0.5f;
+                v[e * 32 + d] = -k[e * 32 + d];
+            }
+        }
+        REQUIRE(kt_bundle_writer_put(&w, 0, hd, lists[hd].count, pos, KT_DTYPE_F32, k, v, err) == 0,
+                "%s", err);
+    }
+    uint64_t size = 0;
+    REQUIRE(kt_bundle_writer_finish(&w, &size, err) == 0, "%s", err);
+    return size;
+}
+
+/* A bundle in two layer segments, as a pipelining prefill node sends it: each part lands after
+ * the previous one, is acknowledged on its own, and the reservation completes with the last;
+ * segments that do not fit together fail the reservation. */
+static void test_segments(kt_transport *rx, kt_transport *tx)
+{
+    enum { CAP = 16384 };
+    static uint8_t seg[2][CAP], dst[2 * CAP];
+    uint64_t n0 = write_segment(seg[0], CAP, 0, 0), n1 = write_segment(seg[1], CAP, 1, 1);
+    char err[KT_ERR_MAX];
+    kt_bundle_view parts[2];
+    kt_bundle_set set;
+    kt_bundle_set_init(&set, parts, 2);
+    done_box rb, sb;
+    box_init(&rb);
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    const uint16_t port = kt_transport_port(rx);
+    REQUIRE(kt_transport_reserve_bundle(rx, 700, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok,
+                                        err) == 0, "%s", err);
+    box_init(&sb);
+    REQUIRE(kt_transport_send(tx, HOST, port, 700, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb,
+                              &sb, err) == 0, "%s", err);
+    REQUIRE(box_wait(&sb, 5.0), "first segment acknowledged within 5 s");
+    CHECK(sb.status == 0, "first segment: %s", sb.msg);
+    CHECK(kt_transport_reservation_state(rx, 700) == KT_XFER_STATE_RESERVED,
+          "after a part with more to come, the reservation waits for the next");
+    CHECK(!box_wait(&rb, 0.05), "no completion before the last part");
+    CHECK(kt_transport_send_wait(tx, HOST, port, 700, tok, seg[1], n1, 5.0, err) == 0,
+          "last segment: %s", err);
+    REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
+    CHECK(rb.status == 0 && rb.bytes == n0 + n1, "receive: status %d, %" PRIu64 " bytes of %" PRIu64
+          " %s", rb.status, rb.bytes, n0 + n1, rb.msg);
+    CHECK(memcmp(dst, seg[0], n0) == 0 && memcmp(dst + n0, seg[1], n1) == 0,
+          "the parts lie one after the other in the reserved buffer");
+    CHECK(set.complete && set.n_parts == 2 && set.hdr.n_layers == 2 && set.hdr.first_token == 9 &&
+          set.n_entries == 31, "the set: %u parts, %u layers, first token %d, %" PRIu64 " entries",
+          set.n_parts, set.hdr.n_layers, set.hdr.first_token, set.n_entries);
+    const kt_bundle_view *pv = NULL;
+    kt_bundle_list_view lv;
+    CHECK(kt_bundle_set_list(&set, 1, 0, &pv, &lv, err) == 0 && pv == &parts[1] && lv.count == 11,
+          "layer 1 is the second part's: %s", err);
+
+    /* a set must start at layer 0; a second segment that restarts there is refused too */
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 2);
+    REQUIRE(kt_transport_reserve_bundle(rx, 701, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok,
+                                        err) == 0, "%s", err);
+    CHECK(kt_transport_send_wait(tx, HOST, port, 701, tok, seg[1], n1, 5.0, err) != 0,
+          "a set that starts at layer 1 is refused");
+    CHECK_ERR_HAS(err, "starts at layer 1, not 0");
+    REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
+    CHECK(rb.status == -1, "reservation failed");
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 2);
+    REQUIRE(kt_transport_reserve_bundle(rx, 702, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok,
+                                        err) == 0, "%s", err);
+    box_init(&sb);
+    REQUIRE(kt_transport_send(tx, HOST, port, 702, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb,
+                              &sb, err) == 0, "%s", err);
+    REQUIRE(box_wait(&sb, 5.0), "first segment acknowledged");
+    uint64_t bad = write_segment(seg[1], CAP, 1, 0);
+    CHECK(kt_transport_send_wait(tx, HOST, port, 702, tok, seg[1], bad, 5.0, err) != 0,
+          "a segment that restarts at layer 0 is refused");
+    CHECK_ERR_HAS(err, "expected 1");
+    REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
+    CHECK(rb.status == -1 && strstr(rb.msg, "expected 1"), "reservation failed: %s", rb.msg);
 }
 
 static void test_sizes(kt_transport *rx, kt_transport *tx)
@@ -542,7 +652,7 @@ static void test_receiver_death(kt_transport *tx)
     done_box sb;
     box_init(&sb);
     double t0 = now_s();
-    REQUIRE(kt_transport_send(tx, HOST, port, 500, tok, src, big, 1.5, box_cb, &sb, err) == 0,
+    REQUIRE(kt_transport_send(tx, HOST, port, 500, tok, src, big, 0, 1.5, box_cb, &sb, err) == 0,
             "%s", err);
     int st = 0;
     REQUIRE(waitpid(pid, &st, WUNTRACED) == pid && WIFSTOPPED(st), "child stopped mid-transfer");
@@ -557,7 +667,7 @@ static void test_receiver_death(kt_transport *tx)
     pid = spawn(argv1, &fd);
     REQUIRE(pid > 0 && wait_ready(fd, tok), "receiver child ready (2)");
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, port, 500, tok, src, big, 10.0, box_cb, &sb, err) == 0,
+    REQUIRE(kt_transport_send(tx, HOST, port, 500, tok, src, big, 0, 10.0, box_cb, &sb, err) == 0,
             "%s", err);
     REQUIRE(waitpid(pid, &st, WUNTRACED) == pid && WIFSTOPPED(st), "child stopped (2)");
     t0 = now_s();
@@ -652,6 +762,7 @@ int main(int argc, char **argv)
     kt_transport *tx = make("test-tx", 0, 0, err);
     REQUIRE(tx, "sender transport: %s", err);
     test_real_bundle(rx, tx);
+    test_segments(rx, tx);
     test_sizes(rx, tx);
     test_concurrent(rx, tx);
     test_refusals(rx, tx);
