@@ -1077,12 +1077,15 @@ static void test_check_model(void)
 
 /* ------------------------------------------------------------------ fuzz seeds */
 
+/* first_layer >= 0: a layer segment starting there (format 2.2); -1: a whole bundle */
 static void write_seed(const char *dir, const char *name, uint32_t layers, uint32_t heads,
                        uint32_t dim, kt_dtype dtype, const uint32_t *counts, int32_t next_pos,
-                       const char *policy)
+                       const char *policy, int first_layer)
 {
     seqkv s;
     seqkv_make(&s, layers, heads, dim, dtype, counts, next_pos, policy);
+    s.h.segment = first_layer >= 0;
+    s.h.first_layer = first_layer >= 0 ? (uint32_t)first_layer : 0;
     uint64_t n;
     uint8_t *b = encode(&s, &n);
     char path[4096];
@@ -1098,12 +1101,14 @@ static void write_seeds(const char *dir)
 {
     static const uint32_t c1[1] = {0}, c4[4] = {3, 0, 2, 5}, c6[6] = {4, 4, 1, 0, 6, 2},
                           c8[8] = {2, 1, 1, 2, 3, 0, 1, 2};
-    write_seed(dir, "empty-1x1-f32", 1, 1, 2, KT_DTYPE_F32, c1, 1, "full");
-    write_seed(dir, "gqa-2x2-f32", 2, 2, 4, KT_DTYPE_F32, c4, 12, "streaming:sink=4,window=16");
-    write_seed(dir, "mha-3x2-bf16", 3, 2, 8, KT_DTYPE_BF16, c6, 9, "snapkv:budget=8,window=4");
-    write_seed(dir, "gqa-2x4-f16", 2, 4, 6, KT_DTYPE_F16, c8, 5, "sage:budget=6,pos=rel");
-    write_seed(dir, "gqa-2x2-int8", 2, 2, 4, KT_DTYPE_INT8_TOKEN, c4, 12, "snapkv:budget=8,window=4");
-    write_seed(dir, "mha-3x2-fp8", 3, 2, 8, KT_DTYPE_FP8_E4M3_TOKEN, c6, 9, "streaming:sink=4,window=16");
+    write_seed(dir, "empty-1x1-f32", 1, 1, 2, KT_DTYPE_F32, c1, 1, "full", -1);
+    write_seed(dir, "gqa-2x2-f32", 2, 2, 4, KT_DTYPE_F32, c4, 12, "streaming:sink=4,window=16", -1);
+    write_seed(dir, "mha-3x2-bf16", 3, 2, 8, KT_DTYPE_BF16, c6, 9, "snapkv:budget=8,window=4", -1);
+    write_seed(dir, "gqa-2x4-f16", 2, 4, 6, KT_DTYPE_F16, c8, 5, "sage:budget=6,pos=rel", -1);
+    write_seed(dir, "gqa-2x2-int8", 2, 2, 4, KT_DTYPE_INT8_TOKEN, c4, 12, "snapkv:budget=8,window=4", -1);
+    write_seed(dir, "segment-2x2-f32", 2, 2, 4, KT_DTYPE_F32, c4, 12, "full", 3);
+    write_seed(dir, "segment-3x2-int8", 3, 2, 8, KT_DTYPE_INT8_TOKEN, c6, 9, "full", 0);
+    write_seed(dir, "mha-3x2-fp8", 3, 2, 8, KT_DTYPE_FP8_E4M3_TOKEN, c6, 9, "streaming:sink=4,window=16", -1);
 }
 
 int main(void)
