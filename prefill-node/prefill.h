@@ -109,6 +109,8 @@ typedef struct pf_metrics {
     kc_counter *prompt_tokens, *kv_entries;
     kc_counter *kv_bytes[PF_N_WIRE]; /* by the bundle's payload dtype (pf_wire_dtypes) */
     kc_histogram *prefill_s, *transfer_s;
+    kc_counter *parts[2]; /* bundle parts acknowledged [0] before and [1] after the prefill ended
+                             (layer-wise pipelining) */
     kc_gauge *queue_depth, *running, *blocks_used, *blocks_free;
 } pf_metrics;
 

@@ -81,6 +81,15 @@ int pf_metrics_register(pf_node *n)
                                      "of the last part (parts sent while later layers computed "
                                      "are hidden behind them).",
                                      NULL, kc_latency_buckets, kc_n_latency_buckets);
+    static const char *const phases[2] = {"phase=\"during_prefill\"", "phase=\"after_prefill\""};
+    for (int i = 0; i < 2; i++) {
+        m->parts[i] = kc_counter_add(r, "kvrelay_kv_parts_sent_total",
+                                     "Parts of the KV bundles of calls answered OK (layer segments "
+                                     "of a pipelined transfer, or whole bundles), by whether the "
+                                     "decode node acknowledged them before the prefill ended.",
+                                     phases[i]);
+        if (!m->parts[i]) return -1;
+    }
     m->queue_depth =
         kc_gauge_add(r, "kvrelay_queue_depth",
                      "Prefill requests waiting in the FIFO behind the running one.", NULL);
@@ -318,6 +327,8 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
         if (pf_wire_dtypes[w] == j.wire) kc_counter_inc(n->metrics.kv_bytes[w], (double)j.usage.kv_bytes);
     kc_histogram_observe(n->metrics.prefill_s, j.usage.prefill_s);
     kc_histogram_observe(n->metrics.transfer_s, j.usage.transfer_s);
+    kc_counter_inc(n->metrics.parts[0], j.usage.parts_early);
+    kc_counter_inc(n->metrics.parts[1], j.usage.parts - j.usage.parts_early);
     code = GRPC_STATUS_OK;
 out:
     kr_policy_free(owned);

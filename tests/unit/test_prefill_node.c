@@ -1239,6 +1239,11 @@ int main(void)
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
           "/metrics OK requests %g, want %d",
           metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
+    double early = metric(na.p.http, "kvrelay_kv_parts_sent_total{phase=\"during_prefill\"}"),
+           late = metric(na.p.http, "kvrelay_kv_parts_sent_total{phase=\"after_prefill\"}");
+    CHECK(early + late == (double)na.parts * n_ok && early > 0 && late >= n_ok,
+          "/metrics: %g parts acknowledged during the prefill and %g after, for %d bundles of %d "
+          "parts (the last one of each after)", early, late, n_ok, na.parts);
     CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") ==
                   n_queue_full &&
               metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
