@@ -53,12 +53,10 @@ netns_up() { # netns_up RATE: a namespace whose loopback sends at RATE
   ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$1" burst 4mb latency 200ms
 }
 netns_down() { ip netns del "$ns" 2>/dev/null || true; }
-trap 'exp_cluster_stop; netns_down; rm -rf "$EXP_MODEL"' EXIT
-
 # wrappers that start each program in the namespace with UCX on TCP (exec keeps the pid, so
 # local-cluster.sh stops them as usual)
-wrap=$EXP_OUT/logs/netns-bin
-mkdir -p "$wrap"
+wrap=$(mktemp -d -t kvrelay-pipeline-bin.XXXXXX)
+trap 'exp_cluster_stop; netns_down; rm -rf "$EXP_MODEL" "$wrap"' EXIT
 for p in kvrelay-router kvrelay-prefill kvrelay-decode; do
   printf '#!/bin/sh\nexec ip netns exec %s env UCX_TLS=tcp "%s/%s" "$@"\n' "$ns" "$EXP_BIN" "$p" >"$wrap/$p"
   chmod +x "$wrap/$p"
@@ -113,7 +111,7 @@ for i in range(0, len(args), 5):
     d = json.load(open(f))
     s = d["runs"][0]["summary"]
     # one client, one request at a time: the measured rows and the node's lines are in order
-    ttft = [r["ttft_ms"] for r in map(json.loads, open(rows)) if not r["warmup"] and r.get("ttft_ms") is not None]
+    ttft = [1e3 * r["ttft_s"] for r in map(json.loads, open(rows)) if not r["warmup"] and r.get("ttft_s") is not None]
     pre, xfer, early, parts = [], [], [], []
     for line in open(lines):
         m = re.search(r"in (\d+) part\(s\), (\d+) sent during prefill.*prefill ([0-9.]+) s, transfer ([0-9.]+) s", line)

@@ -7,7 +7,8 @@
 # Per point: KV bytes shipped per request (Usage), TTFT
 # p50 / p99 (the client's), and the bundle's transfer time, which no per-request usage carries:
 # the prefill node's `kvrelay_kv_transfer_seconds` histogram (send start to the decode node's
-# acknowledgement), read from its /metrics before and after each point, sum / count of the
+# acknowledgement; the prefill node runs --pipeline off, so that is the whole bundle's transfer),
+# read from its /metrics before and after each point, sum / count of the
 # difference. Writes a table, the bytes compression ratio per length, and one plot.
 # Not a test: figures depend on the machine.
 #
@@ -32,6 +33,9 @@ WIRES=(f32 int8)
 OUTPUT=16
 if [ "$EXP_QUICK" = 1 ]; then N=4; else N=20; fi
 machine=$(exp_machine)
+# whole bundles: with layer-wise pipelining the histogram would hold only what is left after the
+# prefill (bench/experiments/pipeline.sh measures that)
+KRC_PREFILL_ARGS=(--pipeline off)
 exp_cluster_start prompt-length 1 1 --threads 1
 metrics=http://$(krc_http prefill-0)/metrics
 
