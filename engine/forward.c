@@ -293,20 +293,28 @@ static int run_policy(kr_ctx *c, kr_seq *s, int layer, int n_real, int n_app, co
  * final_layers op knows (TAKE prunes its warm-up layers late); otherwise each layer is final
  * once its own hook ran. The last layer makes every layer final whatever the op says, so the
  * n_layers call always comes, before any logits. */
+/* Calls the caller's layers-final callback with the cache readable on the host. */
+static int tell_final(kr_ctx *c, kr_seq *s, int n_final, const chunk_info *ci, char *err)
+{
+    if (c->ops->sync) c->ops->sync(c->be); /* the caller reads the final lists on the host */
+    char why[KR_ERR_MAX] = "";
+    if (ci->final_fn(ci->final_arg, s, n_final, why) != KR_OK)
+        return kr_errf(err, "%s",
+                       why[0] ? why : "prefill: the layers-final callback failed without a message");
+    return KR_OK;
+}
+
 static int announce_final(kr_ctx *c, kr_seq *s, int layer, const chunk_info *ci, int *told, char *err)
 {
     const kr_policy *p = s->policy;
     int n_final = p && p->ops->final_layers ? p->ops->final_layers(p, s, layer) : layer + 1;
     if (layer == s->n_layers - 1) n_final = s->n_layers;
     if (n_final <= *told) return KR_OK;
-    if (c->ops->sync) c->ops->sync(c->be); /* the caller reads the final lists on the host */
-    char why[KR_ERR_MAX] = "";
-    if (ci->final_fn(ci->final_arg, s, n_final, why) != KR_OK)
-        return kr_errf(err, "%s",
-                       why[0] ? why : "prefill: the layers-final callback failed without a message");
+    if (tell_final(c, s, n_final, ci, err) != KR_OK) return -1;
     *told = n_final;
     return KR_OK;
 }
+
 
 /* The decode rule (kr_list_rule in kr.h) on every list of one layer after a decode step: the
  * pinned set grows to the first `sink` entries, the rest is pruned by Algorithm 1 with S = the
@@ -546,6 +554,10 @@ int kr_prefill_layers(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int ch
         int app = last ? 0 : n_app;
         if (forward_rows(c, s, tokens + at, len, tokens + n - app, app, pos0 + n - app,
                          &ci, m, dst, err) != KR_OK)
+            return -1;
+        /* a chunk before the last, for a sequence whose entries are final once computed: n_final
+         * 0 (kr.h) */
+        if (!last && fn && (!p || p->ops->keeps_prompt) && tell_final(c, s, 0, &ci, err) != KR_OK)
             return -1;
     }
     return KR_OK;

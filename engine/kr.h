@@ -253,7 +253,10 @@ int kr_forward(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, kr_logits_mod
 int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,
                float *logits, char *err);
 /* What kr_prefill_layers tells its caller during the prompt's last chunk: layers [0, n_final)
- * are final. From this call until kr_prefill_layers returns, no entry, position, pinned count
+ * are final. n_final = 0 comes only for a sequence without a policy or with one that keeps
+ * every entry of the prompt (full), after each chunk before the last: every entry every list
+ * holds then is final (positions, K and V rows; later chunks only append, and the decode rule
+ * is final with the layer). From this call until kr_prefill_layers returns, no entry, position, pinned count
  * or decode rule of their lists changes: kr_seq_list_shape, kr_seq_list_rule,
  * kr_seq_list_read and kr_seq_list_visit read them as they will be after the prefill, and the
  * cache is readable on the host (a layer-wise pipeline ships them while the later layers
@@ -262,7 +265,7 @@ int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr
  * go on, or -1 with a message in err to stop the prefill. */
 typedef int (*kr_layers_final_fn)(void *arg, const kr_seq *s, int n_final, char *err);
 /* kr_prefill that calls fn (when not NULL) with strictly increasing n_final as leading layers
- * become final in the last chunk, the last call with n_final = the model's n_layers and before
+ * become final in the last chunk (after 0 at each earlier chunk's end for full or no policy), the last call with n_final = the model's n_layers and before
  * the last chunk's logits are computed. A layer is final once its own policy hook ran, except
  * under TAKE's delayed eviction: layers below max(warmup_layers - 1, 0) are pruned by that
  * layer's hook, so the first call comes only after it. When fn fails, kr_prefill_layers

@@ -31,4 +31,5 @@ const kr_policy_ops kr_policy_full = {
     .set = full_set,
     .finish = full_finish,
     .after_chunk = full_after_chunk,
+    .keeps_prompt = 1,
 };

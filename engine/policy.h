@@ -80,6 +80,9 @@ struct kr_policy_ops {
      * families whose hook changes lists of layers below its own need it (TAKE's delayed
      * eviction); it backs kr_prefill_layers' promise (kr.h). NULL: layer + 1. */
     int (*final_layers)(const kr_policy *p, const kr_seq *s, int layer);
+    /* 1: after_chunk never removes or reorders an entry, so every entry is final once its chunk
+     * is computed (full); kr_prefill_layers then also reports each chunk's end. */
+    int keeps_prompt;
     /* Most entries one (layer, KV head) holds at any moment after prefilling n_prompt tokens,
      * while generating n_generate (for reservations): inside a decode step the new token's entry
      * is there before the step's trim, and counts. NULL: the pinned set of a full prompt plus

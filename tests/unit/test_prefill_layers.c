@@ -137,6 +137,21 @@ static int blob_same(const blob *a, const blob *b)
     return a->bytes == b->bytes && !memcmp(a->data, b->data, a->bytes);
 }
 
+/* `early`'s entries are the first entries of `now` (positions, K and V rows, bit for bit). */
+static int blob_prefix(const blob *early, const blob *now, int head_dim)
+{
+    int a, b;
+    memcpy(&a, early->data, sizeof a);
+    memcpy(&b, now->data, sizeof b);
+    if (a > b) return 0;
+    const size_t hd = (size_t)head_dim, head = 2 * sizeof(int) + sizeof(kr_list_rule);
+    const int32_t *pa = (const int32_t *)(early->data + head), *pb = (const int32_t *)(now->data + head);
+    const float *ka = (const float *)(pa + a), *kb = (const float *)(pb + b);
+    const float *va = ka + (size_t)a * hd, *vb = kb + (size_t)b * hd;
+    return !memcmp(pa, pb, sizeof(int32_t) * (size_t)a) && !memcmp(ka, kb, sizeof(float) * (size_t)a * hd) &&
+           !memcmp(va, vb, sizeof(float) * (size_t)a * hd);
+}
+
 /* ------------------------------------------------------------------ the callback */
 
 typedef struct spy {
@@ -150,12 +165,23 @@ typedef struct spy {
     int fail_at; /* return -1 at this n_final (0: never) */
     const char *fail_msg; /* written into err when failing (NULL: nothing) */
     blob *snap; /* [n_layers * n_kv_heads], filled as layers become final */
+    int chunk_calls; /* n_final = 0: a chunk before the last ended (full, or no policy) */
+    blob *early; /* [n_layers * n_kv_heads]: every list at the latest such call */
 } spy;
 
 static int on_final(void *arg, const kr_seq *s, int n_final, char *err)
 {
     spy *sp = arg;
     const kr_config *cfg = sp->cfg;
+    if (n_final == 0) { /* a chunk's end: its entries are final, later chunks only append */
+        if (sp->told) sp->ordered = 0; /* never inside the last chunk */
+        sp->chunk_calls++;
+        for (int i = 0; i < cfg->n_layers * cfg->n_kv_heads; i++) {
+            free(sp->early[i].data);
+            sp->early[i] = list_blob(s, i / cfg->n_kv_heads, i % cfg->n_kv_heads, cfg->head_dim);
+        }
+        return KR_OK;
+    }
     if (!(n_final > sp->told && n_final <= cfg->n_layers)) sp->ordered = 0;
     if (sp->calls++ == 0) sp->first = n_final;
     if (n_final == cfg->n_layers)
@@ -201,14 +227,20 @@ static void check_case(kr_ctx *c, kr_kv_pool *pool, const kr_config *cfg, const 
 
     for (int i = 0; i < V; i++) sentinel[i] = (float)(i % 7) - 1234.5f; /* never a logit of this model */
     memcpy(got, sentinel, sizeof(float) * (size_t)V);
-    blob *snap = calloc((size_t)L * H, sizeof(blob));
-    REQUIRE(snap, "out of memory");
+    blob *snap = calloc((size_t)L * H, sizeof(blob)), *early = calloc((size_t)L * H, sizeof(blob));
+    REQUIRE(snap && early, "out of memory");
     spy sp = {.cfg = cfg, .logits = got, .sentinel = sentinel, .logit_floats = (size_t)V, .ordered = 1,
-              .snap = snap};
+              .snap = snap, .early = early};
     REQUIRE(kr_prefill_layers(c, s, ids, N_PROMPT, chunk, KR_LOGITS_LAST, got, on_final, &sp, err) == KR_OK,
             "%s: %s", label, err);
 
     CHECK(sp.ordered, "%s chunk %d: n_final not strictly increasing within 1..%d", label, chunk, L);
+    /* full and no policy: one chunk-end call per chunk before the last, every other policy none */
+    const int keeps = !pol || !strcmp(sc->spec, "full");
+    const int eff = chunk > 0 && chunk < MAX_CHUNK ? chunk : MAX_CHUNK; /* kr_prefill's rule */
+    const int want_chunk_calls = keeps ? (N_PROMPT - 1) / eff : 0;
+    CHECK(sp.chunk_calls == want_chunk_calls, "%s chunk %d: %d chunk-end calls, expected %d", label, chunk,
+          sp.chunk_calls, want_chunk_calls);
     CHECK(sp.told == L, "%s chunk %d: the last n_final was %d, not n_layers %d", label, chunk, sp.told, L);
     CHECK(sp.first == sc->first_final, "%s chunk %d: the first n_final was %d, expected %d", label, chunk, sp.first,
           sc->first_final);
@@ -230,6 +262,10 @@ static void check_case(kr_ctx *c, kr_kv_pool *pool, const kr_config *cfg, const 
         for (int g = 0; g < H; g++) {
             blob now = list_blob(s, l, g, cfg->head_dim), r = list_blob(ref, l, g, cfg->head_dim);
             blob *then = &snap[l * H + g];
+            if (early[l * H + g].data && !blob_prefix(&early[l * H + g], &now, cfg->head_dim))
+                CHECK(0, "%s chunk %d: list (%d, %d)'s entries at the last chunk-end call are not the "
+                      "first entries of the final list", label, chunk, l, g);
+            free(early[l * H + g].data);
             if (!then->data || !blob_same(then, &now)) {
                 changed++;
                 CHECK(0, "%s chunk %d: list (%d, %d) changed after it was announced final", label, chunk, l, g);
@@ -246,6 +282,7 @@ static void check_case(kr_ctx *c, kr_kv_pool *pool, const kr_config *cfg, const 
         CHECK(kr_seq_entries(s) < (int64_t)L * H * N_PROMPT, "%s chunk %d: nothing was evicted (%lld entries)", label,
               chunk, (long long)kr_seq_entries(s));
     free(snap);
+    free(early);
     free(want);
     free(got);
     free(sentinel);
@@ -273,9 +310,10 @@ static void check_failure(kr_ctx *c, kr_kv_pool *pool, const kr_config *cfg)
             if (pol) REQUIRE(kr_seq_set_policy(s, pol, err) == KR_OK, "%s", err);
             for (int i = 0; i < V; i++) sentinel[i] = logits[i] = -4321.0f;
             blob *snap = calloc((size_t)cfg->n_layers * cfg->n_kv_heads, sizeof(blob));
-            REQUIRE(snap, "out of memory");
+            blob *early = calloc((size_t)cfg->n_layers * cfg->n_kv_heads, sizeof(blob));
+            REQUIRE(snap && early, "out of memory");
             spy sp = {.cfg = cfg, .logits = logits, .sentinel = sentinel, .logit_floats = (size_t)V, .ordered = 1,
-                      .snap = snap, .fail_at = cfg->n_layers - 1,
+                      .snap = snap, .early = early, .fail_at = cfg->n_layers - 1,
                       .fail_msg = mode == 0 ? "link to decode node lost" : NULL};
             snprintf(err, sizeof err, "untouched");
             int rc = kr_prefill_layers(c, s, ids, N_PROMPT, CHUNK, KR_LOGITS_LAST, logits, on_final, &sp,
@@ -294,8 +332,12 @@ static void check_failure(kr_ctx *c, kr_kv_pool *pool, const kr_config *cfg)
             } else {
                 CHECK(!strcmp(err, "untouched"), "%s: err written though NULL was passed", label);
             }
-            for (int i = 0; i < cfg->n_layers * cfg->n_kv_heads; i++) free(snap[i].data);
+            for (int i = 0; i < cfg->n_layers * cfg->n_kv_heads; i++) {
+                free(snap[i].data);
+                free(early[i].data);
+            }
             free(snap);
+            free(early);
             kr_seq_free(s);
             kr_policy_free(pol);
         }
