@@ -198,14 +198,15 @@ static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_
 /* One run of a list's slots in the pool's blocks, filled straight from the received bundle
  * (kr_list_fill_fn): the only copy of the rows on this node, converting to float32. */
 typedef struct fill_arg {
-    const kt_bundle_view *view;
-    const kt_bundle_list_view *list;
+    const kt_bundle_set *set;
+    uint32_t layer, head;
 } fill_arg;
 
 static int fill_rows(void *arg, int first, int n, int32_t *pos, float *k, float *v, char *err)
 {
     const fill_arg *a = arg;
-    return kt_bundle_list_read(a->view, a->list, (uint32_t)first, (uint32_t)n, pos, k, v, err);
+    return kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos, k, v,
+                              err);
 }
 
 /* The bundle -> a sequence of this node's pool, exactly as the prefill node held it, each list
@@ -221,16 +222,15 @@ static int import(dn_loop *L, dn_job *j, char *err)
         return -1;
     for (int l = 0; l < c->n_layers; l++) {
         for (int h = 0; h < c->n_kv_heads; h++) {
-            kt_bundle_list_view lv;
-            const kt_bundle_view *part;
-            if (kt_bundle_set_list(v, (uint32_t)l, (uint32_t)h, &part, &lv, err) != 0)
+            kt_bundle_list lv;
+            if (kt_bundle_set_list(v, (uint32_t)l, (uint32_t)h, &lv, err) != 0)
                 goto err_seq;
             const kr_list_rule rule = kt_bundle_list_rule(&lv);
             if (kr_seq_list_set_rule(s, l, h, &rule, err) != KR_OK)
                 goto err_seq;
             if (lv.count == 0)
                 continue;
-            fill_arg a = {.view = part, .list = &lv};
+            fill_arg a = {.set = v, .layer = (uint32_t)l, .head = (uint32_t)h};
             if (kr_seq_list_fill(s, l, h, (int)lv.count, (int)lv.pinned, fill_rows, &a, err) !=
                 KR_OK)
                 goto err_seq;

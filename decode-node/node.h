@@ -82,7 +82,8 @@ typedef struct dn_resv {
     uint8_t *buf; /* receive buffer the bundle lands in (owned), `cap` bytes; freed once the
                      loop copied the rows into the sequence's blocks */
     uint64_t cap, len; /* len: bytes that arrived (READY) */
-    kt_bundle_view *parts; /* [the model's n_layers]: room for one part per layer (owned) */
+    kt_bundle_view *parts; /* [n_layers + KT_BUNDLE_MAX_EARLY_PARTS]: room for every part of a
+                              pipelined transfer (owned) */
     kt_bundle_set set; /* READY: the transport's validated parts of buf[0, len) (a whole bundle,
                           or the layer segments of a pipelined transfer) */
     int xfer_open; /* the transport still holds buf (its callback has not run) */

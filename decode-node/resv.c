@@ -195,12 +195,13 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
         return GRPC_STATUS_INVALID_ARGUMENT;
     }
     /* room for the policy spec's longest spelling, and for the headers and padding of a
-     * transfer pipelined in up to one segment per layer */
-    size += KT_BUNDLE_MAX_POLICY + 64 + (uint64_t)c->n_layers * KT_BUNDLE_SEGMENT_SLACK;
+     * transfer pipelined in up to one segment per layer plus the early parts */
+    const uint32_t max_parts = (uint32_t)c->n_layers + KT_BUNDLE_MAX_EARLY_PARTS;
+    size += KT_BUNDLE_MAX_POLICY + 64 + (uint64_t)max_parts * KT_BUNDLE_SEGMENT_SLACK;
 
     dn_resv *r = calloc(1, sizeof *r);
     if (!r || !(r->buf = malloc(size)) ||
-        !(r->parts = calloc((size_t)c->n_layers, sizeof *r->parts))) {
+        !(r->parts = calloc(max_parts, sizeof *r->parts))) {
         if (r) free(r->buf);
         free(r);
         kr_policy_free(policy);
@@ -208,7 +209,7 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
         return GRPC_STATUS_RESOURCE_EXHAUSTED;
     }
     r->policy = policy;
-    kt_bundle_set_init(&r->set, r->parts, (uint32_t)c->n_layers);
+    kt_bundle_set_init(&r->set, r->parts, max_parts);
     snprintf(r->request_id, sizeof r->request_id, "%s", request_id);
     r->state = DN_RESV_WAITING;
     r->prompt_tokens = prompt_tokens;

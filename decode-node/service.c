@@ -266,13 +266,12 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
     const int n_generate = r->max_tokens - 1; /* tokens fed after the bundle, as reserved */
     int64_t need = 0, worst = -1;
     int worst_l = 0, worst_h = 0;
-    kt_bundle_list_view worst_lv;
+    kt_bundle_list worst_lv;
     memset(&worst_lv, 0, sizeof worst_lv);
     for (int l = 0; l < c->n_layers; l++) {
         for (int hd = 0; hd < c->n_kv_heads; hd++) {
-            kt_bundle_list_view lv;
-            const kt_bundle_view *part;
-            if (kt_bundle_set_list(v, (uint32_t)l, (uint32_t)hd, &part, &lv, err) != 0)
+            kt_bundle_list lv;
+            if (kt_bundle_set_list(v, (uint32_t)l, (uint32_t)hd, &lv, err) != 0)
                 return refuse(call, rid, GRPC_STATUS_INTERNAL, "%s", err);
             if (lv.count > (uint32_t)r->max_list_entries)
                 return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,

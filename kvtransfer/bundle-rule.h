@@ -27,7 +27,7 @@ static inline kt_bundle_list kt_bundle_list_of(int count, int pinned, const kr_l
 
 /* The decode rule a list of a parsed bundle carries (kt_bundle_parse bounds every field by
  * 2^31-1, so each fits an int). */
-static inline kr_list_rule kt_bundle_list_rule(const kt_bundle_list_view *l)
+static inline kr_list_rule kt_bundle_list_rule(const kt_bundle_list *l)
 {
     return (kr_list_rule){
         .sink = (int)l->sink,

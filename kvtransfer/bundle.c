@@ -1192,6 +1192,57 @@ static int32_t view_max_position(const kt_bundle_view *v)
     return most;
 }
 
+/* The record of list i of a validated view. */
+static kt_bundle_list view_record(const kt_bundle_view *v, uint32_t i)
+{
+    kt_bundle_list l;
+    list_rd(v->lists + (size_t)i * BL_LIST_ENTRY, &l);
+    return l;
+}
+
+/* Where list (layer, head) of a view starts among the view's entries; the view must hold the
+ * layer. */
+static uint64_t view_list_first(const kt_bundle_view *v, uint32_t layer, uint32_t head)
+{
+    const uint32_t i = (layer - v->hdr.first_layer) * v->hdr.n_kv_heads + head;
+    return kt_rd64(v->lists + (size_t)i * BL_LIST_ENTRY);
+}
+
+static int view_has_layer(const kt_bundle_view *v, uint32_t layer)
+{
+    return layer >= v->hdr.first_layer && layer - v->hdr.first_layer < v->hdr.n_layers;
+}
+
+/* A part continuing list (layer, head) of the set: its entries must come after the list's
+ * last one so far, and it may pin entries only when every earlier entry is pinned. */
+static int check_piece(const kt_bundle_set *s, const kt_bundle_view *part, uint32_t layer,
+                       uint32_t head, char *err)
+{
+    const kt_bundle_list m = view_record(part, (layer - part->hdr.first_layer) * part->hdr.n_kv_heads + head);
+    int32_t last = -1;
+    int all_pinned = 1;
+    for (uint32_t i = 0; i < s->n_parts; i++) {
+        const kt_bundle_view *v = &s->parts[i];
+        if (!view_has_layer(v, layer)) continue;
+        const kt_bundle_list e = view_record(v, (layer - v->hdr.first_layer) * v->hdr.n_kv_heads + head);
+        if (e.count)
+            last = (int32_t)kt_rd32(v->positions + (view_list_first(v, layer, head) + e.count - 1) * 4);
+        all_pinned &= e.pinned == e.count;
+    }
+    if (m.count && last >= 0) {
+        const int32_t first = (int32_t)kt_rd32(part->positions + view_list_first(part, layer, head) * 4);
+        if (first <= last)
+            return fail(err, "part %" PRIu32 " continues list (layer %" PRIu32 ", head %" PRIu32
+                        ") at position %" PRId32 ", not after its position %" PRId32 " so far",
+                        s->n_parts, layer, head, first, last);
+    }
+    if (m.pinned && !all_pinned)
+        return fail(err, "part %" PRIu32 " pins entries of list (layer %" PRIu32 ", head %" PRIu32
+                    ") after unpinned ones (the pinned set is the list's first entries)",
+                    s->n_parts, layer, head);
+    return 0;
+}
+
 int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, char *err)
 {
     const kt_bundle_header *h = &part->hdr;
@@ -1199,6 +1250,7 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
         return fail(err, "a part after the last one (the set is complete)");
     if (s->n_parts == s->cap)
         return fail(err, "more than %" PRIu32 " parts", s->cap);
+    const uint32_t covered = s->n_parts ? s->hdr.n_layers : 0;
     if (s->n_parts == 0) {
         if (!h->segment && !last)
             return fail(err, "a whole bundle (not a layer segment) with more parts announced after it");
@@ -1208,14 +1260,17 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
         const kt_bundle_header *f = &s->hdr;
         if (!h->segment)
             return fail(err, "part %" PRIu32 " is a whole bundle, not a layer segment", s->n_parts);
-        if (h->first_layer != f->n_layers)
-            return fail(err, "segment %" PRIu32 " starts at layer %" PRIu32 ", expected %" PRIu32
-                        " (where the previous one ended)", s->n_parts, h->first_layer, f->n_layers);
+        if (h->first_layer > covered)
+            return fail(err, "segment %" PRIu32 " starts at layer %" PRIu32 ", past layer %" PRIu32
+                        " (where the layers so far end)", s->n_parts, h->first_layer, covered);
         if (strcmp(h->fingerprint, f->fingerprint) != 0 || h->n_kv_heads != f->n_kv_heads ||
             h->head_dim != f->head_dim || h->dtype != f->dtype || h->prompt_len != f->prompt_len ||
             strcmp(h->policy, f->policy) != 0)
             return fail(err, "segment %" PRIu32 " disagrees with the first on the model, dtype, "
                         "prompt length or policy", s->n_parts);
+        for (uint32_t l = h->first_layer; l < covered && l - h->first_layer < h->n_layers; l++)
+            for (uint32_t g = 0; g < h->n_kv_heads; g++)
+                if (check_piece(s, part, l, g, err)) return -1;
     }
     if (last) {
         for (uint32_t i = 0; i < s->n_parts; i++) {
@@ -1225,12 +1280,12 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
                             "last segment's next_pos %" PRId32, i, most, h->next_pos);
         }
     }
+    const uint32_t end = h->first_layer + h->n_layers;
     if (s->n_parts == 0) {
         s->hdr = *h;
         s->hdr.segment = 0;
-    } else {
-        s->hdr.n_layers += h->n_layers;
     }
+    s->hdr.n_layers = end > covered ? end : covered;
     if (last) {
         s->hdr.first_token = h->first_token;
         s->hdr.next_pos = h->next_pos;
@@ -1243,17 +1298,52 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
     return 0;
 }
 
-int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head,
-                       const kt_bundle_view **part, kt_bundle_list_view *out, char *err)
+int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head, kt_bundle_list *out,
+                       char *err)
 {
     if (!s->complete) return fail(err, "the set is not complete (its last part has not arrived)");
+    if (layer >= s->hdr.n_layers || head >= s->hdr.n_kv_heads)
+        return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") outside the set's %" PRIu32
+                    " layers x %" PRIu32 " heads", layer, head, s->hdr.n_layers, s->hdr.n_kv_heads);
+    kt_bundle_list l = {0};
     for (uint32_t i = 0; i < s->n_parts; i++) {
         const kt_bundle_view *v = &s->parts[i];
-        if (layer >= v->hdr.first_layer && layer - v->hdr.first_layer < v->hdr.n_layers) {
-            *part = v;
-            return kt_bundle_view_list(v, layer - v->hdr.first_layer, head, out, err);
-        }
+        if (!view_has_layer(v, layer)) continue;
+        const kt_bundle_list e = view_record(v, (layer - v->hdr.first_layer) * v->hdr.n_kv_heads + head);
+        const uint32_t count = l.count + e.count, pinned = l.pinned + e.pinned;
+        l = e; /* the decode rule is the last piece's */
+        l.count = count;
+        l.pinned = pinned;
     }
-    return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") outside the set's %" PRIu32
-                " layers", layer, head, s->hdr.n_layers);
+    *out = l;
+    return 0;
+}
+
+int kt_bundle_set_read(const kt_bundle_set *s, uint32_t layer, uint32_t head, uint32_t first,
+                       uint32_t n, int32_t *positions, float *k, float *v_out, char *err)
+{
+    kt_bundle_list whole;
+    if (kt_bundle_set_list(s, layer, head, &whole, err)) return -1;
+    if ((uint64_t)first + n > whole.count)
+        return fail(err, "read of entries [%" PRIu32 ", %" PRIu64 ") past the list's %" PRIu32,
+                    first, (uint64_t)first + n, whole.count);
+    const size_t dim = s->hdr.head_dim;
+    uint32_t base = 0; /* the list's entries in the parts before this one */
+    for (uint32_t i = 0; i < s->n_parts && n; i++) {
+        const kt_bundle_view *v = &s->parts[i];
+        if (!view_has_layer(v, layer)) continue;
+        kt_bundle_list_view lv;
+        if (kt_bundle_view_list(v, layer - v->hdr.first_layer, head, &lv, err)) return -1;
+        if (first < base + lv.count) {
+            const uint32_t at = first - base, m = lv.count - at < n ? lv.count - at : n;
+            if (kt_bundle_list_read(v, &lv, at, m, positions, k, v_out, err)) return -1;
+            if (positions) positions += m;
+            if (k) k += (size_t)m * dim;
+            if (v_out) v_out += (size_t)m * dim;
+            first += m;
+            n -= m;
+        }
+        base += lv.count;
+    }
+    return 0;
 }

@@ -45,6 +45,9 @@ extern "C" {
 /* Bytes a layer segment can take beyond its layers' share of the whole bundle (its own header,
  * policy spec and section padding): a receiver of up to S segments reserves S times this more. */
 #define KT_BUNDLE_SEGMENT_SLACK 2560
+/* Parts a sender may send before the layer segments of the last chunk (the entries of earlier
+ * chunks that are final already): a receiver makes room for n_layers plus this many parts. */
+#define KT_BUNDLE_MAX_EARLY_PARTS 32
 /* kt_bundle_list.window for a list the decode node never trims (a dense head). */
 #define KT_BUNDLE_WINDOW_DENSE 0xffffffffu
 /* kt_bundle_list.flags: after each decode step the list's positions become 0..count-1 (pos=rel).
@@ -222,7 +225,10 @@ int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, u
 
 /* One request's KV as a receiver holds it: a whole bundle, or the layer segments of a
  * pipelined transfer, in the order sent. Each part is a validated view into the receive
- * buffer; kt_bundle_set_add checks that the parts fit together. */
+ * buffer; kt_bundle_set_add checks that the parts fit together. A segment may hold layers an
+ * earlier part already held: its lists then continue theirs (the entries of a chunk that was
+ * final before the last one, sent early), and the last piece of a list carries its decode
+ * rule. */
 typedef struct kt_bundle_set {
     /* The request's header once complete: n_layers summed over the parts, first_token and
      * next_pos from the last part, segment and first_layer 0. */
@@ -237,16 +243,23 @@ typedef struct kt_bundle_set {
 /* An empty set over the caller's `parts` (cap views, at least 1). */
 void kt_bundle_set_init(kt_bundle_set *s, kt_bundle_view *parts, uint32_t cap);
 /* Adds the next part (`part` may be &s->parts[s->n_parts]; it is copied there). A whole bundle
- * must come alone and last; segments must start at layer 0, each where the previous ended, and
- * agree on the model, dtype, prompt length and policy; `last` (the sender said no part
- * follows) completes the set, and then every position of every part must lie below the last
- * part's next_pos. Fails, leaving the set as it was, when the part does not fit, the set is
- * full or already complete. */
+ * must come alone and last; the first segment starts at layer 0 and each later one at or
+ * before the end of the layers so far, agreeing with the first on the model, dtype, prompt
+ * length and policy; where it holds a layer already held, each of its lists must continue the
+ * list (positions after its last one; pinned entries only after pinned ones). `last` (the
+ * sender said no part follows) completes the set, and then every position of every part must
+ * lie below the last part's next_pos. Fails, leaving the set as it was, when the part does not
+ * fit, the set is full or already complete. */
 int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, char *err);
-/* List (layer, head) of a complete set: *part is the view holding it, *out the list in that
- * view (read its rows with kt_bundle_list_read(*part, out, ...)). */
-int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head,
-                       const kt_bundle_view **part, kt_bundle_list_view *out, char *err);
+/* List (layer, head) of a complete set, over every part holding a piece of it: count and
+ * pinned summed, the decode rule of the last piece. */
+int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head, kt_bundle_list *out,
+                       char *err);
+/* Entries [first, first + n) of list (layer, head) of a complete set, as kt_bundle_list_read
+ * gives them (rows converted to float32), across the parts that hold them; any of positions,
+ * k, v may be NULL. Fails when the range is outside the list. */
+int kt_bundle_set_read(const kt_bundle_set *s, uint32_t layer, uint32_t head, uint32_t first,
+                       uint32_t n, int32_t *positions, float *k, float *v, char *err);
 
 /* ------------------------------------------------------------------ helpers */
 

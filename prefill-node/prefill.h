@@ -141,8 +141,10 @@ typedef struct pf_node {
     kr_kv_pool *pool;
     float *logits;          /* [vocab_size] */
     kt_bundle_list *lists;  /* [n_layers * n_kv_heads] */
-    pf_buf *bufs;           /* [n_layers]: a send buffer per part in flight (a whole bundle, or a
-                               pipelined transfer's layer segments); bufs[0] for a whole one */
+    pf_buf *bufs;           /* [n_layers + KT_BUNDLE_MAX_EARLY_PARTS]: a send buffer per part
+                               (a whole bundle, or a pipelined transfer's parts); bufs[0] for a
+                               whole one */
+    int *sent;              /* [n_layers * n_kv_heads]: each list's entries already in a part */
     pthread_t worker;
 
     /* the queue, under mu */

@@ -56,8 +56,9 @@ int pf_run_init(pf_node *n, char *err)
         return -1;
     n->logits = malloc(sizeof(float) * (size_t)c->vocab_size);
     n->lists = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->lists);
-    n->bufs = calloc((size_t)c->n_layers, sizeof *n->bufs);
-    if (!n->logits || !n->lists || !n->bufs) {
+    n->bufs = calloc((size_t)c->n_layers + KT_BUNDLE_MAX_EARLY_PARTS, sizeof *n->bufs);
+    n->sent = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->sent);
+    if (!n->logits || !n->lists || !n->bufs || !n->sent) {
         snprintf(err, KR_ERR_MAX, "out of memory for the worker's scratch buffers");
         return -1;
     }
@@ -66,9 +67,10 @@ int pf_run_init(pf_node *n, char *err)
 
 void pf_run_free(pf_node *n)
 {
-    for (int l = 0; n->bufs && l < n->mcfg->n_layers; l++)
-        free(n->bufs[l].p);
+    for (int i = 0; n->bufs && i < n->mcfg->n_layers + KT_BUNDLE_MAX_EARLY_PARTS; i++)
+        free(n->bufs[i].p);
     free(n->bufs);
+    free(n->sent);
     free(n->lists);
     free(n->logits);
     kr_kv_pool_free(n->pool);
@@ -124,7 +126,9 @@ static int put_rows(void *arg, int first, int n, const int32_t *pos, const float
 
 /* Writes layers [first, first + count) of `seq` into `b`: a whole bundle (segment 0, all the
  * layers) or a layer segment, whose first_token and next_pos the caller passes provisional
- * when a later segment follows. Adds to *size_out and *entries_out. */
+ * when a later segment follows. Each list's entries from n->sent on go in (the ones before are
+ * in an earlier part, which this one continues), and n->sent moves to the list's end. Adds to
+ * *size_out and *entries_out. */
 static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int first, int count,
                         int segment, int32_t first_token, int32_t next_pos, pf_buf *b,
                         uint64_t *size_out, uint64_t *entries_out, char *err)
@@ -144,15 +148,18 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
     h.first_layer = (uint32_t)first;
     snprintf(h.policy, sizeof h.policy, "%s", kr_policy_spec(j->policy));
     kt_bundle_list *lists = n->lists + (size_t)first * (size_t)c->n_kv_heads;
+    int *sent = n->sent + (size_t)first * (size_t)c->n_kv_heads;
     uint64_t entries = 0;
     for (int l = 0; l < count; l++)
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
-            int len, pinned;
+            int len, pinned, from = sent[l * c->n_kv_heads + kv];
             kr_seq_list_shape(seq, first + l, kv, &len, &pinned);
             kr_list_rule rule;
             kr_seq_list_rule(seq, first + l, kv, &rule);
-            lists[l * c->n_kv_heads + kv] = kt_bundle_list_of(len, pinned, &rule);
-            entries += (uint64_t)len;
+            /* this piece's share of the pinned set, which is the list's first entries */
+            int piece_pinned = pinned - from < 0 ? 0 : pinned - from;
+            lists[l * c->n_kv_heads + kv] = kt_bundle_list_of(len - from, piece_pinned, &rule);
+            entries += (uint64_t)(len - from);
         }
     uint64_t size;
     if (kt_bundle_size(&h, lists, &size, err) != 0 || buf_room(b, size, err) != 0) return -1;
@@ -161,10 +168,13 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
     for (int l = 0; l < count; l++)
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
             put_arg a = {.w = &w, .layer = (uint32_t)l, .head = (uint32_t)kv};
-            int len = (int)lists[l * c->n_kv_heads + kv].count;
-            if (kr_seq_list_visit(seq, first + l, kv, 0, len, put_rows, &a, err) != KR_OK) return -1;
+            int from = sent[l * c->n_kv_heads + kv], n_new = (int)lists[l * c->n_kv_heads + kv].count;
+            if (kr_seq_list_visit(seq, first + l, kv, from, n_new, put_rows, &a, err) != KR_OK)
+                return -1;
         }
     if (kt_bundle_writer_finish(&w, &size, err) != 0) return -1;
+    for (int i = 0; i < count * c->n_kv_heads; i++)
+        sent[i] += (int)lists[i].count;
     *size_out += size;
     *entries_out += entries;
     return 0;
@@ -177,9 +187,10 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
 typedef struct pf_pipe {
     pf_node *n;
     pf_job *j;
-    int layers_written; /* layers [0, layers_written) are in parts 0..written-1 */
+    int layers_written; /* layers [0, layers_written) are final and sent up to their end */
     int written, sent; /* parts written, parts handed to the transport */
-    uint64_t size[KT_BUNDLE_MAX_LAYERS]; /* bytes of each part */
+    int chunk_ends, early_every; /* chunk-end calls so far; an early part at every early_every-th */
+    uint64_t size[KT_BUNDLE_MAX_LAYERS + KT_BUNDLE_MAX_EARLY_PARTS]; /* bytes of each part */
     uint64_t bytes, entries;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -239,11 +250,19 @@ static int pipe_pump(pf_pipe *p, int last)
 }
 
 /* kr_layers_final_fn: layers [0, n_final) are final. Every layer but the last goes out now as
- * a segment; the last waits for the first token (the last part carries it). */
+ * a segment; the last waits for the first token (the last part carries it). n_final 0: a chunk
+ * before the last ended and every entry so far is final (full): they go out as one early part
+ * over every layer, at most KT_BUNDLE_MAX_EARLY_PARTS of them (every early_every-th chunk). */
 static int pipe_layers_final(void *arg, const kr_seq *s, int n_final, char *err)
 {
     pf_pipe *p = arg;
-    if (n_final < p->n->mcfg->n_layers && n_final > p->layers_written) {
+    if (n_final == 0 && ++p->chunk_ends % p->early_every == 0) {
+        if (write_bundle(p->n, p->j, s, 0, p->n->mcfg->n_layers, 1, 0, kr_seq_next_pos(s),
+                         &p->n->bufs[p->written], &p->size[p->written], &p->entries, err) != 0)
+            return -1;
+        p->bytes += p->size[p->written];
+        p->written++;
+    } else if (n_final < p->n->mcfg->n_layers && n_final > p->layers_written) {
         int first = p->layers_written;
         /* provisional: the token is not sampled yet; every position is below the prompt's end */
         if (write_bundle(p->n, p->j, s, first, n_final - first, 1, 0, kr_seq_next_pos(s),
@@ -329,6 +348,12 @@ void pf_run(pf_node *n, pf_job *j)
     }
     p->n = n;
     p->j = j;
+    /* the chunk-end calls a prompt gets (kr_prefill_layers: one per chunk before the last),
+     * spread over at most KT_BUNDLE_MAX_EARLY_PARTS early parts */
+    int chunk_ends = (j->n_tokens - 1) / n->cfg->chunk;
+    p->early_every = chunk_ends / KT_BUNDLE_MAX_EARLY_PARTS + (chunk_ends % KT_BUNDLE_MAX_EARLY_PARTS != 0);
+    if (p->early_every < 1) p->early_every = 1;
+    memset(n->sent, 0, sizeof *n->sent * (size_t)c->n_layers * (size_t)c->n_kv_heads);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     if (kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &seq, err) != KR_OK ||

@@ -102,10 +102,16 @@ static void parse_and_walk(const uint8_t *data, size_t size)
         if (v.hdr.first_layer != 0 || set.hdr.n_layers != v.hdr.n_layers || set.size != v.size)
             __builtin_trap();
         for (uint32_t l = 0; l < v.hdr.n_layers; l++) {
-            const kt_bundle_view *pv;
-            kt_bundle_list_view a, b;
-            if (kt_bundle_set_list(&set, l, 0, &pv, &a, err) != 0 || pv != &part ||
-                kt_bundle_view_list(&v, l, 0, &b, err) != 0 || a.first != b.first || a.count != b.count)
+            kt_bundle_list a;
+            kt_bundle_list_view b;
+            int32_t p0 = -1, p1 = -2;
+            if (kt_bundle_set_list(&set, l, 0, &a, err) != 0 ||
+                kt_bundle_view_list(&v, l, 0, &b, err) != 0 || a.count != b.count ||
+                a.pinned != b.pinned || a.window != b.window)
+                __builtin_trap();
+            if (a.count && (kt_bundle_set_read(&set, l, 0, a.count - 1, 1, &p0, NULL, NULL, err) != 0 ||
+                            kt_bundle_list_read(&v, &b, a.count - 1, 1, &p1, NULL, NULL, err) != 0 ||
+                            p0 != p1))
                 __builtin_trap();
         }
     }

@@ -903,6 +903,74 @@ static void test_quantized(void)
     CHECK(kt_dtype_parse("int4", &t) == -1 && kt_dtype_parse(NULL, &t) == -1, "parse junk");
 }
 
+/* Segments that continue lists: an early part with every layer's entries so far (chunks final
+ * before the last), then a last part with the rest and the decode rules. The set reads each
+ * list across both, and refuses a continuation that pins after unpinned entries. */
+static void test_continued_lists(void)
+{
+    enum { LAYERS = 3, HEADS = 2, DIM = 4 };
+    char err[KT_ERR_MAX];
+    const uint32_t ca[LAYERS * HEADS] = {5, 3, 0, 2, 4, 1}, cb[LAYERS * HEADS] = {4, 0, 3, 2, 1, 6};
+    seqkv a, b;
+    seqkv_make(&a, LAYERS, HEADS, DIM, KT_DTYPE_F32, ca, 100, "full");
+    seqkv_make(&b, LAYERS, HEADS, DIM, KT_DTYPE_F32, cb, 100, "full");
+    a.h.segment = b.h.segment = 1;
+    a.h.first_token = 0;
+    a.h.next_pos = 100;
+    b.h.next_pos = 200;
+    for (int i = 0; i < LAYERS * HEADS; i++) {
+        a.lists[i].pinned = b.lists[i].pinned = 0;
+        for (uint32_t j = 0; j < cb[i]; j++) b.pos[i][j] += 100; /* after every entry of a */
+    }
+    uint64_t na, nb;
+    uint8_t *ba = encode(&a, &na), *bb = encode(&b, &nb);
+    kt_bundle_view parts[2], v;
+    kt_bundle_set set;
+    kt_bundle_set_init(&set, parts, 2);
+    REQUIRE(kt_bundle_parse(ba, na, &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 0, err) == 0, "early part: %s", err);
+    REQUIRE(kt_bundle_parse(bb, nb, &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 1, err) == 0, "last part: %s", err);
+    CHECK(set.complete && set.hdr.n_layers == LAYERS && set.hdr.next_pos == 200 &&
+          set.n_entries == 15 + 16, "set of continued lists: %llu entries",
+          (unsigned long long)set.n_entries);
+    for (int i = 0; i < LAYERS * HEADS; i++) {
+        kt_bundle_list l;
+        REQUIRE(kt_bundle_set_list(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, &l, err) == 0, "%s", err);
+        const uint32_t n = ca[i] + cb[i];
+        CHECK(l.count == n && l.window == b.lists[i].window && l.sink == b.lists[i].sink,
+              "list %d: %u entries, the last piece's rule", i, l.count);
+        int32_t pos[16];
+        float k[16 * DIM];
+        REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, 0, n, pos, k, NULL,
+                                   err) == 0, "%s", err);
+        CHECK(!memcmp(pos, a.pos[i], ca[i] * sizeof *pos) && !memcmp(pos + ca[i], b.pos[i], cb[i] * sizeof *pos) &&
+              !memcmp(k, a.k[i], ca[i] * DIM * sizeof *k) &&
+              !memcmp(k + ca[i] * DIM, b.k[i], cb[i] * DIM * sizeof *k), "list %d read across the parts", i);
+        if (n >= 3) { /* a read that starts inside the first piece and ends in the second */
+            int32_t p2[2];
+            REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n - 2, 2, p2, NULL,
+                                       NULL, err) == 0, "%s", err);
+            CHECK(p2[0] == pos[n - 2] && p2[1] == pos[n - 1], "list %d: a partial read", i);
+        }
+        CHECK(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n, 1, pos, NULL, NULL, err) == -1,
+              "list %d: a read past the end is refused", i);
+    }
+    /* pinning after unpinned entries */
+    free(bb);
+    b.lists[0].pinned = 1;
+    bb = encode(&b, &nb);
+    kt_bundle_set_init(&set, parts, 2);
+    REQUIRE(kt_bundle_parse(ba, na, &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 0, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_parse(bb, nb, &v, err) == 0, "%s", err);
+    CHECK(kt_bundle_set_add(&set, &v, 1, err) == -1 && strstr(err, "after unpinned ones"), "%s", err);
+    free(ba);
+    free(bb);
+    seqkv_free(&a);
+    seqkv_free(&b);
+}
+
 /* A request's KV in layer segments (format 2.2), as a pipelining prefill node writes it: each
  * segment parses on its own, the set assembles them into the whole, and every way segments can
  * fail to fit together is refused. */
@@ -938,21 +1006,19 @@ static void test_segments(void)
     CHECK(kt_bundle_check_model(&set.hdr, "0123456789abcdef", LAYERS, HEADS, DIM, err) == 0, "%s", err);
     for (uint32_t l = 0; l < LAYERS; l++)
         for (uint32_t h = 0; h < HEADS; h++) {
-            const kt_bundle_view *pv;
-            kt_bundle_list_view lv;
-            REQUIRE(kt_bundle_set_list(&set, l, h, &pv, &lv, err) == 0, "%s", err);
+            kt_bundle_list lv;
+            REQUIRE(kt_bundle_set_list(&set, l, h, &lv, err) == 0, "%s", err);
             const uint32_t c = seg[l].lists[h].count;
             int32_t pos[16];
             float k[16 * DIM], vv[16 * DIM];
-            CHECK(pv == &parts[l] && lv.count == c, "list (%u, %u) in part %u", l, h, l);
-            REQUIRE(kt_bundle_list_read(pv, &lv, 0, c, pos, k, vv, err) == 0, "%s", err);
+            CHECK(lv.count == c && lv.window == seg[l].lists[h].window, "list (%u, %u)", l, h);
+            REQUIRE(kt_bundle_set_read(&set, l, h, 0, c, pos, k, vv, err) == 0, "%s", err);
             CHECK(memcmp(pos, seg[l].pos[h], c * sizeof *pos) == 0 &&
                   memcmp(k, seg[l].k[h], c * DIM * sizeof *k) == 0 &&
                   memcmp(vv, seg[l].v[h], c * DIM * sizeof *vv) == 0, "list (%u, %u) rows", l, h);
         }
-    const kt_bundle_view *pv;
-    kt_bundle_list_view lv;
-    CHECK(kt_bundle_set_list(&set, LAYERS, 0, &pv, &lv, err) == -1, "layer past the set");
+    kt_bundle_list lv;
+    CHECK(kt_bundle_set_list(&set, LAYERS, 0, &lv, err) == -1, "layer past the set");
     CHECK(kt_bundle_set_add(&set, &v, 1, err) == -1 && strstr(err, "complete"), "add after the last");
 
 #define SET_REFUSES(adds, needle)                                                             \
@@ -968,9 +1034,9 @@ static void test_segments(void)
     const int start1[][2] = {{1, 1}};
     SET_REFUSES(start1, "starts at layer 1, not 0");
     const int gap[][2] = {{0, 0}, {2, 1}};
-    SET_REFUSES(gap, "starts at layer 2, expected 1");
-    const int again[][2] = {{0, 0}, {0, 0}};
-    SET_REFUSES(again, "starts at layer 0, expected 1");
+    SET_REFUSES(gap, "starts at layer 2, past layer 1");
+    const int again[][2] = {{0, 0}, {0, 0}}; /* continues layer 0, but with the same positions */
+    SET_REFUSES(again, "not after its position");
     kt_bundle_set_init(&set, parts, 1); /* a set with room for one part */
     REQUIRE(kt_bundle_parse(buf[0], size[0], &v, err) == 0, "%s", err);
     CHECK(kt_bundle_set_add(&set, &v, 0, err) == 0, "%s", err);
@@ -1050,6 +1116,7 @@ static void test_segments(void)
         seqkv_free(&seg[l]);
     }
 #undef SET_REFUSES
+    test_continued_lists();
 }
 
 static void test_check_model(void)
