@@ -6,7 +6,8 @@ command and writes a markdown table, a JSON of every figure and a PNG:
   bench/experiments/sim-scaling.py pd-ratio        P:D ratio at 16 nodes, node counts 2+2 .. 64+64
   bench/experiments/sim-scaling.py policy-memory   sustainable rate per KV policy, fixed decode memory
   bench/experiments/sim-scaling.py compression-pd  how compression moves the best P:D ratio
-  bench/experiments/sim-scaling.py link-speed      10..400 Gb/s links, f32 vs bf16 wire, full vs snapkv
+  bench/experiments/sim-scaling.py link-speed      10..400 Gb/s links, f32 vs bf16 wire, full vs snapkv,
+                                                   with and without layer-wise pipelining
   bench/experiments/sim-scaling.py all
 
 Flags: --quick (fewer bisection steps and requests: about a third of the time), --out DIR
@@ -228,36 +229,44 @@ def exp_link_speed(e):
         prof = json.loads(json.dumps(e.prof0))
         prof["transfer"]["bandwidth_Bps"] = gbit / 8 * 1e9 * 0.8
         for pol in ("full", "snapkv:budget=512"):
-            for dt in ("f32", "bf16"):
-                argv = BASE + ["--prefill", "8", "--decode", "8", "--policy", pol, "--kv-dtype", dt]
+            for dt, pipe in (("f32", "off"), ("bf16", "off"), ("f32", "on"), ("bf16", "on")):
+                argv = BASE + ["--prefill", "8", "--decode", "8", "--policy", pol, "--kv-dtype", dt,
+                               "--pipeline", pipe]
                 rate, s = e.sustainable(argv, 16, prof)
                 fixed = sim.sim_json(argv + ["--rate", "30", "--num-requests", "600"], prof)["runs"][0]["summary"]
-                costs = sim.Costs(prof, 2048, dt)
-                _, wire = costs.bundle_bytes(sim.Footprint(pol).kept(2560))
-                e.log("%d Gb/s %s %s: %.1f req/s" % (gbit, pol, dt, rate))
-                rows.append({"gbit": gbit, "policy": pol, "dtype": dt, "rate": rate,
-                             "transfer_ms": 1e3 * costs.transfer_s(wire), "ttft_p50": fixed["ttft_ms"]["p50"],
-                             "ttft_p90": fixed["ttft_ms"]["p90"]})
+                costs = sim.Costs(prof, 2048, dt, pipe == "on")
+                fp = sim.Footprint(pol)
+                _, wire = costs.bundle_bytes(fp.kept(2560))
+                e.log("%d Gb/s %s %s pipeline %s: %.1f req/s" % (gbit, pol, dt, pipe, rate))
+                rows.append({"gbit": gbit, "policy": pol, "dtype": dt, "pipeline": pipe, "rate": rate,
+                             "transfer_ms": 1e3 * costs.transfer_s(wire),
+                             "after_prefill_ms": 1e3 * costs.transfer_after_prefill_s(2560, fp, wire),
+                             "ttft_p50": fixed["ttft_ms"]["p50"], "ttft_p90": fixed["ttft_ms"]["p90"]})
     lines = ["8 prefill + 8 decode nodes; link speed at 80% efficiency; transfer of a 2560-token prompt's "
-             "bundle (the mean prompt); TTFT at a fixed 30 req/s:", "",
-             "| link Gb/s | policy | wire | transfer ms (2560 tokens) | TTFT p50 / p90 ms at 30 req/s | sustainable req/s |",
-             "|---|---|---|---|---|---|"]
-    lines += ["| %d | `%s` | %s | %.1f | %.0f / %.0f | %.1f |" % (r["gbit"], r["policy"], r["dtype"], r["transfer_ms"],
-                                                            r["ttft_p50"], r["ttft_p90"], r["rate"]) for r in rows]
+             "bundle (the mean prompt), and what of it is left when the prefill's compute ends (all of it "
+             "without pipelining; with it, what the parts sent during the prefill did not cover); TTFT at "
+             "a fixed 30 req/s:", "",
+             "| link Gb/s | policy | wire | pipeline | transfer ms (2560 tokens) | left after the prefill ms | "
+             "TTFT p50 / p90 ms at 30 req/s | sustainable req/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += ["| %d | `%s` | %s | %s | %.1f | %.1f | %.0f / %.0f | %.1f |" % (
+        r["gbit"], r["policy"], r["dtype"], r["pipeline"], r["transfer_ms"], r["after_prefill_ms"],
+        r["ttft_p50"], r["ttft_p90"], r["rate"]) for r in rows]
     p = plt()
     fig, (a1, a2) = p.subplots(1, 2, figsize=(10, 3.4))
     for pol in ("full", "snapkv:budget=512"):
-        for dt, m in (("f32", "o-"), ("bf16", "s--")):
-            xs = [r for r in rows if r["policy"] == pol and r["dtype"] == dt]
-            a1.plot([r["gbit"] for r in xs], [r["ttft_p50"] for r in xs], m, label="%s, %s" % (pol, dt))
-            a2.plot([r["gbit"] for r in xs], [r["rate"] for r in xs], m, label="%s, %s" % (pol, dt))
+        for dt, pipe, m in (("f32", "off", "o-"), ("bf16", "off", "s--"), ("f32", "on", "^:"), ("bf16", "on", "v-.")):
+            xs = [r for r in rows if (r["policy"], r["dtype"], r["pipeline"]) == (pol, dt, pipe)]
+            label = "%s, %s, pipeline %s" % (pol, dt, pipe)
+            a1.plot([r["gbit"] for r in xs], [r["ttft_p50"] for r in xs], m, label=label)
+            a2.plot([r["gbit"] for r in xs], [r["rate"] for r in xs], m, label=label)
     a1.set_ylabel("TTFT p50 at 30 req/s (ms)")
     a2.set_ylabel("sustainable req/s (8+8)")
     for a in (a1, a2):
         a.set_xscale("log")
         a.set_xlabel("link Gb/s")
         a.grid(alpha=0.3)
-        a.legend(fontsize=6)
+        a.legend(fontsize=5)
     fig.tight_layout()
     e.write("link-speed", lines, fig, {"rows": rows})
 
