@@ -54,15 +54,15 @@ done
 [ "$(queue_depth)" = 0 ] || fatal "kvrelay_queue_depth is $(queue_depth) after all finished"
 metrics=$(curl -s "http://$KRC_ROUTER_HTTP/metrics")
 for m in queue_wait e2e ttft; do
-  echo "$metrics" | grep -q "^kvrelay_${m}_seconds_count{policy=\"full\"} $n\$" ||
+  grep -q "^kvrelay_${m}_seconds_count{policy=\"full\"} $n\$" <<<"$metrics" ||
     fatal "kvrelay_${m}_seconds{policy=\"full\"} did not count the $n requests"
 done
-echo "$metrics" | grep -q '^kvrelay_queue_wait_seconds_count{policy="streaming"} 0$' ||
+grep -q '^kvrelay_queue_wait_seconds_count{policy="streaming"} 0$' <<<"$metrics" ||
   fatal "another policy family's histogram counted them"
 echo "ok: the latency histograms by policy family counted them"
 dmetrics=$(curl -s "http://$(krc_http decode-0)/metrics")
-echo "$dmetrics" | grep -q "^kvrelay_decode_step_seconds_count [1-9]" || fatal "the decode node timed no step"
-echo "$dmetrics" | grep -q '^kvrelay_kv_blocks_used_by_policy{policy="full"} 0$' ||
+grep -q "^kvrelay_decode_step_seconds_count [1-9]" <<<"$dmetrics" || fatal "the decode node timed no step"
+grep -q '^kvrelay_kv_blocks_used_by_policy{policy="full"} 0$' <<<"$dmetrics" ||
   fatal "the decode node still counts blocks for the finished requests"
 echo "ok: the decode node timed its steps and holds no block for any policy"
 echo "PASS"
