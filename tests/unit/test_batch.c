@@ -12,6 +12,7 @@
  * batch sizes out of range, NULL and foreign-shaped sequences.
  */
 #include "kr_test.h"
+#include "policy_files.h"
 
 #include "kr.h"
 
@@ -36,35 +37,12 @@ static const char *const SPECS[] = {
 };
 enum { N_SPECS = sizeof SPECS / sizeof SPECS[0] };
 
-static void expand(const char *tmpl, const char *gates, const char *windows, char *out, size_t cap)
-{
-    size_t at = 0;
-    for (const char *p = tmpl; *p && at + 1 < cap;) {
-        const char *with = !strncmp(p, "{g}", 3) ? gates : !strncmp(p, "{w}", 3) ? windows : NULL;
-        if (with) {
-            at += (size_t)snprintf(out + at, cap - at, "%s", with);
-            p += 3;
-        } else {
-            out[at++] = *p++;
-        }
-    }
-    out[at < cap ? at : cap - 1] = 0;
-}
-
 /* gates that make about half the heads of every model dense; windows growing with depth */
 static void write_policy_files(const kr_config *cfg, char *gates, char *windows, size_t cap)
 {
     snprintf(gates, cap, "%s/gates.tsv", tmp);
     snprintf(windows, cap, "%s/windows.txt", tmp);
-    FILE *fg = fopen(gates, "w"), *fw = fopen(windows, "w");
-    REQUIRE(fg && fw, "cannot write %s or %s", gates, windows);
-    for (int l = 0; l < cfg->n_layers; l++) {
-        for (int g = 0; g < cfg->n_kv_heads; g++)
-            fprintf(fg, "%.2f%c", (double)((l * 7 + g * 3) % 5) / 4.0, g + 1 < cfg->n_kv_heads ? '\t' : '\n');
-        fprintf(fw, "%d\n", 6 + 4 * l);
-    }
-    fclose(fg);
-    fclose(fw);
+    kr_test_policy_files(cfg, gates, windows);
 }
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -125,7 +103,7 @@ static void check_model(const kr_model *m, const char *label)
     write_policy_files(cfg, gates, windows, sizeof gates);
     kr_policy *pol[N_SPECS];
     for (int k = 0; k < N_SPECS; k++) {
-        expand(SPECS[k], gates, windows, spec, sizeof spec);
+        kr_test_expand(SPECS[k], gates, windows, spec, sizeof spec);
         REQUIRE(kr_policy_parse(spec, cfg, &pol[k], err) == KR_OK, "%s: %s", spec, err);
     }
     kr_ctx *c;

@@ -15,6 +15,7 @@
  * Runs on the CPU backend only.
  */
 #include "kr_test.h"
+#include "policy_files.h"
 
 #include "kr.h"
 
@@ -49,37 +50,10 @@ static const spec_case CASES[] = {
 };
 enum { N_CASES = sizeof CASES / sizeof CASES[0] };
 
+/* a spec whose {g} and {w} name this test's policy files */
 static kr_policy *parse(const char *tmpl, const kr_config *cfg)
 {
-    char spec[1024], err[KR_ERR_MAX];
-    size_t at = 0;
-    for (const char *p = tmpl; *p && at + 1 < sizeof spec;) {
-        const char *with = !strncmp(p, "{g}", 3) ? gates : !strncmp(p, "{w}", 3) ? windows : NULL;
-        if (with) {
-            at += (size_t)snprintf(spec + at, sizeof spec - at, "%s", with);
-            p += 3;
-        } else {
-            spec[at++] = *p++;
-        }
-    }
-    spec[at] = 0;
-    kr_policy *pol;
-    REQUIRE(kr_policy_parse(spec, cfg, &pol, err) == KR_OK, "%s: %s", spec, err);
-    return pol;
-}
-
-/* gates that split the heads into dense and streaming ones; short learned windows */
-static void write_policy_files(const kr_config *cfg)
-{
-    FILE *fg = fopen(gates, "w"), *fw = fopen(windows, "w");
-    REQUIRE(fg && fw, "cannot write %s or %s", gates, windows);
-    for (int l = 0; l < cfg->n_layers; l++) {
-        for (int g = 0; g < cfg->n_kv_heads; g++)
-            fprintf(fg, "%.2f%c", (double)((l * 7 + g * 3) % 5) / 4.0, g + 1 < cfg->n_kv_heads ? '\t' : '\n');
-        fprintf(fw, "%d\n", 6 + 4 * l);
-    }
-    fclose(fg);
-    fclose(fw);
+    return kr_test_policy(tmpl, cfg, gates, windows);
 }
 
 /* ------------------------------------------------------------------ list snapshots */
@@ -365,7 +339,7 @@ int main(void)
     kr_model *m;
     REQUIRE(kr_model_load(dir, NULL, &m, err) == KR_OK, "%s: %s", dir, err);
     const kr_config *cfg = kr_model_config(m);
-    write_policy_files(cfg);
+    kr_test_policy_files(cfg, gates, windows);
     kr_ctx *c;
     kr_ctx_params cp = {.backend = KR_BACKEND_CPU, .n_threads = 2, .max_chunk = MAX_CHUNK};
     REQUIRE(kr_ctx_create(m, &cp, &c, err) == KR_OK, "%s", err);

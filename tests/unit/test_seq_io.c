@@ -22,6 +22,7 @@
  *   reads outside a list.
  */
 #include "kr_test.h"
+#include "policy_files.h"
 
 #include "kr-util.h"
 #include "policy.h"
@@ -51,46 +52,10 @@ static const char *const SPECS[] = {
 };
 enum { N_SPECS = sizeof SPECS / sizeof SPECS[0] };
 
+/* a spec whose {g} and {w} name this test's policy files */
 static kr_policy *parse(const char *tmpl, const kr_config *cfg)
 {
-    char spec[1024], err[KR_ERR_MAX];
-    size_t at = 0;
-    for (const char *p = tmpl; *p && at + 1 < sizeof spec;) {
-        const char *with = !strncmp(p, "{g}", 3) ? gates : !strncmp(p, "{w}", 3) ? windows : NULL;
-        if (with) {
-            at += (size_t)snprintf(spec + at, sizeof spec - at, "%s", with);
-            p += 3;
-        } else {
-            spec[at++] = *p++;
-        }
-    }
-    spec[at] = 0;
-    kr_policy *pol;
-    REQUIRE(kr_policy_parse(spec, cfg, &pol, err) == KR_OK, "%s: %s", spec, err);
-    return pol;
-}
-
-static float gate_of(int l, int g)
-{
-    return (float)((l * 7 + g * 3) % 5) / 4.0f;
-}
-
-static int learned_window(int l)
-{
-    return 6 + 4 * l;
-}
-
-static void write_policy_files(const kr_config *cfg)
-{
-    FILE *fg = fopen(gates, "w"), *fw = fopen(windows, "w");
-    REQUIRE(fg && fw, "cannot write %s or %s", gates, windows);
-    for (int l = 0; l < cfg->n_layers; l++) {
-        for (int g = 0; g < cfg->n_kv_heads; g++)
-            fprintf(fg, "%.2f%c", (double)gate_of(l, g), g + 1 < cfg->n_kv_heads ? '\t' : '\n');
-        fprintf(fw, "%d\n", learned_window(l));
-    }
-    fclose(fg);
-    fclose(fw);
+    return kr_test_policy(tmpl, cfg, gates, windows);
 }
 
 static int argmax(const float *x, int n)
@@ -429,7 +394,7 @@ static void check_windows(const kr_model *m)
     float all[64];
     uint8_t is_dense[64];
     for (int l = 0; l < L; l++)
-        for (int g = 0; g < H; g++) all[l * H + g] = gate_of(l, g);
+        for (int g = 0; g < H; g++) all[l * H + g] = kr_test_gate(l, g);
     kr_heads_choose_dense(all, L * H, 0.5f, is_dense);
     kr_policy *p = parse("heads:pattern={g},sparsity=0.5,sink=2,window=8", cfg);
     int dense = 0;
@@ -455,7 +420,7 @@ static void check_windows(const kr_model *m)
     prompt_ids(ids, N_PROMPT, 1, cfg->vocab_size);
     p = parse("hsft:windows={w},pattern={g},budget=0.5,sink=2", cfg);
     int learned[16], rescaled[16];
-    for (int l = 0; l < L; l++) learned[l] = learned_window(l);
+    for (int l = 0; l < L; l++) learned[l] = kr_test_window(l);
     kr_hsft_rescale(learned, L, 0, H, 2, 0.5, N_PROMPT, rescaled); /* dense 0.45 of 2 heads: none */
     kr_seq *s;
     REQUIRE(kr_seq_create(pool, L, H, &s, err) == KR_OK, "%s", err);
@@ -698,7 +663,7 @@ int main(void)
         kr_model *m;
         snprintf(dir, sizeof dir, "%s/models/%s", fx, models[i]);
         REQUIRE(kr_model_load(dir, NULL, &m, err) == KR_OK, "%s: %s", dir, err);
-        write_policy_files(kr_model_config(m));
+        kr_test_policy_files(kr_model_config(m), gates, windows);
         check_exact(m, models[i]);
         check_bound(m, models[i]);
         if (i == 0) {

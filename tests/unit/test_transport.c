@@ -224,19 +224,28 @@ static uint16_t free_port(void)
 
 /* ------------------------------------------------------------------ tests */
 
-static void test_real_bundle(kt_transport *rx, kt_transport *tx)
+/* A header of the test model's 2 KV heads: `layers` layers of head_dim `dim`, a prompt of
+ * `prompt` tokens. */
+static kt_bundle_header test_header(uint32_t layers, uint32_t dim, kt_dtype dtype, int32_t first_token,
+                                    int32_t prompt, const char *policy)
 {
     kt_bundle_header h;
     memset(&h, 0, sizeof h);
     snprintf(h.fingerprint, sizeof h.fingerprint, "0123456789abcdef");
-    h.n_layers = 2;
+    h.n_layers = layers;
     h.n_kv_heads = 2;
-    h.head_dim = 64;
-    h.dtype = KT_DTYPE_BF16;
-    h.first_token = 7;
-    h.prompt_len = 40;
-    h.next_pos = 40;
-    snprintf(h.policy, sizeof h.policy, "streaming:sinks=4,window=16");
+    h.head_dim = dim;
+    h.dtype = dtype;
+    h.first_token = first_token;
+    h.prompt_len = prompt;
+    h.next_pos = prompt;
+    snprintf(h.policy, sizeof h.policy, "%s", policy);
+    return h;
+}
+
+static void test_real_bundle(kt_transport *rx, kt_transport *tx)
+{
+    kt_bundle_header h = test_header(2, 64, KT_DTYPE_BF16, 7, 40, "streaming:sinks=4,window=16");
     kt_bundle_list lists[4];
     for (int i = 0; i < 4; i++)
         lists[i] = (kt_bundle_list){.count = 20, .pinned = 4, .window = 16};
@@ -302,19 +311,9 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
  * ones; `first_layer` lets a test lie about where the segment starts. */
 static uint64_t write_segment(uint8_t *buf, uint64_t cap, uint32_t layer, uint32_t first_layer)
 {
-    kt_bundle_header h;
-    memset(&h, 0, sizeof h);
-    snprintf(h.fingerprint, sizeof h.fingerprint, "0123456789abcdef");
-    h.n_layers = 1;
-    h.n_kv_heads = 2;
-    h.head_dim = 32;
-    h.dtype = KT_DTYPE_INT8_TOKEN;
-    h.first_token = layer == 1 ? 9 : 0;
-    h.prompt_len = 30;
-    h.next_pos = 30;
+    kt_bundle_header h = test_header(1, 32, KT_DTYPE_INT8_TOKEN, layer == 1 ? 9 : 0, 30, "full");
     h.segment = 1;
     h.first_layer = first_layer;
-    snprintf(h.policy, sizeof h.policy, "full");
     kt_bundle_list lists[2] = {{.count = 10 + layer, .window = KT_BUNDLE_WINDOW_DENSE},
                                {.count = 5, .window = KT_BUNDLE_WINDOW_DENSE}};
     char err[KT_ERR_MAX];
