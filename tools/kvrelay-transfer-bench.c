@@ -9,10 +9,12 @@
  * checksum and field); ucx_perftest runs
  * as a server and a client process with -t TEST -s SIZE. It is not a test: nothing is asserted.
  * Run: kvrelay-transfer-bench [--sizes 1,4,16,64,256,1024] [--tls tcp] [--test ucp_am_bw]
- * (sizes in MiB). Progress on stderr, the table on stdout. Figures: docs/transport.md.
+ * [--rounds 3] (sizes in MiB; rounds alternate the two and the table gives medians). Progress
+ * on stderr, the table on stdout. Figures: docs/transport.md.
  */
 #include <inttypes.h>
 #include <fcntl.h>
+#include <semaphore.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -24,9 +26,11 @@
 #include "cli.h"
 #include "transport.h"
 
-/* Completions of one round of transfers: receive and send callbacks both count here. */
+/* Completions of one round of transfers: receive and send callbacks both post `done`, so the
+ * measuring thread sleeps until they come instead of polling a core the two progress threads
+ * need (this machine may have only two). */
 typedef struct round {
-    atomic_int done;
+    sem_t done;
     atomic_int failed;
 } round;
 
@@ -37,7 +41,7 @@ static void count_cb(void *arg, uint64_t id, int status, uint64_t bytes, const c
         fprintf(stderr, "kvrelay-transfer-bench: transfer %" PRIu64 ": %s\n", id, err);
         atomic_fetch_add(&r->failed, 1);
     }
-    atomic_fetch_add(&r->done, 1);
+    sem_post(&r->done);
     (void)bytes;
 }
 
@@ -55,7 +59,8 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
     for (int i = -1; i < rounds; i++) { /* i = -1: warm-up (connects) */
         if (i == 0)
             t0 = cli_now();
-        round r = {0};
+        round r = {.failed = 0};
+        sem_init(&r.done, 0, 0);
         uint8_t tok[inflight][KT_RESV_TOKEN_BYTES];
         kt_bundle_view views[inflight];
         kt_bundle_set sets[inflight];
@@ -73,16 +78,17 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
             if (kt_transport_send(tx, "127.0.0.1", kt_transport_port(rx), id + (uint64_t)k,
                                   tok[k], src, size, 0, 60.0, count_cb, &r, err) != 0)
                 goto fail;
-        while (atomic_load(&r.done) < 2 * inflight) /* both callbacks of every transfer */
-            usleep(5);
+        for (int k = 0; k < 2 * inflight; k++) /* both callbacks of every transfer */
+            while (sem_wait(&r.done) != 0) {
+            }
+        sem_destroy(&r.done);
         if (atomic_load(&r.failed))
             return -1;
         id += (uint64_t)inflight;
     }
     return (cli_now() - t0) / ((double)rounds * inflight);
-fail:
-    fprintf(stderr, "kvrelay-transfer-bench: %s\n", err);
-    return -1;
+fail: /* transfers of this round may still call back into it: stop here */
+    cli_die(1, "%s", err);
 }
 
 /* A valid bundle of at most `size` bytes at src (1 layer, 1 KV head, head_dim 128, f32 rows of
@@ -116,6 +122,19 @@ static int make_bundle(uint8_t *src, uint64_t size, uint64_t *bytes, char *err)
             return -1;
     }
     return kt_bundle_writer_finish(&w, bytes, err);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of v[0, n) (sorts v). */
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /* MiB/s of `ucx_perftest -t test -s size`, or -1 (reason in why). */
@@ -177,7 +196,7 @@ int main(int argc, char **argv)
 {
     cli_init(argv);
     const char *sizes_s = "1,4,16,64,256,1024", *tls = "tcp", *test = "ucp_am_bw";
-    int iters_flag = 0, port = 13500, inflight_flag = 8, validate = 0;
+    int iters_flag = 0, port = 13500, inflight_flag = 8, validate = 0, n_rounds = 3;
     const kc_flag table[] = {
         {.kind = KC_FLAG_STRING, .name = "--sizes", .arg = "MIB,...", .dest = &sizes_s, .def = "1,4,16,64,256,1024",
          .help = "bundle sizes in MiB"},
@@ -191,6 +210,9 @@ int main(int argc, char **argv)
         {.kind = KC_FLAG_INT, .name = "--inflight", .arg = "K", .dest = &inflight_flag, .min = 1, .max = 64,
          .def = "8, fewer for large sizes so that they fit in 1 GiB of receive buffers",
          .help = "bundles in flight at once for the pipelined column"},
+        {.kind = KC_FLAG_INT, .name = "--rounds", .arg = "R", .dest = &n_rounds, .min = 1, .max = 50,
+         .def = "3", .help = "rounds per size, kvrelay and ucx_perftest taking turns; the table gives "
+         "medians (this machine's loopback bandwidth drifts between runs)"},
         {.kind = KC_FLAG_INT, .name = "--port", .arg = "P", .dest = &port, .min = 1024, .max = 65000,
          .def = "13500", .help = "first TCP port for ucx_perftest"},
         {.kind = KC_FLAG_BOOL, .name = "--validate", .dest = &validate,
@@ -228,33 +250,44 @@ int main(int argc, char **argv)
     memset(dst, 0, dst_bytes);
 
     printf("# UCX_TLS=%s, loopback; kvrelay = reserve + send + ack per bundle%s: one at a time (1), "
-           "and K in flight (K); perftest = ucx_perftest -t %s (overall); ratio = K / perftest\n",
-           tls, validate ? " + validation on receipt" : "", test);
-    printf("%10s %4s %14s %14s %14s %8s\n", "size_MiB", "K", "kvrelay_1", "kvrelay_K",
-           "perftest_GB/s", "ratio");
+           "and K in flight (K); perftest = ucx_perftest -t %s (overall); %d interleaved rounds "
+           "(kvrelay then perftest), medians; ratio = median over rounds of K / perftest\n",
+           tls, validate ? " + validation on receipt" : "", test, n_rounds);
+    printf("%10s %4s %14s %14s %14s %8s  %s\n", "size_MiB", "K", "kvrelay_1", "kvrelay_K",
+           "perftest_GB/s", "ratio", "ratio_per_round");
     for (int i = 0; i < n_sizes; i++) {
         uint64_t size = (uint64_t)mib[i] << 20;
         int iters = iters_flag ? iters_flag : (int)((4ull << 30) / size);
         iters = iters_flag ? iters : (iters < 3 ? 3 : iters > 200 ? 200 : iters);
-        fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d through kvrelay...\n", mib[i], iters);
         int k = (int)(dst_bytes / size) < inflight_flag ? (int)(dst_bytes / size) : inflight_flag;
         uint64_t bytes = size; /* what one transfer moves */
         if (validate && make_bundle(src, size, &bytes, err) != 0)
             cli_die(1, "%s", err);
-        double sec1 = bench_kvrelay(rx, tx, src, dst, bytes, iters, 1, validate);
-        double one = sec1 > 0 ? bytes / sec1 / 1e9 : -1;
-        double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, bytes, iters, k, validate) : sec1;
-        double ours = seck > 0 ? bytes / seck / 1e9 : -1;
-        fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d through ucx_perftest -t %s...\n",
-                mib[i], iters, test);
-        char why[256] = "";
-        double pt = bench_perftest(test, size, iters, port + i, why, sizeof why);
-        double ptg = pt > 0 ? pt * 1048576.0 / 1e9 : -1;
-        if (pt > 0)
-            printf("%10d %4d %14.2f %14.2f %14.2f %8.2f\n", mib[i], k, one, ours, ptg, ours / ptg);
+        double one[n_rounds], ours[n_rounds], ptg[n_rounds], ratio[n_rounds];
+        char why[256] = "", per[64 * 8] = "";
+        int have_pt = 1;
+        for (int r = 0; r < n_rounds; r++) {
+            fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d, round %d/%d: kvrelay, then "
+                    "ucx_perftest -t %s\n", mib[i], iters, r + 1, n_rounds, test);
+            double sec1 = bench_kvrelay(rx, tx, src, dst, bytes, iters, 1, validate);
+            double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, bytes, iters, k, validate) : sec1;
+            one[r] = bytes / sec1 / 1e9;
+            ours[r] = bytes / seck / 1e9;
+            double pt = have_pt ? bench_perftest(test, size, iters, port + i * n_rounds + r, why, sizeof why) : -1;
+            have_pt = pt > 0;
+            ptg[r] = have_pt ? pt * 1048576.0 / 1e9 : 0;
+            ratio[r] = have_pt ? ours[r] / ptg[r] : 0;
+            if (have_pt && r < 8)
+                snprintf(per + strlen(per), sizeof per - strlen(per), "%s%.2f", r ? "," : "",
+                         ratio[r]);
+        }
+        if (have_pt)
+            printf("%10d %4d %14.2f %14.2f %14.2f %8.2f  %s\n", mib[i], k,
+                   median(one, n_rounds), median(ours, n_rounds), median(ptg, n_rounds),
+                   median(ratio, n_rounds), per);
         else
-            printf("%10d %4d %14.2f %14.2f %14s %8s   # %s\n", mib[i], k, one, ours, "n/a", "n/a",
-                   why);
+            printf("%10d %4d %14.2f %14.2f %14s %8s   # %s\n", mib[i], k, median(one, n_rounds),
+                   median(ours, n_rounds), "n/a", "n/a", why);
         fflush(stdout);
     }
     kt_transport_destroy(tx);
