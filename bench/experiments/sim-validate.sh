@@ -9,23 +9,30 @@
 # the committed 1 + 1 runs.
 #
 #   bench/experiments/sim-validate.sh [--bin DIR] [--quick] [--out DIR] [--profile FILE]
+#                                     [--repeat N]
 #
 # --bin DIR: built programs (default build/). --quick: 10 s per rate instead of 20 (about 4
 # minutes in all instead of 5, the calibration included). --out DIR: where results go (default bench/results/sim-validate/):
 # table.md, sim-validate.png, real-P1-D1.json, sim-P1-D1.json, ... and the clusters' logs.
 # --profile FILE: the simulator's profile; by default `kvrelay-sim calibrate` measures one first
 # (profile.json in --out), so that calibration and the real runs see the same machine load.
+# --repeat N: real runs per layout (default 3), each on a fresh cluster with the same arrivals;
+# the table compares the simulation with the median over them and gives their spread (min-max),
+# since on a shared machine one real run's tails move 50-70% from the next. real-P1-D1.json is
+# that median (the format of one run), real-P1-D1-rK.json each run.
 #
 # Requests: prompts uniform in 256..768 tokens, 128 output tokens, policy full, default chunk
 # (512) and pool (1 GiB). SLO: TTFT <= 500 ms and TPOT <= 10 ms (as pd-ratio.sh).
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
-PROFILE=
+PROFILE= REPEAT=3
 args=()
 while [ $# -gt 0 ]; do
   case $1 in
     --profile) [ $# -ge 2 ] || { echo "sim-validate: --profile needs a file" >&2; exit 2; }
       PROFILE=$2; shift 2 ;;
+    --repeat) [[ ${2:-} =~ ^[1-9][0-9]?$ ]] || { echo "sim-validate: --repeat needs a count 1..99" >&2; exit 2; }
+      REPEAT=$2; shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done
@@ -48,40 +55,73 @@ machine=$(exp_machine)
 for layout in "${LAYOUTS[@]}"; do
   read -r np nd <<<"$layout"
   tag=P$np-D$nd
-  exp_cluster_start "$tag" "$np" "$nd" --threads 1
-  "$EXP_BENCH" --target "$KRC_ROUTER" "${LOAD[@]}" --timeout 120 --json "$EXP_OUT/real-$tag.json" \
-    --no-progress >"$EXP_OUT/logs/real-$tag.txt"
-  exp_cluster_stop
+  for ((k = 1; k <= REPEAT; k++)); do
+    exp_cluster_start "$tag" "$np" "$nd" --threads 1
+    "$EXP_BENCH" --target "$KRC_ROUTER" "${LOAD[@]}" --timeout 120 --json "$EXP_OUT/real-$tag-r$k.json" \
+      --no-progress >"$EXP_OUT/logs/real-$tag-r$k.txt"
+    exp_cluster_stop
+  done
   "$EXP_PY" "$EXP_HERE/tools/kvrelay-sim" run --profile "$PROFILE" --prefill "$np" --decode "$nd" \
     "${LOAD[@]}" --json "$EXP_OUT/sim-$tag.json" --no-progress >"$EXP_OUT/logs/sim-$tag.txt"
 done
 echo "$machine, load average $(cut -d' ' -f1-3 /proc/loadavg) at the end" >"$EXP_OUT/machine.txt"
 
-"$EXP_PY" - "$EXP_OUT" "$(cat "$EXP_OUT/machine.txt")" "$PROFILE" "$EXP_HERE/tools/kvrelay-sim" <<'PY'
-import importlib.machinery, importlib.util, json, os, sys
+"$EXP_PY" - "$EXP_OUT" "$(cat "$EXP_OUT/machine.txt")" "$PROFILE" "$EXP_HERE/tools/kvrelay-sim" "$REPEAT" <<'PY'
+import copy, importlib.machinery, importlib.util, json, os, statistics, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from plots import save_png
 
-out, machine, profile, tool = sys.argv[1:5]
+out, machine, profile, tool, repeat = sys.argv[1:6]
+repeat = int(repeat)
+
+
+def median_of(docs):
+    """One summary document whose every number is the median of that number over docs (same
+    shape: the same workload run again), everything else the first one's."""
+    def walk(xs):
+        x = xs[0]
+        if isinstance(x, dict):
+            return {k: walk([d[k] for d in xs]) if all(k in d for d in xs) else x[k] for k in x}
+        if isinstance(x, list) and all(isinstance(d, list) and len(d) == len(x) for d in xs):
+            return [walk([d[i] for d in xs]) for i in range(len(x))]
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return statistics.median(xs)
+        return copy.deepcopy(x)
+    return walk(docs)
+
+
+def spread(docs, run_index, metric):
+    """min-max over the repeats of one compare_runs metric, as text."""
+    vals = []
+    for d in docs:
+        for run, m, a, _b, _e in sim.compare_runs(d, d):
+            if m == metric and run == run_index:
+                vals.append(a)
+    return "%.2f-%.2f" % (min(vals), max(vals)) if vals else ""
 loader = importlib.machinery.SourceFileLoader("kvrelay_sim", tool)  # its compare_runs: one comparison
 sim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
 loader.exec_module(sim)
 prof = json.load(open(profile))
 lines = ["Machine: %s. Profile `%s` (host.background %.2f, measured at calibration). Prompts 256..768 tokens (uniform), 128 output tokens, policy full, "
-         "1 thread per node, Poisson arrivals; SLO TTFT <= 500 ms, TPOT <= 10 ms."
-         % (machine, os.path.basename(profile), prof["host"].get("background", 0.0)),
-         "", "| P+D | rate | metric | real | simulated | error |", "|---|---|---|---|---|---|"]
+         "1 thread per node, Poisson arrivals; SLO TTFT <= 500 ms, TPOT <= 10 ms. Real: the median of %d runs "
+         "(each on a fresh cluster, the same arrivals), their range beside it."
+         % (machine, os.path.basename(profile), prof["host"].get("background", 0.0), repeat),
+         "", "| P+D | rate | metric | real | real range | simulated | error |", "|---|---|---|---|---|---|---|"]
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 worst = 0.0
 for tag in ("P1-D1", "P2-D2"):
-    real = json.load(open(os.path.join(out, "real-%s.json" % tag)))
+    reps = [json.load(open(os.path.join(out, "real-%s-r%d.json" % (tag, k)))) for k in range(1, repeat + 1)]
+    real = median_of(reps)
+    with open(os.path.join(out, "real-%s.json" % tag), "w") as f:
+        json.dump(real, f, indent=1)
     simd = json.load(open(os.path.join(out, "sim-%s.json" % tag)))
     label = tag[1:].replace("-D", "+")
     for run, metric, a, b, err in sim.compare_runs(real, simd):
         worst = max(worst, err)
-        lines.append("| %s | %s | %s | %.2f | %.2f | %.1f%% |" % (label, run.split()[1], metric, a, b, 100 * err))
+        lines.append("| %s | %s | %s | %.2f | %s | %.2f | %.1f%% |" % (label, run.split()[1], metric, a,
+                                                                     spread(reps, run, metric), b, 100 * err))
     for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
         for d, style, who in ((real, "o-", "real"), (simd, "s--", "sim")):
             rates = [r["mode"]["rate"] for r in d["runs"]]
