@@ -210,7 +210,7 @@ static int fill_rows(void *arg, int first, int n, int32_t *pos, float *k, float 
 }
 
 /* The bundle -> a sequence of this node's pool, exactly as the prefill node held it, each list
- * with the decode rule the prefill node's policy gave it; rows go from the receive buffer
+ * with the decode rule the prefill node's policy gave it; rows go from the part buffers
  * straight into the blocks. */
 static int import(dn_loop *L, dn_job *j, char *err)
 {
@@ -271,9 +271,8 @@ static void admit(dn_loop *L, dn_job *j)
                "the %" PRId64 " its reservation holds", kr_seq_blocks(j->seq), j->resv->blocks);
         return;
     }
-    /* The bundle's bytes are in the pool now: the receive buffer can go. */
-    free(j->resv->buf);
-    j->resv->buf = NULL;
+    /* The bundle's bytes are in the pool now: its parts can go. */
+    kt_bundle_set_free(&j->resv->set);
     j->next_in = first;
     if (L->n_run == L->cap) {
         int cap = L->cap ? 2 * L->cap : 16;

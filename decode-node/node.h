@@ -79,14 +79,14 @@ typedef struct dn_resv {
     int prompt_tokens, max_tokens; /* as reserved: what `blocks` covers */
     int max_list_entries; /* most entries a bundle list may bring (the bound's assumption) */
     kr_policy *policy; /* parsed from the Reserve request (owned); a bundle must carry its spec */
-    uint8_t *buf; /* receive buffer the bundle lands in (owned), `cap` bytes; freed once the
-                     loop copied the rows into the sequence's blocks */
-    uint64_t cap, len; /* len: bytes that arrived (READY) */
+    uint64_t cap, len; /* cap: the most bytes the bundle's parts may add up to; len: bytes that
+                          arrived (READY) */
     kt_bundle_view *parts; /* [n_layers + KT_BUNDLE_MAX_EARLY_PARTS]: room for every part of a
                               pipelined transfer (owned) */
-    kt_bundle_set set; /* READY: the transport's validated parts of buf[0, len) (a whole bundle,
-                          or the layer segments of a pipelined transfer) */
-    int xfer_open; /* the transport still holds buf (its callback has not run) */
+    kt_bundle_set set; /* the transport's validated parts (a whole bundle, or the layer segments
+                          of a pipelined transfer), each in its own buffer, owned by the set;
+                          freed once the loop copied the rows into the sequence's blocks */
+    int xfer_open; /* the transport still adds to set (its callback has not run) */
     int cancel; /* DECODING: Release asked to end it */
     double expires; /* monotonic seconds: an unused READY reservation is dropped then */
     double failed_at; /* FAILED: when (tombstones are dropped a while later) */
@@ -101,7 +101,7 @@ typedef struct dn_job {
     dn_resv *resv; /* DECODING: nobody else frees it */
     kc_call *call; /* detached; finished exactly once by the loop */
     char request_id[DN_REQUEST_ID_MAX + 1];
-    kt_bundle_set set; /* resv->set, into resv->buf and resv->parts, until imported */
+    kt_bundle_set set; /* a copy of resv->set (which keeps owning the parts), until imported */
     kr_sampler *sampler;
     int32_t *stop_ids; /* [n_stop] */
     int n_stop;
@@ -170,7 +170,7 @@ typedef struct dn_node {
 } dn_node;
 
 /* resv.c */
-/* Admits a reservation (takes `policy` in every case) and reserves its receive buffer in the
+/* Admits a reservation (takes `policy` in every case) and reserves room for its bundle in the
  * transport. Returns a grpc_status_code: OK with the outputs set (token_out: the transport's
  * random token, which the bundle must carry), or an error with `err` (KT_ERR_MAX bytes):
  * RESOURCE_EXHAUSTED when the bound does not fit the free blocks. */

@@ -1,7 +1,8 @@
 /*
  * resv.c - kvrelay-decode's reservations: admission of a Reserve against the pool's blocks not
- * yet promised to anyone, the receive buffer the KV bundle lands in (validated once, by the
- * transport, which hands over its view), the transport's completion
+ * yet promised to anyone, the KV bundle's parts (each in a buffer of its size, allocated by the
+ * transport as it arrives and validated there once: the set of them is handed over), the
+ * transport's completion
  * callback, Release, and expiry. Accounting (docs/decode-node.md "Admission"):
  *   reserved_sum = sum of the blocks bound of every live reservation (a running sequence's
  *                  reservation included: its blocks in use count inside its bound),
@@ -81,8 +82,8 @@ void dn_resv_free(dn_resv *r)
     if (!r)
         return;
     kr_policy_free(r->policy);
+    kt_bundle_set_free(&r->set);
     free(r->parts);
-    free(r->buf);
     free(r);
 }
 
@@ -106,7 +107,7 @@ static uint64_t new_id_locked(dn_node *n)
 static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
 {
     dn_node *n = arg;
-    uint8_t *drop = NULL;
+    kt_bundle_set drop = {.owned = 0};
     pthread_mutex_lock(&n->lock);
     dn_resv *r = dn_resv_find_locked(n, id);
     if (r && r->xfer_open) { /* a released reservation was unlinked first: nothing to do */
@@ -120,8 +121,8 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
             r->state = DN_RESV_FAILED;
             snprintf(r->err, sizeof r->err, "%s", err ? err : "transfer failed");
             r->failed_at = dn_now();
-            drop = r->buf;
-            r->buf = NULL;
+            drop = r->set; /* the parts that did arrive, freed outside the lock */
+            kt_bundle_set_init(&r->set, r->parts, r->set.cap);
             if (strstr(r->err, " expired"))
                 kc_counter_inc(n->m.expired, 1);
             kc_warn(r->request_id, "reservation %" PRIu64 ": %s; %" PRId64 " blocks returned", id,
@@ -133,7 +134,7 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
         pthread_cond_broadcast(&n->cond);
     }
     pthread_mutex_unlock(&n->lock);
-    free(drop);
+    kt_bundle_set_free(&drop);
 }
 
 int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
@@ -157,7 +158,7 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
                  prompt_tokens, max_tokens);
         return GRPC_STATUS_INVALID_ARGUMENT;
     }
-    /* The largest bundle this reservation can receive: every list at `entries`, in the
+    /* The most bytes this reservation's parts may add up to: every list at `entries`, in the
      * largest payload the request may choose (f32, or int8 with its row scales when head_dim is
      * 1). The spec is sized at its maximum so that a bundle carrying a longer spelling of the
      * policy is refused by Decode's policy check (a clear message), not by the transport's size
@@ -200,12 +201,10 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     size += KT_BUNDLE_MAX_POLICY + 64 + (uint64_t)max_parts * KT_BUNDLE_SEGMENT_SLACK;
 
     dn_resv *r = calloc(1, sizeof *r);
-    if (!r || !(r->buf = malloc(size)) ||
-        !(r->parts = calloc(max_parts, sizeof *r->parts))) {
-        if (r) free(r->buf);
+    if (!r || !(r->parts = calloc(max_parts, sizeof *r->parts))) {
         free(r);
         kr_policy_free(policy);
-        snprintf(err, KT_ERR_MAX, "cannot allocate a %" PRIu64 "-byte receive buffer", size);
+        snprintf(err, KT_ERR_MAX, "out of memory for a reservation");
         return GRPC_STATUS_RESOURCE_EXHAUSTED;
     }
     r->policy = policy;
@@ -257,11 +256,11 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     int64_t expires_unix_ms = r->expires_unix_ms;
     pthread_mutex_unlock(&n->lock);
 
-    /* The record is in the table first: the callback may come before this returns. The buffer
-     * stays valid meanwhile: only the callback or Release frees it, and neither can act on an
-     * id the transport does not know yet (nor the router, before this call answers). */
-    uint8_t *buf = r->buf;
-    if (kt_transport_reserve_bundle(n->transport, id, buf, size, ttl_s, &r->set, on_transfer,
+    /* The record is in the table first: the callback may come before this returns. The set
+     * stays valid meanwhile: only the callback or Release touches it, and neither can act on an
+     * id the transport does not know yet (nor the router, before this call answers). Parts land
+     * in buffers of their own size (no buffer of the bound is held while the bundle is awaited). */
+    if (kt_transport_reserve_bundle(n->transport, id, NULL, size, ttl_s, &r->set, on_transfer,
                                     n, token_out, berr) != 0) {
         pthread_mutex_lock(&n->lock);
         r = dn_resv_find_locked(n, id); /* by id: never trust a pointer across the unlock */
@@ -299,7 +298,7 @@ int dn_resv_release(dn_node *n, uint64_t id, const char *request_id)
     r->xfer_open = 0;
     dn_resv_unlink_locked(n, r);
     pthread_mutex_unlock(&n->lock);
-    /* Returns only once UCX no longer writes into r->buf. */
+    /* Returns only once UCX no longer writes into a part. */
     if (xfer)
         kt_transport_release(n->transport, id);
     kc_info(request_id, "reservation %" PRIu64 " released (%" PRId64 " blocks)", id, blocks);

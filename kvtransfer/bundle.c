@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -1091,6 +1092,7 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     v.n_entries = n_entries;
     v.row_bytes = row_bytes;
     v.n_lists = n_lists;
+    v.base = b;
     v.lists = b + off[BL_SEC_LISTS];
     v.positions = b + off[BL_SEC_POSITIONS];
     v.k = b + off[BL_SEC_K];
@@ -1174,6 +1176,18 @@ void kt_bundle_set_init(kt_bundle_set *s, kt_bundle_view *parts, uint32_t cap)
     memset(s, 0, sizeof *s);
     s->parts = parts;
     s->cap = cap;
+}
+
+void kt_bundle_set_free(kt_bundle_set *s)
+{
+    if (s->owned)
+        for (uint32_t i = 0; i < s->n_parts; i++)
+            free((void *)s->parts[i].base);
+    kt_bundle_view *parts = s->parts;
+    const uint32_t cap = s->cap;
+    const int owned = s->owned;
+    kt_bundle_set_init(s, parts, cap);
+    s->owned = owned;
 }
 
 /* The largest position in a validated view (each list's last entry: positions increase), or

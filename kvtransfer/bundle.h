@@ -187,6 +187,7 @@ typedef struct kt_bundle_view {
     uint64_t n_entries; /* entries summed over every list */
     size_t row_bytes; /* bytes of one K or V row */
     uint32_t n_lists; /* n_layers * n_kv_heads */
+    const uint8_t *base; /* the bundle's first byte (the buffer parsed) */
     const uint8_t *lists; /* list table: 40 bytes per list (docs/bundle.md) */
     const uint8_t *positions; /* int32 LE per entry, all lists in order */
     const uint8_t *k; /* n_entries rows of row_bytes */
@@ -238,10 +239,15 @@ typedef struct kt_bundle_set {
     uint32_t n_parts, cap;
     kt_bundle_view *parts; /* the caller's array of cap views */
     int complete; /* the last part was added */
+    int owned; /* each part is a malloc'd buffer of its own (parts[i].base), which the set owns:
+                  a receiver that had the transport allocate parts as they arrived */
 } kt_bundle_set;
 
 /* An empty set over the caller's `parts` (cap views, at least 1). */
 void kt_bundle_set_init(kt_bundle_set *s, kt_bundle_view *parts, uint32_t cap);
+/* Frees the parts' buffers when the set owns them, and empties the set (parts and cap stay,
+ * `owned` too). Safe on an empty set. */
+void kt_bundle_set_free(kt_bundle_set *s);
 /* Adds the next part (`part` may be &s->parts[s->n_parts]; it is copied there). A whole bundle
  * must come alone and last; the first segment starts at layer 0 and each later one at or
  * before the end of the layers so far, agreeing with the first on the model, dtype, prompt

@@ -90,9 +90,11 @@ typedef struct kt_resv {
     struct kt_resv *next;
     uint64_t serial; /* unique per reservation, for release to wait on */
     uint64_t id;
-    uint8_t *buf;
-    uint64_t size; /* capacity of buf: the largest bundle accepted */
+    uint8_t *buf; /* the caller's; NULL: each part lands in a buffer of its own (`part`) */
+    uint64_t size; /* capacity of buf, or the bytes all parts may add up to: the largest bundle */
     uint64_t filled; /* bytes of the earlier parts of a bundle sent in parts, at buf[0, filled) */
+    uint8_t *part; /* buf NULL: the arriving part's buffer, malloc'd at its size; the set takes
+                      it once the part is valid, else it is freed */
     uint64_t len; /* the arriving part's size (<= size - filled), set when it is accepted */
     int more; /* the arriving part is not the last (KT_SEND_MORE) */
     uint8_t resv_token[KT_RESV_TOKEN_BYTES]; /* what a bundle for it must carry */
@@ -425,11 +427,18 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         kt_ack_queue(t, c, seq, id, -1, 0, msg);
         return UCS_OK;
     }
+    uint8_t *dst = r->buf ? r->buf + r->filled : (r->part = malloc(length));
+    if (!dst) {
+        snprintf(msg, sizeof msg, "transport: no memory for a %zu-byte part of bundle %" PRIu64,
+                 length, id);
+        kt_log(t, "%s (from %s)", msg + strlen("transport: "), c->peer);
+        kt_ack_queue(t, c, seq, id, -1, 0, msg);
+        return UCS_OK;
+    }
     r->from = c;
     r->seq = seq;
     r->len = length;
     r->more = (kt_rd16(h + 6) & KT_SEND_MORE) != 0;
-    uint8_t *dst = r->buf + r->filled;
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         ucp_request_param_t p = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -681,8 +690,11 @@ static double kt_step(kt_transport *t)
             char perr[KT_ERR_MAX] = "";
             kt_bundle_view v;
             int bad = (r->flags & KT_RESERVE_PARSE) &&
-                      (kt_bundle_parse(r->buf + r->filled, (size_t)r->len, &v, perr) != 0 ||
+                      (kt_bundle_parse(r->buf ? r->buf + r->filled : r->part, (size_t)r->len, &v,
+                                       perr) != 0 ||
                        (r->set && kt_bundle_set_add(r->set, &v, !r->more, perr) != 0));
+            if (!bad)
+                r->part = NULL; /* the set holds it now */
             char msg[KT_ERR_MAX];
             if (bad) {
                 snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 " rejected: %s", r->id,
@@ -840,6 +852,7 @@ static int kt_deliver(kt_transport *t)
         kt_resv *r = *pp;
         if (r->done && !r->cb) {
             *pp = r->next;
+            free(r->part);
             free(r);
         } else {
             pp = &r->next;
@@ -1062,9 +1075,10 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, do
         kt_seterr(err, "transport: reserve needs a listening transport (listen_host unset)");
         return -1;
     }
-    if (!buf || size == 0 || !cb || !(timeout_s > 0)) {
-        kt_seterr(err, "transport: reserve %" PRIu64 ": needs a buffer, a size > 0, a callback "
-                  "and a timeout > 0 (got size %" PRIu64 ", timeout %g)", id, size, timeout_s);
+    if ((!buf && !set) || size == 0 || !cb || !(timeout_s > 0)) {
+        kt_seterr(err, "transport: reserve %" PRIu64 ": needs a buffer (or a set to own the "
+                  "parts), a size > 0, a callback and a timeout > 0 (got size %" PRIu64
+                  ", timeout %g)", id, size, timeout_s);
         return -1;
     }
     kt_resv *r = calloc(1, sizeof *r);
@@ -1119,6 +1133,7 @@ int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_
                   "to assemble the bundle in", id);
         return -1;
     }
+    set->owned = buf == NULL;
     return kt_reserve(t, id, buf, size, timeout_s, KT_RESERVE_PARSE, set, cb, cb_arg, token,
                       err);
 }

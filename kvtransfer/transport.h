@@ -3,12 +3,13 @@
  * decode node that reserved room for it (DESIGN.md section 2; contracts in docs/transport.md).
  *
  * What it is: one transport context per process with one ucp worker driven by its own progress
- * thread. The receiving side (decode node) listens on host:port, *reserves* a caller-owned
- * buffer for an expected bundle (a 64-bit id chosen by the caller; the buffer's size is the
- * largest bundle accepted, since a receiver knows only a bound on the compressed KV) and is
- * told once, by callback and by a pollable state, whether the bundle arrived and its size. The
- * sending side (prefill node) sends a buffer to host:port tagged with the reservation id and the
- * reservation's token, and is told once whether the receiver accepted it, within a timeout.
+ * thread. The receiving side (decode node) listens on host:port, *reserves* room for an
+ * expected bundle (a 64-bit id chosen by the caller; a caller-owned buffer of the largest
+ * bundle accepted, or, for a bundle assembled in a kt_bundle_set, buffers the transport
+ * allocates at each part's size as the parts arrive) and is told once, by callback and by a
+ * pollable state, whether the bundle arrived and its size. The sending side (prefill node)
+ * sends a buffer to host:port tagged with the reservation id and the reservation's token, and
+ * is told once whether the receiver accepted it, within a timeout.
  * The token (KT_RESV_TOKEN_BYTES random bytes drawn at reserve time) is the only credential on
  * this path: UCX has no TLS, so a bundle is accepted only for the reservation whose token it
  * carries. It keeps strangers out of reservations; it does not hide bundles from an eavesdropper
@@ -106,7 +107,12 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
  * (caller-owned, empty from kt_bundle_set_init, valid as long as buf); a part that does not
  * parse or does not fit the set fails the reservation. Before a successful callback the set is
  * complete, so the receiver validates a bundle once, in the transport, and reads it through
- * the set. */
+ * the set.
+ * buf NULL: no buffer is reserved up front; each part lands in a buffer of exactly its size,
+ * allocated when it arrives, and `size` bounds the bytes of all parts together. The set then
+ * owns the parts it holds (set->owned): free them with kt_bundle_set_free, whatever the
+ * outcome, once the callback has run. A receiver that can only bound a bundle (a decode node:
+ * every list at the prompt's length, in f32) so holds what arrived, not the bound. */
 int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
                                 double timeout_s, kt_bundle_set *set, kt_xfer_cb cb,
                                 void *cb_arg, uint8_t token[KT_RESV_TOKEN_BYTES], char *err);

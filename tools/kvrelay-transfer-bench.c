@@ -5,8 +5,8 @@
  * What it measures: reserve + send + acknowledgement per bundle (the full protocol a prefill
  * node pays), one bundle at a time and K at once, sender and receiver as two UCX contexts in
  * this process; with --validate the data is a real bundle of about the size and the receiver
- * validates it before acknowledging, as a decode node does (kt_transport_reserve_bundle: every
- * checksum and field); ucx_perftest runs
+ * validates it before acknowledging, as a decode node does (kt_transport_reserve_bundle into
+ * buffers of each bundle's size: every checksum and field); ucx_perftest runs
  * as a server and a client process with -t TEST -s SIZE. It is not a test: nothing is asserted.
  * Run: kvrelay-transfer-bench [--sizes 1,4,16,64,256,1024] [--tls tcp] [--test ucp_am_bw]
  * [--rounds 3] (sizes in MiB; rounds alternate the two and the table gives medians). Progress
@@ -67,7 +67,9 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
         for (int k = 0; k < inflight; k++) {
             uint8_t *buf = dst + (uint64_t)k * size;
             kt_bundle_set_init(&sets[k], &views[k], 1);
-            int rc = validate ? kt_transport_reserve_bundle(rx, id + (uint64_t)k, buf, size, 60.0,
+            /* validating, the receiver is a decode node's: parts land in buffers the transport
+             * allocates at their size, owned by the set */
+            int rc = validate ? kt_transport_reserve_bundle(rx, id + (uint64_t)k, NULL, size, 60.0,
                                                             &sets[k], count_cb, &r, tok[k], err)
                               : kt_transport_reserve(rx, id + (uint64_t)k, buf, size, 60.0, 0,
                                                      count_cb, &r, tok[k], err);
@@ -82,6 +84,9 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, ui
             while (sem_wait(&r.done) != 0) {
             }
         sem_destroy(&r.done);
+        if (validate)
+            for (int k = 0; k < inflight; k++)
+                kt_bundle_set_free(&sets[k]);
         if (atomic_load(&r.failed))
             return -1;
         id += (uint64_t)inflight;
