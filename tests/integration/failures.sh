@@ -49,7 +49,7 @@ KRC_ROUTER_ARGS=(--max-tokens-limit 512 --prefill-timeout-ms 20000)
 KRC_START_TIMEOUT=1200
 krc_start "$bin" "$model" 2 2 127.0.0.1:0 --threads 1 || { echo "FAIL: the cluster did not start"; exit 1; }
 krc_spawn router-m "$bin/kvrelay-router" --model "$model" --id router-m --nodes "$KRC_DIR/nodes.json" \
-  --listen 127.0.0.1:0 --http 127.0.0.1:0 --max-tokens-limit 512 --prefill-timeout-ms 5000 --migrate
+  --listen 127.0.0.1:0 --http 127.0.0.1:0 --max-tokens-limit 512 --prefill-timeout-ms 8000 --migrate
 krc_wait_serving router-m "$(krc_pid router-m)" >/dev/null || { echo "FAIL: router-m did not start"; exit 1; }
 router=$KRC_ROUTER
 router_m=$(krc_addr router-m)
@@ -263,10 +263,11 @@ echo "(f) decode-0 SIGTERMed: ${f_state:-?} at the router after $(elapsed "$t_te
 check_blocks "(f)" decode-1
 
 # ---- (h) a frozen prefill node (SIGSTOP) holding queued requests: each times out after the
-# --migrate router's --prefill-timeout-ms (5 s) and is retried once on the other prefill node.
+# --migrate router's --prefill-timeout-ms (8 s) and is retried once on the other prefill node.
 # The cap counts queue wait too, so prefill-0 must get through its own four prompts and the four
 # retried ones within it: 600-token prompts take 0.3-0.5 s each there under ASan on a loaded
-# machine (900-token ones behind a 3 s cap did not always make it)
+# machine, and more at a load average of 9 (900-token ones behind a 3 s cap, and 600-token ones
+# behind 5 s at that load, did not always make it)
 kr_wait_state "$router_m" prefill-0 30 serving >/dev/null || fail "(h) router-m does not see prefill-0 serving"
 kr_wait_state "$router_m" decode-1 30 serving >/dev/null || fail "(h) router-m does not see decode-1 serving"
 d=$KRC_DIR/h; mkdir -p "$d"
