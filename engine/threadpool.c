@@ -1,9 +1,12 @@
 /*
  * threadpool.c - a fork-join pool for the engine's kernels. kr_threadpool_run runs one function
- * on every thread (the caller is thread 0) and returns when all are done. Workers spin for a
- * short while between jobs (a decode step dispatches dozens of small jobs back to back, and a
- * futex wake costs more than the job), then sleep on a condition variable so an idle engine
- * uses no CPU. Not a general task queue: one job at a time, one caller at a time.
+ * on every thread (the caller is thread 0) and returns when all are done. Between jobs a worker
+ * spins on the job counter with a pause instruction for SPIN_NS, then parks on a condition
+ * variable, so an idle engine (a server between requests) uses no CPU. On free cores a decode
+ * step's ~130 jobs follow each other within the spin and a worker parks about once per step; on
+ * an oversubscribed machine it parks at nearly every job, which is what keeps decode from
+ * collapsing there (docs/engine.md, "Thread pool"). Not a general task queue: one job at a time,
+ * one caller at a time. Tested by tests/unit/test_threadpool.c.
  */
 #include "kr-threadpool.h"
 #include "kr-util.h"
@@ -13,6 +16,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -21,11 +25,15 @@
 #define cpu_relax() ((void)0)
 #endif
 
-/* Short: a decode step's jobs follow each other within microseconds, so a worker rarely sleeps
- * mid-step; a longer spin only burns a core that a serial stretch of the caller (a policy
- * trimming the cache) or another process on a 2-core machine needs (measured: 2^14 and more
- * made decode several times slower under load). */
-enum { SPIN_BEFORE_SLEEP = 1 << 12 };
+/* How long a worker spins without a job before it parks (ns). Measured on a 2-core EPYC VM
+ * (docs/engine.md, "Thread pool"): with the cores to itself a worker parks about once per decode
+ * step at this length, so spinning longer has nothing left to save; on the machine shared with
+ * other processes, spinning 2 ms made decode 3-5 times slower, and spinning 2 ms with
+ * sched_yield after 60 us was no faster than this. Time, not a count of pauses: a pause takes
+ * 30 ns on that EPYC, 140 cycles on recent Intel parts and a few cycles on older ones. */
+enum { SPIN_NS = 128000 };
+/* The clock is read once per this many pauses (about 2 us; a read costs about one pause). */
+enum { PAUSES_PER_CLOCK = 64 };
 
 typedef struct worker {
     kr_threadpool *tp;
@@ -38,13 +46,40 @@ struct kr_threadpool {
     worker *workers; /* [n - 1] */
     kr_task_fn fn;
     void *arg;
-    atomic_uint gen; /* bumped once per job */
+    atomic_uint gen; /* bumped once per job, under mu */
     atomic_int done; /* workers finished with the current job */
     atomic_int stop;
-    int sleepers; /* guarded by mu */
+    atomic_int parked; /* workers waiting on cv; changed under mu, read without it */
     pthread_mutex_t mu;
     pthread_cond_t cv;
 };
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Waits until the job counter moves past `seen` and returns its new value. No lost wake-up: the
+ * counter is bumped under mu and re-read under mu before waiting, and the bump broadcasts when
+ * anyone is parked. */
+static unsigned wait_for_job(kr_threadpool *tp, unsigned seen)
+{
+    const int64_t idle_since = now_ns();
+    for (unsigned spins = 1;; spins++) {
+        unsigned g = atomic_load_explicit(&tp->gen, memory_order_acquire);
+        if (g != seen) return g;
+        cpu_relax();
+        if (spins % PAUSES_PER_CLOCK || now_ns() - idle_since < SPIN_NS) continue;
+        pthread_mutex_lock(&tp->mu);
+        atomic_fetch_add_explicit(&tp->parked, 1, memory_order_relaxed);
+        while (atomic_load_explicit(&tp->gen, memory_order_relaxed) == seen) pthread_cond_wait(&tp->cv, &tp->mu);
+        atomic_fetch_sub_explicit(&tp->parked, 1, memory_order_relaxed);
+        pthread_mutex_unlock(&tp->mu);
+        return atomic_load_explicit(&tp->gen, memory_order_acquire);
+    }
+}
 
 static void *worker_main(void *p)
 {
@@ -52,21 +87,7 @@ static void *worker_main(void *p)
     kr_threadpool *tp = w->tp;
     unsigned seen = 0;
     for (;;) {
-        unsigned g;
-        int spins = 0;
-        while ((g = atomic_load_explicit(&tp->gen, memory_order_acquire)) == seen) {
-            if (++spins < SPIN_BEFORE_SLEEP) {
-                cpu_relax();
-                continue;
-            }
-            pthread_mutex_lock(&tp->mu);
-            tp->sleepers++;
-            while (atomic_load(&tp->gen) == seen) pthread_cond_wait(&tp->cv, &tp->mu);
-            tp->sleepers--;
-            pthread_mutex_unlock(&tp->mu);
-            spins = 0;
-        }
-        seen = g;
+        seen = wait_for_job(tp, seen);
         if (atomic_load(&tp->stop)) return NULL;
         tp->fn(tp->arg, w->ith, tp->n);
         atomic_fetch_add_explicit(&tp->done, 1, memory_order_release);
@@ -122,6 +143,11 @@ int kr_threadpool_size(const kr_threadpool *tp)
     return tp->n;
 }
 
+int kr_threadpool_parked(const kr_threadpool *tp)
+{
+    return atomic_load_explicit(&tp->parked, memory_order_relaxed);
+}
+
 void kr_threadpool_run(kr_threadpool *tp, kr_task_fn fn, void *arg)
 {
     if (tp->n == 1) {
@@ -133,7 +159,7 @@ void kr_threadpool_run(kr_threadpool *tp, kr_task_fn fn, void *arg)
     atomic_store_explicit(&tp->done, 0, memory_order_relaxed);
     pthread_mutex_lock(&tp->mu);
     atomic_fetch_add_explicit(&tp->gen, 1, memory_order_release);
-    if (tp->sleepers) pthread_cond_broadcast(&tp->cv);
+    if (atomic_load_explicit(&tp->parked, memory_order_relaxed)) pthread_cond_broadcast(&tp->cv);
     pthread_mutex_unlock(&tp->mu);
     fn(arg, 0, tp->n);
     while (atomic_load_explicit(&tp->done, memory_order_acquire) != tp->n - 1) cpu_relax();
