@@ -686,17 +686,27 @@ static double kt_step(kt_transport *t)
             }
         }
         if (!r->done && !r->req && r->state == KT_XFER_STATE_RECEIVING) {
-            /* Every byte of this part is in the buffer. */
+            /* Every byte of this part is in the buffer. Its checksums (milliseconds for tens of
+             * MiB) are checked without the lock, so Reserve and Send callers need not wait for
+             * them: only this thread frees a reservation or accepts its next part, so r and the
+             * part stay as they are; a release meanwhile only marks r done, and wins. */
             char perr[KT_ERR_MAX] = "";
             kt_bundle_view v;
-            int bad = (r->flags & KT_RESERVE_PARSE) &&
-                      (kt_bundle_parse(r->buf ? r->buf + r->filled : r->part, (size_t)r->len, &v,
-                                       perr) != 0 ||
-                       (r->set && kt_bundle_set_add(r->set, &v, !r->more, perr) != 0));
+            int bad = 0;
+            if (r->flags & KT_RESERVE_PARSE) {
+                const uint8_t *part = r->buf ? r->buf + r->filled : r->part;
+                pthread_mutex_unlock(&t->lock);
+                bad = kt_bundle_parse(part, (size_t)r->len, &v, perr) != 0 ||
+                      (r->set && kt_bundle_set_add(r->set, &v, !r->more, perr) != 0);
+                pthread_mutex_lock(&t->lock);
+            }
             if (!bad)
                 r->part = NULL; /* the set holds it now */
-            char msg[KT_ERR_MAX];
-            if (bad) {
+            char msg[KT_ERR_MAX] = "";
+            if (r->done) { /* released while the part was checked: the sender hears that */
+                snprintf(msg, sizeof msg, "%s", r->msg);
+                bad = 1;
+            } else if (bad) {
                 snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 " rejected: %s", r->id,
                          perr);
                 kt_log(t, "%s", msg);
@@ -707,8 +717,7 @@ static double kt_step(kt_transport *t)
             } else {
                 kt_resv_finish(r, 0, r->filled + r->len, "");
             }
-            kt_ack_queue(t, r->from, r->seq, r->id, bad ? -1 : 0, bad ? 0 : r->len,
-                         bad ? msg : "");
+            kt_ack_queue(t, r->from, r->seq, r->id, bad ? -1 : 0, bad ? 0 : r->len, msg);
         }
         if (!r->done && (t->stopping || now >= r->deadline)) {
             char msg[KT_ERR_MAX];
