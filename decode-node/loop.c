@@ -195,18 +195,30 @@ static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_
 
 /* ------------------------------------------------------------------ joining the batch */
 
-/* One run of a list's slots in the pool's blocks, filled straight from the received bundle
- * (kr_list_fill_fn): the only copy of the rows on this node, converting to float32. */
+/* One run of a list's slots in the pool's blocks, filled from the received bundle
+ * (kr_list_fill_fn): straight into an f32 pool (the only copy of the rows on this node), through
+ * `rows` (float32 K then V rows of one block) into a bf16 or f16 pool, rounded there. */
 typedef struct fill_arg {
     const kt_bundle_set *set;
     uint32_t layer, head;
+    size_t head_dim;
+    float *rows; /* NULL for an f32 pool */
 } fill_arg;
 
-static int fill_rows(void *arg, int first, int n, int32_t *pos, float *k, float *v, char *err)
+static int fill_rows(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k, void *v,
+                     char *err)
 {
     const fill_arg *a = arg;
-    return kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos, k, v,
-                              err);
+    if (dtype == KR_DTYPE_F32)
+        return kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos, k,
+                                  v, err);
+    const size_t elems = (size_t)n * a->head_dim;
+    if (kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos, a->rows,
+                           a->rows + elems, err) != 0)
+        return -1;
+    kr_dtype_from_f32(dtype, a->rows, elems, k);
+    kr_dtype_from_f32(dtype, a->rows + elems, elems, v);
+    return 0;
 }
 
 /* The bundle -> a sequence of this node's pool, exactly as the prefill node held it, each list
@@ -218,8 +230,17 @@ static int import(dn_loop *L, dn_job *j, char *err)
     const kr_config *c = n->mcfg;
     const kt_bundle_set *v = &j->set;
     kr_seq *s = NULL;
+    float *rows = NULL;
+    if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32) {
+        rows = malloc(sizeof(float) * 2 * (size_t)kr_kv_pool_block_size(n->pool) *
+                      (size_t)c->head_dim);
+        if (!rows) {
+            snprintf(err, KR_ERR_MAX, "out of memory for the rows of one KV block");
+            return -1;
+        }
+    }
     if (kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &s, err) != KR_OK)
-        return -1;
+        goto err_rows;
     for (int l = 0; l < c->n_layers; l++) {
         for (int h = 0; h < c->n_kv_heads; h++) {
             kt_bundle_list lv;
@@ -230,7 +251,8 @@ static int import(dn_loop *L, dn_job *j, char *err)
                 goto err_seq;
             if (lv.count == 0)
                 continue;
-            fill_arg a = {.set = v, .layer = (uint32_t)l, .head = (uint32_t)h};
+            fill_arg a = {.set = v, .layer = (uint32_t)l, .head = (uint32_t)h,
+                          .head_dim = (size_t)c->head_dim, .rows = rows};
             if (kr_seq_list_fill(s, l, h, (int)lv.count, (int)lv.pinned, fill_rows, &a, err) !=
                 KR_OK)
                 goto err_seq;
@@ -238,10 +260,13 @@ static int import(dn_loop *L, dn_job *j, char *err)
     }
     if (kr_seq_set_next_pos(s, v->hdr.next_pos, err) != KR_OK)
         goto err_seq;
+    free(rows);
     j->seq = s;
     return 0;
 err_seq:
     kr_seq_free(s);
+err_rows:
+    free(rows);
     return -1;
 }
 

@@ -57,7 +57,8 @@ typedef struct kr_backend_ops {
     /* Rotates x[n][n_heads][head_dim] in place (HF rotate-half): cos_sin[n][head_dim/2][2]. */
     void (*rope)(kr_backend *b, float *x, int n, int n_heads, int head_dim, const float *cos_sin);
     /* Stores k, v [n][n_kv_heads][head_dim] of layer `layer` as entries len-n .. len-1 of each
-     * (layer, KV head) of s (room made by kr_seq_grow, lengths already set), positions pos[n]. */
+     * (layer, KV head) of s (room made by kr_seq_grow, lengths already set), positions pos[n],
+     * rounded to the pool's dtype. */
     void (*kv_store)(kr_backend *b, kr_seq *s, int layer, const float *k, const float *v, int n,
                      const int32_t *pos);
     /* out[n][n_heads][head_dim] = causal attention of q[n][n_heads][head_dim] over the cached
@@ -86,6 +87,10 @@ typedef struct kr_backend_ops {
      * out of the softmax) add 0. n_hidden = 0: every observer sees the whole list. */
     void (*score_past)(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_obs,
                        int n_heads, int per_head, int n_hidden, float *scores, size_t stride);
+    /* The KV pool dtypes the cache ops read and write, bit 1 << kr_dtype for each (f32 is always
+     * one: 0 means f32 only). kr_ctx_create refuses a KV dtype the backend does not store and
+     * kr_forward a sequence in a pool of one. */
+    unsigned kv_dtypes;
 } kr_backend_ops;
 
 extern const kr_backend_ops kr_cpu_backend;

@@ -38,6 +38,7 @@ struct kr_ctx {
     const kr_backend_ops *ops;
     kr_backend *be;
     int max_chunk;
+    kr_dtype kv_dtype; /* of the pools kr_ctx_kv_pool_create makes */
     float *inv_freq; /* [head_dim/2], host */
     float *cos_sin; /* [max_chunk][head_dim/2][2], host */
     int32_t *pos; /* [max_chunk] */
@@ -159,6 +160,45 @@ void kr_ctx_free(kr_ctx *c)
     free(c);
 }
 
+static int backend_stores(const kr_backend_ops *ops, kr_dtype t)
+{
+    return t == KR_DTYPE_F32 || ((ops->kv_dtypes >> t) & 1u);
+}
+
+static const char *backend_title(const kr_backend_ops *ops)
+{
+    return !strcmp(ops->name, "cuda") ? "CUDA" : !strcmp(ops->name, "cpu") ? "CPU" : ops->name;
+}
+
+/* as the tools' --kv-cache-dtype spells it */
+static const char *kv_name(kr_dtype t)
+{
+    return t == KR_DTYPE_BF16 ? "bf16" : t == KR_DTYPE_F16 ? "f16" : "f32";
+}
+
+/* kr_ctx_params.kv_dtype for a model on a backend: auto is the weights' dtype where the backend
+ * stores it, else f32; a dtype asked for by name must be one the backend stores. */
+static int resolve_kv_dtype(const kr_backend_ops *ops, const kr_model *m, kr_kv_dtype want, kr_dtype *out,
+                            char *err)
+{
+    kr_dtype t;
+    switch (want) {
+    case KR_KV_DTYPE_AUTO:
+        t = m->weight_dtype;
+        *out = backend_stores(ops, t) ? t : KR_DTYPE_F32;
+        return KR_OK;
+    case KR_KV_DTYPE_F32: t = KR_DTYPE_F32; break;
+    case KR_KV_DTYPE_F16: t = KR_DTYPE_F16; break;
+    case KR_KV_DTYPE_BF16: t = KR_DTYPE_BF16; break;
+    default: return kr_errf(err, "context: KV cache dtype %d is not one of auto, f32, f16, bf16", (int)want);
+    }
+    if (!backend_stores(ops, t))
+        return kr_errf(err, "KV cache dtype %s is not supported by the %s backend",
+                       kv_name(t), backend_title(ops));
+    *out = t;
+    return KR_OK;
+}
+
 int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char *err)
 {
     kr_ctx_params def = {.backend = KR_BACKEND_CPU, .n_threads = 0, .max_chunk = 0};
@@ -174,11 +214,14 @@ int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char 
     int threads = p->n_threads > 0 ? p->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (threads < 1) threads = 1;
     int chunk = p->max_chunk > 0 ? p->max_chunk : 512;
+    kr_dtype kv_dtype = KR_DTYPE_F32;
+    if (resolve_kv_dtype(ops, m, p->kv_dtype, &kv_dtype, err) != KR_OK) return -1;
     kr_ctx *c = calloc(1, sizeof *c);
     if (!c) return kr_errf(err, "context: out of memory");
     c->model = m;
     c->ops = ops;
     c->max_chunk = chunk;
+    c->kv_dtype = kv_dtype;
     if (c->ops->create(m, threads, chunk, &c->be, err) != KR_OK) {
         free(c);
         return -1;
@@ -217,12 +260,18 @@ static void *kv_alloc_via(void *ctx, size_t bytes)
     return a->ops->kv_alloc(a->be, bytes);
 }
 
+kr_dtype kr_ctx_kv_dtype(const kr_ctx *c)
+{
+    return c->kv_dtype;
+}
+
 int kr_ctx_kv_pool_create(const kr_ctx *c, int block_size, int n_blocks, kr_kv_pool **out, char *err)
 {
     const int hd = c->model->cfg.head_dim;
-    if (!c->ops->kv_alloc) return kr_kv_pool_create(hd, block_size, n_blocks, out, err);
+    if (!c->ops->kv_alloc) return kr_kv_pool_create(hd, block_size, n_blocks, c->kv_dtype, out, err);
     kv_alloc_ctx a = {.ops = c->ops, .be = c->be};
-    return kr_kv_pool_create_in(hd, block_size, n_blocks, kv_alloc_via, &a, c->ops->kv_free, out, err);
+    return kr_kv_pool_create_in(hd, block_size, n_blocks, c->kv_dtype, kv_alloc_via, &a, c->ops->kv_free, out,
+                                err);
 }
 
 static void fill_rope(kr_ctx *c, int n)
@@ -435,6 +484,9 @@ static int check_seq_shape(const kr_ctx *c, const kr_seq *s, const char *what, i
         return kr_errf(err, "%s: sequence %d has %d layers x %d KV heads x head_dim %d, the model %d x %d x %d",
                        what, index, s->n_layers, s->n_kv_heads, s->pool->head_dim, cfg->n_layers,
                        cfg->n_kv_heads, cfg->head_dim);
+    if (!backend_stores(c->ops, s->pool->dtype))
+        return kr_errf(err, "%s: sequence %d: KV cache dtype %s is not supported by the %s backend", what, index,
+                       kv_name(s->pool->dtype), backend_title(c->ops));
     return KR_OK;
 }
 

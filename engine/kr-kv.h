@@ -5,8 +5,11 @@
  * entries: kv.c, forward.c, the policies (policy*.c), sequence import/export (seq-io.c) and the
  * backends (through backend.h). Not installed; the public side is kr.h.
  *
- * A block stores `block_size` entries of one (layer, KV head): keys [block_size][head_dim] f32
- * post-RoPE, values [block_size][head_dim] f32, positions.
+ * A block stores `block_size` entries of one (layer, KV head): keys [block_size][head_dim]
+ * post-RoPE, values [block_size][head_dim], both in the pool's dtype (f32, bf16 or f16), and
+ * positions. The row accessors return byte pointers to rows of `row_bytes`; readers widen them
+ * (kr_dtype_to_f32, or the backend's vector loads) and writers round into them
+ * (kr_dtype_from_f32, kr_seq_put).
  */
 #ifndef KR_KV_H
 #define KR_KV_H
@@ -21,8 +24,10 @@ struct kr_kv_pool {
     int head_dim;
     int block_size;
     int n_blocks;
-    float *k; /* [n_blocks][block_size][head_dim] */
-    float *v; /* [n_blocks][block_size][head_dim] */
+    kr_dtype dtype; /* of keys and values */
+    size_t row_bytes; /* one key or value row: head_dim * kr_dtype_size(dtype) */
+    uint8_t *k; /* [n_blocks][block_size][head_dim] of dtype */
+    uint8_t *v; /* [n_blocks][block_size][head_dim] of dtype */
     int32_t *pos; /* [n_blocks][block_size] */
     int32_t *free_ids; /* stack of free block ids, [n_blocks] */
     int n_free;
@@ -31,7 +36,7 @@ struct kr_kv_pool {
 
 /* kr_kv_pool_create with k, v and pos from `alloc` (host memory, or memory a backend's kernels
  * and the host can both address: CUDA managed memory), released by `release`. */
-int kr_kv_pool_create_in(int head_dim, int block_size, int n_blocks,
+int kr_kv_pool_create_in(int head_dim, int block_size, int n_blocks, kr_dtype dtype,
                          void *(*alloc)(void *ctx, size_t bytes), void *alloc_ctx,
                          void (*release)(void *p), kr_kv_pool **out, char *err);
 
@@ -64,25 +69,25 @@ static inline kr_kv_list *kr_seq_list(kr_seq *s, int layer, int kv_head)
 {
     return &s->lists[layer * s->n_kv_heads + kv_head];
 }
-static inline float *kr_kv_key(const kr_kv_pool *p, int32_t block, int slot)
+static inline void *kr_kv_key(const kr_kv_pool *p, int32_t block, int slot)
 {
-    return p->k + ((size_t)block * (size_t)p->block_size + (size_t)slot) * (size_t)p->head_dim;
+    return p->k + ((size_t)block * (size_t)p->block_size + (size_t)slot) * p->row_bytes;
 }
-static inline float *kr_kv_value(const kr_kv_pool *p, int32_t block, int slot)
+static inline void *kr_kv_value(const kr_kv_pool *p, int32_t block, int slot)
 {
-    return p->v + ((size_t)block * (size_t)p->block_size + (size_t)slot) * (size_t)p->head_dim;
+    return p->v + ((size_t)block * (size_t)p->block_size + (size_t)slot) * p->row_bytes;
 }
 static inline int32_t *kr_kv_pos(const kr_kv_pool *p, int32_t block, int slot)
 {
     return p->pos + (size_t)block * (size_t)p->block_size + (size_t)slot;
 }
-/* Entry e of a list: its key, value and position. */
-static inline float *kr_kv_list_key(const kr_kv_pool *p, const kr_kv_list *l, int e)
+/* Entry e of a list: its key and value rows (of the pool's dtype) and position. */
+static inline void *kr_kv_list_key(const kr_kv_pool *p, const kr_kv_list *l, int e)
 {
     int i = l->off + e;
     return kr_kv_key(p, l->blocks[i / p->block_size], i % p->block_size);
 }
-static inline float *kr_kv_list_value(const kr_kv_pool *p, const kr_kv_list *l, int e)
+static inline void *kr_kv_list_value(const kr_kv_pool *p, const kr_kv_list *l, int e)
 {
     int i = l->off + e;
     return kr_kv_value(p, l->blocks[i / p->block_size], i % p->block_size);
@@ -95,7 +100,7 @@ static inline int32_t *kr_kv_list_pos(const kr_kv_pool *p, const kr_kv_list *l, 
 /* Key and value rows of entries [e0, e0 + n) of a list, stepping through the blocks (the
  * per-entry accessors divide by the block size: too slow for attention's inner loops). */
 static inline void kr_kv_list_rows(const kr_kv_pool *p, const kr_kv_list *l, int e0, int n,
-                                   const float **k, const float **v)
+                                   const void **k, const void **v)
 {
     int i = l->off + e0, b = i / p->block_size, slot = i % p->block_size;
     for (int j = 0; j < n; j++) {
@@ -123,8 +128,8 @@ void kr_seq_keep_ends(kr_seq *s, int layer, int kv_head, int head, int tail);
 int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int32_t min_pos);
 /* The rule of a list that is never trimmed: what a sequence without a policy has. */
 extern const kr_list_rule kr_rule_dense; /* kv.c */
-/* Writes entry `idx` (< the grown capacity) of one (layer, KV head). Lengths are set by the
- * caller through the list's `len`. */
+/* Writes entry `idx` (< the grown capacity) of one (layer, KV head): float32 key and value
+ * rounded to the pool's dtype. Lengths are set by the caller through the list's `len`. */
 void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,
                 int32_t pos);
 

@@ -34,6 +34,12 @@ typedef enum kr_dtype {
 
 const char *kr_dtype_name(kr_dtype t);
 size_t kr_dtype_size(kr_dtype t);
+/* n elements of dtype t at src -> float32 at dst: exact. */
+void kr_dtype_to_f32(kr_dtype t, const void *src, size_t n, float *dst);
+/* n float32 elements at src -> dtype t at dst, rounded to nearest even (bf16, IEEE f16 with
+ * subnormals); NaN stays NaN, overflow becomes infinity. For rows of a KV pool's dtype
+ * (kr_list_rows_fn, kr_list_fill_fn). */
+void kr_dtype_from_f32(kr_dtype t, const float *src, size_t n, void *dst);
 
 typedef enum kr_arch {
     KR_ARCH_LLAMA = 0, /* LlamaForCausalLM */
@@ -143,10 +149,14 @@ int kr_detok_flush(kr_detok *d, const char **delta, size_t *delta_len);
 /* ------------------------------------------------------------------ KV cache */
 
 /* A fixed pool of blocks. A block holds `block_size` entries of one (layer, KV head): keys
- * (post-RoPE), values and each entry's position. The pool is what admission reasons about. */
+ * (post-RoPE), values and each entry's position. The pool is what admission reasons about.
+ * Keys and values are stored in `dtype` (f32, bf16 or f16): a forward computes them in float32
+ * and rounds them to nearest even when it stores them; attention widens them exactly. */
 typedef struct kr_kv_pool kr_kv_pool;
-int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_kv_pool **out, char *err);
+int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_dtype dtype, kr_kv_pool **out,
+                      char *err);
 void kr_kv_pool_free(kr_kv_pool *p);
+kr_dtype kr_kv_pool_dtype(const kr_kv_pool *p);
 int kr_kv_pool_block_size(const kr_kv_pool *p);
 int kr_kv_pool_n_blocks(const kr_kv_pool *p);
 int kr_kv_pool_n_free(const kr_kv_pool *p);
@@ -216,18 +226,31 @@ typedef enum kr_backend_kind {
 /* Execution context: a model on a backend with scratch buffers sized once for `max_chunk`
  * tokens and a thread pool. Not thread-safe: one caller at a time. */
 typedef struct kr_ctx kr_ctx;
+/* The dtype of the KV pools kr_ctx_kv_pool_create makes. */
+typedef enum kr_kv_dtype {
+    KR_KV_DTYPE_AUTO = 0, /* the weights' dtype (kr_model_weight_dtype) where the backend can store
+                           * it, else f32: a bf16 checkpoint gets a bf16 cache on the CPU */
+    KR_KV_DTYPE_F32 = 1,
+    KR_KV_DTYPE_F16 = 2,
+    KR_KV_DTYPE_BF16 = 3,
+} kr_kv_dtype;
 typedef struct kr_ctx_params {
     kr_backend_kind backend;
     int n_threads; /* <= 0: all online CPUs */
     int max_chunk; /* most tokens one kr_forward call takes; <= 0: 512 */
+    kr_kv_dtype kv_dtype; /* a backend that cannot store the dtype asked for fails kr_ctx_create
+                           * (the CUDA backend stores f32 only) */
 } kr_ctx_params;
 
 int kr_ctx_create(const kr_model *m, const kr_ctx_params *p, kr_ctx **out, char *err);
 void kr_ctx_free(kr_ctx *c);
 int kr_ctx_n_threads(const kr_ctx *c);
-/* kr_kv_pool_create for the context's model (its head_dim) in memory the context's backend
- * computes on: host memory on the CPU, CUDA managed memory on the CUDA backend. Pools that a
- * context's kr_forward/kr_prefill use must come from here (a host pool on the CPU only). The
+/* The KV cache dtype of the context's pools: kr_ctx_params.kv_dtype with auto resolved. */
+kr_dtype kr_ctx_kv_dtype(const kr_ctx *c);
+/* kr_kv_pool_create for the context's model (its head_dim) in the context's KV dtype, in memory
+ * the context's backend computes on: host memory on the CPU, CUDA managed memory on the CUDA
+ * backend. Pools that a context's kr_forward/kr_prefill use must come from here (a host pool of
+ * any dtype on the CPU only; kr_forward refuses a pool whose dtype the backend cannot read). The
  * pool may outlive the context; free it with kr_kv_pool_free. */
 int kr_ctx_kv_pool_create(const kr_ctx *c, int block_size, int n_blocks, kr_kv_pool **out, char *err);
 
@@ -326,7 +349,10 @@ int kr_policy_list_window(const kr_policy *p, int layer, int kv_head);
 /* ------------------------------------------------------------------ moving a sequence
  * What the KV bundle carries between processes (kvtransfer/ knows nothing of the engine; the
  * nodes copy through these). A list is [pinned entries | window entries], positions strictly
- * increasing; keys post-RoPE, float32; with each list its decode rule.
+ * increasing; keys post-RoPE; with each list its decode rule. kr_seq_list_read and
+ * kr_seq_list_append copy float32 rows (converted from and to the pool's dtype: a float32 row
+ * appended to a bf16 or f16 pool is rounded); kr_seq_list_visit and kr_seq_list_fill hand out
+ * the rows in place, in the pool's dtype.
  *
  * The receiver, in this order: kr_seq_create; one kr_seq_list_append per list, in any order (a
  * list's entries may also come in several calls) and its kr_seq_list_set_rule;
@@ -338,30 +364,34 @@ int kr_policy_list_window(const kr_policy *p, int layer, int kv_head);
  * Either pointer may be NULL. */
 void kr_seq_list_shape(const kr_seq *s, int layer, int kv_head, int *len, int *pinned);
 /* Copies entries [first, first + n) of list (layer, kv_head): positions, keys and values rows
- * of head_dim floats (any of the three may be NULL). Fails when the range is outside the list. */
+ * of head_dim floats, widened from the pool's dtype (any of the three may be NULL). Fails when
+ * the range is outside the list. */
 int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, int32_t *pos,
                      float *k, float *v, char *err);
-/* Appends n >= 0 entries to list (layer, kv_head) of a sequence that has not been fed a token
- * nor closed by kr_seq_set_next_pos, taking blocks for this list from the sequence's pool (all
- * or nothing: when the pool runs out the list is left as it was); positions must be >= 0,
- * strictly increasing and above the list's last; then pins the first `pinned` entries of the
- * list (0 <= pinned <= the list's new length; what kr_seq_list_shape reported at the sender). */
+/* Appends n >= 0 entries (float32 rows, rounded to the pool's dtype) to list (layer, kv_head)
+ * of a sequence that has not been fed a token nor closed by kr_seq_set_next_pos, taking blocks
+ * for this list from the sequence's pool (all or nothing: when the pool runs out the list is
+ * left as it was); positions must be >= 0, strictly increasing and above the list's last; then
+ * pins the first `pinned` entries of the list (0 <= pinned <= the list's new length; what
+ * kr_seq_list_shape reported at the sender). */
 int kr_seq_list_append(kr_seq *s, int layer, int kv_head, int n, const int32_t *pos,
                        const float *k, const float *v, int pinned, char *err);
 /* Rows of one run of consecutive entries of a list, in place in the pool's blocks: entries
- * [first, first + n), positions [n], keys and values [n][head_dim] float32, contiguous. Return 0
- * to go on; any other value stops the walk and is returned (write `err` then). */
-typedef int (*kr_list_rows_fn)(void *arg, int first, int n, const int32_t *pos, const float *k,
-                               const float *v, char *err);
+ * [first, first + n), positions [n], keys and values [n][head_dim] elements of `dtype` (the
+ * pool's), contiguous. Return 0 to go on; any other value stops the walk and is returned (write
+ * `err` then). */
+typedef int (*kr_list_rows_fn)(void *arg, int first, int n, const int32_t *pos, kr_dtype dtype,
+                               const void *k, const void *v, char *err);
 /* Calls fn over entries [first, first + n) of list (layer, kv_head) in order, one call per
  * block they span: what a sender copies from, with no copy of its own. Fails like
  * kr_seq_list_read. */
 int kr_seq_list_visit(const kr_seq *s, int layer, int kv_head, int first, int n,
                       kr_list_rows_fn fn, void *arg, char *err);
 /* The slots of one run of appended entries (first counts from the first appended one): fn
- * writes n positions and n key and value rows of head_dim float32 there. */
-typedef int (*kr_list_fill_fn)(void *arg, int first, int n, int32_t *pos, float *k, float *v,
-                               char *err);
+ * writes n positions and n key and value rows of head_dim elements of `dtype` (the pool's)
+ * there (kr_dtype_from_f32 rounds float32 rows). */
+typedef int (*kr_list_fill_fn)(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k,
+                               void *v, char *err);
 /* kr_seq_list_append where the caller writes the rows into the blocks itself: takes blocks for
  * n more entries, calls fn once per block they span, then checks the positions as
  * kr_seq_list_append does; when fn or a check fails the list is left as it was. */

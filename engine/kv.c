@@ -17,34 +17,39 @@ static void *host_alloc(void *ctx, size_t bytes)
     return malloc(bytes);
 }
 
-int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_kv_pool **out, char *err)
+int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_dtype dtype, kr_kv_pool **out,
+                      char *err)
 {
-    return kr_kv_pool_create_in(head_dim, block_size, n_blocks, host_alloc, NULL, free, out, err);
+    return kr_kv_pool_create_in(head_dim, block_size, n_blocks, dtype, host_alloc, NULL, free, out, err);
 }
 
-int kr_kv_pool_create_in(int head_dim, int block_size, int n_blocks,
+int kr_kv_pool_create_in(int head_dim, int block_size, int n_blocks, kr_dtype dtype,
                          void *(*alloc)(void *ctx, size_t bytes), void *alloc_ctx,
                          void (*release)(void *p), kr_kv_pool **out, char *err)
 {
     if (head_dim <= 0 || block_size <= 0 || n_blocks <= 0)
         return kr_errf(err, "KV pool: head_dim %d, block_size %d, n_blocks %d must be positive",
                        head_dim, block_size, n_blocks);
+    if (dtype != KR_DTYPE_F32 && dtype != KR_DTYPE_BF16 && dtype != KR_DTYPE_F16)
+        return kr_errf(err, "KV pool: dtype %d is not one of F32, BF16, F16", (int)dtype);
     kr_kv_pool *p = calloc(1, sizeof *p);
     if (!p) return kr_errf(err, "KV pool: out of memory");
     size_t entries = (size_t)n_blocks * (size_t)block_size;
     p->head_dim = head_dim;
     p->block_size = block_size;
     p->n_blocks = n_blocks;
+    p->dtype = dtype;
+    p->row_bytes = (size_t)head_dim * kr_dtype_size(dtype);
     p->release = release;
-    p->k = alloc(alloc_ctx, entries * (size_t)head_dim * sizeof(float));
-    p->v = alloc(alloc_ctx, entries * (size_t)head_dim * sizeof(float));
+    p->k = alloc(alloc_ctx, entries * p->row_bytes);
+    p->v = alloc(alloc_ctx, entries * p->row_bytes);
     p->pos = alloc(alloc_ctx, entries * sizeof(int32_t));
     p->free_ids = malloc((size_t)n_blocks * sizeof(int32_t));
     if (!p->k || !p->v || !p->pos || !p->free_ids) {
         kr_kv_pool_free(p);
-        return kr_errf(err, "KV pool: cannot allocate %d blocks of %d entries x %d dims (%.1f MiB)",
-                       n_blocks, block_size, head_dim,
-                       (double)entries * head_dim * 8 / (1024.0 * 1024.0));
+        return kr_errf(err, "KV pool: cannot allocate %d blocks of %d entries x %d dims of %s (%.1f MiB)",
+                       n_blocks, block_size, head_dim, kr_dtype_name(dtype),
+                       (double)entries * (double)(2 * p->row_bytes + sizeof(int32_t)) / (1024.0 * 1024.0));
     }
     /* hand out low block ids first */
     for (int i = 0; i < n_blocks; i++) p->free_ids[i] = n_blocks - 1 - i;
@@ -61,6 +66,11 @@ void kr_kv_pool_free(kr_kv_pool *p)
     if (p->pos) p->release(p->pos);
     free(p->free_ids);
     free(p);
+}
+
+kr_dtype kr_kv_pool_dtype(const kr_kv_pool *p)
+{
+    return p->dtype;
 }
 
 int kr_kv_pool_block_size(const kr_kv_pool *p)
@@ -197,8 +207,8 @@ void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, cons
 {
     kr_kv_pool *p = s->pool;
     kr_kv_list *l = kr_seq_list(s, layer, kv_head);
-    memcpy(kr_kv_list_key(p, l, idx), k, (size_t)p->head_dim * sizeof(float));
-    memcpy(kr_kv_list_value(p, l, idx), v, (size_t)p->head_dim * sizeof(float));
+    kr_dtype_from_f32(p->dtype, k, (size_t)p->head_dim, kr_kv_list_key(p, l, idx));
+    kr_dtype_from_f32(p->dtype, v, (size_t)p->head_dim, kr_kv_list_value(p, l, idx));
     *kr_kv_list_pos(p, l, idx) = pos;
 }
 
@@ -216,8 +226,8 @@ int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int3
 /* entry `from` of a list overwrites entry `to` */
 static void move_entry(const kr_kv_pool *p, const kr_kv_list *l, int from, int to)
 {
-    memcpy(kr_kv_list_key(p, l, to), kr_kv_list_key(p, l, from), sizeof(float) * p->head_dim);
-    memcpy(kr_kv_list_value(p, l, to), kr_kv_list_value(p, l, from), sizeof(float) * p->head_dim);
+    memcpy(kr_kv_list_key(p, l, to), kr_kv_list_key(p, l, from), p->row_bytes);
+    memcpy(kr_kv_list_value(p, l, to), kr_kv_list_value(p, l, from), p->row_bytes);
     *kr_kv_list_pos(p, l, to) = *kr_kv_list_pos(p, l, from);
 }
 

@@ -77,6 +77,29 @@ void kr_policy_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_
     else if (p->decode_window >= 0) rule->window = p->decode_window;
 }
 
+/* Element i of a key row of dtype t, widened; and storing one, rounded to nearest even. */
+static float key_at(const void *row, kr_dtype t, int i)
+{
+    switch (t) {
+    case KR_DTYPE_BF16: return kr_bf16_to_f32(((const uint16_t *)row)[i]);
+    case KR_DTYPE_F16: return kr_f16_to_f32(((const uint16_t *)row)[i]);
+    case KR_DTYPE_F32: break;
+    }
+    return ((const float *)row)[i];
+}
+
+static void key_set(void *row, kr_dtype t, int i, float x)
+{
+    switch (t) {
+    case KR_DTYPE_BF16: ((uint16_t *)row)[i] = kr_f32_to_bf16(x); return;
+    case KR_DTYPE_F16: ((uint16_t *)row)[i] = kr_f32_to_f16(x); return;
+    case KR_DTYPE_F32: break;
+    }
+    ((float *)row)[i] = x;
+}
+
+/* A bf16 or f16 key is rotated from its rounded value and rounded again: each re-rotation of a
+ * pos=rel list adds one rounding to the keys it moves. */
 void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_head)
 {
     kr_kv_pool *p = s->pool;
@@ -86,13 +109,14 @@ void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_he
         int32_t *pos = kr_kv_list_pos(p, l, e);
         int delta = e - *pos;
         if (delta == 0) continue;
-        float *k = kr_kv_list_key(p, l, e);
+        void *k = kr_kv_list_key(p, l, e);
         /* RoPE(p + delta) = rotation by omega_i * delta of RoPE(p): rotate-half pairs (i, i+half) */
         for (int i = 0; i < half; i++) {
             double a = (double)delta * env->inv_freq[i];
-            float c = (float)cos(a), sn = (float)sin(a), x1 = k[i], x2 = k[i + half];
-            k[i] = x1 * c - x2 * sn;
-            k[i + half] = x2 * c + x1 * sn;
+            float c = (float)cos(a), sn = (float)sin(a), x1 = key_at(k, p->dtype, i),
+                  x2 = key_at(k, p->dtype, i + half);
+            key_set(k, p->dtype, i, x1 * c - x2 * sn);
+            key_set(k, p->dtype, i + half, x2 * c + x1 * sn);
         }
         *pos = e;
     }

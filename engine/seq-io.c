@@ -3,7 +3,8 @@
  * filling a new sequence's lists and their decode rules from them, closing it with the next
  * position so decode goes on exactly as in the sender, and the block bound a receiver reserves. The KV bundle
  * (kvtransfer/) carries what these read and write; this file knows nothing of it.
- * What it is not: a codec or a transport. Entries are float32 keys (post-RoPE) and values.
+ * What it is not: a codec or a transport. Entries are keys (post-RoPE) and values in the pool's
+ * dtype; kr_seq_list_read and kr_seq_list_append convert them from and to float32 rows.
  *
  * Order on the receiving side: kr_seq_create, kr_seq_list_append (or kr_seq_list_fill) and
  * kr_seq_list_set_rule for every list (any order), kr_seq_set_next_pos, then decode.
@@ -50,8 +51,8 @@ void kr_seq_list_shape(const kr_seq *s, int layer, int kv_head, int *len, int *p
 /* The run of entries [e, e + n_left) of a list that shares e's block: entry e sits at slot
  * (off + e) % B of block (off + e) / B, and a block's slots are consecutive rows of the pool's
  * arrays. Returns its length (<= n_left) with pointers to its first row. */
-static int list_run(const kr_kv_pool *p, const kr_kv_list *l, int e, int n_left, int32_t **pos, float **k,
-                    float **v)
+static int list_run(const kr_kv_pool *p, const kr_kv_list *l, int e, int n_left, int32_t **pos, void **k,
+                    void **v)
 {
     const int i = l->off + e, slot = i % p->block_size;
     const int32_t b = l->blocks[i / p->block_size];
@@ -71,9 +72,9 @@ int kr_seq_list_visit(const kr_seq *s, int layer, int kv_head, int first, int n,
                        first, first + n, layer, kv_head, l->len);
     for (int at = 0, run; at < n; at += run) {
         int32_t *pos;
-        float *k, *v;
+        void *k, *v;
         run = list_run(s->pool, l, first + at, n - at, &pos, &k, &v);
-        int rc = fn(arg, first + at, run, pos, k, v, err);
+        int rc = fn(arg, first + at, run, pos, s->pool->dtype, k, v, err);
         if (rc != 0) return rc;
     }
     return KR_OK;
@@ -90,13 +91,14 @@ typedef struct rows_copy {
     size_t d; /* head_dim */
 } rows_copy;
 
-static int copy_out(void *arg, int first, int n, const int32_t *pos, const float *k, const float *v, char *err)
+static int copy_out(void *arg, int first, int n, const int32_t *pos, kr_dtype dtype, const void *k,
+                    const void *v, char *err)
 {
     const rows_copy *c = arg;
     const size_t at = (size_t)(first - c->base);
     if (c->pos) memcpy(c->pos + at, pos, sizeof(int32_t) * (size_t)n);
-    if (c->k) memcpy(c->k + at * c->d, k, sizeof(float) * (size_t)n * c->d);
-    if (c->v) memcpy(c->v + at * c->d, v, sizeof(float) * (size_t)n * c->d);
+    if (c->k) kr_dtype_to_f32(dtype, k, (size_t)n * c->d, c->k + at * c->d);
+    if (c->v) kr_dtype_to_f32(dtype, v, (size_t)n * c->d, c->v + at * c->d);
     (void)err;
     return 0;
 }
@@ -108,12 +110,12 @@ int kr_seq_list_read(const kr_seq *s, int layer, int kv_head, int first, int n, 
     return kr_seq_list_visit(s, layer, kv_head, first, n, copy_out, &c, err);
 }
 
-static int copy_in(void *arg, int first, int n, int32_t *pos, float *k, float *v, char *err)
+static int copy_in(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k, void *v, char *err)
 {
     const rows_copy *c = arg;
     memcpy(pos, c->src_pos + first, sizeof(int32_t) * (size_t)n);
-    memcpy(k, c->src_k + (size_t)first * c->d, sizeof(float) * (size_t)n * c->d);
-    memcpy(v, c->src_v + (size_t)first * c->d, sizeof(float) * (size_t)n * c->d);
+    kr_dtype_from_f32(dtype, c->src_k + (size_t)first * c->d, (size_t)n * c->d, k);
+    kr_dtype_from_f32(dtype, c->src_v + (size_t)first * c->d, (size_t)n * c->d, v);
     (void)err;
     return 0;
 }
@@ -143,9 +145,9 @@ int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_li
     int32_t last = l->len ? *kr_kv_list_pos(s->pool, l, l->len - 1) : -1;
     for (int at = 0, run; at < n; at += run) {
         int32_t *pos;
-        float *k, *v;
+        void *k, *v;
         run = list_run(s->pool, l, l->len + at, n - at, &pos, &k, &v);
-        if (fn(arg, at, run, pos, k, v, err) != 0) goto err_spare;
+        if (fn(arg, at, run, pos, s->pool->dtype, k, v, err) != 0) goto err_spare;
         for (int e = 0; e < run; e++) {
             if (pos[e] <= last) {
                 kr_errf(err, "list_append: position %d at entry %d of list (layer %d, KV head %d) is not above "

@@ -115,13 +115,16 @@ typedef struct put_arg {
     uint32_t layer, head; /* layer within the bundle being written */
 } put_arg;
 
-static int put_rows(void *arg, int first, int n, const int32_t *pos, const float *k,
-                    const float *v, char *err)
+static int put_rows(void *arg, int first, int n, const int32_t *pos, kr_dtype dtype,
+                    const void *k, const void *v, char *err)
 {
     const put_arg *a = arg;
     (void)first;
-    return kt_bundle_writer_put(a->w, a->layer, a->head, (uint32_t)n, pos, KT_DTYPE_F32, k, v,
-                                err);
+    /* the writer converts the cache's rows (f32, bf16 or f16) to the wire dtype */
+    const kt_dtype src = dtype == KR_DTYPE_BF16  ? KT_DTYPE_BF16
+                         : dtype == KR_DTYPE_F16 ? KT_DTYPE_F16
+                                                 : KT_DTYPE_F32;
+    return kt_bundle_writer_put(a->w, a->layer, a->head, (uint32_t)n, pos, src, k, v, err);
 }
 
 /* Writes layers [first, first + count) of `seq` into `b`: a whole bundle (segment 0, all the

@@ -129,6 +129,9 @@ double cli_now(void)
 const kc_flag_choice cli_backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
 const kc_flag_choice cli_weight_dtypes[] = {
     {"bf16", KR_DTYPE_BF16}, {"f16", KR_DTYPE_F16}, {"f32", KR_DTYPE_F32}, {NULL, 0}};
+const kc_flag_choice cli_kv_dtypes[] = {{"f32", KR_KV_DTYPE_F32},   {"bf16", KR_KV_DTYPE_BF16},
+                                        {"f16", KR_KV_DTYPE_F16},   {"auto", KR_KV_DTYPE_AUTO},
+                                        {NULL, 0}};
 
 void cli_json_exact(double v, char *buf, size_t cap)
 {

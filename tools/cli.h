@@ -46,6 +46,9 @@ char *cli_read_stdin(size_t *len_out);
 extern const kc_flag_choice cli_backends[];
 /* --dtype's values for weights: bf16, f16 and f32, as kr_dtype. */
 extern const kc_flag_choice cli_weight_dtypes[];
+/* --kv-cache-dtype's values: f32, bf16, f16 and auto (the weights' dtype), as kr_kv_dtype. */
+extern const kc_flag_choice cli_kv_dtypes[];
+#define CLI_KV_DTYPE_HELP "KV cache dtype: f32, bf16, f16, or auto (the weights' dtype; f32 on the CUDA backend)"
 /* A JSON number that parses back to exactly `v` ("%.17g"; cJSON's own printer settles for 15
  * digits when they compare nearly equal), or "null" when v is not finite. For values that
  * must compare bit for bit, e.g. log-probabilities (float32 widened to double). */

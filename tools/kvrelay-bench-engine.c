@@ -3,9 +3,10 @@
  * run: prefill tokens/s as a fraction of the GEMM peak (CPU: OpenBLAS, one sgemm per thread, as
  * the engine runs it; CUDA: one large cuBLAS bf16 GEMM with f32 accumulation), and decode
  * tokens/s, alone or in batches (kr_forward_batch), as a fraction of the memory-bandwidth bound
- * (bytes a decode step must read: weights + the KV cache of every sequence of the batch, over a
- * measured memcpy / device-to-device copy bandwidth).
+ * (bytes a decode step must read: weights + the KV cache of every sequence of the batch in its
+ * dtype, over a measured memcpy / device-to-device copy bandwidth).
  *   kvrelay-bench-engine (--model DIR | --random CONFIG.json) [--dtype bf16] [--threads N]
+ *                        [--kv-cache-dtype f32|bf16|f16|auto]
  * Progress goes to stderr, results to stdout (a table, or one JSON object with --json).
  */
 #include "cli.h"
@@ -293,7 +294,7 @@ int main(int argc, char **argv)
 {
     cli_init(argv);
     const char *model_dir = NULL, *random_cfg = NULL, *policy = "full";
-    int dtype = KR_DTYPE_BF16, backend = KR_BACKEND_CPU, json = 0;
+    int dtype = KR_DTYPE_BF16, backend = KR_BACKEND_CPU, json = 0, kv_dtype = KR_KV_DTYPE_AUTO;
     kr_model_opts mo = {.verbose = 1};
     int threads = 0, decode_tokens = 32, chunk = 512, repeat = 3;
     int_list prefill = {1, {512}}, contexts = {2, {128, 2048}}, batches = {1, {1}};
@@ -310,6 +311,8 @@ int main(int argc, char **argv)
          .def = "all online CPUs", .help = "CPU threads"},
         {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "B", .dest = &backend, .choices = cli_backends,
          .def = "cpu", .help = "cpu or cuda"},
+        {.kind = KC_FLAG_CHOICE, .name = "--kv-cache-dtype", .arg = "T", .dest = &kv_dtype,
+         .choices = cli_kv_dtypes, .def = "auto", .help = CLI_KV_DTYPE_HELP},
         {.kind = KC_FLAG_STRING, .name = "--policy", .arg = "SPEC", .dest = &policy, .def = "full",
          .help = "KV policy: full, streaming, heads, hsft, snapkv, pyramidkv, take, sage; name:key=value,... "
                  "(docs/policies.md)"},
@@ -367,7 +370,8 @@ int main(int argc, char **argv)
     kr_policy *pol;
     if (kr_policy_parse(policy, cfg, &pol, err) != KR_OK) cli_die(2, "--policy: %s", err);
     bench b = {.cfg = cfg, .policy = pol, .chunk = chunk, .repeat = repeat};
-    kr_ctx_params cp = {.backend = (kr_backend_kind)backend, .n_threads = threads, .max_chunk = chunk};
+    kr_ctx_params cp = {.backend = (kr_backend_kind)backend, .n_threads = threads, .max_chunk = chunk,
+                        .kv_dtype = (kr_kv_dtype)kv_dtype};
     if (kr_ctx_create(m, &cp, &b.ctx, err) != KR_OK) cli_die(1, "%s", err);
     int nth = kr_ctx_n_threads(b.ctx), most_batch = 1;
     for (int i = 0; i < batches.n; i++) most_batch = batches.v[i] > most_batch ? batches.v[i] : most_batch;
@@ -409,6 +413,7 @@ int main(int argc, char **argv)
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "model", model_dir ? model_dir : random_cfg);
     cJSON_AddStringToObject(root, "weights", kr_dtype_name(kr_model_weight_dtype(m)));
+    cJSON_AddStringToObject(root, "kv_cache_dtype", kr_dtype_name(kr_ctx_kv_dtype(b.ctx)));
     cJSON_AddStringToObject(root, "policy", kr_policy_spec(pol));
     cJSON_AddNumberToObject(root, "threads", nth);
     cJSON_AddNumberToObject(root, "params_per_token", params);
@@ -420,9 +425,10 @@ int main(int argc, char **argv)
     cJSON_AddStringToObject(root, "gemm_peak_of", peak_what);
     cJSON_AddNumberToObject(root, "gemm_peak_GFLOPs", peak / 1e9);
     if (!json) {
-        printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads, policy %s\n",
+        printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads, policy %s, %s KV cache\n",
                model_dir ? model_dir : random_cfg, kr_dtype_name(kr_model_weight_dtype(m)), params / 1e6,
-               kr_model_weight_bytes(m) / 1048576.0, nth, kr_policy_spec(pol));
+               kr_model_weight_bytes(m) / 1048576.0, nth, kr_policy_spec(pol),
+               kr_dtype_name(kr_ctx_kv_dtype(b.ctx)));
         printf("limits: %s bandwidth %.1f GB/s (read+write), %s peak %.1f GFLOP/s\n", bw_what, bw / 1e9,
                peak_what, peak / 1e9);
     }
@@ -454,8 +460,9 @@ int main(int argc, char **argv)
         decode_run run = time_decode(&b, c, decode_tokens, nb);
         double dt = run.seconds;
         /* bytes a step must read: every weight matrix once (one embedding row per sequence,
-         * negligible) and every cached K and V entry the policy holds in the batch, f32 */
-        double kv = run.entries * hd * 2 * 4;
+         * negligible) and every cached K and V entry the policy holds in the batch, in the
+         * cache's dtype */
+        double kv = run.entries * hd * 2 * (double)kr_dtype_size(kr_ctx_kv_dtype(b.ctx));
         double bytes = weight_bytes_read + kv;
         double frac = bytes / dt / bw;
         cJSON *e = cJSON_CreateObject();

@@ -22,7 +22,7 @@ enum { BLOCK = 16 };
 
 typedef struct gen_opts {
     const char *model_dir, *prompt, *ids_s, *policy, *force_s;
-    int max_tokens, chunk, threads, json, stats, ignore_eos, logprobs, backend;
+    int max_tokens, chunk, threads, json, stats, ignore_eos, logprobs, backend, kv_dtype;
     kr_sampling sampling;
     double temperature, top_p; /* as parsed, before they narrow to sampling's floats */
     cli_id_list stop; /* --stop-id, then the tokenizer's EOS */
@@ -76,6 +76,8 @@ static void parse(int argc, char **argv, gen_opts *o)
          .def = "all online CPUs", .help = "CPU threads"},
         {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "B", .dest = &o->backend, .choices = cli_backends,
          .def = "cpu", .help = "cpu or cuda"},
+        {.kind = KC_FLAG_CHOICE, .name = "--kv-cache-dtype", .arg = "T", .dest = &o->kv_dtype,
+         .choices = cli_kv_dtypes, .def = "auto", .help = CLI_KV_DTYPE_HELP},
         {.kind = KC_FLAG_BOOL, .name = "--stats", .dest = &o->stats,
          .help = "report prompt/generated tokens, KV footprint, peak KV, KV kept after prefill, "
                  "prefill/decode seconds (stderr, or in --json)"},
@@ -175,7 +177,8 @@ int main(int argc, char **argv)
 
     kr_ctx *ctx;
     kr_ctx_params cp = {.backend = (kr_backend_kind)o.backend, .n_threads = o.threads,
-                        .max_chunk = o.chunk < n_prompt ? o.chunk : n_prompt};
+                        .max_chunk = o.chunk < n_prompt ? o.chunk : n_prompt,
+                        .kv_dtype = (kr_kv_dtype)o.kv_dtype};
     if (kr_ctx_create(m, &cp, &ctx, err) != KR_OK) cli_die(1, "%s", err);
     kr_policy *policy;
     if (kr_policy_parse(o.policy, cfg, &policy, err) != KR_OK) cli_die(2, "--policy: %s", err);
@@ -241,7 +244,7 @@ int main(int argc, char **argv)
 
     kr_footprint fp;
     kr_seq_footprint(seq, &fp);
-    int64_t entry_bytes = (int64_t)cfg->head_dim * 2 * (int64_t)sizeof(float);
+    int64_t entry_bytes = (int64_t)cfg->head_dim * 2 * (int64_t)kr_dtype_size(kr_ctx_kv_dtype(ctx));
     cJSON *stats = cJSON_CreateObject();
     cJSON_AddNumberToObject(stats, "prompt_tokens", n_prompt);
     cJSON_AddNumberToObject(stats, "generated_tokens", n_out);
@@ -254,6 +257,7 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(stats, "peak_kv_entries", (double)fp.peak_entries);
     cJSON_AddNumberToObject(stats, "kv_entries_kept", (double)kept_after_prefill);
     cJSON_AddNumberToObject(stats, "kv_bytes_kept", (double)(kept_after_prefill * entry_bytes));
+    cJSON_AddStringToObject(stats, "kv_cache_dtype", kr_dtype_name(kr_ctx_kv_dtype(ctx)));
     cJSON_AddNumberToObject(stats, "prefill_seconds", t1 - t0);
     cJSON_AddNumberToObject(stats, "decode_seconds", t2 - t1);
     cJSON_AddNumberToObject(stats, "prefill_tokens_per_second", t1 > t0 ? n_prompt / (t1 - t0) : 0);

@@ -17,7 +17,7 @@ int main(int argc, char **argv)
     cli_init(argv);
     const char *model_dir = NULL, *ids_s = NULL, *out_path = NULL;
     int64_t last = -1, chunk = 512;
-    int threads = 0, backend = KR_BACKEND_CPU;
+    int threads = 0, backend = KR_BACKEND_CPU, kv_dtype = KR_KV_DTYPE_AUTO;
     kr_model_opts mo = {0};
     const kc_flag table[] = {
         {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &model_dir,
@@ -34,6 +34,8 @@ int main(int argc, char **argv)
          .def = "all online CPUs", .help = "CPU threads"},
         {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "B", .dest = &backend, .choices = cli_backends,
          .def = "cpu", .help = "cpu or cuda"},
+        {.kind = KC_FLAG_CHOICE, .name = "--kv-cache-dtype", .arg = "T", .dest = &kv_dtype,
+         .choices = cli_kv_dtypes, .def = "auto", .help = CLI_KV_DTYPE_HELP},
         {.kind = KC_FLAG_BOOL, .name = "--weights-f32", .dest = &mo.weights_f32,
          .help = "convert bf16/f16 weights to f32 at load"},
         {.kind = KC_FLAG_END},
@@ -63,7 +65,8 @@ int main(int argc, char **argv)
             cli_die(2, "--ids: id %d (index %d) is outside the vocabulary [0, %d)", ids[i], i, cfg->vocab_size);
     if (chunk > n) chunk = n;
     kr_ctx *ctx;
-    kr_ctx_params cp = {.backend = (kr_backend_kind)backend, .n_threads = (int)threads, .max_chunk = (int)chunk};
+    kr_ctx_params cp = {.backend = (kr_backend_kind)backend, .n_threads = (int)threads, .max_chunk = (int)chunk,
+                        .kv_dtype = (kr_kv_dtype)kv_dtype};
     if (kr_ctx_create(m, &cp, &ctx, err) != KR_OK) cli_die(1, "%s", err);
     kr_kv_pool *pool;
     kr_seq *seq;

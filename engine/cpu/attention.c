@@ -11,6 +11,8 @@
  * Token i of a chunk of n sees the first len - n + i + 1 entries of its list: the chunk's own
  * entries are the newest, appended before this call. A sliding window drops the oldest of those
  * (positions <= pos - window).
+ * A bf16 or f16 cache is widened as it is read (in registers on the decode path, while gathering
+ * a tile on the prefill path); the arithmetic is the f32 path's on the rounded entries.
  */
 #include "cpu.h"
 #include "simd.h"
@@ -66,13 +68,14 @@ static void attend_one(const kr_kv_pool *p, const kr_kv_list *l, int visible, in
         sum[h] = 0.0f;
         for (int e = 0; e < d; e++) acc[(size_t)h * d + e] = 0.0f;
     }
-    const float *krow[TILE], *vrow[TILE];
+    const kr_dtype t = p->dtype;
+    const void *krow[TILE], *vrow[TILE];
     for (int j0 = start; j0 < visible; j0 += TILE) {
         int jn = visible - j0 < TILE ? visible - j0 : TILE;
         kr_kv_list_rows(p, l, j0, jn, krow, vrow);
         for (int jj = 0; jj < jn; jj++)
             for (int h = 0; h < group; h++)
-                sc[(size_t)h * TILE + jj] = kr_dot_f32(q + (size_t)h * d, krow[jj], d) * scale;
+                sc[(size_t)h * TILE + jj] = kr_dot_row(q + (size_t)h * d, krow[jj], t, d) * scale;
         for (int h = 0; h < group; h++) {
             float *s = sc + (size_t)h * TILE;
             float mt = m[h];
@@ -83,7 +86,8 @@ static void attend_one(const kr_kv_pool *p, const kr_kv_list *l, int visible, in
             m[h] = mt;
         }
         for (int jj = 0; jj < jn; jj++) /* each value row once for the whole group */
-            for (int h = 0; h < group; h++) kr_axpy(acc + (size_t)h * d, sc[(size_t)h * TILE + jj], vrow[jj], d);
+            for (int h = 0; h < group; h++)
+                kr_axpy_row(acc + (size_t)h * d, sc[(size_t)h * TILE + jj], vrow[jj], t, d);
     }
     for (int h = 0; h < group; h++) {
         float inv = 1.0f / sum[h];
@@ -128,11 +132,11 @@ static void attend_block(const att_job *j, float *scratch, int g, int i0, int i1
 
     for (int j0 = lo[0]; j0 < hi[nq - 1]; j0 += TILE) {
         int jn = hi[nq - 1] - j0 < TILE ? hi[nq - 1] - j0 : TILE;
-        const float *krow[TILE], *vrow[TILE];
+        const void *krow[TILE], *vrow[TILE];
         kr_kv_list_rows(p, l, j0, jn, krow, vrow);
         for (int e = 0; e < jn; e++) {
-            memcpy(kt + (size_t)e * d, krow[e], sizeof(float) * d);
-            memcpy(vt + (size_t)e * d, vrow[e], sizeof(float) * d);
+            kr_dtype_to_f32(p->dtype, krow[e], (size_t)d, kt + (size_t)e * d);
+            kr_dtype_to_f32(p->dtype, vrow[e], (size_t)d, vt + (size_t)e * d);
         }
         for (int h = 0; h < group; h++) {
             float *s = sc + (size_t)h * QBLOCK * TILE;

@@ -1,6 +1,7 @@
 /*
  * backend.c - the CPU backend's op table and its small element-wise ops (embedding, RMSNorm,
- * RoPE, SiLU gating, KV store). The heavy ops live in matmul.c and attention.c.
+ * RoPE, SiLU gating, KV store: rows rounded to the pool's dtype, f32, bf16 or f16). The heavy
+ * ops live in matmul.c and attention.c.
  * Everything is float32 from exactly upcast weights: this backend is the oracle others are
  * tested against, so it favours the straightforward computation HF transformers does.
  */
@@ -196,4 +197,5 @@ const kr_backend_ops kr_cpu_backend = {
     .attention_batch = kr_cpu_attention_batch,
     .score = kr_cpu_score,
     .score_past = kr_cpu_score_past,
+    .kv_dtypes = 1u << KR_DTYPE_F32 | 1u << KR_DTYPE_BF16 | 1u << KR_DTYPE_F16,
 };

@@ -147,20 +147,6 @@ static void matvec_rows(const mm_job *j, int64_t lo, int64_t hi)
     }
 }
 
-static void upcast(const void *src, kr_dtype t, size_t count, float *dst)
-{
-    size_t i = 0;
-    if (t == KR_DTYPE_BF16) {
-        const uint16_t *s = src;
-        for (; i + KR_VL <= count; i += KR_VL) vf_store(dst + i, vf_load_bf16(s + i));
-        for (; i < count; i++) dst[i] = kr_bf16_to_f32(s[i]);
-    } else {
-        const uint16_t *s = src;
-        for (; i + KR_VL <= count; i += KR_VL) vf_store(dst + i, vf_load_f16(s + i));
-        for (; i < count; i++) dst[i] = kr_f16_to_f32(s[i]);
-    }
-}
-
 static void gemm_rows(const mm_job *j, int ith, int64_t lo, int64_t hi)
 {
     const int64_t in = j->w->cols, out = j->w->rows;
@@ -176,8 +162,8 @@ static void gemm_rows(const mm_job *j, int ith, int64_t lo, int64_t hi)
     size_t esz = kr_dtype_size(j->w->dtype);
     for (int64_t r0 = lo; r0 < hi; r0 += step) {
         int64_t rows = hi - r0 < step ? hi - r0 : step;
-        upcast((const char *)j->w->data + (size_t)(r0 * in) * esz, j->w->dtype,
-               (size_t)(rows * in), slab);
+        kr_dtype_to_f32(j->w->dtype, (const char *)j->w->data + (size_t)(r0 * in) * esz, (size_t)(rows * in),
+                        slab);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->n, (int)rows, (int)in, 1.0f, j->x,
                     (int)in, slab, (int)in, beta, j->y + r0, (int)out);
     }

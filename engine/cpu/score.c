@@ -43,12 +43,12 @@ static void score_head(const score_job *j, int g)
             const float *q = j->q + ((size_t)i * j->n_heads + (size_t)g * group + h) * d;
             int vis = j->hidden < 0 ? l->len - j->n_obs + i + 1 : l->len - j->hidden;
             double mx = -INFINITY, z = 0.0;
-            const float *krow[TILE];
+            const void *krow[TILE];
             for (int e0 = 0; e0 < vis; e0 += TILE) {
                 int n = vis - e0 < TILE ? vis - e0 : TILE;
                 kr_kv_list_rows(p, l, e0, n, krow, NULL);
                 for (int jj = 0; jj < n; jj++) {
-                    double x = kr_dot_f32(q, krow[jj], d) * scale;
+                    double x = kr_dot_row(q, krow[jj], p->dtype, d) * scale;
                     if (x > mx) {
                         z = z * exp(mx - x) + 1.0;
                         mx = x;
@@ -61,7 +61,7 @@ static void score_head(const score_job *j, int g)
                 int n = vis - e0 < TILE ? vis - e0 : TILE;
                 kr_kv_list_rows(p, l, e0, n, krow, NULL);
                 for (int jj = 0; jj < n; jj++) {
-                    double x = kr_dot_f32(q, krow[jj], d) * scale;
+                    double x = kr_dot_row(q, krow[jj], p->dtype, d) * scale;
                     out[e0 + jj] += (float)(w * exp(x - mx) / z);
                 }
             }

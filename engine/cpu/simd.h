@@ -1,8 +1,8 @@
 /*
  * simd.h - the CPU backend's vector primitives: dot products of an f32 vector with f32, bf16
- * or f16 rows, and scaled adds. AVX-512 when the compiler targets it, AVX2+FMA+F16C next, plain
- * C otherwise (the plain C is the readable definition; the others must agree with it to float
- * rounding). Weights are upcast exactly to f32; all arithmetic is f32.
+ * or f16 rows, and scaled adds of such rows. AVX-512 when the compiler targets it, AVX2+FMA+F16C
+ * next, plain C otherwise (the plain C is the readable definition; the others must agree with it
+ * to float rounding). Weights and KV cache rows are upcast exactly to f32; all arithmetic is f32.
  */
 #ifndef KR_CPU_SIMD_H
 #define KR_CPU_SIMD_H
@@ -129,27 +129,56 @@ static inline float kr_w_at(const void *row, kr_dtype t, int64_t i)
     }
 }
 
-static inline float kr_dot_f32(const float *a, const float *b, int n)
-{
-    kr_vf s0 = vf_zero(), s1 = vf_zero();
-    int i = 0;
-    for (; i + 2 * KR_VL <= n; i += 2 * KR_VL) {
-        s0 = vf_fma(vf_load(a + i), vf_load(b + i), s0);
-        s1 = vf_fma(vf_load(a + i + KR_VL), vf_load(b + i + KR_VL), s1);
+static inline float kr_f32_at(float x) { return x; }
+
+/* kr_dot_T(a, b, n): the f32 vector a dotted with row b of dtype T; kr_axpy_T(y, a, x, n):
+ * y[0..n) += a * x[0..n) for a row x of dtype T. One definition for the three dtypes, so a bf16
+ * or f16 row gives bit for bit what its exactly widened f32 row gives: a KV cache of any dtype
+ * computes as the f32 path would on its rounded entries. */
+#define KR_DEFINE_ROW_OPS(T, ELEM, LOAD, AT)                                                         \
+    static inline float kr_dot_##T(const float *a, const ELEM *b, int n)                              \
+    {                                                                                                 \
+        kr_vf s0 = vf_zero(), s1 = vf_zero();                                                         \
+        int i = 0;                                                                                    \
+        for (; i + 2 * KR_VL <= n; i += 2 * KR_VL) {                                                  \
+            s0 = vf_fma(vf_load(a + i), LOAD(b + i), s0);                                             \
+            s1 = vf_fma(vf_load(a + i + KR_VL), LOAD(b + i + KR_VL), s1);                             \
+        }                                                                                             \
+        for (; i + KR_VL <= n; i += KR_VL) s0 = vf_fma(vf_load(a + i), LOAD(b + i), s0);             \
+        float s = vf_sum(s0) + vf_sum(s1);                                                            \
+        for (; i < n; i++) s += a[i] * AT(b[i]);                                                      \
+        return s;                                                                                     \
+    }                                                                                                 \
+    static inline void kr_axpy_##T(float *y, float a, const ELEM *x, int n)                           \
+    {                                                                                                 \
+        kr_vf va = vf_set1(a);                                                                        \
+        int i = 0;                                                                                    \
+        for (; i + KR_VL <= n; i += KR_VL) vf_store(y + i, vf_fma(va, LOAD(x + i), vf_load(y + i))); \
+        for (; i < n; i++) y[i] += a * AT(x[i]);                                                      \
     }
-    for (; i + KR_VL <= n; i += KR_VL) s0 = vf_fma(vf_load(a + i), vf_load(b + i), s0);
-    float s = vf_sum(s0) + vf_sum(s1);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+KR_DEFINE_ROW_OPS(f32, float, vf_load, kr_f32_at)
+KR_DEFINE_ROW_OPS(bf16, uint16_t, vf_load_bf16, kr_bf16_to_f32)
+KR_DEFINE_ROW_OPS(f16, uint16_t, vf_load_f16, kr_f16_to_f32)
+
+/* The same on a KV cache row of dtype t (a pool's dtype: one well-predicted branch per row). */
+static inline float kr_dot_row(const float *a, const void *row, kr_dtype t, int n)
+{
+    switch (t) {
+    case KR_DTYPE_BF16: return kr_dot_bf16(a, row, n);
+    case KR_DTYPE_F16: return kr_dot_f16(a, row, n);
+    case KR_DTYPE_F32: break;
+    }
+    return kr_dot_f32(a, row, n);
 }
 
-/* y[0..n) += a * x[0..n) */
-static inline void kr_axpy(float *y, float a, const float *x, int n)
+static inline void kr_axpy_row(float *y, float a, const void *row, kr_dtype t, int n)
 {
-    kr_vf va = vf_set1(a);
-    int i = 0;
-    for (; i + KR_VL <= n; i += KR_VL) vf_store(y + i, vf_fma(va, vf_load(x + i), vf_load(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
+    switch (t) {
+    case KR_DTYPE_BF16: kr_axpy_bf16(y, a, row, n); return;
+    case KR_DTYPE_F16: kr_axpy_f16(y, a, row, n); return;
+    case KR_DTYPE_F32: break;
+    }
+    kr_axpy_f32(y, a, row, n);
 }
 
 /* exp(x) for x <= 0 (softmax after subtracting the max): x = n ln2 + r with |r| <= ln2/2

@@ -570,8 +570,8 @@ void fail(const char *what)
 pool_view view_of(const kr_kv_pool *pool)
 {
     pool_view p;
-    p.k = pool->k;
-    p.v = pool->v;
+    p.k = reinterpret_cast<const float *>(pool->k); /* f32: the CUDA backend stores no other dtype */
+    p.v = reinterpret_cast<const float *>(pool->v);
     p.pos = pool->pos;
     p.bs = pool->block_size;
     p.d = pool->head_dim;

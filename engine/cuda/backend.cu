@@ -338,4 +338,5 @@ extern "C" const kr_backend_ops kr_cuda_backend = {
     /* .attention_batch = */ kr_cuda_attention_batch,
     /* .score = */ kr_cuda_score,
     /* .score_past = */ kr_cuda_score_past,
+    /* .kv_dtypes = */ 1u << KR_DTYPE_F32, /* the kernels read and write f32 pools only */
 };

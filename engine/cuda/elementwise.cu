@@ -165,6 +165,9 @@ void kr_cuda_kv_store(kr_backend *b, kr_seq *s, int layer, const float *k, const
     KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_tables, b->host_tables, rows * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, b->stream));
     const int threads = p->head_dim < THREADS ? (p->head_dim + 31) / 32 * 32 : THREADS;
-    kv_store_kernel<<<(unsigned)rows, threads, 0, b->stream>>>(k, v, b->dev_tables, p->head_dim, p->k, p->v);
+    /* f32 pools only: the CUDA backend stores no other dtype (kr_backend_ops.kv_dtypes) */
+    kv_store_kernel<<<(unsigned)rows, threads, 0, b->stream>>>(k, v, b->dev_tables, p->head_dim,
+                                                               reinterpret_cast<float *>(p->k),
+                                                               reinterpret_cast<float *>(p->v));
     KR_CUDA_CHECK(cudaGetLastError());
 }

@@ -247,7 +247,7 @@ void run(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_ob
 
     KR_CUDA_CHECK(cudaMemcpyAsync(dq, q_obs, q_floats * sizeof(float), cudaMemcpyDefault, b->stream));
     score_args a;
-    a.k = pool->k;
+    a.k = reinterpret_cast<const float *>(pool->k); /* f32: the CUDA backend stores no other dtype */
     a.rec = b->dev_tables;
     a.ids = b->dev_tables + (size_t)n_kv * REC;
     a.q = dq;

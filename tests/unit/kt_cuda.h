@@ -55,7 +55,7 @@ static inline kr_kv_pool *kt_cuda_pool_create(kr_backend *gb, int head_dim, int 
 {
     char err[KR_ERR_MAX];
     kr_kv_pool *p;
-    REQUIRE(kr_kv_pool_create_in(head_dim, block_size, n_blocks, kt_cuda_kv_alloc, gb,
+    REQUIRE(kr_kv_pool_create_in(head_dim, block_size, n_blocks, KR_DTYPE_F32, kt_cuda_kv_alloc, gb,
                                  kr_cuda_backend.kv_free, &p, err) == KR_OK, "%s", err);
     return p;
 }

@@ -110,8 +110,8 @@ static void check_model(const kr_model *m, const char *label)
     kr_ctx_params cp = {.n_threads = 2, .max_chunk = 32};
     REQUIRE(kr_ctx_create(m, &cp, &c, err) == KR_OK, "%s", err);
     kr_kv_pool *pa, *pb;
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, BLOCK, 8192, &pa, err) == KR_OK, "%s", err);
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, BLOCK, 8192, &pb, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, BLOCK, 8192, KR_DTYPE_F32, &pa, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, BLOCK, 8192, KR_DTYPE_F32, &pb, err) == KR_OK, "%s", err);
 
     /* who joins when and stays how long: the first three start together, the rest trickle in,
      * some leave early, so the batch grows to all twelve and shrinks back to one */
@@ -236,7 +236,7 @@ static void check_errors(const kr_model *m)
     /* blocks of 4, both sequences with their blocks full (the next token needs a new block in
      * every list): y can get its blocks, then x cannot, so y's must go back */
     kr_kv_pool *pool;
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, 4, 5 * lists - 1, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, 4, 5 * lists - 1, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
     kr_seq *x, *y, *z;
     REQUIRE(kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &x, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &y, err) == KR_OK, "%s", err);

@@ -1,9 +1,11 @@
 /*
  * test_cli.c - the engine programs as users and outside checks call them (DESIGN.md section 6):
  * kvrelay-logits output equals the fixture references byte layout and values, with --last and
- * --chunk; kvrelay-generate --json --greedy reproduces the fixtures' greedy tokens; bad flags
- * and bad ids fail with a clear message and a non-zero status. Runs the built programs from
- * $KR_BIN on the models in $KR_FIXTURES.
+ * --chunk; kvrelay-generate --json --greedy reproduces the fixtures' greedy tokens (both with
+ * --kv-cache-dtype f32: the references are float32 computations); --kv-cache-dtype auto follows
+ * the weights' dtype and its stats count the cache's bytes; bad flags and bad ids fail with a
+ * clear message and a non-zero status. Runs the built programs from $KR_BIN on the models in
+ * $KR_FIXTURES.
  */
 #include "kr_test.h"
 
@@ -102,8 +104,8 @@ static void check_model(const char *model)
             int last = v == 0 ? n : n_pos;
             char last_flag[64] = "";
             if (v) snprintf(last_flag, sizeof last_flag, "--last %d", last);
-            int st = run(&out, "%s/kvrelay-logits --model %s --ids \"%s\" --out %s %s %s", bin, dir, ids,
-                         out_path, last_flag, variants[v]);
+            int st = run(&out, "%s/kvrelay-logits --model %s --ids \"%s\" --out %s %s %s --kv-cache-dtype f32", bin,
+                         dir, ids, out_path, last_flag, variants[v]);
             CHECK(st == 0, "%s/%s: kvrelay-logits exited %d: %s", model, name, st, out);
             free(out);
             float *got = (float *)slurp(out_path, &len);
@@ -129,8 +131,8 @@ static void check_model(const char *model)
         const cJSON *greedy = cJSON_GetObjectItem(c, "greedy");
         char expect[4096], *out;
         ids_string(cJSON_GetObjectItem(greedy, "tokens"), expect, sizeof expect);
-        int st = run(&out, "%s/kvrelay-generate --model %s --ids \"%s\" --max-tokens 16 --greedy --json --stats",
-                     bin, dir, ids);
+        int st = run(&out, "%s/kvrelay-generate --model %s --ids \"%s\" --max-tokens 16 --greedy --json --stats "
+                     "--kv-cache-dtype f32", bin, dir, ids);
         CHECK(st == 0, "%s/%s: kvrelay-generate exited %d: %s", model, name, st, out);
         cJSON *res = cJSON_Parse(out);
         CHECK(res != NULL, "%s/%s: generate printed no JSON: %s", model, name, out);
@@ -159,6 +161,29 @@ static void check_model(const char *model)
     free(ref);
 }
 
+/* --kv-cache-dtype auto (the default) is the weights' dtype (`want`, as kr_dtype_name spells it);
+ * kv_bytes_kept counts entries of 2 * head_dim elements of it */
+static void check_kv_dtype(const char *model, const char *want, int elem_bytes)
+{
+    char *out;
+    int st = run(&out, "%s/kvrelay-generate --model %s/models/%s --ids \"1 2 3 4 5\" --max-tokens 3 --greedy --json "
+                 "--stats", bin, fx, model);
+    cJSON *res = cJSON_Parse(out);
+    const cJSON *stats = res ? cJSON_GetObjectItem(res, "stats") : NULL;
+    CHECK(st == 0 && stats, "%s: generate failed: %s", model, out);
+    if (stats) {
+        const cJSON *dt = cJSON_GetObjectItem(stats, "kv_cache_dtype");
+        CHECK(cJSON_IsString(dt) && !strcmp(dt->valuestring, want), "%s: kv_cache_dtype %s, expected %s", model,
+              cJSON_IsString(dt) ? dt->valuestring : "missing", want);
+        double kept = cJSON_GetObjectItem(stats, "kv_entries_kept")->valuedouble;
+        double bytes = cJSON_GetObjectItem(stats, "kv_bytes_kept")->valuedouble;
+        CHECK(bytes == kept * 2 * 32 * elem_bytes, "%s: %g bytes for %g entries of head_dim 32 in %s", model, bytes,
+              kept, want);
+    }
+    cJSON_Delete(res);
+    free(out);
+}
+
 /* a command must fail with status != 0 and print `needle` */
 static void check_fails(const char *needle, const char *fmt, const char *arg)
 {
@@ -180,8 +205,13 @@ int main(void)
     check_model("qwen2-tiny");
     check_model("mistral-tiny");
 
+    check_kv_dtype("llama3-tiny", "BF16", 2);
+    check_kv_dtype("qwen2-tiny", "F16", 2);
+    check_kv_dtype("mistral-tiny", "F32", 4);
+
     char m[4096];
     snprintf(m, sizeof m, "%s/models/llama3-tiny", fx);
+    check_fails("--kv-cache-dtype", "%s/kvrelay-generate --model %s --ids 1 --max-tokens 2 --kv-cache-dtype f8", m);
     check_fails("--out", "%s/kvrelay-logits --model %s --ids '1 2'", m);
     check_fails("outside the vocabulary", "%s/kvrelay-logits --model %s --ids '1 512' --out /dev/null", m);
     check_fails("not a token id", "%s/kvrelay-logits --model %s --ids '1 x2' --out /dev/null", m);

@@ -433,8 +433,9 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
     kr_seq *seq;
     kr_policy *pol;
     kr_sampler *sp;
-    REQUIRE(kr_kv_pool_create(c->head_dim, 16, per_list * c->n_layers * c->n_kv_heads, &pool,
-                              err) == KR_OK, "%s", err);
+    /* the node's default KV dtype, as its own context resolves it */
+    REQUIRE(kr_kv_pool_create(c->head_dim, 16, per_list * c->n_layers * c->n_kv_heads, kr_ctx_kv_dtype(e->ctx),
+                              &pool, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(pool, c->n_layers, c->n_kv_heads, &seq, err) == KR_OK, "%s", err);
     REQUIRE(kr_policy_parse(rq->policy, c, &pol, err) == KR_OK, "%s: %s", rq->policy, err);
     REQUIRE(kr_seq_set_policy(seq, pol, err) == KR_OK, "%s", err);

@@ -2,19 +2,110 @@
  * test_kv.c - the paged KV cache: blocks are handed out per (layer, KV head) as sequences grow,
  * growth is all or nothing when the pool runs short (with a message saying how many blocks were
  * missing), freeing a sequence returns every block, lengths are per head, entries read back as
- * written, and the window search finds the first entry past a position.
+ * written, and the window search finds the first entry past a position. Pools of bf16 and f16
+ * store rows rounded to nearest even and move them intact; a context's KV dtype is the weights'
+ * by default, can be overridden, and one the backend cannot store is refused.
  */
 #include "kr_test.h"
 
 #include "kr-kv.h"
 
+/* A bf16 or f16 pool of an odd head_dim: kr_seq_put rounds, trims move rows intact, reads widen. */
+static void check_typed_pool(kr_dtype t)
+{
+    char err[KR_ERR_MAX];
+    enum { HD = 5, N = 11 };
+    kr_kv_pool *p;
+    REQUIRE(kr_kv_pool_create(HD, 3, 16, t, &p, err) == KR_OK, "%s", err);
+    CHECK(kr_kv_pool_dtype(p) == t && p->row_bytes == HD * 2, "%s pool: dtype %d, row of %zu bytes", kr_dtype_name(t),
+          (int)kr_kv_pool_dtype(p), p->row_bytes);
+    kr_seq *s;
+    REQUIRE(kr_seq_create(p, 1, 1, &s, err) == KR_OK, "%s", err);
+    REQUIRE(kr_seq_grow(s, N, err) == KR_OK, "%s", err);
+    kr_seq_list(s, 0, 0)->len = N;
+    float k[N][HD], v[N][HD];
+    for (int i = 0; i < N; i++) {
+        for (int d = 0; d < HD; d++) k[i][d] = 1.0f + (float)i / 3.0f + (float)d * 1e-3f, v[i][d] = -k[i][d] * 7.1f;
+        kr_seq_put(s, 0, 0, i, k[i], v[i], i);
+    }
+    kr_seq_keep_ends(s, 0, 0, 2, 5); /* entries 0, 1, 6..10 */
+    const int kept[] = {0, 1, 6, 7, 8, 9, 10};
+    float rk[7][HD], rv[7][HD];
+    int32_t rp[7];
+    REQUIRE(kr_seq_list_read(s, 0, 0, 0, 7, rp, &rk[0][0], &rv[0][0], err) == KR_OK, "%s", err);
+    int ok = 1;
+    for (int i = 0; i < 7; i++) {
+        float want_k[HD], want_v[HD];
+        uint16_t tk[HD], tv[HD];
+        kr_dtype_from_f32(t, k[kept[i]], HD, tk);
+        kr_dtype_from_f32(t, v[kept[i]], HD, tv);
+        kr_dtype_to_f32(t, tk, HD, want_k);
+        kr_dtype_to_f32(t, tv, HD, want_v);
+        ok &= rp[i] == kept[i] && !memcmp(rk[i], want_k, sizeof want_k) && !memcmp(rv[i], want_v, sizeof want_v) &&
+              !memcmp(kr_kv_list_key(p, kr_seq_list(s, 0, 0), i), tk, sizeof tk);
+    }
+    CHECK(ok, "%s pool: rows after a trim are not the rounded rows written", kr_dtype_name(t));
+    kr_seq_free(s);
+    kr_kv_pool_free(p);
+}
+
+/* kr_ctx_params.kv_dtype: auto is the weights' dtype; an explicit dtype wins; a backend that
+ * cannot store one refuses it with a message naming both */
+static void check_ctx_dtype(void)
+{
+    char err[KR_ERR_MAX];
+    kr_config c;
+    memset(&c, 0, sizeof c);
+    snprintf(c.arch_name, sizeof c.arch_name, "LlamaForCausalLM");
+    c.vocab_size = 64, c.hidden_size = 32, c.intermediate_size = 48, c.n_layers = 1, c.n_heads = 4;
+    c.n_kv_heads = 2, c.head_dim = 8, c.max_position_embeddings = 128, c.rope_theta = 10000.0f;
+    c.rms_norm_eps = 1e-5f, c.bos_token_id = c.eos_token_id = -1;
+    const kr_dtype weights[] = {KR_DTYPE_F32, KR_DTYPE_BF16, KR_DTYPE_F16};
+    const struct { kr_kv_dtype ask; int same_as_weights; kr_dtype want; } cases[] = {
+        {KR_KV_DTYPE_AUTO, 1, KR_DTYPE_F32}, {KR_KV_DTYPE_F32, 0, KR_DTYPE_F32},
+        {KR_KV_DTYPE_BF16, 0, KR_DTYPE_BF16}, {KR_KV_DTYPE_F16, 0, KR_DTYPE_F16}};
+    for (int w = 0; w < 3; w++) {
+        kr_model *m;
+        c.torch_dtype = weights[w];
+        REQUIRE(kr_model_random(&c, weights[w], 7, &m, err) == KR_OK, "%s", err);
+        for (int i = 0; i < 4; i++) {
+            kr_ctx *ctx;
+            kr_ctx_params cp = {.n_threads = 1, .max_chunk = 4, .kv_dtype = cases[i].ask};
+            REQUIRE(kr_ctx_create(m, &cp, &ctx, err) == KR_OK, "%s", err);
+            kr_dtype want = cases[i].same_as_weights ? weights[w] : cases[i].want;
+            kr_kv_pool *p;
+            REQUIRE(kr_ctx_kv_pool_create(ctx, 4, 8, &p, err) == KR_OK, "%s", err);
+            CHECK(kr_ctx_kv_dtype(ctx) == want && kr_kv_pool_dtype(p) == want,
+                  "weights %s, kv_dtype %d: context %s, pool %s, expected %s", kr_dtype_name(weights[w]),
+                  (int)cases[i].ask, kr_dtype_name(kr_ctx_kv_dtype(ctx)), kr_dtype_name(kr_kv_pool_dtype(p)),
+                  kr_dtype_name(want));
+            kr_kv_pool_free(p);
+            kr_ctx_free(ctx);
+        }
+        kr_ctx *ctx;
+        kr_ctx_params bad = {.n_threads = 1, .kv_dtype = (kr_kv_dtype)9};
+        CHECK(kr_ctx_create(m, &bad, &ctx, err) == -1, "kv_dtype 9 accepted");
+        CHECK_ERR_HAS(err, "not one of auto, f32, f16, bf16");
+#ifdef KR_HAVE_CUDA
+        /* refused before the backend starts: no GPU needed */
+        kr_ctx_params cuda = {.backend = KR_BACKEND_CUDA, .n_threads = 1, .kv_dtype = KR_KV_DTYPE_BF16};
+        CHECK(kr_ctx_create(m, &cuda, &ctx, err) == -1, "a bf16 KV cache on the CUDA backend was accepted");
+        CHECK_ERR_HAS(err, "KV cache dtype bf16 is not supported by the CUDA backend");
+#endif
+        kr_model_free(m);
+    }
+    kr_kv_pool *p;
+    CHECK(kr_kv_pool_create(4, 4, 4, (kr_dtype)7, &p, err) == -1, "pool dtype 7 accepted");
+    CHECK_ERR_HAS(err, "not one of F32, BF16, F16");
+}
+
 int main(void)
 {
     char err[KR_ERR_MAX];
     kr_kv_pool *p;
-    CHECK(kr_kv_pool_create(0, 16, 10, &p, err) == -1, "head_dim 0 accepted");
+    CHECK(kr_kv_pool_create(0, 16, 10, KR_DTYPE_F32, &p, err) == -1, "head_dim 0 accepted");
     CHECK_ERR_HAS(err, "head_dim");
-    REQUIRE(kr_kv_pool_create(4, 4, 10, &p, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(4, 4, 10, KR_DTYPE_F32, &p, err) == KR_OK, "%s", err);
     CHECK(kr_kv_blocks_for(p, 2, 2, 5) == 8, "5 tokens x 4 lists need 2 blocks each");
 
     kr_seq *a, *b;
@@ -42,8 +133,8 @@ int main(void)
         for (int h = 0; h < 2; h++) {
             kr_kv_list *list = kr_seq_list(a, l, h);
             for (int i = 0; i < 5; i++) {
-                ok &= kr_kv_list_key(p, list, i)[2] == (float)(100 * l + 10 * h + i);
-                ok &= kr_kv_list_value(p, list, i)[3] == -(float)(100 * l + 10 * h + i) - 3;
+                ok &= ((const float *)kr_kv_list_key(p, list, i))[2] == (float)(100 * l + 10 * h + i);
+                ok &= ((const float *)kr_kv_list_value(p, list, i))[3] == -(float)(100 * l + 10 * h + i) - 3;
                 ok &= *kr_kv_list_pos(p, list, i) == 3 * i;
             }
             /* positions 0 3 6 9 12: first after 5 is index 2, after 12 is 5, after -1 is 0 */
@@ -81,8 +172,9 @@ int main(void)
     const int want1[] = {0, 1, 6, 7, 8, 9, 10, 11, 12};
     ok = cl->len == 9 && cl->pinned == 2 && cl->n_blocks == 3 && kr_kv_pool_n_free(p) == 7;
     for (int i = 0; i < 9; i++)
-        ok &= *kr_kv_list_pos(p, cl, i) == want1[i] && kr_kv_list_key(p, cl, i)[1] == (float)want1[i] &&
-              kr_kv_list_value(p, cl, i)[0] == (float)-want1[i];
+        ok &= *kr_kv_list_pos(p, cl, i) == want1[i] &&
+              ((const float *)kr_kv_list_key(p, cl, i))[1] == (float)want1[i] &&
+              ((const float *)kr_kv_list_value(p, cl, i))[0] == (float)-want1[i];
     CHECK(ok, "sinks moved up: len %d off %d blocks %d free %d", cl->len, cl->off, cl->n_blocks, kr_kv_pool_n_free(p));
     REQUIRE(kr_seq_grow(c, 2, err) == KR_OK, "%s", err);
     cl->len += 2;
@@ -104,5 +196,8 @@ int main(void)
     REQUIRE(kr_seq_grow(b, 8, err) == KR_OK, "%s", err); /* 4 lists x 2 blocks */
     kr_seq_free(b);
     kr_kv_pool_free(p);
+    check_typed_pool(KR_DTYPE_BF16);
+    check_typed_pool(KR_DTYPE_F16);
+    check_ctx_dtype();
     return kt_done("test_kv");
 }

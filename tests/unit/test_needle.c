@@ -130,7 +130,7 @@ int main(void)
     kr_ctx_params cp = {.backend = KR_BACKEND_CPU, .n_threads = 2, .max_chunk = CHUNK};
     REQUIRE(kr_ctx_create(m, &cp, &ctx, err) == KR_OK, "%s", err);
     kr_kv_pool *pool;
-    REQUIRE(kr_kv_pool_create(HD, 16, 1024, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(HD, 16, 1024, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
 
     const int all = LAYERS * NKV;
     const struct { const char *spec; int keeps; } cases[] = {

@@ -4,7 +4,11 @@
  * paths run, odd sizes, bias, accumulate), RMSNorm, RoPE, SiLU gating, the vectorised exp, and
  * attention over the paged cache (GQA ratios 1/2/4, head dims 32/64/80, chunks, sliding window,
  * a block size that does not divide the length). These are the references the CUDA ops will
- * be compared with too.
+ * be compared with too. KV caches of bf16 and f16: the row conversions against the scalar
+ * ones (ties, subnormals, overflow, NaN), the row dot and axpy kernels against the f32 ones on
+ * the widened rows (odd lengths, tails), and attention (both paths, batched), scoring and
+ * sequence read-back over a bf16/f16 pool bit for bit against an f32 pool holding the same
+ * rounded entries, besides the double reference on those entries.
  */
 #include "kr_test.h"
 
@@ -64,24 +68,92 @@ static void check_matmul(kr_backend *b, kr_dtype dt, int in, int out, int n, int
     free(w), free(wf), free(bv), free(x), free(y), free(y0);
 }
 
-static void check_attention(kr_backend *b, int heads, int kv_heads, int hd, int len, int n, int window, int bs)
+/* A sequence of one layer in a new pool of dtype dt: len entries per KV head, positions 0..len-1,
+ * keys and values k, v [len][kv_heads][hd] stored through the backend (rounded to dt). */
+static kr_seq *stored_seq(kr_backend *b, kr_dtype dt, int kv_heads, int hd, int len, int bs, const float *k,
+                          const float *v, const int32_t *pos)
 {
     char err[KR_ERR_MAX];
     kr_kv_pool *pool;
     kr_seq *s;
-    REQUIRE(kr_kv_pool_create(hd, bs, 4096, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(hd, bs, 4096, dt, &pool, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(pool, 1, kv_heads, &s, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_grow(s, len, err) == KR_OK, "%s", err);
+    for (int g = 0; g < kv_heads; g++) kr_seq_list(s, 0, g)->len = len;
+    kr_cpu_backend.kv_store(b, s, 0, k, v, len, pos);
+    return s;
+}
+
+static void free_seq(kr_seq *s)
+{
+    kr_kv_pool *pool = s->pool;
+    kr_seq_free(s);
+    kr_kv_pool_free(pool);
+}
+
+/* x rounded to dtype t and widened back, in place */
+static void round_to(kr_dtype t, float *x, size_t n)
+{
+    void *tmp = malloc(n * sizeof(float));
+    kr_dtype_from_f32(t, x, n, tmp);
+    kr_dtype_to_f32(t, tmp, n, x);
+    free(tmp);
+}
+
+/* Attention over a pool of dtype dt against the double reference on the rounded entries; for
+ * bf16 and f16 also against an f32 pool holding those rounded entries, which must give the same
+ * bits (both paths; the batch op and the score op too). */
+static void check_attention(kr_backend *b, kr_dtype dt, int heads, int kv_heads, int hd, int len, int n, int window,
+                            int bs)
+{
     /* len entries per KV head at positions 0..len-1; the last n are "the chunk" */
     float *k = malloc(sizeof(float) * (size_t)len * kv_heads * hd), *v = malloc(sizeof(float) * (size_t)len * kv_heads * hd);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)len);
     for (int i = 0; i < len * kv_heads * hd; i++) k[i] = frand() * 2, v[i] = frand();
     for (int i = 0; i < len; i++) pos[i] = i;
-    for (int g = 0; g < kv_heads; g++) kr_seq_list(s, 0, g)->len = len;
-    kr_cpu_backend.kv_store(b, s, 0, k, v, len, pos);
+    kr_seq *s = stored_seq(b, dt, kv_heads, hd, len, bs, k, v, pos);
+    round_to(dt, k, (size_t)len * kv_heads * hd); /* what the pool holds, for the reference */
+    round_to(dt, v, (size_t)len * kv_heads * hd);
     float *q = malloc(sizeof(float) * (size_t)n * heads * hd), *out = malloc(sizeof(float) * (size_t)n * heads * hd);
     for (int i = 0; i < n * heads * hd; i++) q[i] = frand() * 2;
     kr_cpu_backend.attention(b, s, 0, q, n, heads, pos + len - n, window, out);
+    if (dt != KR_DTYPE_F32) {
+        kr_seq *f = stored_seq(b, KR_DTYPE_F32, kv_heads, hd, len, bs, k, v, pos);
+        float *want = malloc(sizeof(float) * (size_t)n * heads * hd);
+        kr_cpu_backend.attention(b, f, 0, q, n, heads, pos + len - n, window, want);
+        CHECK(!memcmp(out, want, sizeof(float) * (size_t)n * heads * hd),
+              "attention %s heads %d/%d hd %d len %d n %d: differs from the f32 pool of the rounded entries",
+              kr_dtype_name(dt), heads, kv_heads, hd, len, n);
+        /* the last token alone through the batch op, and the observers' scores */
+        const kr_seq *one[] = {s}, *one_f[] = {f};
+        const float *ql = q + (size_t)(n - 1) * heads * hd;
+        kr_cpu_backend.attention_batch(b, one, 0, ql, 1, heads, pos + len - 1, window, out);
+        kr_cpu_backend.attention_batch(b, one_f, 0, ql, 1, heads, pos + len - 1, window, want);
+        CHECK(!memcmp(out, want, sizeof(float) * (size_t)heads * hd), "attention_batch %s hd %d len %d",
+              kr_dtype_name(dt), hd, len);
+        float *sc = malloc(sizeof(float) * (size_t)heads * len), *sc_f = malloc(sizeof(float) * (size_t)heads * len);
+        for (int per_head = 0; per_head < 2; per_head++) {
+            kr_cpu_backend.score(b, s, 0, q, n, heads, per_head, sc, (size_t)len);
+            kr_cpu_backend.score(b, f, 0, q, n, heads, per_head, sc_f, (size_t)len);
+            int rows = per_head ? heads : kv_heads;
+            CHECK(!memcmp(sc, sc_f, sizeof(float) * (size_t)rows * len), "score %s per_head %d hd %d len %d",
+                  kr_dtype_name(dt), per_head, hd, len);
+        }
+        /* reading the pool back gives the rounded entries */
+        float *rk = malloc(sizeof(float) * (size_t)len * hd), *rv = malloc(sizeof(float) * (size_t)len * hd);
+        char err[KR_ERR_MAX];
+        int same = 1;
+        for (int g = 0; g < kv_heads; g++) {
+            REQUIRE(kr_seq_list_read(s, 0, g, 0, len, NULL, rk, rv, err) == KR_OK, "%s", err);
+            for (int j = 0; j < len; j++)
+                same &= !memcmp(rk + (size_t)j * hd, k + ((size_t)j * kv_heads + g) * hd, sizeof(float) * hd) &&
+                        !memcmp(rv + (size_t)j * hd, v + ((size_t)j * kv_heads + g) * hd, sizeof(float) * hd);
+        }
+        CHECK(same, "list_read %s hd %d: not the rounded entries", kr_dtype_name(dt), hd);
+        free(rk), free(rv), free(sc), free(sc_f), free(want);
+        free_seq(f);
+        kr_cpu_backend.attention(b, s, 0, q, n, heads, pos + len - n, window, out);
+    }
     double worst = 0, *sc = malloc(sizeof(double) * len);
     int group = heads / kv_heads;
     for (int t = 0; t < n; t++)
@@ -106,11 +178,85 @@ static void check_attention(kr_backend *b, int heads, int kv_heads, int hd, int 
                 worst = kt_worst(worst, err2);
             }
         }
-    CHECK(worst < 1e-5, "attention heads %d/%d hd %d len %d n %d window %d bs %d: err %.3g", heads,
-          kv_heads, hd, len, n, window, bs, worst);
+    CHECK(worst < 1e-5, "attention %s heads %d/%d hd %d len %d n %d window %d bs %d: err %.3g", kr_dtype_name(dt),
+          heads, kv_heads, hd, len, n, window, bs, worst);
     free(sc), free(k), free(v), free(pos), free(q), free(out);
-    kr_seq_free(s);
-    kr_kv_pool_free(pool);
+    free_seq(s);
+}
+
+/* bits of a float, for comparing conversions exactly */
+static uint32_t bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+/* kr_dtype_from_f32 / kr_dtype_to_f32 (vector loops and tails) against the scalar conversions,
+ * on every length 0..40 and on values that probe the rounding: ties either way, bf16 and f16
+ * subnormals, the f16 overflow threshold, infinities and NaN */
+static void check_conversions(void)
+{
+    enum { N = 4096 };
+    static float x[N], back[N], want[N];
+    static uint16_t h[N];
+    const float special[] = {0.0f,        -0.0f,         1.0f,          -1.0f,        1.00390625f,  1.01171875f,
+                             65504.0f,    65519.996f,    65520.0f,      -65520.0f,    6.1035156e-5f, 6.0e-8f,
+                             2.9802322e-8f, 2.9802326e-8f, 1.0e-40f,    -1.0e-42f,    3.4028235e38f, INFINITY,
+                             -INFINITY,   NAN,           1.0000001f,    0.33333334f,  -2.7182817f,   1.0e-45f};
+    const int n_special = (int)(sizeof special / sizeof special[0]);
+    for (int i = 0; i < N; i++) {
+        if (i < n_special) x[i] = special[i];
+        else if (i % 3 == 0) x[i] = frand() * 1e-4f; /* f16 subnormal range and below */
+        else x[i] = ldexpf(frand(), (int)(frand() * 40));
+    }
+    const kr_dtype dts[] = {KR_DTYPE_BF16, KR_DTYPE_F16};
+    for (int t = 0; t < 2; t++) {
+        int bad = 0;
+        for (int n = 0; n <= 40; n++) { /* lengths: every vector tail */
+            kr_dtype_from_f32(dts[t], x + n_special - 7, (size_t)n, h);
+            for (int i = 0; i < n; i++) {
+                float xi = x[n_special - 7 + i];
+                uint16_t s = dts[t] == KR_DTYPE_BF16 ? kr_f32_to_bf16(xi) : kr_f32_to_f16(xi);
+                float hi = dts[t] == KR_DTYPE_BF16 ? kr_bf16_to_f32(h[i]) : kr_f16_to_f32(h[i]);
+                bad += isnan(xi) ? !isnan(hi) : h[i] != s; /* NaN payloads may differ */
+            }
+        }
+        kr_dtype_from_f32(dts[t], x, N, h);
+        kr_dtype_to_f32(dts[t], h, N, back);
+        for (int i = 0; i < N; i++) {
+            uint16_t s = dts[t] == KR_DTYPE_BF16 ? kr_f32_to_bf16(x[i]) : kr_f32_to_f16(x[i]);
+            want[i] = dts[t] == KR_DTYPE_BF16 ? kr_bf16_to_f32(s) : kr_f16_to_f32(s);
+            bad += isnan(x[i]) ? !isnan(back[i]) : bits(back[i]) != bits(want[i]);
+        }
+        CHECK(bad == 0, "%s conversions: %d values differ from the scalar conversion", kr_dtype_name(dts[t]), bad);
+    }
+    /* the rounding itself: ties to even, overflow, subnormals */
+    CHECK(kr_f32_to_bf16(1.00390625f) == 0x3f80 && kr_f32_to_bf16(1.01171875f) == 0x3f82, "bf16 ties to even");
+    CHECK(kr_f32_to_f16(65519.996f) == 0x7bff && kr_f32_to_f16(65520.0f) == 0x7c00, "f16 overflow threshold");
+    CHECK(kr_f32_to_f16(2.9802322e-8f) == 0 && kr_f32_to_f16(2.9802326e-8f) == 1, "f16 smallest subnormal");
+}
+
+/* The bf16 and f16 row kernels give bit for bit what the f32 ones give on the widened rows. */
+static void check_row_ops(void)
+{
+    enum { MAXN = 160 };
+    float a[MAXN], wide[MAXN], y1[MAXN], y2[MAXN], src[MAXN];
+    uint16_t row[MAXN];
+    const int lens[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 80, 127, 128, 129, 160};
+    const kr_dtype dts[] = {KR_DTYPE_BF16, KR_DTYPE_F16};
+    for (int t = 0; t < 2; t++)
+        for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+            int n = lens[li];
+            for (int i = 0; i < n; i++) a[i] = frand(), src[i] = frand() * 3, y1[i] = y2[i] = frand();
+            kr_dtype_from_f32(dts[t], src, (size_t)n, row);
+            kr_dtype_to_f32(dts[t], row, (size_t)n, wide);
+            float d1 = kr_dot_row(a, row, dts[t], n), d2 = kr_dot_f32(a, wide, n);
+            CHECK(bits(d1) == bits(d2), "dot %s n %d: %.9g vs %.9g", kr_dtype_name(dts[t]), n, d1, d2);
+            kr_axpy_row(y1, 0.37f, row, dts[t], n);
+            kr_axpy_f32(y2, 0.37f, wide, n);
+            CHECK(!memcmp(y1, y2, sizeof(float) * (size_t)n), "axpy %s n %d", kr_dtype_name(dts[t]), n);
+        }
 }
 
 int main(void)
@@ -189,8 +335,21 @@ int main(void)
     for (size_t i = 0; i < sizeof at / sizeof at[0]; i++) {
         kr_model ma = shell(at[i].heads * at[i].hd, 64, at[i].heads, at[i].kv, at[i].hd);
         REQUIRE(kr_cpu_backend.create(&ma, 2, 64, &b, err) == KR_OK, "%s", err);
-        check_attention(b, at[i].heads, at[i].kv, at[i].hd, at[i].len, at[i].n, at[i].window, at[i].bs);
+        for (int t = 0; t < 3; t++)
+            check_attention(b, dts[t], at[i].heads, at[i].kv, at[i].hd, at[i].len, at[i].n, at[i].window, at[i].bs);
         kr_cpu_backend.destroy(b);
     }
+    /* head dims no vector width divides, on both paths, in the cache's dtypes */
+    const struct { int heads, kv, hd, len, n, bs; } odd[] = {{6, 2, 33, 150, 1, 7}, {6, 2, 33, 150, 40, 7},
+                                                           {4, 4, 17, 200, 20, 16}, {3, 1, 5, 41, 3, 4}};
+    for (size_t i = 0; i < sizeof odd / sizeof odd[0]; i++) {
+        kr_model ma = shell(odd[i].heads * odd[i].hd, 64, odd[i].heads, odd[i].kv, odd[i].hd);
+        REQUIRE(kr_cpu_backend.create(&ma, 2, 64, &b, err) == KR_OK, "%s", err);
+        for (int t = 0; t < 3; t++)
+            check_attention(b, dts[t], odd[i].heads, odd[i].kv, odd[i].hd, odd[i].len, odd[i].n, 0, odd[i].bs);
+        kr_cpu_backend.destroy(b);
+    }
+    check_conversions();
+    check_row_ops();
     return kt_done("test_ops");
 }

@@ -49,7 +49,7 @@ static void rig_open(rig *r, const char *dir, int max_chunk)
     r->cfg = kr_model_config(r->m);
     kr_ctx_params cp = {.n_threads = 2, .max_chunk = max_chunk};
     REQUIRE(kr_ctx_create(r->m, &cp, &r->ctx, err) == KR_OK, "%s", err);
-    REQUIRE(kr_kv_pool_create(r->cfg->head_dim, 16, 8192, &r->pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(r->cfg->head_dim, 16, 8192, KR_DTYPE_F32, &r->pool, err) == KR_OK, "%s", err);
 }
 
 static void rig_close(rig *r)
@@ -420,7 +420,7 @@ static void test_sage_selection(void)
     REQUIRE(kr_cpu_backend.create(&shell, 2, 8, &be, err) == KR_OK, "%s", err);
     kr_kv_pool *pool;
     kr_seq *s;
-    REQUIRE(kr_kv_pool_create(8, 16, 64, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(8, 16, 64, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(pool, 1, 2, &s, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_set_policy(s, p, err) == KR_OK, "%s", err);
     const int n = 40;

@@ -435,7 +435,7 @@ int main(void)
     REQUIRE(e.cfg->n_layers == 4 && e.cfg->n_kv_heads == 2, "llama3-tiny changed shape");
     kr_ctx_params cp = {.n_threads = 2, .max_chunk = 64};
     REQUIRE(kr_ctx_create(e.m, &cp, &e.ctx, err) == KR_OK, "%s", err);
-    REQUIRE(kr_kv_pool_create(e.cfg->head_dim, 4, 4096, &e.pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(e.cfg->head_dim, 4, 4096, KR_DTYPE_F32, &e.pool, err) == KR_OK, "%s", err);
 
     test_parse(e.cfg);
     test_dense_choice();

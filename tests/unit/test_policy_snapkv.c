@@ -137,7 +137,7 @@ static void hand_init(hand *h, const char *spec, int group, int len, int rows)
     m.cfg = c;
     REQUIRE(kr_cpu_backend.create(&m, 2, 64, &h->be, err) == KR_OK, "%s", err);
     REQUIRE(kr_policy_parse(spec, &c, &h->p, err) == KR_OK, "%s: %s", spec, err);
-    REQUIRE(kr_kv_pool_create(HD, 8, 256, &h->pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(HD, 8, 256, KR_DTYPE_F32, &h->pool, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(h->pool, 1, h->kv, &h->s, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_grow(h->s, len, err) == KR_OK, "%s", err);
     float k[HD], v[HD];
@@ -176,7 +176,7 @@ static void hand_expect(hand *h, int g, const int *want, int n, const char *what
     int ok = l->len == n && l->pinned == n;
     for (int i = 0; ok && i < n; i++) {
         ok = *kr_kv_list_pos(h->pool, l, i) == 100 + want[i] &&
-             kr_kv_list_value(h->pool, l, i)[0] == (float)want[i];
+             ((const float *)kr_kv_list_value(h->pool, l, i))[0] == (float)want[i];
     }
     if (!ok) {
         char got[1024] = "";
@@ -291,7 +291,7 @@ static void real_open(real *r, const char *dir)
     r->cfg = kr_model_config(r->m);
     kr_ctx_params cp = {.backend = KR_BACKEND_CPU, .n_threads = 2, .max_chunk = 128};
     REQUIRE(kr_ctx_create(r->m, &cp, &r->ctx, err) == KR_OK, "%s", err);
-    REQUIRE(kr_kv_pool_create(r->cfg->head_dim, 16, 4096, &r->pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(r->cfg->head_dim, 16, 4096, KR_DTYPE_F32, &r->pool, err) == KR_OK, "%s", err);
 }
 
 static void real_close(real *r)

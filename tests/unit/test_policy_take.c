@@ -289,7 +289,7 @@ static void test_forward(const char *fixtures)
     kr_ctx_params cp = {.backend = KR_BACKEND_CPU, .n_threads = 2, .max_chunk = 64};
     REQUIRE(kr_ctx_create(m, &cp, &ctx, err) == KR_OK, "%s", err);
     kr_kv_pool *pool;
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 4096, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 4096, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
 
     enum { N = 300 };
     int32_t ids[N];

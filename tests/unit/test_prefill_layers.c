@@ -71,13 +71,14 @@ typedef struct blob_fill {
     int next;
 } blob_fill;
 
-static int fill_run(void *arg, int first, int n, const int32_t *pos, const float *k, const float *v, char *err)
+static int fill_run(void *arg, int first, int n, const int32_t *pos, kr_dtype dtype, const void *k, const void *v,
+                    char *err)
 {
     blob_fill *f = arg;
     CHECK(first == f->next && n >= 1, "visit: run [%d, %d) after %d", first, first + n, f->next);
     memcpy(f->pos + first, pos, sizeof(int32_t) * (size_t)n);
-    memcpy(f->k + (size_t)first * f->hd, k, sizeof(float) * (size_t)n * f->hd);
-    memcpy(f->v + (size_t)first * f->hd, v, sizeof(float) * (size_t)n * f->hd);
+    kr_dtype_to_f32(dtype, k, (size_t)n * f->hd, f->k + (size_t)first * f->hd);
+    kr_dtype_to_f32(dtype, v, (size_t)n * f->hd, f->v + (size_t)first * f->hd);
     f->next = first + n;
     (void)err;
     return 0;

@@ -179,8 +179,9 @@ static void ref_prefill(ref_model *r, const char *spec, const int32_t *tok, int 
     memset(out, 0, sizeof *out);
     REQUIRE(kr_policy_parse(spec, r->c, &out->p, err) == KR_OK, "policy %s: %s", spec, err);
     int per_list = (n + kr_policy_appended(out->p, n) + 2 * BLOCK) / BLOCK;
+    /* the node's default KV dtype, as its own context resolves it */
     REQUIRE(kr_kv_pool_create(r->c->head_dim, BLOCK, per_list * r->c->n_layers * r->c->n_kv_heads,
-                              &out->pool, err) == KR_OK,
+                              kr_ctx_kv_dtype(r->ctx), &out->pool, err) == KR_OK,
             "%s", err);
     REQUIRE(kr_seq_create(out->pool, r->c->n_layers, r->c->n_kv_heads, &out->s, err) == KR_OK &&
                 kr_seq_set_policy(out->s, out->p, err) == KR_OK,

@@ -32,7 +32,7 @@ static void check(int heads, int kv_heads, int hd, int n_obs, int hidden, int bs
     REQUIRE(kr_cpu_backend.create(&m, 2, 64, &b, err) == KR_OK, "%s", err);
     kr_kv_pool *pool;
     kr_seq *s;
-    REQUIRE(kr_kv_pool_create(hd, bs, 1024, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(hd, bs, 1024, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(pool, 1, kv_heads, &s, err) == KR_OK, "%s", err);
     const int max_len = 40 + 7 * kv_heads;
     REQUIRE(kr_seq_grow(s, max_len, err) == KR_OK, "%s", err);

@@ -6,7 +6,8 @@
  *   in one kr_forward_batch per step, greedily, and each step's logits must be memcmp-identical.
  *   Every fixture model, every policy family, with decode rules that trim (streaming's lazy
  *   pruning and pos=rel, sage's cap, decode windows, heads/hsft streaming heads with hsft's
- *   windows rescaled for the prompt, which the receiver must rebuild);
+ *   windows rescaled for the prompt, which the receiver must rebuild); with f32 and bf16 KV
+ *   pools (and f16 for one model);
  * - the block bound: B imported into a pool of exactly kr_seq_blocks_bound blocks decodes a
  *   long continuation without running out (transients inside a step included), for every policy
  *   and block sizes 1, 3, 8, 16; under full attention one block less runs out (the bound is
@@ -102,14 +103,15 @@ typedef struct visit_rows {
     int next, block_size, runs;
 } visit_rows;
 
-static int take_run(void *arg, int first, int n, const int32_t *pos, const float *k, const float *v, char *err)
+static int take_run(void *arg, int first, int n, const int32_t *pos, kr_dtype dtype, const void *k, const void *v,
+                    char *err)
 {
     visit_rows *r = arg;
     CHECK(first == r->next && n >= 1 && n <= r->block_size, "visit: run [%d, %d) after %d (blocks of %d)", first,
           first + n, r->next, r->block_size);
     memcpy(r->pos + first, pos, sizeof(int32_t) * (size_t)n);
-    memcpy(r->k + (size_t)first * r->hd, k, sizeof(float) * (size_t)n * r->hd);
-    memcpy(r->v + (size_t)first * r->hd, v, sizeof(float) * (size_t)n * r->hd);
+    kr_dtype_to_f32(dtype, k, (size_t)n * r->hd, r->k + (size_t)first * r->hd);
+    kr_dtype_to_f32(dtype, v, (size_t)n * r->hd, r->v + (size_t)first * r->hd);
     r->next = first + n;
     r->runs++;
     (void)err;
@@ -124,13 +126,13 @@ typedef struct fill_rows {
     int fail_at;
 } fill_rows;
 
-static int give_run(void *arg, int first, int n, int32_t *pos, float *k, float *v, char *err)
+static int give_run(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k, void *v, char *err)
 {
     const fill_rows *f = arg;
     if (f->fail_at >= first && f->fail_at < first + n) return kr_errf(err, "fill refused entry %d", f->fail_at);
     memcpy(pos, f->pos + first, sizeof(int32_t) * (size_t)n);
-    memcpy(k, f->k + (size_t)first * f->hd, sizeof(float) * (size_t)n * f->hd);
-    memcpy(v, f->v + (size_t)first * f->hd, sizeof(float) * (size_t)n * f->hd);
+    kr_dtype_from_f32(dtype, f->k + (size_t)first * f->hd, (size_t)n * f->hd, k);
+    kr_dtype_from_f32(dtype, f->v + (size_t)first * f->hd, (size_t)n * f->hd, v);
     return 0;
 }
 
@@ -166,17 +168,18 @@ static void copy_seq(const kr_seq *a, kr_seq *b, const kr_config *cfg, int block
 
 /* Every policy: A prefilled and decoded alone, B imported and decoded in one batch with the
  * other policies' Bs. */
-static void check_exact(const kr_model *m, const char *label)
+static void check_exact(const kr_model *m, const char *model, kr_dtype kv)
 {
-    char err[KR_ERR_MAX];
+    char err[KR_ERR_MAX], label[128];
+    snprintf(label, sizeof label, "%s (KV %s)", model, kr_dtype_name(kv));
     const kr_config *cfg = kr_model_config(m);
     const int V = cfg->vocab_size;
     kr_ctx *c;
     kr_ctx_params cp = {.n_threads = 2, .max_chunk = 32};
     REQUIRE(kr_ctx_create(m, &cp, &c, err) == KR_OK, "%s", err);
     kr_kv_pool *p1, *p2;
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 4096, &p1, err) == KR_OK, "%s", err);
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, 5, 8192, &p2, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 4096, kv, &p1, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, 5, 8192, kv, &p2, err) == KR_OK, "%s", err);
     kr_policy *pol[N_SPECS];
     kr_seq *a[N_SPECS], *b[N_SPECS];
     kr_footprint fa0[N_SPECS];
@@ -252,7 +255,7 @@ static int decode_in_pool(kr_ctx *c, const kr_config *cfg, const kr_policy *pol,
     char err[KR_ERR_MAX];
     kr_kv_pool *pool;
     kr_seq *b;
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, bs, (int)n_blocks, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, bs, (int)n_blocks, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &b, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_set_policy(b, pol, err) == KR_OK, "%s", err);
     copy_seq(a, b, cfg, 16); /* a in check_bound's pool: blocks of 16 */
@@ -277,7 +280,7 @@ static int64_t rules_bound(const kr_seq *s, int L, int H, int bs, int n_generate
 {
     char err[KR_ERR_MAX];
     kr_kv_pool *probe;
-    REQUIRE(kr_kv_pool_create(4, bs, 1, &probe, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(4, bs, 1, KR_DTYPE_F32, &probe, err) == KR_OK, "%s", err);
     int64_t total = 0;
     for (int l = 0; l < L; l++)
         for (int g = 0; g < H; g++) {
@@ -302,7 +305,7 @@ static void check_bound(const kr_model *m, const char *label)
     kr_ctx_params cp = {.n_threads = 2, .max_chunk = 32};
     REQUIRE(kr_ctx_create(m, &cp, &c, err) == KR_OK, "%s", err);
     kr_kv_pool *big;
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 4096, &big, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 4096, KR_DTYPE_F32, &big, err) == KR_OK, "%s", err);
     const int sizes[] = {1, 3, 8, 16};
     int32_t ids[N_PROMPT];
     float *lg = malloc(sizeof(float) * V);
@@ -323,7 +326,7 @@ static void check_bound(const kr_model *m, const char *label)
                       label, name, l, g, kr_seq_len(a, l, g), arrive);
         for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++) {
             kr_kv_pool *probe;
-            REQUIRE(kr_kv_pool_create(cfg->head_dim, sizes[z], 1, &probe, err) == KR_OK, "%s", err);
+            REQUIRE(kr_kv_pool_create(cfg->head_dim, sizes[z], 1, KR_DTYPE_F32, &probe, err) == KR_OK, "%s", err);
             int64_t bound = kr_seq_blocks_bound(probe, pol, L, H, N_PROMPT, N_LONG);
             kr_kv_pool_free(probe);
             REQUIRE(bound > 0, "%s %s: bound %lld", label, name, (long long)bound);
@@ -414,7 +417,7 @@ static void check_windows(const kr_model *m)
     kr_ctx_params cp = {.n_threads = 2, .max_chunk = 32};
     REQUIRE(kr_ctx_create(m, &cp, &c, err) == KR_OK, "%s", err);
     kr_kv_pool *pool;
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 1024, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 1024, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
     float *lg = malloc(sizeof(float) * (size_t)cfg->vocab_size);
     int32_t ids[N_PROMPT];
     prompt_ids(ids, N_PROMPT, 1, cfg->vocab_size);
@@ -461,7 +464,7 @@ static void check_errors(const kr_model *m)
     kr_ctx_params cp = {.n_threads = 2, .max_chunk = 32};
     REQUIRE(kr_ctx_create(m, &cp, &c, err) == KR_OK, "%s", err);
     kr_kv_pool *pool;
-    REQUIRE(kr_kv_pool_create(hd, 4, 2, &pool, err) == KR_OK, "%s", err); /* 8 entries in all */
+    REQUIRE(kr_kv_pool_create(hd, 4, 2, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err); /* 8 entries in all */
     float kv[2][9 * 64] = {{0}};
     int32_t pos[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
     kr_seq *s;
@@ -551,7 +554,7 @@ static void check_errors(const kr_model *m)
 
     /* a sequence fed tokens takes neither */
     kr_kv_pool *big;
-    REQUIRE(kr_kv_pool_create(hd, 16, 256, &big, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(hd, 16, 256, KR_DTYPE_F32, &big, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(big, L, H, &s, err) == KR_OK, "%s", err);
     float *lg = malloc(sizeof(float) * (size_t)cfg->vocab_size);
     REQUIRE(kr_prefill(c, s, pos, 4, 0, KR_LOGITS_LAST, lg, err) == KR_OK, "%s", err);
@@ -619,7 +622,7 @@ static void check_rule_bound(void)
         int count = (int)(v[6] % 120), pinned = count ? (int)(v[7] % (uint64_t)(count + 1)) : 0;
         int gen = (int)(v[8] % 150), bs = 1 + (int)(v[9] % 17);
         kr_kv_pool *pool;
-        REQUIRE(kr_kv_pool_create(4, bs, 1, &pool, err) == KR_OK, "%s", err);
+        REQUIRE(kr_kv_pool_create(4, bs, 1, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
         int64_t got = kr_list_rule_blocks_bound(pool, &r, count, pinned, gen);
         int64_t want = rule_brute(&r, count, pinned, gen, bs);
         kr_kv_pool_free(pool);
@@ -627,7 +630,7 @@ static void check_rule_bound(void)
               "of %d: bound %lld, the list held %lld", r.sink, r.window, r.lazy, r.slack, r.max_drop, count, pinned,
               gen, bs, (long long)got, (long long)want);
         tight += got == want;
-        REQUIRE(kr_kv_pool_create(4, 1, 1, &pool, err) == KR_OK, "%s", err);
+        REQUIRE(kr_kv_pool_create(4, 1, 1, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
         got = kr_list_rule_blocks_bound(pool, &r, count, pinned, gen);
         want = rule_brute(&r, count, pinned, gen, 1);
         kr_kv_pool_free(pool);
@@ -637,7 +640,7 @@ static void check_rule_bound(void)
         n++;
     }
     kr_kv_pool *pool;
-    REQUIRE(kr_kv_pool_create(4, 16, 1, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(4, 16, 1, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
     kr_list_rule r = {.sink = 0, .window = 4, .lazy = 1};
     CHECK(kr_list_rule_blocks_bound(pool, &r, 5, 6, 1) == -1, "pinned beyond count");
     CHECK(kr_list_rule_blocks_bound(pool, &r, 5, 0, -1) == -1, "negative generate");
@@ -664,7 +667,9 @@ int main(void)
         snprintf(dir, sizeof dir, "%s/models/%s", fx, models[i]);
         REQUIRE(kr_model_load(dir, NULL, &m, err) == KR_OK, "%s: %s", dir, err);
         kr_test_policy_files(kr_model_config(m), gates, windows);
-        check_exact(m, models[i]);
+        check_exact(m, models[i], KR_DTYPE_F32);
+        check_exact(m, models[i], KR_DTYPE_BF16); /* bf16 rows cross as f32 exactly and round back to themselves */
+        if (i == 1) check_exact(m, models[i], KR_DTYPE_F16);
         check_bound(m, models[i]);
         if (i == 0) {
             check_windows(m);

@@ -36,7 +36,7 @@ static void last_logits(const kr_model *m, const int32_t *ids, int n, int chunk,
     REQUIRE(kr_ctx_create(m, &cp, &c, err) == KR_OK, "%s", err);
     kr_kv_pool *pool;
     kr_seq *s;
-    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 1024, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_kv_pool_create(cfg->head_dim, 16, 1024, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &s, err) == KR_OK, "%s", err);
     REQUIRE(kr_prefill(c, s, ids, n, chunk, KR_LOGITS_LAST, out, err) == KR_OK, "%s", err);
     if (fp) kr_seq_footprint(s, fp);
