@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# vs-llama.cpp.sh - kvrelay's CPU engine against llama.cpp on the same model, the same weights and
+# the same thread count (docs/performance.md): prefill of a 512-token prompt and decode at
+# contexts 128 and 2048, for f32 and bf16 weights. Not a test: the figures depend on the machine;
+# run it by hand. llama.cpp is not part of this repository: build it yourself (below) and point
+# --llama-cpp at the build directory.
+#
+#   bench/vs-llama.cpp.sh --llama-cpp DIR [--bin DIR] [--threads N] [--rounds N] [--config FILE]
+#                         [--dtypes LIST] [--prompt N] [--contexts LIST] [--decode-tokens N]
+#                         [--repeat N] [--out DIR] [--llama-args "ARGS"]
+#
+# Building llama.cpp (in a clone of its repository, ggml-org/llama.cpp on GitHub):
+#   cmake -B build -DGGML_NATIVE=ON && cmake --build build -j --target llama-bench
+# and pass --llama-cpp build (the directory holding bin/llama-bench). A llama-bench without the
+# depth option (-d, --n-depth; older than about April 2025) cannot time decode at a context, so
+# then llama-batched-bench is used for decode and must be built too:
+#   cmake --build build -j --target llama-bench llama-batched-bench
+#
+# What runs. bench/gguf_model.py writes, per dtype, one random-weight model in the shape of
+# --config twice: config.json + model.safetensors for kvrelay and model.gguf for llama.cpp, with
+# the same values (q/k rows reordered for llama.cpp's rotary layout). Each round runs, per dtype
+# and per test, kvrelay and llama.cpp back to back (which goes first alternates between rounds),
+# so that the machine's other load, which drifts within minutes on a shared machine, falls on
+# both sides of a ratio alike:
+#   prefill 512:  kvrelay-bench-engine --model M --threads N --prefill 512 --contexts 1
+#                   --decode-tokens 1 --repeat 3 --json              (the prefill figure)
+#                 llama-bench -m M.gguf -t N -p 512 -n 0 -r 3 -o jsonl    (after its warm-up)
+#   decode at C:  kvrelay-bench-engine --model M --threads N --prefill 1 --contexts C
+#                   --decode-tokens 32 --repeat 3 --json             (the decode figure)
+#                 llama-bench -m M.gguf -t N -p 0 -n 32 -d C -r 3 -o jsonl, or without -d:
+#                 llama-batched-bench -m M.gguf -t N -tb N -c C+288 -npp C,C,C -ntg 32 -npl 1
+#                   --output-format jsonl        (32 decode steps after each C-token prompt)
+# Each side's figure is a best of 3 (kvrelay-bench-engine's own rule; the best of llama-bench's
+# 3 samples; the best of batched-bench's 3 prompts). The table shows the median over rounds of
+# each engine and the ratio kvrelay / llama.cpp of those medians; beside it the paired ratio,
+# the median of each round's ratio (a round's two runs are seconds apart, so it carries less of
+# the drift between rounds), and the range of the per-round ratios. Decode tok/s is 1 / the
+# time of one step at that context (batch 1); prefill tok/s is prompt tokens / prefill time.
+#
+# Not the same work in every respect, and the table does not hide it: llama.cpp keeps its KV
+# cache in f16 by default, kvrelay in f32 (--llama-args "-ctk f32 -ctv f32" makes llama-bench
+# match); llama.cpp's prefill computes logits for the last token only, as kvrelay's does.
+#
+# Defaults: --bin build, --threads 2, --rounds 3, --config tools/data/llama-110m.json (hidden 768,
+# 12 layers, 12/4 heads, MLP 2048, vocab 32000), --dtypes f32,bf16, --prompt 512, --contexts
+# 128,2048, --decode-tokens 32, --repeat 3, --out a new temporary directory (kept; it holds the
+# models, every raw output and runs.tsv). Exit 0, 1 when a run failed, 2 for bad flags.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+llama= bin=$here/build threads=2 rounds=3 config=$here/tools/data/llama-110m.json dtypes=f32,bf16
+prompt=512 contexts=128,2048 steps=32 repeat=3 out= llama_args=
+usage() { sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+  case $1 in
+    --llama-cpp) llama=${2:?--llama-cpp needs a directory}; shift 2 ;;
+    --bin) bin=$2; shift 2 ;;
+    --threads) threads=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
+    --config) config=$2; shift 2 ;;
+    --dtypes) dtypes=$2; shift 2 ;;
+    --prompt) prompt=$2; shift 2 ;;
+    --contexts) contexts=$2; shift 2 ;;
+    --decode-tokens) steps=$2; shift 2 ;;
+    --repeat) repeat=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --llama-args) llama_args=$2; shift 2 ;;
+    -h | --help) usage; exit 0 ;;
+    *) echo "vs-llama.cpp.sh: unknown flag '$1' (--help lists them)" >&2; exit 2 ;;
+  esac
+done
+die2() { echo "vs-llama.cpp.sh: $*" >&2; exit 2; }
+for n in "$threads" "$rounds" "$prompt" "$steps" "$repeat"; do
+  [[ $n =~ ^[1-9][0-9]*$ ]] || die2 "'$n' is not a positive integer"
+done
+[[ $contexts =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || die2 "--contexts '$contexts' is not a list like 128,2048"
+IFS=, read -r -a dtype_list <<<"$dtypes"
+for d in "${dtype_list[@]}"; do
+  case $d in f32 | bf16) ;; *) die2 "--dtypes: '$d' is not f32 or bf16" ;; esac
+done
+[ -n "$llama" ] || die2 "--llama-cpp DIR is required: a llama.cpp build directory holding bin/llama-bench.
+  Build one in a clone of llama.cpp (ggml-org/llama.cpp on GitHub):
+    cmake -B build -DGGML_NATIVE=ON && cmake --build build -j --target llama-bench
+  then pass --llama-cpp build (--help says more)"
+lb=$llama/bin/llama-bench
+[ -x "$lb" ] || die2 "--llama-cpp $llama has no bin/llama-bench. In the llama.cpp clone:
+    cmake -B build -DGGML_NATIVE=ON && cmake --build build -j --target llama-bench"
+# decode at a context: llama-bench's depth option when it has one, else llama-batched-bench
+if "$lb" --help 2>&1 | grep -q -- '--n-depth'; then
+  decode_tool=llama-bench
+else
+  decode_tool=llama-batched-bench
+  [ -x "$llama/bin/llama-batched-bench" ] || die2 "this llama-bench has no depth option (-d), so decode
+  at a context needs bin/llama-batched-bench, which $llama lacks. In the llama.cpp clone:
+    cmake --build build -j --target llama-bench llama-batched-bench"
+fi
+[ -x "$bin/kvrelay-bench-engine" ] || die2 "--bin $bin has no built kvrelay-bench-engine (cmake --build $bin --target kvrelay-bench-engine)"
+[ -f "$config" ] || die2 "--config $config does not exist"
+py=/usr/bin/python3
+[ -x "$py" ] || die2 "$py is missing (apt-get install python3)"
+out=${out:-$(mktemp -d -t kvrelay-vs-llama.XXXXXX)}
+mkdir -p "$out/raw"
+IFS=, read -r -a ctx_list <<<"$contexts"
+max_ctx=0
+for c in "${ctx_list[@]}"; do [ "$c" -gt "$max_ctx" ] && max_ctx=$c; done
+
+# the llama.cpp commit: the source tree's git when the build directory sits in one, else what
+# llama-bench was built with (unknown when it was built outside git)
+llama_commit=$(git -C "$llama" rev-parse HEAD 2>/dev/null ||
+  git -C "$llama/.." rev-parse HEAD 2>/dev/null || true)
+cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)
+flags=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|f16c|avx512f|avx512_bf16|amx_bf16)$' | tr '\n' ' ' || true)
+echo "vs-llama.cpp.sh: $(nproc) CPUs ($cpu; $flags), load $(cut -d' ' -f1-3 /proc/loadavg);" \
+  "$rounds rounds, $threads threads; llama.cpp $llama (decode via $decode_tool); output in $out" >&2
+
+for d in "${dtype_list[@]}"; do
+  if [ ! -f "$out/models/$d/model.gguf" ]; then
+    echo "vs-llama.cpp.sh: writing the $d model ($config)" >&2
+    "$py" "$here/bench/gguf_model.py" --config "$config" --dtype "$d" --out "$out/models/$d" >/dev/null
+  fi
+done
+
+# run_kvrelay ROUND DTYPE TEST, run_llama ROUND DTYPE TEST (TEST: pp, or tgC for decode at C):
+# raw outputs into $out/raw/rROUND-DTYPE-TEST-{kvrelay.json,llama.jsonl} and their .err
+run_kvrelay() {
+  local f=$out/raw/r$1-$2-$3-kvrelay args
+  if [ "$3" = pp ]; then args=(--prefill "$prompt" --contexts 1 --decode-tokens 1)
+  else args=(--prefill 1 --contexts "${3#tg}" --decode-tokens "$steps"); fi
+  "$bin/kvrelay-bench-engine" --model "$out/models/$2" --threads "$threads" "${args[@]}" \
+    --repeat "$repeat" --json >"$f.json" 2>"$f.err" ||
+    { echo "vs-llama.cpp.sh: kvrelay-bench-engine failed (round $1, $2, $3):" >&2; tail -n 5 "$f.err" >&2; return 1; }
+}
+run_llama() {
+  local f=$out/raw/r$1-$2-$3-llama m=$out/models/$2/model.gguf c=${3#tg} npp= i
+  # shellcheck disable=SC2086 # --llama-args is split on purpose
+  if [ "$3" = pp ]; then
+    "$lb" -m "$m" -t "$threads" -p "$prompt" -n 0 -r "$repeat" -o jsonl $llama_args >"$f.jsonl" 2>"$f.err"
+  elif [ "$decode_tool" = llama-bench ]; then
+    "$lb" -m "$m" -t "$threads" -p 0 -n "$steps" -d "$c" -r "$repeat" -o jsonl $llama_args >"$f.jsonl" 2>"$f.err"
+  else
+    for ((i = 0; i < repeat; i++)); do npp+=${npp:+,}$c; done
+    "$llama/bin/llama-batched-bench" -m "$m" -t "$threads" -tb "$threads" -c $((c + steps + 256)) \
+      -npp "$npp" -ntg "$steps" -npl 1 --output-format jsonl $llama_args >"$f.jsonl" 2>"$f.err"
+  fi || { echo "vs-llama.cpp.sh: llama.cpp failed (round $1, $2, $3):" >&2; tail -n 5 "$f.err" >&2; return 1; }
+}
+
+tests=(pp)
+for c in "${ctx_list[@]}"; do tests+=("tg$c"); done
+for ((r = 1; r <= rounds; r++)); do
+  for d in "${dtype_list[@]}"; do
+    for t in "${tests[@]}"; do
+      echo "vs-llama.cpp.sh: round $r/$rounds, $d, $t (load $(cut -d' ' -f1 /proc/loadavg))" >&2
+      if [ $((r % 2)) = 1 ]; then run_kvrelay "$r" "$d" "$t" || exit 1; run_llama "$r" "$d" "$t" || exit 1
+      else run_llama "$r" "$d" "$t" || exit 1; run_kvrelay "$r" "$d" "$t" || exit 1; fi
+    done
+  done
+done
+
+# the table: medians over rounds; runs.tsv: every round's figures
+"$py" - "$out" "$rounds" "$dtypes" "$prompt" "$contexts" "$threads" "$decode_tool" "${llama_commit:-}" <<'PY'
+import json, os, statistics, sys
+out, rounds, dtypes, prompt, contexts, threads, tool, commit = sys.argv[1:]
+rounds, prompt, contexts = int(rounds), int(prompt), [int(c) for c in contexts.split(",")]
+
+def jsonl(path):
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.strip().startswith("{")]
+
+build = None
+rows = []  # (dtype, test, round, kvrelay, llama)
+for d in dtypes.split(","):
+    for r in range(1, rounds + 1):
+        for c in [0] + contexts:
+            base = os.path.join(out, "raw", "r%d-%s-%s-" % (r, d, "tg%d" % c if c else "pp"))
+            t = "decode at %d" % c if c else "prefill %d" % prompt
+            with open(base + "kvrelay.json") as f:
+                k = json.load(f)
+            kv = k["decode"][0]["tokens_per_second"] if c else k["prefill"][0]["tokens_per_second"]
+            ll = []
+            for e in jsonl(base + "llama.jsonl"):
+                build = build or (e.get("build_commit"), e.get("build_number"))
+                if not c:
+                    ll += e["samples_ts"] if e["n_prompt"] == prompt and e["n_gen"] == 0 else []
+                elif tool == "llama-bench":
+                    ll += e["samples_ts"] if e["n_depth"] == c and e["n_gen"] > 0 else []
+                else:
+                    ll += [e["speed_tg"]] if e["pp"] == c else []
+            if not ll:
+                sys.exit("vs-llama.cpp.sh: round %d, %s, %s: llama.cpp reported no figure (%sllama.err)"
+                         % (r, d, t, base))
+            rows.append((d, t, r, kv, max(ll)))
+
+with open(os.path.join(out, "runs.tsv"), "w") as f:
+    f.write("dtype\ttest\tround\tkvrelay_tok_s\tllama_cpp_tok_s\tratio\n")
+    for d, t, r, a, b in rows:
+        f.write("%s\t%s\t%d\t%.2f\t%.2f\t%.3f\n" % (d, t, r, a, b, a / b))
+
+if not commit:
+    commit = "%s (build %s, from llama-bench)" % build if build else "unknown"
+print("kvrelay vs llama.cpp, %d threads, median of %d rounds (each a best of its repeats); "
+      "llama.cpp %s; decode via %s" % (int(threads), rounds, commit, tool))
+print("| weights | test | kvrelay tok/s | llama.cpp tok/s | ratio | paired ratio | per-round ratios |")
+print("|---|---|---|---|---|---|---|")
+seen = []
+for d, t, *_ in rows:
+    if (d, t) not in seen:
+        seen.append((d, t))
+for d, t in seen:
+    sel = [x for x in rows if x[0] == d and x[1] == t]
+    a = statistics.median(x[3] for x in sel)
+    b = statistics.median(x[4] for x in sel)
+    ratios = [x[3] / x[4] for x in sel]
+    print("| %s | %s | %.1f | %.1f | %.2f | %.2f | %.2f-%.2f |" %
+          (d, t, a, b, a / b, statistics.median(ratios), min(ratios), max(ratios)))
+PY
+echo "vs-llama.cpp.sh: load at the end $(cut -d' ' -f1-3 /proc/loadavg); every round's figures in $out/runs.tsv" >&2
