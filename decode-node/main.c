@@ -356,10 +356,10 @@ int main(int argc, char **argv)
     }
     n->total_blocks = blocks;
     kc_info(NULL, "model %s (fingerprint %s): %d layers x %d KV heads x %d dims; KV pool %" PRId64
-            " blocks of %d entries (%.1f MiB); %d threads, batches of up to %d", c->model_dir,
+            " blocks of %d entries (%.1f MiB); %d threads (%s), batches of up to %d", c->model_dir,
             n->fingerprint, n->mcfg->n_layers, n->mcfg->n_kv_heads, n->mcfg->head_dim, blocks,
             c->block_size, (double)(blocks * block_bytes) / 1048576.0, kr_ctx_n_threads(n->ctx),
-            c->max_batch);
+            c->backend == KR_BACKEND_CPU ? kr_cpu_isa() : "cuda", c->max_batch);
 
     pthread_mutex_init(&n->lock, NULL);
     pthread_cond_init(&n->cond, NULL);

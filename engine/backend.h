@@ -93,7 +93,15 @@ typedef struct kr_backend_ops {
     unsigned kv_dtypes;
 } kr_backend_ops;
 
-extern const kr_backend_ops kr_cpu_backend;
+/* The CPU backend: the variant for the best instruction set this CPU has, chosen by cpuid when
+ * the program loads (engine/cpu-dispatch.c; kr_cpu_isa names it), or the one KR_CPU_ISA names. */
+extern kr_backend_ops kr_cpu_backend;
+/* Each variant of it, whatever the CPU: a test runs those the CPU supports side by side. */
+extern const kr_backend_ops kr_cpu_backend_avx512, kr_cpu_backend_avx2, kr_cpu_backend_base;
+/* The variant named avx512, avx2 or base (NULL for another name), and whether this CPU (and its
+ * OS) runs it. */
+const kr_backend_ops *kr_cpu_backend_variant(const char *name);
+int kr_cpu_isa_supported(const char *name);
 #ifdef KR_HAVE_CUDA
 extern const kr_backend_ops kr_cuda_backend; /* engine/cuda/backend.cu */
 #endif

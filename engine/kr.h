@@ -223,6 +223,10 @@ typedef enum kr_backend_kind {
     KR_BACKEND_CUDA = 1,
 } kr_backend_kind;
 
+/* The instruction set of the CPU kernels this process runs: "avx512", "avx2" or "base" (plain
+ * C), the best this CPU has, picked when the program loads, or what KR_CPU_ISA asked for. */
+const char *kr_cpu_isa(void);
+
 /* Execution context: a model on a backend with scratch buffers sized once for `max_chunk`
  * tokens and a thread pool. Not thread-safe: one caller at a time. */
 typedef struct kr_ctx kr_ctx;

@@ -312,10 +312,11 @@ int main(int argc, char **argv)
 
     kc_info(NULL,
             "model %s (%s, %d layers, %d KV heads x %d), chunk %d, queue %d, max prompt %d, "
-            "%d KV blocks, payload %s, %d threads",
+            "%d KV blocks, payload %s, %d threads (%s)",
             cfg.model_dir, kr_model_fingerprint(n->model), n->mcfg->n_layers, n->mcfg->n_kv_heads,
             n->mcfg->head_dim, cfg.chunk, cfg.queue, cfg.max_prompt, cfg.kv_blocks,
-            kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx));
+            kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx),
+            cfg.backend == KR_BACKEND_CPU ? kr_cpu_isa() : "cuda");
     char http_address[KC_HOST_MAX + 8];
     kc_hostport_format(http_hp.host, http_bound, http_address, sizeof http_address);
     printf("prefill %s: serving grpc %s http %s\n", cfg.id, n->grpc_address, http_address);

@@ -178,7 +178,7 @@ static void cpu_kv_store(kr_backend *b, kr_seq *s, int layer, const float *k, co
     }
 }
 
-const kr_backend_ops kr_cpu_backend = {
+const kr_backend_ops KR_CPU_SYM(kr_cpu_backend) = {
     .name = "cpu",
     .create = cpu_create,
     .destroy = cpu_destroy,

@@ -10,6 +10,24 @@
 #include "backend.h"
 #include "kr-threadpool.h"
 
+/* These sources are compiled once per instruction set (CMakeLists.txt: KR_CPU_ISA avx512, avx2
+ * or base, KR_CPU_LEVEL 2, 1 or 0), and engine/cpu-dispatch.c picks one variant at load time by
+ * cpuid. Each variant names what it exports with its suffix: kr_cpu_matmul_avx2, the op table
+ * kr_cpu_backend_avx2, ... */
+#ifndef KR_CPU_ISA
+#error "cpu.h is for the engine/cpu sources, which CMakeLists.txt builds once per instruction set"
+#endif
+#define KR_CPU_CAT2(a, b) a##_##b
+#define KR_CPU_CAT(a, b) KR_CPU_CAT2(a, b)
+#define KR_CPU_SYM(name) KR_CPU_CAT(name, KR_CPU_ISA)
+#define kr_cpu_matmul KR_CPU_SYM(kr_cpu_matmul)
+#define kr_cpu_matmul_rows KR_CPU_SYM(kr_cpu_matmul_rows)
+#define kr_cpu_attention KR_CPU_SYM(kr_cpu_attention)
+#define kr_cpu_attention_batch KR_CPU_SYM(kr_cpu_attention_batch)
+#define kr_cpu_score KR_CPU_SYM(kr_cpu_score)
+#define kr_cpu_score_past KR_CPU_SYM(kr_cpu_score_past)
+#define kr_cpu_attention_scratch KR_CPU_SYM(kr_cpu_attention_scratch)
+
 /* Matmuls of fewer tokens take the dot-product path, more take sgemm. */
 enum { GEMM_MIN_TOKENS = 6 };
 

@@ -1,7 +1,8 @@
 /*
  * simd.h - the CPU backend's vector primitives: dot products of an f32 vector with f32, bf16
- * or f16 rows, and scaled adds of such rows. AVX-512 when the compiler targets it, AVX2+FMA+F16C
- * next, plain C otherwise (the plain C is the readable definition; the others must agree with it
+ * or f16 rows, and scaled adds of such rows. Which set is the variant's being compiled
+ * (KR_CPU_LEVEL, set by CMakeLists.txt for each build of the engine/cpu sources, cpu.h): 2
+ * AVX-512F, 1 AVX2+FMA+F16C, 0 plain C (the readable definition; the others must agree with it
  * to float rounding). Weights and KV cache rows are upcast exactly to f32; all arithmetic is f32.
  */
 #ifndef KR_CPU_SIMD_H
@@ -11,11 +12,19 @@
 
 #include <math.h>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if !defined(KR_CPU_LEVEL)
+#error "engine/cpu sources are built once per instruction set: KR_CPU_LEVEL comes from CMakeLists.txt"
+#elif KR_CPU_LEVEL >= 2 && !defined(__AVX512F__)
+#error "the AVX-512 variant needs -mavx512f"
+#elif KR_CPU_LEVEL == 1 && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "the AVX2 variant needs -mavx2 -mfma -mf16c"
+#endif
+
+#if KR_CPU_LEVEL >= 1
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__)
+#if KR_CPU_LEVEL >= 2
 #define KR_VL 16
 typedef __m512 kr_vf;
 static inline kr_vf vf_zero(void) { return _mm512_setzero_ps(); }
@@ -49,7 +58,7 @@ static inline kr_vf vf_ldexp(kr_vf a, kr_vf n)
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(a, _mm512_castsi512_ps(e));
 }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif KR_CPU_LEVEL == 1
 #define KR_VL 8
 typedef __m256 kr_vf;
 static inline kr_vf vf_zero(void) { return _mm256_setzero_ps(); }

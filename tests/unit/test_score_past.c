@@ -9,7 +9,6 @@
 #include "kr_test.h"
 
 #include "backend.h"
-#include "cpu/cpu.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static float frand(void) /* uniform in [-1, 1) */

@@ -1,0 +1,73 @@
+/*
+ * cpu-dispatch.c - picks the CPU backend's variant when the program loads: the engine/cpu
+ * sources are compiled once per instruction set (CMakeLists.txt), and kr_cpu_backend becomes a
+ * copy of the best one this CPU runs (cpuid, through the compiler's __builtin_cpu_supports, which also asks
+ * the OS whether it saves the wider registers). KR_CPU_ISA=avx512|avx2|base in the environment
+ * asks for one variant; one the CPU lacks is refused with a line on stderr and the best is
+ * used instead. So one binary runs everywhere at the speed of the CPU it is on, and a native
+ * build (KR_NATIVE) is not needed for the kernels.
+ */
+#include "backend.h"
+#include "kr.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+kr_backend_ops kr_cpu_backend;
+
+/* best first */
+static const struct {
+    const char *name;
+    const kr_backend_ops *ops;
+} variants[] = {
+    {"avx512", &kr_cpu_backend_avx512},
+    {"avx2", &kr_cpu_backend_avx2},
+    {"base", &kr_cpu_backend_base},
+};
+enum { N_VARIANTS = sizeof variants / sizeof variants[0] };
+
+static const char *chosen = "base";
+
+int kr_cpu_isa_supported(const char *name)
+{
+    __builtin_cpu_init();
+    if (strcmp(name, "avx512") == 0)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+               __builtin_cpu_supports("fma");
+    if (strcmp(name, "avx2") == 0)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    return strcmp(name, "base") == 0;
+}
+
+const char *kr_cpu_isa(void) { return chosen; }
+
+const kr_backend_ops *kr_cpu_backend_variant(const char *name)
+{
+    for (int i = 0; i < N_VARIANTS; i++)
+        if (strcmp(variants[i].name, name) == 0)
+            return variants[i].ops;
+    return NULL;
+}
+
+__attribute__((constructor)) static void kr_cpu_pick(void)
+{
+    const char *want = getenv("KR_CPU_ISA");
+    int pick = -1;
+    if (want && *want) {
+        for (int i = 0; i < N_VARIANTS; i++)
+            if (strcmp(variants[i].name, want) == 0)
+                pick = i;
+        if (pick < 0 || !kr_cpu_isa_supported(want)) {
+            fprintf(stderr, "kvrelay: KR_CPU_ISA=%s: %s; using the best this CPU runs\n", want,
+                    pick < 0 ? "not one of avx512, avx2, base" : "this CPU lacks it");
+            pick = -1;
+        }
+    }
+    for (int i = 0; pick < 0 && i < N_VARIANTS; i++)
+        if (kr_cpu_isa_supported(variants[i].name))
+            pick = i;
+    chosen = variants[pick].name;
+    kr_cpu_backend = *variants[pick].ops;
+}
