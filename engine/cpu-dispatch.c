@@ -70,4 +70,6 @@ __attribute__((constructor)) static void kr_cpu_pick(void)
             pick = i;
     chosen = variants[pick].name;
     kr_cpu_backend = *variants[pick].ops;
+    if (want && *want && strcmp(want, chosen) != 0)
+        setenv("KR_CPU_ISA", chosen, 1); /* said once: a re-exec (tools/cli.c) or child agrees */
 }

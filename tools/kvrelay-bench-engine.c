@@ -420,14 +420,16 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(root, "weight_bytes", (double)kr_model_weight_bytes(m));
     cJSON_AddNumberToObject(root, "load_seconds", t_load);
     cJSON_AddStringToObject(root, "backend", backend == KR_BACKEND_CUDA ? "cuda" : "cpu");
+    cJSON_AddStringToObject(root, "cpu_isa", kr_cpu_isa());
     cJSON_AddStringToObject(root, "copy_bandwidth_of", bw_what);
     cJSON_AddNumberToObject(root, "copy_bandwidth_GBps", bw / 1e9);
     cJSON_AddStringToObject(root, "gemm_peak_of", peak_what);
     cJSON_AddNumberToObject(root, "gemm_peak_GFLOPs", peak / 1e9);
     if (!json) {
-        printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads, policy %s, %s KV cache\n",
-               model_dir ? model_dir : random_cfg, kr_dtype_name(kr_model_weight_dtype(m)), params / 1e6,
-               kr_model_weight_bytes(m) / 1048576.0, nth, kr_policy_spec(pol),
+        printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads (%s), policy %s, "
+               "%s KV cache\n", model_dir ? model_dir : random_cfg, kr_dtype_name(kr_model_weight_dtype(m)),
+               params / 1e6, kr_model_weight_bytes(m) / 1048576.0, nth,
+               backend == KR_BACKEND_CUDA ? "cuda" : kr_cpu_isa(), kr_policy_spec(pol),
                kr_dtype_name(kr_ctx_kv_dtype(b.ctx)));
         printf("limits: %s bandwidth %.1f GB/s (read+write), %s peak %.1f GFLOP/s\n", bw_what, bw / 1e9,
                peak_what, peak / 1e9);

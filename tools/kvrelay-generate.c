@@ -258,6 +258,7 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(stats, "kv_entries_kept", (double)kept_after_prefill);
     cJSON_AddNumberToObject(stats, "kv_bytes_kept", (double)(kept_after_prefill * entry_bytes));
     cJSON_AddStringToObject(stats, "kv_cache_dtype", kr_dtype_name(kr_ctx_kv_dtype(ctx)));
+    cJSON_AddStringToObject(stats, "cpu_isa", kr_cpu_isa());
     cJSON_AddNumberToObject(stats, "prefill_seconds", t1 - t0);
     cJSON_AddNumberToObject(stats, "decode_seconds", t2 - t1);
     cJSON_AddNumberToObject(stats, "prefill_tokens_per_second", t1 > t0 ? n_prompt / (t1 - t0) : 0);
