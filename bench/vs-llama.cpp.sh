@@ -12,7 +12,7 @@
 # Building llama.cpp (in a clone of its repository, ggml-org/llama.cpp on GitHub):
 #   cmake -B build -DGGML_NATIVE=ON && cmake --build build -j --target llama-bench
 # and pass --llama-cpp build (the directory holding bin/llama-bench). A llama-bench without the
-# depth option (-d, --n-depth; older than about April 2025) cannot time decode at a context, so
+# depth option (-d, --n-depth; older versions) cannot time decode at a context, so
 # then llama-batched-bench is used for decode and must be built too:
 #   cmake --build build -j --target llama-bench llama-batched-bench
 #
@@ -37,9 +37,11 @@
 # the drift between rounds), and the range of the per-round ratios. Decode tok/s is 1 / the
 # time of one step at that context (batch 1); prefill tok/s is prompt tokens / prefill time.
 #
-# Not the same work in every respect, and the table does not hide it: llama.cpp keeps its KV
-# cache in f16 by default, kvrelay in f32 (--llama-args "-ctk f32 -ctv f32" makes llama-bench
-# match); llama.cpp's prefill computes logits for the last token only, as kvrelay's does.
+# Not the same work in every respect: llama.cpp keeps its KV cache in f16 by default, kvrelay in
+# f32 (--llama-args "-ctk f32 -ctv f32" makes llama.cpp match; --llama-args goes to every
+# llama.cpp program run, so give only flags they all take); llama.cpp's bf16 matmul rounds the
+# activations to bf16, kvrelay's keeps them f32. Both compute the logits of a prompt's last
+# token only.
 #
 # Defaults: --bin build, --threads 2, --rounds 3, --config tools/data/llama-110m.json (hidden 768,
 # 12 layers, 12/4 heads, MLP 2048, vocab 32000), --dtypes f32,bf16, --prompt 512, --contexts
@@ -49,7 +51,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 llama= bin=$here/build threads=2 rounds=3 config=$here/tools/data/llama-110m.json dtypes=f32,bf16
 prompt=512 contexts=128,2048 steps=32 repeat=3 out= llama_args=
-usage() { sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,49p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case $1 in
     --llama-cpp) llama=${2:?--llama-cpp needs a directory}; shift 2 ;;
