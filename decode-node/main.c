@@ -341,24 +341,30 @@ int main(int argc, char **argv)
     n->mcfg = kr_model_config(n->model);
     snprintf(n->fingerprint, sizeof n->fingerprint, "%s", kr_model_fingerprint(n->model));
     n->zero_logits = calloc((size_t)n->mcfg->vocab_size, sizeof *n->zero_logits);
-    int64_t block_bytes = (int64_t)c->block_size * ((int64_t)n->mcfg->head_dim * 8 + 4);
+    kr_ctx_params cp = {.backend = c->backend, .n_threads = c->threads,
+                        .max_chunk = c->max_batch};
+    if (!n->zero_logits || kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) {
+        kc_error(NULL, "%s", n->zero_logits ? err : "out of memory");
+        return 1;
+    }
+    /* a block: K and V rows in the cache's dtype (the weights' by default), and positions */
+    const kr_dtype kv_dtype = kr_ctx_kv_dtype(n->ctx);
+    int64_t block_bytes = (int64_t)c->block_size *
+                          ((int64_t)n->mcfg->head_dim * 2 * (int64_t)kr_dtype_size(kv_dtype) + 4);
     int64_t blocks = c->kv_blocks ? c->kv_blocks : c->kv_memory / block_bytes;
     if (blocks < 1 || blocks > INT_MAX)
         die("--kv-memory %" PRId64 " bytes gives %" PRId64 " blocks of %" PRId64 " bytes: give "
             "between 1 and %d blocks", c->kv_memory, blocks, block_bytes, INT_MAX);
-    kr_ctx_params cp = {.backend = c->backend, .n_threads = c->threads,
-                        .max_chunk = c->max_batch};
-    if (!n->zero_logits ||
-        kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK ||
-        kr_ctx_kv_pool_create(n->ctx, c->block_size, (int)blocks, &n->pool, err) != KR_OK) {
-        kc_error(NULL, "%s", n->zero_logits ? err : "out of memory");
+    if (kr_ctx_kv_pool_create(n->ctx, c->block_size, (int)blocks, &n->pool, err) != KR_OK) {
+        kc_error(NULL, "%s", err);
         return 1;
     }
     n->total_blocks = blocks;
     kc_info(NULL, "model %s (fingerprint %s): %d layers x %d KV heads x %d dims; KV pool %" PRId64
-            " blocks of %d entries (%.1f MiB); %d threads (%s), batches of up to %d", c->model_dir,
-            n->fingerprint, n->mcfg->n_layers, n->mcfg->n_kv_heads, n->mcfg->head_dim, blocks,
-            c->block_size, (double)(blocks * block_bytes) / 1048576.0, kr_ctx_n_threads(n->ctx),
+            " blocks of %d entries in %s (%.1f MiB); %d threads (%s), batches of up to %d",
+            c->model_dir, n->fingerprint, n->mcfg->n_layers, n->mcfg->n_kv_heads,
+            n->mcfg->head_dim, blocks, c->block_size, kr_dtype_name(kv_dtype),
+            (double)(blocks * block_bytes) / 1048576.0, kr_ctx_n_threads(n->ctx),
             c->backend == KR_BACKEND_CPU ? kr_cpu_isa() : "cuda", c->max_batch);
 
     pthread_mutex_init(&n->lock, NULL);
