@@ -18,7 +18,8 @@
 
 
 
-#define DEFINE_DOTS(SUFFIX, T, LOAD, AT, PREFETCH)                                                          \
+/* four rows at once; one row at a time is simd.h's kr_dot_f32 / kr_dot_f16 */
+#define DEFINE_DOT4(SUFFIX, T, LOAD, AT, PREFETCH)                                                  \
     static void dot4_##SUFFIX(const float *x, const T *w, int64_t ld, int in, float *r)           \
     {                                                                                              \
         kr_vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();                      \
@@ -39,19 +40,6 @@
             r[2] += x[i] * AT(w[2 * ld + i]);                                                      \
             r[3] += x[i] * AT(w[3 * ld + i]);                                                      \
         }                                                                                          \
-    }                                                                                              \
-    static float dot1_##SUFFIX(const float *x, const T *w, int in)                                \
-    {                                                                                              \
-        kr_vf a0 = vf_zero(), a1 = vf_zero();                                                      \
-        int i = 0;                                                                                 \
-        for (; i + 2 * KR_VL <= in; i += 2 * KR_VL) {                                              \
-            a0 = vf_fma(vf_load(x + i), LOAD(w + i), a0);                                          \
-            a1 = vf_fma(vf_load(x + i + KR_VL), LOAD(w + i + KR_VL), a1);                          \
-        }                                                                                          \
-        for (; i + KR_VL <= in; i += KR_VL) a0 = vf_fma(vf_load(x + i), LOAD(w + i), a0);         \
-        float s = vf_sum(a0) + vf_sum(a1);                                                         \
-        for (; i < in; i++) s += x[i] * AT(w[i]);                                                  \
-        return s;                                                                                  \
     }
 
 /* bf16 rows against x reordered by kr_deinterleave */
@@ -91,8 +79,8 @@ static float dot1_bf16eo(const float *x, const uint16_t *w, int in)
 }
 
 #define AT_F32(v) (v)
-DEFINE_DOTS(f32, float, vf_load, AT_F32, 0) /* long rows: the hardware prefetcher keeps up */
-DEFINE_DOTS(f16, uint16_t, vf_load_f16, kr_f16_to_f32, 1)
+DEFINE_DOT4(f32, float, vf_load, AT_F32, 0) /* long rows: the hardware prefetcher keeps up */
+DEFINE_DOT4(f16, uint16_t, vf_load_f16, kr_f16_to_f32, 1)
 
 typedef struct mm_job {
     kr_backend *b;
@@ -121,8 +109,8 @@ static float dot1(const kr_tensor *w, int64_t o, const float *x)
     int in = (int)w->cols;
     switch (w->dtype) {
     case KR_DTYPE_BF16: return dot1_bf16eo(x, (const uint16_t *)w->data + o * in, in);
-    case KR_DTYPE_F16: return dot1_f16(x, (const uint16_t *)w->data + o * in, in);
-    default: return dot1_f32(x, (const float *)w->data + o * in, in);
+    case KR_DTYPE_F16: return kr_dot_f16(x, (const uint16_t *)w->data + o * in, in);
+    default: return kr_dot_f32(x, (const float *)w->data + o * in, in);
     }
 }
 
