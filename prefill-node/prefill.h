@@ -98,6 +98,7 @@ typedef struct pf_job {
     /* the outcome, set by whoever marks the job done */
     grpc_status_code code;
     char details[256]; /* when code != OK */
+    int dropped; /* the drain's abort ended it: its handler calls pf_queue_answered once answered */
     int32_t first_token;
     float first_logprob;  /* when logprobs: kr_logprob of first_token on the last row */
     int32_t first_top_id; /* when logprobs: that row's argmax */
@@ -152,6 +153,7 @@ typedef struct pf_node {
     pthread_cond_t work; /* a job was queued, or stopping */
     pf_job *head, *tail;
     int n_waiting;               /* jobs in the queue (not the running one) */
+    int n_unanswered;            /* jobs the drain's abort dropped whose handlers have not answered */
     int running;                 /* 0 or 1 */
     uint64_t outstanding_tokens; /* prompt tokens waiting or running */
     int stopping;
@@ -169,6 +171,8 @@ void pf_queue_stop(pf_node *n);
 /* The drain is over (n->aborting): wakes the handlers of queued jobs, which end them
  * UNAVAILABLE, and waits up to a second for them (a running job ends at its next check). */
 void pf_queue_abort(pf_node *n);
+/* A handler whose job the abort dropped has sent its answer (the server may now go). */
+void pf_queue_answered(pf_node *n);
 /* Queues `j` (state QUEUED) unless more than cfg->queue jobs would be waiting; returns 0, or
  * -1 with *waiting set to the jobs waiting. */
 int pf_queue_submit(pf_node *n, pf_job *j, int *waiting);

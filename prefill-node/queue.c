@@ -138,6 +138,8 @@ void pf_queue_wait(pf_node *n, pf_job *j)
             unlink_job(n, j);
             j->state = PF_JOB_DONE;
             j->code = GRPC_STATUS_UNAVAILABLE;
+            j->dropped = 1;
+            n->n_unanswered++;
             snprintf(j->details, sizeof j->details, "%s before this request's prefill started",
                      PF_SHUTDOWN_MSG);
             kc_warn(j->request_id, "dropped from the queue: %s", j->details);
@@ -169,15 +171,24 @@ void pf_queue_wait(pf_node *n, pf_job *j)
 
 void pf_queue_abort(pf_node *n)
 {
+    /* until every queued job left the queue and its handler answered: the server's shutdown,
+     * which follows, would otherwise cancel the call before its UNAVAILABLE went out */
     for (int i = 0; i < 50; i++) {
         pthread_mutex_lock(&n->mu);
-        int waiting = n->n_waiting;
+        int waiting = n->n_waiting + n->n_unanswered;
         pthread_mutex_unlock(&n->mu);
         if (waiting == 0)
             return;
         struct timespec ts = {0, PF_POLL_MS * 1000000L};
         nanosleep(&ts, NULL);
     }
+}
+
+void pf_queue_answered(pf_node *n)
+{
+    pthread_mutex_lock(&n->mu);
+    n->n_unanswered--;
+    pthread_mutex_unlock(&n->mu);
 }
 
 void pf_queue_load(pf_node *n, int *running, int *waiting, uint64_t *outstanding_tokens)

@@ -298,6 +298,8 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     count(n, j.code);
     if (j.code != GRPC_STATUS_OK) {
         code = kc_call_error(call, j.code, "%s", j.details);
+        if (j.dropped)
+            pf_queue_answered(n);
         goto out;
     }
     const kr_footprint *fp = &j.usage.footprint;
