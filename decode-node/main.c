@@ -72,8 +72,11 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
     static dn_config cfg;
     static kc_log_level lvl;
     static dn_addrs a;
-    static int drain_s, backend;
+    static int drain_s, backend, cache_dtype;
     static const kc_flag_choice backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
+    static const kc_flag_choice cache_dtypes[] = {{"auto", KR_KV_DTYPE_AUTO}, {"f32", KR_KV_DTYPE_F32},
+                                                  {"bf16", KR_KV_DTYPE_BF16}, {"f16", KR_KV_DTYPE_F16},
+                                                  {NULL, 0}};
     static const kc_flag table[] = {
         {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &cfg.model_dir,
          .help = "Hugging Face model directory (required)"},
@@ -92,6 +95,10 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
          .max = INT_MAX, .help = "KV pool size in blocks"},
         {.kind = KC_FLAG_FUNC, .name = "--kv-memory", .arg = "SIZE", .dest = &cfg.kv_memory, .fn = flag_bytes,
          .def = "1G", .help = "KV pool size in bytes, K/M/G suffixes; ignored with --kv-blocks"},
+        {.kind = KC_FLAG_CHOICE, .name = "--kv-cache-dtype", .arg = "T", .dest = &cache_dtype,
+         .choices = cache_dtypes, .def = "auto",
+         .help = "the KV pool's dtype: auto (the weights' dtype; f32 on the CUDA backend), f32, bf16 or f16; "
+                 "bundles in another dtype are converted on arrival"},
         {.kind = KC_FLAG_INT, .name = "--block-size", .arg = "N", .dest = &cfg.block_size, .min = 1, .max = 4096,
          .def = "16", .help = "entries per KV block"},
         {.kind = KC_FLAG_INT, .name = "--threads", .arg = "N", .dest = &cfg.threads, .min = 1, .max = 1024,
@@ -134,6 +141,7 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
                    .http = {.text = "127.0.0.1:7203"}};
     drain_s = 30;
     backend = KR_BACKEND_CPU;
+    cache_dtype = KR_KV_DTYPE_AUTO;
     lvl = KC_LOG_INFO;
     kc_flags_main(&flags, argc, argv, 0);
     cfg.listen = a.listen.text;
@@ -141,6 +149,7 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
     cfg.http = a.http.text;
     cfg.drain_timeout_s = drain_s;
     cfg.backend = (kr_backend_kind)backend;
+    cfg.cache_dtype = (kr_kv_dtype)cache_dtype;
     *c = cfg;
     *level = lvl;
     *addrs = a;
@@ -342,7 +351,7 @@ int main(int argc, char **argv)
     snprintf(n->fingerprint, sizeof n->fingerprint, "%s", kr_model_fingerprint(n->model));
     n->zero_logits = calloc((size_t)n->mcfg->vocab_size, sizeof *n->zero_logits);
     kr_ctx_params cp = {.backend = c->backend, .n_threads = c->threads,
-                        .max_chunk = c->max_batch};
+                        .max_chunk = c->max_batch, .kv_dtype = c->cache_dtype};
     if (!n->zero_logits || kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) {
         kc_error(NULL, "%s", n->zero_logits ? err : "out of memory");
         return 1;

@@ -58,6 +58,7 @@ typedef struct dn_config {
     const char *cluster;
     int lease_ttl_s;
     kr_backend_kind backend;
+    kr_kv_dtype cache_dtype; /* the KV pool's dtype (--kv-cache-dtype) */
 } dn_config;
 
 typedef enum dn_resv_state {

@@ -50,10 +50,13 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     static pf_config cfg;
     static kc_log_level lvl;
     static kc_hostport listen, http;
-    static int kv_dtype, backend, pipeline;
+    static int kv_dtype, cache_dtype, backend, pipeline;
     static const kc_flag_choice dtypes[] = {
-        {"f32", KT_DTYPE_F32}, {"bf16", KT_DTYPE_BF16}, {"f16", KT_DTYPE_F16},
+        {"auto", PF_WIRE_AUTO}, {"f32", KT_DTYPE_F32}, {"bf16", KT_DTYPE_BF16}, {"f16", KT_DTYPE_F16},
         {"int8", KT_DTYPE_INT8_TOKEN}, {"fp8", KT_DTYPE_FP8_E4M3_TOKEN}, {NULL, 0}};
+    static const kc_flag_choice cache_dtypes[] = {{"auto", KR_KV_DTYPE_AUTO}, {"f32", KR_KV_DTYPE_F32},
+                                                  {"bf16", KR_KV_DTYPE_BF16}, {"f16", KR_KV_DTYPE_F16},
+                                                  {NULL, 0}};
     static const kc_flag_choice backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
     static const kc_flag_choice on_off[] = {{"on", 1}, {"off", 0}, {NULL, 0}};
     static const kc_flag table[] = {
@@ -74,9 +77,13 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
          .def = "64; 0: none wait",
          .help = "requests that may wait behind the running one; more are refused with RESOURCE_EXHAUSTED"},
         {.kind = KC_FLAG_CHOICE, .name = "--kv-dtype", .arg = "T", .dest = &kv_dtype, .choices = dtypes,
-         .def = "f32",
-         .help = "bundle payload when the request names none (kv_wire_dtype): f32 (bit-exact decode), bf16, "
-                 "f16, int8 or fp8 (a scale per K and V row; docs/bundle.md)"},
+         .def = "auto",
+         .help = "bundle payload when the request names none (kv_wire_dtype): auto (the KV cache's dtype: "
+                 "the rows as cached, bit-exact decode at the fewest bytes), f32, bf16, f16, int8 or fp8 "
+                 "(a scale per K and V row; docs/bundle.md)"},
+        {.kind = KC_FLAG_CHOICE, .name = "--kv-cache-dtype", .arg = "T", .dest = &cache_dtype,
+         .choices = cache_dtypes, .def = "auto",
+         .help = "this node's KV cache: auto (the weights' dtype; f32 on the CUDA backend), f32, bf16 or f16"},
         {.kind = KC_FLAG_CHOICE, .name = "--pipeline", .arg = "on|off", .dest = &pipeline, .choices = on_off,
          .def = "on",
          .help = "layer-wise pipelining of the transfer: each layer's kept KV is sent as soon as the "
@@ -124,7 +131,8 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
                       .lease_ttl_s = 10};
     listen = (kc_hostport){.text = "127.0.0.1:7101"};
     http = (kc_hostport){.text = "127.0.0.1:9101"};
-    kv_dtype = KT_DTYPE_F32;
+    kv_dtype = PF_WIRE_AUTO;
+    cache_dtype = KR_KV_DTYPE_AUTO;
     pipeline = 1;
     backend = KR_BACKEND_CPU;
     lvl = KC_LOG_INFO;
@@ -132,6 +140,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
     cfg.listen = listen.text;
     cfg.http = http.text;
     cfg.kv_dtype = (kt_dtype)kv_dtype;
+    cfg.cache_dtype = (kr_kv_dtype)cache_dtype;
     cfg.pipeline = pipeline;
     cfg.backend = (kr_backend_kind)backend;
     *c = cfg;
@@ -272,6 +281,10 @@ int main(int argc, char **argv)
     n->mcfg = kr_model_config(n->model);
     size_for_model(&cfg, n->mcfg);
     if (pf_run_init(n, err) != 0) die(1, "%s", err);
+    if ((int)cfg.kv_dtype == PF_WIRE_AUTO) { /* the cache's rows as they are: exact, fewest bytes */
+        kr_dtype t = kr_ctx_kv_dtype(n->ctx);
+        cfg.kv_dtype = t == KR_DTYPE_BF16 ? KT_DTYPE_BF16 : t == KR_DTYPE_F16 ? KT_DTYPE_F16 : KT_DTYPE_F32;
+    }
 
     n->reg = kc_registry_create();
     if (!n->reg || pf_metrics_register(n) != 0)
@@ -312,10 +325,10 @@ int main(int argc, char **argv)
 
     kc_info(NULL,
             "model %s (%s, %d layers, %d KV heads x %d), chunk %d, queue %d, max prompt %d, "
-            "%d KV blocks, payload %s, %d threads (%s)",
+            "%d KV blocks in %s, payload %s, %d threads (%s)",
             cfg.model_dir, kr_model_fingerprint(n->model), n->mcfg->n_layers, n->mcfg->n_kv_heads,
             n->mcfg->head_dim, cfg.chunk, cfg.queue, cfg.max_prompt, cfg.kv_blocks,
-            kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx),
+            kr_dtype_name(kr_ctx_kv_dtype(n->ctx)), kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx),
             cfg.backend == KR_BACKEND_CPU ? kr_cpu_isa() : "cuda");
     char http_address[KC_HOST_MAX + 8];
     kc_hostport_format(http_hp.host, http_bound, http_address, sizeof http_address);

@@ -28,6 +28,7 @@
 #define PF_BLOCK_SIZE 16 /* KV pool block size (entries) */
 #define PF_N_CODES (GRPC_STATUS_UNAUTHENTICATED + 1) /* gRPC status codes 0..16 */
 #define PF_N_WIRE 5 /* bundle payload dtypes, in pf_wire_dtypes order */
+#define PF_WIRE_AUTO (-1) /* --kv-dtype auto before start-up resolves it to the cache's dtype */
 
 /* Every bundle payload dtype, the order of pf_metrics.kv_bytes. */
 extern const kt_dtype pf_wire_dtypes[PF_N_WIRE];
@@ -41,7 +42,8 @@ typedef struct pf_config {
     int threads;               /* kr_ctx threads; 0: all online CPUs */
     int chunk;                 /* prefill chunk (tokens), also the context's max_chunk */
     int queue;                 /* most jobs waiting behind the running one */
-    kt_dtype kv_dtype;         /* bundle payload */
+    kt_dtype kv_dtype;         /* bundle payload (PF_WIRE_AUTO until start-up resolves it) */
+    kr_kv_dtype cache_dtype;   /* the KV cache's dtype (--kv-cache-dtype) */
     int pipeline;              /* 1: layer-wise pipelined transfer (--pipeline on) */
     int max_prompt;            /* longest prompt accepted (tokens) */
     int kv_blocks;             /* KV pool blocks */

@@ -49,9 +49,10 @@ grpc_status_code pf_call_gone_code(kc_call *call)
 int pf_run_init(pf_node *n, char *err)
 {
     const kr_config *c = n->mcfg;
-    kr_ctx_params cp = {
-        .backend = n->cfg->backend, .n_threads = n->cfg->threads, .max_chunk = n->cfg->chunk};
+    kr_ctx_params cp = {.backend = n->cfg->backend, .n_threads = n->cfg->threads,
+                        .max_chunk = n->cfg->chunk, .kv_dtype = n->cfg->cache_dtype};
     if (kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) return -1;
+
     if (kr_ctx_kv_pool_create(n->ctx, PF_BLOCK_SIZE, n->cfg->kv_blocks, &n->pool, err) != KR_OK)
         return -1;
     n->logits = malloc(sizeof(float) * (size_t)c->vocab_size);

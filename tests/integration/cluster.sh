@@ -5,7 +5,8 @@
 #   - 32 concurrent streaming requests with mixed policies (full, streaming, snapkv, sage):
 #     every greedy output is token for token what kvrelay-generate gives in one process with the
 #     same policy and chunk, and usage reports kv_entries_shipped = entries kept after prefill and
-#     kv_bytes_shipped = entries x 2 x head_dim x 4 (f32 payload), and the same KV footprint;
+#     kv_bytes_shipped = the bytes those entries take in the cache (the prefill node's default
+#     payload is its cache's dtype, here the weights' bf16), and the same KV footprint;
 #   - a client that cancels mid-stream and one whose deadline passes leave both decode nodes with
 #     zero reserved and zero used KV blocks (read from their /metrics);
 #   - bad requests get INVALID_ARGUMENT naming the problem and the cluster keeps serving.
@@ -88,8 +89,11 @@ for i in range(n):
         problems.append(f"ids {got['ids']} != one-process {want['ids']}")
     if u["kv_entries_shipped"] != s["kv_entries_kept"]:
         problems.append(f"kv_entries_shipped {u['kv_entries_shipped']} != entries kept {s['kv_entries_kept']}")
-    if u["kv_bytes_shipped"] != s["kv_entries_kept"] * 2 * hd * 4:
-        problems.append(f"kv_bytes_shipped {u['kv_bytes_shipped']} != {s['kv_entries_kept']} x {2 * hd * 4}")
+    if u["kv_wire_dtype"].lower() != s["kv_cache_dtype"].lower():
+        problems.append(f"kv_wire_dtype {u['kv_wire_dtype']} is not the cache's {s['kv_cache_dtype']}")
+    if u["kv_bytes_shipped"] != s["kv_bytes_kept"] or s["kv_bytes_kept"] != s["kv_entries_kept"] * 2 * hd * 2:
+        problems.append(f"kv_bytes_shipped {u['kv_bytes_shipped']} != {s['kv_entries_kept']} x {2 * hd * 2} "
+                        f"(kept {s['kv_bytes_kept']})")
     if abs(u["kv_footprint"] - s["kv_footprint"]) > 1e-9 * max(1.0, s["kv_footprint"]):
         problems.append(f"kv_footprint {u['kv_footprint']} != one-process {s['kv_footprint']}")
     if u["prompt_tokens"] != s["prompt_tokens"] or u["completion_tokens"] != len(want["ids"]):

@@ -5,7 +5,8 @@ prompts), all on ephemeral ports learned from their serving lines.
 
 Checked: streaming Generate (greedy, and seeded sampling with a streaming policy) gives exactly
 the tokens of kvrelay-generate in one process, one Finish last with usage that adds up (KV bytes
-shipped = entries x 2 x head_dim x 4); each KV wire dtype (f32, bf16, f16, int8, fp8, over gRPC
+shipped = entries x 2 x head_dim x 2: the prefill node ships its bf16 cache's rows unless asked
+otherwise); each KV wire dtype (f32, bf16, f16, int8, fp8, over gRPC
 and one over HTTP) reports itself and its bytes and decodes to the end; Tokenize without a tokenizer -> FAILED_PRECONDITION;
 ClusterStatus lists router, prefill and decode nodes with the decode node's KV blocks; the
 health Check is SERVING; bad requests -> INVALID_ARGUMENT naming the field; a client that
@@ -135,8 +136,9 @@ def main():
         entries = len(prompt) * cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
         check(u.kv_entries_shipped == entries, "full policy ships every entry: %d != %d"
               % (u.kv_entries_shipped, entries))
-        check(u.kv_bytes_shipped == u.kv_entries_shipped * 2 * cfg["head_dim"] * 4,
-              "bytes shipped %d != entries %d x 2 x head_dim x 4" % (u.kv_bytes_shipped, u.kv_entries_shipped))
+        check(u.kv_wire_dtype == "bf16", "default payload %r, not the bf16 cache's dtype" % u.kv_wire_dtype)
+        check(u.kv_bytes_shipped == u.kv_entries_shipped * 2 * cfg["head_dim"] * 2,
+              "bytes shipped %d != entries %d x 2 x head_dim x 2" % (u.kv_bytes_shipped, u.kv_entries_shipped))
         check(abs(u.kv_footprint - 1.0) < 1e-12, "full policy footprint %r" % u.kv_footprint)
         check(u.ttft_s > 0 and u.tpot_s > 0, "ttft %r tpot %r" % (u.ttft_s, u.tpot_s))
         check(u.served_by.prefill_node == "prefill-0" and u.served_by.decode_node == "decode-0",

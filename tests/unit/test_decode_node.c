@@ -691,6 +691,7 @@ static void test_cancel_and_deadline(engine *e, node *nd)
     char err[KT_ERR_MAX];
     kc_status st;
     const uint32_t long_run = 100000; /* never reached: the stream ends first */
+    enum { long_forced = 50000 }; /* forced tokens of the deadline's run: never reached either */
     for (int mode = 0; mode < 2; mode++) {
         request rq = {.policy = "streaming:sink=4,window=16", .n_prompt = 32,
                       .max_tokens = (int)long_run};
@@ -699,7 +700,12 @@ static void test_cancel_and_deadline(engine *e, node *nd)
         REQUIRE(id, "Reserve: %s", st.details);
         prefill(e, &rq, 100 + mode, 0);
         REQUIRE(ship(e, nd, id, &rq, err) == 0, "%s", err);
-        kc_stream *s = decode_open(nd, id, rid, long_run, NULL, mode == 0 ? 30000 : 400);
+        /* the deadline's run is forced, so an EOS the random model samples cannot end it early:
+         * its forced tokens outlast 400 ms in any build */
+        static uint32_t forced[long_forced];
+        kc_stream *s = mode == 0 ? decode_open(nd, id, rid, long_run, NULL, 30000)
+                                 : decode_open_forced(nd, id, rid, long_forced + 1, NULL, 400, NULL, 0,
+                                                      forced, long_forced);
         int got = 0, rc;
         ProtobufCMessage *m;
         if (mode == 0) {
