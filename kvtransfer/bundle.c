@@ -10,6 +10,7 @@
  */
 #include "bundle.h"
 #include "le.h"
+#include "partbuf.h"
 
 #include <float.h>
 #include <inttypes.h>
@@ -1182,7 +1183,7 @@ void kt_bundle_set_free(kt_bundle_set *s)
 {
     if (s->owned)
         for (uint32_t i = 0; i < s->n_parts; i++)
-            free((void *)s->parts[i].base);
+            kt_partbuf_free((void *)s->parts[i].base);
     kt_bundle_view *parts = s->parts;
     const uint32_t cap = s->cap;
     const int owned = s->owned;

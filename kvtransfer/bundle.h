@@ -239,7 +239,7 @@ typedef struct kt_bundle_set {
     uint32_t n_parts, cap;
     kt_bundle_view *parts; /* the caller's array of cap views */
     int complete; /* the last part was added */
-    int owned; /* each part is a malloc'd buffer of its own (parts[i].base), which the set owns:
+    int owned; /* each part is a buffer of its own (parts[i].base, partbuf.h), which the set owns:
                   a receiver that had the transport allocate parts as they arrived */
 } kt_bundle_set;
 

@@ -17,6 +17,7 @@
  * (tables are linked lists: a node has few peers and few reservations in flight).
  */
 #include "transport.h"
+#include "partbuf.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -93,7 +94,7 @@ typedef struct kt_resv {
     uint8_t *buf; /* the caller's; NULL: each part lands in a buffer of its own (`part`) */
     uint64_t size; /* capacity of buf, or the bytes all parts may add up to: the largest bundle */
     uint64_t filled; /* bytes of the earlier parts of a bundle sent in parts, at buf[0, filled) */
-    uint8_t *part; /* buf NULL: the arriving part's buffer, malloc'd at its size; the set takes
+    uint8_t *part; /* buf NULL: the arriving part's buffer (partbuf.h) of its size; the set takes
                       it once the part is valid, else it is freed */
     uint64_t len; /* the arriving part's size (<= size - filled), set when it is accepted */
     int more; /* the arriving part is not the last (KT_SEND_MORE) */
@@ -427,7 +428,7 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         kt_ack_queue(t, c, seq, id, -1, 0, msg);
         return UCS_OK;
     }
-    uint8_t *dst = r->buf ? r->buf + r->filled : (r->part = malloc(length));
+    uint8_t *dst = r->buf ? r->buf + r->filled : (r->part = kt_partbuf_alloc(length));
     if (!dst) {
         snprintf(msg, sizeof msg, "transport: no memory for a %zu-byte part of bundle %" PRIu64,
                  length, id);
@@ -861,7 +862,7 @@ static int kt_deliver(kt_transport *t)
         kt_resv *r = *pp;
         if (r->done && !r->cb) {
             *pp = r->next;
-            free(r->part);
+            kt_partbuf_free(r->part);
             free(r);
         } else {
             pp = &r->next;

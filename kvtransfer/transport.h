@@ -108,8 +108,9 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
  * parse or does not fit the set fails the reservation. Before a successful callback the set is
  * complete, so the receiver validates a bundle once, in the transport, and reads it through
  * the set.
- * buf NULL: no buffer is reserved up front; each part lands in a buffer of exactly its size,
- * allocated when it arrives, and `size` bounds the bytes of all parts together. The set then
+ * buf NULL: no buffer is reserved up front; each part lands in a buffer of its own, taken when
+ * it arrives (partbuf.h: large ones are recycled), and `size` bounds the bytes of all parts
+ * together. The set then
  * owns the parts it holds (set->owned): free them with kt_bundle_set_free, whatever the
  * outcome, once the callback has run. A receiver that can only bound a bundle (a decode node:
  * every list at the prompt's length, in f32) so holds what arrived, not the bound. */
