@@ -4,10 +4,13 @@
  * copy of the best one this CPU runs (cpuid, through the compiler's __builtin_cpu_supports, which also asks
  * the OS whether it saves the wider registers). KR_CPU_ISA=avx512|avx2|base in the environment
  * asks for one variant; one the CPU lacks is refused with a line on stderr and the best is
- * used instead. So one binary runs everywhere at the speed of the CPU it is on, and a native
- * build (KR_NATIVE) is not needed for the kernels.
+ * used instead. kr_dtype_to_f32 and kr_dtype_from_f32 (kr.h) are the same variant's row
+ * conversions (engine/cpu/convert.c), whichever backend runs the model. So one binary runs
+ * everywhere at the speed of the CPU it is on, and a native build (KR_NATIVE) is not needed for
+ * the kernels.
  */
 #include "backend.h"
+#include "kr-util.h"
 #include "kr.h"
 
 #include <stdio.h>
@@ -20,14 +23,17 @@ kr_backend_ops kr_cpu_backend;
 static const struct {
     const char *name;
     const kr_backend_ops *ops;
+    const kr_convert_ops *convert;
 } variants[] = {
-    {"avx512", &kr_cpu_backend_avx512},
-    {"avx2", &kr_cpu_backend_avx2},
-    {"base", &kr_cpu_backend_base},
+    {"avx512", &kr_cpu_backend_avx512, &kr_cpu_convert_avx512},
+    {"avx2", &kr_cpu_backend_avx2, &kr_cpu_convert_avx2},
+    {"base", &kr_cpu_backend_base, &kr_cpu_convert_base},
 };
 enum { N_VARIANTS = sizeof variants / sizeof variants[0] };
 
 static const char *chosen = "base";
+/* base until the pick: right for a conversion made before it, by another constructor */
+static const kr_convert_ops *convert = &kr_cpu_convert_base;
 
 int kr_cpu_isa_supported(const char *name)
 {
@@ -51,6 +57,24 @@ const kr_backend_ops *kr_cpu_backend_variant(const char *name)
     return NULL;
 }
 
+const kr_convert_ops *kr_cpu_convert_variant(const char *name)
+{
+    for (int i = 0; i < N_VARIANTS; i++)
+        if (strcmp(variants[i].name, name) == 0)
+            return variants[i].convert;
+    return NULL;
+}
+
+void kr_dtype_to_f32(kr_dtype t, const void *src, size_t n, float *dst)
+{
+    convert->to_f32(t, src, n, dst);
+}
+
+void kr_dtype_from_f32(kr_dtype t, const float *src, size_t n, void *dst)
+{
+    convert->from_f32(t, src, n, dst);
+}
+
 __attribute__((constructor)) static void kr_cpu_pick(void)
 {
     const char *want = getenv("KR_CPU_ISA");
@@ -70,6 +94,7 @@ __attribute__((constructor)) static void kr_cpu_pick(void)
             pick = i;
     chosen = variants[pick].name;
     kr_cpu_backend = *variants[pick].ops;
+    convert = variants[pick].convert;
     if (want && *want && strcmp(want, chosen) != 0)
         setenv("KR_CPU_ISA", chosen, 1); /* said once: a re-exec (tools/cli.c) or child agrees */
 }

@@ -1,11 +1,14 @@
 /*
  * kr-util.h - the engine's small shared utilities (util.c): error messages into a caller's
  * buffer, whole-file reads, and the bf16 / f16 <-> f32 conversions the loaders, the backends and
- * the model writer use. Included by nearly every engine source and by the CUDA sources (through
+ * the model writer use (the scalar ones here; the row conversions per CPU variant,
+ * engine/cpu/convert.c). Included by nearly every engine source and by the CUDA sources (through
  * engine/cuda/cuda.h); not installed, not part of the public contract (kr.h).
  */
 #ifndef KR_UTIL_H
 #define KR_UTIL_H
+
+#include "kr.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -38,6 +41,19 @@ static inline uint16_t kr_f32_to_bf16(float f) /* round to nearest even */
 }
 float kr_f16_to_f32(uint16_t h);
 uint16_t kr_f32_to_f16(float f);
+
+/* Row conversions of one variant of the CPU backend (engine/cpu/convert.c, compiled once per
+ * instruction set like the rest of engine/cpu): kr_dtype_to_f32 and kr_dtype_from_f32 of kr.h,
+ * bit for bit the scalar conversions above, NaN payloads included. */
+typedef struct kr_convert_ops {
+    void (*to_f32)(kr_dtype t, const void *src, size_t n, float *dst);
+    void (*from_f32)(kr_dtype t, const float *src, size_t n, void *dst);
+} kr_convert_ops;
+/* Each variant, whatever the CPU (a test runs those kr_cpu_isa_supported says it runs side by
+ * side); kr_dtype_to_f32 and kr_dtype_from_f32 call the one engine/cpu-dispatch.c chose. */
+extern const kr_convert_ops kr_cpu_convert_avx512, kr_cpu_convert_avx2, kr_cpu_convert_base;
+/* The variant named avx512, avx2 or base; NULL for another name. */
+const kr_convert_ops *kr_cpu_convert_variant(const char *name);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,7 @@
-/* util.c - error formatting, whole-file reads and dtype helpers shared by the engine. */
+/* util.c - error formatting, whole-file reads and dtype helpers shared by the engine (the scalar
+ * conversions; rows convert in engine/cpu/convert.c, per CPU variant). */
 #include "kr-util.h"
 #include "kr.h"
-
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 #include <errno.h>
 #include <math.h>
@@ -100,66 +97,4 @@ uint16_t kr_f32_to_f16(float f)
     uint32_t rest = a & 0x1fffu;
     if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
     return (uint16_t)(sign | h);
-}
-
-/* The vector loops below give exactly what the scalar conversions give (the tails), NaN
- * payloads aside: widening is exact, and narrowing rounds to nearest even in both. */
-void kr_dtype_to_f32(kr_dtype t, const void *src, size_t n, float *dst)
-{
-    const uint16_t *h = src;
-    size_t i = 0;
-    switch (t) {
-    case KR_DTYPE_BF16:
-#if defined(__AVX2__) && defined(__F16C__)
-        for (; i + 8 <= n; i += 8) {
-            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
-            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-        }
-#endif
-        for (; i < n; i++) dst[i] = kr_bf16_to_f32(h[i]);
-        return;
-    case KR_DTYPE_F16:
-#if defined(__AVX2__) && defined(__F16C__)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#endif
-        for (; i < n; i++) dst[i] = kr_f16_to_f32(h[i]);
-        return;
-    case KR_DTYPE_F32: break;
-    }
-    memcpy(dst, src, n * sizeof(float));
-}
-
-void kr_dtype_from_f32(kr_dtype t, const float *src, size_t n, void *dst)
-{
-    uint16_t *h = dst;
-    size_t i = 0;
-    switch (t) {
-    case KR_DTYPE_BF16:
-#if defined(__AVX2__) && defined(__F16C__)
-        for (; i + 8 <= n; i += 8) { /* kr_f32_to_bf16 on 8 lanes */
-            __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
-            __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-            __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                             _mm256_set1_epi32(0x7f800000));
-            __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-            r = _mm256_blendv_epi8(r, quiet, nan);
-            /* 32 -> 16 bits per lane (every value fits), the two halves put back in order */
-            __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-            _mm_storeu_si128((__m128i *)(h + i), _mm256_castsi256_si128(packed));
-        }
-#endif
-        for (; i < n; i++) h[i] = kr_f32_to_bf16(src[i]);
-        return;
-    case KR_DTYPE_F16:
-#if defined(__AVX2__) && defined(__F16C__)
-        for (; i + 8 <= n; i += 8)
-            _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-        for (; i < n; i++) h[i] = kr_f32_to_f16(src[i]);
-        return;
-    case KR_DTYPE_F32: break;
-    }
-    memcpy(dst, src, n * sizeof(float));
 }

@@ -135,8 +135,8 @@ static void attend_block(const att_job *j, float *scratch, int g, int i0, int i1
         const void *krow[TILE], *vrow[TILE];
         kr_kv_list_rows(p, l, j0, jn, krow, vrow);
         for (int e = 0; e < jn; e++) {
-            kr_dtype_to_f32(p->dtype, krow[e], (size_t)d, kt + (size_t)e * d);
-            kr_dtype_to_f32(p->dtype, vrow[e], (size_t)d, vt + (size_t)e * d);
+            kr_cpu_to_f32(p->dtype, krow[e], (size_t)d, kt + (size_t)e * d);
+            kr_cpu_to_f32(p->dtype, vrow[e], (size_t)d, vt + (size_t)e * d);
         }
         for (int h = 0; h < group; h++) {
             float *s = sc + (size_t)h * QBLOCK * TILE;

@@ -92,7 +92,7 @@ static void cpu_embed(kr_backend *b, const kr_tensor *emb, const int32_t *tokens
     const size_t esz = kr_dtype_size(emb->dtype);
     for (int i = 0; i < n; i++) {
         const char *row = (const char *)emb->data + (size_t)tokens[i] * (size_t)d * esz;
-        for (int64_t e = 0; e < d; e++) x[(int64_t)i * d + e] = kr_w_at(row, emb->dtype, e);
+        kr_cpu_to_f32(emb->dtype, row, (size_t)d, x + (int64_t)i * d);
     }
 }
 

@@ -27,6 +27,8 @@
 #define kr_cpu_score KR_CPU_SYM(kr_cpu_score)
 #define kr_cpu_score_past KR_CPU_SYM(kr_cpu_score_past)
 #define kr_cpu_attention_scratch KR_CPU_SYM(kr_cpu_attention_scratch)
+#define kr_cpu_to_f32 KR_CPU_SYM(kr_cpu_to_f32)
+#define kr_cpu_from_f32 KR_CPU_SYM(kr_cpu_from_f32)
 
 /* Matmuls of fewer tokens take the dot-product path, more take sgemm. */
 enum { GEMM_MIN_TOKENS = 6 };
@@ -58,5 +60,9 @@ void kr_cpu_score_past(kr_backend *b, const kr_seq *s, int layer, const float *q
                        int n_heads, int per_head, int n_hidden, float *scores, size_t stride);
 /* Rows of attention scratch each thread needs for a model: see attention.c. */
 size_t kr_cpu_attention_scratch(const kr_config *cfg);
+/* kr_dtype_to_f32 and kr_dtype_from_f32 at this variant's vector width (convert.c): the
+ * variant's own kernels call these directly. */
+void kr_cpu_to_f32(kr_dtype t, const void *src, size_t n, float *dst);
+void kr_cpu_from_f32(kr_dtype t, const float *src, size_t n, void *dst);
 
 #endif

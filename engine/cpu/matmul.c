@@ -150,8 +150,8 @@ static void gemm_rows(const mm_job *j, int ith, int64_t lo, int64_t hi)
     size_t esz = kr_dtype_size(j->w->dtype);
     for (int64_t r0 = lo; r0 < hi; r0 += step) {
         int64_t rows = hi - r0 < step ? hi - r0 : step;
-        kr_dtype_to_f32(j->w->dtype, (const char *)j->w->data + (size_t)(r0 * in) * esz, (size_t)(rows * in),
-                        slab);
+        kr_cpu_to_f32(j->w->dtype, (const char *)j->w->data + (size_t)(r0 * in) * esz, (size_t)(rows * in),
+                      slab);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->n, (int)rows, (int)in, 1.0f, j->x,
                     (int)in, slab, (int)in, beta, j->y + r0, (int)out);
     }

@@ -4,6 +4,8 @@
  * (KR_CPU_LEVEL, set by CMakeLists.txt for each build of the engine/cpu sources, cpu.h): 2
  * AVX-512F, 1 AVX2+FMA+F16C, 0 plain C (the readable definition; the others must agree with it
  * to float rounding). Weights and KV cache rows are upcast exactly to f32; all arithmetic is f32.
+ * The row conversions (vf_load_f16_exact, vf_store_bf16, vf_store_f16: convert.c) agree with the
+ * scalar ones of kr-util.h bit for bit, NaNs included.
  */
 #ifndef KR_CPU_SIMD_H
 #define KR_CPU_SIMD_H
@@ -37,6 +39,39 @@ static inline kr_vf vf_load_bf16(const uint16_t *p)
 static inline kr_vf vf_load_f16(const uint16_t *p)
 {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+/* vf_load_f16 bit for bit as kr_f16_to_f32 gives it: the instruction quiets a signalling NaN,
+ * which the scalar conversion (and this) keeps as it is */
+static inline kr_vf vf_load_f16_exact(const uint16_t *p)
+{
+    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    __m512i h = _mm512_cvtepu16_epi32(raw);
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(h, _mm512_set1_epi32(0x7fff)), _mm512_set1_epi32(0x7c00));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0x8000)), 16);
+    __m512i man = _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0x3ff)), 13);
+    __m512i bits = _mm512_or_si512(_mm512_or_si512(sign, man), _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_blend_ps(nan, _mm512_cvtph_ps(raw), _mm512_castsi512_ps(bits));
+}
+/* KR_VL floats rounded to bf16 as kr_f32_to_bf16 rounds them: to nearest even, NaN quieted */
+static inline void vf_store_bf16(uint16_t *p, kr_vf v)
+{
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+/* KR_VL floats rounded to f16 as kr_f32_to_f16 rounds them: the instruction rounds to nearest
+ * even with subnormals and overflows to infinity as it does, and a NaN becomes the quiet NaN of
+ * its sign first, because the instruction would keep the top bits of its payload */
+static inline void vf_store_f16(uint16_t *p, kr_vf v)
+{
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)),
+                                    _mm512_set1_epi32(0x7fc00000));
+    v = _mm512_mask_blend_ps(nan, v, _mm512_castsi512_ps(quiet));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 /* 2*KR_VL bf16 values as their even- and odd-indexed halves: a shift and a mask, no shuffle */
 static inline void vf_load_bf16_eo(const uint16_t *p, kr_vf *even, kr_vf *odd)
@@ -72,6 +107,34 @@ static inline kr_vf vf_load_f16(const uint16_t *p)
 {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
+static inline kr_vf vf_load_f16_exact(const uint16_t *p)
+{
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    __m256i h = _mm256_cvtepu16_epi32(raw);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)), _mm256_set1_epi32(0x7c00));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
+    __m256i man = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x3ff)), 13);
+    __m256i bits = _mm256_or_si256(_mm256_or_si256(sign, man), _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_ps(_mm256_cvtph_ps(raw), _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan));
+}
+static inline void vf_store_bf16(uint16_t *p, kr_vf v)
+{
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    /* 32 -> 16 bits per lane (every value fits), the two halves put back in order */
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+static inline void vf_store_f16(uint16_t *p, kr_vf v)
+{
+    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    __m256 quiet = _mm256_or_ps(_mm256_and_ps(v, _mm256_set1_ps(-0.0f)), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+    v = _mm256_blendv_ps(v, quiet, nan);
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 static inline void vf_load_bf16_eo(const uint16_t *p, kr_vf *even, kr_vf *odd)
 {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
@@ -103,6 +166,9 @@ static inline kr_vf vf_zero(void) { return 0.0f; }
 static inline kr_vf vf_load(const float *p) { return *p; }
 static inline kr_vf vf_load_bf16(const uint16_t *p) { return kr_bf16_to_f32(*p); }
 static inline kr_vf vf_load_f16(const uint16_t *p) { return kr_f16_to_f32(*p); }
+static inline kr_vf vf_load_f16_exact(const uint16_t *p) { return kr_f16_to_f32(*p); }
+static inline void vf_store_bf16(uint16_t *p, kr_vf v) { *p = kr_f32_to_bf16(v); }
+static inline void vf_store_f16(uint16_t *p, kr_vf v) { *p = kr_f32_to_f16(v); }
 static inline void vf_load_bf16_eo(const uint16_t *p, kr_vf *even, kr_vf *odd)
 {
     *even = kr_bf16_to_f32(p[0]);
@@ -126,16 +192,6 @@ static inline void kr_deinterleave(const float *x, int n, float *out)
     for (; i + 2 * KR_VL <= n; i += 2 * KR_VL)
         for (int k = 0; k < KR_VL; k++) out[i + k] = x[i + 2 * k], out[i + KR_VL + k] = x[i + 2 * k + 1];
     for (; i < n; i++) out[i] = x[i];
-}
-
-/* One element of a weight row, upcast. */
-static inline float kr_w_at(const void *row, kr_dtype t, int64_t i)
-{
-    switch (t) {
-    case KR_DTYPE_BF16: return kr_bf16_to_f32(((const uint16_t *)row)[i]);
-    case KR_DTYPE_F16: return kr_f16_to_f32(((const uint16_t *)row)[i]);
-    default: return ((const float *)row)[i];
-    }
 }
 
 static inline float kr_f32_at(float x) { return x; }

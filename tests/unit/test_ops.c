@@ -4,8 +4,8 @@
  * paths run, odd sizes, bias, accumulate), RMSNorm, RoPE, SiLU gating, the vectorised exp, and
  * attention over the paged cache (GQA ratios 1/2/4, head dims 32/64/80, chunks, sliding window,
  * a block size that does not divide the length). These are the references the CUDA ops will
- * be compared with too. KV caches of bf16 and f16: the row conversions against the scalar
- * ones (ties, subnormals, overflow, NaN), the row dot and axpy kernels against the f32 ones on
+ * be compared with too. KV caches of bf16 and f16: each variant's row conversions against the
+ * scalar ones bit for bit (ties, subnormals, overflow, NaN payloads), the row dot and axpy kernels against the f32 ones on
  * the widened rows (odd lengths, tails), and attention (both paths, batched), scoring and
  * sequence read-back over a bf16/f16 pool bit for bit against an f32 pool holding the same
  * rounded entries, besides the double reference on those entries. Every variant of the CPU
@@ -33,6 +33,12 @@ static float frand(void) /* uniform in [-1, 1) */
 {
     rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
     return (float)((double)(rng >> 11) * 0x1.0p-52 - 1.0);
+}
+
+static uint32_t rand_bits(void) /* 32 uniform random bits */
+{
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)(rng >> 32);
 }
 
 /* a model shell: the CPU backend only reads the config from it */
@@ -204,49 +210,103 @@ static uint32_t bits(float x)
     return u;
 }
 
-/* kr_dtype_from_f32 / kr_dtype_to_f32 (vector loops and tails) against the scalar conversions,
- * on every length 0..40 and on values that probe the rounding: ties either way, bf16 and f16
- * subnormals, the f16 overflow threshold, infinities and NaN */
-static void check_conversions(void)
+/* first mismatch of a conversion check, for the message */
+typedef struct conv_bad {
+    int count;
+    size_t at;
+    uint32_t in, got, want;
+} conv_bad;
+
+static void conv_note(conv_bad *bad, size_t at, uint32_t in, uint32_t got, uint32_t want)
 {
-    enum { N = 4096 };
-    static float x[N], back[N], want[N];
-    static uint16_t h[N];
-    const float special[] = {0.0f,        -0.0f,         1.0f,          -1.0f,        1.00390625f,  1.01171875f,
-                             65504.0f,    65519.996f,    65520.0f,      -65520.0f,    6.1035156e-5f, 6.0e-8f,
-                             2.9802322e-8f, 2.9802326e-8f, 1.0e-40f,    -1.0e-42f,    3.4028235e38f, INFINITY,
-                             -INFINITY,   NAN,           1.0000001f,    0.33333334f,  -2.7182817f,   1.0e-45f};
-    const int n_special = (int)(sizeof special / sizeof special[0]);
-    for (int i = 0; i < N; i++) {
-        if (i < n_special) x[i] = special[i];
-        else if (i % 3 == 0) x[i] = frand() * 1e-4f; /* f16 subnormal range and below */
-        else x[i] = ldexpf(frand(), (int)(frand() * 40));
-    }
+    if (got == want) return;
+    if (bad->count++ == 0) bad->at = at, bad->in = in, bad->got = got, bad->want = want;
+}
+
+/* A variant's row conversions against the scalar ones of kr-util.h, bit for bit: a NaN of another
+ * payload or quietness is a mismatch. Widening: every bf16 and f16 value. Narrowing: values that
+ * probe the rounding (ties either way, bf16 and f16 subnormals, f32 denormals, the f16 overflow
+ * threshold, the largest floats, infinities, quiet and signalling NaNs of either sign with
+ * payloads in high and low bits), then random bit patterns. Both on every length 0..40 from
+ * three start offsets, so that every vector body and tail runs, with a sentinel after the end. */
+static void check_conversions(const char *what, const kr_convert_ops *cv)
+{
+    enum { N = 1 << 16, MAXN = 40, SENTINEL = 0x5a5a };
+    static const uint32_t special[] = {
+        0x00000000u, 0x80000000u, 0x3f800000u, 0xbf800000u, /* zeros, ones */
+        0x3f808000u, 0x3f818000u, 0x3f808001u, 0x3f807fffu, 0xbf818000u, /* bf16 ties and near */
+        0x477fe000u, 0x477fefffu, 0x477ff000u, 0xc77ff000u, 0x477fffffu, /* f16 largest, overflow */
+        0x38800000u, 0x387fffffu, 0x33000000u, 0x33000001u, 0x33c00000u, 0xb3400000u, /* f16 subnormal */
+        0x00000001u, 0x807fffffu, 0x00400000u, 0x0000ffffu, /* f32 denormals */
+        0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u, 0x7f800000u, 0xff800000u, /* largest, infinities */
+        0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fa00000u, 0xff812345u, /* NaNs */
+        0x7fffffffu, 0x7f80e000u, 0x7f802000u, 0xffbfffffu, 0x7fc0ffffu,
+    };
+    enum { N_SPECIAL = sizeof special / sizeof special[0] };
+    static float x[N], wide[N + 1];
+    static uint16_t h[N], narrow[N + 1];
     const kr_dtype dts[] = {KR_DTYPE_BF16, KR_DTYPE_F16};
     for (int t = 0; t < 2; t++) {
-        int bad = 0;
-        for (int n = 0; n <= 40; n++) { /* lengths: every vector tail */
-            kr_dtype_from_f32(dts[t], x + n_special - 7, (size_t)n, h);
-            for (int i = 0; i < n; i++) {
-                float xi = x[n_special - 7 + i];
-                uint16_t s = dts[t] == KR_DTYPE_BF16 ? kr_f32_to_bf16(xi) : kr_f32_to_f16(xi);
-                float hi = dts[t] == KR_DTYPE_BF16 ? kr_bf16_to_f32(h[i]) : kr_f16_to_f32(h[i]);
-                bad += isnan(xi) ? !isnan(hi) : h[i] != s; /* NaN payloads may differ */
+        const kr_dtype dt = dts[t];
+        conv_bad bad = {0};
+        /* widening: all 2^16 values at once, then every short length */
+        for (size_t i = 0; i < N; i++) h[i] = (uint16_t)i;
+        cv->to_f32(dt, h, N, wide);
+        for (size_t i = 0; i < N; i++)
+            conv_note(&bad, i, h[i], bits(wide[i]), bits(dt == KR_DTYPE_BF16 ? kr_bf16_to_f32(h[i]) : kr_f16_to_f32(h[i])));
+        for (size_t start = 0x7bf0; start < 0x7bf3; start++) /* f16 overflow, inf and NaNs in the rows */
+            for (size_t n = 0; n <= MAXN; n++) {
+                float guard;
+                uint32_t g = 0x5a5a5a5au;
+                memcpy(&guard, &g, sizeof guard);
+                wide[n] = guard;
+                cv->to_f32(dt, h + start, n, wide);
+                for (size_t i = 0; i < n; i++) {
+                    uint16_t v = h[start + i];
+                    conv_note(&bad, start + i, v, bits(wide[i]),
+                              bits(dt == KR_DTYPE_BF16 ? kr_bf16_to_f32(v) : kr_f16_to_f32(v)));
+                }
+                conv_note(&bad, start + n, 0, bits(wide[n]), g); /* nothing written past n */
             }
+        CHECK(bad.count == 0, "%s: %s to f32: %d values differ from the scalar conversion, first at %zu: 0x%04x gave 0x%08x, want 0x%08x",
+              what, kr_dtype_name(dt), bad.count, bad.at, bad.in, bad.got, bad.want);
+
+        /* narrowing: the probes, then random bits */
+        bad = (conv_bad){0};
+        for (size_t i = 0; i < N; i++) {
+            uint32_t u = i < N_SPECIAL ? special[i] : rand_bits();
+            memcpy(&x[i], &u, sizeof u);
         }
-        kr_dtype_from_f32(dts[t], x, N, h);
-        kr_dtype_to_f32(dts[t], h, N, back);
-        for (int i = 0; i < N; i++) {
-            uint16_t s = dts[t] == KR_DTYPE_BF16 ? kr_f32_to_bf16(x[i]) : kr_f32_to_f16(x[i]);
-            want[i] = dts[t] == KR_DTYPE_BF16 ? kr_bf16_to_f32(s) : kr_f16_to_f32(s);
-            bad += isnan(x[i]) ? !isnan(back[i]) : bits(back[i]) != bits(want[i]);
-        }
-        CHECK(bad == 0, "%s conversions: %d values differ from the scalar conversion", kr_dtype_name(dts[t]), bad);
+        cv->from_f32(dt, x, N, narrow);
+        for (size_t i = 0; i < N; i++)
+            conv_note(&bad, i, bits(x[i]), narrow[i], dt == KR_DTYPE_BF16 ? kr_f32_to_bf16(x[i]) : kr_f32_to_f16(x[i]));
+        for (size_t start = 0; start < 3; start++)
+            for (size_t n = 0; n <= MAXN; n++) {
+                narrow[n] = SENTINEL;
+                cv->from_f32(dt, x + start, n, narrow);
+                for (size_t i = 0; i < n; i++) {
+                    float v = x[start + i];
+                    conv_note(&bad, start + i, bits(v), narrow[i], dt == KR_DTYPE_BF16 ? kr_f32_to_bf16(v) : kr_f32_to_f16(v));
+                }
+                conv_note(&bad, start + n, 0, narrow[n], SENTINEL);
+            }
+        CHECK(bad.count == 0, "%s: f32 to %s: %d values differ from the scalar conversion, first at %zu: 0x%08x gave 0x%04x, want 0x%04x",
+              what, kr_dtype_name(dt), bad.count, bad.at, bad.in, bad.got, bad.want);
     }
-    /* the rounding itself: ties to even, overflow, subnormals */
+    /* f32 rows are copies */
+    for (size_t i = 0; i < 64; i++) x[i] = frand();
+    cv->to_f32(KR_DTYPE_F32, x, 63, wide);
+    cv->from_f32(KR_DTYPE_F32, wide, 63, narrow);
+    CHECK(!memcmp(x, wide, 63 * sizeof(float)) && !memcmp(x, narrow, 63 * sizeof(float)), "%s: f32 rows are copied", what);
+}
+
+/* The scalar conversions themselves: ties to even, overflow, subnormals, NaN stays NaN */
+static void check_scalar_conversions(void)
+{
     CHECK(kr_f32_to_bf16(1.00390625f) == 0x3f80 && kr_f32_to_bf16(1.01171875f) == 0x3f82, "bf16 ties to even");
     CHECK(kr_f32_to_f16(65519.996f) == 0x7bff && kr_f32_to_f16(65520.0f) == 0x7c00, "f16 overflow threshold");
     CHECK(kr_f32_to_f16(2.9802322e-8f) == 0 && kr_f32_to_f16(2.9802326e-8f) == 1, "f16 smallest subnormal");
+    CHECK(isnan(kr_bf16_to_f32(kr_f32_to_bf16(NAN))) && isnan(kr_f16_to_f32(kr_f32_to_f16(-NAN))), "NaN stays NaN");
 }
 
 /* The bf16 and f16 row kernels give bit for bit what the f32 ones give on the widened rows. */
@@ -367,7 +427,7 @@ static void check_variant(void)
 
 int main(void)
 {
-    check_conversions();
+    check_scalar_conversions();
     check_row_ops();
     int ran = 0;
     for (const char *const *isa = (const char *const[]){"avx512", "avx2", "base", NULL}; *isa; isa++) {
@@ -376,12 +436,15 @@ int main(void)
             continue;
         }
         ops = kr_cpu_backend_variant(*isa);
-        REQUIRE(ops, "no %s variant", *isa);
+        REQUIRE(ops && kr_cpu_convert_variant(*isa), "no %s variant", *isa);
         printf("test_ops: the %s variant\n", *isa);
+        check_conversions(*isa, kr_cpu_convert_variant(*isa));
         check_variant();
         ran++;
     }
     CHECK(ran >= 1 && kr_cpu_isa_supported(kr_cpu_isa()), "the chosen variant (%s) runs here",
           kr_cpu_isa());
+    const kr_convert_ops dispatched = {.to_f32 = kr_dtype_to_f32, .from_f32 = kr_dtype_from_f32};
+    check_conversions("kr_dtype_to_f32 / kr_dtype_from_f32", &dispatched);
     return kt_done("test_ops");
 }
