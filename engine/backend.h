@@ -91,14 +91,20 @@ typedef struct kr_backend_ops {
      * one: 0 means f32 only). kr_ctx_create refuses a KV dtype the backend does not store and
      * kr_forward a sequence in a pool of one. */
     unsigned kv_dtypes;
+    /* matmul rounds x to bf16 before multiplying when the weights are bf16 and n is at least
+     * this (0: never; x stays f32): the multi-token matmuls of the CPU's AVX-512-BF16 variant
+     * and of CUDA, whose weights are bf16 on the device whatever the checkpoint's dtype. Sums are
+     * f32 either way. Tests widen their references' x the same way. */
+    int bf16_x_min_tokens;
 } kr_backend_ops;
 
 /* The CPU backend: the variant for the best instruction set this CPU has, chosen by cpuid when
  * the program loads (engine/cpu-dispatch.c; kr_cpu_isa names it), or the one KR_CPU_ISA names. */
 extern kr_backend_ops kr_cpu_backend;
 /* Each variant of it, whatever the CPU: a test runs those the CPU supports side by side. */
-extern const kr_backend_ops kr_cpu_backend_avx512, kr_cpu_backend_avx2, kr_cpu_backend_base;
-/* The variant named avx512, avx2 or base (NULL for another name), and whether this CPU (and its
+extern const kr_backend_ops kr_cpu_backend_avx512bf16, kr_cpu_backend_avx512, kr_cpu_backend_avx2,
+    kr_cpu_backend_base;
+/* The variant named avx512bf16, avx512, avx2 or base (NULL for another name), and whether this CPU (and its
  * OS) runs it. */
 const kr_backend_ops *kr_cpu_backend_variant(const char *name);
 int kr_cpu_isa_supported(const char *name);

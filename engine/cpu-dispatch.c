@@ -2,7 +2,7 @@
  * cpu-dispatch.c - picks the CPU backend's variant when the program loads: the engine/cpu
  * sources are compiled once per instruction set (CMakeLists.txt), and kr_cpu_backend becomes a
  * copy of the best one this CPU runs (cpuid, through the compiler's __builtin_cpu_supports, which also asks
- * the OS whether it saves the wider registers). KR_CPU_ISA=avx512|avx2|base in the environment
+ * the OS whether it saves the wider registers). KR_CPU_ISA=avx512bf16|avx512|avx2|base in the environment
  * asks for one variant; one the CPU lacks is refused with a line on stderr and the best is
  * used instead. kr_dtype_to_f32 and kr_dtype_from_f32 (kr.h) are the same variant's row
  * conversions (engine/cpu/convert.c), whichever backend runs the model. So one binary runs
@@ -25,6 +25,7 @@ static const struct {
     const kr_backend_ops *ops;
     const kr_convert_ops *convert;
 } variants[] = {
+    {"avx512bf16", &kr_cpu_backend_avx512bf16, &kr_cpu_convert_avx512bf16},
     {"avx512", &kr_cpu_backend_avx512, &kr_cpu_convert_avx512},
     {"avx2", &kr_cpu_backend_avx2, &kr_cpu_convert_avx2},
     {"base", &kr_cpu_backend_base, &kr_cpu_convert_base},
@@ -38,6 +39,9 @@ static const kr_convert_ops *convert = &kr_cpu_convert_base;
 int kr_cpu_isa_supported(const char *name)
 {
     __builtin_cpu_init();
+    if (strcmp(name, "avx512bf16") == 0)
+        return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && kr_cpu_isa_supported("avx512");
     if (strcmp(name, "avx512") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                __builtin_cpu_supports("fma");
@@ -85,7 +89,7 @@ __attribute__((constructor)) static void kr_cpu_pick(void)
                 pick = i;
         if (pick < 0 || !kr_cpu_isa_supported(want)) {
             fprintf(stderr, "kvrelay: KR_CPU_ISA=%s: %s; using the best this CPU runs\n", want,
-                    pick < 0 ? "not one of avx512, avx2, base" : "this CPU lacks it");
+                    pick < 0 ? "not one of avx512bf16, avx512, avx2, base" : "this CPU lacks it");
             pick = -1;
         }
     }

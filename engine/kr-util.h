@@ -51,8 +51,9 @@ typedef struct kr_convert_ops {
 } kr_convert_ops;
 /* Each variant, whatever the CPU (a test runs those kr_cpu_isa_supported says it runs side by
  * side); kr_dtype_to_f32 and kr_dtype_from_f32 call the one engine/cpu-dispatch.c chose. */
-extern const kr_convert_ops kr_cpu_convert_avx512, kr_cpu_convert_avx2, kr_cpu_convert_base;
-/* The variant named avx512, avx2 or base; NULL for another name. */
+extern const kr_convert_ops kr_cpu_convert_avx512bf16, kr_cpu_convert_avx512, kr_cpu_convert_avx2,
+    kr_cpu_convert_base;
+/* The variant named avx512bf16, avx512, avx2 or base; NULL for another name. */
 const kr_convert_ops *kr_cpu_convert_variant(const char *name);
 
 #ifdef __cplusplus

@@ -1,10 +1,13 @@
 /*
  * kvrelay-bench-engine - engine speed against the machine's own limits, measured in the same
  * run: prefill tokens/s as a fraction of the GEMM peak (CPU: OpenBLAS, one sgemm per thread, as
- * the engine runs it; CUDA: one large cuBLAS bf16 GEMM with f32 accumulation), and decode
+ * the engine runs it, or for bf16 weights on the AVX-512-BF16 kernels the throughput of
+ * vdpbf16ps on every thread; CUDA: one large cuBLAS bf16 GEMM with f32 accumulation), and decode
  * tokens/s, alone or in batches (kr_forward_batch), as a fraction of the memory-bandwidth bound
  * (bytes a decode step must read: weights + the KV cache of every sequence of the batch in its
- * dtype, over a measured memcpy / device-to-device copy bandwidth).
+ * dtype, over the measured bandwidth of a streaming read on the CPU, of a device-to-device copy
+ * with CUDA). The CPU's memcpy bandwidth (read + write) is measured and reported too, and the
+ * JSON keeps decode's fraction of it (fraction_of_bandwidth) next to the read one.
  *   kvrelay-bench-engine (--model DIR | --random CONFIG.json) [--dtype bf16] [--threads N]
  *                        [--kv-cache-dtype f32|bf16|f16|auto]
  * Progress goes to stderr, results to stdout (a table, or one JSON object with --json).
@@ -95,6 +98,59 @@ static double measure_copy_bandwidth(int threads)
     return best;
 }
 
+/* 32-byte vectors (two SSE registers in a build without AVX): the loads a decode kernel makes */
+typedef uint64_t read_vec __attribute__((vector_size(32)));
+
+typedef struct read_job {
+    const read_vec *buf;
+    size_t n; /* vectors */
+    uint64_t sum; /* of everything read: the loads have a result, so they stay */
+} read_job;
+
+static void *read_thread(void *p)
+{
+    read_job *j = p;
+    /* four independent sums: one add chain would bound the loop below memory speed */
+    read_vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (size_t i = 0; i + 4 <= j->n; i += 4) {
+        s0 += j->buf[i];
+        s1 += j->buf[i + 1];
+        s2 += j->buf[i + 2];
+        s3 += j->buf[i + 3];
+    }
+    read_vec s = s0 + s1 + s2 + s3;
+    j->sum = s[0] + s[1] + s[2] + s[3];
+    return NULL;
+}
+
+/* Streaming-read bandwidth (bytes read per second), the traffic of a decode step, with
+ * `threads` threads each summing its part of 1 GiB (far beyond a last-level cache: 32 MiB on
+ * the development machine's EPYC), best of 5 passes. The buffers are written first: untouched
+ * pages would all read the one zero page, from the cache. */
+static double measure_read_bandwidth(int threads)
+{
+    const size_t total = (size_t)1 << 30, per = total / (size_t)threads / 4096 * 4096;
+    read_job jobs[256];
+    pthread_t th[256];
+    for (int t = 0; t < threads; t++) {
+        void *buf = aligned_alloc(4096, per);
+        if (!buf) cli_die(1, "out of memory for the read bandwidth test (1 GiB)");
+        memset(buf, t + 1, per);
+        jobs[t].buf = buf;
+        jobs[t].n = per / sizeof(read_vec);
+    }
+    double best = 0;
+    for (int rep = 0; rep < 5; rep++) {
+        double t0 = cli_now();
+        for (int t = 0; t < threads; t++) pthread_create(&th[t], NULL, read_thread, &jobs[t]);
+        for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
+        double bw = (double)per * threads / (cli_now() - t0);
+        if (bw > best) best = bw;
+    }
+    for (int t = 0; t < threads; t++) free((void *)jobs[t].buf);
+    return best;
+}
+
 typedef struct gemm_job {
     float *a, *b, *c;
     int n;
@@ -134,6 +190,44 @@ static double measure_gemm_peak(int threads)
     for (int t = 0; t < threads; t++) free(jobs[t].a), free(jobs[t].b), free(jobs[t].c);
     return best;
 }
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* 12 independent chains of vdpbf16ps (its latency times its issue rate on current cores is under
+ * 12), 64 FLOP each: the instruction's throughput, with no memory in the way */
+__attribute__((target("avx512f,avx512bf16"))) static void *dp_thread(void *p)
+{
+    enum { CHAINS = 12 };
+    __m512 acc[CHAINS];
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3c003c00), b = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_setzero_ps();
+    for (long it = 0; it < *(long *)p; it++)
+#pragma GCC unroll 12
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+    float s = 0;
+    for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_ps(acc[c]);
+    *(long *)p = (long)s; /* the sums are used: the loop stays */
+    return NULL;
+}
+
+/* The AVX-512-BF16 kernels' limit: vdpbf16ps FLOP/s on `threads` threads (32 products and
+ * 32 adds each), best of 4 */
+static double measure_bf16_dot_peak(int threads)
+{
+    const long iters = 20000000;
+    long arg[256];
+    pthread_t th[256];
+    double best = 0;
+    for (int rep = 0; rep < 4; rep++) {
+        double t0 = cli_now();
+        for (int t = 0; t < threads; t++) arg[t] = iters, pthread_create(&th[t], NULL, dp_thread, &arg[t]);
+        for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
+        double f = 64.0 * 12 * (double)iters * threads / (cli_now() - t0);
+        if (f > best) best = f;
+    }
+    return best;
+}
+#endif
 
 #ifdef KR_HAVE_CUDA
 static void cuda_ok(cudaError_t e, const char *what)
@@ -387,7 +481,7 @@ int main(int argc, char **argv)
         b.tokens[i] = (int32_t)(x % (uint64_t)cfg->vocab_size);
     }
 
-    double bw, peak;
+    double bw, peak, read_bw = 0; /* read_bw: CPU only */
     const char *bw_what, *peak_what;
     if (backend == KR_BACKEND_CUDA) {
 #ifdef KR_HAVE_CUDA
@@ -398,9 +492,16 @@ int main(int argc, char **argv)
         cli_die(1, "--backend cuda: built without CUDA"); /* kr_ctx_create refused it already */
 #endif
     } else {
-        fprintf(stderr, "bench: measuring memory bandwidth and sgemm peak on %d threads\n", nth);
+        fprintf(stderr, "bench: measuring memory bandwidth and the GEMM peak on %d threads\n", nth);
+        read_bw = measure_read_bandwidth(nth);
         bw = measure_copy_bandwidth(nth), bw_what = "memcpy";
-        peak = measure_gemm_peak(nth), peak_what = "sgemm";
+#if defined(__x86_64__)
+        /* bf16 weights on the AVX-512-BF16 kernels multiply with vdpbf16ps, not sgemm */
+        if (!strcmp(kr_cpu_isa(), "avx512bf16") && kr_model_weight_dtype(m) == KR_DTYPE_BF16)
+            peak = measure_bf16_dot_peak(nth), peak_what = "vdpbf16ps";
+        else
+#endif
+            peak = measure_gemm_peak(nth), peak_what = "sgemm";
     }
     double params = 0;
     /* FLOPs per token: 2 per weight of every matrix a token multiplies (the embedding is a lookup) */
@@ -425,14 +526,20 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(root, "copy_bandwidth_GBps", bw / 1e9);
     cJSON_AddStringToObject(root, "gemm_peak_of", peak_what);
     cJSON_AddNumberToObject(root, "gemm_peak_GFLOPs", peak / 1e9);
+    if (read_bw > 0) cJSON_AddNumberToObject(root, "read_bandwidth_GBps", read_bw / 1e9);
+    /* decode's bound: the read bandwidth where it was measured (CPU), else the copy's */
+    const double dec_bw = read_bw > 0 ? read_bw : bw;
+    const char *dec_what = read_bw > 0 ? "read" : bw_what;
     if (!json) {
         printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads (%s), policy %s, "
                "%s KV cache\n", model_dir ? model_dir : random_cfg, kr_dtype_name(kr_model_weight_dtype(m)),
                params / 1e6, kr_model_weight_bytes(m) / 1048576.0, nth,
                backend == KR_BACKEND_CUDA ? "cuda" : kr_cpu_isa(), kr_policy_spec(pol),
                kr_dtype_name(kr_ctx_kv_dtype(b.ctx)));
-        printf("limits: %s bandwidth %.1f GB/s (read+write), %s peak %.1f GFLOP/s\n", bw_what, bw / 1e9,
-               peak_what, peak / 1e9);
+        printf("limits: ");
+        if (read_bw > 0) printf("read bandwidth %.1f GB/s, ", read_bw / 1e9);
+        printf("%s bandwidth %.1f GB/s (read+write), %s peak %.1f GFLOP/s\n", bw_what, bw / 1e9, peak_what,
+               peak / 1e9);
     }
     cJSON *pre = cJSON_AddArrayToObject(root, "prefill");
     for (int i = 0; i < prefill.n; i++) {
@@ -466,21 +573,22 @@ int main(int argc, char **argv)
          * cache's dtype */
         double kv = run.entries * hd * 2 * (double)kr_dtype_size(kr_ctx_kv_dtype(b.ctx));
         double bytes = weight_bytes_read + kv;
-        double frac = bytes / dt / bw;
+        double frac = bytes / dt / dec_bw;
         cJSON *e = cJSON_CreateObject();
         cJSON_AddNumberToObject(e, "context", c);
         cJSON_AddNumberToObject(e, "batch", nb);
         cJSON_AddNumberToObject(e, "seconds_per_step", dt);
         cJSON_AddNumberToObject(e, "tokens_per_second", nb / dt);
         cJSON_AddNumberToObject(e, "bytes_per_step", bytes);
-        cJSON_AddNumberToObject(e, "fraction_of_bandwidth", frac);
+        cJSON_AddNumberToObject(e, "fraction_of_bandwidth", bytes / dt / bw); /* of the copy */
+        if (read_bw > 0) cJSON_AddNumberToObject(e, "fraction_of_read_bandwidth", frac);
         cJSON_AddNumberToObject(e, "kv_entries", run.entries);
         cJSON_AddNumberToObject(e, "kv_footprint", run.footprint);
         cJSON_AddItemToArray(dec, e);
         if (!json)
             printf("decode at %5d, batch %2d: %9.1f tokens/s  %6.1f MB read per step, %5.1f GB/s = %.2f of "
                    "%s bandwidth; KV footprint %.3f\n", c, nb, nb / dt, bytes / 1e6, bytes / dt / 1e9, frac,
-                   bw_what, run.footprint);
+                   dec_what, run.footprint);
     }
     if (json) {
         char *s = cJSON_Print(root);

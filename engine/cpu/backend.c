@@ -27,6 +27,7 @@ static void cpu_destroy(kr_backend *b)
     free(b->slab);
     free(b->att);
     free(b->xperm);
+    free(b->xbf16);
     kr_threadpool_free(b->tp);
     free(b);
 }
@@ -53,7 +54,9 @@ static int cpu_create(const kr_model *m, int n_threads, int max_chunk, kr_backen
     b->att = calloc((size_t)n_threads, sizeof *b->att);
     size_t xrows = (size_t)(max_chunk > GEMM_MIN_TOKENS ? max_chunk : GEMM_MIN_TOKENS);
     b->xperm = malloc(sizeof(float) * xrows * (size_t)widest);
-    if (!b->slab || !b->att || !b->xperm) goto err_oom;
+    b->xbf16_rows = (int)xrows;
+    b->xbf16 = malloc(sizeof(uint16_t) * xrows * ((size_t)widest + 1));
+    if (!b->slab || !b->att || !b->xperm || !b->xbf16) goto err_oom;
     for (int i = 0; i < n_threads; i++) {
         b->slab[i] = malloc(b->slab_floats * sizeof(float));
         b->att[i] = malloc(b->att_floats * sizeof(float));
@@ -198,4 +201,5 @@ const kr_backend_ops KR_CPU_SYM(kr_cpu_backend) = {
     .score = kr_cpu_score,
     .score_past = kr_cpu_score_past,
     .kv_dtypes = 1u << KR_DTYPE_F32 | 1u << KR_DTYPE_BF16 | 1u << KR_DTYPE_F16,
+    .bf16_x_min_tokens = KR_CPU_LEVEL >= 3 ? GEMM_MIN_TOKENS : 0,
 };

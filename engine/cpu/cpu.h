@@ -10,8 +10,8 @@
 #include "backend.h"
 #include "kr-threadpool.h"
 
-/* These sources are compiled once per instruction set (CMakeLists.txt: KR_CPU_ISA avx512, avx2
- * or base, KR_CPU_LEVEL 2, 1 or 0), and engine/cpu-dispatch.c picks one variant at load time by
+/* These sources are compiled once per instruction set (CMakeLists.txt: KR_CPU_ISA avx512bf16,
+ * avx512, avx2 or base, KR_CPU_LEVEL 3, 2, 1 or 0), and engine/cpu-dispatch.c picks one variant at load time by
  * cpuid. Each variant names what it exports with its suffix: kr_cpu_matmul_avx2, the op table
  * kr_cpu_backend_avx2, ... */
 #ifndef KR_CPU_ISA
@@ -44,6 +44,10 @@ struct kr_backend {
     /* [max(max_chunk, GEMM_MIN_TOKENS)][widest input] tokens reordered for bf16 dot products:
      * a decode batch of up to max_chunk rows takes that path too */
     float *xperm;
+    /* [xbf16_rows][widest input + 1] tokens rounded to bf16 for the AVX-512-BF16 variant's
+     * matmuls of bf16 weights (matmul.c), xbf16_rows = max(max_chunk, GEMM_MIN_TOKENS) */
+    uint16_t *xbf16;
+    int xbf16_rows;
 };
 
 void kr_cpu_matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, const float *x, int n,

@@ -1,7 +1,8 @@
 /*
  * simd.h - the CPU backend's vector primitives: dot products of an f32 vector with f32, bf16
  * or f16 rows, and scaled adds of such rows. Which set is the variant's being compiled
- * (KR_CPU_LEVEL, set by CMakeLists.txt for each build of the engine/cpu sources, cpu.h): 2
+ * (KR_CPU_LEVEL, set by CMakeLists.txt for each build of the engine/cpu sources, cpu.h): 3
+ * AVX-512F with AVX-512-BF16 (these primitives as level 2; matmul.c adds its bf16 GEMM), 2
  * AVX-512F, 1 AVX2+FMA+F16C, 0 plain C (the readable definition; the others must agree with it
  * to float rounding). Weights and KV cache rows are upcast exactly to f32; all arithmetic is f32.
  * The row conversions (vf_load_f16_exact, vf_store_bf16, vf_store_f16: convert.c) agree with the
@@ -16,6 +17,8 @@
 
 #if !defined(KR_CPU_LEVEL)
 #error "engine/cpu sources are built once per instruction set: KR_CPU_LEVEL comes from CMakeLists.txt"
+#elif KR_CPU_LEVEL >= 3 && !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+#error "the AVX-512-BF16 variant needs -mavx512bf16 -mavx512bw -mavx512vl"
 #elif KR_CPU_LEVEL >= 2 && !defined(__AVX512F__)
 #error "the AVX-512 variant needs -mavx512f"
 #elif KR_CPU_LEVEL == 1 && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -84,6 +87,7 @@ static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return _mm512_fmadd_ps(a
 static inline kr_vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline void vf_store(float *p, kr_vf v) { _mm512_storeu_ps(p, v); }
 static inline float vf_sum(kr_vf v) { return _mm512_reduce_add_ps(v); }
+static inline kr_vf vf_add(kr_vf a, kr_vf b) { return _mm512_add_ps(a, b); }
 static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return _mm512_sub_ps(a, b); }
 static inline kr_vf vf_max(kr_vf a, kr_vf b) { return _mm512_max_ps(a, b); }
 static inline kr_vf vf_round(kr_vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
@@ -151,6 +155,7 @@ static inline float vf_sum(kr_vf v)
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+static inline kr_vf vf_add(kr_vf a, kr_vf b) { return _mm256_add_ps(a, b); }
 static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return _mm256_sub_ps(a, b); }
 static inline kr_vf vf_max(kr_vf a, kr_vf b) { return _mm256_max_ps(a, b); }
 static inline kr_vf vf_round(kr_vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -178,6 +183,7 @@ static inline kr_vf vf_fma(kr_vf a, kr_vf b, kr_vf c) { return a * b + c; }
 static inline kr_vf vf_set1(float x) { return x; }
 static inline void vf_store(float *p, kr_vf v) { *p = v; }
 static inline float vf_sum(kr_vf v) { return v; }
+static inline kr_vf vf_add(kr_vf a, kr_vf b) { return a + b; }
 static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return a - b; }
 static inline kr_vf vf_max(kr_vf a, kr_vf b) { return a > b ? a : b; }
 static inline kr_vf vf_round(kr_vf a) { return nearbyintf(a); }

@@ -339,4 +339,5 @@ extern "C" const kr_backend_ops kr_cuda_backend = {
     /* .score = */ kr_cuda_score,
     /* .score_past = */ kr_cuda_score_past,
     /* .kv_dtypes = */ 1u << KR_DTYPE_F32, /* the kernels read and write f32 pools only */
+    /* .bf16_x_min_tokens = */ 2, /* one row takes the GEMV on f32 x, more a cuBLAS bf16 GEMM */
 };

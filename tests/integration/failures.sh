@@ -42,6 +42,11 @@ trap 'krc_stop; rm -rf "$KRC_DIR"' EXIT
 model=$KRC_DIR/model
 krc_model_copy "$fixtures/models/llama3-tiny" "$model" grep -v '"eos_token_id"'
 grep -q eos_token_id "$model/config.json" && { echo "FAIL: could not remove eos_token_id"; exit 1; }
+# (b) compares migrated streams with one-process greedy ids: the re-prefill of a migrated
+# stream computes the KV of its generated tokens as a prompt, and on a CPU with AVX-512-BF16 a
+# prompt's matmuls round their inputs to bf16 where decode keeps them f32 (docs/engine.md,
+# "Numerics"), which can move a greedy argmax; every process here runs the f32-input kernels.
+grep -qw avx512_bf16 /proc/cpuinfo && export KR_CPU_ISA=avx512
 chunk=32
 KRC_PREFILL_ARGS=(--chunk "$chunk")
 KRC_DECODE_ARGS=()
@@ -205,8 +210,9 @@ kr_wait_state "$router" prefill-0 30 serving >/dev/null || fail "(c) the router 
 # it streams: its streams end after --decode-stall-ms (default 5 s), the others complete
 d=$KRC_DIR/e; mkdir -p "$d"
 for ((i = 0; i < 4; i++)); do gen "$d" "$i" "$router" $max_tokens "$(kr_prompt $((600 + i)))"; done
+# stopped as soon as decode-1 holds blocks: 400 tokens of this tiny model take well under a
+# second, so a pause here lets its streams finish first
 wait_busy decode-1 || fail "(e) decode-1 never ran a sequence"
-sleep 0.3
 t_stop=$(now)
 krc_signal decode-1 STOP
 t_suspect=$(kr_wait_state "$router" decode-1 20 suspect) || fail "(e) decode-1 not suspect after SIGSTOP"

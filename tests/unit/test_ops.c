@@ -1,7 +1,8 @@
 /*
  * test_ops.c - every CPU backend op against a naive double-precision reference written out in
  * full here: matmul (f32/bf16/f16 weights, 1..9 tokens so both the dot-product and the sgemm
- * paths run, odd sizes, bias, accumulate), RMSNorm, RoPE, SiLU gating, the vectorised exp, and
+ * paths run, odd sizes, bias, accumulate; the AVX-512-BF16 GEMM of bf16 weights on its tails and
+ * blocks, against the reference on x rounded to bf16, as the variant's contract says), RMSNorm, RoPE, SiLU gating, the vectorised exp, and
  * attention over the paged cache (GQA ratios 1/2/4, head dims 32/64/80, chunks, sliding window,
  * a block size that does not divide the length). These are the references the CUDA ops will
  * be compared with too. KV caches of bf16 and f16: each variant's row conversions against the
@@ -9,7 +10,7 @@
  * the widened rows (odd lengths, tails), and attention (both paths, batched), scoring and
  * sequence read-back over a bf16/f16 pool bit for bit against an f32 pool holding the same
  * rounded entries, besides the double reference on those entries. Every variant of the CPU
- * backend this CPU runs (AVX-512, AVX2, plain C: engine/cpu-dispatch.c) is checked, each
+ * backend this CPU runs (AVX-512-BF16, AVX-512, AVX2, plain C: engine/cpu-dispatch.c) is checked, each
  * against the same references; the row kernels at the instruction set this test is built for.
  */
 #include "kr_test.h"
@@ -54,6 +55,22 @@ static kr_model shell(int d, int f, int heads, int kv_heads, int head_dim)
     return m;
 }
 
+static uint32_t bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+/* x rounded to dtype t and widened back, in place */
+static void round_to(kr_dtype t, float *x, size_t n)
+{
+    void *tmp = malloc(n * sizeof(float));
+    kr_dtype_from_f32(t, x, n, tmp);
+    kr_dtype_to_f32(t, tmp, n, x);
+    free(tmp);
+}
+
 static void check_matmul(kr_backend *b, kr_dtype dt, int in, int out, int n, int bias, int accumulate)
 {
     size_t es = kr_dtype_size(dt);
@@ -73,17 +90,32 @@ static void check_matmul(kr_backend *b, kr_dtype dt, int in, int out, int n, int
     kr_tensor tw = {.data = w, .dtype = dt, .rows = out, .cols = in};
     kr_tensor tb = {.data = bv, .dtype = KR_DTYPE_F32, .rows = 1, .cols = out};
     ops->matmul(b, &tw, bias ? &tb : NULL, x, n, accumulate, y);
+    /* the x the variant multiplies: rounded to bf16 where its contract says so */
+    float *xr = malloc(sizeof(float) * (size_t)n * in);
+    memcpy(xr, x, sizeof(float) * (size_t)n * in);
+    const int bf16_x = dt == KR_DTYPE_BF16 && ops->bf16_x_min_tokens > 0 && n >= ops->bf16_x_min_tokens;
+    if (bf16_x) round_to(KR_DTYPE_BF16, xr, (size_t)n * in);
     double worst = 0;
     for (int t = 0; t < n; t++)
         for (int o = 0; o < out; o++) {
             double r = (accumulate ? y0[t * out + o] : 0) + (bias ? bv[o] : 0);
-            for (int i = 0; i < in; i++) r += (double)x[t * in + i] * wf[(size_t)o * in + i];
+            for (int i = 0; i < in; i++) r += (double)xr[t * in + i] * wf[(size_t)o * in + i];
             double e = fabs(r - y[t * out + o]);
             worst = kt_worst(worst, e);
         }
     CHECK(worst < 2e-5 * sqrt((double)in), "matmul %s in %d out %d n %d bias %d acc %d: err %.3g",
           kr_dtype_name(dt), in, out, n, bias, accumulate, worst);
-    free(w), free(wf), free(bv), free(x), free(y), free(y0);
+    if (bf16_x && n > ops->bf16_x_min_tokens && !accumulate) {
+        /* a token's row does not depend on the others: the first bf16_x_min_tokens alone */
+        const int m = ops->bf16_x_min_tokens;
+        float *y1 = malloc(sizeof(float) * (size_t)m * out);
+        ops->matmul(b, &tw, bias ? &tb : NULL, x, m, 0, y1);
+        int same = 1;
+        for (int i = 0; i < m * out; i++) same &= bits(y1[i]) == bits(y[i]);
+        CHECK(same, "matmul bf16 in %d out %d: the first %d rows of %d differ from those rows alone", in, out, m, n);
+        free(y1);
+    }
+    free(w), free(wf), free(bv), free(x), free(xr), free(y), free(y0);
 }
 
 /* A sequence of one layer in a new pool of dtype dt: len entries per KV head, positions 0..len-1,
@@ -109,14 +141,6 @@ static void free_seq(kr_seq *s)
     kr_kv_pool_free(pool);
 }
 
-/* x rounded to dtype t and widened back, in place */
-static void round_to(kr_dtype t, float *x, size_t n)
-{
-    void *tmp = malloc(n * sizeof(float));
-    kr_dtype_from_f32(t, x, n, tmp);
-    kr_dtype_to_f32(t, tmp, n, x);
-    free(tmp);
-}
 
 /* Attention over a pool of dtype dt against the double reference on the rounded entries; for
  * bf16 and f16 also against an f32 pool holding those rounded entries, which must give the same
@@ -203,12 +227,6 @@ static void check_attention(kr_backend *b, kr_dtype dt, int heads, int kv_heads,
 }
 
 /* bits of a float, for comparing conversions exactly */
-static uint32_t bits(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return u;
-}
 
 /* first mismatch of a conversion check, for the message */
 typedef struct conv_bad {
@@ -345,6 +363,16 @@ static void check_variant(void)
             check_matmul(b, dts[i], 96, 160, ns[j], j & 1, j == 2);
             check_matmul(b, dts[i], 37, 19, ns[j], 1, 1); /* sizes no vector width divides */
         }
+    /* bf16 GEMMs past one column block (512), odd in, outputs no tile width divides, token
+     * counts with every tail, and more tokens than the scratch's 64 rows; a model as wide as
+     * the widest input, which the backend sizes its scratch for */
+    kr_model wide = shell(1037, 1024, 8, 2, 64);
+    kr_backend *bw;
+    REQUIRE(ops->create(&wide, 2, 64, &bw, err) == KR_OK, "%s", err);
+    check_matmul(bw, KR_DTYPE_BF16, 1037, 101, 70, 1, 0);
+    check_matmul(bw, KR_DTYPE_BF16, 1024, 96, 13, 0, 1);
+    check_matmul(bw, KR_DTYPE_BF16, 768, 48, 8, 0, 0);
+    ops->destroy(bw);
 
     /* RMSNorm, SiLU gating, RoPE: element-wise against their formulas */
     float x[3 * 96], y[3 * 96], w[96];
@@ -430,7 +458,7 @@ int main(void)
     check_scalar_conversions();
     check_row_ops();
     int ran = 0;
-    for (const char *const *isa = (const char *const[]){"avx512", "avx2", "base", NULL}; *isa; isa++) {
+    for (const char *const *isa = (const char *const[]){"avx512bf16", "avx512", "avx2", "base", NULL}; *isa; isa++) {
         if (!kr_cpu_isa_supported(*isa)) {
             printf("test_ops: this CPU does not run the %s variant: skipped\n", *isa);
             continue;
