@@ -40,8 +40,8 @@
 # Not the same work in every respect: llama.cpp keeps its KV cache in f16 by default, kvrelay in
 # f32 (--llama-args "-ctk f32 -ctv f32" makes llama.cpp match; --llama-args goes to every
 # llama.cpp program run, so give only flags they all take); llama.cpp's bf16 matmul rounds the
-# activations to bf16, kvrelay's keeps them f32. Both compute the logits of a prompt's last
-# token only.
+# activations to bf16, and so does kvrelay's prefill on a CPU with AVX-512-BF16 (elsewhere it
+# keeps them f32). Both compute the logits of a prompt's last token only.
 #
 # Defaults: --bin build, --threads 2, --rounds 3, --config tools/data/llama-110m.json (hidden 768,
 # 12 layers, 12/4 heads, MLP 2048, vocab 32000), --dtypes f32,bf16, --prompt 512, --contexts
