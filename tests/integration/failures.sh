@@ -42,11 +42,7 @@ trap 'krc_stop; rm -rf "$KRC_DIR"' EXIT
 model=$KRC_DIR/model
 krc_model_copy "$fixtures/models/llama3-tiny" "$model" grep -v '"eos_token_id"'
 grep -q eos_token_id "$model/config.json" && { echo "FAIL: could not remove eos_token_id"; exit 1; }
-# (b) compares migrated streams with one-process greedy ids: the re-prefill of a migrated
-# stream computes the KV of its generated tokens as a prompt, and on a CPU with AVX-512-BF16 a
-# prompt's matmuls round their inputs to bf16 where decode keeps them f32 (docs/engine.md,
-# "Numerics"), which can move a greedy argmax; every process here runs the f32-input kernels.
-grep -qw avx512_bf16 /proc/cpuinfo && export KR_CPU_ISA=avx512
+kr_f32_input_kernels # (b) compares migrated streams with one-process greedy ids
 chunk=32
 KRC_PREFILL_ARGS=(--chunk "$chunk")
 KRC_DECODE_ARGS=()

@@ -13,6 +13,12 @@
 
 # kr_skip MESSAGE: prints "SKIP: MESSAGE" and exits 77
 kr_skip() { echo "SKIP: $*"; exit 77; }
+# kr_f32_input_kernels: every process started after it runs the CPU kernels that keep matmul
+# inputs f32. A test comparing a migrated stream with one-process greedy ids needs it: the
+# re-prefill computes the KV of the generated tokens as a prompt, and on a CPU with AVX-512-BF16
+# a prompt's matmuls of bf16 weights round their inputs to bf16 where decode kept them f32
+# (docs/engine.md, "Numerics"), which can move a greedy argmax.
+kr_f32_input_kernels() { if grep -qw avx512_bf16 /proc/cpuinfo; then export KR_CPU_ISA=avx512; fi; }
 # kr_need_bins PROGRAM...: skips the test unless every program is built in KR_BIN
 kr_need_bins() {
   local p

@@ -28,6 +28,7 @@ set -uo pipefail
 bin=${KR_BIN:?KR_BIN must be the build directory}
 src=${KR_SRC:?KR_SRC must be the source directory}
 . "$src/tests/integration/lib.sh" # krc_*, kr_skip, fail, now, elapsed, metric, kr_*
+kr_f32_input_kernels # (2) compares a migrated stream with kvrelay-generate's ids
 [ "$(id -u)" = 0 ] || kr_skip "network namespaces need root (CAP_NET_ADMIN); run it as root"
 command -v ip >/dev/null || kr_skip "ip (iproute2) is missing"
 kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli kvrelay-generate

@@ -43,6 +43,7 @@ done
 bin=$(cd "$bin" && pwd)
 export KR_SRC=$src KR_BIN=$bin
 . "$src/tests/integration/lib.sh"  # krc_* helpers, kr_need_bins, kr_blocks_zero
+kr_f32_input_kernels # migrated streams are checked against one-process greedy ids
 . "$src/tests/integration/lib/pystubs.sh"  # PY, kr_pystubs; skips without python3-grpcio
 kr_need_bins kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-cli
 client=$src/tests/soak/soak_client.py
