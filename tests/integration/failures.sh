@@ -231,8 +231,11 @@ done
 t_cont=$(now)
 krc_signal decode-1 CONT
 t_back=$(kr_wait_state "$router" decode-1 20 serving) || fail "(e) decode-1 not serving after SIGCONT"
+# decode nodes are placed by most free KV blocks: until decode-1 has freed its stalled streams'
+# blocks (and a Status poll has told the router), decode-0 looks emptier and takes every request
+kr_blocks_zero decode-1 200 || fail "(e) decode-1 still holds KV blocks after SIGCONT: used=${KR_USED:-?} reserved=${KR_RESERVED:-?}"
 used1=0
-for ((i = 0; i < 8 && used1 == 0; i++)); do
+for ((i = 0; i < 30 && used1 == 0; i++)); do
   "$bin/kvrelay-cli" --router "$router" generate --ids "$(kr_prompt $((500 + i)))" --max-tokens 8 --json >"$KRC_DIR/e.got" 2>"$KRC_DIR/e.err" ||
     fail "(e) request $i after SIGCONT: $(errmsg "$KRC_DIR/e.err")"
   [ "$(kr_served_by "$KRC_DIR/e.got")" = decode-1 ] && used1=1
