@@ -48,6 +48,24 @@ typedef struct att_job {
     float *out;
 } att_job;
 
+/* Asks for the key and value rows of entries [j0, j0 + n) of list l, a block's run of rows at a
+ * time. A list's blocks lie wherever the pool had free ones (in a decode node's large, long-used
+ * pool, far apart), so the hardware prefetcher, which follows address streams, meets each 2-4 KB
+ * block cold; fetched one tile ahead, they arrive while the tile before is computed. */
+static void prefetch_rows(const kr_kv_pool *p, const kr_kv_list *l, int j0, int n)
+{
+    int i = l->off + j0, b = i / p->block_size, slot = i % p->block_size;
+    while (n > 0) {
+        int run = p->block_size - slot < n ? p->block_size - slot : n;
+        const char *k = kr_kv_key(p, l->blocks[b], slot), *v = kr_kv_value(p, l->blocks[b], slot);
+        for (size_t off = 0; off < (size_t)run * p->row_bytes; off += 64) {
+            __builtin_prefetch(k + off, 0, 3);
+            __builtin_prefetch(v + off, 0, 3);
+        }
+        n -= run, b++, slot = 0;
+    }
+}
+
 /* One token's query heads of one GQA group (q, out: [group][d]) over the first `visible`
  * entries of list l, less those at positions <= pos - window when window > 0. Both the chunk
  * path (token i of n sees len - n + i + 1) and the batch path (every token sees its whole list)
@@ -73,6 +91,8 @@ static void attend_one(const kr_kv_pool *p, const kr_kv_list *l, int visible, in
     for (int j0 = start; j0 < visible; j0 += TILE) {
         int jn = visible - j0 < TILE ? visible - j0 : TILE;
         kr_kv_list_rows(p, l, j0, jn, krow, vrow);
+        if (j0 + jn < visible)
+            prefetch_rows(p, l, j0 + jn, visible - j0 - jn < TILE ? visible - j0 - jn : TILE);
         for (int jj = 0; jj < jn; jj++)
             for (int h = 0; h < group; h++)
                 sc[(size_t)h * TILE + jj] = kr_dot_row(q + (size_t)h * d, krow[jj], t, d) * scale;
@@ -95,15 +115,34 @@ static void attend_one(const kr_kv_pool *p, const kr_kv_list *l, int visible, in
     }
 }
 
-/* Token i, KV head g: of the chunk of j->s, or of seqs[i] in a batch. */
+/* Token i, KV head g: of the chunk of j->s, or of seqs[i] in a batch; *visible: the entries of
+ * its list it sees (before the window) */
+static const kr_kv_list *item_list(const att_job *j, int i, int g, const kr_seq **s, int *visible)
+{
+    *s = j->seqs ? j->seqs[i] : j->s;
+    const kr_kv_list *l = &(*s)->lists[j->layer * (*s)->n_kv_heads + g];
+    *visible = j->seqs ? l->len : l->len - j->n + i + 1;
+    return l;
+}
+
 static void attend_item(const att_job *j, float *scratch, int i, int g)
 {
-    const kr_seq *s = j->seqs ? j->seqs[i] : j->s;
-    const kr_kv_list *l = &s->lists[j->layer * s->n_kv_heads + g];
+    const kr_seq *s;
+    int visible;
+    const kr_kv_list *l = item_list(j, i, g, &s, &visible);
     const int group = j->n_heads / s->n_kv_heads;
     const size_t at = ((size_t)i * j->n_heads + (size_t)g * group) * (size_t)s->pool->head_dim;
-    int visible = j->seqs ? l->len : l->len - j->n + i + 1;
     attend_one(s->pool, l, visible, j->pos[i], j->window, j->q + at, group, scratch, j->out + at);
+}
+
+/* The first tile of item (i, g), asked for while the item before it is computed */
+static void prefetch_item(const att_job *j, int i, int g)
+{
+    const kr_seq *s;
+    int visible;
+    const kr_kv_list *l = item_list(j, i, g, &s, &visible);
+    int start = j->window > 0 ? kr_kv_list_first_after(s->pool, l, visible, j->pos[i] - j->window) : 0;
+    prefetch_rows(s->pool, l, start, visible - start < TILE ? visible - start : TILE);
 }
 
 /* Queries i0 .. i1-1 of the chunk, KV head g, all query heads of its group. */
@@ -181,7 +220,10 @@ static void att_task(void *arg, int ith, int nth)
     int64_t lo, hi;
     if (j->seqs || j->n < BLOCKED_MIN_TOKENS) {
         kr_split((int64_t)j->n * kvh, ith, nth, 1, &lo, &hi);
-        for (int64_t it = lo; it < hi; it++) attend_item(j, j->b->att[ith], (int)(it / kvh), (int)(it % kvh));
+        for (int64_t it = lo; it < hi; it++) {
+            if (it + 1 < hi) prefetch_item(j, (int)((it + 1) / kvh), (int)((it + 1) % kvh));
+            attend_item(j, j->b->att[ith], (int)(it / kvh), (int)(it % kvh));
+        }
         return;
     }
     /* later query blocks see more keys: interleave items so threads get similar work */
