@@ -119,7 +119,11 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
          .def = "info", .help = "debug, info, warn, error"},
         {.kind = KC_FLAG_END},
     };
-    static const kc_flags flags = {
+    char footer[512];
+    snprintf(footer, sizeof footer, "%s\n\n%s", kr_cpu_isa_help(),
+             "example: kvrelay-decode --model build/models/default --listen 127.0.0.1:0 \\\n"
+             "             --transfer 127.0.0.1:0 --http 127.0.0.1:0 --kv-memory 256M");
+    const kc_flags flags = {
         .prog = "kvrelay-decode",
         .usage = "--model DIR [options]",
         .about = "The decode node of a kvrelay cluster: reserves KV blocks for requests, receives\n"
@@ -127,8 +131,7 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
                  "sequences in one continuous batch, streaming tokens over gRPC (kvrelay.v1.Decode).\n"
                  "Prints one line 'decode ID: serving grpc HOST:PORT http HOST:PORT' once serving.",
         .table = table,
-        .footer = "example: kvrelay-decode --model build/models/default --listen 127.0.0.1:0 \\\n"
-                  "             --transfer 127.0.0.1:0 --http 127.0.0.1:0 --kv-memory 256M",
+        .footer = footer,
     };
     cfg = (dn_config){.id = "decode-0",
                       .kv_memory = (int64_t)1 << 30,

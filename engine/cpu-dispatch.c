@@ -53,6 +53,16 @@ int kr_cpu_isa_supported(const char *name)
 
 const char *kr_cpu_isa(void) { return chosen; }
 
+const char *kr_cpu_isa_help(void)
+{
+    static char line[192];
+    snprintf(line, sizeof line,
+             "CPU kernels: %s, chosen at start from avx512bf16, avx512, avx2 and base by what this\n"
+             "CPU runs; KR_CPU_ISA=NAME in the environment asks for one (docs/engine.md).",
+             chosen);
+    return line;
+}
+
 const kr_backend_ops *kr_cpu_backend_variant(const char *name)
 {
     for (int i = 0; i < N_VARIANTS; i++)

@@ -226,6 +226,8 @@ typedef enum kr_backend_kind {
 /* The instruction set of the CPU kernels this process runs: "avx512bf16" (AVX-512 with its bf16
  * dot products), "avx512", "avx2" or "base" (plain C), the best this CPU has, picked when the program loads, or what KR_CPU_ISA asked for. */
 const char *kr_cpu_isa(void);
+/* One line for a program's --help: the CPU kernels this process runs and how to choose others. */
+const char *kr_cpu_isa_help(void);
 
 /* Execution context: a model on a backend with scratch buffers sized once for `max_chunk`
  * tokens and a thread pool. Not thread-safe: one caller at a time. */

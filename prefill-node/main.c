@@ -112,13 +112,14 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
          .def = "info", .help = "debug, info, warn, error"},
         {.kind = KC_FLAG_END},
     };
-    static const kc_flags flags = {
+    const kc_flags flags = {
         .prog = "kvrelay-prefill",
         .usage = "--model DIR [options]",
         .about = "The prefill node: runs chunked prefill with the request's KV policy, samples the\n"
                  "first token, ships the compressed KV cache to the decode node's reservation over\n"
                  "UCX and answers the router with the first token and usage (docs/prefill-node.md).",
         .table = table,
+        .footer = kr_cpu_isa_help(),
     };
     cfg = (pf_config){.id = "prefill-0",
                       .chunk = 512,

@@ -425,13 +425,16 @@ int main(int argc, char **argv)
         {.kind = KC_FLAG_BOOL, .name = "--json", .dest = &json, .help = "one JSON object on stdout"},
         {.kind = KC_FLAG_END},
     };
+    char footer[512];
+    snprintf(footer, sizeof footer, "%s\n\n%s", kr_cpu_isa_help(),
+             "example: kvrelay-bench-engine --random tools/data/llama-110m.json --dtype bf16 --threads 2");
     const kc_flags flags = {
         .prog = "kvrelay-bench-engine",
         .usage = "(--model DIR | --random CONFIG.json) [options]",
         .about = "Measures prefill and decode speed and prints each as a fraction of a limit\n"
                  "measured in the same run (GEMM peak for prefill, memory bandwidth for decode).",
         .table = table,
-        .footer = "example: kvrelay-bench-engine --random tools/data/llama-110m.json --dtype bf16 --threads 2",
+        .footer = footer,
     };
     kc_flags_main(&flags, argc, argv, 0);
     if (!model_dir == !random_cfg) cli_die(2, "give exactly one of --model and --random (see --help)");

@@ -85,14 +85,17 @@ static void parse(int argc, char **argv, gen_opts *o)
          .help = "print one JSON object instead of streaming text"},
         {.kind = KC_FLAG_END},
     };
+    char footer[512];
+    snprintf(footer, sizeof footer, "%s\n\n%s", kr_cpu_isa_help(),
+             "example: kvrelay-generate --model build/models/default --prompt \"The relay\" \\\n"
+             "           --max-tokens 32 --greedy --stats");
     const kc_flags flags = {
         .prog = "kvrelay-generate",
         .usage = "--model DIR (--prompt TEXT | --ids \"1 2 3\") --max-tokens N [options]\n"
                  "       kvrelay-generate --model DIR (--prompt TEXT | --ids LIST) --force-ids LIST [options]",
         .about = "Runs chunked prefill and decode in one process and prints the generated text.",
         .table = table,
-        .footer = "example: kvrelay-generate --model build/models/default --prompt \"The relay\" \\\n"
-                  "           --max-tokens 32 --greedy --stats",
+        .footer = footer,
     };
     kc_flags_main(&flags, argc, argv, 0);
     if (!o->model_dir) cli_die(2, "--model is required (see --help)");

@@ -40,14 +40,17 @@ int main(int argc, char **argv)
          .help = "convert bf16/f16 weights to f32 at load"},
         {.kind = KC_FLAG_END},
     };
+    char footer[512];
+    snprintf(footer, sizeof footer, "%s\n\n%s", kr_cpu_isa_help(),
+             "example: kvrelay-logits --model tests/fixtures/models/llama3-tiny --ids \"5 9 2\" \\\n"
+             "           --out /tmp/logits.bin --last 1");
     const kc_flags flags = {
         .prog = "kvrelay-logits",
         .usage = "--model DIR --ids \"1 2 3\" --out FILE [options]",
         .about = "Feeds the token ids (no BOS is added) at positions 0..n-1 and writes float32\n"
                  "little-endian logits, one row of vocab_size values per position, row-major.",
         .table = table,
-        .footer = "example: kvrelay-logits --model tests/fixtures/models/llama3-tiny --ids \"5 9 2\" \\\n"
-                  "           --out /tmp/logits.bin --last 1",
+        .footer = footer,
     };
     kc_flags_main(&flags, argc, argv, 0);
     if (!model_dir || !ids_s || !out_path) cli_die(2, "--model, --ids and --out are required (see --help)");

@@ -363,15 +363,17 @@ static void check_variant(void)
             check_matmul(b, dts[i], 96, 160, ns[j], j & 1, j == 2);
             check_matmul(b, dts[i], 37, 19, ns[j], 1, 1); /* sizes no vector width divides */
         }
-    /* bf16 GEMMs past one column block (512), odd in, outputs no tile width divides, token
-     * counts with every tail, and more tokens than the scratch's 64 rows; a model as wide as
-     * the widest input, which the backend sizes its scratch for */
-    kr_model wide = shell(1037, 1024, 8, 2, 64);
+    /* bf16 GEMMs within one column block and past it (2048), odd in, outputs no tile width
+     * divides, token counts with every tail, and more tokens than the scratch's 64 rows; a model
+     * as wide as the widest input, which the backend sizes its scratch for */
+    kr_model wide = shell(2085, 1024, 8, 2, 64);
     kr_backend *bw;
     REQUIRE(ops->create(&wide, 2, 64, &bw, err) == KR_OK, "%s", err);
     check_matmul(bw, KR_DTYPE_BF16, 1037, 101, 70, 1, 0);
     check_matmul(bw, KR_DTYPE_BF16, 1024, 96, 13, 0, 1);
     check_matmul(bw, KR_DTYPE_BF16, 768, 48, 8, 0, 0);
+    check_matmul(bw, KR_DTYPE_BF16, 2085, 53, 19, 1, 1);
+    check_matmul(bw, KR_DTYPE_BF16, 2085, 40, 9, 0, 0);
     ops->destroy(bw);
 
     /* RMSNorm, SiLU gating, RoPE: element-wise against their formulas */
