@@ -89,6 +89,16 @@ static inline void vf_store(float *p, kr_vf v) { _mm512_storeu_ps(p, v); }
 static inline float vf_sum(kr_vf v) { return _mm512_reduce_add_ps(v); }
 static inline kr_vf vf_add(kr_vf a, kr_vf b) { return _mm512_add_ps(a, b); }
 static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return _mm512_sub_ps(a, b); }
+static inline kr_vf vf_mul(kr_vf a, kr_vf b) { return _mm512_mul_ps(a, b); }
+static inline kr_vf vf_div(kr_vf a, kr_vf b) { return _mm512_div_ps(a, b); }
+static inline kr_vf vf_neg_abs(kr_vf a) /* -|a| */
+{
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u)));
+}
+static inline kr_vf vf_select_nonneg(kr_vf x, kr_vf a, kr_vf b) /* x >= 0 ? a : b, per lane */
+{
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+}
 static inline kr_vf vf_max(kr_vf a, kr_vf b) { return _mm512_max_ps(a, b); }
 static inline kr_vf vf_round(kr_vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
 /* a * 2^n for integral n in [-127, 127] (carried as floats) */
@@ -157,6 +167,13 @@ static inline float vf_sum(kr_vf v)
 }
 static inline kr_vf vf_add(kr_vf a, kr_vf b) { return _mm256_add_ps(a, b); }
 static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return _mm256_sub_ps(a, b); }
+static inline kr_vf vf_mul(kr_vf a, kr_vf b) { return _mm256_mul_ps(a, b); }
+static inline kr_vf vf_div(kr_vf a, kr_vf b) { return _mm256_div_ps(a, b); }
+static inline kr_vf vf_neg_abs(kr_vf a) { return _mm256_or_ps(a, _mm256_set1_ps(-0.0f)); }
+static inline kr_vf vf_select_nonneg(kr_vf x, kr_vf a, kr_vf b)
+{
+    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
 static inline kr_vf vf_max(kr_vf a, kr_vf b) { return _mm256_max_ps(a, b); }
 static inline kr_vf vf_round(kr_vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline kr_vf vf_ldexp(kr_vf a, kr_vf n)
@@ -185,6 +202,10 @@ static inline void vf_store(float *p, kr_vf v) { *p = v; }
 static inline float vf_sum(kr_vf v) { return v; }
 static inline kr_vf vf_add(kr_vf a, kr_vf b) { return a + b; }
 static inline kr_vf vf_sub(kr_vf a, kr_vf b) { return a - b; }
+static inline kr_vf vf_mul(kr_vf a, kr_vf b) { return a * b; }
+static inline kr_vf vf_div(kr_vf a, kr_vf b) { return a / b; }
+static inline kr_vf vf_neg_abs(kr_vf a) { return -fabsf(a); }
+static inline kr_vf vf_select_nonneg(kr_vf x, kr_vf a, kr_vf b) { return x >= 0.0f ? a : b; }
 static inline kr_vf vf_max(kr_vf a, kr_vf b) { return a > b ? a : b; }
 static inline kr_vf vf_round(kr_vf a) { return nearbyintf(a); }
 static inline kr_vf vf_ldexp(kr_vf a, kr_vf n) { return ldexpf(a, (int)n); }
