@@ -38,7 +38,8 @@
 # time of one step at that context (batch 1); prefill tok/s is prompt tokens / prefill time.
 #
 # Not the same work in every respect: llama.cpp keeps its KV cache in f16 by default, kvrelay in
-# f32 (--llama-args "-ctk f32 -ctv f32" makes llama.cpp match; --llama-args goes to every
+# the weights' dtype (--llama-args "-ctk f32 -ctv f32" asks llama.cpp for f32, which the b4748
+# llama-bench refuses; --llama-args goes to every
 # llama.cpp program run, so give only flags they all take); llama.cpp's bf16 matmul rounds the
 # activations to bf16, and so does kvrelay's prefill on a CPU with AVX-512-BF16 (elsewhere it
 # keeps them f32). Both compute the logits of a prompt's last token only.
