@@ -29,7 +29,8 @@ struct kr_kv_pool {
     uint8_t *k; /* [n_blocks][block_size][head_dim] of dtype */
     uint8_t *v; /* [n_blocks][block_size][head_dim] of dtype */
     int32_t *pos; /* [n_blocks][block_size] */
-    int32_t *free_ids; /* stack of free block ids, [n_blocks] */
+    uint64_t *free_bits; /* bit i of word i / 64 set: block i is free, [(n_blocks + 63) / 64] */
+    int free_hint; /* no free block below word free_hint */
     int n_free;
     void (*release)(void *p); /* frees k, v and pos: free, or the backend's kv_free */
 };
