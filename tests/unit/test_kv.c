@@ -1,7 +1,8 @@
 /*
  * test_kv.c - the paged KV cache: blocks are handed out per (layer, KV head) as sequences grow,
  * growth is all or nothing when the pool runs short (with a message saying how many blocks were
- * missing), freeing a sequence returns every block, lengths are per head, entries read back as
+ * missing), blocks are taken lowest first whatever order they were freed in, freeing a sequence
+ * returns every block, lengths are per head, entries read back as
  * written, and the window search finds the first entry past a position. Pools of bf16 and f16
  * store rows rounded to nearest even and move them intact; a context's KV dtype is the weights'
  * by default, can be overridden, and one the backend cannot store is refused.
@@ -99,12 +100,51 @@ static void check_ctx_dtype(void)
     CHECK_ERR_HAS(err, "not one of F32, BF16, F16");
 }
 
+/* Blocks are taken lowest first, whatever order they were freed in: a new sequence's lists lie
+ * together and in order (what lets the hardware prefetcher follow a list read front to back),
+ * across a bitmap word boundary too. */
+static void check_lowest_first(void)
+{
+    char err[KR_ERR_MAX];
+    enum { N_SEQ = 12, BLOCKS = 150 };
+    kr_kv_pool *p;
+    REQUIRE(kr_kv_pool_create(4, 2, BLOCKS, KR_DTYPE_F32, &p, err) == KR_OK, "%s", err);
+    kr_seq *s[N_SEQ];
+    for (int i = 0; i < N_SEQ; i++) { /* 2 lists x 6 blocks each: blocks 0..143 */
+        REQUIRE(kr_seq_create(p, 1, 2, &s[i], err) == KR_OK, "%s", err);
+        REQUIRE(kr_seq_grow(s[i], 12, err) == KR_OK, "%s", err);
+    }
+    const int order[N_SEQ] = {7, 2, 11, 0, 5, 9, 1, 10, 3, 8, 6, 4}; /* freed out of order */
+    for (int i = 0; i < N_SEQ; i++)
+        if (order[i] != 5 && order[i] != 6) kr_seq_free(s[order[i]]);
+    CHECK(kr_kv_pool_n_free(p) == BLOCKS - 24, "free %d", kr_kv_pool_n_free(p));
+    kr_seq *t;
+    REQUIRE(kr_seq_create(p, 1, 2, &t, err) == KR_OK, "%s", err);
+    REQUIRE(kr_seq_grow(t, 120, err) == KR_OK, "%s", err); /* 60 blocks per list */
+    /* 0..59 for the first list, then past s[5] (60..71) and s[6] (72..83): 84..143 */
+    int want = 0, bad = 0;
+    for (int h = 0; h < 2; h++) {
+        const kr_kv_list *l = kr_seq_list(t, 0, h);
+        for (int b = 0; b < l->n_blocks; b++) {
+            if (want == 60) want = 84;
+            bad += l->blocks[b] != want++;
+        }
+    }
+    CHECK(bad == 0, "%d blocks out of lowest-first order", bad);
+    kr_seq_free(t);
+    kr_seq_free(s[5]);
+    kr_seq_free(s[6]);
+    CHECK(kr_kv_pool_n_free(p) == BLOCKS, "blocks leaked: %d free of %d", kr_kv_pool_n_free(p), BLOCKS);
+    kr_kv_pool_free(p);
+}
+
 int main(void)
 {
     char err[KR_ERR_MAX];
     kr_kv_pool *p;
     CHECK(kr_kv_pool_create(0, 16, 10, KR_DTYPE_F32, &p, err) == -1, "head_dim 0 accepted");
     CHECK_ERR_HAS(err, "head_dim");
+    check_lowest_first();
     REQUIRE(kr_kv_pool_create(4, 4, 10, KR_DTYPE_F32, &p, err) == KR_OK, "%s", err);
     CHECK(kr_kv_blocks_for(p, 2, 2, 5) == 8, "5 tokens x 4 lists need 2 blocks each");
 
