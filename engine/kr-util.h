@@ -21,6 +21,11 @@ extern "C" {
  * callers can write `return kr_errf(err, ...)`. */
 int kr_errf(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* malloc for large arrays read in streams (weights, the KV pool): at least 64-byte aligned;
+ * from 2 MiB up, 2 MiB aligned and marked for transparent huge pages, which the kernel's
+ * default THP mode ("madvise") gives only to memory that asks. Freed with free(). */
+void *kr_alloc_huge(size_t bytes);
+
 /* Reads a whole file into a malloc'd, NUL-terminated buffer. */
 int kr_read_file(const char *path, char **data_out, size_t *len_out, char *err);
 

@@ -14,7 +14,7 @@ const kr_list_rule kr_rule_dense = {.sink = 0, .window = -1, .lazy = 1, .slack =
 
 static void *host_alloc(void *ctx, size_t bytes)
 {
-    return malloc(bytes);
+    return kr_alloc_huge(bytes);
 }
 
 int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_dtype dtype, kr_kv_pool **out,

@@ -57,7 +57,7 @@ static void *model_alloc(kr_model *m, size_t bytes, char *err)
         m->cap_owned = cap;
     }
     /* 64-byte aligned for the vector kernels; aligned_alloc wants a multiple of the alignment */
-    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    void *p = kr_alloc_huge((bytes + 63) / 64 * 64 + 64);
     if (!p) {
         kr_errf(err, "out of memory allocating %zu bytes of weights", bytes);
         return NULL;
