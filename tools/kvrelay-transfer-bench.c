@@ -13,6 +13,7 @@
  * on stderr, the table on stdout. Figures: docs/transport.md.
  */
 #include <inttypes.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <semaphore.h>
 #include <signal.h>
@@ -26,74 +27,120 @@
 #include "cli.h"
 #include "transport.h"
 
-/* Completions of one round of transfers: receive and send callbacks both post `done`, so the
- * measuring thread sleeps until they come instead of polling a core the two progress threads
- * need (this machine may have only two). */
-typedef struct round {
+/* The transfers in flight: slot k holds one bundle (its reservation, its send) and is free
+ * again once both its callbacks have run. Callbacks put the freed slot in `ready` and post
+ * `done`, so the measuring thread sleeps until one comes instead of polling a core the two
+ * progress threads need (this machine may have only two). */
+typedef struct window window;
+typedef struct slot {
+    window *w;
+    int k;
+    atomic_int left; /* callbacks still to come */
+} slot;
+struct window {
     sem_t done;
+    pthread_mutex_t lock;
+    int *ready, n_ready; /* freed slots, in the order they were freed */
     atomic_int failed;
-} round;
+};
 
 static void count_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
 {
-    round *r = arg;
+    slot *s = arg;
+    window *w = s->w;
     if (status != 0) {
         fprintf(stderr, "kvrelay-transfer-bench: transfer %" PRIu64 ": %s\n", id, err);
-        atomic_fetch_add(&r->failed, 1);
+        atomic_fetch_add(&w->failed, 1);
     }
-    sem_post(&r->done);
+    if (atomic_fetch_sub(&s->left, 1) == 1) {
+        pthread_mutex_lock(&w->lock);
+        w->ready[w->n_ready++] = s->k;
+        pthread_mutex_unlock(&w->lock);
+        sem_post(&w->done);
+    }
     (void)bytes;
 }
 
-/* Seconds per bundle of `size` bytes through the transport with `inflight` bundles reserved and
- * sent at once (1: one at a time, the latency a single request pays; more: a busy prefill node
- * shipping to a decode node, the regime ucx_perftest's window measures), or -1. dst holds
- * `inflight` buffers of `size`. */
-static double bench_kvrelay(kt_transport *rx, kt_transport *tx, uint8_t *src, uint8_t *dst,
+/* The bundles of one measurement and where they go. */
+typedef struct flight {
+    kt_transport *rx, *tx;
+    const uint8_t *src;
+    uint8_t *dst;
+    uint64_t size;
+    int validate;
+    window w;
+    slot *slots;
+    kt_bundle_view *views;
+    kt_bundle_set *sets;
+} flight;
+
+/* Reserves and sends one bundle in slot k. */
+static void launch(flight *f, int k)
+{
+    static uint64_t next_id = 1; /* reservation ids, never reused */
+    char err[KT_ERR_MAX];
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    const uint64_t id = next_id++;
+    f->slots[k] = (slot){.w = &f->w, .k = k, .left = 2};
+    kt_bundle_set_init(&f->sets[k], &f->views[k], 1);
+    /* validating, the receiver is a decode node's: parts land in buffers the transport
+     * allocates at their size, owned by the set */
+    int rc = f->validate ? kt_transport_reserve_bundle(f->rx, id, NULL, f->size, 60.0, &f->sets[k], count_cb,
+                                                       &f->slots[k], tok, err)
+                         : kt_transport_reserve(f->rx, id, f->dst + (uint64_t)k * f->size, f->size, 60.0, 0,
+                                                count_cb, &f->slots[k], tok, err);
+    if (rc != 0 || kt_transport_send(f->tx, "127.0.0.1", kt_transport_port(f->rx), id, tok, f->src, f->size, 0,
+                                     60.0, count_cb, &f->slots[k], err) != 0)
+        cli_die(1, "%s", err); /* transfers in flight may still call back: stop here */
+}
+
+/* Waits for a slot to come free and returns it. */
+static int wait_slot(flight *f)
+{
+    while (sem_wait(&f->w.done) != 0) {
+    }
+    pthread_mutex_lock(&f->w.lock);
+    int k = f->w.ready[0];
+    memmove(f->w.ready, f->w.ready + 1, (size_t)--f->w.n_ready * sizeof *f->w.ready);
+    pthread_mutex_unlock(&f->w.lock);
+    if (f->validate)
+        kt_bundle_set_free(&f->sets[k]);
+    return k;
+}
+
+/* Seconds per bundle of `size` bytes through the transport with `inflight` bundles in flight:
+ * as soon as one has landed and been acknowledged, the next is reserved and sent in its place
+ * (1: one at a time, the latency a single request pays; more: a busy prefill node shipping to
+ * a decode node, the regime ucx_perftest's window measures), or -1. The first `inflight`
+ * transfers connect and fill the window and are not timed. dst holds `inflight` buffers of
+ * `size`. */
+static double bench_kvrelay(kt_transport *rx, kt_transport *tx, const uint8_t *src, uint8_t *dst,
                             uint64_t size, int iters, int inflight, int validate)
 {
-    char err[KT_ERR_MAX];
+    int ready[inflight];
+    slot slots[inflight];
+    kt_bundle_view views[inflight];
+    kt_bundle_set sets[inflight];
+    flight f = {.rx = rx, .tx = tx, .src = src, .dst = dst, .size = size, .validate = validate,
+                .w = {.ready = ready, .failed = 0}, .slots = slots, .views = views, .sets = sets};
+    sem_init(&f.w.done, 0, 0);
+    pthread_mutex_init(&f.w.lock, NULL);
+    const int total = iters + inflight;
+    int launched = 0, finished = 0;
     double t0 = 0;
-    uint64_t id = 1;
-    int rounds = (iters + inflight - 1) / inflight;
-    for (int i = -1; i < rounds; i++) { /* i = -1: warm-up (connects) */
-        if (i == 0)
+    for (; launched < inflight; launched++)
+        launch(&f, launched);
+    while (finished < launched) {
+        int k = wait_slot(&f);
+        if (++finished == inflight)
             t0 = cli_now();
-        round r = {.failed = 0};
-        sem_init(&r.done, 0, 0);
-        uint8_t tok[inflight][KT_RESV_TOKEN_BYTES];
-        kt_bundle_view views[inflight];
-        kt_bundle_set sets[inflight];
-        for (int k = 0; k < inflight; k++) {
-            uint8_t *buf = dst + (uint64_t)k * size;
-            kt_bundle_set_init(&sets[k], &views[k], 1);
-            /* validating, the receiver is a decode node's: parts land in buffers the transport
-             * allocates at their size, owned by the set */
-            int rc = validate ? kt_transport_reserve_bundle(rx, id + (uint64_t)k, NULL, size, 60.0,
-                                                            &sets[k], count_cb, &r, tok[k], err)
-                              : kt_transport_reserve(rx, id + (uint64_t)k, buf, size, 60.0, 0,
-                                                     count_cb, &r, tok[k], err);
-            if (rc != 0)
-                goto fail;
-        }
-        for (int k = 0; k < inflight; k++)
-            if (kt_transport_send(tx, "127.0.0.1", kt_transport_port(rx), id + (uint64_t)k,
-                                  tok[k], src, size, 0, 60.0, count_cb, &r, err) != 0)
-                goto fail;
-        for (int k = 0; k < 2 * inflight; k++) /* both callbacks of every transfer */
-            while (sem_wait(&r.done) != 0) {
-            }
-        sem_destroy(&r.done);
-        if (validate)
-            for (int k = 0; k < inflight; k++)
-                kt_bundle_set_free(&sets[k]);
-        if (atomic_load(&r.failed))
-            return -1;
-        id += (uint64_t)inflight;
+        if (launched < total && !atomic_load(&f.w.failed))
+            launch(&f, k), launched++;
     }
-    return (cli_now() - t0) / ((double)rounds * inflight);
-fail: /* transfers of this round may still call back into it: stop here */
-    cli_die(1, "%s", err);
+    const double sec = (cli_now() - t0) / iters;
+    sem_destroy(&f.w.done);
+    pthread_mutex_destroy(&f.w.lock);
+    return atomic_load(&f.w.failed) ? -1 : sec;
 }
 
 /* A valid bundle of at most `size` bytes at src (1 layer, 1 KV head, head_dim 128, f32 rows of
