@@ -196,25 +196,32 @@ static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_
 /* ------------------------------------------------------------------ joining the batch */
 
 /* One run of a list's slots in the pool's blocks, filled from the received bundle
- * (kr_list_fill_fn): straight into an f32 pool (the only copy of the rows on this node), through
- * `rows` (float32 K then V rows of one block) into a bf16 or f16 pool, rounded there. */
+ * (kr_list_fill_fn): straight into the blocks (the only copy of the rows on this node) when
+ * the bundle's rows can be read in the pool's dtype, which is a plain copy when the wire
+ * carries the cache's dtype (the prefill node's default); a quantized bundle into a bf16 or
+ * f16 pool goes through `rows` (float32 K then V rows of one block), rounded there. */
 typedef struct fill_arg {
     const kt_bundle_set *set;
     uint32_t layer, head;
     size_t head_dim;
-    float *rows; /* NULL for an f32 pool */
+    float *rows; /* NULL when the rows go straight into the blocks */
 } fill_arg;
+
+static kt_dtype wire_dtype_of(kr_dtype t)
+{
+    return t == KR_DTYPE_BF16 ? KT_DTYPE_BF16 : t == KR_DTYPE_F16 ? KT_DTYPE_F16 : KT_DTYPE_F32;
+}
 
 static int fill_rows(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k, void *v,
                      char *err)
 {
     const fill_arg *a = arg;
-    if (dtype == KR_DTYPE_F32)
-        return kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos, k,
-                                  v, err);
+    if (!a->rows)
+        return kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos,
+                                  wire_dtype_of(dtype), k, v, err);
     const size_t elems = (size_t)n * a->head_dim;
-    if (kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos, a->rows,
-                           a->rows + elems, err) != 0)
+    if (kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos,
+                           KT_DTYPE_F32, a->rows, a->rows + elems, err) != 0)
         return -1;
     kr_dtype_from_f32(dtype, a->rows, elems, k);
     kr_dtype_from_f32(dtype, a->rows + elems, elems, v);
@@ -223,7 +230,8 @@ static int fill_rows(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, 
 
 /* The bundle -> a sequence of this node's pool, exactly as the prefill node held it, each list
  * with the decode rule the prefill node's policy gave it; rows go from the part buffers
- * straight into the blocks. */
+ * straight into the blocks (through one block of float32 rows for a quantized bundle into a
+ * half-precision pool). */
 static int import(dn_loop *L, dn_job *j, char *err)
 {
     dn_node *n = L->n;
@@ -231,7 +239,7 @@ static int import(dn_loop *L, dn_job *j, char *err)
     const kt_bundle_set *v = &j->set;
     kr_seq *s = NULL;
     float *rows = NULL;
-    if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32) {
+    if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32 && kt_dtype_quantized(v->hdr.dtype)) {
         rows = malloc(sizeof(float) * 2 * (size_t)kr_kv_pool_block_size(n->pool) *
                       (size_t)c->head_dim);
         if (!rows) {

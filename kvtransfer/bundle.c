@@ -233,9 +233,10 @@ float kt_fp8_e4m3_to_f32(uint8_t b)
 }
 
 /* n elements of `src_dtype` (f32, f16 or bf16) at `src` (any alignment) to `dst_dtype` at `dst`. */
-static void convert(uint8_t *dst, kt_dtype dst_dtype, const uint8_t *src, kt_dtype src_dtype,
+static void convert(void *dst_bytes, kt_dtype dst_dtype, const uint8_t *src, kt_dtype src_dtype,
                     size_t n)
 {
+    uint8_t *dst = dst_bytes;
     if (dst_dtype == src_dtype) {
         memcpy(dst, src, n * kt_dtype_size(src_dtype));
         return;
@@ -1152,12 +1153,26 @@ int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
     return 0;
 }
 
+/* Whether rows of a payload in `payload` can be read out as `row`: float32 always; float16 or
+ * bfloat16 from an unquantized payload. */
+static int readable_as(kt_dtype payload, kt_dtype row, char *err)
+{
+    if (row != KT_DTYPE_F32 && row != KT_DTYPE_F16 && row != KT_DTYPE_BF16)
+        return fail(err, "rows can be read as f32, f16 or bf16, not dtype %d", (int)row);
+    if (row != KT_DTYPE_F32 && kt_dtype_quantized(payload))
+        return fail(err, "a quantized payload (%s) is read as f32, not %s", kt_dtype_name(payload),
+                    kt_dtype_name(row));
+    return 0;
+}
+
 int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
-                        uint32_t n, int32_t *positions, float *k, float *v_out, char *err)
+                        uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v_out,
+                        char *err)
 {
     if ((uint64_t)first + n > l->count)
         return fail(err, "read of entries [%" PRIu32 ", %" PRIu64 ") past the list's %" PRIu32,
                     first, (uint64_t)first + n, l->count);
+    if (readable_as(v->hdr.dtype, row_dtype, err)) return -1;
     if (positions) memcpy(positions, l->positions + (size_t)first * 4, (size_t)n * 4);
     const size_t elems = (size_t)n * v->hdr.head_dim, at = (size_t)first * v->row_bytes;
     if (kt_dtype_quantized(v->hdr.dtype)) {
@@ -1165,8 +1180,8 @@ int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, u
         if (v_out) dequantize(v_out, v->hdr.dtype, l->v + at, l->v_scale + (size_t)first * 4, n, v->hdr.head_dim);
         return 0;
     }
-    if (k) convert((uint8_t *)k, KT_DTYPE_F32, l->k + at, v->hdr.dtype, elems);
-    if (v_out) convert((uint8_t *)v_out, KT_DTYPE_F32, l->v + at, v->hdr.dtype, elems);
+    if (k) convert(k, row_dtype, l->k + at, v->hdr.dtype, elems);
+    if (v_out) convert(v_out, row_dtype, l->v + at, v->hdr.dtype, elems);
     return 0;
 }
 
@@ -1335,14 +1350,15 @@ int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head, kt
 }
 
 int kt_bundle_set_read(const kt_bundle_set *s, uint32_t layer, uint32_t head, uint32_t first,
-                       uint32_t n, int32_t *positions, float *k, float *v_out, char *err)
+                       uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v_out,
+                       char *err)
 {
     kt_bundle_list whole;
     if (kt_bundle_set_list(s, layer, head, &whole, err)) return -1;
     if ((uint64_t)first + n > whole.count)
         return fail(err, "read of entries [%" PRIu32 ", %" PRIu64 ") past the list's %" PRIu32,
                     first, (uint64_t)first + n, whole.count);
-    const size_t dim = s->hdr.head_dim;
+    const size_t row = (size_t)s->hdr.head_dim * kt_dtype_size(row_dtype);
     uint32_t base = 0; /* the list's entries in the parts before this one */
     for (uint32_t i = 0; i < s->n_parts && n; i++) {
         const kt_bundle_view *v = &s->parts[i];
@@ -1351,10 +1367,10 @@ int kt_bundle_set_read(const kt_bundle_set *s, uint32_t layer, uint32_t head, ui
         if (kt_bundle_view_list(v, layer - v->hdr.first_layer, head, &lv, err)) return -1;
         if (first < base + lv.count) {
             const uint32_t at = first - base, m = lv.count - at < n ? lv.count - at : n;
-            if (kt_bundle_list_read(v, &lv, at, m, positions, k, v_out, err)) return -1;
+            if (kt_bundle_list_read(v, &lv, at, m, positions, row_dtype, k, v_out, err)) return -1;
             if (positions) positions += m;
-            if (k) k += (size_t)m * dim;
-            if (v_out) v_out += (size_t)m * dim;
+            if (k) k = (uint8_t *)k + (size_t)m * row;
+            if (v_out) v_out = (uint8_t *)v_out + (size_t)m * row;
             first += m;
             n -= m;
         }

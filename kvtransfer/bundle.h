@@ -216,11 +216,14 @@ int kt_bundle_check_model(const kt_bundle_header *h, const char *fingerprint, ui
 /* List (layer, head) of a validated view; fails only for layer or head out of range. */
 int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
                         kt_bundle_list_view *out, char *err);
-/* Copies entries [first, first + n) of a list out, converting rows to float32 (dequantizing
- * with their scales); any of positions, k, v may be NULL. Fails when the range is outside the
- * list. */
+/* Copies entries [first, first + n) of a list out, rows converted to `row_dtype`: float32,
+ * float16 or bfloat16 (round to nearest even; a plain copy when it is the payload's dtype, so a
+ * receiver whose cache has the wire's dtype copies each row once). A quantized payload is read
+ * as float32 only (dequantized with its scales). Any of positions, k, v may be NULL. Fails when
+ * the range is outside the list or the dtype cannot be given. */
 int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
-                        uint32_t n, int32_t *positions, float *k, float *v_out, char *err);
+                        uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v_out,
+                        char *err);
 
 /* ------------------------------------------------------------------ assembling parts */
 
@@ -262,10 +265,11 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
 int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head, kt_bundle_list *out,
                        char *err);
 /* Entries [first, first + n) of list (layer, head) of a complete set, as kt_bundle_list_read
- * gives them (rows converted to float32), across the parts that hold them; any of positions,
- * k, v may be NULL. Fails when the range is outside the list. */
+ * gives them (rows in `row_dtype`), across the parts that hold them; any of positions, k, v
+ * may be NULL. Fails when the range is outside the list or the dtype cannot be given. */
 int kt_bundle_set_read(const kt_bundle_set *s, uint32_t layer, uint32_t head, uint32_t first,
-                       uint32_t n, int32_t *positions, float *k, float *v, char *err);
+                       uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v,
+                       char *err);
 
 /* ------------------------------------------------------------------ helpers */
 

@@ -174,6 +174,47 @@ static float rounded(float x, kt_dtype t)
     }
 }
 
+/* A list read with half-precision rows, as a decode node with a bf16 or f16 cache reads it:
+ * each element is the float32 read (k, v: exact for an unquantized payload) rounded once to the
+ * row dtype, and read in the payload's own dtype the rows are the payload's bytes; a quantized
+ * payload is refused (it is read as float32 only). */
+static void half_reads(const kt_bundle_view *v, const kt_bundle_list_view *lv, const float *k,
+                       const float *vv)
+{
+    char err[KT_ERR_MAX];
+    const size_t elems = (size_t)lv->count * v->hdr.head_dim;
+    uint16_t *hk = malloc((elems + 1) * 2), *hv = malloc((elems + 1) * 2);
+    const kt_dtype halves[2] = {KT_DTYPE_BF16, KT_DTYPE_F16};
+    for (int t = 0; t < 2; t++) {
+        const int rc = kt_bundle_list_read(v, lv, 0, lv->count, NULL, halves[t], hk, hv, err);
+        if (kt_dtype_quantized(v->hdr.dtype)) {
+            CHECK(rc == -1, "%s payload read as %s", kt_dtype_name(v->hdr.dtype), kt_dtype_name(halves[t]));
+            CHECK_ERR_HAS(err, "read as f32");
+            continue;
+        }
+        REQUIRE(rc == 0, "%s", err);
+        int bad = 0;
+        for (size_t e = 0; e < elems && bad < 3; e++) {
+            const uint16_t wk = halves[t] == KT_DTYPE_BF16 ? kt_f32_to_bf16(k[e]) : kt_f32_to_f16(k[e]);
+            const uint16_t wv = halves[t] == KT_DTYPE_BF16 ? kt_f32_to_bf16(vv[e]) : kt_f32_to_f16(vv[e]);
+            if (hk[e] != wk || hv[e] != wv) {
+                bad++;
+                CHECK(0, "%s payload read as %s, elem %zu: K 0x%04x want 0x%04x, V 0x%04x want 0x%04x",
+                      kt_dtype_name(v->hdr.dtype), kt_dtype_name(halves[t]), e, hk[e], wk, hv[e], wv);
+            }
+        }
+        if (halves[t] == v->hdr.dtype)
+            CHECK(!memcmp(hk, lv->k, elems * 2) && !memcmp(hv, lv->v, elems * 2),
+                  "%s rows read as %s are not the payload's bytes", kt_dtype_name(v->hdr.dtype),
+                  kt_dtype_name(halves[t]));
+    }
+    CHECK(kt_bundle_list_read(v, lv, 0, lv->count, NULL, KT_DTYPE_INT8_TOKEN, hk, hv, err) == -1,
+          "rows read as int8");
+    CHECK_ERR_HAS(err, "f32, f16 or bf16");
+    free(hk);
+    free(hv);
+}
+
 static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dtype,
                       const uint32_t *counts, int32_t next_pos)
 {
@@ -215,7 +256,7 @@ static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dt
                       "list %u meta", i);
                 CHECK(lv.first == total, "list %u first", i);
                 total += lv.count;
-                REQUIRE(kt_bundle_list_read(&v, &lv, 0, lv.count, pos, k, vv, err) == 0, "%s", err);
+                REQUIRE(kt_bundle_list_read(&v, &lv, 0, lv.count, pos, KT_DTYPE_F32, k, vv, err) == 0, "%s", err);
                 CHECK(memcmp(pos, s.pos[i], lv.count * sizeof(int32_t)) == 0, "list %u positions", i);
                 int bad = 0;
                 for (size_t e = 0; quant && e < (size_t)lv.count * dim && bad < 3; e++) {
@@ -238,14 +279,15 @@ static int round_trip(uint32_t layers, uint32_t heads, uint32_t dim, kt_dtype dt
                 /* a partial read gets the same rows */
                 if (lv.count >= 2) {
                     float *part = malloc((size_t)dim * sizeof(float));
-                    REQUIRE(kt_bundle_list_read(&v, &lv, lv.count - 1, 1, NULL, part, NULL, err) == 0,
+                    REQUIRE(kt_bundle_list_read(&v, &lv, lv.count - 1, 1, NULL, KT_DTYPE_F32, part, NULL, err) == 0,
                             "%s", err);
                     CHECK(memcmp(part, k + (size_t)(lv.count - 1) * dim, dim * sizeof(float)) == 0,
                           "partial read");
                     free(part);
                 }
-                CHECK(kt_bundle_list_read(&v, &lv, lv.count, 1, pos, NULL, NULL, err) == -1,
+                CHECK(kt_bundle_list_read(&v, &lv, lv.count, 1, pos, KT_DTYPE_F32, NULL, NULL, err) == -1,
                       "read past the list");
+                half_reads(&v, &lv, k, vv);
             }
         CHECK(total == v.n_entries, "n_entries");
         kt_bundle_list_view lv;
@@ -678,7 +720,7 @@ static void test_writer(void)
     kt_bundle_list_view lv;
     REQUIRE(kt_bundle_view_list(&v, 1, 1, &lv, err) == 0, "%s", err);
     float k[20];
-    REQUIRE(kt_bundle_list_read(&v, &lv, 0, 5, NULL, k, NULL, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_list_read(&v, &lv, 0, 5, NULL, KT_DTYPE_F32, k, NULL, err) == 0, "%s", err);
     for (int e = 0; e < 20; e++)
         CHECK(k[e] == bf16_oracle(s.k[3][e]), "bf16 copy elem %d", e);
 
@@ -823,7 +865,7 @@ static void test_quantized_rows(kt_dtype t)
     kt_bundle_list_view lv;
     REQUIRE(kt_bundle_view_list(&v, 0, 0, &lv, err) == 0, "%s", err);
     float k[4 * DIM], vv[4 * DIM];
-    REQUIRE(kt_bundle_list_read(&v, &lv, 0, 4, NULL, k, vv, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_list_read(&v, &lv, 0, 4, NULL, KT_DTYPE_F32, k, vv, err) == 0, "%s", err);
     for (int e = 0; e < 4 * DIM; e++) {
         CHECK(quant_within_bound(t, rows[e / DIM], DIM, rows[e / DIM][e % DIM], k[e]), "%s row %d elem %d: %a from %a",
               kt_dtype_name(t), e / DIM, e % DIM, k[e], rows[e / DIM][e % DIM]);
@@ -942,18 +984,18 @@ static void test_continued_lists(void)
               "list %d: %u entries, the last piece's rule", i, l.count);
         int32_t pos[16];
         float k[16 * DIM];
-        REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, 0, n, pos, k, NULL,
+        REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, 0, n, pos, KT_DTYPE_F32, k, NULL,
                                    err) == 0, "%s", err);
         CHECK(!memcmp(pos, a.pos[i], ca[i] * sizeof *pos) && !memcmp(pos + ca[i], b.pos[i], cb[i] * sizeof *pos) &&
               !memcmp(k, a.k[i], ca[i] * DIM * sizeof *k) &&
               !memcmp(k + ca[i] * DIM, b.k[i], cb[i] * DIM * sizeof *k), "list %d read across the parts", i);
         if (n >= 3) { /* a read that starts inside the first piece and ends in the second */
             int32_t p2[2];
-            REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n - 2, 2, p2, NULL,
+            REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n - 2, 2, p2, KT_DTYPE_F32, NULL,
                                        NULL, err) == 0, "%s", err);
             CHECK(p2[0] == pos[n - 2] && p2[1] == pos[n - 1], "list %d: a partial read", i);
         }
-        CHECK(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n, 1, pos, NULL, NULL, err) == -1,
+        CHECK(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n, 1, pos, KT_DTYPE_F32, NULL, NULL, err) == -1,
               "list %d: a read past the end is refused", i);
     }
     /* pinning after unpinned entries */
@@ -1012,7 +1054,7 @@ static void test_segments(void)
             int32_t pos[16];
             float k[16 * DIM], vv[16 * DIM];
             CHECK(lv.count == c && lv.window == seg[l].lists[h].window, "list (%u, %u)", l, h);
-            REQUIRE(kt_bundle_set_read(&set, l, h, 0, c, pos, k, vv, err) == 0, "%s", err);
+            REQUIRE(kt_bundle_set_read(&set, l, h, 0, c, pos, KT_DTYPE_F32, k, vv, err) == 0, "%s", err);
             CHECK(memcmp(pos, seg[l].pos[h], c * sizeof *pos) == 0 &&
                   memcmp(k, seg[l].k[h], c * DIM * sizeof *k) == 0 &&
                   memcmp(vv, seg[l].v[h], c * DIM * sizeof *vv) == 0, "list (%u, %u) rows", l, h);
