@@ -40,7 +40,7 @@ typedef struct slot {
 struct window {
     sem_t done;
     pthread_mutex_t lock;
-    int *ready, n_ready; /* freed slots, in the order they were freed */
+    int *ready, n_ready; /* freed slots (which one is reused first does not matter) */
     atomic_int failed;
 };
 
@@ -100,8 +100,7 @@ static int wait_slot(flight *f)
     while (sem_wait(&f->w.done) != 0) {
     }
     pthread_mutex_lock(&f->w.lock);
-    int k = f->w.ready[0];
-    memmove(f->w.ready, f->w.ready + 1, (size_t)--f->w.n_ready * sizeof *f->w.ready);
+    int k = f->w.ready[--f->w.n_ready];
     pthread_mutex_unlock(&f->w.lock);
     if (f->validate)
         kt_bundle_set_free(&f->sets[k]);
