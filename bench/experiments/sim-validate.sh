@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # sim-validate.sh - tools/kvrelay-sim against real runs on this machine (docs/simulator.md,
 # "Validation"): the same workload through a real cluster (kvrelay-bench-serve) and through the
-# simulator (the same flags and seed, so the same arrivals and lengths), 1 prefill + 1 decode
+# simulator (the same flags and seed, so the same arrivals and lengths; each figure the median of
+# 9 jitter replicas, as the real ones are medians of repeats), 1 prefill + 1 decode
 # and 2 + 2 nodes with 1 thread each, at two moderate Poisson rates (6 and 12 requests/s).
 # Writes a table of TTFT and TPOT p50 / p90, goodput and throughput, real against simulated with
 # the relative error, a plot, and every summary JSON. Not a test (real timings on a shared
@@ -12,8 +13,8 @@
 #                                     [--repeat N]
 #
 # --bin DIR: built programs (default build/). --quick: 10 s per rate instead of 20 (about 4
-# minutes in all instead of 5, the calibration included). --out DIR: where results go (default bench/results/sim-validate/):
-# table.md, sim-validate.png, real-P1-D1.json, sim-P1-D1.json, ... and the clusters' logs.
+# minutes in all instead of 7, the calibration included). --out DIR: where results go (default
+# bench/results/sim-validate/): table.md, sim-validate.png, real-P1-D1.json, sim-P1-D1.json, ... and the clusters' logs.
 # --profile FILE: the simulator's profile; by default `kvrelay-sim calibrate` measures one first
 # (profile.json in --out), so that calibration and the real runs see the same machine load.
 # --repeat N: real runs per layout (default 3), each on a fresh cluster with the same arrivals;
@@ -62,12 +63,12 @@ for layout in "${LAYOUTS[@]}"; do
     exp_cluster_stop
   done
   "$EXP_PY" "$EXP_HERE/tools/kvrelay-sim" run --profile "$PROFILE" --prefill "$np" --decode "$nd" \
-    "${LOAD[@]}" --json "$EXP_OUT/sim-$tag.json" --no-progress >"$EXP_OUT/logs/sim-$tag.txt"
+    "${LOAD[@]}" --replicas 9 --json "$EXP_OUT/sim-$tag.json" --no-progress >"$EXP_OUT/logs/sim-$tag.txt"
 done
 echo "$machine, load average $(cut -d' ' -f1-3 /proc/loadavg) at the end" >"$EXP_OUT/machine.txt"
 
 "$EXP_PY" - "$EXP_OUT" "$(cat "$EXP_OUT/machine.txt")" "$PROFILE" "$EXP_HERE/tools/kvrelay-sim" "$REPEAT" <<'PY'
-import copy, importlib.machinery, importlib.util, json, os, statistics, sys
+import importlib.machinery, importlib.util, json, os, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -75,21 +76,6 @@ from plots import save_png
 
 out, machine, profile, tool, repeat = sys.argv[1:6]
 repeat = int(repeat)
-
-
-def median_of(docs):
-    """One summary document whose every number is the median of that number over docs (same
-    shape: the same workload run again), everything else the first one's."""
-    def walk(xs):
-        x = xs[0]
-        if isinstance(x, dict):
-            return {k: walk([d[k] for d in xs]) if all(k in d for d in xs) else x[k] for k in x}
-        if isinstance(x, list) and all(isinstance(d, list) and len(d) == len(x) for d in xs):
-            return [walk([d[i] for d in xs]) for i in range(len(x))]
-        if isinstance(x, (int, float)) and not isinstance(x, bool):
-            return statistics.median(xs)
-        return copy.deepcopy(x)
-    return walk(docs)
 
 
 def spread(docs, run_index, metric):
@@ -113,7 +99,7 @@ fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 worst = 0.0
 for tag in ("P1-D1", "P2-D2"):
     reps = [json.load(open(os.path.join(out, "real-%s-r%d.json" % (tag, k)))) for k in range(1, repeat + 1)]
-    real = median_of(reps)
+    real = sim.median_of(reps)
     with open(os.path.join(out, "real-%s.json" % tag), "w") as f:
         json.dump(real, f, indent=1)
     simd = json.load(open(os.path.join(out, "sim-%s.json" % tag)))

@@ -13,7 +13,7 @@ SRC, WORK = sys.argv[1], sys.argv[2]
 TOOL = os.path.join(SRC, "tools", "kvrelay-sim")
 VALID = os.path.join(SRC, "bench", "results", "sim-validate")
 BOUND = 0.15  # the bound
-LATENCY_BOUND = 0.65  # what docs/simulator.md reports for TTFT / TPOT at this point
+LATENCY_BOUND = 0.20  # what docs/simulator.md reports for TTFT / TPOT (worst 15.8%)
 failures = []
 
 
@@ -48,13 +48,13 @@ def argv_of(real):
         sum((["--policy", p] for p in real["policies"]), [])
 
 
-# 1. the small validation case: the committed real 1 + 1 runs, simulated again with the profile
-#    calibrated beside them. At 6 requests/s goodput and throughput stay within the 15%;
-#    TTFT and TPOT p50 / p90 do not (docs/simulator.md: real runs of one workload spread 20-70%
-#    from one another on this shared machine) and are held to the errors documented there
+# 1. the small validation case: the committed real 1 + 1 runs, simulated again as the validation
+#    does (the profile calibrated beside them, the median of 9 jitter replicas). At 6 requests/s
+#    goodput and throughput stay within the 15%; TTFT and TPOT p50 / p90 are held to the
+#    errors documented there (TPOT p50 is 15-16% short at 6 requests/s: docs/simulator.md)
 real = json.load(open(os.path.join(VALID, "real-P1-D1.json")))
 simd = sim.sim_json(argv_of(real) + ["--profile", os.path.join(VALID, "profile.json"), "--prefill", "1",
-                                     "--decode", "1"])
+                                     "--decode", "1", "--replicas", "9"])
 errs = sim.compare_runs(real, simd)
 check(len(errs) == 6 * len(real["runs"]), "validation: every metric compared (%d)" % len(errs))
 for run, metric, a, b, err in errs:
@@ -105,7 +105,36 @@ for g in ("100g", "400g"):
     ttft[g] = d["runs"][0]["summary"]["ttft_ms"]["p50"]
 check(ttft["400g"] < ttft["100g"], "TTFT p50 at 400 Gb/s (%.1f ms) below 100 Gb/s (%.1f ms)" % (ttft["400g"], ttft["100g"]))
 
-# 6. bad input: exit 2 and a line naming the flag, key or line
+# 6. jitter: the profile's measured per-request spread makes requests of one length differ
+#    (a few prompt lengths, far apart in time, so nothing queues); --jitter off gives each
+#    length one cost; --replicas N reports medians over N draws; without jitter it runs once
+jit_prof = os.path.join(WORK, "jitter-profile.json")
+p = json.load(open(os.path.join(SRC, "tools", "sim-profiles", "h100-llama8b-400g.json")))
+p["jitter"] = {"prefill": [0.5, 1.0, 2.0], "decode": [0.8, 1.0, 1.25]}
+json.dump(p, open(jit_prof, "w"))
+
+
+def ttfts(*flags):
+    rows = os.path.join(WORK, "jit.jsonl")
+    r = tool("run", "--profile", jit_prof, "--rate", "0.5", "--num-requests", "30", "--prompt-len", "2000",
+             "--output-len", "8", "--requests-out", rows, "--json", os.path.join(WORK, "jit.json"),
+             "--no-progress", *flags)
+    return r.returncode, [x["ttft_s"] for x in map(json.loads, open(rows))], json.load(open(os.path.join(WORK, "jit.json")))
+
+
+rc, on, _ = ttfts()
+check(rc == 0 and max(on) > 1.3 * min(on), "jitter on: one prompt length, TTFT %.1f-%.1f ms" % (1e3 * min(on), 1e3 * max(on)))
+rc, off, _ = ttfts("--jitter", "off")
+check(rc == 0 and max(off) - min(off) < 1e-9, "jitter off: one prompt length, one TTFT (%.3f-%.3f ms)"
+      % (1e3 * min(off), 1e3 * max(off)))
+check(min(on) < off[0] < max(on), "the model's cost lies inside the jittered ones")
+rc, _, d3 = ttfts("--replicas", "3")
+rc1, _, d1 = ttfts("--replicas", "3", "--jitter", "off")
+check(rc == 0 and d3["runs"][0]["replicas"] == 3 and d3["sim"]["jitter"] and rc1 == 0
+      and d1["runs"][0]["replicas"] == 1 and not d1["sim"]["jitter"],
+      "--replicas 3: three draws with jitter, one run without")
+
+# 7. bad input: exit 2 and a line naming the flag, key or line
 bad_prof = os.path.join(WORK, "bad-profile.json")
 p = json.load(open(os.path.join(SRC, "tools", "sim-profiles", "h100-llama8b-400g.json")))
 del p["decode"]["per_seq_s"]
@@ -113,7 +142,13 @@ json.dump(p, open(bad_prof, "w"))
 trace = os.path.join(WORK, "t.jsonl")
 open(trace, "w").write('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 4}\n'
                        '{"arrival_s": 1, "prompt": "hello", "output_tokens": 4}\n')
+bad_jit = os.path.join(WORK, "bad-jitter.json")
+p = json.load(open(jit_prof))
+p["jitter"]["decode"] = [1.2, 1.0]
+json.dump(p, open(bad_jit, "w"))
 for argv, want in ((["run", "--rate", "1", "--policy", "heads"], "--policy 'heads'"),
+                   (["run", "--rate", "1", "--profile", bad_jit], "jitter.decode"),
+                   (["run", "--rate", "1", "--replicas", "0"], "--replicas"),
                    (["run", "--rate", "1", "--profile", bad_prof], "decode.per_seq_s"),
                    (["run", "--trace", trace], "t.jsonl:2"),
                    (["run", "--rate", "1", "--prefill", "0"], "--prefill"),
