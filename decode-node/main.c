@@ -22,6 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cpusched.h"
 #include "flags.h"
 #include "log.h"
 #include "signals.h"
@@ -115,6 +116,7 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
         KC_FLAGS_NODE("decode", &cfg.etcd.endpoints, &cfg.cluster, &cfg.lease_ttl_s, &cfg.etcd, &cfg.tls),
         {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "cpu|cuda", .dest = &backend, .choices = backends,
          .def = "cpu", .help = "compute backend"},
+        KC_FLAG_CPU_SCHED(&cfg.cpu_sched),
         {.kind = KC_FLAG_FUNC, .name = "--log-level", .arg = "LEVEL", .dest = &lvl, .fn = kc_flag_log_level,
          .def = "info", .help = "debug, info, warn, error"},
         {.kind = KC_FLAG_END},
@@ -325,6 +327,7 @@ int main(int argc, char **argv)
     parse(argc, argv, &n->cfg, &level, &addrs);
     const dn_config *c = &n->cfg;
     kc_log_init(c->id, level);
+    kc_cpu_sched_apply(c->cpu_sched);
 
     if (kc_signals_init() != 0)
         die("signal pipe: %s", strerror(errno));

@@ -51,6 +51,7 @@ typedef struct dn_config {
     int block_size;
     int threads; /* 0: all online CPUs */
     int max_batch; /* most sequences per kr_forward_batch call */
+    int cpu_sched; /* kc_cpu_sched of the node's threads */
     int ttl_ms; /* default reservation expiry */
     double drain_timeout_s; /* the longest a SIGTERM'd node waits for its work to end */
     kc_etcd_config etcd; /* etcd.endpoints NULL: no registration */

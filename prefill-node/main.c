@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cpusched.h"
 #include "flags.h"
 #include "health.h"
 #include "http.h"
@@ -108,6 +109,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
         KC_FLAGS_NODE("prefill", &cfg.etcd.endpoints, &cfg.cluster, &cfg.lease_ttl_s, &cfg.etcd, &cfg.tls),
         {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "B", .dest = &backend, .choices = backends,
          .def = "cpu", .help = "cpu or cuda"},
+        KC_FLAG_CPU_SCHED(&cfg.cpu_sched),
         {.kind = KC_FLAG_FUNC, .name = "--log-level", .arg = "L", .dest = &lvl, .fn = kc_flag_log_level,
          .def = "info", .help = "debug, info, warn, error"},
         {.kind = KC_FLAG_END},
@@ -270,6 +272,7 @@ int main(int argc, char **argv)
     kc_log_level level;
     parse_flags(argc, argv, &cfg, &level);
     kc_log_init(cfg.id, level);
+    kc_cpu_sched_apply(cfg.cpu_sched);
 
     if (kc_signals_init() != 0) die(1, "signal pipe: %s", strerror(errno));
 

@@ -40,6 +40,7 @@ typedef struct pf_config {
     const char *http;          /* HTTP HOST:PORT (/metrics, /healthz) */
     const char *id;            /* node id, in logs, usage and Status */
     int threads;               /* kr_ctx threads; 0: all online CPUs */
+    int cpu_sched;             /* kc_cpu_sched of the node's threads */
     int chunk;                 /* prefill chunk (tokens), also the context's max_chunk */
     int queue;                 /* most jobs waiting behind the running one */
     kt_dtype kv_dtype;         /* bundle payload (PF_WIRE_AUTO until start-up resolves it) */

@@ -13,6 +13,7 @@
  * docs/router.md describes the flags, the request flow and its retry rules.
  */
 #include "flags.h"
+#include "cpusched.h"
 #include "health.h"
 #include "http.h"
 #include "membership.h"
@@ -46,6 +47,7 @@ typedef struct router_opts {
     const char *cluster, *fingerprint, *served_model_name;
     kc_hostport listen, http; /* --listen, --http */
     kc_log_level log_level;
+    int cpu_sched; /* kc_cpu_sched of the router's threads */
     kc_etcd_config etcd; /* --etcd and its TLS/auth flags (etcd.h) */
     kc_tls_config tls;   /* --tls-*: the public port and the mutual TLS to the nodes (rpc.h) */
     int64_t max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms, max_request_bytes;
@@ -148,6 +150,7 @@ static void parse(int argc, char **argv, router_opts *out)
          .count = &o.n_api_key_files, .max_count = 64,
          .help = "API keys, one per line ('#' comments, blank lines skipped; repeatable). KVRELAY_API_KEY "
                  "in the environment adds one more. With no key the API is open; grpc.health.v1 always is"},
+        KC_FLAG_CPU_SCHED(&o.cpu_sched),
         {.kind = KC_FLAG_FUNC, .name = "--log-level", .arg = "L", .dest = &o.log_level, .fn = kc_flag_log_level,
          .def = "info", .help = "debug, info, warn or error"},
         {.kind = KC_FLAG_END},
@@ -342,6 +345,7 @@ int main(int argc, char **argv)
     rt->placement = rt_placement_by_name(o.placement);
     if (!rt->placement) die("--placement: '%s' is not round-robin or least-loaded", o.placement);
     kc_log_init(rt->id, level);
+    kc_cpu_sched_apply(o.cpu_sched);
 
     load_model(rt, o.model);
     char err[KR_ERR_MAX];
