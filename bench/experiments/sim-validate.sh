@@ -12,21 +12,25 @@
 #   bench/experiments/sim-validate.sh [--bin DIR] [--quick] [--out DIR] [--profile FILE]
 #                                     [--repeat N]
 #
-# --bin DIR: built programs (default build/). --quick: 10 s per rate instead of 20 (about 4
-# minutes in all instead of 7, the calibration included). --out DIR: where results go (default
+# --bin DIR: built programs (default build/). --quick: 10 s per rate instead of 20 (about 7
+# minutes in all instead of 11, the calibration included). --out DIR: where results go (default
 # bench/results/sim-validate/): table.md, sim-validate.png, real-P1-D1.json, sim-P1-D1.json, ... and the clusters' logs.
 # --profile FILE: the simulator's profile; by default `kvrelay-sim calibrate` measures one first
 # (profile.json in --out), so that calibration and the real runs see the same machine load.
-# --repeat N: real runs per layout (default 3), each on a fresh cluster with the same arrivals;
+# --repeat N: real runs per layout (default 5), each on a fresh cluster with the same arrivals;
 # the table compares the simulation with the median over them and gives their spread (min-max),
 # since on a shared machine one real run's tails move 50-70% from the next. real-P1-D1.json is
 # that median (the format of one run), real-P1-D1-rK.json each run.
+#
+# Before each real run `kvrelay-sim probe` times the engine (about a second) against the probe
+# calibration recorded; each layout is simulated with --compute-scale the median of its runs'
+# probes (probes.txt), so that the simulation costs what the machine did while the real runs ran.
 #
 # Requests: prompts uniform in 256..768 tokens, 128 output tokens, policy full, default chunk
 # (512) and pool (1 GiB). SLO: TTFT <= 500 ms and TPOT <= 10 ms (as pd-ratio.sh).
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
-PROFILE= REPEAT=3
+PROFILE= REPEAT=5
 args=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -56,14 +60,22 @@ machine=$(exp_machine)
 for layout in "${LAYOUTS[@]}"; do
   read -r np nd <<<"$layout"
   tag=P$np-D$nd
+  scales=()
   for ((k = 1; k <= REPEAT; k++)); do
+    # the machine's speed now against the calibration's (a VM drifts 10-15% between minutes)
+    probe=$("$EXP_PY" "$EXP_HERE/tools/kvrelay-sim" probe --bin "$EXP_BIN" --profile "$PROFILE" 2>>"$EXP_OUT/logs/probe.txt") ||
+      probe='{"compute_scale": 1}' # a profile without a probe (logs/probe.txt says why): its costs as written
+    echo "$tag r$k $probe" >>"$EXP_OUT/probes.txt"
+    scales+=("$("$EXP_PY" -c 'import json, sys; print(json.loads(sys.argv[1])["compute_scale"])' "$probe")")
     exp_cluster_start "$tag" "$np" "$nd" --threads 1
     "$EXP_BENCH" --target "$KRC_ROUTER" "${LOAD[@]}" --timeout 120 --json "$EXP_OUT/real-$tag-r$k.json" \
       --no-progress >"$EXP_OUT/logs/real-$tag-r$k.txt"
     exp_cluster_stop
   done
+  scale=$("$EXP_PY" -c 'import statistics, sys; print(statistics.median(map(float, sys.argv[1:])))' "${scales[@]}")
   "$EXP_PY" "$EXP_HERE/tools/kvrelay-sim" run --profile "$PROFILE" --prefill "$np" --decode "$nd" \
-    "${LOAD[@]}" --replicas 9 --json "$EXP_OUT/sim-$tag.json" --no-progress >"$EXP_OUT/logs/sim-$tag.txt"
+    "${LOAD[@]}" --replicas 9 --compute-scale "$scale" --json "$EXP_OUT/sim-$tag.json" --no-progress \
+    >"$EXP_OUT/logs/sim-$tag.txt"
 done
 echo "$machine, load average $(cut -d' ' -f1-3 /proc/loadavg) at the end" >"$EXP_OUT/machine.txt"
 
@@ -90,10 +102,15 @@ loader = importlib.machinery.SourceFileLoader("kvrelay_sim", tool)  # its compar
 sim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
 loader.exec_module(sim)
 prof = json.load(open(profile))
+scales = {}
+for tag in ("P1-D1", "P2-D2"):
+    scales[tag] = json.load(open(os.path.join(out, "sim-%s.json" % tag)))["sim"]["compute_scale"]
 lines = ["Machine: %s. Profile `%s` (host.background %.2f, measured at calibration). Prompts 256..768 tokens (uniform), 128 output tokens, policy full, "
          "1 thread per node, Poisson arrivals; SLO TTFT <= 500 ms, TPOT <= 10 ms. Real: the median of %d runs "
-         "(each on a fresh cluster, the same arrivals), their range beside it."
-         % (machine, os.path.basename(profile), prof["host"].get("background", 0.0), repeat),
+         "(each on a fresh cluster, the same arrivals), their range beside it. Simulated: the median of 9 jitter "
+         "replicas, compute costs scaled by the engine probe before the real runs (1+1: %.3f, 2+2: %.3f)."
+         % (machine, os.path.basename(profile), prof["host"].get("background", 0.0), repeat,
+            scales["P1-D1"], scales["P2-D2"]),
          "", "| P+D | rate | metric | real | real range | simulated | error |", "|---|---|---|---|---|---|---|"]
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 worst = 0.0
