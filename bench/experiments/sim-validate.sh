@@ -22,9 +22,10 @@
 # since on a shared machine one real run's tails move 50-70% from the next. real-P1-D1.json is
 # that median (the format of one run), real-P1-D1-rK.json each run.
 #
-# Before each real run `kvrelay-sim probe` times the engine (about a second) against the probe
-# calibration recorded; each layout is simulated with --compute-scale the median of its runs'
-# probes (probes.txt), so that the simulation costs what the machine did while the real runs ran.
+# Before each real run, on its fresh cluster, `kvrelay-sim probe --target` serves a closed loop
+# at concurrency 1 shaped as calibration's (about a second) and compares its TTFT and TPOT with
+# calibration's; each layout is simulated with --compute-scale the median of its runs' probes
+# (probes.txt), so that the simulation costs what the machine did while the real runs ran.
 #
 # Requests: prompts uniform in 256..768 tokens, 128 output tokens, policy full, default chunk
 # (512) and pool (1 GiB). SLO: TTFT <= 500 ms and TPOT <= 10 ms (as pd-ratio.sh).
@@ -62,12 +63,13 @@ for layout in "${LAYOUTS[@]}"; do
   tag=P$np-D$nd
   scales=()
   for ((k = 1; k <= REPEAT; k++)); do
-    # the machine's speed now against the calibration's (a VM drifts 10-15% between minutes)
-    probe=$("$EXP_PY" "$EXP_HERE/tools/kvrelay-sim" probe --bin "$EXP_BIN" --profile "$PROFILE" 2>>"$EXP_OUT/logs/probe.txt") ||
-      probe='{"compute_scale": 1}' # a profile without a probe (logs/probe.txt says why): its costs as written
+    exp_cluster_start "$tag" "$np" "$nd" --threads 1
+    # the cluster's speed now against the calibration's (a VM drifts 10-20% between minutes)
+    probe=$("$EXP_PY" "$EXP_HERE/tools/kvrelay-sim" probe --target "$KRC_ROUTER" --profile "$PROFILE" \
+      2>>"$EXP_OUT/logs/probe.txt") ||
+      probe='{"compute_scale": 1}' # a profile without calibrate's loops (logs/probe.txt says why): as written
     echo "$tag r$k $probe" >>"$EXP_OUT/probes.txt"
     scales+=("$("$EXP_PY" -c 'import json, sys; print(json.loads(sys.argv[1])["compute_scale"])' "$probe")")
-    exp_cluster_start "$tag" "$np" "$nd" --threads 1
     "$EXP_BENCH" --target "$KRC_ROUTER" "${LOAD[@]}" --timeout 120 --json "$EXP_OUT/real-$tag-r$k.json" \
       --no-progress >"$EXP_OUT/logs/real-$tag-r$k.txt"
     exp_cluster_stop
@@ -108,7 +110,7 @@ for tag in ("P1-D1", "P2-D2"):
 lines = ["Machine: %s. Profile `%s` (host.background %.2f, measured at calibration). Prompts 256..768 tokens (uniform), 128 output tokens, policy full, "
          "1 thread per node, Poisson arrivals; SLO TTFT <= 500 ms, TPOT <= 10 ms. Real: the median of %d runs "
          "(each on a fresh cluster, the same arrivals), their range beside it. Simulated: the median of 9 jitter "
-         "replicas, compute costs scaled by the engine probe before the real runs (1+1: %.3f, 2+2: %.3f)."
+         "replicas, compute costs scaled by the cluster probe before the real runs (1+1: %.3f, 2+2: %.3f)."
          % (machine, os.path.basename(profile), prof["host"].get("background", 0.0), repeat,
             scales["P1-D1"], scales["P2-D2"]),
          "", "| P+D | rate | metric | real | real range | simulated | error |", "|---|---|---|---|---|---|---|"]
