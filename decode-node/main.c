@@ -74,6 +74,7 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
     static kc_log_level lvl;
     static dn_addrs a;
     static int drain_s, backend, cache_dtype;
+    static const kc_flag_choice transfer_modes[] = {{"am", 0}, {"rma", 1}, {NULL, 0}};
     static const kc_flag_choice backends[] = {{"cpu", KR_BACKEND_CPU}, {"cuda", KR_BACKEND_CUDA}, {NULL, 0}};
     static const kc_flag_choice cache_dtypes[] = {{"auto", KR_KV_DTYPE_AUTO}, {"f32", KR_KV_DTYPE_F32},
                                                   {"bf16", KR_KV_DTYPE_BF16}, {"f16", KR_KV_DTYPE_F16},
@@ -117,6 +118,11 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
         {.kind = KC_FLAG_CHOICE, .name = "--backend", .arg = "cpu|cuda", .dest = &backend, .choices = backends,
          .def = "cpu", .help = "compute backend"},
         KC_FLAG_CPU_SCHED(&cfg.cpu_sched),
+        {.kind = KC_FLAG_CHOICE, .name = "--transfer-mode", .arg = "am|rma", .dest = &cfg.rma,
+         .choices = transfer_modes, .def = "am",
+         .help = "how bundles arrive: am (active messages: UCX's rendezvous reads each part into a "
+                 "buffer of its size) or rma (each reservation maps a buffer of its bound and the "
+                 "prefill node writes into it: one-sided RDMA where the fabric has it)"},
         {.kind = KC_FLAG_FUNC, .name = "--log-level", .arg = "LEVEL", .dest = &lvl, .fn = kc_flag_log_level,
          .def = "info", .help = "debug, info, warn, error"},
         {.kind = KC_FLAG_END},
@@ -390,13 +396,17 @@ int main(int argc, char **argv)
     }
     dn_publish_locked(n); /* no other thread yet */
 
-    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = thost,
+    kt_transport_config tc = {.mode = c->rma ? KT_TRANSPORT_MODE_RMA : KT_TRANSPORT_MODE_AM,
+                              .listen_host = thost,
                               .listen_port = (uint16_t)addrs.transfer.port, .name = c->id};
     if (kt_transport_create(&tc, &n->transport, err) != 0) {
         kc_error(NULL, "--transfer %s: %s", c->transfer, err);
         return 1;
     }
     kc_hostport_format(adv, kt_transport_port(n->transport), n->transfer_addr, sizeof n->transfer_addr);
+    if (c->rma)
+        kc_info(NULL, "transfer mode rma: each reservation maps a buffer of its bound for the "
+                "prefill node's puts (docs/transport.md, \"RMA mode\")");
 
     /* the HTTP port before any thread starts: a port another process holds ends start-up here,
      * with nothing running to unwind */

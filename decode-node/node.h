@@ -52,6 +52,7 @@ typedef struct dn_config {
     int threads; /* 0: all online CPUs */
     int max_batch; /* most sequences per kr_forward_batch call */
     int cpu_sched; /* kc_cpu_sched of the node's threads */
+    int rma; /* --transfer-mode rma: reservations are mapped for the prefill node's puts */
     int ttl_ms; /* default reservation expiry */
     double drain_timeout_s; /* the longest a SIGTERM'd node waits for its work to end */
     kc_etcd_config etcd; /* etcd.endpoints NULL: no registration */
@@ -174,12 +175,13 @@ typedef struct dn_node {
 /* resv.c */
 /* Admits a reservation (takes `policy` in every case) and reserves room for its bundle in the
  * transport. Returns a grpc_status_code: OK with the outputs set (token_out: the transport's
- * random token, which the bundle must carry), or an error with `err` (KT_ERR_MAX bytes):
- * RESOURCE_EXHAUSTED when the bound does not fit the free blocks. */
+ * random token, which the bundle must carry; rma_out, in RMA mode: where the prefill node puts
+ * it), or an error with `err` (KT_ERR_MAX bytes): RESOURCE_EXHAUSTED when the bound does not
+ * fit the free blocks. */
 int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
                   int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
                   int64_t *expires_unix_ms_out, uint8_t token_out[KT_RESV_TOKEN_BYTES],
-                  char *err);
+                  kt_rma_key *rma_out, char *err);
 dn_resv *dn_resv_find_locked(dn_node *n, uint64_t id);
 void dn_resv_unlink_locked(dn_node *n, dn_resv *r);
 void dn_resv_free(dn_resv *r); /* after unlink; returns nothing to the accounting */

@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "log.h"
+#include "partbuf.h"
 
 /* A FAILED reservation keeps its message this long for a Decode call that comes to ask. */
 #define DN_TOMBSTONE_S 60.0
@@ -140,7 +141,7 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
 int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
                   int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
                   int64_t *expires_unix_ms_out, uint8_t token_out[KT_RESV_TOKEN_BYTES],
-                  char *err)
+                  kt_rma_key *rma_out, char *err)
 {
     const kr_config *c = n->mcfg;
     /* The bound assumes a bundle brings at most this many entries per list; service.c refuses
@@ -209,6 +210,13 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     }
     r->policy = policy;
     kt_bundle_set_init(&r->set, r->parts, max_parts);
+    /* RMA: the prefill node puts the parts into one buffer of the bound, mapped now; pages are
+     * only backed as they are written, and the set frees it with the parts */
+    if (n->cfg.rma && !(r->set.region = kt_partbuf_alloc(size))) {
+        dn_resv_free(r);
+        snprintf(err, KT_ERR_MAX, "out of memory for a %" PRIu64 "-byte RMA buffer", size);
+        return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    }
     snprintf(r->request_id, sizeof r->request_id, "%s", request_id);
     r->state = DN_RESV_WAITING;
     r->prompt_tokens = prompt_tokens;
@@ -258,10 +266,14 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
 
     /* The record is in the table first: the callback may come before this returns. The set
      * stays valid meanwhile: only the callback or Release touches it, and neither can act on an
-     * id the transport does not know yet (nor the router, before this call answers). Parts land
-     * in buffers of their own size (no buffer of the bound is held while the bundle is awaited). */
-    if (kt_transport_reserve_bundle(n->transport, id, NULL, size, ttl_s, &r->set, on_transfer,
-                                    n, token_out, berr) != 0) {
+     * id the transport does not know yet (nor the router, before this call answers). Without
+     * RMA, parts land in buffers of their own size (no buffer of the bound is held while the
+     * bundle is awaited). */
+    void *region = r->set.region;
+    if ((region ? kt_transport_reserve_rma(n->transport, id, region, size, ttl_s, &r->set,
+                                           on_transfer, n, token_out, rma_out, berr)
+                : kt_transport_reserve_bundle(n->transport, id, NULL, size, ttl_s, &r->set,
+                                              on_transfer, n, token_out, berr)) != 0) {
         pthread_mutex_lock(&n->lock);
         r = dn_resv_find_locked(n, id); /* by id: never trust a pointer across the unlock */
         if (r)

@@ -86,8 +86,9 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     uint64_t id = 0;
     int64_t blocks = 0, expires = 0;
     uint8_t token[KT_RESV_TOKEN_BYTES];
+    kt_rma_key rma = {.rkey_len = 0};
     int code = dn_resv_admit(n, rid, policy, (int)req->prompt_tokens, (int)req->max_tokens, ttl_ms,
-                             &id, &blocks, &expires, token, err);
+                             &id, &blocks, &expires, token, &rma, err);
     if (code != GRPC_STATUS_OK)
         return refuse(call, rid, (grpc_status_code)code, "%s", err);
     kc_info(rid, "reserved %" PRId64 " blocks as reservation %" PRIu64 " (%u prompt tokens, %u "
@@ -99,6 +100,8 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     resp.reserved_blocks = (uint64_t)blocks;
     resp.expires_unix_ms = expires;
     resp.reservation_token = (ProtobufCBinaryData){.len = sizeof token, .data = token};
+    resp.rma_address = rma.address;
+    resp.rma_key = (ProtobufCBinaryData){.len = rma.rkey_len, .data = rma.rkey};
     if (kc_call_send(call, &resp.base) != 0) {
         /* The router is gone or past its deadline: it will never use the reservation. */
         dn_resv_release(n, id, rid);

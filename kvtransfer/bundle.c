@@ -1199,6 +1199,7 @@ void kt_bundle_set_free(kt_bundle_set *s)
     if (s->owned)
         for (uint32_t i = 0; i < s->n_parts; i++)
             kt_partbuf_free((void *)s->parts[i].base);
+    kt_partbuf_free(s->region);
     kt_bundle_view *parts = s->parts;
     const uint32_t cap = s->cap;
     const int owned = s->owned;

@@ -244,12 +244,14 @@ typedef struct kt_bundle_set {
     int complete; /* the last part was added */
     int owned; /* each part is a buffer of its own (parts[i].base, partbuf.h), which the set owns:
                   a receiver that had the transport allocate parts as they arrived */
+    void *region; /* a buffer from kt_partbuf_alloc holding the parts, which the set owns: an RMA
+                     reservation's, where the sender put them (NULL: none) */
 } kt_bundle_set;
 
 /* An empty set over the caller's `parts` (cap views, at least 1). */
 void kt_bundle_set_init(kt_bundle_set *s, kt_bundle_view *parts, uint32_t cap);
-/* Frees the parts' buffers when the set owns them, and empties the set (parts and cap stay,
- * `owned` too). Safe on an empty set. */
+/* Frees the parts' buffers when the set owns them, and its region, and empties the set (parts
+ * and cap stay, `owned` too). Safe on an empty set. */
 void kt_bundle_set_free(kt_bundle_set *s);
 /* Adds the next part (`part` may be &s->parts[s->n_parts]; it is copied there). A whole bundle
  * must come alone and last; the first segment starts at layer 0 and each later one at or

@@ -13,8 +13,15 @@
  * AM KT_AM_ACK (seq, id, status, message) on the reply endpoint, so the sender learns a refusal
  * instead of a silent drop. The token is drawn from getrandom at reserve time and compared in
  * constant time: a bundle with a wrong one is refused and the reservation keeps waiting.
- * What it is not: RMA (refused at create), multi-worker, or tuned for many thousand peers
- * (tables are linked lists: a node has few peers and few reservations in flight).
+ * RMA (KT_TRANSPORT_MODE_RMA): a reservation's buffer is mapped at reserve time and its remote
+ * key handed out; the sender's op goes put -> flush -> header (flag KT_WIRE_PUT, the part's
+ * offset at 32, no data), and the receiver takes the header as "the part is in buf at offset".
+ * Put parts are read only after the last one's header, once the mapping is gone: validating a
+ * part the sender can still overwrite would prove nothing. ucp_mem_map and ucp_rkey_pack are
+ * context calls made by the reserving thread under t->lock, which the progress thread holds
+ * while it drives the worker, so they never run beside it.
+ * What it is not: multi-worker, or tuned for many thousand peers (tables are linked lists: a
+ * node has few peers and few reservations in flight).
  */
 #include "transport.h"
 #include "partbuf.h"
@@ -46,12 +53,15 @@
 #define KT_AM_ACK 0x4b52u
 #define KT_WIRE_MAGIC 0x4e58544bu /* "KTXN" little-endian */
 #define KT_WIRE_VERSION 2u /* 2: the reservation token at offset 40 */
+#define KT_WIRE_PUT 2u /* header flag: the part was put at the offset in bytes 32..39, no data */
 #define KT_WIRE_HDR_BYTES (40 + KT_RESV_TOKEN_BYTES)
 #define KT_WIRE_ACK_MSG 256
 #define KT_WIRE_ACK_BYTES (40 + KT_WIRE_ACK_MSG)
 /* Bundles above this go by rendezvous, forced: over TCP alone UCX 1.13's automatic choice kept
  * even 256 MiB eager (reassembled in UCX's memory, then copied), measured here. */
 #define KT_RNDV_MIN_BYTES 16384
+/* Parts a reservation mapped for RMA without a set accepts (with a set: the set's room). */
+#define KT_RMA_MAX_PARTS 64
 /* Seconds the progress thread polls before sleeping while transfers are in flight. */
 #define KT_SPIN_S 100e-6
 
@@ -111,6 +121,10 @@ typedef struct kt_resv {
     kt_conn *from; /* the connection the bundle arrives on (RECEIVING) */
     uint64_t seq; /* the sender's seq, echoed in the ack */
     int cancel_asked; /* ucp_request_cancel issued */
+    ucp_mem_h memh;   /* RMA: buf mapped for the sender's puts, until the last part or the end */
+    int put;          /* the arriving part was put (its header came alone) */
+    uint64_t *put_lens; /* RMA: sizes of the put parts before the arriving one, read at the end */
+    uint32_t n_put, cap_put;
     int done; /* outcome known; callback pending */
     int status;
     uint64_t bytes;
@@ -130,6 +144,11 @@ typedef struct kt_send_op {
     void *cb_arg;
     kt_conn *conn;
     uint8_t hdr[KT_WIRE_HDR_BYTES]; /* the AM header: alive until the send completes */
+    const kt_rma_key *key;          /* a put (kt_transport_put): &rma, else NULL */
+    kt_rma_key rma;
+    uint64_t offset; /* where the part goes in the receiver's buffer */
+    ucp_rkey_h rkey; /* unpacked on the connection's endpoint */
+    int phase;       /* a put: KT_PUT_DATA, KT_PUT_FLUSH, then KT_PUT_HEADER */
     int started;
     void *req;
     int req_pending;
@@ -141,6 +160,8 @@ typedef struct kt_send_op {
     int done;
     int status;
 } kt_send_op;
+
+enum { KT_PUT_DATA = 1, KT_PUT_FLUSH, KT_PUT_HEADER };
 
 typedef struct kt_ack {
     struct kt_ack *next;
@@ -162,6 +183,7 @@ struct kt_transport {
     ucp_worker_h worker;
     ucp_listener_h listener;
     uint16_t port;
+    int rma; /* created in KT_TRANSPORT_MODE_RMA */
     int worker_efd;
     int wake_fd; /* eventfd: API calls -> progress thread */
     pthread_t thread;
@@ -282,6 +304,34 @@ static void kt_resv_finish(kt_resv *r, int status, uint64_t bytes, const char *m
     snprintf(r->msg, sizeof r->msg, "%s", msg ? msg : "");
 }
 
+/* Drops r's RMA mapping: from here on a put into it fails at the sender. */
+static void kt_resv_unmap(kt_transport *t, kt_resv *r)
+{
+    if (!r->memh) return;
+    ucs_status_t st = ucp_mem_unmap(t->ctx, r->memh);
+    if (st != UCS_OK) KT_UCS_LOG(t, "ucp_mem_unmap", st);
+    r->memh = NULL;
+}
+
+/* Validates what arrived for r and adds it to r->set: the part that just landed, or, for a
+ * bundle put in parts, each part in order now that the last is in. Runs without t->lock (only
+ * the progress thread touches r's buffers and set meanwhile). */
+static int kt_parse_arrived(kt_resv *r, char *err)
+{
+    uint32_t n = r->put ? r->n_put + 1 : 1;
+    uint64_t at = r->put ? 0 : r->filled;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t len = i + 1 < n ? r->put_lens[i] : r->len;
+        const uint8_t *part = r->buf ? r->buf + at : r->part;
+        kt_bundle_view v;
+        if (kt_bundle_parse(part, (size_t)len, &v, err) != 0 ||
+            (r->set && kt_bundle_set_add(r->set, &v, i + 1 == n && !r->more, err) != 0))
+            return -1;
+        at += len;
+    }
+    return 0;
+}
+
 static void kt_op_fail(kt_send_op *op, const char *fmt, ...)
 {
     if (op->fail_msg[0])
@@ -396,8 +446,12 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         return UCS_OK;
     }
     uint64_t seq = kt_rd64(h + 8), id = kt_rd64(h + 16), size = kt_rd64(h + 24);
+    uint64_t offset = kt_rd64(h + 32);
+    int put = (kt_rd16(h + 6) & KT_WIRE_PUT) != 0, more = (kt_rd16(h + 6) & KT_SEND_MORE) != 0;
     KT_TRACE(t, "bundle %" PRIu64 " arrives from %s: %zu bytes, %s", id, c->peer, length,
-             (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? "rendezvous" : "eager");
+             put                                               ? "put"
+             : (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? "rendezvous"
+                                                               : "eager");
     char msg[KT_ERR_MAX];
     kt_resv *r = kt_resv_find(t, id);
     if (!r || r->state != KT_XFER_STATE_RESERVED) {
@@ -409,16 +463,34 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         /* the reservation stays RESERVED: the right sender may still come */
         snprintf(msg, sizeof msg,
                  "transport: wrong token for reservation %" PRIu64 ": bundle refused", id);
-    } else if (size != length || length == 0) {
+    } else if (put ? length != 0 || size == 0 : size != length || length == 0) {
         snprintf(msg, sizeof msg,
-                 "transport: bundle for reservation %" PRIu64 " is malformed: header says %"
-                 PRIu64 " bytes, %zu arrived",
-                 id, size, length);
-    } else if (length > r->size - r->filled) {
+                 "transport: bundle for reservation %" PRIu64 " is malformed: header says %" PRIu64
+                 " bytes%s, %zu arrived",
+                 id, size, put ? " put" : "", length);
+    } else if (put ? r->filled != 0 && r->n_put == 0 : r->n_put > 0) {
+        snprintf(msg, sizeof msg,
+                 "transport: reservation %" PRIu64 ": a bundle's parts must "
+                 "all be put or all be sent",
+                 id);
+    } else if (put && !r->memh) {
+        snprintf(msg, sizeof msg,
+                 "transport: reservation %" PRIu64 " is not mapped for RMA: put bundle refused",
+                 id);
+    } else if (put && offset != r->filled) {
+        snprintf(msg, sizeof msg,
+                 "transport: part for reservation %" PRIu64 " put at offset %" PRIu64
+                 ", the parts before it end at %" PRIu64,
+                 id, offset, r->filled);
+    } else if (put && more && r->n_put + 1 >= r->cap_put) {
+        snprintf(msg, sizeof msg,
+                 "transport: reservation %" PRIu64 ": more than %" PRIu32 " parts put", id,
+                 r->cap_put);
+    } else if (size > r->size - r->filled) {
         snprintf(msg, sizeof msg,
                  "transport: bundle too large for reservation %" PRIu64
-                 ": reserved at most %" PRIu64 " bytes, bundle has %" PRIu64, id, r->size,
-                 r->filled + length);
+                 ": reserved at most %" PRIu64 " bytes, bundle has %" PRIu64,
+                 id, r->size, r->filled + size);
     } else {
         msg[0] = 0;
     }
@@ -428,8 +500,8 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         kt_ack_queue(t, c, seq, id, -1, 0, msg);
         return UCS_OK;
     }
-    uint8_t *dst = r->buf ? r->buf + r->filled : (r->part = kt_partbuf_alloc(length));
-    if (!dst) {
+    uint8_t *dst = put ? NULL : r->buf ? r->buf + r->filled : (r->part = kt_partbuf_alloc(length));
+    if (!dst && !put) {
         snprintf(msg, sizeof msg, "transport: no memory for a %zu-byte part of bundle %" PRIu64,
                  length, id);
         kt_log(t, "%s (from %s)", msg + strlen("transport: "), c->peer);
@@ -438,8 +510,14 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     }
     r->from = c;
     r->seq = seq;
-    r->len = length;
-    r->more = (kt_rd16(h + 6) & KT_SEND_MORE) != 0;
+    r->len = size;
+    r->more = more;
+    r->put = put;
+    if (put) { /* the part is in buf already: the loop takes it from here */
+        r->state = KT_XFER_STATE_RECEIVING;
+        r->req_status = UCS_OK;
+        return UCS_OK;
+    }
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         ucp_request_param_t p = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -626,6 +704,59 @@ static kt_conn *kt_connect(kt_transport *t, kt_send_op *op)
     return c;
 }
 
+/* Issues a put's next step: the data, a flush (the data is in the receiver's memory when it
+ * completes), then the header that tells the receiver so. 1 when UCX completed it in the call,
+ * with no request to wait for. */
+static int kt_put_step(kt_transport *t, kt_send_op *op)
+{
+    ucp_request_param_t p = {
+        .op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+        .cb.send = kt_on_send_done,
+        .user_data = op,
+    };
+    ucp_ep_h ep = op->conn->ep;
+    const char *what;
+    ucs_status_ptr_t sp;
+    op->req_pending = 1; /* before the call: UCX may run the callback inside it */
+    switch (++op->phase) {
+    case KT_PUT_DATA:
+        what = "ucp_put_nbx";
+        sp = ucp_put_nbx(ep, op->buf, op->size, op->key->address + op->offset, op->rkey, &p);
+        break;
+    case KT_PUT_FLUSH:
+        what = "ucp_ep_flush_nbx";
+        sp = ucp_ep_flush_nbx(ep, &p);
+        break;
+    default:
+        what = "ucp_am_send_nbx(header)";
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+        sp = ucp_am_send_nbx(ep, KT_AM_BUNDLE, op->hdr, sizeof op->hdr, NULL, 0, &p);
+        break;
+    }
+    if (UCS_PTR_IS_ERR(sp)) {
+        op->req_pending = 0;
+        kt_op_fail(op, "transport: %s of bundle %" PRIu64 " to %s failed: %s", what, op->id,
+                   op->peer, ucs_status_string(UCS_PTR_STATUS(sp)));
+        return 0;
+    }
+    if (!sp) {
+        KT_TRACE(t, "%s of bundle %" PRIu64 " completed in the call", what, op->id);
+        op->req_pending = 0;
+        return 1;
+    }
+    op->req = sp;
+    return 0;
+}
+
+/* A put's steps from the next one on, up to the first that UCX has not completed at once. */
+static void kt_put_next(kt_transport *t, kt_send_op *op)
+{
+    while (op->phase < KT_PUT_HEADER && kt_put_step(t, op)) {
+    }
+}
+
 static void kt_op_start(kt_transport *t, kt_send_op *op)
 {
     op->started = 1;
@@ -633,6 +764,19 @@ static void kt_op_start(kt_transport *t, kt_send_op *op)
     if (!c)
         return;
     op->conn = c;
+    if (op->key) {
+        ucs_status_t st = ucp_ep_rkey_unpack(c->ep, op->key->rkey, &op->rkey);
+        if (st != UCS_OK) {
+            op->rkey = NULL;
+            kt_op_fail(op,
+                       "transport: the remote key of reservation %" PRIu64 " from %s does not "
+                       "unpack: %s",
+                       op->id, op->peer, ucs_status_string(st));
+            return;
+        }
+        kt_put_next(t, op);
+        return;
+    }
     ucp_request_param_t p = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
@@ -686,19 +830,25 @@ static double kt_step(kt_transport *t)
                 }
             }
         }
+        if (!r->done && !r->req && r->state == KT_XFER_STATE_RECEIVING && r->put && r->more) {
+            /* A put part is read once the last one is in and the sender can write no more. */
+            r->put_lens[r->n_put++] = r->len;
+            r->filled += r->len;
+            r->state = KT_XFER_STATE_RESERVED;
+            kt_ack_queue(t, r->from, r->seq, r->id, 0, r->len, "");
+        }
         if (!r->done && !r->req && r->state == KT_XFER_STATE_RECEIVING) {
             /* Every byte of this part is in the buffer. Its checksums (milliseconds for tens of
              * MiB) are checked without the lock, so Reserve and Send callers need not wait for
              * them: only this thread frees a reservation or accepts its next part, so r and the
              * part stay as they are; a release meanwhile only marks r done, and wins. */
+            kt_resv_unmap(t, r); /* no more writes: the last put part, or a sent one (puts after it
+                                    are refused) */
             char perr[KT_ERR_MAX] = "";
-            kt_bundle_view v;
             int bad = 0;
             if (r->flags & KT_RESERVE_PARSE) {
-                const uint8_t *part = r->buf ? r->buf + r->filled : r->part;
                 pthread_mutex_unlock(&t->lock);
-                bad = kt_bundle_parse(part, (size_t)r->len, &v, perr) != 0 ||
-                      (r->set && kt_bundle_set_add(r->set, &v, !r->more, perr) != 0);
+                bad = kt_parse_arrived(r, perr) != 0;
                 pthread_mutex_lock(&t->lock);
             }
             if (!bad)
@@ -753,6 +903,8 @@ static double kt_step(kt_transport *t)
             if (op->req_status != UCS_OK)
                 kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: %s",
                            op->id, op->peer, ucs_status_string(op->req_status));
+            else if (op->key && op->phase < KT_PUT_HEADER && op->conn && !op->fail_msg[0])
+                kt_put_next(t, op);
         }
         if (!op->fail_msg[0] && now >= op->deadline)
             kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s timed out after %.3g s "
@@ -843,6 +995,7 @@ static int kt_deliver(kt_transport *t)
     for (kt_resv *r = t->resvs; r; r = r->next) {
         if (!r->done || r->req)
             continue;
+        kt_resv_unmap(t, r); /* ended otherwise than by its last part: expired, released, failed */
         pthread_mutex_unlock(&t->lock);
         r->cb(r->cb_arg, r->id, r->status, r->bytes, r->msg);
         pthread_mutex_lock(&t->lock);
@@ -863,6 +1016,7 @@ static int kt_deliver(kt_transport *t)
         if (r->done && !r->cb) {
             *pp = r->next;
             kt_partbuf_free(r->part);
+            free(r->put_lens);
             free(r);
         } else {
             pp = &r->next;
@@ -872,6 +1026,7 @@ static int kt_deliver(kt_transport *t)
         kt_send_op *op = *pp;
         if (op->done && !op->cb) {
             *pp = op->next;
+            if (op->rkey) ucp_rkey_destroy(op->rkey);
             free(op);
         } else {
             pp = &op->next;
@@ -939,13 +1094,7 @@ static void *kt_progress_main(void *arg)
 
 int kt_transport_create(const kt_transport_config *cfg, kt_transport **out, char *err)
 {
-    if (cfg->mode == KT_TRANSPORT_MODE_RMA) {
-        kt_seterr(err, "transport: RMA put mode is not implemented in this build; use "
-                       "KT_TRANSPORT_MODE_AM (active messages with rendezvous, "
-                       "docs/transport.md)");
-        return -1;
-    }
-    if (cfg->mode != KT_TRANSPORT_MODE_AM) {
+    if (cfg->mode != KT_TRANSPORT_MODE_AM && cfg->mode != KT_TRANSPORT_MODE_RMA) {
         kt_seterr(err, "transport: unknown mode %d", (int)cfg->mode);
         return -1;
     }
@@ -955,6 +1104,7 @@ int kt_transport_create(const kt_transport_config *cfg, kt_transport **out, char
         return -1;
     }
     snprintf(t->name, sizeof t->name, "%s", cfg->name ? cfg->name : "transport");
+    t->rma = cfg->mode == KT_TRANSPORT_MODE_RMA;
     t->worker_efd = -1;
     t->next_seq = 1;
     pthread_mutex_init(&t->lock, NULL);
@@ -974,7 +1124,7 @@ int kt_transport_create(const kt_transport_config *cfg, kt_transport **out, char
     KT_UCS_CHECK(ucp_config_read(NULL, NULL, &uc), err, err_fd);
     ucp_params_t up = {
         .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
-        .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+        .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | (t->rma ? UCP_FEATURE_RMA : 0),
         .name = t->name,
     };
     ucs_status_t st = ucp_init(&up, uc, &t->ctx);
@@ -1077,9 +1227,41 @@ void kt_transport_destroy(kt_transport *t)
 
 uint16_t kt_transport_port(const kt_transport *t) { return t->port; }
 
+/* Maps r->buf for remote writes and packs the key a sender needs into *key. Under t->lock. */
+static int kt_resv_map(kt_transport *t, kt_resv *r, kt_rma_key *key, char *err)
+{
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        .address = r->buf,
+        .length = r->size,
+    };
+    void *packed = NULL;
+    size_t packed_len = 0;
+    KT_UCS_CHECK(ucp_mem_map(t->ctx, &mp, &r->memh), err, fail);
+    KT_UCS_CHECK(ucp_rkey_pack(t->ctx, r->memh, &packed, &packed_len), err, fail_unmap);
+    if (packed_len > sizeof key->rkey) {
+        ucp_rkey_buffer_release(packed);
+        kt_seterr(err,
+                  "transport: reserve %" PRIu64 ": the remote key has %zu bytes, more than "
+                  "%d",
+                  r->id, packed_len, KT_RMA_KEY_MAX);
+        goto fail_unmap;
+    }
+    memset(key, 0, sizeof *key);
+    key->address = (uint64_t)(uintptr_t)r->buf;
+    key->rkey_len = (uint32_t)packed_len;
+    memcpy(key->rkey, packed, packed_len);
+    ucp_rkey_buffer_release(packed);
+    return 0;
+fail_unmap:
+    kt_resv_unmap(t, r);
+fail:
+    return -1;
+}
+
 static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
                       unsigned flags, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
-                      uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
+                      uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err)
 {
     if (!t->listener) {
         kt_seterr(err, "transport: reserve needs a listening transport (listen_host unset)");
@@ -1105,16 +1287,26 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, do
     r->cb_arg = cb_arg;
     r->state = KT_XFER_STATE_RESERVED;
     r->deadline = kt_now() + timeout_s;
+    r->cap_put = !key ? 0 : set ? set->cap : KT_RMA_MAX_PARTS;
+    if (key && !(r->put_lens = calloc(r->cap_put, sizeof *r->put_lens))) {
+        kt_seterr(err, "transport: out of memory");
+        free(r);
+        return -1;
+    }
     if (getrandom(r->resv_token, sizeof r->resv_token, 0) != (ssize_t)sizeof r->resv_token) {
         kt_seterr(err, "transport: reserve %" PRIu64 ": getrandom failed: %s", id, strerror(errno));
+        free(r->put_lens);
         free(r);
         return -1;
     }
     kt_api_lock(t);
-    if (t->stopping || kt_resv_find(t, id)) {
+    const char *why = t->stopping           ? "refused: shutting down"
+                      : kt_resv_find(t, id) ? "already exists"
+                                            : NULL;
+    if (why) kt_seterr(err, "transport: reservation %" PRIu64 " %s", id, why);
+    if (why || (key && kt_resv_map(t, r, key, err) != 0)) {
         pthread_mutex_unlock(&t->lock);
-        kt_seterr(err, "transport: reservation %" PRIu64 " %s", id,
-                  t->stopping ? "refused: shutting down" : "already exists");
+        free(r->put_lens);
         free(r);
         return -1;
     }
@@ -1131,12 +1323,12 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
                          unsigned flags, kt_xfer_cb cb, void *cb_arg,
                          uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
 {
-    return kt_reserve(t, id, buf, size, timeout_s, flags, NULL, cb, cb_arg, token, err);
+    return kt_reserve(t, id, buf, size, timeout_s, flags, NULL, cb, cb_arg, token, NULL, err);
 }
 
-int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
-                                double timeout_s, kt_bundle_set *set, kt_xfer_cb cb,
-                                void *cb_arg, uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
+static int kt_reserve_set(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
+                          kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
+                          uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err)
 {
     if (!set || set->cap == 0 || set->n_parts != 0) {
         kt_seterr(err, "transport: reserve %" PRIu64 ": needs an empty set (kt_bundle_set_init) "
@@ -1144,8 +1336,29 @@ int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_
         return -1;
     }
     set->owned = buf == NULL;
-    return kt_reserve(t, id, buf, size, timeout_s, KT_RESERVE_PARSE, set, cb, cb_arg, token,
+    return kt_reserve(t, id, buf, size, timeout_s, KT_RESERVE_PARSE, set, cb, cb_arg, token, key,
                       err);
+}
+
+int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
+                                double timeout_s, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
+                                uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
+{
+    return kt_reserve_set(t, id, buf, size, timeout_s, set, cb, cb_arg, token, NULL, err);
+}
+
+int kt_transport_reserve_rma(kt_transport *t, uint64_t id, void *buf, uint64_t size,
+                             double timeout_s, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
+                             uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err)
+{
+    if (!t->rma || !buf || !key) {
+        kt_seterr(err, "transport: reserve %" PRIu64 " for RMA: %s", id,
+                  !t->rma ? "the transport was not created in KT_TRANSPORT_MODE_RMA"
+                          : "needs the buffer to map and a key to fill");
+        return -1;
+    }
+    if (!set) return kt_reserve(t, id, buf, size, timeout_s, 0, NULL, cb, cb_arg, token, key, err);
+    return kt_reserve_set(t, id, buf, size, timeout_s, set, cb, cb_arg, token, key, err);
 }
 
 int kt_transport_release(kt_transport *t, uint64_t id)
@@ -1182,9 +1395,10 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id)
     return s;
 }
 
-int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                      const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
-                      unsigned flags, double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
+static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                   const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key, uint64_t offset,
+                   const void *buf, uint64_t size, unsigned flags, double timeout_s, kt_xfer_cb cb,
+                   void *cb_arg, char *err)
 {
     if (!host || !buf || size == 0 || !cb || !(timeout_s > 0)) {
         kt_seterr(err, "transport: send %" PRIu64 ": needs a host, a buffer, a size > 0, a "
@@ -1214,6 +1428,11 @@ int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t
     op->id = id;
     op->buf = buf;
     op->size = size;
+    if (key) {
+        op->rma = *key;
+        op->key = &op->rma;
+        op->offset = offset;
+    }
     op->timeout_s = timeout_s;
     op->deadline = kt_now() + timeout_s;
     op->cb = cb;
@@ -1228,17 +1447,39 @@ int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t
     op->seq = t->next_seq++;
     kt_wr32(op->hdr, KT_WIRE_MAGIC);
     kt_wr16(op->hdr + 4, KT_WIRE_VERSION);
-    kt_wr16(op->hdr + 6, (uint16_t)(flags & KT_SEND_MORE));
+    kt_wr16(op->hdr + 6, (uint16_t)((flags & KT_SEND_MORE) | (key ? KT_WIRE_PUT : 0)));
     kt_wr64(op->hdr + 8, op->seq);
     kt_wr64(op->hdr + 16, id);
     kt_wr64(op->hdr + 24, size);
-    kt_wr64(op->hdr + 32, 0);
+    kt_wr64(op->hdr + 32, key ? offset : 0);
     memcpy(op->hdr + 40, token, KT_RESV_TOKEN_BYTES);
     op->next = t->ops;
     t->ops = op;
     pthread_mutex_unlock(&t->lock);
     kt_wake(t);
     return 0;
+}
+
+int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                      const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
+                      unsigned flags, double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
+{
+    return kt_send(t, host, port, id, token, NULL, 0, buf, size, flags, timeout_s, cb, cb_arg, err);
+}
+
+int kt_transport_put(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                     const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
+                     uint64_t offset, const void *buf, uint64_t size, unsigned flags,
+                     double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
+{
+    if (!t->rma || !key || key->rkey_len == 0 || key->rkey_len > KT_RMA_KEY_MAX) {
+        kt_seterr(err, "transport: put of bundle %" PRIu64 ": %s", id,
+                  !t->rma ? "the transport was not created in KT_TRANSPORT_MODE_RMA"
+                          : "needs the reservation's remote key");
+        return -1;
+    }
+    return kt_send(t, host, port, id, token, key, offset, buf, size, flags, timeout_s, cb, cb_arg,
+                   err);
 }
 
 typedef struct kt_waiter {

@@ -18,9 +18,12 @@
  * buffer) above its eager threshold. Endpoints use UCP_ERR_HANDLING_MODE_PEER: a dead peer
  * fails every pending operation on both sides with a message, its endpoint is closed, and the
  * next send to that address connects afresh.
- * What it is not: a bundle validator unless asked (KT_RESERVE_PARSE), a retry policy (a failed
- * send is reported, the caller decides), or an RMA/RDMA path: KT_TRANSPORT_MODE_RMA is refused
- * at create time with a message (not implemented in this build).
+ * In KT_TRANSPORT_MODE_RMA a reservation may instead be mapped for remote writes
+ * (kt_transport_reserve_rma): the sender puts the bundle straight into the receiver's buffer
+ * (kt_transport_put: ucp_put_nbx, a flush, then the header as an active message that says it is
+ * in place), which on an RDMA fabric is one write by the network card with no receiver CPU.
+ * What it is not: a bundle validator unless asked (KT_RESERVE_PARSE), or a retry policy (a
+ * failed send is reported, the caller decides).
  *
  * Threading: every function here may be called from any thread, except from inside a kt_
  * callback where noted. Callbacks run on the progress thread, without internal locks held,
@@ -43,8 +46,8 @@ extern "C" {
 typedef struct kt_transport kt_transport;
 
 typedef enum kt_transport_mode {
-    KT_TRANSPORT_MODE_AM = 0, /* active messages, rendezvous for bulk data (default) */
-    KT_TRANSPORT_MODE_RMA = 1, /* put into receiver-registered memory: NOT implemented, refused */
+    KT_TRANSPORT_MODE_AM = 0,  /* active messages, rendezvous for bulk data (default) */
+    KT_TRANSPORT_MODE_RMA = 1, /* the same, and puts: kt_transport_reserve_rma, kt_transport_put */
 } kt_transport_mode;
 
 typedef struct kt_transport_config {
@@ -117,6 +120,31 @@ int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
 int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
                                 double timeout_s, kt_bundle_set *set, kt_xfer_cb cb,
                                 void *cb_arg, uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
+/* Most bytes of a packed remote key (ucp_rkey_pack): tens over TCP and shared memory, a few
+ * hundred with InfiniBand. */
+#define KT_RMA_KEY_MAX 1024
+
+/* What a sender needs to put into a reservation mapped for RMA: where its buffer starts in the
+ * receiver's memory and the packed remote key that grants writes to it (and nothing else). It
+ * travels with the reservation token (Decode.Reserve -> router -> Prefill) and is as secret. */
+typedef struct kt_rma_key {
+    uint64_t address;
+    uint32_t rkey_len;
+    uint8_t rkey[KT_RMA_KEY_MAX];
+} kt_rma_key;
+
+/* kt_transport_reserve_bundle into the caller's `buf` (`size` bytes), mapped for remote writes
+ * (ucp_mem_map) until the reservation ends: *key says where and how. A part put with
+ * kt_transport_put is not read while more parts follow; when the last one's notice arrives the
+ * mapping is dropped first, so the sender can no longer write, then every part is validated and
+ * added to *set, in order, and the callback reports the outcome. set NULL: the bytes are not
+ * parsed (as kt_transport_reserve without flags). A bundle sent as active messages
+ * (kt_transport_send) is received into buf as usual. Needs a transport created in
+ * KT_TRANSPORT_MODE_RMA. */
+int kt_transport_reserve_rma(kt_transport *t, uint64_t id, void *buf, uint64_t size,
+                             double timeout_s, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
+                             uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err);
+
 /* Abandons a reservation: if it has not completed, its callback reports "released" before this
  * returns (a transfer in flight is cancelled first), so the buffer may be freed on return.
  * Returns 0 if it released something, -1 if there was nothing under `id`. Not from a kt_
@@ -146,6 +174,15 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id);
 int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
                       const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
                       unsigned flags, double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err);
+/* kt_transport_send into a reservation mapped for RMA (its *key from kt_transport_reserve_rma):
+ * the part goes by ucp_put_nbx to key->address + offset (offset: the bytes of the parts before
+ * it), then, once a flush says it is in the receiver's memory, its header as an active message;
+ * the receiver's acknowledgement completes it as with kt_transport_send. Parts, flags, timeout
+ * and callback as kt_transport_send. Needs a transport created in KT_TRANSPORT_MODE_RMA. */
+int kt_transport_put(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                     const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
+                     uint64_t offset, const void *buf, uint64_t size, unsigned flags,
+                     double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err);
 /* kt_transport_send of a whole bundle (no flags), waiting for the outcome. Not from a kt_
  * callback. */
 int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,

@@ -307,7 +307,8 @@ int main(int argc, char **argv)
                                   http_err);
     if (!http) die(1, "--http %s: %s", cfg.http, http_err);
 
-    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .listen_host = NULL, .name = cfg.id};
+    /* RMA capable: a decode node in RMA mode has the bundle put into its memory */
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_RMA, .listen_host = NULL, .name = cfg.id};
     if (kt_transport_create(&tc, &n->tx, err) != 0) die(1, "%s", err);
 
     kc_server *srv;

@@ -93,6 +93,7 @@ typedef struct pf_job {
     uint16_t port;
     uint64_t reservation_id; /* never 0 */
     uint8_t reservation_token[KT_RESV_TOKEN_BYTES]; /* sent with the bundle */
+    kt_rma_key rma;          /* rkey_len > 0: the reservation is mapped; the parts are put there */
     kc_call *call;           /* deadline and cancellation */
     /* queue (the node's lock) */
     struct pf_job *next;

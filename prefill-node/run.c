@@ -196,6 +196,7 @@ typedef struct pf_pipe {
     int chunk_ends, early_every; /* chunk-end calls so far; an early part at every early_every-th */
     uint64_t size[KT_BUNDLE_MAX_LAYERS + KT_BUNDLE_MAX_EARLY_PARTS]; /* bytes of each part */
     uint64_t bytes, entries;
+    uint64_t offset; /* bytes of the parts handed over: where a put part goes */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int settled; /* sends whose callback ran */
@@ -239,9 +240,14 @@ static int pipe_pump(pf_pipe *p, int last)
     unsigned flags = last && k == p->written - 1 ? 0 : KT_SEND_MORE;
     p->sent_at = pf_now();
     p->timeout = timeout;
+    const void *buf = p->n->bufs[k].p;
     if (ms_left <= 0 ||
-        kt_transport_send(p->n->tx, j->host, j->port, j->reservation_id, j->reservation_token,
-                          p->n->bufs[k].p, p->size[k], flags, timeout, pipe_cb, p, err) != 0) {
+        (j->rma.rkey_len ? kt_transport_put(p->n->tx, j->host, j->port, j->reservation_id,
+                                            j->reservation_token, &j->rma, p->offset, buf,
+                                            p->size[k], flags, timeout, pipe_cb, p, err)
+                         : kt_transport_send(p->n->tx, j->host, j->port, j->reservation_id,
+                                             j->reservation_token, buf, p->size[k], flags, timeout,
+                                             pipe_cb, p, err)) != 0) {
         pthread_mutex_lock(&p->mu);
         p->failed = 1;
         p->failed_after = ms_left <= 0 ? p->timeout : 0;
@@ -249,6 +255,7 @@ static int pipe_pump(pf_pipe *p, int last)
         pthread_mutex_unlock(&p->mu);
         return -1;
     }
+    p->offset += p->size[k];
     p->sent++;
     return 0;
 }
@@ -438,12 +445,12 @@ void pf_run(pf_node *n, pf_job *j)
     j->details[0] = 0;
     kc_info(j->request_id,
             "prefilled %d tokens (%s): first token %d; %llu entries, %llu bytes (%s) in %d "
-            "part(s), %d sent during prefill, to reservation %llu at %s:%u (%s); prefill %.3f s, "
+            "part(s), %d sent during prefill, %s reservation %llu at %s:%u (%s); prefill %.3f s, "
             "transfer %.3f s after it",
-            j->n_tokens, kr_policy_spec(j->policy), j->first_token,
-            (unsigned long long)p->entries, (unsigned long long)p->bytes, kt_dtype_name(j->wire),
-            p->written, j->usage.parts_early, (unsigned long long)j->reservation_id, j->host,
-            j->port, j->decode_node && *j->decode_node ? j->decode_node : "-",
+            j->n_tokens, kr_policy_spec(j->policy), j->first_token, (unsigned long long)p->entries,
+            (unsigned long long)p->bytes, kt_dtype_name(j->wire), p->written, j->usage.parts_early,
+            j->rma.rkey_len ? "put into" : "sent to", (unsigned long long)j->reservation_id,
+            j->host, j->port, j->decode_node && *j->decode_node ? j->decode_node : "-",
             j->usage.prefill_s, j->usage.transfer_s);
 out:
     pipe_wait(p); /* no send may still read a buffer when the next job starts */

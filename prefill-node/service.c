@@ -6,6 +6,7 @@
  */
 #include "prefill.h"
 
+#include <inttypes.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -260,6 +261,14 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
                       "reservation_token: %zu bytes, want %d (Decode.Reserve's, passed on as is)",
                       req->reservation_token.len, KT_RESV_TOKEN_BYTES);
     memcpy(j->reservation_token, req->reservation_token.data, KT_RESV_TOKEN_BYTES);
+    if (req->rma_key.len > KT_RMA_KEY_MAX || (req->rma_key.len && !req->rma_address))
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "rma_key: %zu bytes at address %" PRIu64 ", want at most %d at a nonzero "
+                      "address (Decode.Reserve's, passed on as is)",
+                      req->rma_key.len, req->rma_address, KT_RMA_KEY_MAX);
+    j->rma.address = req->rma_address;
+    j->rma.rkey_len = (uint32_t)req->rma_key.len;
+    if (req->rma_key.len) memcpy(j->rma.rkey, req->rma_key.data, req->rma_key.len);
 
     *tokens = malloc(nt * sizeof **tokens);
     if (!*tokens)

@@ -17,6 +17,7 @@
 
 #include "router.h"
 #include "stop.h"
+#include "transport.h" /* KT_RMA_KEY_MAX */
 
 enum {
     RT_WATCH_MS = 20, /* how often the watcher and a queued request look again */
@@ -76,6 +77,9 @@ typedef struct rt_req {
     size_t reservation_token_len;
     int64_t reserved_blocks;
     char transfer_address[256];
+    uint64_t rma_address; /* Reserve's, passed on to Prefill: a decode node in RMA mode */
+    uint8_t rma_key[KT_RMA_KEY_MAX];
+    size_t rma_key_len; /* 0: the bundle is sent, not put */
 
     /* results */
     Kvrelay__V1__PrefillUsage pu; /* numbers only */

@@ -80,6 +80,11 @@ rt_attempt rt_reserve(rt_req *r, kc_status *st)
                                            ? sizeof r->reservation_token : 0;
             if (r->reservation_token_len)
                 memcpy(r->reservation_token, resp->reservation_token.data, r->reservation_token_len);
+            /* a key too long for a put is passed on empty: the bundle is then sent, which a
+             * mapped reservation takes too */
+            r->rma_key_len = resp->rma_key.len <= sizeof r->rma_key ? resp->rma_key.len : 0;
+            r->rma_address = resp->rma_address;
+            if (r->rma_key_len) memcpy(r->rma_key, resp->rma_key.data, r->rma_key_len);
             r->reserved_blocks = (int64_t)resp->reserved_blocks;
             snprintf(r->transfer_address, sizeof r->transfer_address, "%s", resp->transfer_address);
             kc_message_free(&resp->base);

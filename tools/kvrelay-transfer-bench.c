@@ -7,9 +7,12 @@
  * this process; with --validate the data is a real bundle of about the size and the receiver
  * validates it before acknowledging, as a decode node does (kt_transport_reserve_bundle into
  * buffers of each bundle's size: every checksum and field); ucx_perftest runs
- * as a server and a client process with -t TEST -s SIZE. It is not a test: nothing is asserted.
- * Run: kvrelay-transfer-bench [--sizes 1,4,16,64,256,1024] [--tls tcp] [--test ucp_am_bw]
- * [--rounds 3] (sizes in MiB; rounds alternate the two and the table gives medians). Progress
+ * as a server and a client process with -t TEST -s SIZE. With --mode rma each reservation is
+ * mapped and the bundle put into it (kt_transport_reserve_rma, kt_transport_put), next to
+ * ucx_perftest -t ucp_put_bw. It is not a test: nothing is asserted.
+ * Run: kvrelay-transfer-bench [--sizes 1,4,16,64,256,1024] [--tls tcp] [--mode am|rma]
+ * [--test NAME] [--rounds 3] (sizes in MiB; rounds alternate the two and the table gives
+ * medians). Progress
  * on stderr, the table on stdout. Figures: docs/transport.md.
  */
 #include <inttypes.h>
@@ -67,8 +70,9 @@ typedef struct flight {
     const uint8_t *src;
     uint8_t *dst;
     uint64_t size;
-    int validate;
+    int validate, rma;
     window w;
+    kt_rma_key *keys; /* rma: slot k's reservation key */
     slot *slots;
     kt_bundle_view *views;
     kt_bundle_set *sets;
@@ -85,12 +89,22 @@ static void launch(flight *f, int k)
     kt_bundle_set_init(&f->sets[k], &f->views[k], 1);
     /* validating, the receiver is a decode node's: parts land in buffers the transport
      * allocates at their size, owned by the set */
-    int rc = f->validate ? kt_transport_reserve_bundle(f->rx, id, NULL, f->size, 60.0, &f->sets[k], count_cb,
-                                                       &f->slots[k], tok, err)
-                         : kt_transport_reserve(f->rx, id, f->dst + (uint64_t)k * f->size, f->size, 60.0, 0,
-                                                count_cb, &f->slots[k], tok, err);
-    if (rc != 0 || kt_transport_send(f->tx, "127.0.0.1", kt_transport_port(f->rx), id, tok, f->src, f->size, 0,
-                                     60.0, count_cb, &f->slots[k], err) != 0)
+    uint8_t *dst = f->dst + (uint64_t)k * f->size;
+    const uint16_t port = kt_transport_port(f->rx);
+    int rc;
+    if (f->rma) /* the slot's buffer mapped, validated into the set when asked */
+        rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, 60.0, f->validate ? &f->sets[k] : NULL, count_cb,
+                                      &f->slots[k], tok, &f->keys[k], err) != 0 ||
+             kt_transport_put(f->tx, "127.0.0.1", port, id, tok, &f->keys[k], 0, f->src, f->size, 0, 60.0,
+                              count_cb, &f->slots[k], err) != 0;
+    else
+        rc = (f->validate ? kt_transport_reserve_bundle(f->rx, id, NULL, f->size, 60.0, &f->sets[k], count_cb,
+                                                        &f->slots[k], tok, err)
+                          : kt_transport_reserve(f->rx, id, dst, f->size, 60.0, 0, count_cb, &f->slots[k], tok,
+                                                 err)) != 0 ||
+             kt_transport_send(f->tx, "127.0.0.1", port, id, tok, f->src, f->size, 0, 60.0, count_cb,
+                               &f->slots[k], err) != 0;
+    if (rc)
         cli_die(1, "%s", err); /* transfers in flight may still call back: stop here */
 }
 
@@ -114,13 +128,15 @@ static int wait_slot(flight *f)
  * transfers connect and fill the window and are not timed. dst holds `inflight` buffers of
  * `size`. */
 static double bench_kvrelay(kt_transport *rx, kt_transport *tx, const uint8_t *src, uint8_t *dst,
-                            uint64_t size, int iters, int inflight, int validate)
+                            uint64_t size, int iters, int inflight, int validate, int rma)
 {
+    static kt_rma_key keys[64]; /* --inflight's most */
     int ready[inflight];
     slot slots[inflight];
     kt_bundle_view views[inflight];
     kt_bundle_set sets[inflight];
-    flight f = {.rx = rx, .tx = tx, .src = src, .dst = dst, .size = size, .validate = validate,
+    flight f = {.rx = rx, .tx = tx, .src = src, .dst = dst, .size = size, .validate = validate, .rma = rma,
+                .keys = keys,
                 .w = {.ready = ready, .failed = 0}, .slots = slots, .views = views, .sets = sets};
     sem_init(&f.w.done, 0, 0);
     pthread_mutex_init(&f.w.lock, NULL);
@@ -246,16 +262,20 @@ static double bench_perftest(const char *test, uint64_t size, int iters, int por
 int main(int argc, char **argv)
 {
     cli_init(argv);
-    const char *sizes_s = "1,4,16,64,256,1024", *tls = "tcp", *test = "ucp_am_bw";
-    int iters_flag = 0, port = 13500, inflight_flag = 8, validate = 0, n_rounds = 3;
+    const char *sizes_s = "1,4,16,64,256,1024", *tls = "tcp", *test = NULL;
+    int iters_flag = 0, port = 13500, inflight_flag = 8, validate = 0, n_rounds = 3, rma = 0;
+    static const kc_flag_choice modes[] = {{"am", 0}, {"rma", 1}, {NULL, 0}};
     const kc_flag table[] = {
         {.kind = KC_FLAG_STRING, .name = "--sizes", .arg = "MIB,...", .dest = &sizes_s, .def = "1,4,16,64,256,1024",
          .help = "bundle sizes in MiB"},
         {.kind = KC_FLAG_STRING, .name = "--tls", .arg = "LIST", .dest = &tls,
          .def = "tcp: what endpoints in PEER error mode use on one host",
          .help = "UCX_TLS for both kvrelay and ucx_perftest"},
-        {.kind = KC_FLAG_STRING, .name = "--test", .arg = "NAME", .dest = &test, .def = "ucp_am_bw",
-         .help = "ucx_perftest test to compare with (tag_bw also useful)"},
+        {.kind = KC_FLAG_CHOICE, .name = "--mode", .arg = "am|rma", .dest = &rma, .choices = modes, .def = "am",
+         .help = "am: bundles sent as active messages (rendezvous); rma: each reservation mapped and the "
+                 "bundle put into it"},
+        {.kind = KC_FLAG_STRING, .name = "--test", .arg = "NAME", .dest = &test,
+         .def = "the mode's: ucp_am_bw or ucp_put_bw", .help = "ucx_perftest test to compare with (tag_bw also useful)"},
         {.kind = KC_FLAG_INT, .name = "--iters", .arg = "N", .dest = &iters_flag, .min = 1, .max = 100000,
          .def = "about 4 GiB moved, 3..200", .help = "transfers per size"},
         {.kind = KC_FLAG_INT, .name = "--inflight", .arg = "K", .dest = &inflight_flag, .min = 1, .max = 64,
@@ -282,11 +302,14 @@ int main(int argc, char **argv)
         if ((uint64_t)mib[i] << 20 > max)
             max = (uint64_t)mib[i] << 20;
     }
+    if (!test)
+        test = rma ? "ucp_put_bw" : "ucp_am_bw";
     setenv("UCX_TLS", tls, 1);
     char err[KT_ERR_MAX];
     kt_transport *rx = NULL, *tx = NULL;
-    kt_transport_config rc = {.listen_host = "127.0.0.1", .name = "bench-rx"};
-    kt_transport_config tc = {.name = "bench-tx"};
+    const kt_transport_mode mode = rma ? KT_TRANSPORT_MODE_RMA : KT_TRANSPORT_MODE_AM;
+    kt_transport_config rc = {.mode = mode, .listen_host = "127.0.0.1", .name = "bench-rx"};
+    kt_transport_config tc = {.mode = mode, .name = "bench-tx"};
     if (kt_transport_create(&rc, &rx, err) != 0 || kt_transport_create(&tc, &tx, err) != 0)
         cli_die(1, "%s", err);
     /* receive buffers: `inflight` bundles of the largest size, at most 1 GiB (or one bundle) */
@@ -300,10 +323,11 @@ int main(int argc, char **argv)
         src[i] = (uint8_t)(i * 131 + 7);
     memset(dst, 0, dst_bytes);
 
-    printf("# UCX_TLS=%s, loopback; kvrelay = reserve + send + ack per bundle%s: one at a time (1), "
+    printf("# UCX_TLS=%s, loopback; kvrelay = reserve + %s + ack per bundle%s: one at a time (1), "
            "and K in flight (K); perftest = ucx_perftest -t %s (overall); %d interleaved rounds "
            "(kvrelay then perftest), medians; ratio = median over rounds of K / perftest\n",
-           tls, validate ? " + validation on receipt" : "", test, n_rounds);
+           tls, rma ? "put + flush + header" : "send", validate ? " + validation on receipt" : "", test,
+           n_rounds);
     printf("%10s %4s %14s %14s %14s %8s  %s\n", "size_MiB", "K", "kvrelay_1", "kvrelay_K",
            "perftest_GB/s", "ratio", "ratio_per_round");
     for (int i = 0; i < n_sizes; i++) {
@@ -320,8 +344,8 @@ int main(int argc, char **argv)
         for (int r = 0; r < n_rounds; r++) {
             fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d, round %d/%d: kvrelay, then "
                     "ucx_perftest -t %s\n", mib[i], iters, r + 1, n_rounds, test);
-            double sec1 = bench_kvrelay(rx, tx, src, dst, bytes, iters, 1, validate);
-            double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, bytes, iters, k, validate) : sec1;
+            double sec1 = bench_kvrelay(rx, tx, src, dst, bytes, iters, 1, validate, rma);
+            double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, bytes, iters, k, validate, rma) : sec1;
             one[r] = bytes / sec1 / 1e9;
             ours[r] = bytes / seck / 1e9;
             double pt = have_pt ? bench_perftest(test, size, iters, port + i * n_rounds + r, why, sizeof why) : -1;

@@ -403,6 +403,149 @@ static void test_segments(kt_transport *rx, kt_transport *tx)
     CHECK(rb.status == -1 && strstr(rb.msg, "not after its position"), "reservation failed: %s", rb.msg);
 }
 
+/* kt_transport_put, waited for: its callback's status (and message in box). */
+static int put_wait(kt_transport *tx, uint16_t port, uint64_t id, const uint8_t *tok,
+                    const kt_rma_key *key, uint64_t offset, const uint8_t *buf, uint64_t n,
+                    unsigned flags, done_box *box)
+{
+    char err[KT_ERR_MAX];
+    box_init(box);
+    REQUIRE(kt_transport_put(tx, HOST, port, id, tok, key, offset, buf, n, flags, 5.0, box_cb, box,
+                             err) == 0,
+            "%s", err);
+    REQUIRE(box_wait(box, 5.0), "put of bundle %" PRIu64 " completed within 5 s", id);
+    return box->status;
+}
+
+/* RMA: a reservation mapped at reserve time takes a bundle put in two layer segments, each
+ * acknowledged and none read before the last, then all validated into the set; a bundle sent
+ * as active messages is taken too. Refused, with the reservation left waiting: a put at an
+ * offset other than the parts' end, a put into a reservation that is not mapped, a put after
+ * parts that were sent. A put bundle that does not validate fails the reservation. A transport
+ * not created in RMA mode refuses both calls. */
+static void test_rma(kt_transport *am_rx, kt_transport *am_tx)
+{
+    char err[KT_ERR_MAX];
+    kt_transport_config rc = {
+        .mode = KT_TRANSPORT_MODE_RMA, .listen_host = HOST, .name = "test-rma-rx"};
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_RMA, .name = "test-rma-tx"};
+    kt_transport *rx = NULL, *tx = NULL;
+    REQUIRE(kt_transport_create(&rc, &rx, err) == 0 && kt_transport_create(&tc, &tx, err) == 0,
+            "RMA transports: %s", err);
+    const uint16_t port = kt_transport_port(rx);
+    enum { CAP = 16384 };
+    static uint8_t seg[2][CAP], dst[2 * CAP];
+    const uint64_t n0 = write_segment(seg[0], CAP, 0, 0), n1 = write_segment(seg[1], CAP, 1, 1);
+    kt_bundle_view parts[2];
+    kt_bundle_set set;
+    kt_rma_key key;
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    done_box rb, sb;
+
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 2);
+    REQUIRE(kt_transport_reserve_rma(rx, 800, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok, &key,
+                                     err) == 0,
+            "%s", err);
+    CHECK(key.address == (uint64_t)(uintptr_t)dst && key.rkey_len > 0 &&
+              key.rkey_len <= KT_RMA_KEY_MAX,
+          "the key names the buffer and carries a remote key (%u bytes)", key.rkey_len);
+    CHECK(put_wait(tx, port, 800, tok, &key, 0, seg[0], n0, KT_SEND_MORE, &sb) == 0,
+          "first part put: %s", sb.msg);
+    CHECK(memcmp(dst, seg[0], n0) == 0, "the first part is in the receiver's buffer");
+    CHECK(set.n_parts == 0 && !box_wait(&rb, 0.05), "a put part is not read before the last one");
+    CHECK(kt_transport_reservation_state(rx, 800) == KT_XFER_STATE_RESERVED,
+          "waiting for the next");
+    CHECK(put_wait(tx, port, 800, tok, &key, n0 + 8, seg[1], n1, 0, &sb) != 0,
+          "a part put past the end of the parts before it is refused");
+    CHECK_ERR_HAS(sb.msg, "put at offset");
+    CHECK(put_wait(tx, port, 800, tok, &key, n0, seg[1], n1, 0, &sb) == 0, "last part put: %s",
+          sb.msg);
+    REQUIRE(box_wait(&rb, 5.0), "reservation completed within 5 s");
+    CHECK(rb.status == 0 && rb.bytes == n0 + n1,
+          "receive: status %d, %" PRIu64 " bytes of %" PRIu64 " %s", rb.status, rb.bytes, n0 + n1,
+          rb.msg);
+    CHECK(memcmp(dst, seg[0], n0) == 0 && memcmp(dst + n0, seg[1], n1) == 0,
+          "the parts lie one after the other in the mapped buffer");
+    CHECK(set.complete && set.n_parts == 2 && set.hdr.n_layers == 2 && set.hdr.first_token == 9 &&
+              set.n_entries == 31,
+          "the set: %u parts, %u layers, first token %d, %" PRIu64 " entries", set.n_parts,
+          set.hdr.n_layers, set.hdr.first_token, set.n_entries);
+
+    /* sent, not put, into a mapped reservation: taken as usual */
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 2);
+    REQUIRE(kt_transport_reserve_rma(rx, 801, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok, &key,
+                                     err) == 0,
+            "%s", err);
+    box_init(&sb);
+    REQUIRE(kt_transport_send(tx, HOST, port, 801, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb, &sb,
+                              err) == 0,
+            "%s", err);
+    REQUIRE(box_wait(&sb, 5.0) && sb.status == 0, "first part sent: %s", sb.msg);
+    /* a put after a sent part: refused */
+    CHECK(put_wait(tx, port, 801, tok, &key, n0, seg[1], n1, 0, &sb) != 0,
+          "a put after sent parts is refused");
+    CHECK_ERR_HAS(sb.msg, "all be put or all be sent");
+    CHECK(kt_transport_send_wait(tx, HOST, port, 801, tok, seg[1], n1, 5.0, err) == 0,
+          "last part sent: %s", err);
+    REQUIRE(box_wait(&rb, 5.0), "reservation completed within 5 s");
+    CHECK(rb.status == 0 && set.complete && set.n_parts == 2,
+          "sent parts into a mapped reservation: %s", rb.msg);
+
+    /* a put into a reservation that is not mapped: refused, it waits on */
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 2);
+    uint8_t tok2[KT_RESV_TOKEN_BYTES];
+    static uint8_t plain[2 * CAP];
+    REQUIRE(kt_transport_reserve_bundle(rx, 802, plain, sizeof plain, 5.0, &set, box_cb, &rb, tok2,
+                                        err) == 0,
+            "%s", err);
+    done_box ob; /* a mapped reservation whose key the put borrows: the bytes land there */
+    box_init(&ob);
+    kt_bundle_view other_part;
+    kt_bundle_set other;
+    kt_bundle_set_init(&other, &other_part, 1);
+    REQUIRE(kt_transport_reserve_rma(rx, 805, dst, sizeof dst, 5.0, &other, box_cb, &ob, tok, &key,
+                                     err) == 0,
+            "%s", err);
+    CHECK(put_wait(tx, port, 802, tok2, &key, 0, seg[0], n0, KT_SEND_MORE, &sb) != 0,
+          "a put into an unmapped reservation is refused");
+    CHECK_ERR_HAS(sb.msg, "not mapped for RMA");
+    CHECK(kt_transport_reservation_state(rx, 802) == KT_XFER_STATE_RESERVED, "and it waits on");
+    CHECK(kt_transport_release(rx, 802) == 0 && box_wait(&rb, 1.0), "released");
+    CHECK(kt_transport_release(rx, 805) == 0 && box_wait(&ob, 1.0), "released");
+
+    /* a put bundle that does not validate fails the reservation, and the sender hears why */
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 2);
+    REQUIRE(kt_transport_reserve_rma(rx, 803, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok, &key,
+                                     err) == 0,
+            "%s", err);
+    static uint8_t bad[CAP];
+    memcpy(bad, seg[0], n0);
+    bad[n0 / 2] ^= 0x40;
+    CHECK(put_wait(tx, port, 803, tok, &key, 0, bad, n0, 0, &sb) != 0,
+          "a corrupt put bundle is refused");
+    CHECK_ERR_HAS(sb.msg, "bundle 803 rejected");
+    REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
+    CHECK(rb.status == -1 && strstr(rb.msg, "rejected"), "reservation failed: %s", rb.msg);
+
+    /* RMA calls on a transport created for active messages only */
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 2);
+    CHECK(kt_transport_reserve_rma(am_rx, 804, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok, &key,
+                                   err) != 0,
+          "reserve_rma on an AM transport is refused");
+    CHECK_ERR_HAS(err, "not created in KT_TRANSPORT_MODE_RMA");
+    CHECK(kt_transport_put(am_tx, HOST, port, 804, tok, &key, 0, seg[0], n0, 0, 5.0, box_cb, &sb,
+                           err) != 0,
+          "put on an AM transport is refused");
+    CHECK_ERR_HAS(err, "not created in KT_TRANSPORT_MODE_RMA");
+    kt_transport_destroy(tx);
+    kt_transport_destroy(rx);
+}
+
 /* A reservation without a buffer (a decode node's): each part lands in a buffer of exactly its
  * size that the set owns, eager and rendezvous alike; `size` bounds all parts together; a part
  * past the bound is refused and the parts that came before are the set's to free. */
@@ -635,11 +778,11 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
     CHECK_ERR_HAS(rb.msg, "released");
     CHECK(kt_transport_release(rx, 303) == -1, "second release finds nothing");
 
-    /* RMA mode is refused, not pretended. */
-    kt_transport_config cfg = {.mode = KT_TRANSPORT_MODE_RMA};
+    /* An unknown mode is refused. */
+    kt_transport_config cfg = {.mode = (kt_transport_mode)7};
     kt_transport *t = NULL;
-    CHECK(kt_transport_create(&cfg, &t, err) != 0 && !t, "RMA mode refused");
-    CHECK_ERR_HAS(err, "not implemented");
+    CHECK(kt_transport_create(&cfg, &t, err) != 0 && !t, "unknown mode refused");
+    CHECK_ERR_HAS(err, "unknown mode");
 
     /* No receiver at all: the send fails, quickly, with a message. */
     uint16_t dead = free_port();
@@ -857,6 +1000,7 @@ int main(int argc, char **argv)
     test_refusals(rx, tx);
     test_wrong_token(rx, tx);
     test_timeouts(rx, tx);
+    test_rma(rx, tx);
     kt_transport_destroy(tx);
     kt_transport_destroy(rx);
 
