@@ -22,9 +22,8 @@
 # since on a shared machine one real run's tails move 50-70% from the next. real-P1-D1.json is
 # that median (the format of one run), real-P1-D1-rK.json each run.
 #
-# Before each real run, on its fresh cluster, `kvrelay-sim probe --target` serves a closed loop
-# at concurrency 1 shaped as calibration's (about a second) and compares its TTFT and TPOT with
-# calibration's; each layout is simulated with --compute-scale the median of its runs' probes
+# Before each real run, on its fresh cluster, `kvrelay-sim probe --target` serves calibration's
+# open loop for 10 s and compares its TTFT and TPOT with calibration's; each layout is simulated with --compute-scale the median of its runs' probes
 # (probes.txt), so that the simulation costs what the machine did while the real runs ran.
 #
 # Requests: prompts uniform in 256..768 tokens, 128 output tokens, policy full, default chunk

@@ -160,7 +160,7 @@ for argv, want in ((["run", "--rate", "1", "--policy", "heads"], "--policy 'head
                    (["run", "--rate", "1", "--replicas", "0"], "--replicas"),
                    (["run", "--rate", "1", "--compute-scale", "nan"], "--compute-scale"),
                    (["probe", "--profile", jit_prof], "no \"probe\""),
-                   (["probe", "--profile", jit_prof, "--target", "127.0.0.1:1"], "cluster_measured.c1"),
+                   (["probe", "--profile", jit_prof, "--target", "127.0.0.1:1"], "cluster_measured.open"),
                    (["run", "--rate", "1", "--profile", bad_prof], "decode.per_seq_s"),
                    (["run", "--trace", trace], "t.jsonl:2"),
                    (["run", "--rate", "1", "--prefill", "0"], "--prefill"),
