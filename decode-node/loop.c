@@ -207,18 +207,13 @@ typedef struct fill_arg {
     float *rows; /* NULL when the rows go straight into the blocks */
 } fill_arg;
 
-static kt_dtype wire_dtype_of(kr_dtype t)
-{
-    return t == KR_DTYPE_BF16 ? KT_DTYPE_BF16 : t == KR_DTYPE_F16 ? KT_DTYPE_F16 : KT_DTYPE_F32;
-}
-
 static int fill_rows(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k, void *v,
                      char *err)
 {
     const fill_arg *a = arg;
     if (!a->rows)
         return kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos,
-                                  wire_dtype_of(dtype), k, v, err);
+                                  kt_dtype_of_cache(dtype), k, v, err);
     const size_t elems = (size_t)n * a->head_dim;
     if (kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos,
                            KT_DTYPE_F32, a->rows, a->rows + elems, err) != 0)

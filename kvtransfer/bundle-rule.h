@@ -1,8 +1,9 @@
 /*
  * bundle-rule.h - where the engine's per-list decode rule (kr_list_rule, engine/kr.h) meets the
  * bundle's list record (kt_bundle_list, bundle.h): the prefill node writes each list's rule
- * into the bundle, the decode node reads it back. Header-only, for the nodes and their tests;
- * the codec itself (bundle.c) stays free of the engine.
+ * into the bundle, the decode node reads it back; and where a KV cache's row dtype meets the
+ * bundle's payload dtype. Header-only, for the nodes and their tests; the codec itself
+ * (bundle.c) stays free of the engine.
  */
 #ifndef KT_BUNDLE_RULE_H
 #define KT_BUNDLE_RULE_H
@@ -37,6 +38,12 @@ static inline kr_list_rule kt_bundle_list_rule(const kt_bundle_list *l)
         .max_drop = (int)l->max_drop,
         .rel = (l->flags & KT_BUNDLE_LIST_REL) != 0,
     };
+}
+
+/* The payload dtype that carries a KV cache's rows as they are (f32, bf16 or f16). */
+static inline kt_dtype kt_dtype_of_cache(kr_dtype t)
+{
+    return t == KR_DTYPE_BF16 ? KT_DTYPE_BF16 : t == KR_DTYPE_F16 ? KT_DTYPE_F16 : KT_DTYPE_F32;
 }
 
 #endif /* KT_BUNDLE_RULE_H */

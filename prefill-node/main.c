@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bundle-rule.h"
 #include "cpusched.h"
 #include "flags.h"
 #include "health.h"
@@ -287,7 +288,7 @@ int main(int argc, char **argv)
     if (pf_run_init(n, err) != 0) die(1, "%s", err);
     if ((int)cfg.kv_dtype == PF_WIRE_AUTO) { /* the cache's rows as they are: exact, fewest bytes */
         kr_dtype t = kr_ctx_kv_dtype(n->ctx);
-        cfg.kv_dtype = t == KR_DTYPE_BF16 ? KT_DTYPE_BF16 : t == KR_DTYPE_F16 ? KT_DTYPE_F16 : KT_DTYPE_F32;
+        cfg.kv_dtype = kt_dtype_of_cache(t);
     }
 
     n->reg = kc_registry_create();

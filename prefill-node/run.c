@@ -122,10 +122,8 @@ static int put_rows(void *arg, int first, int n, const int32_t *pos, kr_dtype dt
     const put_arg *a = arg;
     (void)first;
     /* the writer converts the cache's rows (f32, bf16 or f16) to the wire dtype */
-    const kt_dtype src = dtype == KR_DTYPE_BF16  ? KT_DTYPE_BF16
-                         : dtype == KR_DTYPE_F16 ? KT_DTYPE_F16
-                                                 : KT_DTYPE_F32;
-    return kt_bundle_writer_put(a->w, a->layer, a->head, (uint32_t)n, pos, src, k, v, err);
+    return kt_bundle_writer_put(a->w, a->layer, a->head, (uint32_t)n, pos, kt_dtype_of_cache(dtype),
+                                k, v, err);
 }
 
 /* Writes layers [first, first + count) of `seq` into `b`: a whole bundle (segment 0, all the
