@@ -144,8 +144,7 @@ typedef struct kt_send_op {
     void *cb_arg;
     kt_conn *conn;
     uint8_t hdr[KT_WIRE_HDR_BYTES]; /* the AM header: alive until the send completes */
-    const kt_rma_key *key;          /* a put (kt_transport_put): &rma, else NULL */
-    kt_rma_key rma;
+    kt_rma_key rma; /* a put (kt_transport_put): the reservation's key; rkey_len 0: a send */
     uint64_t offset; /* where the part goes in the receiver's buffer */
     ucp_rkey_h rkey; /* unpacked on the connection's endpoint */
     int phase;       /* a put: KT_PUT_DATA, KT_PUT_FLUSH, then KT_PUT_HEADER */
@@ -722,7 +721,7 @@ static int kt_put_step(kt_transport *t, kt_send_op *op)
     switch (++op->phase) {
     case KT_PUT_DATA:
         what = "ucp_put_nbx";
-        sp = ucp_put_nbx(ep, op->buf, op->size, op->key->address + op->offset, op->rkey, &p);
+        sp = ucp_put_nbx(ep, op->buf, op->size, op->rma.address + op->offset, op->rkey, &p);
         break;
     case KT_PUT_FLUSH:
         what = "ucp_ep_flush_nbx";
@@ -764,8 +763,8 @@ static void kt_op_start(kt_transport *t, kt_send_op *op)
     if (!c)
         return;
     op->conn = c;
-    if (op->key) {
-        ucs_status_t st = ucp_ep_rkey_unpack(c->ep, op->key->rkey, &op->rkey);
+    if (op->rma.rkey_len) {
+        ucs_status_t st = ucp_ep_rkey_unpack(c->ep, op->rma.rkey, &op->rkey);
         if (st != UCS_OK) {
             op->rkey = NULL;
             kt_op_fail(op,
@@ -903,7 +902,7 @@ static double kt_step(kt_transport *t)
             if (op->req_status != UCS_OK)
                 kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: %s",
                            op->id, op->peer, ucs_status_string(op->req_status));
-            else if (op->key && op->phase < KT_PUT_HEADER && op->conn && !op->fail_msg[0])
+            else if (op->rma.rkey_len && op->phase < KT_PUT_HEADER && op->conn && !op->fail_msg[0])
                 kt_put_next(t, op);
         }
         if (!op->fail_msg[0] && now >= op->deadline)
@@ -1430,7 +1429,6 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
     op->size = size;
     if (key) {
         op->rma = *key;
-        op->key = &op->rma;
         op->offset = offset;
     }
     op->timeout_s = timeout_s;
