@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # simulator.sh - tools/kvrelay-sim (docs/simulator.md), without a cluster, in about 20 s:
-# the small validation case (the committed real 1 prefill + 1 decode runs of
+# the small validation case (the committed real 1 prefill + 1 decode runs, both rates, of
 # bench/experiments/sim-validate.sh, simulated again with the profile calibrated beside them:
 # TTFT and TPOT p50 / p90 and goodput within 15%); kvrelay-bench-serve's summary format (the same
 # keys; its plots draw the simulator's runs); one seed, one result; FIFO admission in event order
