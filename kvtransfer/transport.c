@@ -92,6 +92,7 @@ struct kt_conn {
     struct sockaddr_storage addr; /* outgoing only: the address it was created for */
     socklen_t addrlen;
     int failed; /* the error callback fired (or we gave up on it) */
+    ucs_status_t error; /* what the error callback said; UCS_OK: it did not fire */
     char fail_msg[200]; /* short: it is quoted inside other messages */
     int closing; /* detached from lookups; close request in flight */
     void *close_req;
@@ -392,7 +393,7 @@ static void kt_on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status)
     c->failed = 1;
     snprintf(c->fail_msg, sizeof c->fail_msg, "peer %s failed: %s", c->peer,
              ucs_status_string(status));
-    kt_log(c->t, "%s", c->fail_msg);
+    c->error = status; /* logged when the loop closes it, where it knows what hung on it */
 }
 
 static void kt_on_recv_done(void *request, ucs_status_t status, size_t length, void *user_data)
@@ -586,6 +587,18 @@ static void kt_conn_close(kt_transport *t, kt_conn *c)
         }
     }
     c->closing = 1;
+    if (c->error != UCS_OK) { /* a peer that went away between bundles is no failure */
+        int busy = 0;
+        for (kt_resv *r = t->resvs; r; r = r->next)
+            busy |= r->from == c && !r->done;
+        for (kt_send_op *op = t->ops; op; op = op->next)
+            busy |= op->conn == c && !op->done;
+        if (busy)
+            kt_log(t, "%s", c->fail_msg);
+        else
+            kt_log(t, "peer %s disconnected (%s); nothing was in flight on it", c->peer,
+                   ucs_status_string(c->error));
+    }
     if (!c->failed) {
         c->failed = 1;
         snprintf(c->fail_msg, sizeof c->fail_msg, "connection to %s closed", c->peer);
