@@ -16,6 +16,8 @@
 
 #include "kr.h"
 
+#include <pthread.h>
+
 #ifdef __cplusplus /* the CUDA sources include this through backend.h */
 extern "C" {
 #endif
@@ -32,6 +34,10 @@ struct kr_kv_pool {
     uint64_t *free_bits; /* bit i of word i / 64 set: block i is free, [(n_blocks + 63) / 64] */
     int free_hint; /* no free block below word free_hint */
     int n_free;
+    /* Serializes taking and returning blocks (free_bits, free_hint, n_free): a decode node fills
+     * a new sequence's blocks on its transport thread while its loop grows and trims others.
+     * The rows of a block are its owner's: one sequence is used by one thread at a time. */
+    pthread_mutex_t lock;
     void (*release)(void *p); /* frees k, v and pos: free, or the backend's kv_free */
 };
 

@@ -151,7 +151,10 @@ int kr_detok_flush(kr_detok *d, const char **delta, size_t *delta_len);
 /* A fixed pool of blocks. A block holds `block_size` entries of one (layer, KV head): keys
  * (post-RoPE), values and each entry's position. The pool is what admission reasons about.
  * Keys and values are stored in `dtype` (f32, bf16 or f16): a forward computes them in float32
- * and rounds them to nearest even when it stores them; attention widens them exactly. */
+ * and rounds them to nearest even when it stores them; attention widens them exactly.
+ * Threads may share a pool: taking and returning blocks is serialized inside it, so one thread
+ * may fill a new sequence (kr_seq_create, kr_seq_list_fill) while another decodes others; each
+ * sequence is used by one thread at a time. */
 typedef struct kr_kv_pool kr_kv_pool;
 int kr_kv_pool_create(int head_dim, int block_size, int n_blocks, kr_dtype dtype, kr_kv_pool **out,
                       char *err);

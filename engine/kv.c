@@ -34,6 +34,7 @@ int kr_kv_pool_create_in(int head_dim, int block_size, int n_blocks, kr_dtype dt
         return kr_errf(err, "KV pool: dtype %d is not one of F32, BF16, F16", (int)dtype);
     kr_kv_pool *p = calloc(1, sizeof *p);
     if (!p) return kr_errf(err, "KV pool: out of memory");
+    pthread_mutex_init(&p->lock, NULL);
     size_t entries = (size_t)n_blocks * (size_t)block_size;
     p->head_dim = head_dim;
     p->block_size = block_size;
@@ -67,6 +68,7 @@ void kr_kv_pool_free(kr_kv_pool *p)
     if (p->v) p->release(p->v);
     if (p->pos) p->release(p->pos);
     free(p->free_bits);
+    pthread_mutex_destroy(&p->lock);
     free(p);
 }
 
@@ -85,7 +87,7 @@ int kr_kv_pool_n_blocks(const kr_kv_pool *p)
     return p->n_blocks;
 }
 
-/* The lowest free block, taken (the caller checked n_free). Lowest first, so that a sequence's
+/* The lowest free block, taken (the caller holds p->lock and checked n_free). Lowest first, so that a sequence's
  * blocks lie together and in order however earlier sequences came and went: a list read in
  * order is then one address stream the hardware prefetcher follows, where the blocks a stack of
  * freed ids hands out, after many requests, lie anywhere in the pool (decode 11% slower on a
@@ -101,6 +103,7 @@ static int32_t pool_take(kr_kv_pool *p)
     return (int32_t)(w * 64 + bit);
 }
 
+/* Under p->lock. */
 static void pool_give(kr_kv_pool *p, int32_t block)
 {
     p->free_bits[block / 64] |= (uint64_t)1 << (block % 64);
@@ -110,7 +113,11 @@ static void pool_give(kr_kv_pool *p, int32_t block)
 
 int kr_kv_pool_n_free(const kr_kv_pool *p)
 {
-    return p->n_free;
+    kr_kv_pool *q = (kr_kv_pool *)p; /* the lock is not part of the pool's value */
+    pthread_mutex_lock(&q->lock);
+    const int n = q->n_free;
+    pthread_mutex_unlock(&q->lock);
+    return n;
 }
 
 int kr_kv_blocks_for(const kr_kv_pool *p, int n_layers, int n_kv_heads, int n_tokens)
@@ -145,7 +152,9 @@ void kr_seq_free(kr_seq *s)
     int n = s->n_layers * s->n_kv_heads;
     for (int i = 0; i < n; i++) {
         kr_kv_list *l = &s->lists[i];
+        pthread_mutex_lock(&s->pool->lock);
         for (int b = 0; b < l->n_blocks; b++) pool_give(s->pool, l->blocks[b]);
+        pthread_mutex_unlock(&s->pool->lock);
         free(l->blocks);
     }
     free(s->lists);
@@ -193,9 +202,6 @@ static int grow_lists(kr_seq *s, int first, int count, int n, char *err)
         int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         if (blocks > l->n_blocks) need += blocks - l->n_blocks;
     }
-    if (need > p->n_free)
-        return kr_errf(err, "KV pool exhausted: %d more blocks needed, %d free of %d", need,
-                       p->n_free, p->n_blocks);
     /* grow the block arrays first so a failed allocation leaves the pool untouched */
     for (int i = first; i < first + count; i++) {
         kr_kv_list *l = &s->lists[i];
@@ -209,11 +215,19 @@ static int grow_lists(kr_seq *s, int first, int count, int n, char *err)
             l->cap_blocks = cap;
         }
     }
+    pthread_mutex_lock(&p->lock);
+    if (need > p->n_free) {
+        const int n_free = p->n_free;
+        pthread_mutex_unlock(&p->lock);
+        return kr_errf(err, "KV pool exhausted: %d more blocks needed, %d free of %d", need,
+                       n_free, p->n_blocks);
+    }
     for (int i = first; i < first + count; i++) {
         kr_kv_list *l = &s->lists[i];
         int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         while (l->n_blocks < blocks) l->blocks[l->n_blocks++] = pool_take(p);
     }
+    pthread_mutex_unlock(&p->lock);
     return KR_OK;
 }
 
@@ -262,7 +276,10 @@ static void shrink(kr_kv_pool *p, kr_kv_list *l, int len, int pinned)
     l->len = len;
     l->pinned = pinned < len ? pinned : len;
     int need = (l->off + len + p->block_size - 1) / p->block_size;
+    if (l->n_blocks <= need) return;
+    pthread_mutex_lock(&p->lock);
     while (l->n_blocks > need) pool_give(p, l->blocks[--l->n_blocks]);
+    pthread_mutex_unlock(&p->lock);
 }
 
 void kr_seq_release_spare(kr_seq *s)
@@ -278,7 +295,9 @@ void kr_seq_release_spare(kr_seq *s)
 static void drop_front(kr_kv_pool *p, kr_kv_list *l, int start)
 {
     int off = l->off + start, whole = off / p->block_size;
+    pthread_mutex_lock(&p->lock);
     for (int b = 0; b < whole; b++) pool_give(p, l->blocks[b]);
+    pthread_mutex_unlock(&p->lock);
     memmove(l->blocks, l->blocks + whole, sizeof(int32_t) * (size_t)(l->n_blocks - whole));
     l->n_blocks -= whole;
     l->off = off - whole * p->block_size;

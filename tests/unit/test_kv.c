@@ -5,11 +5,14 @@
  * returns every block, lengths are per head, entries read back as
  * written, and the window search finds the first entry past a position. Pools of bf16 and f16
  * store rows rounded to nearest even and move them intact; a context's KV dtype is the weights'
- * by default, can be overridden, and one the backend cannot store is refused.
+ * by default, can be overridden, and one the backend cannot store is refused. Two threads
+ * sharing a pool never get the same block.
  */
 #include "kr_test.h"
 
 #include "kr-kv.h"
+
+#include <pthread.h>
 
 /* A bf16 or f16 pool of an odd head_dim: kr_seq_put rounds, trims move rows intact, reads widen. */
 static void check_typed_pool(kr_dtype t)
@@ -138,6 +141,71 @@ static void check_lowest_first(void)
     kr_kv_pool_free(p);
 }
 
+/* Two threads share one pool, as a decode node's loop and its transport thread do: each grows,
+ * trims and frees sequences of its own, marking every entry with its thread and sequence. No
+ * block is ever handed to both (each reads back only its own marks), growth that finds the pool
+ * short fails cleanly, and every block comes back. */
+enum { SHARED_BLOCKS = 96, SHARED_ROUNDS = 3000 };
+
+typedef struct shared_arg {
+    kr_kv_pool *pool;
+    int tag;
+    int bad, refused;
+} shared_arg;
+
+static void *shared_worker(void *arg)
+{
+    shared_arg *a = arg;
+    char err[KR_ERR_MAX];
+    unsigned rng = (unsigned)a->tag * 2654435761u + 1;
+    for (int round = 0; round < SHARED_ROUNDS; round++) {
+        kr_seq *s;
+        if (kr_seq_create(a->pool, 2, 2, &s, err) != KR_OK) {
+            a->bad++;
+            continue;
+        }
+        rng = rng * 1103515245u + 12345u;
+        const int n = 1 + (int)(rng >> 16) % 40;
+        if (kr_seq_grow(s, n, err) != KR_OK) {
+            a->refused++;
+            kr_seq_free(s);
+            continue;
+        }
+        const float mark = (float)(a->tag * 1000000 + round);
+        float k[4] = {mark, mark, mark, mark};
+        for (int l = 0; l < 2; l++)
+            for (int h = 0; h < 2; h++) {
+                kr_seq_list(s, l, h)->len = n;
+                for (int i = 0; i < n; i++) kr_seq_put(s, l, h, i, k, k, i);
+            }
+        kr_seq_keep_ends(s, 0, 1, 2, n / 3); /* trims return blocks meanwhile */
+        for (int l = 0; l < 2; l++)
+            for (int h = 0; h < 2; h++) {
+                const kr_kv_list *list = kr_seq_list(s, l, h);
+                for (int i = 0; i < list->len; i++)
+                    a->bad += *(const float *)kr_kv_list_key(a->pool, list, i) != mark;
+            }
+        kr_seq_free(s);
+    }
+    return NULL;
+}
+
+static void check_shared_pool(void)
+{
+    char err[KR_ERR_MAX];
+    kr_kv_pool *p;
+    REQUIRE(kr_kv_pool_create(4, 4, SHARED_BLOCKS, KR_DTYPE_F32, &p, err) == KR_OK, "%s", err);
+    shared_arg a[2] = {{.pool = p, .tag = 1}, {.pool = p, .tag = 2}};
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) REQUIRE(pthread_create(&t[i], NULL, shared_worker, &a[i]) == 0, "thread");
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    CHECK(a[0].bad == 0 && a[1].bad == 0, "entries overwritten by the other thread: %d, %d", a[0].bad, a[1].bad);
+    CHECK(a[0].refused + a[1].refused < 2 * SHARED_ROUNDS, "every growth refused");
+    CHECK(kr_kv_pool_n_free(p) == SHARED_BLOCKS, "blocks leaked: %d free of %d", kr_kv_pool_n_free(p),
+          SHARED_BLOCKS);
+    kr_kv_pool_free(p);
+}
+
 int main(void)
 {
     char err[KR_ERR_MAX];
@@ -145,6 +213,7 @@ int main(void)
     CHECK(kr_kv_pool_create(0, 16, 10, KR_DTYPE_F32, &p, err) == -1, "head_dim 0 accepted");
     CHECK_ERR_HAS(err, "head_dim");
     check_lowest_first();
+    check_shared_pool();
     REQUIRE(kr_kv_pool_create(4, 4, 10, KR_DTYPE_F32, &p, err) == KR_OK, "%s", err);
     CHECK(kr_kv_blocks_for(p, 2, 2, 5) == 8, "5 tokens x 4 lists need 2 blocks each");
 
