@@ -233,7 +233,16 @@ int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, u
  * earlier part already held: its lists then continue theirs (the entries of a chunk that was
  * final before the last one, sent early), and the last piece of a list carries its decode
  * rule. */
-typedef struct kt_bundle_set {
+typedef struct kt_bundle_set kt_bundle_set;
+/* A receiver's hook on a set the transport fills (kt_transport_reserve_bundle and _rma): called
+ * on the transport's progress thread, without its lock, right after part `i` was validated and
+ * joined the set and before that part is acknowledged, so that the receiver can take the part's
+ * rows while they are still in cache. Non-zero (with a message in err, KT_ERR_MAX bytes) refuses
+ * the part: the reservation fails as for a part that does not validate, and the sender hears
+ * the message. */
+typedef int (*kt_bundle_part_fn)(void *arg, const kt_bundle_set *s, uint32_t i, char *err);
+
+struct kt_bundle_set {
     /* The request's header once complete: n_layers summed over the parts, first_token and
      * next_pos from the last part, segment and first_layer 0. */
     kt_bundle_header hdr;
@@ -246,7 +255,9 @@ typedef struct kt_bundle_set {
                   a receiver that had the transport allocate parts as they arrived */
     void *region; /* a buffer from kt_partbuf_alloc holding the parts, which the set owns: an RMA
                      reservation's, where the sender put them (NULL: none) */
-} kt_bundle_set;
+    kt_bundle_part_fn on_part; /* NULL: none; set after kt_bundle_set_init */
+    void *on_part_arg;
+};
 
 /* An empty set over the caller's `parts` (cap views, at least 1). */
 void kt_bundle_set_init(kt_bundle_set *s, kt_bundle_view *parts, uint32_t cap);

@@ -313,9 +313,10 @@ static void kt_resv_unmap(kt_transport *t, kt_resv *r)
     r->memh = NULL;
 }
 
-/* Validates what arrived for r and adds it to r->set: the part that just landed, or, for a
- * bundle put in parts, each part in order now that the last is in. Runs without t->lock (only
- * the progress thread touches r's buffers and set meanwhile). */
+/* Validates what arrived for r and adds it to r->set, then calls the set's part hook: the part
+ * that just landed, or, for a bundle put in parts, each part in order now that the last is in.
+ * A part buffer of r's own belongs to the set once added (r->part is cleared). Runs without
+ * t->lock (only the progress thread touches r's buffers and set meanwhile). */
 static int kt_parse_arrived(kt_resv *r, char *err)
 {
     uint32_t n = r->put ? r->n_put + 1 : 1;
@@ -324,9 +325,16 @@ static int kt_parse_arrived(kt_resv *r, char *err)
         uint64_t len = i + 1 < n ? r->put_lens[i] : r->len;
         const uint8_t *part = r->buf ? r->buf + at : r->part;
         kt_bundle_view v;
-        if (kt_bundle_parse(part, (size_t)len, &v, err) != 0 ||
-            (r->set && kt_bundle_set_add(r->set, &v, i + 1 == n && !r->more, err) != 0))
+        if (kt_bundle_parse(part, (size_t)len, &v, err) != 0)
             return -1;
+        if (r->set) {
+            if (kt_bundle_set_add(r->set, &v, i + 1 == n && !r->more, err) != 0)
+                return -1;
+            if (part == r->part)
+                r->part = NULL;
+            if (r->set->on_part && r->set->on_part(r->set->on_part_arg, r->set, r->set->n_parts - 1, err) != 0)
+                return -1;
+        }
         at += len;
     }
     return 0;
@@ -863,8 +871,6 @@ static double kt_step(kt_transport *t)
                 bad = kt_parse_arrived(r, perr) != 0;
                 pthread_mutex_lock(&t->lock);
             }
-            if (!bad)
-                r->part = NULL; /* the set holds it now */
             char msg[KT_ERR_MAX] = "";
             if (r->done) { /* released while the part was checked: the sender hears that */
                 snprintf(msg, sizeof msg, "%s", r->msg);
