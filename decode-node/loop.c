@@ -1,9 +1,10 @@
 /*
  * loop.c - kvrelay-decode's continuous-batching thread. Each iteration:
- *   1. admits the Decode calls handed over since the last one: imports each bundle into a
- *      kr_seq (every list appended as received with the decode rule it carries, the next
- *      position set), so new sequences join at any step; no policy code runs here: decode
- *      applies each list's rule, whatever the policy that chose it;
+ *   1. admits the Decode calls handed over since the last one: adopts the kr_seq their bundle
+ *      was copied into as it arrived (import.c: every list as received, with the decode rule
+ *      it carries) and sets its next position, so new sequences join at any step without a
+ *      copy here; no policy code runs here: decode applies each list's rule, whatever the
+ *      policy that chose it;
  *   2. ends sequences whose call was cancelled (client gone, deadline) or whose reservation was
  *      released, freeing their blocks at once;
  *   3. runs one kr_forward_batch over every running sequence (chunks of --max-batch), samples
@@ -13,10 +14,10 @@
  *      sampled sequences share a batch: they differ only in how a row becomes an id.
  * When nothing runs it sleeps on the node's condition variable (woken by a hand-over, a
  * release or shutdown; at the latest at the next reservation expiry, which it also enforces).
- * This thread alone touches the KV pool, the kr_ctx and the sequences.
+ * This thread alone touches the kr_ctx and the running sequences; the pool it shares with the
+ * transport's thread, which fills new sequences (the pool serializes taking blocks).
  * Not here: admission (resv.c) and request checks (service.c).
  */
-#include "bundle-rule.h"
 #include "names.h"
 #include "node.h"
 
@@ -136,7 +137,6 @@ __attribute__((format(printf, 4, 5))) static void finish(dn_loop *L, dn_job *j,
     j->seq = NULL;
     pthread_mutex_lock(&n->lock);
     dn_resv_unlink_locked(n, j->resv);
-    n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
     dn_publish_locked(n);
     publish_families(L);
     pthread_mutex_unlock(&n->lock);
@@ -195,84 +195,6 @@ static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_
 
 /* ------------------------------------------------------------------ joining the batch */
 
-/* One run of a list's slots in the pool's blocks, filled from the received bundle
- * (kr_list_fill_fn): straight into the blocks (the only copy of the rows on this node) when
- * the bundle's rows can be read in the pool's dtype, which is a plain copy when the wire
- * carries the cache's dtype (the prefill node's default); a quantized bundle into a bf16 or
- * f16 pool goes through `rows` (float32 K then V rows of one block), rounded there. */
-typedef struct fill_arg {
-    const kt_bundle_set *set;
-    uint32_t layer, head;
-    size_t head_dim;
-    float *rows; /* NULL when the rows go straight into the blocks */
-} fill_arg;
-
-static int fill_rows(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k, void *v,
-                     char *err)
-{
-    const fill_arg *a = arg;
-    if (!a->rows)
-        return kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos,
-                                  kt_dtype_of_cache(dtype), k, v, err);
-    const size_t elems = (size_t)n * a->head_dim;
-    if (kt_bundle_set_read(a->set, a->layer, a->head, (uint32_t)first, (uint32_t)n, pos,
-                           KT_DTYPE_F32, a->rows, a->rows + elems, err) != 0)
-        return -1;
-    kr_dtype_from_f32(dtype, a->rows, elems, k);
-    kr_dtype_from_f32(dtype, a->rows + elems, elems, v);
-    return 0;
-}
-
-/* The bundle -> a sequence of this node's pool, exactly as the prefill node held it, each list
- * with the decode rule the prefill node's policy gave it; rows go from the part buffers
- * straight into the blocks (through one block of float32 rows for a quantized bundle into a
- * half-precision pool). */
-static int import(dn_loop *L, dn_job *j, char *err)
-{
-    dn_node *n = L->n;
-    const kr_config *c = n->mcfg;
-    const kt_bundle_set *v = &j->set;
-    kr_seq *s = NULL;
-    float *rows = NULL;
-    if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32 && kt_dtype_quantized(v->hdr.dtype)) {
-        rows = malloc(sizeof(float) * 2 * (size_t)kr_kv_pool_block_size(n->pool) *
-                      (size_t)c->head_dim);
-        if (!rows) {
-            snprintf(err, KR_ERR_MAX, "out of memory for the rows of one KV block");
-            return -1;
-        }
-    }
-    if (kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &s, err) != KR_OK)
-        goto err_rows;
-    for (int l = 0; l < c->n_layers; l++) {
-        for (int h = 0; h < c->n_kv_heads; h++) {
-            kt_bundle_list lv;
-            if (kt_bundle_set_list(v, (uint32_t)l, (uint32_t)h, &lv, err) != 0)
-                goto err_seq;
-            const kr_list_rule rule = kt_bundle_list_rule(&lv);
-            if (kr_seq_list_set_rule(s, l, h, &rule, err) != KR_OK)
-                goto err_seq;
-            if (lv.count == 0)
-                continue;
-            fill_arg a = {.set = v, .layer = (uint32_t)l, .head = (uint32_t)h,
-                          .head_dim = (size_t)c->head_dim, .rows = rows};
-            if (kr_seq_list_fill(s, l, h, (int)lv.count, (int)lv.pinned, fill_rows, &a, err) !=
-                KR_OK)
-                goto err_seq;
-        }
-    }
-    if (kr_seq_set_next_pos(s, v->hdr.next_pos, err) != KR_OK)
-        goto err_seq;
-    free(rows);
-    j->seq = s;
-    return 0;
-err_seq:
-    kr_seq_free(s);
-err_rows:
-    free(rows);
-    return -1;
-}
-
 static void admit(dn_loop *L, dn_job *j)
 {
     dn_node *n = L->n;
@@ -284,23 +206,17 @@ static void admit(dn_loop *L, dn_job *j)
         finish_ok(L, j, why);
         return;
     }
+    /* The rows are in the pool already (import.c copied each part as it arrived, within the
+     * reservation's blocks): the sequence only needs its next position. */
     char err[KR_ERR_MAX];
-    double t0 = dn_now();
-    if (import(L, j, err) != 0) {
-        finish(L, j, GRPC_STATUS_INTERNAL, "importing the KV bundle failed: %s", err);
+    j->seq = j->resv->seq;
+    j->resv->seq = NULL;
+    if (kr_seq_set_next_pos(j->seq, j->set.hdr.next_pos, err) != KR_OK) {
+        finish(L, j, GRPC_STATUS_INTERNAL, "the KV bundle's sequence: %s", err);
         return;
     }
-    kc_histogram_observe(n->m.import_s, dn_now() - t0);
-    /* service.c held every list to the policy's largest list; heads and hsft bound their
-     * streaming heads' lists tighter than that, so a bundle could still bring more than its
-     * reservation covers: it must not keep blocks promised to others. */
-    if (kr_seq_blocks(j->seq) > j->resv->blocks) {
-        finish(L, j, GRPC_STATUS_FAILED_PRECONDITION, "the KV bundle takes %d blocks, more than "
-               "the %" PRId64 " its reservation holds", kr_seq_blocks(j->seq), j->resv->blocks);
-        return;
-    }
-    /* The bundle's bytes are in the pool now: its parts can go. */
-    kt_bundle_set_free(&j->resv->set);
+    kc_histogram_observe(n->m.import_s, j->resv->import_s);
+    kt_bundle_set_free(&j->resv->set); /* Decode checked the lists: the parts can go */
     j->next_in = first;
     if (L->n_run == L->cap) {
         int cap = L->cap ? 2 * L->cap : 16;
@@ -315,7 +231,6 @@ static void admit(dn_loop *L, dn_job *j)
     L->run[L->n_run++] = j;
     pthread_mutex_lock(&n->lock);
     n->n_running++;
-    n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
     dn_publish_locked(n);
     publish_families(L);
     pthread_mutex_unlock(&n->lock);
@@ -412,7 +327,6 @@ static void step(dn_loop *L)
         if (!L->run[i])
             drop(L, i);
     pthread_mutex_lock(&n->lock);
-    n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
     dn_publish_locked(n);
     publish_families(L);
     pthread_mutex_unlock(&n->lock);
@@ -492,7 +406,6 @@ static void *loop_main(void *arg)
     }
     pthread_mutex_lock(&n->lock);
     n->loop_alive = 0;
-    n->used_blocks = n->total_blocks - kr_kv_pool_n_free(n->pool);
     dn_publish_locked(n);
     publish_families(L);
     pthread_mutex_unlock(&n->lock);

@@ -6,15 +6,18 @@
  *   main.c     flags, start-up (model, KV pool, transport, gRPC, HTTP), signals, shutdown
  *   resv.c     the reservation table: admission against free-minus-reserved blocks, receive
  *              buffers, the transport's completion callback, release, expiry
+ *   import.c   each part of a bundle, as it arrives, into the reservation's sequence
  *   service.c  the Decode service's handlers (Reserve, Decode, Release, Status)
- *   loop.c     the continuous-batching thread: imports bundles into sequences, one
+ *   loop.c     the continuous-batching thread: adopts the imported sequences, one
  *              kr_forward_batch per step over every running sequence, sampling (or the forced
  *              ids of a scoring request, with log-probabilities), streaming
  *
- * Threads: gRPC handler threads (one per call), the transport's progress thread (callbacks),
- * the batching loop thread, libmicrohttpd's threads, and main (waits for a signal). Everything
- * mutable below is guarded by dn_node.lock, except what the loop alone touches: the KV pool,
- * kr_ctx, the sequences and the running set (marked "loop only").
+ * Threads: gRPC handler threads (one per call), the transport's progress thread (callbacks and
+ * imports), the batching loop thread, libmicrohttpd's threads, and main (waits for a signal).
+ * Everything mutable below is guarded by dn_node.lock, except what the loop alone touches
+ * (kr_ctx, the running sequences and the running set, marked "loop only"), a reservation's
+ * sequence while its transfer is open (the progress thread's), and the KV pool, which locks
+ * itself.
  */
 #ifndef DN_NODE_H
 #define DN_NODE_H
@@ -63,6 +66,8 @@ typedef struct dn_config {
     kr_kv_dtype cache_dtype; /* the KV pool's dtype (--kv-cache-dtype) */
 } dn_config;
 
+typedef struct dn_node dn_node;
+
 typedef enum dn_resv_state {
     DN_RESV_WAITING = 0, /* reserved in the transport, bundle not (fully) here */
     DN_RESV_READY = 1, /* bundle arrived and parsed by the transport; no Decode yet */
@@ -88,7 +93,14 @@ typedef struct dn_resv {
                               pipelined transfer (owned) */
     kt_bundle_set set; /* the transport's validated parts (a whole bundle, or the layer segments
                           of a pipelined transfer), each in its own buffer, owned by the set;
-                          freed once the loop copied the rows into the sequence's blocks */
+                          freed once the loop adopted `seq` (Decode checks the lists first) */
+    /* The parts' rows, copied into KV blocks by dn_import_part as each part arrives: written on
+     * the transport's progress thread until the transfer's callback, read by the Decode path
+     * after it; owned (NULL once the loop adopted it). */
+    dn_node *node;
+    int64_t blocks_bound; /* `blocks` as reserved, fixed: what seq may take */
+    kr_seq *seq;
+    double import_s; /* seconds spent copying rows into seq */
     int xfer_open; /* the transport still adds to set (its callback has not run) */
     int cancel; /* DECODING: Release asked to end it */
     double expires; /* monotonic seconds: an unused READY reservation is dropped then */
@@ -104,7 +116,7 @@ typedef struct dn_job {
     dn_resv *resv; /* DECODING: nobody else frees it */
     kc_call *call; /* detached; finished exactly once by the loop */
     char request_id[DN_REQUEST_ID_MAX + 1];
-    kt_bundle_set set; /* a copy of resv->set (which keeps owning the parts), until imported */
+    kt_bundle_set set; /* a copy of resv->set (which keeps owning the parts), until admitted */
     kr_sampler *sampler;
     int32_t *stop_ids; /* [n_stop] */
     int n_stop;
@@ -113,8 +125,8 @@ typedef struct dn_job {
     int logprobs; /* stream logprobs and top_ids with the ids (always when forced) */
     int max_tokens; /* completion tokens allowed, the first included */
     int budget_tokens; /* what the reservation's blocks cover (CONTEXT beyond it) */
-    /* loop only, from the import on */
-    kr_seq *seq;
+    /* loop only, from the admission on */
+    kr_seq *seq; /* adopted from resv->seq */
     int32_t next_in; /* the token fed at the next step */
     int n_gen; /* completion tokens so far, the first included */
     int32_t pending[DN_PENDING_MAX]; /* sampled ids not yet sent (the client is behind) */
@@ -139,13 +151,13 @@ typedef struct dn_metrics {
     kc_counter *expired;
 } dn_metrics;
 
-typedef struct dn_node {
+struct dn_node {
     dn_config cfg;
     kr_model *model;
     const kr_config *mcfg;
     char fingerprint[17];
     float *zero_logits; /* [vocab]: what a sampler skips a draw with */
-    kr_kv_pool *pool; /* loop only (after start-up) */
+    kr_kv_pool *pool; /* the loop's, and import.c's for sequences not yet handed over */
     kr_ctx *ctx; /* loop only */
     kt_transport *transport;
     kc_server *server;
@@ -165,12 +177,11 @@ typedef struct dn_node {
     int n_resvs;
     int64_t total_blocks; /* the pool's */
     int64_t reserved_sum; /* sum of live reservations' bounds (used blocks included) */
-    int64_t used_blocks; /* blocks held by sequences, as the loop last saw the pool */
     dn_job *pending; /* Decode calls handed over, not yet admitted by the loop (FIFO) */
     dn_job **pending_tail;
     int n_pending, n_running, n_waiting; /* n_waiting: Decode calls waiting for a bundle */
     pthread_t loop;
-} dn_node;
+};
 
 /* resv.c */
 /* Admits a reservation (takes `policy` in every case) and reserves room for its bundle in the
@@ -189,6 +200,12 @@ int dn_resv_release(dn_node *n, uint64_t id, const char *request_id);
 double dn_resv_reap_locked(dn_node *n, double now); /* returns the next deadline */
 void dn_resv_release_all(dn_node *n);
 void dn_publish_locked(dn_node *n); /* gauges from the accounting */
+/* Blocks sequences hold in the pool now: running ones and those being imported. */
+int64_t dn_used_blocks(const dn_node *n);
+
+/* import.c */
+/* The reservation's kt_bundle_part_fn (arg: its dn_resv): part i's rows into r->seq. */
+int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err);
 
 /* service.c */
 int dn_service_register(dn_node *n, char *err);

@@ -1,12 +1,14 @@
 /*
  * resv.c - kvrelay-decode's reservations: admission of a Reserve against the pool's blocks not
  * yet promised to anyone, the KV bundle's parts (each in a buffer of its size, allocated by the
- * transport as it arrives and validated there once: the set of them is handed over), the
+ * transport as it arrives, validated there once and copied into the reservation's sequence by
+ * import.c: the sequence and the set of parts are handed over), the
  * transport's completion
  * callback, Release, and expiry. Accounting (docs/decode-node.md "Admission"):
  *   reserved_sum = sum of the blocks bound of every live reservation (a running sequence's
  *                  reservation included: its blocks in use count inside its bound),
- *   used         = blocks sequences hold in the pool (the loop's last look),
+ *   used         = blocks sequences hold in the pool (read from it: running ones, and those
+ *                  being imported),
  *   free         = total - reserved_sum (what a new Reserve may take),
  *   reserved     = reserved_sum - used (promised, not yet taken from the pool).
  * A reservation is admitted when its bound fits in `free`, so every admitted sequence can reach
@@ -43,12 +45,18 @@ int64_t dn_unix_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+int64_t dn_used_blocks(const dn_node *n)
+{
+    return n->total_blocks - kr_kv_pool_n_free(n->pool);
+}
+
 void dn_publish_locked(dn_node *n)
 {
-    int64_t reserved = n->reserved_sum - n->used_blocks;
-    kc_gauge_set(n->m.blocks_used, (double)n->used_blocks);
+    const int64_t used = dn_used_blocks(n);
+    int64_t reserved = n->reserved_sum - used;
+    kc_gauge_set(n->m.blocks_used, (double)used);
     kc_gauge_set(n->m.blocks_reserved, (double)(reserved > 0 ? reserved : 0));
-    kc_gauge_set(n->m.blocks_free, (double)(n->total_blocks - n->used_blocks));
+    kc_gauge_set(n->m.blocks_free, (double)(n->total_blocks - used));
     kc_gauge_set(n->m.running, (double)n->n_running);
     kc_gauge_set(n->m.queued, (double)n->n_pending);
     kc_gauge_set(n->m.reservations, (double)n->n_resvs);
@@ -74,6 +82,10 @@ void dn_resv_unlink_locked(dn_node *n, dn_resv *r)
     }
     n->reserved_sum -= r->blocks;
     r->blocks = 0;
+    if (r->state != DN_RESV_WAITING) { /* its transfer is over: nothing imports into r->seq */
+        kr_seq_free(r->seq);
+        r->seq = NULL;
+    }
     dn_publish_locked(n);
     pthread_cond_broadcast(&n->cond); /* a Decode waiting on this id learns it is gone */
 }
@@ -84,6 +96,7 @@ void dn_resv_free(dn_resv *r)
         return;
     kr_policy_free(r->policy);
     kt_bundle_set_free(&r->set);
+    kr_seq_free(r->seq);
     free(r->parts);
     free(r);
 }
@@ -124,6 +137,8 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
             r->failed_at = dn_now();
             drop = r->set; /* the parts that did arrive, freed outside the lock */
             kt_bundle_set_init(&r->set, r->parts, r->set.cap);
+            kr_seq_free(r->seq); /* the rows copied so far: their blocks count as free below */
+            r->seq = NULL;
             if (strstr(r->err, " expired"))
                 kc_counter_inc(n->m.expired, 1);
             kc_warn(r->request_id, "reservation %" PRIu64 ": %s; %" PRId64 " blocks returned", id,
@@ -209,7 +224,10 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
         return GRPC_STATUS_RESOURCE_EXHAUSTED;
     }
     r->policy = policy;
+    r->node = n;
     kt_bundle_set_init(&r->set, r->parts, max_parts);
+    r->set.on_part = dn_import_part;
+    r->set.on_part_arg = r;
     /* RMA: the prefill node puts the parts into one buffer of the bound, mapped now; pages are
      * only backed as they are written, and the set frees it with the parts */
     if (n->cfg.rma && !(r->set.region = kt_partbuf_alloc(size))) {
@@ -254,7 +272,7 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
         return GRPC_STATUS_RESOURCE_EXHAUSTED;
     }
     r->id = new_id_locked(n);
-    r->blocks = need;
+    r->blocks = r->blocks_bound = need;
     n->reserved_sum += need;
     r->next = n->resvs;
     n->resvs = r;
@@ -314,7 +332,10 @@ int dn_resv_release(dn_node *n, uint64_t id, const char *request_id)
     if (xfer)
         kt_transport_release(n->transport, id);
     kc_info(request_id, "reservation %" PRIu64 " released (%" PRId64 " blocks)", id, blocks);
-    dn_resv_free(r);
+    dn_resv_free(r); /* with the rows a transfer still open had copied */
+    pthread_mutex_lock(&n->lock);
+    dn_publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
     return 1;
 }
 
@@ -360,5 +381,8 @@ void dn_resv_release_all(dn_node *n)
         if (xfer)
             kt_transport_release(n->transport, r->id);
         dn_resv_free(r);
+        pthread_mutex_lock(&n->lock);
+        dn_publish_locked(n);
+        pthread_mutex_unlock(&n->lock);
     }
 }

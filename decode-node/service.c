@@ -187,7 +187,7 @@ static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_res
         }
         if (r->state == DN_RESV_FAILED) {
             code = refuse(call, rid, transfer_code(r->err), "reservation_id %" PRIu64
-                                 ": the KV bundle never arrived: %s", id, r->err);
+                                 ": no KV bundle to decode: %s", id, r->err);
             dn_resv_unlink_locked(n, r); /* reported: the tombstone has served */
             dead = r;
             break;
@@ -242,18 +242,8 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
     char err[KT_ERR_MAX > KR_ERR_MAX ? KT_ERR_MAX : KR_ERR_MAX];
     kt_bundle_set *v = &job->set;
     *v = r->set; /* validated by the transport as the bytes arrived (kt_transport_reserve_bundle) */
-    if (kt_bundle_check_model(&v->hdr, n->fingerprint, (uint32_t)c->n_layers, (uint32_t)c->n_kv_heads,
-                              (uint32_t)c->head_dim, err) != 0)
-        return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
-                             "the KV bundle is for another model than this node's (%s, "
-                             "fingerprint %s): %s", n->cfg.model_dir, n->fingerprint, err);
+    /* the model and the policy were checked part by part as the bundle arrived (import.c) */
     const kt_bundle_header *h = &v->hdr;
-    /* Both specs are kr_policy_spec's canonical form (every default filled in), so equal
-     * policies are equal strings and the bundle's spec needs no parse of its own. */
-    if (strcmp(h->policy, kr_policy_spec(r->policy)) != 0)
-        return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
-                             "the KV bundle's policy '%s' differs from the reservation's '%s'",
-                             h->policy, kr_policy_spec(r->policy));
     if (h->prompt_len > r->prompt_tokens)
         return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
                              "the KV bundle's prompt_len %d exceeds the reservation's "
@@ -455,7 +445,7 @@ static int on_status(kc_call *call, const ProtobufCMessage *msg, void *user)
     node.queued_requests = (uint32_t)(n->n_pending + n->n_waiting);
     node.total_kv_blocks = (uint64_t)n->total_blocks;
     node.free_kv_blocks = (uint64_t)(n->total_blocks - n->reserved_sum);
-    int64_t reserved = n->reserved_sum - n->used_blocks;
+    int64_t reserved = n->reserved_sum - dn_used_blocks(n);
     node.reserved_kv_blocks = (uint64_t)(reserved > 0 ? reserved : 0);
     node.since_unix_ms = n->since_unix_ms;
     pthread_mutex_unlock(&n->lock);

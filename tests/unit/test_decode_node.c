@@ -14,10 +14,11 @@
  *     blocks (polled for a few seconds, no timing asserted);
  *   - refusals: Release of an unknown id (released=false), Reserve over capacity
  *     (RESOURCE_EXHAUSTED), bad Reserve fields (INVALID_ARGUMENT naming them), a bundle for
- *     another model (FAILED_PRECONDITION naming both fingerprints), a bundle whose decode rules
- *     never trim against a reservation sized for streaming (FAILED_PRECONDITION naming the
- *     list and the blocks; the blocks return), garbage bytes on all four
- *     RPCs (INVALID_ARGUMENT), after all of which the node still serves;
+ *     another model, under another policy or longer than its reservation (each refused as it
+ *     arrives: the sender's error and Decode's FAILED_PRECONDITION name both sides), a bundle
+ *     whose decode rules never trim against a reservation sized for streaming
+ *     (FAILED_PRECONDITION naming the list and the blocks; the blocks return), garbage bytes
+ *     on all four RPCs (INVALID_ARGUMENT), after all of which the node still serves;
  *   - a node killed with SIGKILL and restarted on the same ports serves the same
  *     sender again; SIGTERM drains (running and reserved work finishes with one-process tokens,
  *     new Reserves UNAVAILABLE "draining", health NOT_SERVING, Status DRAINING, exit 0); an
@@ -572,6 +573,26 @@ static void ship_and_decode(engine *e, node *nd, uint64_t id, request *rq, int s
     kc_stream_close(s);
 }
 
+/* Prefills rq and ships its bundle to reservation `id`, which refuses it as it arrives: the
+ * sender's error and the Decode call's (FAILED_PRECONDITION) both contain `a` and `b`. */
+static void refused_on_arrival(engine *e, node *nd, uint64_t id, request *rq, int salt,
+                               const char *rid, const char *a, const char *b)
+{
+    char err[KT_ERR_MAX];
+    prefill(e, rq, salt, 0);
+    CHECK(ship(e, nd, id, rq, err) != 0, "%s: the sender hears the refusal", rid);
+    CHECK_ERR_HAS(err, a);
+    CHECK_ERR_HAS(err, b);
+    streamed out;
+    kc_stream *s = decode_open(nd, id, rid, (uint32_t)rq->max_tokens, NULL, 5000);
+    decode_read(s, &out);
+    kc_stream_close(s);
+    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION, "%s: %s %s", rid,
+          kc_status_name(out.st.code), out.st.details);
+    CHECK_ERR_HAS(out.st.details, a);
+    CHECK_ERR_HAS(out.st.details, b);
+}
+
 /* ------------------------------------------------------------------ tests */
 
 /* Files the heads and hsft policies read (the node reads the same paths): per layer, KV head
@@ -804,25 +825,30 @@ static void test_refusals(engine *e, node *nd)
           "a forced id outside the vocabulary: %s", kc_status_name(out.st.code));
     CHECK_ERR_HAS(out.st.details, "forced[2]");
 
-    /* A bundle for another model: a clear error naming both fingerprints, blocks returned. */
+    /* A bundle for another model: refused as it arrives, before a row is copied, with a clear
+     * error naming both fingerprints that the sender hears and the Decode call reports; blocks
+     * returned. */
     request rq = {.policy = "full", .n_prompt = 20, .max_tokens = 8,
                   .fingerprint = "0123456789abcdef"};
     uint64_t id = reserve(nd, "other-model", 20, 8, "full", 0, &st);
     REQUIRE(id, "Reserve: %s", st.details);
-    ship_and_decode(e, nd, id, &rq, 200, 0, "other-model", 8, 5000, &out);
-    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION,
-          "bundle for another model: %s %s", kc_status_name(out.st.code), out.st.details);
-    CHECK_ERR_HAS(out.st.details, "0123456789abcdef");
-    CHECK_ERR_HAS(out.st.details, kr_model_fingerprint(e->m));
+    refused_on_arrival(e, nd, id, &rq, 200, "other-model", "0123456789abcdef",
+                       kr_model_fingerprint(e->m));
 
-    /* A bundle under another policy than reserved. */
+    /* A bundle under another policy than reserved: the same, naming both policies. */
     request rq2 = {.policy = "streaming:sink=4,window=16", .n_prompt = 20, .max_tokens = 8};
     id = reserve(nd, "other-policy", 20, 8, "full", 0, &st);
     REQUIRE(id, "Reserve: %s", st.details);
-    ship_and_decode(e, nd, id, &rq2, 201, 0, "other-policy", 8, 5000, &out);
-    CHECK(out.rc == -1 && out.st.code == GRPC_STATUS_FAILED_PRECONDITION,
-          "bundle under another policy: %s %s", kc_status_name(out.st.code), out.st.details);
-    CHECK_ERR_HAS(out.st.details, "policy");
+    refused_on_arrival(e, nd, id, &rq2, 201, "other-policy", "policy 'streaming:",
+                       "reservation's 'full");
+
+    /* A bundle longer than its reservation: refused as it arrives, as soon as its rows would
+     * take blocks beyond the reservation's (promised to others), before any Decode check. */
+    request rq5 = {.policy = "full", .n_prompt = 40, .max_tokens = 1};
+    id = reserve(nd, "too-long", 8, 1, "full", 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    refused_on_arrival(e, nd, id, &rq5, 203, "too-long", "blocks, more than the",
+                       "its reservation holds");
     CHECK(idle(nd), "refused bundles return their blocks");
 
     /* A bundle whose lists never trim against a reservation sized for streaming's window: the

@@ -1,0 +1,144 @@
+/*
+ * import.c - a reservation's bundle into its sequence, part by part, as the parts arrive. The
+ * transport calls dn_import_part on its progress thread right after it validated a part (a whole
+ * bundle, or one layer segment of a pipelined transfer) and before it acknowledges it: the rows
+ * are copied from the part, still in cache from the checksum pass, straight into KV blocks taken
+ * from the node's pool (the pool serializes taking blocks with the loop, which decodes other
+ * sequences meanwhile). So the loop never copies a bundle: it adopts the sequence when the
+ * Decode call comes (loop.c), and a pipelined transfer's copies overlap the transfer of the
+ * layers after them.
+ * Each part is checked against this node's model and the reservation's policy before a row is
+ * read, and the sequence may never hold more blocks than the reservation's bound: a part that
+ * breaks either is refused, the reservation fails, and the sender hears why. What only the
+ * whole bundle shows (every list within the bound over the reserved decode steps, the first
+ * token, the next position) is checked at Decode (service.c).
+ */
+#include "bundle-rule.h"
+#include "node.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One run of a list's slots in the pool's blocks, filled from a part (kr_list_fill_fn): a plain
+ * copy when the wire carries the cache's dtype (the prefill node's default), a conversion
+ * otherwise; a quantized part into a bf16 or f16 pool goes through `rows` (float32 K then V rows
+ * of one block), rounded there. */
+typedef struct fill_arg {
+    const kt_bundle_view *part;
+    const kt_bundle_list_view *list;
+    size_t head_dim;
+    float *rows; /* NULL when the rows go straight into the blocks */
+} fill_arg;
+
+static int fill_rows(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k, void *v,
+                     char *err)
+{
+    const fill_arg *a = arg;
+    if (!a->rows)
+        return kt_bundle_list_read(a->part, a->list, (uint32_t)first, (uint32_t)n, pos,
+                                   kt_dtype_of_cache(dtype), k, v, err);
+    const size_t elems = (size_t)n * a->head_dim;
+    if (kt_bundle_list_read(a->part, a->list, (uint32_t)first, (uint32_t)n, pos, KT_DTYPE_F32,
+                            a->rows, a->rows + elems, err) != 0)
+        return -1;
+    kr_dtype_from_f32(dtype, a->rows, elems, k);
+    kr_dtype_from_f32(dtype, a->rows + elems, elems, v);
+    return 0;
+}
+
+/* The part against this node's model (the fingerprint and shape, and for a layer segment that
+ * its layers are the model's) and against the reservation's policy. */
+static int check_part(const dn_node *n, const dn_resv *r, const kt_bundle_header *h, char *err)
+{
+    const kr_config *c = n->mcfg;
+    /* Both specs are kr_policy_spec's canonical form (every default filled in), so equal
+     * policies are equal strings and the bundle's spec needs no parse of its own. */
+    if (strcmp(h->policy, kr_policy_spec(r->policy)) != 0) {
+        snprintf(err, KT_ERR_MAX, "the KV bundle's policy '%.200s' differs from the reservation's "
+                 "'%.200s'", h->policy, kr_policy_spec(r->policy));
+        return -1;
+    }
+    kt_bundle_header whole = *h;
+    if (h->segment) {
+        if ((uint64_t)h->first_layer + h->n_layers > (uint64_t)c->n_layers) {
+            snprintf(err, KT_ERR_MAX, "the KV bundle's segment holds layers [%" PRIu32 ", %" PRIu64
+                     "), past this node's model's %d", h->first_layer,
+                     (uint64_t)h->first_layer + h->n_layers, c->n_layers);
+            return -1;
+        }
+        whole.n_layers = (uint32_t)c->n_layers;
+    }
+    char why[KT_ERR_MAX];
+    if (kt_bundle_check_model(&whole, n->fingerprint, (uint32_t)c->n_layers,
+                              (uint32_t)c->n_kv_heads, (uint32_t)c->head_dim, why) != 0) {
+        snprintf(err, KT_ERR_MAX, "the KV bundle is for another model: %.400s", why);
+        return -1;
+    }
+    return 0;
+}
+
+int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
+{
+    dn_resv *r = arg;
+    dn_node *n = r->node;
+    const kr_config *c = n->mcfg;
+    const kt_bundle_view *part = &s->parts[i];
+    const double t0 = dn_now();
+    if (check_part(n, r, &part->hdr, err) != 0)
+        return -1;
+    char why[KR_ERR_MAX > KT_ERR_MAX ? KR_ERR_MAX : KT_ERR_MAX];
+    if (!r->seq && kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &r->seq, why) != KR_OK) {
+        snprintf(err, KT_ERR_MAX, "%.500s", why);
+        return -1;
+    }
+    float *rows = NULL;
+    if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32 && kt_dtype_quantized(part->hdr.dtype) &&
+        !(rows = malloc(sizeof(float) * 2 * (size_t)kr_kv_pool_block_size(n->pool) *
+                        (size_t)c->head_dim))) {
+        snprintf(err, KT_ERR_MAX, "out of memory for the rows of one KV block");
+        return -1;
+    }
+    int rc = 0;
+    for (uint32_t l = 0; l < part->hdr.n_layers && rc == 0; l++) {
+        const int layer = (int)(part->hdr.first_layer + l);
+        for (uint32_t h = 0; h < part->hdr.n_kv_heads && rc == 0; h++) {
+            kt_bundle_list_view lv;
+            if (kt_bundle_view_list(part, l, h, &lv, why) != 0) {
+                rc = -1;
+                break;
+            }
+            /* the list's decode rule is its last piece's; pinned entries come first in a list,
+             * and a piece continuing a list adds its own after the earlier pieces' */
+            const kt_bundle_list piece = {.count = lv.count, .pinned = lv.pinned,
+                                          .window = lv.window, .sink = lv.sink, .lazy = lv.lazy,
+                                          .slack = lv.slack, .max_drop = lv.max_drop,
+                                          .flags = lv.flags};
+            const kr_list_rule rule = kt_bundle_list_rule(&piece);
+            int len, pinned;
+            kr_seq_list_shape(r->seq, layer, (int)h, &len, &pinned);
+            fill_arg a = {.part = part, .list = &lv, .head_dim = (size_t)c->head_dim,
+                          .rows = rows};
+            if (kr_seq_list_set_rule(r->seq, layer, (int)h, &rule, why) != KR_OK ||
+                (lv.count > 0 &&
+                 kr_seq_list_fill(r->seq, layer, (int)h, (int)lv.count, pinned + (int)lv.pinned,
+                                  fill_rows, &a, why) != KR_OK))
+                rc = -1;
+        }
+    }
+    free(rows);
+    if (rc != 0) {
+        snprintf(err, KT_ERR_MAX, "importing the KV bundle failed: %.450s", why);
+        return -1;
+    }
+    /* The bound: rows beyond it would be blocks promised to other reservations. */
+    const int blocks = kr_seq_blocks(r->seq);
+    if (blocks > r->blocks_bound) {
+        snprintf(err, KT_ERR_MAX, "the KV bundle takes %d blocks, more than the %" PRId64
+                 " its reservation holds", blocks, r->blocks_bound);
+        return -1;
+    }
+    r->import_s += dn_now() - t0;
+    return 0;
+}
