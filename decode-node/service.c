@@ -229,9 +229,9 @@ static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_res
     return code;
 }
 
-/* The bundle against this model and against what the reservation promised: a bundle whose
- * lists could hold more blocks than the reservation's bound could take blocks promised to
- * others. Two checks: no list brings more entries than the bound assumed, and the lists' decode
+/* The whole bundle against this model and against what the reservation promised (each part's
+ * model and policy were checked as it arrived, import.c): a bundle whose lists could hold more
+ * blocks than the reservation's bound could take blocks promised to others. Two checks: no list brings more entries than the bound assumed, and the lists' decode
  * rules, as the bundle carries them, keep the whole sequence within r->blocks over the
  * reservation's max_tokens - 1 decode steps (kr_list_rule_blocks_bound summed over the lists).
  * The rules themselves are not compared with the policy's (for hsft and sage they depend on the
