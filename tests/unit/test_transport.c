@@ -3,7 +3,8 @@
  * a real bundle round trip into a larger reservation, sizes from 1 byte to 32 MiB, concurrent
  * transfers, refusals (unknown reservation, a bundle larger than its reservation, bad bundle)
  * that leave the receiver serving, a smaller bundle accepted with its own size, expiry and
- * send timeouts, and peer death both ways with processes killed by SIGKILL mid-transfer
+ * send timeouts, a set's part hook (once per part, in order, before the ack; its refusal
+ * reaches the sender), and peer death both ways with processes killed by SIGKILL mid-transfer
  * (children are this binary re-executed with --child-*, so no UCX state crosses a fork).
  * Not a benchmark: tools/kvrelay-transfer-bench measures throughput.
  * Run: ctest -R transport (about 5 s). Exit 77 (SKIPPED) when UCX cannot listen on loopback.
@@ -401,6 +402,83 @@ static void test_segments(kt_transport *rx, kt_transport *tx)
     CHECK_ERR_HAS(err, "not after its position");
     REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
     CHECK(rb.status == -1 && strstr(rb.msg, "not after its position"), "reservation failed: %s", rb.msg);
+}
+
+/* What a part hook saw: the parts it was called for, in order, and whether the first part's
+ * sender had been answered by then (it must not have: the hook runs before the ack). */
+typedef struct hook_log {
+    int calls;
+    uint32_t index[4], first_layer[4];
+    const done_box *sender;
+    int answered_before;
+    int refuse_at; /* the call (0-based) that refuses, or -1 */
+} hook_log;
+
+static int hook_cb(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
+{
+    hook_log *h = arg;
+    if (h->calls < 4) {
+        h->index[h->calls] = i;
+        h->first_layer[h->calls] = s->parts[i].hdr.first_layer;
+    }
+    if (h->calls == 0) { /* were the ack already sent, 50 ms would see the sender answered */
+        sleep_ms(50);
+        h->answered_before = box_wait((done_box *)h->sender, 0.0);
+    }
+    if (h->calls++ == h->refuse_at) {
+        snprintf(err, KT_ERR_MAX, "no room for part %u", i);
+        return -1;
+    }
+    return 0;
+}
+
+/* A set's part hook: called once per part, in order, after the part joined the set and before
+ * its sender is answered; its refusal fails the reservation and reaches the sender with its
+ * message, and no later part is taken. */
+static void test_part_hook(kt_transport *rx, kt_transport *tx)
+{
+    enum { CAP = 16384 };
+    static uint8_t seg[2][CAP];
+    uint64_t n0 = write_segment(seg[0], CAP, 0, 0), n1 = write_segment(seg[1], CAP, 1, 1);
+    char err[KT_ERR_MAX];
+    kt_bundle_view parts[2];
+    kt_bundle_set set;
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    const uint16_t port = kt_transport_port(rx);
+    for (int refuse_at = -1; refuse_at < 1; refuse_at++) {
+        const uint64_t id = 710 + (uint64_t)(refuse_at + 1);
+        done_box rb, sb;
+        box_init(&rb);
+        box_init(&sb);
+        hook_log h = {.sender = &sb, .refuse_at = refuse_at};
+        kt_bundle_set_init(&set, parts, 2);
+        set.on_part = hook_cb;
+        set.on_part_arg = &h;
+        REQUIRE(kt_transport_reserve_bundle(rx, id, NULL, 2 * CAP, 5.0, &set, box_cb, &rb, tok,
+                                            err) == 0, "%s", err);
+        REQUIRE(kt_transport_send(tx, HOST, port, id, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb,
+                                  &sb, err) == 0, "%s", err);
+        REQUIRE(box_wait(&sb, 5.0), "first segment answered within 5 s");
+        if (refuse_at == 0) {
+            CHECK(sb.status == -1 && strstr(sb.msg, "no room for part 0"),
+                  "the hook's refusal reaches the sender: %s", sb.msg);
+            REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
+            CHECK(rb.status == -1 && strstr(rb.msg, "no room for part 0"), "reservation failed: %s",
+                  rb.msg);
+            CHECK(h.calls == 1, "no part after a refusal: %d calls", h.calls);
+        } else {
+            CHECK(sb.status == 0, "first segment: %s", sb.msg);
+            CHECK(kt_transport_send_wait(tx, HOST, port, id, tok, seg[1], n1, 5.0, err) == 0,
+                  "last segment: %s", err);
+            REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
+            CHECK(rb.status == 0 && set.complete, "receive: %s", rb.msg);
+            CHECK(h.calls == 2 && h.index[0] == 0 && h.index[1] == 1 && h.first_layer[0] == 0 &&
+                      h.first_layer[1] == 1,
+                  "one call per part, in order: %d calls (%u, %u)", h.calls, h.index[0], h.index[1]);
+        }
+        CHECK(h.answered_before == 0, "the hook runs before the part's sender is answered");
+        kt_bundle_set_free(&set);
+    }
 }
 
 /* kt_transport_put, waited for: its callback's status (and message in box). */
@@ -994,6 +1072,7 @@ int main(int argc, char **argv)
     REQUIRE(tx, "sender transport: %s", err);
     test_real_bundle(rx, tx);
     test_segments(rx, tx);
+    test_part_hook(rx, tx);
     test_owned_parts(rx, tx);
     test_sizes(rx, tx);
     test_concurrent(rx, tx);
