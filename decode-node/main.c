@@ -238,7 +238,8 @@ static int metrics_init(dn_metrics *m)
         if (!m->blocks_by_policy[f]) return -1;
     }
     m->import_s = kc_histogram_add(r, "kvrelay_decode_import_seconds",
-                                   "Seconds to import a KV bundle into the pool", NULL,
+                                   "Seconds spent copying a KV bundle's rows into the pool, summed over its parts as they arrived",
+                                   NULL,
                                    kc_latency_buckets, kc_n_latency_buckets);
     m->tokens = kc_counter_add(r, "kvrelay_tokens_generated_total",
                                "Completion tokens sampled by the batching loop (the first is the prefill node's)",
