@@ -21,33 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One run of a list's slots in the pool's blocks, filled from a part (kr_list_fill_fn): a plain
- * copy when the wire carries the cache's dtype (the prefill node's default), a conversion
- * otherwise; a quantized part into a bf16 or f16 pool goes through `rows` (float32 K then V rows
- * of one block), rounded there. */
-typedef struct fill_arg {
-    const kt_bundle_view *part;
-    const kt_bundle_list_view *list;
-    size_t head_dim;
-    float *rows; /* NULL when the rows go straight into the blocks */
-} fill_arg;
-
-static int fill_rows(void *arg, int first, int n, int32_t *pos, kr_dtype dtype, void *k, void *v,
-                     char *err)
-{
-    const fill_arg *a = arg;
-    if (!a->rows)
-        return kt_bundle_list_read(a->part, a->list, (uint32_t)first, (uint32_t)n, pos,
-                                   kt_dtype_of_cache(dtype), k, v, err);
-    const size_t elems = (size_t)n * a->head_dim;
-    if (kt_bundle_list_read(a->part, a->list, (uint32_t)first, (uint32_t)n, pos, KT_DTYPE_F32,
-                            a->rows, a->rows + elems, err) != 0)
-        return -1;
-    kr_dtype_from_f32(dtype, a->rows, elems, k);
-    kr_dtype_from_f32(dtype, a->rows + elems, elems, v);
-    return 0;
-}
-
 /* The part against this node's model (the fingerprint and shape, and for a layer segment that
  * its layers are the model's) and against the reservation's policy. */
 static int check_part(const dn_node *n, const dn_resv *r, const kt_bundle_header *h, char *err)
@@ -100,33 +73,7 @@ int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
         snprintf(err, KT_ERR_MAX, "out of memory for the rows of one KV block");
         return -1;
     }
-    int rc = 0;
-    for (uint32_t l = 0; l < part->hdr.n_layers && rc == 0; l++) {
-        const int layer = (int)(part->hdr.first_layer + l);
-        for (uint32_t h = 0; h < part->hdr.n_kv_heads && rc == 0; h++) {
-            kt_bundle_list_view lv;
-            if (kt_bundle_view_list(part, l, h, &lv, why) != 0) {
-                rc = -1;
-                break;
-            }
-            /* the list's decode rule is its last piece's; pinned entries come first in a list,
-             * and a piece continuing a list adds its own after the earlier pieces' */
-            const kt_bundle_list piece = {.count = lv.count, .pinned = lv.pinned,
-                                          .window = lv.window, .sink = lv.sink, .lazy = lv.lazy,
-                                          .slack = lv.slack, .max_drop = lv.max_drop,
-                                          .flags = lv.flags};
-            const kr_list_rule rule = kt_bundle_list_rule(&piece);
-            int len, pinned;
-            kr_seq_list_shape(r->seq, layer, (int)h, &len, &pinned);
-            fill_arg a = {.part = part, .list = &lv, .head_dim = (size_t)c->head_dim,
-                          .rows = rows};
-            if (kr_seq_list_set_rule(r->seq, layer, (int)h, &rule, why) != KR_OK ||
-                (lv.count > 0 &&
-                 kr_seq_list_fill(r->seq, layer, (int)h, (int)lv.count, pinned + (int)lv.pinned,
-                                  fill_rows, &a, why) != KR_OK))
-                rc = -1;
-        }
-    }
+    const int rc = kt_bundle_part_to_seq(r->seq, part, (uint32_t)c->head_dim, rows, why);
     free(rows);
     if (rc != 0) {
         snprintf(err, KT_ERR_MAX, "importing the KV bundle failed: %.450s", why);

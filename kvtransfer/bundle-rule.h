@@ -2,8 +2,9 @@
  * bundle-rule.h - where the engine's per-list decode rule (kr_list_rule, engine/kr.h) meets the
  * bundle's list record (kt_bundle_list, bundle.h): the prefill node writes each list's rule
  * into the bundle, the decode node reads it back; and where a KV cache's row dtype meets the
- * bundle's payload dtype. Header-only, for the nodes and their tests; the codec itself
- * (bundle.c) stays free of the engine.
+ * bundle's payload dtype; and where a received part's rows enter a sequence's blocks.
+ * Header-only, for the nodes, their tests and the transfer bench; the codec itself (bundle.c)
+ * stays free of the engine.
  */
 #ifndef KT_BUNDLE_RULE_H
 #define KT_BUNDLE_RULE_H
@@ -44,6 +45,66 @@ static inline kr_list_rule kt_bundle_list_rule(const kt_bundle_list *l)
 static inline kt_dtype kt_dtype_of_cache(kr_dtype t)
 {
     return t == KR_DTYPE_BF16 ? KT_DTYPE_BF16 : t == KR_DTYPE_F16 ? KT_DTYPE_F16 : KT_DTYPE_F32;
+}
+
+/* One run of a list's slots in the pool's blocks, filled from a bundle part (kr_list_fill_fn):
+ * a plain copy when the wire carries the cache's dtype, a conversion otherwise; a quantized part
+ * into a bf16 or f16 pool goes through `rows` (float32 K then V rows of one block), rounded
+ * there. */
+typedef struct kt_part_fill {
+    const kt_bundle_view *part;
+    const kt_bundle_list_view *list;
+    size_t head_dim;
+    float *rows; /* NULL when the rows go straight into the blocks */
+} kt_part_fill;
+
+static inline int kt_part_fill_rows(void *arg, int first, int n, int32_t *pos, kr_dtype dtype,
+                                    void *k, void *v, char *err)
+{
+    const kt_part_fill *a = (const kt_part_fill *)arg;
+    if (!a->rows)
+        return kt_bundle_list_read(a->part, a->list, (uint32_t)first, (uint32_t)n, pos,
+                                   kt_dtype_of_cache(dtype), k, v, err);
+    const size_t elems = (size_t)n * a->head_dim;
+    if (kt_bundle_list_read(a->part, a->list, (uint32_t)first, (uint32_t)n, pos, KT_DTYPE_F32,
+                            a->rows, a->rows + elems, err) != 0)
+        return -1;
+    kr_dtype_from_f32(dtype, a->rows, elems, k);
+    kr_dtype_from_f32(dtype, a->rows + elems, elems, v);
+    return 0;
+}
+
+/* Appends every list of a validated part (a whole bundle, or a layer segment whose layers are
+ * s's) to sequence s, each with its pinned entries after the list's earlier pinned ones and
+ * its decode rule (a later piece's replaces an earlier one's): the rows go from the part
+ * straight into s's blocks. `rows` (2 * block_size * head_dim floats) is needed only for a
+ * quantized part into a bf16 or f16 pool; else NULL. The caller checked the part's shape
+ * against s (kt_bundle_check_model). Returns 0, or -1 with err (KR_ERR_MAX bytes). */
+static inline int kt_bundle_part_to_seq(kr_seq *s, const kt_bundle_view *part, uint32_t head_dim,
+                                        float *rows, char *err)
+{
+    for (uint32_t l = 0; l < part->hdr.n_layers; l++) {
+        const int layer = (int)(part->hdr.first_layer + l);
+        for (uint32_t h = 0; h < part->hdr.n_kv_heads; h++) {
+            kt_bundle_list_view lv;
+            if (kt_bundle_view_list(part, l, h, &lv, err) != 0)
+                return -1;
+            const kt_bundle_list piece = {.count = lv.count, .pinned = lv.pinned,
+                                          .window = lv.window, .sink = lv.sink, .lazy = lv.lazy,
+                                          .slack = lv.slack, .max_drop = lv.max_drop,
+                                          .flags = lv.flags};
+            const kr_list_rule rule = kt_bundle_list_rule(&piece);
+            int len, pinned;
+            kr_seq_list_shape(s, layer, (int)h, &len, &pinned);
+            kt_part_fill a = {.part = part, .list = &lv, .head_dim = head_dim, .rows = rows};
+            if (kr_seq_list_set_rule(s, layer, (int)h, &rule, err) != KR_OK ||
+                (lv.count > 0 &&
+                 kr_seq_list_fill(s, layer, (int)h, (int)lv.count, pinned + (int)lv.pinned,
+                                  kt_part_fill_rows, &a, err) != KR_OK))
+                return -1;
+        }
+    }
+    return 0;
 }
 
 #endif /* KT_BUNDLE_RULE_H */

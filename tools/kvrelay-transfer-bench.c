@@ -6,7 +6,9 @@
  * node pays), one bundle at a time and K at once, sender and receiver as two UCX contexts in
  * this process; with --validate the data is a real bundle of about the size and the receiver
  * validates it before acknowledging, as a decode node does (kt_transport_reserve_bundle into
- * buffers of each bundle's size: every checksum and field); ucx_perftest runs
+ * buffers of each bundle's size: every checksum and field), and with --import it also copies
+ * each part's rows into the blocks of a KV pool before the ack, the rest of a decode node's
+ * receive path (decode-node/import.c); ucx_perftest runs
  * as a server and a client process with -t TEST -s SIZE. With --mode rma each reservation is
  * mapped and the bundle put into it (kt_transport_reserve_rma, kt_transport_put), next to
  * ucx_perftest -t ucp_put_bw. It is not a test: nothing is asserted.
@@ -27,6 +29,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bundle-rule.h"
 #include "cli.h"
 #include "transport.h"
 
@@ -39,7 +42,27 @@ typedef struct slot {
     window *w;
     int k;
     atomic_int left; /* callbacks still to come */
+    kr_kv_pool *pool; /* --import: the receiver's KV pool, else NULL */
+    kr_seq *seq; /* --import: what the parts were copied into (freed when the slot is reused) */
+    int import_failed;
 } slot;
+
+/* --import: the decode node's part hook (decode-node/import.c, without its checks against a
+ * model and a reservation): each part's rows into the slot's sequence, on the progress thread,
+ * before the part's ack. */
+static int import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
+{
+    slot *sl = arg;
+    const kt_bundle_view *part = &s->parts[i];
+    char why[KR_ERR_MAX];
+    if ((!sl->seq && kr_seq_create(sl->pool, 1, 1, &sl->seq, why) != KR_OK) ||
+        kt_bundle_part_to_seq(sl->seq, part, part->hdr.head_dim, NULL, why) != 0) {
+        snprintf(err, KT_ERR_MAX, "import: %.450s", why);
+        sl->import_failed = 1;
+        return -1;
+    }
+    return 0;
+}
 struct window {
     sem_t done;
     pthread_mutex_t lock;
@@ -71,6 +94,7 @@ typedef struct flight {
     uint8_t *dst;
     uint64_t size;
     int validate, rma;
+    kr_kv_pool *pool; /* --import */
     window w;
     kt_rma_key *keys; /* rma: slot k's reservation key */
     slot *slots;
@@ -85,8 +109,12 @@ static void launch(flight *f, int k)
     char err[KT_ERR_MAX];
     uint8_t tok[KT_RESV_TOKEN_BYTES];
     const uint64_t id = next_id++;
-    f->slots[k] = (slot){.w = &f->w, .k = k, .left = 2};
+    f->slots[k] = (slot){.w = &f->w, .k = k, .left = 2, .pool = f->pool};
     kt_bundle_set_init(&f->sets[k], &f->views[k], 1);
+    if (f->pool) {
+        f->sets[k].on_part = import_part;
+        f->sets[k].on_part_arg = &f->slots[k];
+    }
     /* validating, the receiver is a decode node's: parts land in buffers the transport
      * allocates at their size, owned by the set */
     uint8_t *dst = f->dst + (uint64_t)k * f->size;
@@ -118,6 +146,8 @@ static int wait_slot(flight *f)
     pthread_mutex_unlock(&f->w.lock);
     if (f->validate)
         kt_bundle_set_free(&f->sets[k]);
+    kr_seq_free(f->slots[k].seq); /* the copy's blocks back to the pool */
+    f->slots[k].seq = NULL;
     return k;
 }
 
@@ -128,7 +158,8 @@ static int wait_slot(flight *f)
  * transfers connect and fill the window and are not timed. dst holds `inflight` buffers of
  * `size`. */
 static double bench_kvrelay(kt_transport *rx, kt_transport *tx, const uint8_t *src, uint8_t *dst,
-                            uint64_t size, int iters, int inflight, int validate, int rma)
+                            uint64_t size, int iters, int inflight, int validate, int rma,
+                            kr_kv_pool *pool)
 {
     static kt_rma_key keys[64]; /* --inflight's most */
     int ready[inflight];
@@ -136,7 +167,7 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, const uint8_t *s
     kt_bundle_view views[inflight];
     kt_bundle_set sets[inflight];
     flight f = {.rx = rx, .tx = tx, .src = src, .dst = dst, .size = size, .validate = validate, .rma = rma,
-                .keys = keys,
+                .pool = pool, .keys = keys,
                 .w = {.ready = ready, .failed = 0}, .slots = slots, .views = views, .sets = sets};
     sem_init(&f.w.done, 0, 0);
     pthread_mutex_init(&f.w.lock, NULL);
@@ -263,7 +294,7 @@ int main(int argc, char **argv)
 {
     cli_init(argv);
     const char *sizes_s = "1,4,16,64,256,1024", *tls = "tcp", *test = NULL;
-    int iters_flag = 0, port = 13500, inflight_flag = 8, validate = 0, n_rounds = 3, rma = 0;
+    int iters_flag = 0, port = 13500, inflight_flag = 8, validate = 0, n_rounds = 3, rma = 0, import = 0;
     static const kc_flag_choice modes[] = {{"am", 0}, {"rma", 1}, {NULL, 0}};
     const kc_flag table[] = {
         {.kind = KC_FLAG_STRING, .name = "--sizes", .arg = "MIB,...", .dest = &sizes_s, .def = "1,4,16,64,256,1024",
@@ -289,6 +320,9 @@ int main(int argc, char **argv)
         {.kind = KC_FLAG_BOOL, .name = "--validate", .dest = &validate,
          .help = "send real bundles (one list of f32 rows, a little under each size) and validate each on "
                  "receipt before the ack, as a decode node does"},
+        {.kind = KC_FLAG_BOOL, .name = "--import", .dest = &import,
+         .help = "with --validate: the receiver also copies each part's rows into the blocks of a KV "
+                 "pool before the ack, as a decode node does (its whole receive path)"},
         {.kind = KC_FLAG_END},
     };
     const kc_flags flags = {.prog = "kvrelay-transfer-bench", .usage = "[options]", .table = table};
@@ -304,6 +338,16 @@ int main(int argc, char **argv)
     }
     if (!test)
         test = rma ? "ucp_put_bw" : "ucp_am_bw";
+    if (import && !validate)
+        cli_die(2, "--import needs --validate (it copies the rows of real bundles)");
+    kr_kv_pool *pool = NULL;
+    if (import) { /* room for --inflight bundles of the largest size (make_bundle's shape) */
+        char perr[KR_ERR_MAX];
+        const int64_t blocks = (int64_t)inflight_flag * (int64_t)(max / (2 * 128 * 4 + 4) / 16 + 2);
+        if (blocks > INT32_MAX ||
+            kr_kv_pool_create(128, 16, (int)blocks, KR_DTYPE_F32, &pool, perr) != KR_OK)
+            cli_die(1, "a KV pool for --import: %s", blocks > INT32_MAX ? "too large" : perr);
+    }
     setenv("UCX_TLS", tls, 1);
     char err[KT_ERR_MAX];
     kt_transport *rx = NULL, *tx = NULL;
@@ -326,8 +370,10 @@ int main(int argc, char **argv)
     printf("# UCX_TLS=%s, loopback; kvrelay = reserve + %s + ack per bundle%s: one at a time (1), "
            "and K in flight (K); perftest = ucx_perftest -t %s (overall); %d interleaved rounds "
            "(kvrelay then perftest), medians; ratio = median over rounds of K / perftest\n",
-           tls, rma ? "put + flush + header" : "send", validate ? " + validation on receipt" : "", test,
-           n_rounds);
+           tls, rma ? "put + flush + header" : "send",
+           import ? " + validation and the copy into KV blocks on receipt"
+                  : validate ? " + validation on receipt" : "",
+           test, n_rounds);
     printf("%10s %4s %14s %14s %14s %8s  %s\n", "size_MiB", "K", "kvrelay_1", "kvrelay_K",
            "perftest_GB/s", "ratio", "ratio_per_round");
     for (int i = 0; i < n_sizes; i++) {
@@ -344,8 +390,9 @@ int main(int argc, char **argv)
         for (int r = 0; r < n_rounds; r++) {
             fprintf(stderr, "kvrelay-transfer-bench: %d MiB x %d, round %d/%d: kvrelay, then "
                     "ucx_perftest -t %s\n", mib[i], iters, r + 1, n_rounds, test);
-            double sec1 = bench_kvrelay(rx, tx, src, dst, bytes, iters, 1, validate, rma);
-            double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, bytes, iters, k, validate, rma) : sec1;
+            double sec1 = bench_kvrelay(rx, tx, src, dst, bytes, iters, 1, validate, rma, pool);
+            double seck = k > 1 ? bench_kvrelay(rx, tx, src, dst, bytes, iters, k, validate, rma, pool)
+                                : sec1;
             one[r] = bytes / sec1 / 1e9;
             ours[r] = bytes / seck / 1e9;
             double pt = have_pt ? bench_perftest(test, size, iters, port + i * n_rounds + r, why, sizeof why) : -1;
@@ -367,6 +414,7 @@ int main(int argc, char **argv)
     }
     kt_transport_destroy(tx);
     kt_transport_destroy(rx);
+    kr_kv_pool_free(pool);
     free(src);
     free(dst);
     free(mib);
