@@ -24,7 +24,16 @@ static struct {
     pthread_mutex_t lock;
     pb_head *free[PB_CLASSES];
     size_t kept;
+    size_t out, peak; /* bytes of kept-class buffers handed out now, and at most so far */
 } cache = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* Under cache.lock. */
+static size_t keep_bound(void)
+{
+    return cache.peak < KT_PARTBUF_KEEP_MIN   ? KT_PARTBUF_KEEP_MIN
+           : cache.peak > KT_PARTBUF_KEEP_MAX ? KT_PARTBUF_KEEP_MAX
+                                              : cache.peak;
+}
 
 /* The class of a `size`-byte request: the smallest power of two at least size, or 0 below the
  * smallest class or beyond the largest. */
@@ -57,6 +66,12 @@ void *kt_partbuf_alloc(size_t size)
         if (!h) return NULL;
         h->shift = shift;
     }
+    if (shift) {
+        pthread_mutex_lock(&cache.lock);
+        cache.out += (size_t)1 << shift;
+        if (cache.out > cache.peak) cache.peak = cache.out;
+        pthread_mutex_unlock(&cache.lock);
+    }
     h->next = NULL;
     return (uint8_t *)h + PB_HEAD;
 }
@@ -68,7 +83,8 @@ void kt_partbuf_free(void *p)
     if (h->shift) {
         size_t bytes = (size_t)1 << h->shift;
         pthread_mutex_lock(&cache.lock);
-        int keep = cache.kept + bytes <= KT_PARTBUF_KEEP_BYTES;
+        cache.out -= bytes;
+        int keep = cache.kept + bytes <= keep_bound();
         if (keep) {
             h->next = cache.free[h->shift];
             cache.free[h->shift] = h;
@@ -78,6 +94,14 @@ void kt_partbuf_free(void *p)
         if (keep) return;
     }
     free(h);
+}
+
+size_t kt_partbuf_keep_bound(void)
+{
+    pthread_mutex_lock(&cache.lock);
+    size_t bound = keep_bound();
+    pthread_mutex_unlock(&cache.lock);
+    return bound;
 }
 
 size_t kt_partbuf_kept(void)

@@ -1,7 +1,8 @@
 /*
  * test_partbuf.c - the recycled part buffers (kvtransfer/partbuf.h): a released large buffer is
  * handed out again for a part of its size class and holds the whole part; small ones and ones
- * past the kept bound are not kept; buffers are 64-byte aligned. Under the sanitizer build a
+ * past the kept bound are not kept; the bound follows the most bytes out at once, between its
+ * floor and its ceiling; buffers are 64-byte aligned. Under the sanitizer build a
  * write past what was asked for, a double release or a buffer lost on the way would fail here.
  * Run: ctest -R test_partbuf
  */
@@ -42,7 +43,10 @@ int main(void)
     CHECK(kt_partbuf_kept() == 12 * mib, "a small buffer is not kept: %zu", kt_partbuf_kept());
     kt_partbuf_free(NULL);
 
-    /* past the bound: the kept bytes never exceed it */
+    /* the bound follows the most bytes out at once: 40 buffers of 16 MiB out together raise it
+     * from its floor to 640 MiB, and the kept bytes never exceed it */
+    CHECK(kt_partbuf_keep_bound() == KT_PARTBUF_KEEP_MIN, "the bound starts at its floor: %zu",
+          kt_partbuf_keep_bound());
     enum { N = 40 };
     uint8_t *big[N];
     for (int i = 0; i < N; i++) {
@@ -51,7 +55,18 @@ int main(void)
         big[i][16 * mib - 1] = (uint8_t)i;
     }
     for (int i = 0; i < N; i++) kt_partbuf_free(big[i]);
-    CHECK(kt_partbuf_kept() <= KT_PARTBUF_KEEP_BYTES && kt_partbuf_kept() >= KT_PARTBUF_KEEP_BYTES - 16 * mib,
-          "kept %zu of at most %zu", kt_partbuf_kept(), KT_PARTBUF_KEEP_BYTES);
+    const size_t bound = kt_partbuf_keep_bound();
+    CHECK(bound == (size_t)N * 16 * mib, "the bound is the peak out: %zu", bound);
+    CHECK(kt_partbuf_kept() <= bound && kt_partbuf_kept() >= bound - 16 * mib,
+          "kept %zu of at most %zu", kt_partbuf_kept(), bound);
+
+    /* and stops at its ceiling: five 1 GiB buffers (address space only: nothing is written past
+     * each header) */
+    uint8_t *huge[5];
+    for (int i = 0; i < 5; i++) REQUIRE((huge[i] = kt_partbuf_alloc((size_t)1 << 30)), "1 GiB number %d", i);
+    for (int i = 0; i < 5; i++) kt_partbuf_free(huge[i]);
+    CHECK(kt_partbuf_keep_bound() == KT_PARTBUF_KEEP_MAX, "the bound stops at %zu: %zu",
+          KT_PARTBUF_KEEP_MAX, kt_partbuf_keep_bound());
+    CHECK(kt_partbuf_kept() <= KT_PARTBUF_KEEP_MAX, "kept %zu", kt_partbuf_kept());
     return kt_done("test_partbuf");
 }
