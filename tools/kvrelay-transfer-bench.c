@@ -13,8 +13,8 @@
  * mapped and the bundle put into it (kt_transport_reserve_rma, kt_transport_put), next to
  * ucx_perftest -t ucp_put_bw. It is not a test: nothing is asserted.
  * Run: kvrelay-transfer-bench [--sizes 1,4,16,64,256,1024] [--tls tcp] [--mode am|rma]
- * [--test NAME] [--rounds 3] (sizes in MiB; rounds alternate the two and the table gives
- * medians). Progress
+ * [--test NAME] [--rounds 3] [--validate [--import]] (sizes in MiB; rounds alternate the two
+ * and the table gives medians). Progress
  * on stderr, the table on stdout. Figures: docs/transport.md.
  */
 #include <inttypes.h>
