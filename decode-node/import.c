@@ -7,9 +7,10 @@
  * sequences meanwhile). So the loop never copies a bundle: it adopts the sequence when the
  * Decode call comes (loop.c), and a pipelined transfer's copies overlap the transfer of the
  * layers after them.
- * Each part is checked against this node's model and the reservation's policy before a row is
- * read, and the sequence may never hold more blocks than the reservation's bound: a part that
- * breaks either is refused, the reservation fails, and the sender hears why. What only the
+ * Each part is checked against this node's model and the reservation's policy, and the blocks
+ * it would bring the sequence to against the reservation's bound, before a row is read or a
+ * block taken: a part that breaks either is refused, the reservation fails, and the sender hears
+ * why. What only the
  * whole bundle shows (every list within the bound over the reserved decode steps, the first
  * token, the next position) is checked at Decode (service.c).
  */
@@ -52,6 +53,25 @@ static int check_part(const dn_node *n, const dn_resv *r, const kt_bundle_header
     return 0;
 }
 
+/* Blocks r's sequence holds once part is appended: each list of the part grows from its length
+ * so far (the lists of a sequence being imported start at slot 0 and hold no spare blocks). */
+static int64_t blocks_after(const dn_resv *r, const kt_bundle_view *part, int block_size)
+{
+    int64_t total = r->seq ? kr_seq_blocks(r->seq) : 0;
+    for (uint32_t l = 0; l < part->hdr.n_layers; l++)
+        for (uint32_t h = 0; h < part->hdr.n_kv_heads; h++) {
+            kt_bundle_list_view lv;
+            if (kt_bundle_view_list(part, l, h, &lv, NULL) != 0)
+                continue; /* inside the validated part: cannot happen */
+            int len = 0;
+            if (r->seq)
+                kr_seq_list_shape(r->seq, (int)(part->hdr.first_layer + l), (int)h, &len, NULL);
+            total += ((int64_t)len + lv.count + block_size - 1) / block_size -
+                     ((int64_t)len + block_size - 1) / block_size;
+        }
+    return total;
+}
+
 int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
 {
     dn_resv *r = arg;
@@ -61,6 +81,14 @@ int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
     const double t0 = dn_now();
     if (check_part(n, r, &part->hdr, err) != 0)
         return -1;
+    /* The bound, before a block is taken: beyond it lie blocks promised to other reservations,
+     * which the batching thread may need at its next step. */
+    const int64_t blocks = blocks_after(r, part, kr_kv_pool_block_size(n->pool));
+    if (blocks > r->blocks_bound) {
+        snprintf(err, KT_ERR_MAX, "the KV bundle takes %" PRId64 " blocks, more than the %" PRId64
+                 " its reservation holds", blocks, r->blocks_bound);
+        return -1;
+    }
     char why[KR_ERR_MAX > KT_ERR_MAX ? KR_ERR_MAX : KT_ERR_MAX];
     if (!r->seq && kr_seq_create(n->pool, c->n_layers, c->n_kv_heads, &r->seq, why) != KR_OK) {
         snprintf(err, KT_ERR_MAX, "%.500s", why);
@@ -77,13 +105,6 @@ int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
     free(rows);
     if (rc != 0) {
         snprintf(err, KT_ERR_MAX, "importing the KV bundle failed: %.450s", why);
-        return -1;
-    }
-    /* The bound: rows beyond it would be blocks promised to other reservations. */
-    const int blocks = kr_seq_blocks(r->seq);
-    if (blocks > r->blocks_bound) {
-        snprintf(err, KT_ERR_MAX, "the KV bundle takes %d blocks, more than the %" PRId64
-                 " its reservation holds", blocks, r->blocks_bound);
         return -1;
     }
     r->import_s += dn_now() - t0;
