@@ -364,7 +364,8 @@ int kr_policy_list_window(const kr_policy *p, int layer, int kv_head);
  * the rows in place, in the pool's dtype.
  *
  * The receiver, in this order: kr_seq_create; one kr_seq_list_append per list, in any order (a
- * list's entries may also come in several calls) and its kr_seq_list_set_rule;
+ * list's entries may also come in several calls; or kr_seq_list_fill, or kr_seq_list_adopt of a
+ * run of blocks the rows were received into) and its kr_seq_list_set_rule;
  * kr_seq_set_next_pos with the sender's kr_seq_next_pos; then decode. No policy is needed:
  * decode applies the lists' rules. Decoding then gives logits bit-identical to continuing in
  * the sender (the sender having ended with kr_prefill, as a prefill node does). */
@@ -406,6 +407,34 @@ typedef int (*kr_list_fill_fn)(void *arg, int first, int n, int32_t *pos, kr_dty
  * kr_seq_list_append does; when fn or a check fails the list is left as it was. */
 int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_list_fill_fn fn,
                      void *arg, char *err);
+/* Receiving a list without copying it: the rows go straight into a run of consecutive blocks,
+ * which the list then owns. Slot j of block first + b is row b * block_size + j of the run, so
+ * the key rows of a run are one array [n * block_size][head_dim] of the pool's dtype, and so are
+ * the values and the positions [n * block_size].
+ * Takes n >= 1 consecutive free blocks, ids *first .. *first + n - 1, the lowest such run, all or
+ * nothing: returns -1 (taking nothing) when the pool has no free run of n blocks. Thread-safe as
+ * taking single blocks is. The blocks are the caller's until kr_kv_pool_give_run or
+ * kr_seq_list_adopt. */
+int kr_kv_pool_take_run(kr_kv_pool *p, int n, int32_t *first);
+/* Returns blocks first .. first + n - 1 (taken, owned by no list) to the pool. */
+void kr_kv_pool_give_run(kr_kv_pool *p, int32_t first, int n);
+/* Where the rows of the run that starts at block `first` lie: keys and values [n *
+ * block_size][head_dim] of the pool's dtype, positions [n * block_size]; the caller writes them
+ * before kr_seq_list_adopt. */
+void kr_kv_pool_run_rows(const kr_kv_pool *p, int32_t first, void **k, void **v, int32_t **pos);
+/* Appends to list (layer, kv_head) of s, which must be open as for kr_seq_list_append and whose
+ * entries (if any) fill its blocks exactly, the n blocks first .. first + n - 1 (taken by
+ * kr_kv_pool_take_run, owned by nobody else), whose slots 0 .. len - 1 already hold the new
+ * entries' positions, keys and values in order: the list owns the blocks from then on (its
+ * entries grow by len; `pinned` is its pinned count after, as for kr_seq_list_fill), grows, trims
+ * and returns them to the pool like blocks it took itself. n must be ceil(len / block_size) (n 0
+ * with len 0: only `pinned` is set). Fails (-1, message in err) without taking ownership when
+ * the list does not exist, is closed or ends inside a block, n does not match len, pinned is
+ * below the list's pinned count or above its new length, a block is outside the pool or free, or
+ * the positions are not >= 0 and strictly increasing after the list's last one; the caller then
+ * still owns the blocks (kr_kv_pool_give_run). */
+int kr_seq_list_adopt(kr_seq *s, int layer, int kv_head, int32_t first, int n, int len, int pinned,
+                      char *err);
 /* Sets the decode rule of list (layer, kv_head) (what kr_seq_list_rule reported at the
  * sender), under the same conditions as kr_seq_list_append; fails naming the field out of
  * range. A later kr_seq_set_policy replaces it. */

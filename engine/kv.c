@@ -7,6 +7,7 @@
 #include "kr-kv.h"
 #include "kr-util.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -111,6 +112,98 @@ static void pool_give(kr_kv_pool *p, int32_t block)
     p->n_free++;
 }
 
+/* What run_bits does to the bits of a run of blocks. */
+enum run_op { RUN_COUNT, RUN_GIVE, RUN_TAKE };
+
+/* Counts the free blocks among [first, first + n) (before the op), then marks them all free
+ * (RUN_GIVE) or taken (RUN_TAKE), a bitmap word at a time. Under p->lock. */
+static int run_bits(kr_kv_pool *p, int32_t first, int n, enum run_op op)
+{
+    int free_before = 0;
+    for (int64_t b = first, end = (int64_t)first + n; b < end;) {
+        const int64_t w = b / 64, lo = b % 64, hi = end - w * 64 < 64 ? end - w * 64 : 64; /* bits [lo, hi) */
+        const uint64_t mask = (hi == 64 ? ~(uint64_t)0 : ((uint64_t)1 << hi) - 1) & (~(uint64_t)0 << lo);
+        free_before += __builtin_popcountll(p->free_bits[w] & mask);
+        if (op == RUN_GIVE) p->free_bits[w] |= mask;
+        else if (op == RUN_TAKE) p->free_bits[w] &= ~mask;
+        b = w * 64 + hi;
+    }
+    return free_before;
+}
+
+/* The lowest first block of n consecutive free blocks, or -1 (the caller holds p->lock). Scans
+ * the bitmap from word free_hint, carrying the free run that reaches the top of the word before:
+ * a word of all ones lengthens it by 64 and a zero word ends it. A mixed word may finish it with
+ * its low free bits, may hold a run of n inside it (n < 64: found in log2(n) shift-and steps,
+ * however fragmented the word), and starts the next carried run with its high free bits. Bits
+ * past n_blocks are never set, so no run reaches past the pool. Moves free_hint up to the first
+ * word holding a free block, which keeps "no free block below word free_hint" true for
+ * pool_take. */
+static int64_t find_run(kr_kv_pool *p, int n)
+{
+    const int64_t words = ((int64_t)p->n_blocks + 63) / 64;
+    int64_t start = 0, len = 0; /* the free run that ends at the top of the word before */
+    int hinted = 0;
+    for (int64_t w = p->free_hint; w < words; w++) {
+        const uint64_t x = p->free_bits[w];
+        if (!x) {
+            len = 0;
+            continue;
+        }
+        if (!hinted) p->free_hint = (int)w, hinted = 1;
+        if (x == ~(uint64_t)0) {
+            if (!len) start = w * 64;
+            if ((len += 64) >= n) return start;
+            continue;
+        }
+        if (len && len + __builtin_ctzll(~x) >= n) return start;
+        if (n < 64) {
+            uint64_t r = x; /* bit i: blocks i .. i + k - 1 of the word are free */
+            for (int k = 1; k < n;) {
+                const int sh = k < n - k ? k : n - k;
+                r &= r >> sh;
+                k += sh;
+            }
+            if (r) return w * 64 + __builtin_ctzll(r);
+        }
+        len = __builtin_clzll(~x); /* free bits at the top of the word */
+        start = w * 64 + 64 - len;
+    }
+    return -1;
+}
+
+int kr_kv_pool_take_run(kr_kv_pool *p, int n, int32_t *first)
+{
+    if (n < 1 || n > p->n_blocks) return -1;
+    pthread_mutex_lock(&p->lock);
+    const int64_t at = n <= p->n_free ? find_run(p, n) : -1;
+    if (at >= 0) {
+        run_bits(p, (int32_t)at, n, RUN_TAKE);
+        p->n_free -= n;
+    }
+    pthread_mutex_unlock(&p->lock);
+    if (at < 0) return -1;
+    *first = (int32_t)at;
+    return KR_OK;
+}
+
+void kr_kv_pool_give_run(kr_kv_pool *p, int32_t first, int n)
+{
+    if (n < 1) return;
+    pthread_mutex_lock(&p->lock);
+    run_bits(p, first, n, RUN_GIVE);
+    p->n_free += n;
+    if (first / 64 < p->free_hint) p->free_hint = first / 64;
+    pthread_mutex_unlock(&p->lock);
+}
+
+void kr_kv_pool_run_rows(const kr_kv_pool *p, int32_t first, void **k, void **v, int32_t **pos)
+{
+    *k = kr_kv_key(p, first, 0);
+    *v = kr_kv_value(p, first, 0);
+    *pos = kr_kv_pos(p, first, 0);
+}
+
 int kr_kv_pool_n_free(const kr_kv_pool *p)
 {
     kr_kv_pool *q = (kr_kv_pool *)p; /* the lock is not part of the pool's value */
@@ -192,6 +285,20 @@ void kr_seq_footprint(const kr_seq *s, kr_footprint *out)
     *out = s->fp;
 }
 
+/* Room for `blocks` block ids in l's array: capacity doubles from 4, so a list that grows a
+ * block per step reallocates rarely. */
+static int list_reserve(kr_kv_list *l, int blocks, char *err)
+{
+    if (blocks <= l->cap_blocks) return KR_OK;
+    int cap = l->cap_blocks ? l->cap_blocks : 4;
+    while (cap < blocks) cap = cap > INT_MAX / 2 ? blocks : cap * 2;
+    int32_t *grown = realloc(l->blocks, (size_t)cap * sizeof *grown);
+    if (!grown) return kr_errf(err, "sequence: out of memory for block lists");
+    l->blocks = grown;
+    l->cap_blocks = cap;
+    return KR_OK;
+}
+
 /* Room for n more entries in lists [first, first + count) of s, all or nothing. */
 static int grow_lists(kr_seq *s, int first, int count, int n, char *err)
 {
@@ -205,15 +312,7 @@ static int grow_lists(kr_seq *s, int first, int count, int n, char *err)
     /* grow the block arrays first so a failed allocation leaves the pool untouched */
     for (int i = first; i < first + count; i++) {
         kr_kv_list *l = &s->lists[i];
-        int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
-        if (blocks > l->cap_blocks) {
-            int cap = l->cap_blocks ? l->cap_blocks : 4;
-            while (cap < blocks) cap *= 2;
-            int32_t *grown = realloc(l->blocks, (size_t)cap * sizeof *grown);
-            if (!grown) return kr_errf(err, "sequence: out of memory for block lists");
-            l->blocks = grown;
-            l->cap_blocks = cap;
-        }
+        if (list_reserve(l, (l->off + l->len + n + p->block_size - 1) / p->block_size, err) != KR_OK) return -1;
     }
     pthread_mutex_lock(&p->lock);
     if (need > p->n_free) {
@@ -239,6 +338,59 @@ int kr_seq_grow(kr_seq *s, int n, char *err)
 int kr_seq_grow_list(kr_seq *s, int layer, int kv_head, int n, char *err)
 {
     return grow_lists(s, layer * s->n_kv_heads + kv_head, 1, n, err);
+}
+
+int kr_seq_list_adopt(kr_seq *s, int layer, int kv_head, int32_t first, int n, int len, int pinned, char *err)
+{
+    kr_kv_pool *p = s->pool;
+    if (layer < 0 || layer >= s->n_layers || kv_head < 0 || kv_head >= s->n_kv_heads)
+        return kr_errf(err, "list_adopt: list (layer %d, KV head %d) does not exist (the sequence has %d layers x %d "
+                       "KV heads)", layer, kv_head, s->n_layers, s->n_kv_heads);
+    if (s->fp.steps != 0 || s->closed) /* as for kr_seq_list_fill: lists are filled before that */
+        return kr_errf(err, "list_adopt: the sequence was already %s; lists are filled before that",
+                       s->closed ? "closed by kr_seq_set_next_pos" : "fed tokens");
+    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    /* the adopted entries follow the list's own in slot order only when those fill its blocks */
+    if ((int64_t)l->off + l->len != (int64_t)l->n_blocks * p->block_size)
+        return kr_errf(err, "list_adopt: list (layer %d, KV head %d) holds %d entries from slot %d of its %d "
+                       "blocks; only a list whose entries fill its blocks adopts more", layer, kv_head, l->len,
+                       l->off, l->n_blocks);
+    if (len < 0 || n < 0 || n != (int)(((int64_t)len + p->block_size - 1) / p->block_size) ||
+        len > INT_MAX - l->len)
+        return kr_errf(err, "list_adopt: %d blocks for %d entries in list (layer %d, KV head %d): n must be "
+                       "ceil(len / block_size), block_size %d", n, len, layer, kv_head, p->block_size);
+    if (pinned < l->pinned || pinned > l->len + len)
+        return kr_errf(err, "list_adopt: pinned = %d for a list of %d entries, %d of them pinned before (layer %d, "
+                       "KV head %d)", pinned, l->len + len, l->pinned, layer, kv_head);
+    if (n == 0) {
+        l->pinned = pinned;
+        return KR_OK;
+    }
+    if (first < 0 || first > p->n_blocks - n)
+        return kr_errf(err, "list_adopt: blocks %d..%d are outside the pool's %d", first, first + n - 1,
+                       p->n_blocks);
+    pthread_mutex_lock(&p->lock);
+    const int n_free = run_bits(p, first, n, RUN_COUNT);
+    pthread_mutex_unlock(&p->lock);
+    if (n_free)
+        return kr_errf(err, "list_adopt: %d of blocks %d..%d are free in the pool; a list adopts only blocks taken "
+                       "by kr_kv_pool_take_run", n_free, first, first + n - 1);
+    /* the run's slots are consecutive: entry i's position is pos[i] */
+    const int32_t *pos = kr_kv_pos(p, first, 0);
+    int32_t last = l->len ? *kr_kv_list_pos(p, l, l->len - 1) : -1;
+    for (int i = 0; i < len; i++) {
+        if (pos[i] <= last)
+            return kr_errf(err, "list_adopt: position %d at entry %d of list (layer %d, KV head %d) is not above the "
+                           "one before it (%d): positions must be >= 0 and strictly increasing", pos[i],
+                           l->len + i, layer, kv_head, last);
+        last = pos[i];
+    }
+    if (list_reserve(l, l->n_blocks + n, err) != KR_OK) return -1;
+    for (int b = 0; b < n; b++) l->blocks[l->n_blocks + b] = first + b;
+    l->n_blocks += n;
+    l->len += len;
+    l->pinned = pinned;
+    return KR_OK;
 }
 
 void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,
