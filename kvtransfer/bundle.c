@@ -1,5 +1,6 @@
 /*
- * bundle.c - the KV bundle codec of bundle.h: layout, writer, validating parser, CRC32C, the
+ * bundle.c - the KV bundle codec of bundle.h: layout, writer, validating parser (whole, or in
+ * two steps: head, then K and V wherever they landed; one code path for both), CRC32C, the
  * f32 <-> f16/bf16/fp8 element conversions and the per-row int8/fp8 quantization. The format is
  * specified in docs/bundle.md; the constants below are the ones that document names.
  * What it is not: a transport, or a user of engine/ (plain C data only).
@@ -39,6 +40,8 @@ enum {
     BL_MAX_SECTIONS = 16, /* a newer minor may append sections after V; this many at most */
     BL_REQUIRED_FLAGS = 0xffff, /* low flag bits: a reader that does not know one must refuse */
     BL_FLAG_SEGMENT = 0x1, /* required: a layer segment (2.2); first_layer at BL_OFF_RESERVED */
+    BL_FLAG_PADDED = 0x2, /* required: block-padded rows (2.3); block_rows at BL_OFF_BLOCK_ROWS */
+    BL_PAD_EXT = 8, /* a padded bundle's u32 block_rows and u32 zero after the fixed header */
 };
 
 /* Fixed header field offsets (docs/bundle.md, "Fixed header"). */
@@ -61,7 +64,12 @@ enum {
     BL_OFF_NEXT_POS = 72,
     BL_OFF_POLICY_LEN = 76,
     BL_OFF_RESERVED = 78,
+    BL_OFF_BLOCK_ROWS = 80, /* padded bundles only: then the zero u32 at 84, the table at 88 */
 };
+
+/* Where the section table starts: right after the fixed header, or after a padded bundle's
+ * 8 extra bytes. */
+static uint64_t table_at(uint32_t block_rows) { return BL_FIXED + (block_rows ? BL_PAD_EXT : 0); }
 
 enum { BL_SEC_LISTS = 0, BL_SEC_POSITIONS = 1, BL_SEC_K = 2, BL_SEC_V = 3, BL_SEC_KS = 4, BL_SEC_VS = 5 };
 static const char *const BL_SEC_NAME[BL_QUANT_SECTIONS] = {"lists", "positions", "K", "V",
@@ -86,6 +94,13 @@ static int fail(char *err, const char *fmt, ...)
 
 
 static uint64_t align_up(uint64_t x) { return (x + BL_ALIGN - 1) & ~(uint64_t)(BL_ALIGN - 1); }
+
+/* Rows a list of `count` entries takes in the row sections: count, rounded up to a multiple of
+ * block_rows in a padded bundle (count <= 2^32-1 and block_rows <= 4096: no overflow). */
+static uint64_t list_rows(uint32_t count, uint32_t block_rows)
+{
+    return block_rows ? ((uint64_t)count + block_rows - 1) / block_rows * block_rows : count;
+}
 
 /* ------------------------------------------------------------------ dtypes */
 
@@ -534,6 +549,9 @@ static int check_header(const kt_bundle_header *h, size_t policy_len, char *err)
     if (h->first_layer >= KT_BUNDLE_MAX_LAYERS || h->n_layers > KT_BUNDLE_MAX_LAYERS - h->first_layer)
         return fail(err, "segment layers [%" PRIu32 ", %" PRIu64 ") go past the %d-layer limit",
                     h->first_layer, (uint64_t)h->first_layer + h->n_layers, KT_BUNDLE_MAX_LAYERS);
+    if (h->block_rows > KT_BUNDLE_MAX_BLOCK_ROWS)
+        return fail(err, "block_rows %" PRIu32 " out of range [0, %d] (0: rows packed)", h->block_rows,
+                    KT_BUNDLE_MAX_BLOCK_ROWS);
     if (policy_len == 0) return fail(err, "policy spec is empty (\"full\" is the no-eviction policy)");
     if (policy_len > KT_BUNDLE_MAX_POLICY)
         return fail(err, "policy spec is %zu bytes, more than the %d allowed", policy_len,
@@ -598,7 +616,7 @@ static int check_list(const kt_bundle_header *h, uint32_t i, const kt_bundle_lis
 }
 
 /* Where every section this build writes goes (4, or 6 with the row scales of a quantized
- * payload), from the header and the entry total; checked arithmetic. */
+ * payload), from the header and the row total (entries plus padding rows); checked arithmetic. */
 typedef struct bl_layout {
     uint64_t header_size;
     unsigned n; /* sections laid out */
@@ -610,21 +628,21 @@ typedef struct bl_layout {
 static unsigned dtype_sections(kt_dtype t) { return kt_dtype_quantized(t) ? BL_QUANT_SECTIONS : BL_BASE_SECTIONS; }
 
 /* `n_sections` is what the header declares (>= n_known, the ones laid out here: a newer minor's
- * extra sections are the parser's to check). */
-static int layout(uint32_t n_sections, unsigned n_known, size_t policy_len, uint32_t n_lists,
-                  uint64_t n_entries, size_t row_bytes, bl_layout *L, char *err)
+ * extra sections are the parser's to check); `block_rows` 0 or the padding's. */
+static int layout(uint32_t n_sections, unsigned n_known, uint32_t block_rows, size_t policy_len,
+                  uint32_t n_lists, uint64_t n_rows, size_t row_bytes, bl_layout *L, char *err)
 {
-    /* n_lists <= 2^20 and n_entries < 2^51 by the bounds checked before: only the row
-     * products can overflow 64 bits. */
-    L->header_size = align_up(BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY + policy_len);
+    /* n_lists <= 2^20 and n_rows < 2^52 by the bounds checked before: only the row products
+     * can overflow 64 bits. */
+    L->header_size = align_up(table_at(block_rows) + (uint64_t)n_sections * BL_SECT_ENTRY + policy_len);
     L->len[BL_SEC_LISTS] = (uint64_t)n_lists * BL_LIST_ENTRY;
-    L->len[BL_SEC_POSITIONS] = n_entries * 4;
+    L->len[BL_SEC_POSITIONS] = n_rows * 4;
     uint64_t kv;
-    if (__builtin_mul_overflow(n_entries, (uint64_t)row_bytes, &kv) || kv > KT_BUNDLE_MAX_BYTES)
-        return fail(err, "%" PRIu64 " entries of %zu-byte rows exceed the %" PRIu64
-                    "-byte bundle limit", n_entries, row_bytes, (uint64_t)KT_BUNDLE_MAX_BYTES);
+    if (__builtin_mul_overflow(n_rows, (uint64_t)row_bytes, &kv) || kv > KT_BUNDLE_MAX_BYTES)
+        return fail(err, "%" PRIu64 " rows of %zu bytes exceed the %" PRIu64 "-byte bundle limit",
+                    n_rows, row_bytes, (uint64_t)KT_BUNDLE_MAX_BYTES);
     L->len[BL_SEC_K] = L->len[BL_SEC_V] = kv;
-    L->len[BL_SEC_KS] = L->len[BL_SEC_VS] = n_entries * 4;
+    L->len[BL_SEC_KS] = L->len[BL_SEC_VS] = n_rows * 4;
     L->n = n_known;
     uint64_t end = L->header_size;
     for (unsigned s = 0; s < n_known; s++) {
@@ -644,23 +662,21 @@ static size_t policy_length(const kt_bundle_header *h)
 }
 
 /* Header, lists and layout: what kt_bundle_size and the writer both need. */
-static int plan(const kt_bundle_header *h, const kt_bundle_list *lists, bl_layout *L,
-                uint64_t *n_entries_out, char *err)
+static int plan(const kt_bundle_header *h, const kt_bundle_list *lists, bl_layout *L, char *err)
 {
     if (!h || !lists) return fail(err, "NULL header or list table");
     const size_t policy_len = policy_length(h);
     if (check_header(h, policy_len, err)) return -1;
     const uint32_t n_lists = h->n_layers * h->n_kv_heads;
-    uint64_t n_entries = 0;
+    uint64_t n_rows = 0;
     for (uint32_t i = 0; i < n_lists; i++) {
         if (check_list(h, i, &lists[i], err)) return -1;
-        n_entries += lists[i].count;
+        n_rows += list_rows(lists[i].count, h->block_rows);
     }
     const unsigned n_sec = dtype_sections(h->dtype);
-    if (layout(n_sec, n_sec, policy_len, n_lists, n_entries,
+    if (layout(n_sec, n_sec, h->block_rows, policy_len, n_lists, n_rows,
                (size_t)h->head_dim * kt_dtype_size(h->dtype), L, err))
         return -1;
-    *n_entries_out = n_entries;
     return 0;
 }
 
@@ -668,8 +684,7 @@ int kt_bundle_size(const kt_bundle_header *h, const kt_bundle_list *lists, uint6
                    char *err)
 {
     bl_layout L;
-    uint64_t n_entries;
-    if (plan(h, lists, &L, &n_entries, err)) return -1;
+    if (plan(h, lists, &L, err)) return -1;
     *size_out = L.total;
     return 0;
 }
@@ -680,10 +695,9 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
                            const kt_bundle_list *lists, void *buf, size_t cap, char *err)
 {
     bl_layout L;
-    uint64_t n_entries;
     if (!w) return fail(err, "NULL writer");
     w->state = 0;
-    if (plan(h, lists, &L, &n_entries, err)) return -1;
+    if (plan(h, lists, &L, err)) return -1;
     if (!buf || cap < L.total)
         return fail(err, "buffer of %zu bytes is too small for this bundle of %" PRIu64
                     " bytes ---> HINT: size it with kt_bundle_size", buf ? cap : (size_t)0, L.total);
@@ -696,11 +710,12 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     memset(b, 0, L.off[BL_SEC_LISTS]);
     memcpy(b + BL_OFF_MAGIC, BL_MAGIC, 8);
     kt_wr16(b + BL_OFF_MAJOR, KT_BUNDLE_VERSION_MAJOR);
-    /* the oldest minor that reads it: 2.0 unless quantized (2.1) or a segment (2.2) */
-    kt_wr16(b + BL_OFF_MINOR, h->segment ? 2 : L.n == BL_BASE_SECTIONS ? 0 : 1);
+    /* the oldest minor that reads it: 2.0 unless quantized (2.1), a segment (2.2) or padded (2.3) */
+    kt_wr16(b + BL_OFF_MINOR, h->block_rows ? 3 : h->segment ? 2 : L.n == BL_BASE_SECTIONS ? 0 : 1);
     kt_wr32(b + BL_OFF_HEADER_SIZE, (uint32_t)L.header_size);
     kt_wr64(b + BL_OFF_TOTAL, L.total);
-    kt_wr32(b + BL_OFF_FLAGS, h->segment ? BL_FLAG_SEGMENT : 0);
+    kt_wr32(b + BL_OFF_FLAGS, (h->segment ? BL_FLAG_SEGMENT : 0u) | (h->block_rows ? BL_FLAG_PADDED : 0u));
+    if (h->block_rows) kt_wr32(b + BL_OFF_BLOCK_ROWS, h->block_rows); /* the u32 after it stays 0 */
     kt_wr16(b + BL_OFF_RESERVED, (uint16_t)h->first_layer);
     memcpy(b + BL_OFF_FINGERPRINT, h->fingerprint, 16);
     kt_wr32(b + BL_OFF_LAYERS, h->n_layers);
@@ -712,21 +727,22 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     kt_wr32(b + BL_OFF_PROMPT_LEN, (uint32_t)h->prompt_len);
     kt_wr32(b + BL_OFF_NEXT_POS, (uint32_t)h->next_pos);
     kt_wr16(b + BL_OFF_POLICY_LEN, (uint16_t)policy_len);
+    const uint64_t table = table_at(h->block_rows);
     for (unsigned s = 0; s < L.n; s++) {
-        uint8_t *e = b + BL_FIXED + s * BL_SECT_ENTRY;
+        uint8_t *e = b + table + s * BL_SECT_ENTRY;
         kt_wr32(e, (uint32_t)s + 1);
         kt_wr64(e + 8, L.off[s]);
         kt_wr64(e + 16, L.len[s]);
     }
-    memcpy(b + BL_FIXED + L.n * BL_SECT_ENTRY, h->policy, policy_len);
+    memcpy(b + table + L.n * BL_SECT_ENTRY, h->policy, policy_len);
 
     uint8_t *t = b + L.off[BL_SEC_LISTS];
     uint64_t first = 0;
     for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
         list_wr(t, first, &lists[i]);
-        first += lists[i].count;
+        first += list_rows(lists[i].count, h->block_rows);
     }
-    kt_wr32(b + BL_FIXED + BL_SEC_LISTS * BL_SECT_ENTRY + 4,
+    kt_wr32(b + table + BL_SEC_LISTS * BL_SECT_ENTRY + 4,
          kt_crc32c(0, b + L.off[BL_SEC_LISTS], L.len[BL_SEC_LISTS]));
     for (unsigned s = 1; s < L.n; s++) { /* alignment gaps before positions, K, V (and scales) */
         uint64_t prev_end = L.off[s - 1] + L.len[s - 1];
@@ -745,7 +761,8 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     w->cur = 0;
     w->filled = 0;
     w->last_pos = -1;
-    w->entry = 0;
+    w->block_rows = h->block_rows;
+    w->row = 0;
     w->off_pos = L.off[BL_SEC_POSITIONS];
     w->off_k = L.off[BL_SEC_K];
     w->off_v = L.off[BL_SEC_V];
@@ -756,15 +773,37 @@ int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
     return 0;
 }
 
-/* Moves the cursor to list `to`, requiring every list passed over to be complete. */
+/* Zero rows [w->row, w->row + n) of every row section (a padded list's tail), checksummed as
+ * they are written: the caller's buffer is not assumed zeroed. */
+static void writer_pad(kt_bundle_writer *w, uint64_t n)
+{
+    struct {
+        uint64_t off;
+        size_t row;
+        uint32_t *crc;
+    } sec[] = {{w->off_pos, 4, &w->crc_pos}, {w->off_k, w->row_bytes, &w->crc_k},
+               {w->off_v, w->row_bytes, &w->crc_v}, {w->off_ks, 4, &w->crc_ks},
+               {w->off_vs, 4, &w->crc_vs}};
+    const unsigned n_sec = kt_dtype_quantized(w->dtype) ? 5 : 3;
+    for (unsigned s = 0; s < n_sec; s++) {
+        uint8_t *p = w->buf + sec[s].off + w->row * sec[s].row;
+        memset(p, 0, (size_t)n * sec[s].row);
+        *sec[s].crc = kt_crc32c(*sec[s].crc, p, (size_t)n * sec[s].row);
+    }
+    w->row += n;
+}
+
+/* Moves the cursor to list `to`, requiring every list passed over to be complete, and writes
+ * the padding rows after each of them. */
 static int writer_advance(kt_bundle_writer *w, uint32_t to, char *err)
 {
     while (w->cur < to) {
-        if (w->filled != w->lists[w->cur].count)
+        const uint32_t count = w->lists[w->cur].count;
+        if (w->filled != count)
             return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") got %" PRIu32
                         " of its %" PRIu32 " entries before the writer moved on",
-                        w->cur / w->n_kv_heads, w->cur % w->n_kv_heads, w->filled,
-                        w->lists[w->cur].count);
+                        w->cur / w->n_kv_heads, w->cur % w->n_kv_heads, w->filled, count);
+        if (list_rows(count, w->block_rows) > count) writer_pad(w, list_rows(count, w->block_rows) - count);
         w->cur++;
         w->filled = 0;
         w->last_pos = -1;
@@ -809,14 +848,14 @@ int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uin
                         layer, head, w->filled + i, p, w->last_pos, w->next_pos);
         w->last_pos = p;
     }
-    uint8_t *dp = w->buf + w->off_pos + w->entry * 4;
+    uint8_t *dp = w->buf + w->off_pos + w->row * 4;
     memcpy(dp, positions, (size_t)n * 4);
     w->crc_pos = kt_crc32c(w->crc_pos, dp, (size_t)n * 4);
     const size_t bytes = (size_t)n * w->row_bytes, elems = (size_t)n * w->head_dim;
-    uint8_t *dk = w->buf + w->off_k + w->entry * w->row_bytes;
-    uint8_t *dv = w->buf + w->off_v + w->entry * w->row_bytes;
+    uint8_t *dk = w->buf + w->off_k + w->row * w->row_bytes;
+    uint8_t *dv = w->buf + w->off_v + w->row * w->row_bytes;
     if (kt_dtype_quantized(w->dtype)) {
-        uint8_t *dks = w->buf + w->off_ks + w->entry * 4, *dvs = w->buf + w->off_vs + w->entry * 4;
+        uint8_t *dks = w->buf + w->off_ks + w->row * 4, *dvs = w->buf + w->off_vs + w->row * 4;
         if (quantize(dk, dks, w->dtype, k, src_dtype, n, w->head_dim, "K", err) ||
             quantize(dv, dvs, w->dtype, v, src_dtype, n, w->head_dim, "V", err))
             return -1;
@@ -829,7 +868,7 @@ int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uin
     w->crc_k = kt_crc32c(w->crc_k, dk, bytes);
     w->crc_v = kt_crc32c(w->crc_v, dv, bytes);
     w->filled += n;
-    w->entry += n;
+    w->row += n;
     w->state = 1;
     return 0;
 }
@@ -839,14 +878,15 @@ int kt_bundle_writer_finish(kt_bundle_writer *w, uint64_t *size_out, char *err)
     if (!w || w->state != 1) return fail(err, "writer is not open (never begun, finished or failed)");
     w->state = 0;
     if (writer_advance(w, w->n_lists, err)) return -1; /* every list, the last one included */
-    uint8_t *b = w->buf;
-    kt_wr32(b + BL_FIXED + BL_SEC_POSITIONS * BL_SECT_ENTRY + 4, w->crc_pos);
-    kt_wr32(b + BL_FIXED + BL_SEC_K * BL_SECT_ENTRY + 4, w->crc_k);
-    kt_wr32(b + BL_FIXED + BL_SEC_V * BL_SECT_ENTRY + 4, w->crc_v);
+    uint8_t *t = w->buf + table_at(w->block_rows);
+    kt_wr32(t + BL_SEC_POSITIONS * BL_SECT_ENTRY + 4, w->crc_pos);
+    kt_wr32(t + BL_SEC_K * BL_SECT_ENTRY + 4, w->crc_k);
+    kt_wr32(t + BL_SEC_V * BL_SECT_ENTRY + 4, w->crc_v);
     if (kt_dtype_quantized(w->dtype)) {
-        kt_wr32(b + BL_FIXED + BL_SEC_KS * BL_SECT_ENTRY + 4, w->crc_ks);
-        kt_wr32(b + BL_FIXED + BL_SEC_VS * BL_SECT_ENTRY + 4, w->crc_vs);
+        kt_wr32(t + BL_SEC_KS * BL_SECT_ENTRY + 4, w->crc_ks);
+        kt_wr32(t + BL_SEC_VS * BL_SECT_ENTRY + 4, w->crc_vs);
     }
+    uint8_t *b = w->buf;
     const uint32_t header_size = kt_rd32(b + BL_OFF_HEADER_SIZE);
     kt_wr32(b + BL_OFF_HEADER_CRC, 0);
     kt_wr32(b + BL_OFF_HEADER_CRC, kt_crc32c(0, b, header_size));
@@ -865,10 +905,24 @@ static int check_zero(const uint8_t *base, uint64_t from, uint64_t to, const cha
     return 0;
 }
 
-static int check_section_crc(const uint8_t *b, unsigned s, unsigned n_known, uint64_t off,
-                             uint64_t len, uint32_t stored, char *err)
+/* Index of the first non-zero byte of p[0, n), or n; a word at a time, since the padding rows
+ * of a padded bundle can be a sizable share of its bytes. */
+static size_t first_nonzero(const uint8_t *p, size_t n)
 {
-    const uint32_t got = kt_crc32c(0, b + off, (size_t)len);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        uint64_t w[4];
+        memcpy(w, p + i, 32);
+        if (w[0] | w[1] | w[2] | w[3]) break;
+    }
+    while (i < n && !p[i]) i++;
+    return i;
+}
+
+static int check_section_crc(const uint8_t *p, unsigned s, unsigned n_known, uint64_t len,
+                             uint32_t stored, char *err)
+{
+    const uint32_t got = kt_crc32c(0, p, (size_t)len);
     if (got != stored)
         return fail(err, "section %s checksum mismatch (expected 0x%08" PRIx32 ", got 0x%08" PRIx32 ")",
                     sec_name(s, n_known), stored, got);
@@ -877,23 +931,25 @@ static int check_section_crc(const uint8_t *b, unsigned s, unsigned n_known, uin
 
 /* What checksums cannot vouch for in a quantized payload: every scale is >= 0 and small enough
  * that scale times the largest code is finite (as the writer's max|row| / code is), and no fp8
- * element is a NaN code (the writer never makes one): every dequantized value is finite. */
+ * element is a NaN code (the writer never makes one): every dequantized value is finite.
+ * Padding rows, zero, pass. */
 static int check_quantized(kt_dtype dtype, const uint8_t *k, const uint8_t *v, const uint8_t *ks,
-                           const uint8_t *vs, uint64_t n_entries, uint32_t head_dim, char *err)
+                           const uint8_t *vs, uint64_t n_rows, uint32_t head_dim, const char *row_word,
+                           char *err)
 {
     const float most = FLT_MAX / (dtype == KT_DTYPE_INT8_TOKEN ? 127.0f : 448.0f);
-    for (uint64_t i = 0; i < n_entries; i++)
+    for (uint64_t i = 0; i < n_rows; i++)
         for (int which = 0; which < 2; which++) {
             float scale;
             memcpy(&scale, (which ? vs : ks) + 4 * i, 4);
             if (!(scale >= 0.0f && scale <= most))
-                return fail(err, "%s scale of entry %" PRIu64 " is %g: scales lie in [0, %g]",
-                            which ? "V" : "K", i, (double)scale, (double)most);
+                return fail(err, "%s scale of %s %" PRIu64 " is %g: scales lie in [0, %g]",
+                            which ? "V" : "K", row_word, i, (double)scale, (double)most);
         }
     if (dtype == KT_DTYPE_FP8_E4M3_TOKEN)
         for (int which = 0; which < 2; which++) {
             const uint8_t *p = which ? v : k;
-            for (uint64_t i = 0; i < n_entries * head_dim; i++)
+            for (uint64_t i = 0; i < n_rows * head_dim; i++)
                 if ((p[i] & 0x7f) == 0x7f)
                     return fail(err, "%s element %" PRIu64 " is the fp8 NaN code 0x%02x", which ? "V" : "K",
                                 i, p[i]);
@@ -901,11 +957,41 @@ static int check_quantized(kt_dtype dtype, const uint8_t *k, const uint8_t *v, c
     return 0;
 }
 
-int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
+/* The padding rows of row section `name` (at `sec`, rows of `row` bytes) are zero: after each
+ * list's entries, up to its multiple of block_rows. Needs the view's validated list table. */
+static int check_padding(const kt_bundle_view *v, const uint8_t *sec, size_t row, const char *name,
+                         char *err)
 {
-    const uint8_t *b = buf;
-    if (!out) return fail(err, "NULL view");
-    if (!b) len = 0;
+    const uint32_t block_rows = v->hdr.block_rows;
+    if (!block_rows) return 0;
+    const uint8_t *t = v->lists;
+    for (uint32_t i = 0; i < v->n_lists; i++, t += BL_LIST_ENTRY) {
+        const uint32_t count = kt_rd32(t + 8);
+        const uint64_t at = kt_rd64(t) + count, pad = list_rows(count, block_rows) - count;
+        const uint8_t *p = sec + at * row;
+        const size_t z = first_nonzero(p, (size_t)pad * row);
+        if (z < pad * row)
+            return fail(err, "section %s padding row %" PRIu64 " (after the %" PRIu32 " entries of "
+                        "list (layer %" PRIu32 ", head %" PRIu32 ")) has byte %zu = 0x%02x, not zero: "
+                        "a list's rows are padded with zeros to a multiple of block_rows %" PRIu32,
+                        name, at + z / row, count, v->hdr.first_layer + i / v->hdr.n_kv_heads,
+                        i % v->hdr.n_kv_heads, z % row, p[z], block_rows);
+    }
+    return 0;
+}
+
+/* What a bundle's fixed header and section table say, validated by read_head. */
+typedef struct bl_head {
+    uint32_t header_size;
+    unsigned n_sections, n_known; /* declared; defined by the payload dtype (4 or 6) */
+    uint64_t off[BL_MAX_SECTIONS], len[BL_MAX_SECTIONS];
+    uint32_t crc[BL_MAX_SECTIONS];
+} bl_head;
+
+/* The first checks on the `len` bytes at b, which need the fixed header only: magic, major
+ * version and the bound on the total size, which it returns. */
+static int read_prefix(const uint8_t *b, size_t len, uint64_t *total, char *err)
+{
     if (len < 8)
         return fail(err, "truncated: %zu bytes, shorter than the %d-byte fixed header", len, BL_FIXED);
     if (memcmp(b, BL_MAGIC, 8) != 0) {
@@ -921,32 +1007,45 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
         return fail(err, "version %u.%u is %s than this build reads (%d.x) ---> HINT: run the same "
                     "kvrelay release on prefill and decode nodes", major, minor,
                     major > KT_BUNDLE_VERSION_MAJOR ? "newer" : "older", KT_BUNDLE_VERSION_MAJOR);
-    const uint64_t total = kt_rd64(b + BL_OFF_TOTAL);
-    if (total > KT_BUNDLE_MAX_BYTES)
-        return fail(err, "total size %" PRIu64 " exceeds the %" PRIu64 "-byte limit", total,
+    *total = kt_rd64(b + BL_OFF_TOTAL);
+    if (*total > KT_BUNDLE_MAX_BYTES)
+        return fail(err, "total size %" PRIu64 " exceeds the %" PRIu64 "-byte limit", *total,
                     (uint64_t)KT_BUNDLE_MAX_BYTES);
-    if (len < total)
-        return fail(err, "truncated: header says %" PRIu64 " bytes, got %zu", total, len);
-    if (len > total)
-        return fail(err, "size mismatch: header says %" PRIu64 " bytes, got %zu (trailing bytes)",
-                    total, len);
+    return 0;
+}
 
+/* The fixed header and section table of a bundle of `total` bytes (read_prefix's), from the
+ * `avail` bytes at b: every field, the header checksum, the sections' placement. Fills v's
+ * header, version, flags and size, and *H. */
+static int read_head(const uint8_t *b, size_t avail, uint64_t total, kt_bundle_view *v, bl_head *H,
+                     char *err)
+{
+    const unsigned major = kt_rd16(b + BL_OFF_MAJOR), minor = kt_rd16(b + BL_OFF_MINOR);
     const uint32_t header_size = kt_rd32(b + BL_OFF_HEADER_SIZE);
     const unsigned n_sections = kt_rd16(b + BL_OFF_N_SECTIONS);
     const unsigned policy_len = kt_rd16(b + BL_OFF_POLICY_LEN);
+    const uint32_t flags = kt_rd32(b + BL_OFF_FLAGS);
+    /* The padded flag places the section table; it is trusted only once the header checksum
+     * matches, and a flipped flag fails one check or the other. */
+    const int padded = (flags & BL_FLAG_PADDED) != 0;
+    const uint64_t table = BL_FIXED + (padded ? BL_PAD_EXT : 0);
     if (n_sections < BL_BASE_SECTIONS || n_sections > BL_MAX_SECTIONS ||
         (minor == 0 && n_sections != BL_BASE_SECTIONS))
         return fail(err, "n_sections %u invalid for version %u.%u (4 in %u.0, at most %d later)",
                     n_sections, major, minor, major, BL_MAX_SECTIONS);
     if (policy_len < 1 || policy_len > KT_BUNDLE_MAX_POLICY)
         return fail(err, "policy_len %u out of range [1, %d]", policy_len, KT_BUNDLE_MAX_POLICY);
-    const uint64_t want_header = align_up(BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY + policy_len);
+    const uint64_t want_header = align_up(table + (uint64_t)n_sections * BL_SECT_ENTRY + policy_len);
     if (header_size != want_header)
         return fail(err, "header_size %" PRIu32 ", expected %" PRIu64 " for %u sections and a "
-                    "%u-byte policy", header_size, want_header, n_sections, policy_len);
+                    "%u-byte policy%s", header_size, want_header, n_sections, policy_len,
+                    padded ? " after the 8 bytes of block padding" : "");
     if (header_size > total)
         return fail(err, "header_size %" PRIu32 " exceeds the bundle's %" PRIu64 " bytes",
                     header_size, total);
+    if (header_size > avail)
+        return fail(err, "truncated: %zu bytes, shorter than the %" PRIu32 "-byte header", avail,
+                    header_size);
     const uint32_t header_crc = kt_rd32(b + BL_OFF_HEADER_CRC);
     static const uint8_t zero4[4];
     uint32_t crc = kt_crc32c(0, b, BL_OFF_HEADER_CRC);
@@ -957,11 +1056,13 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
                     header_crc, crc);
 
     /* From here the header is what the sender wrote: what remains are lies, not line noise. */
-    const uint32_t flags = kt_rd32(b + BL_OFF_FLAGS);
-    if (flags & BL_REQUIRED_FLAGS & ~(uint32_t)BL_FLAG_SEGMENT)
+    const uint32_t unknown = flags & BL_REQUIRED_FLAGS & ~(uint32_t)(BL_FLAG_SEGMENT | BL_FLAG_PADDED);
+    if (unknown)
         return fail(err, "unknown required flags 0x%04" PRIx32 " ---> HINT: the sender is a newer "
-                    "kvrelay using a feature this build lacks",
-                    flags & BL_REQUIRED_FLAGS & ~(uint32_t)BL_FLAG_SEGMENT);
+                    "kvrelay using a feature this build lacks", unknown);
+    if (padded && minor < 3) /* what a reader of that minor would say */
+        return fail(err, "unknown required flags 0x%04x in a version %u.%u bundle (block-padded "
+                    "rows, flag 0x%04x, are 2.3)", BL_FLAG_PADDED, major, minor, BL_FLAG_PADDED);
     const int segment = (flags & BL_FLAG_SEGMENT) != 0;
     if (segment && minor < 2)
         return fail(err, "the layer segment flag in a version %u.%u bundle (segments are 2.2)",
@@ -969,9 +1070,16 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
     if (!segment && kt_rd16(b + BL_OFF_RESERVED) != 0)
         return fail(err, "reserved header field at offset %d is 0x%04x, not zero (it is the first "
                     "layer of a layer segment only)", BL_OFF_RESERVED, kt_rd16(b + BL_OFF_RESERVED));
-    kt_bundle_view v;
-    memset(&v, 0, sizeof v);
-    kt_bundle_header *h = &v.hdr;
+    kt_bundle_header *h = &v->hdr;
+    if (padded) {
+        h->block_rows = kt_rd32(b + BL_OFF_BLOCK_ROWS);
+        if (h->block_rows < 1 || h->block_rows > KT_BUNDLE_MAX_BLOCK_ROWS)
+            return fail(err, "block_rows %" PRIu32 " out of range [1, %d] in a block-padded bundle",
+                        h->block_rows, KT_BUNDLE_MAX_BLOCK_ROWS);
+        if (kt_rd32(b + BL_OFF_BLOCK_ROWS + 4) != 0)
+            return fail(err, "header word at offset %d is 0x%08" PRIx32 ", not zero (it follows "
+                        "block_rows)", BL_OFF_BLOCK_ROWS + 4, kt_rd32(b + BL_OFF_BLOCK_ROWS + 4));
+    }
     h->segment = (uint32_t)segment;
     h->first_layer = segment ? kt_rd16(b + BL_OFF_RESERVED) : 0;
     memcpy(h->fingerprint, b + BL_OFF_FINGERPRINT, 16);
@@ -990,7 +1098,7 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
         return fail(err, "payload dtype %s needs its K and V scale sections: %u sections in "
                     "version %u.%u, expected at least %u (version 2.1)", kt_dtype_name(h->dtype),
                     n_sections, major, minor, n_known);
-    const uint64_t policy_at = BL_FIXED + (uint64_t)n_sections * BL_SECT_ENTRY;
+    const uint64_t policy_at = table + (uint64_t)n_sections * BL_SECT_ENTRY;
     memcpy(h->policy, b + policy_at, policy_len);
     h->policy[policy_len] = '\0';
     if (check_header(h, policy_len, err)) return -1; /* a NUL in the policy fails as non-UTF-8 */
@@ -998,75 +1106,102 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
 
     /* Section table: in order, each right after the previous one (64-byte aligned), inside
      * the bundle; the last one ends the bundle. */
-    uint64_t off[BL_MAX_SECTIONS], slen[BL_MAX_SECTIONS];
-    uint32_t scrc[BL_MAX_SECTIONS];
     uint64_t end = header_size;
     for (unsigned s = 0; s < n_sections; s++) {
-        const uint8_t *e = b + BL_FIXED + s * BL_SECT_ENTRY;
+        const uint8_t *e = b + table + s * BL_SECT_ENTRY;
         const uint32_t id = kt_rd32(e);
-        scrc[s] = kt_rd32(e + 4);
-        off[s] = kt_rd64(e + 8);
-        slen[s] = kt_rd64(e + 16);
+        const uint64_t off = kt_rd64(e + 8), len = kt_rd64(e + 16);
+        H->crc[s] = kt_rd32(e + 4);
+        H->off[s] = off;
+        H->len[s] = len;
         if (id != s + 1)
             return fail(err, "section table entry %u has id %" PRIu32 ", expected %u (%s)", s, id,
                         s + 1, sec_name(s, n_known));
-        if (off[s] > total || slen[s] > total - off[s])
+        if (off > total || len > total - off)
             return fail(err, "section %s [%" PRIu64 ", +%" PRIu64 ") lies outside the %" PRIu64
-                        "-byte bundle", sec_name(s, n_known), off[s], slen[s], total);
-        if (off[s] < end)
+                        "-byte bundle", sec_name(s, n_known), off, len, total);
+        if (off < end)
             return fail(err, "section %s starts at %" PRIu64 ", before the end of %s at %" PRIu64,
-                        sec_name(s, n_known), off[s], s ? sec_name(s - 1, n_known) : "the header", end);
-        if (off[s] != align_up(end))
+                        sec_name(s, n_known), off, s ? sec_name(s - 1, n_known) : "the header", end);
+        if (off != align_up(end))
             return fail(err, "section %s at offset %" PRIu64 ", expected %" PRIu64
-                        " (the first 64-byte boundary after %s)", sec_name(s, n_known), off[s],
+                        " (the first 64-byte boundary after %s)", sec_name(s, n_known), off,
                         align_up(end), s ? sec_name(s - 1, n_known) : "the header");
-        end = off[s] + slen[s]; /* the gap before off[s] is checked once lengths are known */
+        end = off + len; /* the gap before off is checked once lengths are known */
     }
     if (end != total)
         return fail(err, "%" PRIu64 " bytes after the last section (bundle is %" PRIu64 " bytes)",
                     total - end, total);
+    H->header_size = header_size;
+    H->n_sections = n_sections;
+    H->n_known = n_known;
+    v->version_major = (uint16_t)major;
+    v->version_minor = (uint16_t)minor;
+    v->flags = flags;
+    v->size = total;
+    return 0;
+}
 
-    /* Lists: the table, then every record. */
+/* The head of a bundle (its bytes at b before section K; read_head validated the header and
+ * filled *H): the list table, the section lengths the counts imply, the gaps up to K, the
+ * positions with their checksum and padding rows. Fills the rest of *v but its rows. */
+static int check_head(const uint8_t *b, kt_bundle_view *v, const bl_head *H, char *err)
+{
+    const kt_bundle_header *h = &v->hdr;
+    const unsigned n_known = H->n_known;
     const uint32_t n_lists = h->n_layers * h->n_kv_heads;
     const uint64_t want_lists = (uint64_t)n_lists * BL_LIST_ENTRY;
-    if (slen[BL_SEC_LISTS] != want_lists)
+    if (H->len[BL_SEC_LISTS] != want_lists)
         return fail(err, "section lists is %" PRIu64 " bytes, expected %" PRIu64 " for %" PRIu32
-                    " layers x %" PRIu32 " heads", slen[BL_SEC_LISTS], want_lists, h->n_layers,
+                    " layers x %" PRIu32 " heads", H->len[BL_SEC_LISTS], want_lists, h->n_layers,
                     h->n_kv_heads);
-    if (check_section_crc(b, BL_SEC_LISTS, n_known, off[BL_SEC_LISTS], slen[BL_SEC_LISTS],
-                          scrc[BL_SEC_LISTS], err))
+    const uint8_t *lists = b + H->off[BL_SEC_LISTS];
+    if (check_section_crc(lists, BL_SEC_LISTS, n_known, H->len[BL_SEC_LISTS], H->crc[BL_SEC_LISTS], err))
         return -1;
-    const uint8_t *t = b + off[BL_SEC_LISTS];
-    uint64_t n_entries = 0;
+    const uint8_t *t = lists;
+    uint64_t n_entries = 0, n_rows = 0;
     for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
         kt_bundle_list l;
         list_rd(t, &l);
-        if (kt_rd64(t) != n_entries)
-            return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") starts at entry %" PRIu64
-                        ", expected %" PRIu64 " (the sum of the counts before it)",
-                        h->first_layer + i / h->n_kv_heads, i % h->n_kv_heads, kt_rd64(t), n_entries);
+        if (kt_rd64(t) != n_rows)
+            return fail(err, "list (layer %" PRIu32 ", head %" PRIu32 ") starts at %s %" PRIu64
+                        ", expected %" PRIu64 " (the sum of the counts before it%s)",
+                        h->first_layer + i / h->n_kv_heads, i % h->n_kv_heads,
+                        h->block_rows ? "row" : "entry", kt_rd64(t), n_rows,
+                        h->block_rows ? ", each rounded up to a multiple of block_rows" : "");
         if (check_list(h, i, &l, err)) return -1;
         n_entries += l.count; /* < 2^20 lists x 2^31: no overflow */
+        n_rows += list_rows(l.count, h->block_rows);
     }
     bl_layout L;
     const size_t row_bytes = (size_t)h->head_dim * kt_dtype_size(h->dtype);
-    if (layout(n_sections, n_known, policy_len, n_lists, n_entries, row_bytes, &L, err)) return -1;
-    for (unsigned s = BL_SEC_POSITIONS; s < n_known; s++)
-        if (slen[s] != L.len[s])
-            return fail(err, "section %s is %" PRIu64 " bytes, but the counts say %" PRIu64
-                        " (%" PRIu64 " entries)", sec_name(s, n_known), slen[s], L.len[s], n_entries);
-    /* Padding between sections is zero: with the checksums, every byte of a bundle is checked. */
-    for (unsigned s = 1; s < n_sections; s++)
-        if (check_zero(b, off[s - 1] + slen[s - 1], off[s], "between sections", err)) return -1;
-
-    /* Positions: checksum, then every list strictly increasing inside [0, next_pos). */
-    if (check_section_crc(b, BL_SEC_POSITIONS, n_known, off[BL_SEC_POSITIONS], slen[BL_SEC_POSITIONS],
-                          scrc[BL_SEC_POSITIONS], err))
+    if (layout(H->n_sections, n_known, h->block_rows, strlen(h->policy), n_lists, n_rows, row_bytes,
+               &L, err))
         return -1;
-    t = b + off[BL_SEC_LISTS];
-    const uint8_t *pp = b + off[BL_SEC_POSITIONS];
+    for (unsigned s = BL_SEC_POSITIONS; s < n_known; s++)
+        if (H->len[s] != L.len[s]) {
+            char rows[64] = "";
+            if (n_rows != n_entries)
+                snprintf(rows, sizeof rows, " in %" PRIu64 " padded rows", n_rows);
+            return fail(err, "section %s is %" PRIu64 " bytes, but the counts say %" PRIu64
+                        " (%" PRIu64 " entries%s)", sec_name(s, n_known), H->len[s], L.len[s],
+                        n_entries, rows);
+        }
+    /* Padding between sections is zero: with the checksums, every byte of a bundle is checked.
+     * The head holds the gaps up to section K. */
+    for (unsigned s = 1; s <= BL_SEC_K; s++)
+        if (check_zero(b, H->off[s - 1] + H->len[s - 1], H->off[s], "between sections", err)) return -1;
+
+    /* Positions: checksum, then every list strictly increasing inside [0, next_pos), then the
+     * padding rows zero. */
+    const uint8_t *pos = b + H->off[BL_SEC_POSITIONS];
+    if (check_section_crc(pos, BL_SEC_POSITIONS, n_known, H->len[BL_SEC_POSITIONS],
+                          H->crc[BL_SEC_POSITIONS], err))
+        return -1;
+    t = lists;
     for (uint32_t i = 0; i < n_lists; i++, t += BL_LIST_ENTRY) {
         const uint32_t count = kt_rd32(t + 8);
+        const uint8_t *pp = pos + kt_rd64(t) * 4;
         int32_t last = -1;
         for (uint32_t j = 0; j < count; j++, pp += 4) {
             const int32_t p = (int32_t)kt_rd32(pp);
@@ -1079,31 +1214,140 @@ int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
             last = p;
         }
     }
-    /* The payload last: it is the bulk of the bytes, so the cheap checks above go first. */
-    for (unsigned s = BL_SEC_K; s < n_sections; s++)
-        if (check_section_crc(b, s, n_known, off[s], slen[s], scrc[s], err)) return -1;
-    if (n_known == BL_QUANT_SECTIONS &&
-        check_quantized(h->dtype, b + off[BL_SEC_K], b + off[BL_SEC_V], b + off[BL_SEC_KS],
-                        b + off[BL_SEC_VS], n_entries, h->head_dim, err))
-        return -1;
+    v->n_entries = n_entries;
+    v->n_rows = n_rows;
+    v->row_bytes = row_bytes;
+    v->n_lists = n_lists;
+    v->base = b;
+    v->lists = lists;
+    v->positions = pos;
+    return check_padding(v, pos, 4, "positions", err);
+}
 
-    v.version_major = (uint16_t)major;
-    v.version_minor = (uint16_t)minor;
-    v.flags = flags;
-    v.size = total;
-    v.n_entries = n_entries;
-    v.row_bytes = row_bytes;
-    v.n_lists = n_lists;
-    v.base = b;
-    v.lists = b + off[BL_SEC_LISTS];
-    v.positions = b + off[BL_SEC_POSITIONS];
-    v.k = b + off[BL_SEC_K];
-    v.v = b + off[BL_SEC_V];
-    if (n_known == BL_QUANT_SECTIONS) {
-        v.k_scale = b + off[BL_SEC_KS];
-        v.v_scale = b + off[BL_SEC_VS];
+/* The sections from K on, wherever they lie: at[s] holds section s's len[s] bytes, for s in
+ * [BL_SEC_K, n_sections) (K and V; in a one-step parse also the row scales and a newer minor's
+ * extra sections). Checksums first, then the padding rows and what checksums cannot vouch for
+ * in quantized rows. The bulk of the bytes: the cheap checks of the head come before. */
+static int check_rows(const kt_bundle_view *v, unsigned n_sections, unsigned n_known,
+                      const uint8_t *const *at, const uint64_t *len, const uint32_t *crc, char *err)
+{
+    for (unsigned s = BL_SEC_K; s < n_sections; s++)
+        if (check_section_crc(at[s], s, n_known, len[s], crc[s], err)) return -1;
+    for (unsigned s = BL_SEC_K; s < n_known; s++)
+        if (check_padding(v, at[s], s <= BL_SEC_V ? v->row_bytes : 4, sec_name(s, n_known), err))
+            return -1;
+    if (n_known == BL_QUANT_SECTIONS &&
+        check_quantized(v->hdr.dtype, at[BL_SEC_K], at[BL_SEC_V], at[BL_SEC_KS], at[BL_SEC_VS],
+                        v->n_rows, v->hdr.head_dim, v->hdr.block_rows ? "row" : "entry", err))
+        return -1;
+    return 0;
+}
+
+int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err)
+{
+    const uint8_t *b = buf;
+    if (!out) return fail(err, "NULL view");
+    if (!b) len = 0;
+    uint64_t total;
+    if (read_prefix(b, len, &total, err)) return -1;
+    if (len < total)
+        return fail(err, "truncated: header says %" PRIu64 " bytes, got %zu", total, len);
+    if (len > total)
+        return fail(err, "size mismatch: header says %" PRIu64 " bytes, got %zu (trailing bytes)",
+                    total, len);
+    kt_bundle_view v;
+    memset(&v, 0, sizeof v);
+    bl_head H;
+    if (read_head(b, len, total, &v, &H, err) || check_head(b, &v, &H, err)) return -1;
+    for (unsigned s = BL_SEC_K + 1; s < H.n_sections; s++) /* the gaps after K */
+        if (check_zero(b, H.off[s - 1] + H.len[s - 1], H.off[s], "between sections", err)) return -1;
+    const uint8_t *at[BL_MAX_SECTIONS];
+    for (unsigned s = 0; s < H.n_sections; s++) at[s] = b + H.off[s];
+    if (check_rows(&v, H.n_sections, H.n_known, at, H.len, H.crc, err)) return -1;
+    v.k = at[BL_SEC_K];
+    v.v = at[BL_SEC_V];
+    if (H.n_known == BL_QUANT_SECTIONS) {
+        v.k_scale = at[BL_SEC_KS];
+        v.v_scale = at[BL_SEC_VS];
     }
     *out = v;
+    return 0;
+}
+
+/* Whether the bundle read_head described travels as [0, offset of K), K, V: V is its last
+ * section (unquantized, nothing after it) and starts where K ends. */
+static int head_split(const bl_head *H)
+{
+    return H->n_sections == BL_BASE_SECTIONS &&
+           H->off[BL_SEC_V] == H->off[BL_SEC_K] + H->len[BL_SEC_K];
+}
+
+int kt_bundle_layout_read(const void *buf, size_t len, kt_bundle_layout *out, char *err)
+{
+    const uint8_t *b = buf;
+    if (!out) return fail(err, "NULL layout");
+    if (!b) len = 0;
+    uint64_t total;
+    kt_bundle_view v;
+    memset(&v, 0, sizeof v);
+    bl_head H;
+    if (read_prefix(b, len, &total, err) || read_head(b, len, total, &v, &H, err)) return -1;
+    kt_bundle_layout l;
+    l.size = total;
+    l.head_len = H.off[BL_SEC_K];
+    l.k_off = H.off[BL_SEC_K];
+    l.k_len = H.len[BL_SEC_K];
+    l.v_off = H.off[BL_SEC_V];
+    l.v_len = H.len[BL_SEC_V];
+    l.block_rows = v.hdr.block_rows;
+    l.split = head_split(&H);
+    *out = l;
+    return 0;
+}
+
+int kt_bundle_parse_head(const void *head, size_t head_len, uint64_t size, kt_bundle_view *out,
+                         char *err)
+{
+    const uint8_t *b = head;
+    if (!out) return fail(err, "NULL view");
+    if (!b) head_len = 0;
+    uint64_t total;
+    if (read_prefix(b, head_len, &total, err)) return -1;
+    if (total != size)
+        return fail(err, "size mismatch: header says %" PRIu64 " bytes, the bundle is %" PRIu64,
+                    total, size);
+    kt_bundle_view v;
+    memset(&v, 0, sizeof v);
+    bl_head H;
+    if (read_head(b, head_len, total, &v, &H, err)) return -1;
+    if (!head_split(&H))
+        return fail(err, "this bundle's K and V sections cannot be parsed apart (%s) ---> HINT: "
+                    "parse it whole with kt_bundle_parse",
+                    H.n_sections > BL_BASE_SECTIONS ? "sections follow V: row scales or a newer "
+                    "minor's extra sections" : "a gap lies between K and V");
+    if (head_len != H.off[BL_SEC_K])
+        return fail(err, "head of %zu bytes, but section K starts at %" PRIu64 " (the head is the "
+                    "bytes before it)", head_len, H.off[BL_SEC_K]);
+    if (check_head(b, &v, &H, err)) return -1;
+    *out = v;
+    return 0;
+}
+
+int kt_bundle_parse_rows(kt_bundle_view *v, const void *k, const void *vrows, char *err)
+{
+    if (!v || !v->base || v->k || v->v || kt_dtype_quantized(v->hdr.dtype))
+        return fail(err, "not a view from kt_bundle_parse_head still waiting for its rows");
+    if (!k || !vrows) return fail(err, "NULL K or V section");
+    /* The checksums from the head's section table (validated by kt_bundle_parse_head, which
+     * also checked both lengths against the counts). */
+    const uint8_t *t = v->base + table_at(v->hdr.block_rows);
+    const uint8_t *at[BL_BASE_SECTIONS] = {NULL, NULL, k, vrows};
+    const uint64_t bytes = v->n_rows * v->row_bytes, len[BL_BASE_SECTIONS] = {0, 0, bytes, bytes};
+    const uint32_t crc[BL_BASE_SECTIONS] = {0, 0, kt_rd32(t + BL_SEC_K * BL_SECT_ENTRY + 4),
+                                            kt_rd32(t + BL_SEC_V * BL_SECT_ENTRY + 4)};
+    if (check_rows(v, BL_BASE_SECTIONS, BL_BASE_SECTIONS, at, len, crc, err)) return -1;
+    v->k = k;
+    v->v = vrows;
     return 0;
 }
 
@@ -1145,8 +1389,8 @@ int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
     l.max_drop = m.max_drop;
     l.flags = m.flags;
     l.positions = v->positions + l.first * 4;
-    l.k = v->k + l.first * v->row_bytes;
-    l.v = v->v + l.first * v->row_bytes;
+    l.k = v->k ? v->k + l.first * v->row_bytes : NULL; /* NULL: rows not parsed yet */
+    l.v = v->v ? v->v + l.first * v->row_bytes : NULL;
     l.k_scale = v->k_scale ? v->k_scale + l.first * 4 : NULL;
     l.v_scale = v->v_scale ? v->v_scale + l.first * 4 : NULL;
     *out = l;
@@ -1173,6 +1417,8 @@ int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, u
         return fail(err, "read of entries [%" PRIu32 ", %" PRIu64 ") past the list's %" PRIu32,
                     first, (uint64_t)first + n, l->count);
     if (readable_as(v->hdr.dtype, row_dtype, err)) return -1;
+    if ((k && !l->k) || (v_out && !l->v))
+        return fail(err, "rows asked of a view whose rows are not parsed yet (kt_bundle_parse_rows)");
     if (positions) memcpy(positions, l->positions + (size_t)first * 4, (size_t)n * 4);
     const size_t elems = (size_t)n * v->hdr.head_dim, at = (size_t)first * v->row_bytes;
     if (kt_dtype_quantized(v->hdr.dtype)) {
@@ -1282,6 +1528,13 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
     if (s->n_parts == s->cap)
         return fail(err, "more than %" PRIu32 " parts", s->cap);
     const uint32_t covered = s->n_parts ? s->hdr.n_layers : 0;
+    if (!part->k || !part->v)
+        return fail(err, "part %" PRIu32 " has no rows yet (kt_bundle_parse_rows completes a view "
+                    "from kt_bundle_parse_head)", s->n_parts);
+    if (s->n_parts && h->block_rows != s->hdr.block_rows)
+        return fail(err, "part %" PRIu32 " has block_rows %" PRIu32 ", the first part %" PRIu32
+                    ": the parts of a set are padded alike", s->n_parts, h->block_rows,
+                    s->hdr.block_rows);
     if (s->n_parts == 0) {
         if (!h->segment && !last)
             return fail(err, "a whole bundle (not a layer segment) with more parts announced after it");

@@ -31,9 +31,10 @@ extern "C" {
 
 #define KT_BUNDLE_VERSION_MAJOR 2 /* a different major is refused */
 /* The highest minor this build writes and reads: 2.1 adds the per-row scale sections of the
- * quantized dtypes, 2.2 the layer segment (a layer-pipelined transfer's parts). A whole bundle
- * of f32, f16 or bf16 is still written as 2.0, byte for byte. */
-#define KT_BUNDLE_VERSION_MINOR 2
+ * quantized dtypes, 2.2 the layer segment (a layer-pipelined transfer's parts), 2.3 block-padded
+ * rows (kt_bundle_header.block_rows). A whole unpadded bundle of f32, f16 or bf16 is still
+ * written as 2.0, byte for byte. */
+#define KT_BUNDLE_VERSION_MINOR 3
 
 /* Bounds every field is checked against: generous for real models (Llama 3 405B has 126
  * layers of 8 KV heads of 128), tight enough that no product of them overflows. */
@@ -48,6 +49,9 @@ extern "C" {
 /* Parts a sender may send before the layer segments of the last chunk (the entries of earlier
  * chunks that are final already): a receiver makes room for n_layers plus this many parts. */
 #define KT_BUNDLE_MAX_EARLY_PARTS 32
+/* kt_bundle_header.block_rows: a block-padded bundle (format 2.3) pads each list to a multiple
+ * of 1..this many rows. */
+#define KT_BUNDLE_MAX_BLOCK_ROWS 4096
 /* kt_bundle_list.window for a list the decode node never trims (a dense head). */
 #define KT_BUNDLE_WINDOW_DENSE 0xffffffffu
 /* kt_bundle_list.flags: after each decode step the list's positions become 0..count-1 (pos=rel).
@@ -105,6 +109,13 @@ typedef struct kt_bundle_header {
      * provisional (0 and a bound on the positions). 0 and 0: a whole bundle. */
     uint32_t segment; /* 1: a layer segment (required flag bit 0) */
     uint32_t first_layer; /* a segment's first layer, < KT_BUNDLE_MAX_LAYERS */
+    /* Block padding (format 2.3, required flag bit 1): 0, rows packed; else
+     * 1..KT_BUNDLE_MAX_BLOCK_ROWS, and every list's rows start on a multiple of block_rows rows
+     * of the positions, K, V and scale sections, the rows after a list's entries up to the next
+     * multiple being zero. A receiver whose KV blocks hold block_rows rows can then take the K
+     * and V sections straight into a run of its blocks: the lists' blocks in order have the
+     * byte image of the section. */
+    uint32_t block_rows;
 } kt_bundle_header;
 
 /* What a bundle says about one (layer, KV head) list: its entries and the decode rule the decode
@@ -152,7 +163,8 @@ typedef struct kt_bundle_writer {
     uint32_t cur; /* list being filled */
     uint32_t filled; /* entries of lists[cur] written */
     int32_t last_pos; /* last position written in lists[cur] (-1: none yet) */
-    uint64_t entry; /* entries written over all lists */
+    uint32_t block_rows; /* the header's: 0 (packed) or the row multiple each list is padded to */
+    uint64_t row; /* rows written in each row section so far, padding rows included */
     uint64_t off_pos, off_k, off_v, off_ks, off_vs; /* section offsets (ks, vs: row scales) */
     uint32_t crc_pos, crc_k, crc_v, crc_ks, crc_vs; /* running CRC32C of each section */
     int state; /* 1: open, 0: finished or failed */
@@ -160,7 +172,9 @@ typedef struct kt_bundle_writer {
 
 /* Validates `h` and `lists`, lays the bundle out in `buf` (`cap` bytes, any alignment; the
  * sections are 64-byte aligned relative to buf, so an aligned buf gives aligned rows) and
- * writes the header and list table. Fails when cap < kt_bundle_size. */
+ * writes the header and list table. Fails when cap < kt_bundle_size. With h->block_rows set
+ * the writer also writes each list's zero padding rows (when it moves on to the next list and
+ * at finish), so buf need not be zeroed. */
 int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
                            const kt_bundle_list *lists, void *buf, size_t cap, char *err);
 /* Appends `n` entries to list (layer, head): their positions (strictly increasing, >= 0,
@@ -185,12 +199,16 @@ typedef struct kt_bundle_view {
     uint32_t flags; /* optional flag bits of a newer minor version (ignored here) */
     uint64_t size; /* bytes of the bundle */
     uint64_t n_entries; /* entries summed over every list */
+    uint64_t n_rows; /* rows of the positions, K, V (and scale) sections: n_entries, plus the
+                        padding rows of a block-padded bundle (hdr.block_rows) */
     size_t row_bytes; /* bytes of one K or V row */
     uint32_t n_lists; /* n_layers * n_kv_heads */
-    const uint8_t *base; /* the bundle's first byte (the buffer parsed) */
+    const uint8_t *base; /* the bundle's first byte (the buffer parsed); for a view from
+                            kt_bundle_parse_head, the head buffer */
     const uint8_t *lists; /* list table: 40 bytes per list (docs/bundle.md) */
-    const uint8_t *positions; /* int32 LE per entry, all lists in order */
-    const uint8_t *k; /* n_entries rows of row_bytes */
+    const uint8_t *positions; /* int32 LE per row, all lists in order */
+    const uint8_t *k; /* n_rows rows of row_bytes; NULL until kt_bundle_parse_rows for a view
+                         from kt_bundle_parse_head */
     const uint8_t *v;
     const uint8_t *k_scale, *v_scale; /* quantized dtypes: a float32 LE per row; else NULL */
 } kt_bundle_view;
@@ -199,28 +217,62 @@ typedef struct kt_bundle_view {
 typedef struct kt_bundle_list_view {
     uint32_t count, pinned, window; /* as kt_bundle_list */
     uint32_t sink, lazy, slack, max_drop, flags; /* the decode rule, as kt_bundle_list */
-    uint64_t first; /* index of the list's first entry among all entries */
+    uint64_t first; /* row index of the list's first entry in the row sections (padding rows of
+                       a block-padded bundle counted: a multiple of block_rows) */
     const uint8_t *positions; /* count int32 LE, maybe unaligned */
-    const uint8_t *k, *v; /* count rows of view->row_bytes in the payload dtype, maybe unaligned */
+    const uint8_t *k, *v; /* count rows of view->row_bytes in the payload dtype, maybe unaligned;
+                             NULL while the view's rows are (kt_bundle_parse_head) */
     const uint8_t *k_scale, *v_scale; /* count float32 LE row scales (quantized), else NULL */
 } kt_bundle_list_view;
 
 /* Validates the `len` bytes at `buf` as a whole bundle: structure, every bound, every list,
  * every position, every padding byte and every checksum. On success *out points into buf. */
 int kt_bundle_parse(const void *buf, size_t len, kt_bundle_view *out, char *err);
+
+/* Parsing in two steps, for a receiver whose sections land in different places (the head in a
+ * buffer of its own, K and V straight into runs of KV blocks): kt_bundle_layout_read on the
+ * first bytes says where the pieces lie, kt_bundle_parse_head validates the head and
+ * kt_bundle_parse_rows the K and V sections, with the same checks kt_bundle_parse makes. */
+typedef struct kt_bundle_layout {
+    uint64_t size; /* total_size: bytes of the bundle */
+    uint64_t head_len; /* bytes before section K: header, list table, positions, gaps */
+    uint64_t k_off, k_len, v_off, v_len; /* sections K and V */
+    uint32_t block_rows; /* the header's: 0 (rows packed) or the padding's row multiple */
+    int split; /* 1: the bundle can travel as three pieces [0, head_len), K, V: unquantized
+                  (V is the last section) and V starts where K ends */
+} kt_bundle_layout;
+/* Where the sections of a bundle lie, from its fixed header and section table alone (`len` >=
+ * the bundle's header_size bytes at `buf`; more may follow): checks magic, version, flags,
+ * every header field, the header checksum and the section table's placement. The lengths of K
+ * and V are checked against the counts only by kt_bundle_parse_head. */
+int kt_bundle_layout_read(const void *buf, size_t len, kt_bundle_layout *out, char *err);
+/* Validates the bytes [0, head_len) of a bundle of `size` bytes (header, list table, positions
+ * with their checksums and every rule on them, head_len being the layout's) and fills *out
+ * with k and v NULL: n_lists, counts and positions are usable through kt_bundle_view_list,
+ * rows not yet. Fails for a layout without `split`. `head` must outlive the view (out->base,
+ * lists and positions point into it). */
+int kt_bundle_parse_head(const void *head, size_t head_len, uint64_t size, kt_bundle_view *out,
+                         char *err);
+/* Completes a view from kt_bundle_parse_head with its K and V sections, wherever they lie
+ * (the layout's k_len and v_len bytes each, any alignment): their checksums and zero padding
+ * rows. On success v->k and v->v point at them; on failure *v is left as it was (k and v NULL,
+ * not usable for rows). */
+int kt_bundle_parse_rows(kt_bundle_view *v, const void *k, const void *vrows, char *err);
 /* The receiver's own model: fails with both values named when the bundle (a view's or a set's
  * header) was made for another fingerprint or shape (checked field by field; `fingerprint` may
  * be NULL to skip it). */
 int kt_bundle_check_model(const kt_bundle_header *h, const char *fingerprint, uint32_t n_layers,
                           uint32_t n_kv_heads, uint32_t head_dim, char *err);
-/* List (layer, head) of a validated view; fails only for layer or head out of range. */
+/* List (layer, head) of a validated view (from kt_bundle_parse, or kt_bundle_parse_head with
+ * k and v NULL until kt_bundle_parse_rows); fails only for layer or head out of range. */
 int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
                         kt_bundle_list_view *out, char *err);
 /* Copies entries [first, first + n) of a list out, rows converted to `row_dtype`: float32,
  * float16 or bfloat16 (round to nearest even; a plain copy when it is the payload's dtype, so a
  * receiver whose cache has the wire's dtype copies each row once). A quantized payload is read
  * as float32 only (dequantized with its scales). Any of positions, k, v may be NULL. Fails when
- * the range is outside the list or the dtype cannot be given. */
+ * the range is outside the list, the dtype cannot be given, or rows are asked of a view whose
+ * rows are not parsed yet. */
 int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
                         uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v_out,
                         char *err);
@@ -241,6 +293,17 @@ typedef struct kt_bundle_set kt_bundle_set;
  * the part: the reservation fails as for a part that does not validate, and the sender hears
  * the message. */
 typedef int (*kt_bundle_part_fn)(void *arg, const kt_bundle_set *s, uint32_t i, char *err);
+/* A receiver's placement hook on a set the transport fills, for a part that travels in pieces
+ * (head, K, V: a block-padded bundle whose layout is split): called on the transport's progress
+ * thread, without its lock, once the part's head arrived and was validated (`head`, from
+ * kt_bundle_parse_head: counts and positions readable, rows not yet), before K and V arrive.
+ * Returns 0 with *k and *v set to where the K and V sections (the layout's k_len and v_len
+ * bytes) land, typically runs of the receiver's KV blocks, which stay the receiver's; 1 to let
+ * the transport land them in a buffer of its own; -1 (with a message in err, KT_ERR_MAX bytes)
+ * to refuse the part. The rows are validated there (kt_bundle_parse_rows) before the part joins
+ * the set and kt_bundle_part_fn runs. */
+typedef int (*kt_bundle_place_fn)(void *arg, const kt_bundle_set *s, const kt_bundle_view *head,
+                                  void **k, void **v, char *err);
 
 struct kt_bundle_set {
     /* The request's header once complete: n_layers summed over the parts, first_token and
@@ -256,7 +319,8 @@ struct kt_bundle_set {
     void *region; /* a buffer from kt_partbuf_alloc holding the parts, which the set owns: an RMA
                      reservation's, where the sender put them (NULL: none) */
     kt_bundle_part_fn on_part; /* NULL: none; set after kt_bundle_set_init */
-    void *on_part_arg;
+    void *on_part_arg; /* the argument of on_part and of on_place */
+    kt_bundle_place_fn on_place; /* NULL: none (K and V land in the transport's buffers) */
 };
 
 /* An empty set over the caller's `parts` (cap views, at least 1). */
@@ -270,7 +334,9 @@ void kt_bundle_set_free(kt_bundle_set *s);
  * length and policy; where it holds a layer already held, each of its lists must continue the
  * list (positions after its last one; pinned entries only after pinned ones). `last` (the
  * sender said no part follows) completes the set, and then every position of every part must
- * lie below the last part's next_pos. Fails, leaving the set as it was, when the part does not
+ * lie below the last part's next_pos. Every part has the first one's block_rows (the set's
+ * header carries it) and its rows (a view from kt_bundle_parse_head joins once
+ * kt_bundle_parse_rows completed it). Fails, leaving the set as it was, when the part does not
  * fit, the set is full or already complete. */
 int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, char *err);
 /* List (layer, head) of a complete set, over every part holding a piece of it: count and
