@@ -17,7 +17,12 @@
  * key handed out; the sender's op goes put -> flush -> header (flag KT_WIRE_PUT, the part's
  * offset at 32, no data), and the receiver takes the header as "the part is in buf at offset".
  * Put parts are read only after the last one's header, once the mapping is gone: validating a
- * part the sender can still overwrite would prove nothing. ucp_mem_map and ucp_rkey_pack are
+ * part the sender can still overwrite would prove nothing.
+ * Pieces (KT_WIRE_PIECE): a block-padded bundle part is sent as three messages, its head, K and
+ * V. The receiver takes the head into a buffer, checks it, asks the set's placement hook where K
+ * and V go (a run of KV blocks, or a part buffer as for a whole part), and receives them there;
+ * a K or V message that comes before the head was placed is held (its rendezvous descriptor or
+ * its eager data, the handler returning UCS_INPROGRESS) until it has a place. ucp_mem_map and ucp_rkey_pack are
  * context calls made by the reserving thread under t->lock, which the progress thread holds
  * while it drives the worker, so they never run beside it.
  * What it is not: multi-worker, or tuned for many thousand peers (tables are linked lists: a
@@ -54,6 +59,15 @@
 #define KT_WIRE_MAGIC 0x4e58544bu /* "KTXN" little-endian */
 #define KT_WIRE_VERSION 2u /* 2: the reservation token at offset 40 */
 #define KT_WIRE_PUT 2u /* header flag: the part was put at the offset in bytes 32..39, no data */
+/* Header flag: the data is one piece of a part, bytes [offset, offset + length) of its `size`
+ * (offset in bytes 32..39): a block-padded bundle goes as its head (header, list table,
+ * positions), its K section and its V section, so the receiver can land K and V in its KV
+ * blocks (kt_bundle_place_fn). The pieces of a part share its seq and are acknowledged once. */
+#define KT_WIRE_PIECE 4u
+#define KT_PIECES 3 /* head, K, V */
+/* A head piece above this goes by rendezvous; below, eagerly, so that the receiver has it (and
+ * can place K and V) without a round trip. */
+#define KT_HEAD_EAGER_MAX (256u << 10)
 #define KT_WIRE_HDR_BYTES (40 + KT_RESV_TOKEN_BYTES)
 #define KT_WIRE_ACK_MSG 256
 #define KT_WIRE_ACK_BYTES (40 + KT_WIRE_ACK_MSG)
@@ -98,6 +112,23 @@ struct kt_conn {
     void *close_req;
 };
 
+/* One UCX request of ours in flight (a send or a receive): its completion callback clears
+ * `pending` and records `status`; the loop frees `req` then. */
+typedef struct kt_rq {
+    void *req;
+    int pending;
+    ucs_status_t status;
+} kt_rq;
+
+/* A K or V piece whose message came before its part's head was placed: its rendezvous
+ * descriptor, or its eager data kept by returning UCS_INPROGRESS (ucp_am_data_release). */
+typedef struct kt_held {
+    void *data; /* NULL: none */
+    size_t len;
+    uint64_t off;
+    int rndv;
+} kt_held;
+
 typedef struct kt_resv {
     struct kt_resv *next;
     uint64_t serial; /* unique per reservation, for release to wait on */
@@ -116,9 +147,7 @@ typedef struct kt_resv {
     kt_xfer_cb cb;
     void *cb_arg;
     kt_xfer_state state;
-    void *req; /* rendezvous receive in flight */
-    int req_pending;
-    ucs_status_t req_status;
+    kt_rq rx[KT_PIECES]; /* rendezvous receives in flight: the part, or its pieces */
     kt_conn *from; /* the connection the bundle arrives on (RECEIVING) */
     uint64_t seq; /* the sender's seq, echoed in the ack */
     int cancel_asked; /* ucp_request_cancel issued */
@@ -126,6 +155,19 @@ typedef struct kt_resv {
     int put;          /* the arriving part was put (its header came alone) */
     uint64_t *put_lens; /* RMA: sizes of the put parts before the arriving one, read at the end */
     uint32_t n_put, cap_put;
+    /* The arriving part in pieces (KT_WIRE_PIECE), for a reservation without a buffer: the head
+     * lands in `head`; once it is checked, K and V land where the set's placement hook says
+     * (placed 1) or in `part` after a copy of the head (placed 2). With a buffer, every piece
+     * lands at its offset in it at once (placed 2). */
+    int pieces;
+    unsigned got, landed; /* bit i: piece i (0 head, 1 K, 2 V) came / is in place */
+    uint8_t *head;
+    uint64_t head_len;
+    kt_bundle_layout lay; /* read from the head */
+    kt_bundle_view hv; /* the head parsed */
+    uint8_t *dst[KT_PIECES]; /* where each piece lands; K's and V's NULL until placed */
+    int placed;
+    kt_held held[2];
     int done; /* outcome known; callback pending */
     int status;
     uint64_t bytes;
@@ -144,15 +186,15 @@ typedef struct kt_send_op {
     kt_xfer_cb cb;
     void *cb_arg;
     kt_conn *conn;
-    uint8_t hdr[KT_WIRE_HDR_BYTES]; /* the AM header: alive until the send completes */
+    uint8_t hdr[KT_PIECES][KT_WIRE_HDR_BYTES]; /* the AM headers: alive until the sends complete */
+    uint64_t piece_off[KT_PIECES], piece_len[KT_PIECES];
+    int n_pieces; /* 1: the part whole; KT_PIECES: head, K, V (KT_WIRE_PIECE) */
     kt_rma_key rma; /* a put (kt_transport_put): the reservation's key; rkey_len 0: a send */
     uint64_t offset; /* where the part goes in the receiver's buffer */
     ucp_rkey_h rkey; /* unpacked on the connection's endpoint */
     int phase;       /* a put: KT_PUT_DATA, KT_PUT_FLUSH, then KT_PUT_HEADER */
     int started;
-    void *req;
-    int req_pending;
-    ucs_status_t req_status;
+    kt_rq tx[KT_PIECES]; /* the sends in flight (a put's steps use tx[0]) */
     int acked, ack_status;
     char ack_msg[KT_WIRE_ACK_MSG];
     int conn_failed;
@@ -304,6 +346,110 @@ static void kt_resv_finish(kt_resv *r, int status, uint64_t bytes, const char *m
     snprintf(r->msg, sizeof r->msg, "%s", msg ? msg : "");
 }
 
+static void kt_on_recv_done(void *request, ucs_status_t status, size_t length, void *user_data);
+
+/* 1 while any of q[0, n) is in flight. */
+static int kt_rq_busy(const kt_rq *q, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (q[i].req)
+            return 1;
+    return 0;
+}
+
+/* Frees the requests of q[0, n) that completed, setting bit i of *finished for each that did
+ * so successfully; returns the first failure's status (UCS_OK: none). */
+static ucs_status_t kt_rq_reap(kt_rq *q, int n, unsigned *finished)
+{
+    ucs_status_t first = UCS_OK;
+    for (int i = 0; i < n; i++) {
+        if (!q[i].req || q[i].pending)
+            continue;
+        ucp_request_free(q[i].req);
+        q[i].req = NULL;
+        if (q[i].status == UCS_OK)
+            *finished |= 1u << i;
+        else if (first == UCS_OK)
+            first = q[i].status;
+    }
+    return first;
+}
+
+/* Lands `length` bytes of an arriving message at dst: eager data is copied now (and given back
+ * to UCX when it was held past its callback), a rendezvous is received through q. 1 when the
+ * bytes are in place already, 0 when q will say, -1 with msg when UCX refused. */
+static int kt_land(kt_transport *t, void *data, size_t length, int rndv, int held, uint8_t *dst,
+                   kt_rq *q, char *msg)
+{
+    if (!rndv) {
+        memcpy(dst, data, length);
+        if (held)
+            ucp_am_data_release(t->worker, data);
+        return 1;
+    }
+    ucp_request_param_t p = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+        .cb.recv_am = kt_on_recv_done,
+        .user_data = q,
+    };
+    q->pending = 1; /* before the call: UCX may run the callback inside it */
+    ucs_status_ptr_t sp = ucp_am_recv_data_nbx(t->worker, data, dst, length, &p);
+    if (UCS_PTR_IS_ERR(sp)) {
+        q->pending = 0;
+        snprintf(msg, KT_ERR_MAX, "transport: ucp_am_recv_data_nbx failed: %s",
+                 ucs_status_string(UCS_PTR_STATUS(sp)));
+        return -1;
+    }
+    q->req = sp;
+    return 0;
+}
+
+/* Asks UCX once to cancel r's receives still in flight: the buffers are the caller's again only
+ * once UCX stops writing into them. */
+static void kt_rx_cancel(kt_transport *t, kt_resv *r)
+{
+    if (r->cancel_asked || !kt_rq_busy(r->rx, KT_PIECES))
+        return;
+    r->cancel_asked = 1;
+    for (int i = 0; i < KT_PIECES; i++)
+        if (r->rx[i].req && r->rx[i].pending)
+            ucp_request_cancel(t->worker, r->rx[i].req);
+}
+
+/* Gives back to UCX the pieces r held for a place they will never get. */
+static void kt_held_release(kt_transport *t, kt_resv *r)
+{
+    for (int i = 0; i < 2; i++) {
+        if (r->held[i].data)
+            ucp_am_data_release(t->worker, r->held[i].data);
+        r->held[i].data = NULL;
+    }
+}
+
+/* Which piece of r's arriving part lies at [off, off + len): 1 K, 2 V (by the layout read from
+ * the head), -1 none. */
+static int kt_piece_index(const kt_resv *r, uint64_t off, uint64_t len)
+{
+    if (off == r->lay.k_off && len == r->lay.k_len)
+        return 1;
+    if (off == r->lay.v_off && len == r->lay.v_len)
+        return 2;
+    return -1;
+}
+
+/* Ready for r's next part: what the one before left in the piece state is gone (its buffers
+ * belong to the set, or were freed). */
+static void kt_resv_next_part(kt_resv *r)
+{
+    kt_partbuf_free(r->head);
+    r->head = NULL;
+    r->pieces = 0;
+    r->got = r->landed = 0;
+    r->placed = 0;
+    memset(r->dst, 0, sizeof r->dst);
+}
+
 /* Drops r's RMA mapping: from here on a put into it fails at the sender. */
 static void kt_resv_unmap(kt_transport *t, kt_resv *r)
 {
@@ -313,28 +459,44 @@ static void kt_resv_unmap(kt_transport *t, kt_resv *r)
     r->memh = NULL;
 }
 
+/* Adds a validated part to r->set, which then owns *owned (the part's buffer, cleared here;
+ * NULL: the caller's memory), and calls the set's part hook on it. */
+static int kt_set_take(kt_resv *r, const kt_bundle_view *v, int last, uint8_t **owned, char *err)
+{
+    if (!r->set)
+        return 0;
+    if (kt_bundle_set_add(r->set, v, last, err) != 0)
+        return -1;
+    if (owned)
+        *owned = NULL;
+    kt_bundle_set *s = r->set;
+    return s->on_part ? s->on_part(s->on_part_arg, s, s->n_parts - 1, err) : 0;
+}
+
 /* Validates what arrived for r and adds it to r->set, then calls the set's part hook: the part
  * that just landed, or, for a bundle put in parts, each part in order now that the last is in.
- * A part buffer of r's own belongs to the set once added (r->part is cleared). Runs without
- * t->lock (only the progress thread touches r's buffers and set meanwhile). */
+ * A part buffer of r's own belongs to the set once added. A part that came in pieces and was
+ * placed by the set's hook has its head validated already: only its K and V are checked, where
+ * they landed. Runs without t->lock (only the progress thread touches r's buffers and set
+ * meanwhile). */
 static int kt_parse_arrived(kt_resv *r, char *err)
 {
+    kt_bundle_view v;
+    if (r->pieces && r->placed == 1) {
+        v = r->hv;
+        return kt_bundle_parse_rows(&v, r->dst[1], r->dst[2], err) != 0
+                   ? -1
+                   : kt_set_take(r, &v, !r->more, &r->head, err);
+    }
     uint32_t n = r->put ? r->n_put + 1 : 1;
     uint64_t at = r->put ? 0 : r->filled;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t len = i + 1 < n ? r->put_lens[i] : r->len;
-        const uint8_t *part = r->buf ? r->buf + at : r->part;
-        kt_bundle_view v;
-        if (kt_bundle_parse(part, (size_t)len, &v, err) != 0)
+        uint8_t *part = r->buf ? r->buf + at : r->part;
+        if (kt_bundle_parse(part, (size_t)len, &v, err) != 0 ||
+            kt_set_take(r, &v, i + 1 == n && !r->more, part == r->part ? &r->part : NULL,
+                        err) != 0)
             return -1;
-        if (r->set) {
-            if (kt_bundle_set_add(r->set, &v, i + 1 == n && !r->more, err) != 0)
-                return -1;
-            if (part == r->part)
-                r->part = NULL;
-            if (r->set->on_part && r->set->on_part(r->set->on_part_arg, r->set, r->set->n_parts - 1, err) != 0)
-                return -1;
-        }
         at += len;
     }
     return 0;
@@ -406,23 +568,18 @@ static void kt_on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 static void kt_on_recv_done(void *request, ucs_status_t status, size_t length, void *user_data)
 {
-    kt_resv *r = user_data;
-    KT_TRACE(r->from ? r->from->t : NULL, "receive of bundle %" PRIu64 " done: %s", r->id,
-             ucs_status_string(status));
-    r->req_pending = 0;
-    r->req_status = status;
+    kt_rq *q = user_data;
+    q->pending = 0;
+    q->status = status;
     (void)request;
     (void)length;
 }
 
 static void kt_on_send_done(void *request, ucs_status_t status, void *user_data)
 {
-    kt_send_op *op = user_data;
-    op->req_pending = 0;
-    if (op->conn)
-        KT_TRACE(op->conn->t, "send of bundle %" PRIu64 " done: %s", op->id,
-                 ucs_status_string(status));
-    op->req_status = status;
+    kt_rq *q = user_data;
+    q->pending = 0;
+    q->status = status;
     (void)request;
 }
 
@@ -432,6 +589,71 @@ static void kt_on_ack_sent(void *request, ucs_status_t status, void *user_data)
     a->req_pending = 0;
     (void)request;
     (void)status; /* a lost ack shows up as the sender's timeout or peer failure */
+}
+
+/* Fails r's arriving bundle: the log names the peer, the sender hears msg in the ack. */
+static void kt_resv_reject(kt_transport *t, kt_resv *r, const char *msg)
+{
+    kt_log(t, "%s (from %s)", msg + strlen("transport: "), r->from ? r->from->peer : "?");
+    kt_resv_finish(r, -1, 0, msg);
+    kt_ack_queue(t, r->from, r->seq, r->id, -1, 0, msg);
+}
+
+/* One piece of r's arriving part (KT_WIRE_PIECE): the head lands in its buffer at once; K or V
+ * lands where the part was placed, or is held until the head is placed (kt_place). A piece
+ * that fits nowhere fails the reservation. Returns what the AM handler returns: UCS_INPROGRESS
+ * keeps a held piece's descriptor or data. */
+static ucs_status_t kt_on_piece(kt_transport *t, kt_resv *r, const uint8_t *h, void *data,
+                                size_t length, uint64_t offset, int rndv,
+                                const ucp_am_recv_param_t *param)
+{
+    char msg[KT_ERR_MAX] = "";
+    const int i = offset == 0 ? 0 : r->placed ? kt_piece_index(r, offset, length) : -2;
+    if (!kt_token_equal(h + 40, r->resv_token))
+        snprintf(msg, sizeof msg, "transport: wrong token in a piece of bundle %" PRIu64, r->id);
+    else if (kt_rd64(h + 24) != r->len || length == 0 || offset > r->len ||
+             length > r->len - offset)
+        snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 ": a piece of %zu bytes at offset "
+                 "%" PRIu64 " does not fit its part of %" PRIu64 " bytes", r->id, length, offset,
+                 r->len);
+    else if (i == -1)
+        snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 ": the piece of %zu bytes at "
+                 "offset %" PRIu64 " is neither its K nor its V section", r->id, length, offset);
+    else if (i >= 0 && (r->got & (1u << i)))
+        snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 ": its piece at offset %" PRIu64
+                 " came twice", r->id, offset);
+    else if (i == -2 && r->held[0].data && r->held[1].data)
+        snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 ": more than two pieces came "
+                 "before its head", r->id);
+    else if (i == -2 && !rndv && !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA))
+        snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 ": an eager piece came before "
+                 "its head and UCX cannot keep it", r->id);
+    if (msg[0]) {
+        kt_resv_reject(t, r, msg);
+        return UCS_OK;
+    }
+    if (i == -2) {
+        kt_held *held = r->held[0].data ? &r->held[1] : &r->held[0];
+        *held = (kt_held){.data = data, .len = length, .off = offset, .rndv = rndv};
+        return UCS_INPROGRESS;
+    }
+    if (i == 0) {
+        r->head_len = length;
+        r->dst[0] = r->buf ? r->buf + r->filled : (r->head = kt_partbuf_alloc(length));
+        if (!r->dst[0]) {
+            snprintf(msg, sizeof msg, "transport: no memory for the %zu-byte head of bundle %"
+                     PRIu64, length, r->id);
+            kt_resv_reject(t, r, msg);
+            return UCS_OK;
+        }
+    }
+    r->got |= 1u << i;
+    const int rc = kt_land(t, data, length, rndv, 0, r->dst[i], &r->rx[i], msg);
+    if (rc > 0)
+        r->landed |= 1u << i;
+    else if (rc < 0)
+        kt_resv_reject(t, r, msg);
+    return UCS_OK;
 }
 
 static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_length, void *data,
@@ -455,13 +677,17 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     }
     uint64_t seq = kt_rd64(h + 8), id = kt_rd64(h + 16), size = kt_rd64(h + 24);
     uint64_t offset = kt_rd64(h + 32);
-    int put = (kt_rd16(h + 6) & KT_WIRE_PUT) != 0, more = (kt_rd16(h + 6) & KT_SEND_MORE) != 0;
+    const uint16_t wf = kt_rd16(h + 6);
+    int put = (wf & KT_WIRE_PUT) != 0, more = (wf & KT_SEND_MORE) != 0;
+    int piece = (wf & KT_WIRE_PIECE) != 0 && !put;
+    const int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     KT_TRACE(t, "bundle %" PRIu64 " arrives from %s: %zu bytes, %s", id, c->peer, length,
-             put                                               ? "put"
-             : (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? "rendezvous"
-                                                               : "eager");
+             put ? "put" : rndv ? "rendezvous" : "eager");
     char msg[KT_ERR_MAX];
     kt_resv *r = kt_resv_find(t, id);
+    if (piece && r && r->state == KT_XFER_STATE_RECEIVING && r->pieces && r->seq == seq &&
+        r->from == c) /* a later piece of the arriving part */
+        return kt_on_piece(t, r, h, data, length, offset, rndv, param);
     if (!r || r->state != KT_XFER_STATE_RESERVED) {
         snprintf(msg, sizeof msg,
                  r ? "transport: reservation %" PRIu64 " is already receiving another bundle"
@@ -471,11 +697,13 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         /* the reservation stays RESERVED: the right sender may still come */
         snprintf(msg, sizeof msg,
                  "transport: wrong token for reservation %" PRIu64 ": bundle refused", id);
-    } else if (put ? length != 0 || size == 0 : size != length || length == 0) {
+    } else if (put ? length != 0 || size == 0
+               : piece ? length == 0 || offset > size || length > size - offset
+                       : size != length || length == 0) {
         snprintf(msg, sizeof msg,
                  "transport: bundle for reservation %" PRIu64 " is malformed: header says %" PRIu64
-                 " bytes%s, %zu arrived",
-                 id, size, put ? " put" : "", length);
+                 " bytes%s, %zu arrived%s",
+                 id, size, put ? " put" : "", length, piece ? " as a piece" : "");
     } else if (put ? r->filled != 0 && r->n_put == 0 : r->n_put > 0) {
         snprintf(msg, sizeof msg,
                  "transport: reservation %" PRIu64 ": a bundle's parts must "
@@ -508,49 +736,28 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         kt_ack_queue(t, c, seq, id, -1, 0, msg);
         return UCS_OK;
     }
-    uint8_t *dst = put ? NULL : r->buf ? r->buf + r->filled : (r->part = kt_partbuf_alloc(length));
-    if (!dst && !put) {
-        snprintf(msg, sizeof msg, "transport: no memory for a %zu-byte part of bundle %" PRIu64,
-                 length, id);
-        kt_log(t, "%s (from %s)", msg + strlen("transport: "), c->peer);
-        kt_ack_queue(t, c, seq, id, -1, 0, msg);
-        return UCS_OK;
-    }
     r->from = c;
     r->seq = seq;
     r->len = size;
     r->more = more;
     r->put = put;
+    r->state = KT_XFER_STATE_RECEIVING;
     if (put) { /* the part is in buf already: the loop takes it from here */
-        r->state = KT_XFER_STATE_RECEIVING;
-        r->req_status = UCS_OK;
+        r->rx[0].status = UCS_OK;
         return UCS_OK;
     }
-    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-        ucp_request_param_t p = {
-            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                            UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
-            .cb.recv_am = kt_on_recv_done,
-            .user_data = r,
-        };
-        r->req_pending = 1; /* before the call: UCX may run the callback inside it */
-        ucs_status_ptr_t sp = ucp_am_recv_data_nbx(t->worker, data, dst, length, &p);
-        if (UCS_PTR_IS_ERR(sp)) {
-            r->req_pending = 0;
-            snprintf(msg, sizeof msg, "transport: ucp_am_recv_data_nbx failed: %s",
-                     ucs_status_string(UCS_PTR_STATUS(sp)));
-            kt_log(t, "%s", msg);
-            kt_resv_finish(r, -1, 0, msg);
-            kt_ack_queue(t, c, seq, id, -1, 0, msg);
-            return UCS_OK;
-        }
-        r->req = sp;
-        r->state = KT_XFER_STATE_RECEIVING;
-    } else {
-        /* Eager data is valid only inside this callback: copy it now. */
-        memcpy(dst, data, length);
-        r->state = KT_XFER_STATE_RECEIVING;
-        r->req_status = UCS_OK; /* no request: the loop sees req == NULL, !req_pending */
+    if (piece) {
+        r->pieces = 1;
+        return kt_on_piece(t, r, h, data, length, offset, rndv, param);
+    }
+    uint8_t *dst = r->buf ? r->buf + r->filled : (r->part = kt_partbuf_alloc(length));
+    if (!dst)
+        snprintf(msg, sizeof msg, "transport: no memory for a %zu-byte part of bundle %" PRIu64,
+                 length, id);
+    if (!dst || kt_land(t, data, length, rndv, 0, dst, &r->rx[0], msg) < 0) {
+        kt_log(t, "%s (from %s)", msg + strlen("transport: "), c->peer);
+        kt_resv_finish(r, -1, 0, msg);
+        kt_ack_queue(t, c, seq, id, -1, 0, msg);
     }
     return UCS_OK;
 }
@@ -631,10 +838,7 @@ static void kt_conn_close(kt_transport *t, kt_conn *c)
                      ": sender failed mid-transfer (%s)", r->id, c->fail_msg);
             kt_resv_finish(r, -1, 0, msg);
         }
-        if (r->req_pending && !r->cancel_asked) {
-            r->cancel_asked = 1;
-            ucp_request_cancel(t->worker, r->req);
-        }
+        kt_rx_cancel(t, r);
     }
     for (kt_send_op *op = t->ops; op; op = op->next) {
         if (op->conn != c)
@@ -729,16 +933,17 @@ static kt_conn *kt_connect(kt_transport *t, kt_send_op *op)
  * with no request to wait for. */
 static int kt_put_step(kt_transport *t, kt_send_op *op)
 {
+    kt_rq *q = &op->tx[0];
     ucp_request_param_t p = {
         .op_attr_mask =
             UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
         .cb.send = kt_on_send_done,
-        .user_data = op,
+        .user_data = q,
     };
     ucp_ep_h ep = op->conn->ep;
     const char *what;
     ucs_status_ptr_t sp;
-    op->req_pending = 1; /* before the call: UCX may run the callback inside it */
+    q->pending = 1; /* before the call: UCX may run the callback inside it */
     switch (++op->phase) {
     case KT_PUT_DATA:
         what = "ucp_put_nbx";
@@ -752,21 +957,21 @@ static int kt_put_step(kt_transport *t, kt_send_op *op)
         what = "ucp_am_send_nbx(header)";
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
         p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-        sp = ucp_am_send_nbx(ep, KT_AM_BUNDLE, op->hdr, sizeof op->hdr, NULL, 0, &p);
+        sp = ucp_am_send_nbx(ep, KT_AM_BUNDLE, op->hdr[0], sizeof op->hdr[0], NULL, 0, &p);
         break;
     }
     if (UCS_PTR_IS_ERR(sp)) {
-        op->req_pending = 0;
+        q->pending = 0;
         kt_op_fail(op, "transport: %s of bundle %" PRIu64 " to %s failed: %s", what, op->id,
                    op->peer, ucs_status_string(UCS_PTR_STATUS(sp)));
         return 0;
     }
     if (!sp) {
         KT_TRACE(t, "%s of bundle %" PRIu64 " completed in the call", what, op->id);
-        op->req_pending = 0;
+        q->pending = 0;
         return 1;
     }
-    op->req = sp;
+    q->req = sp;
     return 0;
 }
 
@@ -797,24 +1002,113 @@ static void kt_op_start(kt_transport *t, kt_send_op *op)
         kt_put_next(t, op);
         return;
     }
-    ucp_request_param_t p = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
-        .cb.send = kt_on_send_done,
-        .user_data = op,
-        .flags = UCP_AM_SEND_FLAG_REPLY | (op->size > KT_RNDV_MIN_BYTES ? UCP_AM_SEND_FLAG_RNDV : 0),
-    };
-    /* Pending before the call: UCX may run the callback inside it. */
-    op->req_pending = 1;
-    ucs_status_ptr_t sp =
-        ucp_am_send_nbx(c->ep, KT_AM_BUNDLE, op->hdr, sizeof op->hdr, op->buf, op->size, &p);
-    if (UCS_PTR_IS_ERR(sp)) {
-        op->req_pending = 0;
-        kt_op_fail(op, "transport: ucp_am_send_nbx of bundle %" PRIu64 " to %s failed: %s",
-                   op->id, op->peer, ucs_status_string(UCS_PTR_STATUS(sp)));
+    /* The part whole, or its pieces (head, K, V) in that order on the one endpoint. */
+    for (int i = 0; i < op->n_pieces; i++) {
+        const uint64_t len = op->piece_len[i];
+        const uint32_t how = op->n_pieces > 1 && i == 0
+                                 ? (len > KT_HEAD_EAGER_MAX ? UCP_AM_SEND_FLAG_RNDV
+                                                            : UCP_AM_SEND_FLAG_EAGER)
+                                 : (len > KT_RNDV_MIN_BYTES ? UCP_AM_SEND_FLAG_RNDV : 0);
+        ucp_request_param_t p = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .cb.send = kt_on_send_done,
+            .user_data = &op->tx[i],
+            .flags = UCP_AM_SEND_FLAG_REPLY | how,
+        };
+        /* Pending before the call: UCX may run the callback inside it. */
+        op->tx[i].pending = 1;
+        ucs_status_ptr_t sp =
+            ucp_am_send_nbx(c->ep, KT_AM_BUNDLE, op->hdr[i], sizeof op->hdr[i],
+                            (const uint8_t *)op->buf + op->piece_off[i], len, &p);
+        if (UCS_PTR_IS_ERR(sp)) {
+            op->tx[i].pending = 0;
+            kt_op_fail(op, "transport: ucp_am_send_nbx of bundle %" PRIu64 " to %s failed: %s",
+                       op->id, op->peer, ucs_status_string(UCS_PTR_STATUS(sp)));
+            return;
+        }
+        op->tx[i].req = sp;
+    }
+}
+
+/* r's head piece has landed: reads the part's layout from it and decides where K and V land.
+ * Without a buffer of r's own and with a placement hook on its set, the head is validated and
+ * the hook says (its memory: placed 1); otherwise K and V land after the head in r's buffer, or
+ * in a part buffer the head is copied into (placed 2). Then the pieces held for a place are
+ * received there. The layout and the hook run without t->lock, as a part's validation does. */
+static void kt_place(kt_transport *t, kt_resv *r)
+{
+    char err[KT_ERR_MAX] = "", msg[KT_ERR_MAX];
+    const int hook = !r->buf && r->set && r->set->on_place;
+    void *k = NULL, *v = NULL;
+    int rc = 0;
+    pthread_mutex_unlock(&t->lock);
+    if (kt_bundle_layout_read(r->dst[0], (size_t)r->head_len, &r->lay, err) != 0)
+        rc = -1;
+    else if (!r->lay.split || r->lay.size != r->len || r->lay.head_len != r->head_len) {
+        snprintf(err, sizeof err, "its pieces (a %" PRIu64 "-byte head of a %" PRIu64 "-byte "
+                 "part) do not match its layout (a %" PRIu64 "-byte head of %" PRIu64 " bytes%s)",
+                 r->head_len, r->len, r->lay.head_len, r->lay.size,
+                 r->lay.split ? "" : ", not to be sent in pieces");
+        rc = -1;
+    } else if (hook && kt_bundle_parse_head(r->dst[0], (size_t)r->head_len, r->len, &r->hv,
+                                            err) != 0)
+        rc = -1;
+    else if (hook)
+        rc = r->set->on_place(r->set->on_part_arg, r->set, &r->hv, &k, &v, err);
+    pthread_mutex_lock(&t->lock);
+    if (r->done) /* released meanwhile; memory the hook placed is its owner's to take back */
+        return;
+    if (rc < 0) {
+        snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 " rejected: %s", r->id, err);
+        kt_resv_reject(t, r, msg);
         return;
     }
-    op->req = sp;
+    if (hook && rc == 0) {
+        r->placed = 1;
+        r->dst[1] = k;
+        r->dst[2] = v;
+    } else {
+        uint8_t *base = r->buf ? r->buf + r->filled : (r->part = kt_partbuf_alloc(r->len));
+        if (!base) {
+            snprintf(msg, sizeof msg, "transport: no memory for a %" PRIu64 "-byte part of bundle "
+                     "%" PRIu64, r->len, r->id);
+            kt_resv_reject(t, r, msg);
+            return;
+        }
+        if (!r->buf) {
+            memcpy(base, r->head, (size_t)r->head_len);
+            kt_partbuf_free(r->head);
+            r->head = NULL;
+            r->dst[0] = base;
+        }
+        r->placed = 2;
+        r->dst[1] = base + r->lay.k_off;
+        r->dst[2] = base + r->lay.v_off;
+    }
+    for (int h = 0; h < 2; h++) {
+        kt_held held = r->held[h];
+        if (!held.data)
+            continue;
+        r->held[h].data = NULL;
+        const int i = kt_piece_index(r, held.off, held.len);
+        int rc2 = -1;
+        if (i < 0 || (r->got & (1u << i)))
+            snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 ": the piece of %zu bytes at "
+                     "offset %" PRIu64 " is %s", r->id, held.len, held.off,
+                     i < 0 ? "neither its K nor its V section" : "there twice");
+        else
+            rc2 = kt_land(t, held.data, held.len, held.rndv, 1, r->dst[i], &r->rx[i], msg);
+        if (rc2 < 0) {
+            if (i < 0 || (r->got & (1u << i)))
+                ucp_am_data_release(t->worker, held.data);
+            kt_resv_reject(t, r, msg);
+            return;
+        }
+        r->got |= 1u << i;
+        if (rc2 > 0)
+            r->landed |= 1u << i;
+    }
 }
 
 /* One pass over every table; returns the earliest deadline still ahead (or now + 1 s). */
@@ -832,36 +1126,36 @@ static double kt_step(kt_transport *t)
         free(cr);
     }
 
-    /* Reservations: finish receives, expire, shut down. */
+    /* Reservations: finish receives, place pieces, expire, shut down. */
     for (kt_resv *r = t->resvs; r; r = r->next) {
-        if (r->req && !r->req_pending) {
-            ucp_request_free(r->req);
-            r->req = NULL;
-            if (!r->done) {
-                char msg[KT_ERR_MAX];
-                if (r->req_status != UCS_OK) {
-                    snprintf(msg, sizeof msg, "transport: reservation %" PRIu64
-                             ": receiving the bundle failed: %s", r->id,
-                             ucs_status_string(r->req_status));
-                    kt_resv_finish(r, -1, 0, msg);
-                    kt_ack_queue(t, r->from, r->seq, r->id, -1, 0, msg);
-                } else {
-                    r->state = KT_XFER_STATE_RECEIVING; /* eager path joins here */
-                }
-            }
+        unsigned finished = 0;
+        ucs_status_t rst = kt_rq_reap(r->rx, KT_PIECES, &finished);
+        r->landed |= finished;
+        if (rst != UCS_OK && !r->done) {
+            char msg[KT_ERR_MAX];
+            snprintf(msg, sizeof msg, "transport: reservation %" PRIu64
+                     ": receiving the bundle failed: %s", r->id, ucs_status_string(rst));
+            kt_resv_finish(r, -1, 0, msg);
+            kt_ack_queue(t, r->from, r->seq, r->id, -1, 0, msg);
         }
-        if (!r->done && !r->req && r->state == KT_XFER_STATE_RECEIVING && r->put && r->more) {
+        if (!r->done && r->state == KT_XFER_STATE_RECEIVING && r->pieces && !r->placed &&
+            (r->landed & 1u))
+            kt_place(t, r);
+        /* Every byte of the arriving part is where it goes. */
+        const int arrived = !r->done && r->state == KT_XFER_STATE_RECEIVING &&
+                            !kt_rq_busy(r->rx, KT_PIECES) &&
+                            (!r->pieces || r->landed == (1u << KT_PIECES) - 1);
+        if (arrived && r->put && r->more) {
             /* A put part is read once the last one is in and the sender can write no more. */
             r->put_lens[r->n_put++] = r->len;
             r->filled += r->len;
             r->state = KT_XFER_STATE_RESERVED;
             kt_ack_queue(t, r->from, r->seq, r->id, 0, r->len, "");
-        }
-        if (!r->done && !r->req && r->state == KT_XFER_STATE_RECEIVING) {
-            /* Every byte of this part is in the buffer. Its checksums (milliseconds for tens of
-             * MiB) are checked without the lock, so Reserve and Send callers need not wait for
-             * them: only this thread frees a reservation or accepts its next part, so r and the
-             * part stay as they are; a release meanwhile only marks r done, and wins. */
+        } else if (arrived) {
+            /* Its checksums (milliseconds for tens of MiB) are checked without the lock, so
+             * Reserve and Send callers need not wait for them: only this thread frees a
+             * reservation or accepts its next part, so r and the part stay as they are; a
+             * release meanwhile only marks r done, and wins. */
             kt_resv_unmap(t, r); /* no more writes: the last put part, or a sent one (puts after it
                                     are refused) */
             char perr[KT_ERR_MAX] = "";
@@ -883,6 +1177,7 @@ static double kt_step(kt_transport *t)
             } else if (r->more) { /* the part is in: wait for the next one */
                 r->filled += r->len;
                 r->state = KT_XFER_STATE_RESERVED;
+                kt_resv_next_part(r);
             } else {
                 kt_resv_finish(r, 0, r->filled + r->len, "");
             }
@@ -897,10 +1192,9 @@ static double kt_step(kt_transport *t)
             if (r->from)
                 kt_ack_queue(t, r->from, r->seq, r->id, -1, 0, msg);
         }
-        if (r->done && r->req_pending && !r->cancel_asked) {
-            /* The buffer is the caller's again only once UCX stops writing into it. */
-            r->cancel_asked = 1;
-            ucp_request_cancel(t->worker, r->req);
+        if (r->done) {
+            kt_rx_cancel(t, r);
+            kt_held_release(t, r);
         }
         if (!r->done && r->deadline < next)
             next = r->deadline;
@@ -915,20 +1209,20 @@ static double kt_step(kt_transport *t)
         if (t->stopping)
             kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: transport "
                        "shutting down", op->id, op->peer);
-        if (op->req && !op->req_pending) {
-            ucp_request_free(op->req);
-            op->req = NULL;
-            if (op->req_status != UCS_OK)
-                kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: %s",
-                           op->id, op->peer, ucs_status_string(op->req_status));
-            else if (op->rma.rkey_len && op->phase < KT_PUT_HEADER && op->conn && !op->fail_msg[0])
-                kt_put_next(t, op);
-        }
+        unsigned finished = 0;
+        ucs_status_t sst = kt_rq_reap(op->tx, KT_PIECES, &finished);
+        if (sst != UCS_OK)
+            kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: %s", op->id,
+                       op->peer, ucs_status_string(sst));
+        else if (finished && op->rma.rkey_len && op->phase < KT_PUT_HEADER && op->conn &&
+                 !op->fail_msg[0])
+            kt_put_next(t, op);
+        const int moving = kt_rq_busy(op->tx, KT_PIECES);
         if (!op->fail_msg[0] && now >= op->deadline)
             kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s timed out after %.3g s "
                        "(%s)", op->id, op->peer, op->timeout_s,
-                       op->req ? "data still moving" : "no acknowledgement");
-        if (op->req) {
+                       moving ? "data still moving" : "no acknowledgement");
+        if (moving) {
             /* Data may still be read from the caller's buffer: a failed op must stop it. */
             if (op->fail_msg[0] && op->conn)
                 kt_conn_close(t, op->conn);
@@ -1011,7 +1305,7 @@ static int kt_deliver(kt_transport *t)
 {
     int n = 0;
     for (kt_resv *r = t->resvs; r; r = r->next) {
-        if (!r->done || r->req)
+        if (!r->done || kt_rq_busy(r->rx, KT_PIECES))
             continue;
         kt_resv_unmap(t, r); /* ended otherwise than by its last part: expired, released, failed */
         pthread_mutex_unlock(&t->lock);
@@ -1034,6 +1328,7 @@ static int kt_deliver(kt_transport *t)
         if (r->done && !r->cb) {
             *pp = r->next;
             kt_partbuf_free(r->part);
+            kt_partbuf_free(r->head);
             free(r->put_lens);
             free(r);
         } else {
@@ -1154,13 +1449,16 @@ int kt_transport_create(const kt_transport_config *cfg, kt_transport **out, char
     KT_UCS_CHECK(ucp_worker_create(t->ctx, &wp, &t->worker), err, err_ctx);
     KT_UCS_CHECK(ucp_worker_get_efd(t->worker, &t->worker_efd), err, err_worker);
 
+    /* Eager bundle data stays valid past the handler when it returns UCS_INPROGRESS (a piece
+     * held until its part is placed). */
     ucp_am_handler_param_t hb = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                      UCP_AM_HANDLER_PARAM_FIELD_ARG,
-        .id = KT_AM_BUNDLE, .cb = kt_on_bundle, .arg = t,
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+        .id = KT_AM_BUNDLE, .cb = kt_on_bundle, .arg = t, .flags = UCP_AM_FLAG_PERSISTENT_DATA,
     };
     KT_UCS_CHECK(ucp_worker_set_am_recv_handler(t->worker, &hb), err, err_worker);
     ucp_am_handler_param_t ha = hb;
+    ha.flags = 0;
     ha.id = KT_AM_ACK;
     ha.cb = kt_on_ack;
     KT_UCS_CHECK(ucp_worker_set_am_recv_handler(t->worker, &ha), err, err_worker);
@@ -1446,9 +1744,21 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
     op->id = id;
     op->buf = buf;
     op->size = size;
+    op->n_pieces = 1;
+    op->piece_len[0] = size;
+    kt_bundle_layout lay;
     if (key) {
         op->rma = *key;
         op->offset = offset;
+    } else if (kt_bundle_layout_read(buf, (size_t)size, &lay, NULL) == 0 && lay.split &&
+               lay.block_rows > 0 && lay.size == size) {
+        /* A block-padded bundle goes in pieces, so that the receiver can land K and V in its
+         * KV blocks; anything else goes whole. */
+        op->n_pieces = KT_PIECES;
+        const uint64_t off[KT_PIECES] = {0, lay.k_off, lay.v_off};
+        const uint64_t len[KT_PIECES] = {lay.head_len, lay.k_len, lay.v_len};
+        memcpy(op->piece_off, off, sizeof off);
+        memcpy(op->piece_len, len, sizeof len);
     }
     op->timeout_s = timeout_s;
     op->deadline = kt_now() + timeout_s;
@@ -1462,14 +1772,18 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
         return -1;
     }
     op->seq = t->next_seq++;
-    kt_wr32(op->hdr, KT_WIRE_MAGIC);
-    kt_wr16(op->hdr + 4, KT_WIRE_VERSION);
-    kt_wr16(op->hdr + 6, (uint16_t)((flags & KT_SEND_MORE) | (key ? KT_WIRE_PUT : 0)));
-    kt_wr64(op->hdr + 8, op->seq);
-    kt_wr64(op->hdr + 16, id);
-    kt_wr64(op->hdr + 24, size);
-    kt_wr64(op->hdr + 32, key ? offset : 0);
-    memcpy(op->hdr + 40, token, KT_RESV_TOKEN_BYTES);
+    for (int i = 0; i < op->n_pieces; i++) {
+        uint8_t *h = op->hdr[i];
+        kt_wr32(h, KT_WIRE_MAGIC);
+        kt_wr16(h + 4, KT_WIRE_VERSION);
+        kt_wr16(h + 6, (uint16_t)((flags & KT_SEND_MORE) | (key ? KT_WIRE_PUT : 0) |
+                                  (op->n_pieces > 1 ? KT_WIRE_PIECE : 0)));
+        kt_wr64(h + 8, op->seq);
+        kt_wr64(h + 16, id);
+        kt_wr64(h + 24, size);
+        kt_wr64(h + 32, key ? offset : op->piece_off[i]);
+        memcpy(h + 40, token, KT_RESV_TOKEN_BYTES);
+    }
     op->next = t->ops;
     t->ops = op;
     pthread_mutex_unlock(&t->lock);

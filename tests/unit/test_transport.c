@@ -4,7 +4,8 @@
  * transfers, refusals (unknown reservation, a bundle larger than its reservation, bad bundle)
  * that leave the receiver serving, a smaller bundle accepted with its own size, expiry and
  * send timeouts, a set's part hook (once per part, in order, before the ack; its refusal
- * reaches the sender), and peer death both ways with processes killed by SIGKILL mid-transfer
+ * reaches the sender), block-padded bundles in pieces landing where a placement hook says, and
+ * peer death both ways with processes killed by SIGKILL mid-transfer
  * (children are this binary re-executed with --child-*, so no UCX state crosses a fork).
  * Not a benchmark: tools/kvrelay-transfer-bench measures throughput.
  * Run: ctest -R transport (about 5 s). Exit 77 (SKIPPED) when UCX cannot listen on loopback.
@@ -479,6 +480,193 @@ static void test_part_hook(kt_transport *rx, kt_transport *tx)
         CHECK(h.answered_before == 0, "the hook runs before the part's sender is answered");
         kt_bundle_set_free(&set);
     }
+}
+
+/* Layer `layer` of the 2-layer test model (head_dim 64, bf16) as a layer segment padded to
+ * blocks of `block_rows` rows (format 2.3), lists of `count` and `count / 3 + 1` entries; the
+ * segment of layer 1 is the last. Returns its size, its layout in *lay. */
+static uint64_t write_padded(uint8_t *buf, uint64_t cap, uint32_t layer, uint32_t count,
+                             uint32_t block_rows, kt_bundle_layout *lay)
+{
+    enum { D = 64 };
+    kt_bundle_header h = test_header(1, D, KT_DTYPE_BF16, layer == 1 ? 5 : 0, 4000, "full");
+    h.segment = 1;
+    h.first_layer = layer;
+    h.block_rows = block_rows;
+    kt_bundle_list lists[2] = {{.count = count, .window = KT_BUNDLE_WINDOW_DENSE},
+                               {.count = count / 3 + 1, .window = KT_BUNDLE_WINDOW_DENSE}};
+    char err[KT_ERR_MAX];
+    kt_bundle_writer w;
+    REQUIRE(kt_bundle_writer_begin(&w, &h, lists, buf, cap, err) == 0, "%s", err);
+    float *k = malloc(sizeof(float) * count * D), *v = malloc(sizeof(float) * count * D);
+    int32_t *pos = malloc(sizeof(int32_t) * count);
+    REQUIRE(k && v && pos, "out of memory");
+    for (uint32_t hd = 0; hd < 2; hd++) {
+        for (uint32_t e = 0; e < lists[hd].count; e++) {
+            pos[e] = (int32_t)(3 * e);
+            for (int d = 0; d < D; d++) {
+                k[e * D + d] = (float)(layer * 100 + hd * 10) + (float)(e % 97) + (float)d * 0.5f;
+                v[e * D + d] = -k[e * D + d];
+            }
+        }
+        REQUIRE(kt_bundle_writer_put(&w, 0, hd, lists[hd].count, pos, KT_DTYPE_F32, k, v, err) == 0,
+                "%s", err);
+    }
+    free(k);
+    free(v);
+    free(pos);
+    uint64_t size = 0;
+    REQUIRE(kt_bundle_writer_finish(&w, &size, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_layout_read(buf, size, lay, err) == 0 && lay->split && lay->size == size &&
+                lay->block_rows == block_rows,
+            "layout of a padded segment: %s", err);
+    return size;
+}
+
+/* What a placement hook was asked and gave: mode 0 places K and V in buffers of its own (as a
+ * decode node places them in KV blocks), 1 declines, -1 refuses. */
+typedef struct place_log {
+    int mode;
+    int placed, parts;
+    uint8_t *k[2], *v[2];
+    uint64_t len[2];
+    const uint8_t *part_k[2];
+} place_log;
+
+static int place_cb(void *arg, const kt_bundle_set *s, const kt_bundle_view *head, void **k,
+                    void **v, char *err)
+{
+    place_log *p = arg;
+    if (p->mode < 0) {
+        snprintf(err, KT_ERR_MAX, "no blocks for part %u", s->n_parts);
+        return -1;
+    }
+    if (p->mode > 0 || p->placed == 2)
+        return 1;
+    const int i = p->placed++;
+    p->len[i] = head->n_rows * head->row_bytes;
+    p->k[i] = malloc(p->len[i]);
+    p->v[i] = malloc(p->len[i]);
+    REQUIRE(p->k[i] && p->v[i] && head->k == NULL, "a head without rows, and room for them");
+    *k = p->k[i];
+    *v = p->v[i];
+    return 0;
+}
+
+static int placed_part_cb(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
+{
+    place_log *p = arg;
+    if (i < 2)
+        p->part_k[i] = s->parts[i].k;
+    p->parts++;
+    (void)err;
+    return 0;
+}
+
+/* A block-padded bundle travels in pieces (head, K, V): with a placement hook its K and V land
+ * where the hook says and are validated there; without one, or when the hook declines, in a
+ * part buffer (or the reservation's buffer) as a whole part would; the hook's refusal, and K
+ * or V that do not match their checksums, fail the reservation. Large parts (rendezvous pieces)
+ * and small ones (eager pieces, which arrive before their head is placed and are held). */
+static void test_pieces(kt_transport *rx, kt_transport *tx)
+{
+    const uint64_t cap = 1 << 20;
+    uint8_t *seg[2] = {malloc(cap), malloc(cap)};
+    REQUIRE(seg[0] && seg[1], "out of memory");
+    char err[KT_ERR_MAX];
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    const uint16_t port = kt_transport_port(rx);
+    uint64_t id = 800;
+    for (int big = 0; big < 2; big++)
+        for (int mode = -1; mode <= 2; mode++) { /* 2: a reservation with a buffer of its own */
+            const uint32_t count = big ? 1000 : 40; /* K: 256 KiB (rendezvous) or 14 KiB (eager) */
+            kt_bundle_layout lay[2];
+            const uint64_t n[2] = {write_padded(seg[0], cap, 0, count, 16, &lay[0]),
+                                   write_padded(seg[1], cap, 1, count, 16, &lay[1])};
+            kt_bundle_view parts[2];
+            kt_bundle_set set;
+            kt_bundle_set_init(&set, parts, 2);
+            place_log pl = {.mode = mode};
+            set.on_place = place_cb;
+            set.on_part = placed_part_cb;
+            set.on_part_arg = &pl;
+            uint8_t *dst = mode == 2 ? malloc(2 * cap) : NULL;
+            done_box rb, sb;
+            box_init(&rb);
+            box_init(&sb);
+            id++;
+            REQUIRE(kt_transport_reserve_bundle(rx, id, dst, 2 * cap, 5.0, &set, box_cb, &rb, tok,
+                                                err) == 0, "%s", err);
+            REQUIRE(kt_transport_send(tx, HOST, port, id, tok, seg[0], n[0], KT_SEND_MORE, 5.0,
+                                      box_cb, &sb, err) == 0, "%s", err);
+            REQUIRE(box_wait(&sb, 5.0), "first part answered within 5 s");
+            if (mode < 0) {
+                CHECK(sb.status == -1 && strstr(sb.msg, "no blocks for part 0"),
+                      "the placement hook's refusal reaches the sender: %s", sb.msg);
+                REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
+                CHECK(rb.status == -1 && strstr(rb.msg, "no blocks for part 0") && pl.parts == 0,
+                      "reservation failed, no part taken: %s", rb.msg);
+                kt_bundle_set_free(&set);
+                continue;
+            }
+            CHECK(sb.status == 0, "first part (big %d, mode %d): %s", big, mode, sb.msg);
+            CHECK(kt_transport_send_wait(tx, HOST, port, id, tok, seg[1], n[1], 5.0, err) == 0,
+                  "last part (big %d, mode %d): %s", big, mode, err);
+            REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
+            CHECK(rb.status == 0 && set.complete && set.n_parts == 2 && pl.parts == 2,
+                  "receive (big %d, mode %d): %s", big, mode, rb.msg);
+            for (int i = 0; i < 2 && rb.status == 0; i++) {
+                const kt_bundle_view *pv = &parts[i];
+                const uint8_t *want_k = seg[i] + lay[i].k_off, *want_v = seg[i] + lay[i].v_off;
+                CHECK(pv->k && memcmp(pv->k, want_k, lay[i].k_len) == 0 &&
+                          memcmp(pv->v, want_v, lay[i].v_len) == 0 &&
+                          memcmp(pv->base, seg[i], lay[i].head_len) == 0,
+                      "part %d (big %d, mode %d): head, K and V as sent", i, big, mode);
+                if (mode == 0)
+                    CHECK(pv->k == pl.k[i] && pv->v == pl.v[i] && pl.part_k[i] == pl.k[i] &&
+                              pl.len[i] == lay[i].k_len,
+                          "part %d (big %d): K and V validated where the hook placed them", i, big);
+                else if (mode == 1)
+                    CHECK(pv->k == pv->base + lay[i].k_off && pl.placed == 0,
+                          "part %d (big %d): declined, K and V land in the part's buffer", i, big);
+                else
+                    CHECK(pv->base == dst + (i ? n[0] : 0) && pl.placed == 0 &&
+                              memcmp(dst + (i ? n[0] : 0), seg[i], n[i]) == 0,
+                          "part %d (big %d): a reservation's buffer takes the part whole", i, big);
+            }
+            kt_bundle_set_free(&set);
+            for (int i = 0; i < pl.placed; i++) {
+                free(pl.k[i]);
+                free(pl.v[i]);
+            }
+            free(dst);
+        }
+    /* A corrupt V piece: placed, then refused by its checksum; the place stays the hook's. */
+    kt_bundle_layout lay;
+    uint64_t n = write_padded(seg[0], cap, 1, 1000, 16, &lay);
+    seg[0][lay.v_off + 100] ^= 0x40;
+    kt_bundle_view parts[1];
+    kt_bundle_set set;
+    kt_bundle_set_init(&set, parts, 1);
+    place_log pl = {.mode = 0};
+    set.on_place = place_cb;
+    set.on_part = placed_part_cb;
+    set.on_part_arg = &pl;
+    done_box rb;
+    box_init(&rb);
+    REQUIRE(kt_transport_reserve_bundle(rx, ++id, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+            "%s", err);
+    CHECK(kt_transport_send_wait(tx, HOST, port, id, tok, seg[0], n, 5.0, err) != 0,
+          "a corrupt V piece is refused");
+    CHECK_ERR_HAS(err, "checksum");
+    REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
+    CHECK(rb.status == -1 && pl.placed == 1 && pl.parts == 0 && set.n_parts == 0,
+          "reservation failed after placing, no part taken: %s", rb.msg);
+    kt_bundle_set_free(&set);
+    free(pl.k[0]);
+    free(pl.v[0]);
+    free(seg[0]);
+    free(seg[1]);
 }
 
 /* kt_transport_put, waited for: its callback's status (and message in box). */
@@ -1073,6 +1261,7 @@ int main(int argc, char **argv)
     test_real_bundle(rx, tx);
     test_segments(rx, tx);
     test_part_hook(rx, tx);
+    test_pieces(rx, tx);
     test_owned_parts(rx, tx);
     test_sizes(rx, tx);
     test_concurrent(rx, tx);
