@@ -7,6 +7,10 @@
  * sequences meanwhile). So the loop never copies a bundle: it adopts the sequence when the
  * Decode call comes (loop.c), and a pipelined transfer's copies overlap the transfer of the
  * layers after them.
+ * A block-padded part sent in pieces (docs/bundle.md, format 2.3) is not copied at all: when its
+ * head arrives, dn_place_part takes one run of consecutive blocks for all its lists, the
+ * transport receives its K and V sections straight into that run's rows, and dn_import_part
+ * only writes the positions and hands each list its share of the run (kr_seq_list_adopt).
  * Each part is checked against this node's model and the reservation's policy, and the blocks
  * it would bring the sequence to against the reservation's bound, before a row is read or a
  * block taken: a part that breaks either is refused, the reservation fails, and the sender hears
@@ -72,17 +76,15 @@ static int64_t blocks_after(const dn_resv *r, const kt_bundle_view *part, int bl
     return total;
 }
 
-int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
+/* The part against the model and policy (check_part) and against the reservation's bound,
+ * before a block is taken: beyond it lie blocks promised to other reservations, which the
+ * batching thread may need at its next step. Then r's sequence exists. */
+static int admit_part(dn_resv *r, const kt_bundle_view *part, char *err)
 {
-    dn_resv *r = arg;
     dn_node *n = r->node;
     const kr_config *c = n->mcfg;
-    const kt_bundle_view *part = &s->parts[i];
-    const double t0 = dn_now();
     if (check_part(n, r, &part->hdr, err) != 0)
         return -1;
-    /* The bound, before a block is taken: beyond it lie blocks promised to other reservations,
-     * which the batching thread may need at its next step. */
     const int64_t blocks = blocks_after(r, part, kr_kv_pool_block_size(n->pool));
     if (blocks > r->blocks_bound) {
         snprintf(err, KT_ERR_MAX, "the KV bundle takes %" PRId64 " blocks, more than the %" PRId64
@@ -94,6 +96,61 @@ int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
         snprintf(err, KT_ERR_MAX, "%.500s", why);
         return -1;
     }
+    return 0;
+}
+
+int dn_place_part(void *arg, const kt_bundle_set *s, const kt_bundle_view *head, void **k, void **v,
+                  char *err)
+{
+    dn_resv *r = arg;
+    kr_kv_pool *pool = r->node->pool;
+    (void)s;
+    if (admit_part(r, head, err) != 0)
+        return -1;
+    const int n = kt_part_run_blocks(r->seq, pool, head);
+    int32_t first, *pos;
+    /* Not laid out as this pool's blocks, or no free run that long: received into a buffer and
+     * copied into whatever blocks are free. */
+    if (n == 0 || kr_kv_pool_take_run(pool, n, &first) != KR_OK)
+        return 1;
+    r->run_first = first;
+    r->run_n = n;
+    kr_kv_pool_run_rows(pool, first, k, v, &pos);
+    return 0;
+}
+
+void dn_resv_drop_run(dn_resv *r)
+{
+    if (r->run_n)
+        kr_kv_pool_give_run(r->node->pool, r->run_first, r->run_n);
+    r->run_n = 0;
+}
+
+int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
+{
+    dn_resv *r = arg;
+    dn_node *n = r->node;
+    const kr_config *c = n->mcfg;
+    const kt_bundle_view *part = &s->parts[i];
+    const double t0 = dn_now();
+    char why[KR_ERR_MAX > KT_ERR_MAX ? KR_ERR_MAX : KT_ERR_MAX];
+    void *k = NULL, *v;
+    int32_t *pos;
+    if (r->run_n)
+        kr_kv_pool_run_rows(n->pool, r->run_first, &k, &v, &pos);
+    if (k && part->k == k) { /* placed: its rows are in the run already, and it was admitted */
+        const int rc = kt_bundle_part_adopt(r->seq, n->pool, part, r->run_first, r->run_n, why);
+        r->run_n = 0;
+        if (rc != 0) {
+            snprintf(err, KT_ERR_MAX, "importing the KV bundle failed: %.450s", why);
+            return -1;
+        }
+        r->import_s += dn_now() - t0;
+        kc_counter_inc(n->m.parts_in_blocks, 1);
+        return 0;
+    }
+    if (admit_part(r, part, err) != 0)
+        return -1;
     float *rows = NULL;
     if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32 && kt_dtype_quantized(part->hdr.dtype) &&
         !(rows = malloc(sizeof(float) * 2 * (size_t)kr_kv_pool_block_size(n->pool) *
@@ -108,5 +165,6 @@ int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
         return -1;
     }
     r->import_s += dn_now() - t0;
+    kc_counter_inc(n->m.parts_copied, 1);
     return 0;
 }

@@ -238,7 +238,8 @@ static int metrics_init(dn_metrics *m)
         if (!m->blocks_by_policy[f]) return -1;
     }
     m->import_s = kc_histogram_add(r, "kvrelay_decode_import_seconds",
-                                   "Seconds spent copying a KV bundle's rows into the pool, summed over its parts as they arrived",
+                                   "Seconds spent bringing a KV bundle's parts into the pool as they arrived (copying "
+                                   "rows, or adopting the blocks they were received into), summed over its parts",
                                    NULL,
                                    kc_latency_buckets, kc_n_latency_buckets);
     m->tokens = kc_counter_add(r, "kvrelay_tokens_generated_total",
@@ -246,9 +247,18 @@ static int metrics_init(dn_metrics *m)
                                NULL);
     m->expired = kc_counter_add(r, "kvrelay_decode_reservations_expired_total",
                                 "Reservations that expired unused and returned their blocks", NULL);
+    m->parts_in_blocks = kc_counter_add(r, "kvrelay_decode_bundle_parts_total",
+                                        "KV bundle parts imported, by how their rows reached the KV blocks: "
+                                        "received into them, or copied from a part buffer",
+                                        "landing=\"received\"");
+    m->parts_copied = kc_counter_add(r, "kvrelay_decode_bundle_parts_total",
+                                     "KV bundle parts imported, by how their rows reached the KV blocks: "
+                                     "received into them, or copied from a part buffer",
+                                     "landing=\"copied\"");
     if (!m->blocks_used || !m->blocks_reserved || !m->blocks_free ||
         !m->running || !m->queued || !m->reservations || !m->batch_size || !m->tpot ||
-        !m->import_s || !m->tokens || !m->expired || !m->step_s)
+        !m->import_s || !m->tokens || !m->expired || !m->step_s || !m->parts_in_blocks ||
+        !m->parts_copied)
         return -1;
     for (int code = 0; code <= GRPC_STATUS_UNAUTHENTICATED; code++) {
         char label[64];

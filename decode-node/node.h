@@ -100,6 +100,11 @@ typedef struct dn_resv {
     dn_node *node;
     int64_t blocks_bound; /* `blocks` as reserved, fixed: what seq may take */
     kr_seq *seq;
+    /* A run of blocks dn_place_part took for the arriving part's K and V, which the transport
+     * receives into; adopted by seq's lists in dn_import_part, or given back to the pool if the
+     * part fails (run_n 0: none). */
+    int32_t run_first;
+    int run_n;
     double import_s; /* seconds spent copying rows into seq */
     int xfer_open; /* the transport still adds to set (its callback has not run) */
     int cancel; /* DECODING: Release asked to end it */
@@ -149,6 +154,8 @@ typedef struct dn_metrics {
     kc_counter *requests[GRPC_STATUS_UNAUTHENTICATED + 1]; /* Decode streams by final status */
     kc_counter *reserves[GRPC_STATUS_UNAUTHENTICATED + 1]; /* Reserve calls by status */
     kc_counter *expired;
+    kc_counter *parts_in_blocks, *parts_copied; /* bundle parts received into KV blocks, or
+                                                   copied into them (import.c) */
 } dn_metrics;
 
 struct dn_node {
@@ -206,6 +213,13 @@ int64_t dn_used_blocks(const dn_node *n);
 /* import.c */
 /* The reservation's kt_bundle_part_fn (arg: its dn_resv): part i's rows into r->seq. */
 int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err);
+/* The set's placement hook (kt_bundle_place_fn): a run of pool blocks for a block-padded part's
+ * K and V (import.c). */
+int dn_place_part(void *arg, const kt_bundle_set *s, const kt_bundle_view *head, void **k, void **v,
+                  char *err);
+/* Gives r's placed run back to the pool when no list adopted it (a failed or released
+ * transfer). */
+void dn_resv_drop_run(dn_resv *r);
 
 /* service.c */
 int dn_service_register(dn_node *n, char *err);

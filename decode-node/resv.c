@@ -85,6 +85,7 @@ void dn_resv_unlink_locked(dn_node *n, dn_resv *r)
     if (r->state != DN_RESV_WAITING) { /* its transfer is over: nothing imports into r->seq */
         kr_seq_free(r->seq);
         r->seq = NULL;
+        dn_resv_drop_run(r);
     }
     dn_publish_locked(n);
     pthread_cond_broadcast(&n->cond); /* a Decode waiting on this id learns it is gone */
@@ -97,6 +98,7 @@ void dn_resv_free(dn_resv *r)
     kr_policy_free(r->policy);
     kt_bundle_set_free(&r->set);
     kr_seq_free(r->seq);
+    dn_resv_drop_run(r);
     free(r->parts);
     free(r);
 }
@@ -139,6 +141,7 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
             kt_bundle_set_init(&r->set, r->parts, r->set.cap);
             kr_seq_free(r->seq); /* the rows copied so far: their blocks count as free below */
             r->seq = NULL;
+            dn_resv_drop_run(r); /* a run the failed part was received into */
             if (strstr(r->err, " expired"))
                 kc_counter_inc(n->m.expired, 1);
             kc_warn(r->request_id, "reservation %" PRIu64 ": %s; %" PRId64 " blocks returned", id,
@@ -215,6 +218,17 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
      * transfer pipelined in up to one segment per layer plus the early parts */
     const uint32_t max_parts = (uint32_t)c->n_layers + KT_BUNDLE_MAX_EARLY_PARTS;
     size += KT_BUNDLE_MAX_POLICY + 64 + (uint64_t)max_parts * KT_BUNDLE_SEGMENT_SLACK;
+    /* and, in AM mode (service.c asks for block-padded bundles), for each list's padding to
+     * whole blocks: at most block_size - 1 rows per list in each early part and once more in
+     * its layer's segment, a row being at most a float32 K and V row and a position (or int8
+     * rows with their scales) */
+    if (!n->cfg.rma) {
+        const uint64_t row = 8 * (uint64_t)c->head_dim + 4 > 2 * ((uint64_t)c->head_dim + 4) + 4
+                                 ? 8 * (uint64_t)c->head_dim + 4
+                                 : 2 * ((uint64_t)c->head_dim + 4) + 4;
+        size += (uint64_t)(KT_BUNDLE_MAX_EARLY_PARTS + 1) * n_lists *
+                (uint64_t)(kr_kv_pool_block_size(n->pool) - 1) * row;
+    }
 
     dn_resv *r = calloc(1, sizeof *r);
     if (!r || !(r->parts = calloc(max_parts, sizeof *r->parts))) {
@@ -227,6 +241,7 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
     r->node = n;
     kt_bundle_set_init(&r->set, r->parts, max_parts);
     r->set.on_part = dn_import_part;
+    r->set.on_place = dn_place_part;
     r->set.on_part_arg = r;
     /* RMA: the prefill node puts the parts into one buffer of the bound, mapped now; pages are
      * only backed as they are written, and the set frees it with the parts */

@@ -102,6 +102,9 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     resp.reservation_token = (ProtobufCBinaryData){.len = sizeof token, .data = token};
     resp.rma_address = rma.address;
     resp.rma_key = (ProtobufCBinaryData){.len = rma.rkey_len, .data = rma.rkey};
+    /* In AM mode a bundle padded to the pool's blocks is received into them (import.c); puts
+     * land in the reservation's buffer whatever the layout, so RMA mode asks for none. */
+    resp.kv_block_rows = n->cfg.rma ? 0 : (uint32_t)kr_kv_pool_block_size(n->pool);
     if (kc_call_send(call, &resp.base) != 0) {
         /* The router is gone or past its deadline: it will never use the reservation. */
         dn_resv_release(n, id, rid);

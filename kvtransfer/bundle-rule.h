@@ -12,6 +12,9 @@
 #include "bundle.h"
 #include "kr.h"
 
+#include <stdio.h>
+#include <string.h>
+
 /* The record of a list of `count` entries, the first `pinned` pinned, decoded under `r`. */
 static inline kt_bundle_list kt_bundle_list_of(int count, int pinned, const kr_list_rule *r)
 {
@@ -74,6 +77,15 @@ static inline int kt_part_fill_rows(void *arg, int first, int n, int32_t *pos, k
     return 0;
 }
 
+/* The decode rule a list view carries. */
+static inline kr_list_rule kt_bundle_list_view_rule(const kt_bundle_list_view *lv)
+{
+    const kt_bundle_list l = {.count = lv->count, .pinned = lv->pinned, .window = lv->window,
+                              .sink = lv->sink, .lazy = lv->lazy, .slack = lv->slack,
+                              .max_drop = lv->max_drop, .flags = lv->flags};
+    return kt_bundle_list_rule(&l);
+}
+
 /* Appends every list of a validated part (a whole bundle, or a layer segment whose layers are
  * s's) to sequence s, each with its pinned entries after the list's earlier pinned ones and
  * its decode rule (a later piece's replaces an earlier one's): the rows go from the part
@@ -89,11 +101,7 @@ static inline int kt_bundle_part_to_seq(kr_seq *s, const kt_bundle_view *part, u
             kt_bundle_list_view lv;
             if (kt_bundle_view_list(part, l, h, &lv, err) != 0)
                 return -1;
-            const kt_bundle_list piece = {.count = lv.count, .pinned = lv.pinned,
-                                          .window = lv.window, .sink = lv.sink, .lazy = lv.lazy,
-                                          .slack = lv.slack, .max_drop = lv.max_drop,
-                                          .flags = lv.flags};
-            const kr_list_rule rule = kt_bundle_list_rule(&piece);
+            const kr_list_rule rule = kt_bundle_list_view_rule(&lv);
             int len, pinned;
             kr_seq_list_shape(s, layer, (int)h, &len, &pinned);
             kt_part_fill a = {.part = part, .list = &lv, .head_dim = head_dim, .rows = rows};
@@ -105,6 +113,73 @@ static inline int kt_bundle_part_to_seq(kr_seq *s, const kt_bundle_view *part, u
         }
     }
     return 0;
+}
+
+/* Blocks of `pool` that a block-padded part (or its head: kt_bundle_parse_head) takes as one
+ * run of consecutive blocks when its K and V sections can be received straight into them: its
+ * rows padded to the pool's block size, in the pool's dtype, and every list of s it continues
+ * (s NULL: none yet) ending on a block boundary. 0 when they cannot: the part is then received
+ * into a buffer and copied (kt_bundle_part_to_seq). */
+static inline int kt_part_run_blocks(const kr_seq *s, const kr_kv_pool *pool,
+                                     const kt_bundle_view *head)
+{
+    const int bs = kr_kv_pool_block_size(pool);
+    if (head->hdr.block_rows != (uint32_t)bs || kt_dtype_quantized(head->hdr.dtype) ||
+        (int)head->hdr.dtype != (int)kr_kv_pool_dtype(pool) || head->n_rows == 0 ||
+        head->n_rows / (uint64_t)bs > (uint64_t)kr_kv_pool_n_blocks(pool))
+        return 0;
+    for (uint32_t l = 0; s && l < head->hdr.n_layers; l++)
+        for (uint32_t h = 0; h < head->hdr.n_kv_heads; h++) {
+            int len;
+            kr_seq_list_shape(s, (int)(head->hdr.first_layer + l), (int)h, &len, NULL);
+            if (len % bs != 0)
+                return 0;
+        }
+    return (int)(head->n_rows / (uint64_t)bs);
+}
+
+/* Appends every list of a validated part whose K and V were received into the run of `n` blocks
+ * from `first` (kt_part_run_blocks, kr_kv_pool_take_run, kr_kv_pool_run_rows) to sequence s:
+ * each list's positions are written into its share of the run (they came in the part's head),
+ * and the list adopts that share, pinned and ruled as kt_bundle_part_to_seq would. On a failure
+ * the lists that adopted their share keep it (it goes with the sequence) and the rest of the run
+ * goes back to the pool. Returns 0, or -1 with err (KR_ERR_MAX bytes). */
+static inline int kt_bundle_part_adopt(kr_seq *s, kr_kv_pool *pool, const kt_bundle_view *part,
+                                       int32_t first, int n, char *err)
+{
+    const int bs = kr_kv_pool_block_size(pool);
+    void *k, *v;
+    int32_t *pos;
+    kr_kv_pool_run_rows(pool, first, &k, &v, &pos);
+    int at = 0;
+    for (uint32_t l = 0; l < part->hdr.n_layers; l++)
+        for (uint32_t h = 0; h < part->hdr.n_kv_heads; h++) {
+            const int layer = (int)(part->hdr.first_layer + l);
+            kt_bundle_list_view lv;
+            int len, pinned;
+            if (kt_bundle_view_list(part, l, h, &lv, err) != 0)
+                goto fail;
+            const kr_list_rule rule = kt_bundle_list_view_rule(&lv);
+            const int nb = (int)((lv.count + (uint32_t)bs - 1) / (uint32_t)bs);
+            if (at + nb > n) {
+                snprintf(err, KR_ERR_MAX, "the part's lists need more than the %d blocks of its run",
+                         n);
+                goto fail;
+            }
+            memcpy(pos + (size_t)at * (size_t)bs, lv.positions, sizeof(int32_t) * lv.count);
+            kr_seq_list_shape(s, layer, (int)h, &len, &pinned);
+            if (kr_seq_list_set_rule(s, layer, (int)h, &rule, err) != KR_OK ||
+                kr_seq_list_adopt(s, layer, (int)h, first + at, nb, (int)lv.count,
+                                  pinned + (int)lv.pinned, err) != KR_OK)
+                goto fail;
+            at += nb;
+        }
+    if (at == n)
+        return 0;
+    snprintf(err, KR_ERR_MAX, "the part's lists take %d of the %d blocks of its run", at, n);
+fail:
+    kr_kv_pool_give_run(pool, first + at, n - at);
+    return -1;
 }
 
 #endif /* KT_BUNDLE_RULE_H */

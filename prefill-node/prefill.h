@@ -94,6 +94,8 @@ typedef struct pf_job {
     uint64_t reservation_id; /* never 0 */
     uint8_t reservation_token[KT_RESV_TOKEN_BYTES]; /* sent with the bundle */
     kt_rma_key rma;          /* rkey_len > 0: the reservation is mapped; the parts are put there */
+    uint32_t block_rows;     /* the decode node's KV block size: lists are padded to whole blocks
+                                of it (bundle format 2.3) so they land in its blocks; 0: packed */
     kc_call *call;           /* deadline and cancellation */
     /* queue (the node's lock) */
     struct pf_job *next;

@@ -143,6 +143,7 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
     h.n_kv_heads = (uint32_t)c->n_kv_heads;
     h.head_dim = (uint32_t)c->head_dim;
     h.dtype = j->wire;
+    h.block_rows = j->block_rows;
     h.first_token = first_token;
     h.prompt_len = j->n_tokens;
     h.next_pos = next_pos;

@@ -214,6 +214,12 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
     if (req->kv_wire_dtype && *req->kv_wire_dtype && kt_dtype_parse(req->kv_wire_dtype, &j->wire) != 0)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
                       "kv_wire_dtype '%.32s' is not one of f32, bf16, f16, int8, fp8", req->kv_wire_dtype);
+    if (req->kv_block_rows > KT_BUNDLE_MAX_BLOCK_ROWS)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "kv_block_rows: %u, want at most %d (Decode.Reserve's, passed on as is)",
+                      req->kv_block_rows, KT_BUNDLE_MAX_BLOCK_ROWS);
+    /* Quantized rows cannot land in a decode node's blocks (it dequantizes them): packed. */
+    j->block_rows = kt_dtype_quantized(j->wire) ? 0 : req->kv_block_rows;
 
     kr_sampling *s = &j->sampling;
     kr_sampling_default(s);

@@ -44,6 +44,7 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
     req.reservation_token = (ProtobufCBinaryData){.len = r->reservation_token_len,
                                                   .data = r->reservation_token};
     req.rma_address = r->rma_address;
+    req.kv_block_rows = r->kv_block_rows;
     req.rma_key = (ProtobufCBinaryData){.len = r->rma_key_len, .data = r->rma_key};
     req.decode_node = r->dnode->id;
     if (r->forced) { /* the next id to emit: after a migration, the first not yet sent */

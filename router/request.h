@@ -80,6 +80,7 @@ typedef struct rt_req {
     uint64_t rma_address; /* Reserve's, passed on to Prefill: a decode node in RMA mode */
     uint8_t rma_key[KT_RMA_KEY_MAX];
     size_t rma_key_len; /* 0: the bundle is sent, not put */
+    uint32_t kv_block_rows; /* Reserve's, passed on to Prefill: the decode node's block size */
 
     /* results */
     Kvrelay__V1__PrefillUsage pu; /* numbers only */

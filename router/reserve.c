@@ -84,6 +84,7 @@ rt_attempt rt_reserve(rt_req *r, kc_status *st)
              * mapped reservation takes too */
             r->rma_key_len = resp->rma_key.len <= sizeof r->rma_key ? resp->rma_key.len : 0;
             r->rma_address = resp->rma_address;
+            r->kv_block_rows = resp->kv_block_rows;
             if (r->rma_key_len) memcpy(r->rma_key, resp->rma_key.data, r->rma_key_len);
             r->reserved_blocks = (int64_t)resp->reserved_blocks;
             snprintf(r->transfer_address, sizeof r->transfer_address, "%s", resp->transfer_address);

@@ -6,12 +6,16 @@
 # prefill (--pipeline off), and one that pipelines into a decode node in RMA mode
 # (--transfer-mode rma: each part put into the reservation's mapped buffer), on the 4-layer
 # llama3 fixture with chunked prefill, for every policy family (TAKE with delayed eviction, heads
-# and hsft with policy files) and with f32 and int8 wire payloads. Checks:
+# and hsft with policy files) and with f32, bf16 (the fixture's cache dtype) and int8 wire
+# payloads. Checks:
 #   - every greedy output, its log-probabilities and the usage's entries, bytes and footprint
 #     are identical between the three;
 #   - the pipelined nodes moved every request in several parts (a segment per final group of
 #     layers, TAKE's warm-up layers held back into one), the other in one; the RMA cluster's
 #     were put, the others' sent;
+#   - the decode nodes that were sent the parts received the bf16 ones (padded to their KV
+#     blocks, in their cache's dtype) straight into their blocks and copied the others; the RMA
+#     one copied every part it was put;
 #   - no decode node holds a block afterwards.
 # Run: ctest -R pipeline, or KR_BIN=build KR_SRC=. KR_FIXTURES=tests/fixtures bash tests/integration/pipeline.sh
 set -uo pipefail
@@ -36,7 +40,7 @@ policies=(full "streaming:sink=4,window=16,lazy=3" "streaming:sink=3,window=24,p
   "take:budget=24,warmup_budget=64,warmup_layers=2,probe=8" "sage:budget=32"
   "heads:pattern=gates.tsv,sparsity=0.5,sink=2,window=12"
   "hsft:windows=windows.txt,pattern=gates.tsv,budget=0.5,sink=2")
-wires=(f32 int8)
+wires=(f32 bf16 int8)
 
 # run_all NAME PIPELINE TRANSFER: every policy x wire through a fresh cluster whose prefill node
 # has --pipeline PIPELINE and whose decode node has --transfer-mode TRANSFER; results in $work/NAME
@@ -62,6 +66,10 @@ run_all() {
   # how many parts each bundle went in, and how, from the prefill node's log
   grep -oE 'in [0-9]+ part\(s\)' "$KRC_DIR/prefill-0.log" | awk '{ print $2 }' >"$KRC_DIR/parts"
   grep -oE '(put into|sent to) reservation' "$KRC_DIR/prefill-0.log" | awk '{ print $1 }' >"$KRC_DIR/how"
+  # and how the decode node took the parts: received into its KV blocks, or copied into them
+  for landing in received copied; do
+    metric "kvrelay_decode_bundle_parts_total{landing=\"$landing\"}" "$KR_METRICS" >"$KRC_DIR/$landing"
+  done
   krc_stop
 }
 
@@ -75,7 +83,7 @@ import json, sys
 work, n, policies = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 bad = 0
 for i in range(n):
-    what = f"request {i} ({policies[i // 2]}, {'f32' if i % 2 == 0 else 'int8'})"
+    what = f"request {i} ({policies[i // 3]}, {('f32', 'bf16', 'int8')[i % 3]})"
     try:
         on, off, rma = (json.load(open(f"{work}/{m}/out/{i}.json")) for m in ("on", "off", "rma"))
     except Exception as e:
@@ -104,10 +112,21 @@ for m, want in (("on", "sent"), ("off", "sent"), ("rma", "put")):
     if how != [want] * n:
         print(f"FAIL: the {m} cluster's bundles went {how} (want {n} x {want})")
         bad += 1
+# Sent as active messages, the bf16 parts (padded to the decode node's blocks, in its cache's
+# dtype) are received into the blocks; the f32 and int8 ones are copied (converted). Put, all are
+# copied.
+landings = {}
+for m in ("on", "off", "rma"):
+    got = landings[m] = {l: int(float(open(f"{work}/{m}/{l}").read() or -1)) for l in ("received", "copied")}
+    want_received = m != "rma"
+    if (got["received"] > 0) != want_received or got["copied"] <= 0 or got["received"] + got["copied"] < sum(parts[m]):
+        print(f"FAIL: the {m} cluster's decode node took parts {got}: want received > 0 {want_received}, "
+              f"some copied, {sum(parts[m])} in all")
+        bad += 1
 if parts["off"] != [1] * n:
     print(f"FAIL: the --pipeline off node's parts per bundle: {parts['off']} (want {n} x 1)")
     bad += 1
-print(f"{n - min(bad, n)} of {n} requests identical pipelined, whole and put; parts per pipelined bundle: {sorted(set(parts['on']))}")
+print(f"{n - min(bad, n)} of {n} requests identical pipelined, whole and put; parts per pipelined bundle: {sorted(set(parts['on']))}; parts received into / copied into KV blocks: {landings}")
 EOF
 )
 echo "$out"
