@@ -6,9 +6,10 @@
  * node pays), one bundle at a time and K at once, sender and receiver as two UCX contexts in
  * this process; with --validate the data is a real bundle of about the size and the receiver
  * validates it before acknowledging, as a decode node does (kt_transport_reserve_bundle into
- * buffers of each bundle's size: every checksum and field), and with --import it also copies
- * each part's rows into the blocks of a KV pool before the ack, the rest of a decode node's
- * receive path (decode-node/import.c); ucx_perftest runs
+ * buffers of each bundle's size: every checksum and field), and with --import the bundle is
+ * padded to the blocks of a KV pool, goes in pieces, and lands with its K and V in a run of the
+ * pool's blocks, which a sequence then adopts before the ack: a decode node's whole receive path
+ * (decode-node/import.c); ucx_perftest runs
  * as a server and a client process with -t TEST -s SIZE. With --mode rma each reservation is
  * mapped and the bundle put into it (kt_transport_reserve_rma, kt_transport_put), next to
  * ucx_perftest -t ucp_put_bw. It is not a test: nothing is asserted.
@@ -33,6 +34,9 @@
 #include "cli.h"
 #include "transport.h"
 
+/* --import: entries per block of the receiver's KV pool (the decode node's default). */
+#define BENCH_BLOCK_ROWS 16
+
 /* The transfers in flight: slot k holds one bundle (its reservation, its send) and is free
  * again once both its callbacks have run. Callbacks put the freed slot in `ready` and post
  * `done`, so the measuring thread sleeps until one comes instead of polling a core the two
@@ -43,20 +47,54 @@ typedef struct slot {
     int k;
     atomic_int left; /* callbacks still to come */
     kr_kv_pool *pool; /* --import: the receiver's KV pool, else NULL */
-    kr_seq *seq; /* --import: what the parts were copied into (freed when the slot is reused) */
+    kr_seq *seq; /* --import: what the parts went into (freed when the slot is reused) */
+    int32_t run_first; /* --import: the run of blocks a part's K and V were received into */
+    int run_n; /* 0: none */
     int import_failed;
 } slot;
 
-/* --import: the decode node's part hook (decode-node/import.c, without its checks against a
- * model and a reservation): each part's rows into the slot's sequence, on the progress thread,
- * before the part's ack. */
+/* --import: parts whose K and V landed in KV blocks, and parts copied into them. */
+static atomic_long n_adopted, n_copied;
+
+/* --import: the decode node's placement hook (decode-node/import.c, without its checks against
+ * a model and a reservation): a run of the pool's blocks for the part's K and V. */
+static int place_part(void *arg, const kt_bundle_set *s, const kt_bundle_view *head, void **k,
+                      void **v, char *err)
+{
+    slot *sl = arg;
+    int32_t *pos;
+    const int n = kt_part_run_blocks(sl->seq, sl->pool, head);
+    (void)s;
+    (void)err;
+    if (n == 0 || kr_kv_pool_take_run(sl->pool, n, &sl->run_first) != KR_OK)
+        return 1;
+    sl->run_n = n;
+    kr_kv_pool_run_rows(sl->pool, sl->run_first, k, v, &pos);
+    return 0;
+}
+
+/* --import: the decode node's part hook (the same): each part into the slot's sequence on the
+ * progress thread, before the part's ack: the run it was received into adopted, or its rows
+ * copied into blocks. */
 static int import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
 {
     slot *sl = arg;
     const kt_bundle_view *part = &s->parts[i];
     char why[KR_ERR_MAX];
-    if ((!sl->seq && kr_seq_create(sl->pool, 1, 1, &sl->seq, why) != KR_OK) ||
-        kt_bundle_part_to_seq(sl->seq, part, part->hdr.head_dim, NULL, why) != 0) {
+    void *k = NULL, *v;
+    int32_t *pos;
+    if (sl->run_n)
+        kr_kv_pool_run_rows(sl->pool, sl->run_first, &k, &v, &pos);
+    int rc = !sl->seq && kr_seq_create(sl->pool, 1, 1, &sl->seq, why) != KR_OK;
+    if (!rc && k && part->k == k) {
+        rc = kt_bundle_part_adopt(sl->seq, sl->pool, part, sl->run_first, sl->run_n, why) != 0;
+        sl->run_n = 0;
+        atomic_fetch_add(&n_adopted, 1);
+    } else if (!rc) {
+        rc = kt_bundle_part_to_seq(sl->seq, part, part->hdr.head_dim, NULL, why) != 0;
+        atomic_fetch_add(&n_copied, 1);
+    }
+    if (rc) {
         snprintf(err, KT_ERR_MAX, "import: %.450s", why);
         sl->import_failed = 1;
         return -1;
@@ -113,6 +151,7 @@ static void launch(flight *f, int k)
     kt_bundle_set_init(&f->sets[k], &f->views[k], 1);
     if (f->pool) {
         f->sets[k].on_part = import_part;
+        f->sets[k].on_place = place_part;
         f->sets[k].on_part_arg = &f->slots[k];
     }
     /* validating, the receiver is a decode node's: parts land in buffers the transport
@@ -146,8 +185,11 @@ static int wait_slot(flight *f)
     pthread_mutex_unlock(&f->w.lock);
     if (f->validate)
         kt_bundle_set_free(&f->sets[k]);
-    kr_seq_free(f->slots[k].seq); /* the copy's blocks back to the pool */
+    kr_seq_free(f->slots[k].seq); /* the blocks back to the pool */
     f->slots[k].seq = NULL;
+    if (f->slots[k].run_n) /* a run whose part failed */
+        kr_kv_pool_give_run(f->pool, f->slots[k].run_first, f->slots[k].run_n);
+    f->slots[k].run_n = 0;
     return k;
 }
 
@@ -190,12 +232,15 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, const uint8_t *s
 }
 
 /* A valid bundle of at most `size` bytes at src (1 layer, 1 KV head, head_dim 128, f32 rows of
- * a pattern): its size in *bytes. */
-static int make_bundle(uint8_t *src, uint64_t size, uint64_t *bytes, char *err)
+ * a pattern), its list padded to whole blocks of `block_rows` rows (0: packed): its size in
+ * *bytes. */
+static int make_bundle(uint8_t *src, uint64_t size, uint32_t block_rows, uint64_t *bytes,
+                       char *err)
 {
     enum { D = 128, RUN = 256 };
     kt_bundle_header h = {.fingerprint = "0123456789abcdef", .n_layers = 1, .n_kv_heads = 1,
-                          .head_dim = D, .dtype = KT_DTYPE_F32, .prompt_len = 1};
+                          .head_dim = D, .dtype = KT_DTYPE_F32, .prompt_len = 1,
+                          .block_rows = block_rows};
     snprintf(h.policy, sizeof h.policy, "full");
     uint64_t overhead;
     kt_bundle_list list = {.window = KT_BUNDLE_WINDOW_DENSE};
@@ -203,6 +248,8 @@ static int make_bundle(uint8_t *src, uint64_t size, uint64_t *bytes, char *err)
     if (kt_bundle_size(&h, &list, &overhead, err) != 0)
         return -1;
     list.count = (uint32_t)((size - overhead - 3 * 64) / (2 * D * sizeof(float) + 4));
+    if (block_rows) /* whole blocks: no padding to outgrow the size */
+        list.count -= list.count % block_rows;
     h.next_pos = h.prompt_len = (int32_t)list.count;
     kt_bundle_writer w;
     if (kt_bundle_size(&h, &list, bytes, err) != 0 ||
@@ -321,8 +368,9 @@ int main(int argc, char **argv)
          .help = "send real bundles (one list of f32 rows, a little under each size) and validate each on "
                  "receipt before the ack, as a decode node does"},
         {.kind = KC_FLAG_BOOL, .name = "--import", .dest = &import,
-         .help = "with --validate: the receiver also copies each part's rows into the blocks of a KV "
-                 "pool before the ack, as a decode node does (its whole receive path)"},
+         .help = "with --validate: bundles padded to the blocks of a KV pool, whose K and V the "
+                 "receiver takes straight into a run of its blocks, as a decode node does (its "
+                 "whole receive path)"},
         {.kind = KC_FLAG_END},
     };
     const kc_flags flags = {.prog = "kvrelay-transfer-bench", .usage = "[options]", .table = table};
@@ -339,13 +387,14 @@ int main(int argc, char **argv)
     if (!test)
         test = rma ? "ucp_put_bw" : "ucp_am_bw";
     if (import && !validate)
-        cli_die(2, "--import needs --validate (it copies the rows of real bundles)");
+        cli_die(2, "--import needs --validate (it takes the rows of real bundles)");
     kr_kv_pool *pool = NULL;
     if (import) { /* room for --inflight bundles of the largest size (make_bundle's shape) */
         char perr[KR_ERR_MAX];
-        const int64_t blocks = (int64_t)inflight_flag * (int64_t)(max / (2 * 128 * 4 + 4) / 16 + 2);
+        const int64_t blocks =
+            (int64_t)inflight_flag * (int64_t)(max / (2 * 128 * 4 + 4) / BENCH_BLOCK_ROWS + 2);
         if (blocks > INT32_MAX ||
-            kr_kv_pool_create(128, 16, (int)blocks, KR_DTYPE_F32, &pool, perr) != KR_OK)
+            kr_kv_pool_create(128, BENCH_BLOCK_ROWS, (int)blocks, KR_DTYPE_F32, &pool, perr) != KR_OK)
             cli_die(1, "a KV pool for --import: %s", blocks > INT32_MAX ? "too large" : perr);
     }
     setenv("UCX_TLS", tls, 1);
@@ -371,7 +420,7 @@ int main(int argc, char **argv)
            "and K in flight (K); perftest = ucx_perftest -t %s (overall); %d interleaved rounds "
            "(kvrelay then perftest), medians; ratio = median over rounds of K / perftest\n",
            tls, rma ? "put + flush + header" : "send",
-           import ? " + validation and the copy into KV blocks on receipt"
+           import ? " + validation, K and V received into KV blocks"
                   : validate ? " + validation on receipt" : "",
            test, n_rounds);
     printf("%10s %4s %14s %14s %14s %8s  %s\n", "size_MiB", "K", "kvrelay_1", "kvrelay_K",
@@ -382,8 +431,12 @@ int main(int argc, char **argv)
         iters = iters_flag ? iters : (iters < 3 ? 3 : iters > 200 ? 200 : iters);
         int k = (int)(dst_bytes / size) < inflight_flag ? (int)(dst_bytes / size) : inflight_flag;
         uint64_t bytes = size; /* what one transfer moves */
-        if (validate && make_bundle(src, size, &bytes, err) != 0)
+        /* importing, the bundle is laid out as the pool's blocks (as a prefill node writes
+         * it for a decode node), so its K and V land in them */
+        if (validate && make_bundle(src, size, import ? BENCH_BLOCK_ROWS : 0, &bytes, err) != 0)
             cli_die(1, "%s", err);
+        atomic_store(&n_adopted, 0);
+        atomic_store(&n_copied, 0);
         double one[n_rounds], ours[n_rounds], ptg[n_rounds], ratio[n_rounds];
         char why[256] = "", per[64 * 8] = "";
         int have_pt = 1;
@@ -410,6 +463,10 @@ int main(int argc, char **argv)
         else
             printf("%10d %4d %14.2f %14.2f %14s %8s   # %s\n", mib[i], k, median(one, n_rounds),
                    median(ours, n_rounds), "n/a", "n/a", why);
+        if (import)
+            fprintf(stderr, "kvrelay-transfer-bench: %d MiB: %ld parts received into KV blocks, "
+                    "%ld copied into them (no free run, or not laid out as the pool's blocks)\n",
+                    mib[i], atomic_load(&n_adopted), atomic_load(&n_copied));
         fflush(stdout);
     }
     kt_transport_destroy(tx);
