@@ -385,6 +385,8 @@ typedef struct request {
                    a stop id too: none of it ends the stream, and logprobs come back */
     int never_trims; /* the bundle carries the never-trimmed rule on every list, whatever the
                         policy left there (a sender that lies about its rules) */
+    int padded; /* the bundle in the node's KV dtype, each list padded to its 16-entry blocks, as
+                   a prefill node writes it after Reserve: K and V land in the node's blocks */
     uint32_t forced_ids[MAX_OUT]; /* the ids after the first: max_tokens - 1 */
     float want_lps[MAX_OUT]; /* kr_logprob of each, and each row's argmax */
     uint32_t want_tops[MAX_OUT];
@@ -460,7 +462,8 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
     h.n_layers = (uint32_t)c->n_layers;
     h.n_kv_heads = (uint32_t)c->n_kv_heads;
     h.head_dim = (uint32_t)c->head_dim;
-    h.dtype = KT_DTYPE_F32;
+    h.dtype = rq->padded ? (kt_dtype)kr_ctx_kv_dtype(e->ctx) : KT_DTYPE_F32;
+    h.block_rows = rq->padded ? 16 : 0;
     h.first_token = rq->first;
     h.prompt_len = rq->n_prompt;
     h.next_pos = kr_seq_next_pos(seq);
@@ -641,10 +644,20 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
         {.policy = "full", .n_prompt = 35, .max_tokens = 20, .forced = 1, .stop_at = 4},
         {.policy = "snapkv:mode=patched,obs=8,budget=16", .n_prompt = 47, .max_tokens = 25,
          .forced = 1},
+        /* received straight into the node's KV blocks (the rest are copied in: f32 on the wire) */
+        {.policy = "full", .n_prompt = 37, .max_tokens = 40, .padded = 1},
+        {.policy = "streaming:sink=4,window=16", .n_prompt = 50, .max_tokens = 48, .padded = 1},
+        {.policy = "take:budget=16,warmup_budget=32,warmup_layers=1,probe=8", .n_prompt = 48,
+         .max_tokens = 36, .padded = 1},
+        {.policy = heads_spec, .n_prompt = 40, .max_tokens = 30, .padded = 1},
     };
     enum { N = sizeof rq / sizeof rq[0] };
     uint64_t ids[N];
     char rid[N][32], err[KT_ERR_MAX];
+    const char *landed[2] = {"kvrelay_decode_bundle_parts_total{landing=\"received\"}",
+                             "kvrelay_decode_bundle_parts_total{landing=\"copied\"}"};
+    const double received0 = metric(nd, landed[0]), copied0 = metric(nd, landed[1]);
+    int n_padded = 0;
     for (int i = 0; i < N; i++) {
         snprintf(rid[i], sizeof rid[i], "batch-%d", i);
         kc_status st;
@@ -653,7 +666,13 @@ static void test_batch_equals_one_process(engine *e, node *nd, const char *model
         REQUIRE(ids[i], "Reserve %s: %s %s", rq[i].policy, kc_status_name(st.code), st.details);
         prefill(e, &rq[i], i, 1);
         REQUIRE(ship(e, nd, ids[i], &rq[i], err) == 0, "ship %s: %s", rq[i].policy, err);
+        n_padded += rq[i].padded;
     }
+    /* each bundle is one part, acknowledged once it is in the blocks */
+    const double received = metric(nd, landed[0]) - received0, copied = metric(nd, landed[1]) - copied0;
+    CHECK(received == n_padded && copied == N - n_padded,
+          "%s: %g parts received into the KV blocks and %g copied, want %d and %d", model, received,
+          copied, n_padded, N - n_padded);
     /* All streams open before any is read: the node decodes them together. */
     kc_stream *s[N];
     Kvrelay__V1__Sampling sampled = KVRELAY__V1__SAMPLING__INIT;
@@ -848,6 +867,19 @@ static void test_refusals(engine *e, node *nd)
     id = reserve(nd, "too-long", 8, 1, "full", 0, &st);
     REQUIRE(id, "Reserve: %s", st.details);
     refused_on_arrival(e, nd, id, &rq5, 203, "too-long", "blocks, more than the",
+                       "its reservation holds");
+    /* The same refusals for bundles padded to the node's blocks: made by the placement hook,
+     * when the head arrives, before a run of blocks is taken. */
+    request rqp = {.policy = "full", .n_prompt = 20, .max_tokens = 8,
+                   .fingerprint = "0123456789abcdef", .padded = 1};
+    id = reserve(nd, "other-model-padded", 20, 8, "full", 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    refused_on_arrival(e, nd, id, &rqp, 204, "other-model-padded", "0123456789abcdef",
+                       kr_model_fingerprint(e->m));
+    request rqp5 = {.policy = "full", .n_prompt = 40, .max_tokens = 1, .padded = 1};
+    id = reserve(nd, "too-long-padded", 8, 1, "full", 0, &st);
+    REQUIRE(id, "Reserve: %s", st.details);
+    refused_on_arrival(e, nd, id, &rqp5, 205, "too-long-padded", "blocks, more than the",
                        "its reservation holds");
     CHECK(idle(nd), "refused bundles return their blocks");
 
