@@ -18,9 +18,14 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include <ucp/api/ucp.h>
 
 #include "kr_test.h"
 #include "bundle.h"
+#include "le.h"
 #include "transport.h"
 
 #define HOST "127.0.0.1"
@@ -669,6 +674,268 @@ static void test_pieces(kt_transport *rx, kt_transport *tx)
     free(seg[1]);
 }
 
+/* A sender that speaks the wire by hand (its own UCX context), to send what kt_transport_send
+ * never would: pieces at wrong offsets, twice, too many before their head. The wire constants
+ * are the transport's (docs/transport.md, *Wire*). */
+enum { RAW_AM_BUNDLE = 0x4b51, RAW_AM_ACK = 0x4b52, RAW_HDR = 56, RAW_PIECE = 4, RAW_ACKS = 16 };
+
+typedef struct raw_sender {
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_ep_h ep;
+    void *reqs[8]; /* sends not yet complete (a held rendezvous completes once the receiver
+                      takes or drops it) */
+    int n_reqs;
+    uint8_t hdr[8][RAW_HDR]; /* each send's header, alive until raw_settle */
+    int n_acks;
+    uint64_t ack_seq[RAW_ACKS];
+    int ack_status[RAW_ACKS];
+    char ack_msg[RAW_ACKS][256];
+} raw_sender;
+
+static ucs_status_t raw_on_ack(void *arg, const void *header, size_t header_length, void *data,
+                               size_t length, const ucp_am_recv_param_t *param)
+{
+    raw_sender *r = arg;
+    const uint8_t *w = data;
+    if (length >= 40 + 256 && r->n_acks < RAW_ACKS) {
+        r->ack_seq[r->n_acks] = kt_rd64(w + 8);
+        r->ack_status[r->n_acks] = kt_rd16(w + 6);
+        memcpy(r->ack_msg[r->n_acks], w + 40, 256);
+        r->ack_msg[r->n_acks][255] = 0;
+        r->n_acks++;
+    }
+    (void)header;
+    (void)header_length;
+    (void)param;
+    return UCS_OK;
+}
+
+static void raw_open(raw_sender *r, uint16_t port)
+{
+    memset(r, 0, sizeof *r);
+    ucp_config_t *cfg;
+    REQUIRE(ucp_config_read(NULL, NULL, &cfg) == UCS_OK, "ucp_config_read");
+    ucp_params_t up = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_AM};
+    REQUIRE(ucp_init(&up, cfg, &r->ctx) == UCS_OK, "ucp_init");
+    ucp_config_release(cfg);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    REQUIRE(ucp_worker_create(r->ctx, &wp, &r->worker) == UCS_OK, "ucp_worker_create");
+    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                               UCP_AM_HANDLER_PARAM_FIELD_ARG,
+                                 .id = RAW_AM_ACK, .cb = raw_on_ack, .arg = r};
+    REQUIRE(ucp_worker_set_am_recv_handler(r->worker, &hp) == UCS_OK, "ack handler");
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    inet_pton(AF_INET, HOST, &sa.sin_addr);
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+                          .sockaddr = {.addr = (const struct sockaddr *)&sa, .addrlen = sizeof sa},
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER};
+    REQUIRE(ucp_ep_create(r->worker, &ep, &r->ep) == UCS_OK, "ucp_ep_create");
+}
+
+/* Sends bytes [off, off + len) of a part of `size` bytes as a piece for reservation id, with
+ * the part's seq, without waiting for it (raw_settle does). */
+static void raw_piece(raw_sender *r, uint64_t id, const uint8_t *tok, uint64_t seq, uint64_t size,
+                      uint64_t off, const uint8_t *data, uint64_t len)
+{
+    REQUIRE(r->n_reqs < 8, "raw sends in flight");
+    uint8_t *h = r->hdr[r->n_reqs];
+    memset(h, 0, RAW_HDR);
+    kt_wr32(h, 0x4e58544bu);
+    kt_wr16(h + 4, 2);
+    kt_wr16(h + 6, RAW_PIECE);
+    kt_wr64(h + 8, seq);
+    kt_wr64(h + 16, id);
+    kt_wr64(h + 24, size);
+    kt_wr64(h + 32, off);
+    memcpy(h + 40, tok, KT_RESV_TOKEN_BYTES);
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                             .flags = UCP_AM_SEND_FLAG_REPLY};
+    ucs_status_ptr_t sp = ucp_am_send_nbx(r->ep, RAW_AM_BUNDLE, h, RAW_HDR, data, len, &p);
+    REQUIRE(!UCS_PTR_IS_ERR(sp), "raw piece send: %s", ucs_status_string(UCS_PTR_STATUS(sp)));
+    if (UCS_PTR_IS_PTR(sp))
+        r->reqs[r->n_reqs++] = sp;
+    ucp_worker_progress(r->worker);
+}
+
+/* The first acknowledgement of seq, after progressing until it came (or 5 s), and until every
+ * send completed; NULL when none came. *status: its status. */
+static const char *raw_settle(raw_sender *r, uint64_t seq, int *status)
+{
+    const char *msg = NULL;
+    double until = now_s() + 5.0;
+    for (;;) {
+        for (int i = 0; !msg && i < r->n_acks; i++)
+            if (r->ack_seq[i] == seq) {
+                msg = r->ack_msg[i];
+                *status = r->ack_status[i];
+            }
+        int busy = 0;
+        for (int i = 0; i < r->n_reqs; i++)
+            busy |= ucp_request_check_status(r->reqs[i]) == UCS_INPROGRESS;
+        if ((msg && !busy) || now_s() > until)
+            break;
+        ucp_worker_progress(r->worker);
+    }
+    for (int i = 0; i < r->n_reqs; i++) {
+        if (ucp_request_check_status(r->reqs[i]) == UCS_INPROGRESS)
+            ucp_request_cancel(r->worker, r->reqs[i]);
+        ucp_request_free(r->reqs[i]);
+    }
+    r->n_reqs = 0;
+    return msg;
+}
+
+static void raw_close(raw_sender *r)
+{
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                             .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    ucs_status_ptr_t sp = ucp_ep_close_nbx(r->ep, &p);
+    while (UCS_PTR_IS_PTR(sp) && ucp_request_check_status(sp) == UCS_INPROGRESS)
+        ucp_worker_progress(r->worker);
+    if (UCS_PTR_IS_PTR(sp))
+        ucp_request_free(sp);
+    ucp_worker_destroy(r->worker);
+    ucp_cleanup(r->ctx);
+}
+
+/* Pieces a sender should never send fail their reservation with a message that says what was
+ * wrong, and harm nothing else: the receiver then takes a padded bundle sent properly. Each case
+ * sends the pieces of one padded part (head 0, K 1, V 2; a negative index: that piece at the
+ * wrong offset) in the order given. */
+static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
+{
+    const uint64_t cap = 1 << 16;
+    uint8_t *seg = malloc(cap), *seg0 = malloc(cap);
+    REQUIRE(seg && seg0, "out of memory");
+    kt_bundle_layout lay, lay0;
+    const uint64_t n = write_padded(seg, cap, 1, 40, 16, &lay);
+    const uint64_t n0 = write_padded(seg0, cap, 0, 40, 16, &lay0);
+    const uint64_t off[3] = {0, lay.k_off, lay.v_off}, len[3] = {lay.head_len, lay.k_len, lay.v_len};
+    struct {
+        int order[4], n; /* pieces in order; 3: the head cut 64 bytes short; 4: K with a size
+                            field one byte larger */
+        const char *want;
+    } cases[] = {
+        {{0, -1, 2}, 3, "is neither its K nor its V section"}, /* K 64 bytes late, after the head */
+        {{-1, 0, 2}, 3, "is neither its K nor its V section"}, /* the same, held before the head */
+        {{0, 0}, 2, "came twice"},
+        {{1, 2, 1}, 3, "more than two pieces came before its head"},
+        {{3, 1, 2}, 3, "do not match its layout"},
+        {{0, 4}, 2, "does not fit its part"},
+    };
+    char err[KT_ERR_MAX];
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    raw_sender raw;
+    raw_open(&raw, kt_transport_port(rx));
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const uint64_t id = 850 + c;
+        kt_bundle_view parts[1];
+        kt_bundle_set set;
+        kt_bundle_set_init(&set, parts, 1);
+        place_log pl = {.mode = 0};
+        set.on_place = place_cb;
+        set.on_part = placed_part_cb;
+        set.on_part_arg = &pl;
+        done_box rb;
+        box_init(&rb);
+        REQUIRE(kt_transport_reserve_bundle(rx, id, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+                "%s", err);
+        for (int i = 0; i < cases[c].n; i++) {
+            const int p = cases[c].order[i];
+            if (p == 3)
+                raw_piece(&raw, id, tok, 1000 + c, n, 0, seg, len[0] - 64);
+            else if (p == 4)
+                raw_piece(&raw, id, tok, 1000 + c, n + 1, off[1], seg + off[1], len[1]);
+            else if (p < 0)
+                raw_piece(&raw, id, tok, 1000 + c, n, off[-p] + 64, seg + off[-p], len[-p]);
+            else
+                raw_piece(&raw, id, tok, 1000 + c, n, off[p], seg + off[p], len[p]);
+        }
+        int status = 0;
+        const char *heard = raw_settle(&raw, 1000 + c, &status);
+        REQUIRE(box_wait(&rb, 5.0), "case %zu: the reservation ended within 5 s", c);
+        CHECK(rb.status == -1 && strstr(rb.msg, cases[c].want) && pl.parts == 0,
+              "case %zu: the reservation failed with '%s': %s", c, cases[c].want, rb.msg);
+        CHECK(heard && status != 0 && strstr(heard, cases[c].want),
+              "case %zu: the sender hears '%s': %s", c, cases[c].want, heard ? heard : "(no ack)");
+        kt_bundle_set_free(&set);
+        for (int i = 0; i < pl.placed; i++) {
+            free(pl.k[i]);
+            free(pl.v[i]);
+        }
+    }
+    /* K and V before their head, small enough to come eagerly: held (their data kept past the
+     * handler) and landed once the head is placed. A one-part set of layer 0 holds it. */
+    {
+        static uint8_t small[16384];
+        kt_bundle_layout sl;
+        const uint64_t sn = write_padded(small, sizeof small, 0, 4, 16, &sl);
+        kt_bundle_view parts[1];
+        kt_bundle_set set;
+        kt_bundle_set_init(&set, parts, 1);
+        place_log pl = {.mode = 0};
+        set.on_place = place_cb;
+        set.on_part = placed_part_cb;
+        set.on_part_arg = &pl;
+        done_box rb;
+        box_init(&rb);
+        REQUIRE(kt_transport_reserve_bundle(rx, 869, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+                "%s", err);
+        raw_piece(&raw, 869, tok, 1100, sn, sl.k_off, small + sl.k_off, sl.k_len);
+        raw_piece(&raw, 869, tok, 1100, sn, sl.v_off, small + sl.v_off, sl.v_len);
+        raw_piece(&raw, 869, tok, 1100, sn, 0, small, sl.head_len);
+        int status = -1;
+        const char *heard = raw_settle(&raw, 1100, &status);
+        REQUIRE(box_wait(&rb, 5.0), "held pieces: the reservation ended within 5 s");
+        CHECK(heard && status == 0 && rb.status == 0 && pl.placed == 1 && pl.parts == 1 &&
+                  memcmp(pl.k[0], small + sl.k_off, sl.k_len) == 0 &&
+                  memcmp(pl.v[0], small + sl.v_off, sl.v_len) == 0,
+              "K and V sent before their head land where the hook said: %s / %s", rb.msg,
+              heard ? heard : "(no ack)");
+        kt_bundle_set_free(&set);
+        free(pl.k[0]);
+        free(pl.v[0]);
+    }
+    raw_close(&raw);
+    /* The receiver still serves: the same parts, sent properly, land where the hook says. */
+    kt_bundle_view parts[2];
+    kt_bundle_set set;
+    kt_bundle_set_init(&set, parts, 2);
+    place_log pl = {.mode = 0};
+    set.on_place = place_cb;
+    set.on_part = placed_part_cb;
+    set.on_part_arg = &pl;
+    done_box rb;
+    box_init(&rb);
+    REQUIRE(kt_transport_reserve_bundle(rx, 870, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+            "%s", err);
+    done_box sb;
+    box_init(&sb);
+    REQUIRE(kt_transport_send(tx, HOST, kt_transport_port(rx), 870, tok, seg0, n0, KT_SEND_MORE, 5.0,
+                              box_cb, &sb, err) == 0, "%s", err);
+    CHECK(box_wait(&sb, 5.0) && sb.status == 0, "a proper first part after the bad pieces: %s",
+          sb.msg);
+    CHECK(kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 870, tok, seg, n, 5.0, err) == 0,
+          "a proper last part after the bad pieces: %s", err);
+    REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
+    CHECK(rb.status == 0 && pl.placed == 2 && pl.parts == 2 && parts[1].k == pl.k[1] &&
+              memcmp(pl.k[1], seg + lay.k_off, lay.k_len) == 0 &&
+              memcmp(pl.v[0], seg0 + lay0.v_off, lay0.v_len) == 0,
+          "the proper parts landed where the hook said: %s", rb.msg);
+    kt_bundle_set_free(&set);
+    for (int i = 0; i < pl.placed; i++) {
+        free(pl.k[i]);
+        free(pl.v[i]);
+    }
+    free(seg);
+    free(seg0);
+}
+
 /* kt_transport_put, waited for: its callback's status (and message in box). */
 static int put_wait(kt_transport *tx, uint16_t port, uint64_t id, const uint8_t *tok,
                     const kt_rma_key *key, uint64_t offset, const uint8_t *buf, uint64_t n,
@@ -1262,6 +1529,7 @@ int main(int argc, char **argv)
     test_segments(rx, tx);
     test_part_hook(rx, tx);
     test_pieces(rx, tx);
+    test_bad_pieces(rx, tx);
     test_owned_parts(rx, tx);
     test_sizes(rx, tx);
     test_concurrent(rx, tx);
