@@ -1,8 +1,8 @@
 /*
  * cpu-dispatch.c - picks the CPU backend's variant when the program loads: the engine/cpu
  * sources are compiled once per instruction set (CMakeLists.txt), and kr_cpu_backend becomes a
- * copy of the best one this CPU runs (cpuid, through the compiler's __builtin_cpu_supports, which also asks
- * the OS whether it saves the wider registers). KR_CPU_ISA=avx512bf16|avx512|avx2|base in the environment
+ * copy of the best one this CPU runs (cpuid, mostly through the compiler's __builtin_cpu_supports,
+ * which also asks the OS whether it saves the wider registers). KR_CPU_ISA=avx512bf16|avx512|avx2|base in the environment
  * asks for one variant; one the CPU lacks is refused with a line on stderr and the best is
  * used instead. kr_dtype_to_f32 and kr_dtype_from_f32 (kr.h) are the same variant's row
  * conversions (engine/cpu/convert.c), whichever backend runs the model. So one binary runs
@@ -13,11 +13,24 @@
 #include "kr-util.h"
 #include "kr.h"
 
+#include <cpuid.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 kr_backend_ops kr_cpu_backend;
+
+/* Bit `bit` of register `reg` (0 EAX, 1 EBX, 2 ECX, 3 EDX) of CPUID leaf `leaf`, subleaf `sub`;
+ * 0 when the CPU has no such leaf. For the features __builtin_cpu_supports does not name in
+ * every compiler (clang 14 knows neither "f16c" nor "avx512bf16"); the OS's saving of the
+ * registers they use is what the avx2 and avx512f checks beside them establish. */
+static int cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit)
+{
+    unsigned r[4];
+    if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3]))
+        return 0;
+    return (int)((r[reg] >> bit) & 1u);
+}
 
 /* best first */
 static const struct {
@@ -40,14 +53,14 @@ int kr_cpu_isa_supported(const char *name)
 {
     __builtin_cpu_init();
     if (strcmp(name, "avx512bf16") == 0)
-        return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+        return cpuid_bit(7, 1, 0, 5) /* AVX512_BF16 */ && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && kr_cpu_isa_supported("avx512");
     if (strcmp(name, "avx512") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                __builtin_cpu_supports("fma");
     if (strcmp(name, "avx2") == 0)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+               cpuid_bit(1, 0, 2, 29) /* F16C */;
     return strcmp(name, "base") == 0;
 }
 
