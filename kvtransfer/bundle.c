@@ -1531,10 +1531,6 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
     if (!part->k || !part->v)
         return fail(err, "part %" PRIu32 " has no rows yet (kt_bundle_parse_rows completes a view "
                     "from kt_bundle_parse_head)", s->n_parts);
-    if (s->n_parts && h->block_rows != s->hdr.block_rows)
-        return fail(err, "part %" PRIu32 " has block_rows %" PRIu32 ", the first part %" PRIu32
-                    ": the parts of a set are padded alike", s->n_parts, h->block_rows,
-                    s->hdr.block_rows);
     if (s->n_parts == 0) {
         if (!h->segment && !last)
             return fail(err, "a whole bundle (not a layer segment) with more parts announced after it");
@@ -1570,6 +1566,8 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
         s->hdr.segment = 0;
     }
     s->hdr.n_layers = end > covered ? end : covered;
+    if (h->block_rows != s->hdr.block_rows) /* each part is read through its own view */
+        s->hdr.block_rows = 0;
     if (last) {
         s->hdr.first_token = h->first_token;
         s->hdr.next_pos = h->next_pos;

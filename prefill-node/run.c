@@ -143,7 +143,6 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
     h.n_kv_heads = (uint32_t)c->n_kv_heads;
     h.head_dim = (uint32_t)c->head_dim;
     h.dtype = j->wire;
-    h.block_rows = j->block_rows;
     h.first_token = first_token;
     h.prompt_len = j->n_tokens;
     h.next_pos = next_pos;
@@ -152,7 +151,7 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
     snprintf(h.policy, sizeof h.policy, "%s", kr_policy_spec(j->policy));
     kt_bundle_list *lists = n->lists + (size_t)first * (size_t)c->n_kv_heads;
     int *sent = n->sent + (size_t)first * (size_t)c->n_kv_heads;
-    uint64_t entries = 0;
+    uint64_t entries = 0, rows = 0;
     for (int l = 0; l < count; l++)
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
             int len, pinned, from = sent[l * c->n_kv_heads + kv];
@@ -163,7 +162,13 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
             int piece_pinned = pinned - from < 0 ? 0 : pinned - from;
             lists[l * c->n_kv_heads + kv] = kt_bundle_list_of(len - from, piece_pinned, &rule);
             entries += (uint64_t)(len - from);
+            const uint64_t br = j->block_rows ? j->block_rows : 1;
+            rows += ((uint64_t)(len - from) + br - 1) / br * br;
         }
+    /* Padded to the decode node's blocks, the part lands in them with no copy there; where
+     * that would add more than an eighth to the rows on the wire (short lists, large blocks) it
+     * goes packed and the decode node copies it. */
+    h.block_rows = rows - entries <= entries / 8 ? j->block_rows : 0;
     uint64_t size;
     if (kt_bundle_size(&h, lists, &size, err) != 0 || buf_room(b, size, err) != 0) return -1;
     kt_bundle_writer w;

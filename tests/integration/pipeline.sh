@@ -13,9 +13,10 @@
 #   - the pipelined nodes moved every request in several parts (a segment per final group of
 #     layers, TAKE's warm-up layers held back into one), the other in one; the RMA cluster's
 #     were put, the others' sent;
-#   - the decode nodes that were sent the parts received the bf16 ones (padded to their KV
-#     blocks, in their cache's dtype) straight into their blocks and copied the others; the RMA
-#     one copied every part it was put;
+#   - the decode nodes that were sent the parts received some straight into their KV blocks
+#     (bf16 ones, the cache's dtype, that the prefill node padded to the blocks: those whose
+#     lists are long enough for the padding to cost little) and copied the others; the RMA one
+#     copied every part it was put;
 #   - no decode node holds a block afterwards.
 # Run: ctest -R pipeline, or KR_BIN=build KR_SRC=. KR_FIXTURES=tests/fixtures bash tests/integration/pipeline.sh
 set -uo pipefail
@@ -112,9 +113,9 @@ for m, want in (("on", "sent"), ("off", "sent"), ("rma", "put")):
     if how != [want] * n:
         print(f"FAIL: the {m} cluster's bundles went {how} (want {n} x {want})")
         bad += 1
-# Sent as active messages, the bf16 parts (padded to the decode node's blocks, in its cache's
-# dtype) are received into the blocks; the f32 and int8 ones are copied (converted). Put, all are
-# copied.
+# Sent as active messages, the bf16 parts with long enough lists (padded to the decode node's
+# blocks, in its cache's dtype) are received into the blocks; the rest are copied (f32 and int8
+# converted). Put, all are copied.
 landings = {}
 for m in ("on", "off", "rma"):
     got = landings[m] = {l: int(float(open(f"{work}/{m}/{l}").read() or -1)) for l in ("received", "copied")}
