@@ -163,7 +163,13 @@ static void token_hex(const uint8_t *tok, char hex[2 * KT_RESV_TOKEN_BYTES + 1])
 
 /* Sender child: sends SIZE bytes for ID (token in hex) to PORT (and lingers; the parent kills
  * it). */
-static int child_sender(uint16_t port, uint64_t id, uint64_t size, const char *hex)
+static uint64_t write_padded(uint8_t *buf, uint64_t cap, uint32_t layer, uint32_t count,
+                             uint32_t block_rows, kt_bundle_layout *lay);
+
+/* Sender child: sends SIZE bytes of a pattern (seed = ID) to reservation ID, or with `padded` a
+ * block-padded layer-0 segment of about SIZE bytes (it travels in pieces), then waits to be
+ * killed. */
+static int child_sender(uint16_t port, uint64_t id, uint64_t size, const char *hex, int padded)
 {
     char err[KT_ERR_MAX];
     uint8_t tok[KT_RESV_TOKEN_BYTES];
@@ -174,10 +180,17 @@ static int child_sender(uint16_t port, uint64_t id, uint64_t size, const char *h
     uint8_t *buf = malloc(size);
     if (!t || !buf)
         return 3;
-    fill(buf, size, (uint32_t)id);
+    if (padded) { /* rows of count + count / 3 + 1 entries, each 128 bytes of K, of V and 4 of
+                     position: count of about 3/4 of size / 260 */
+        kt_bundle_layout lay;
+        size = write_padded(buf, size, 0, (uint32_t)(size / 264 * 3 / 4), 16, &lay);
+    } else {
+        fill(buf, size, (uint32_t)id);
+    }
     done_box b;
     box_init(&b);
-    if (kt_transport_send(t, HOST, port, id, tok, buf, size, 0, 30.0, box_cb, &b, err) != 0)
+    if (kt_transport_send(t, HOST, port, id, tok, buf, size, padded ? KT_SEND_MORE : 0, 30.0,
+                          box_cb, &b, err) != 0)
         return 3;
     pause();
     return 0;
@@ -494,7 +507,8 @@ static uint64_t write_padded(uint8_t *buf, uint64_t cap, uint32_t layer, uint32_
                              uint32_t block_rows, kt_bundle_layout *lay)
 {
     enum { D = 64 };
-    kt_bundle_header h = test_header(1, D, KT_DTYPE_BF16, layer == 1 ? 5 : 0, 4000, "full");
+    const int32_t prompt = 3 * (int64_t)count + 3 > 4000 ? 3 * (int32_t)count + 3 : 4000;
+    kt_bundle_header h = test_header(1, D, KT_DTYPE_BF16, layer == 1 ? 5 : 0, prompt, "full");
     h.segment = 1;
     h.first_layer = layer;
     h.block_rows = block_rows;
@@ -1506,6 +1520,41 @@ static void test_sender_death(kt_transport *rx, kt_transport *tx)
     CHECK(rc == 0 && box_wait(&rb, 5.0) && rb.status == 0 && memcmp(src, d2, sizeof d2) == 0,
           "receiver serves after a sender died: %s %s", err, rb.msg);
     free(dst);
+
+    /* The same while a part in pieces is landing where a placement hook said: the reservation
+     * fails, no part is taken, and the placed memory is the hook's again once the callback
+     * reported the failure. */
+    kt_bundle_view parts[1];
+    kt_bundle_set set;
+    kt_bundle_set_init(&set, parts, 1);
+    place_log pl = {.mode = 0};
+    set.on_place = place_cb;
+    set.on_part = placed_part_cb;
+    set.on_part_arg = &pl;
+    box_init(&rb);
+    REQUIRE(kt_transport_reserve_bundle(rx, 602, NULL, big, 20.0, &set, box_cb, &rb, tok, err) == 0,
+            "%s", err);
+    token_hex(tok, hex);
+    snprintf(ids, sizeof ids, "602");
+    char *argv2[] = {"test_transport", "--child-sender", ports, ids, sizes, hex, "padded", NULL};
+    pid = spawn(argv2, &fd);
+    REQUIRE(pid > 0, "sender child");
+    close(fd);
+    t0 = now_s();
+    while (!__atomic_load_n(&pl.placed, __ATOMIC_ACQUIRE) && !rb.done && now_s() - t0 < 20.0)
+        usleep(50);
+    kill(pid, SIGSTOP);
+    waitpid(pid, &st, WUNTRACED);
+    CHECK(pl.placed == 1 && !rb.done, "sender stopped while K and V were landing in their place");
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    CHECK(box_wait(&rb, 6.0) && rb.status != 0 && pl.parts == 0 && set.n_parts == 0,
+          "a part in pieces fails, untaken, when its sender dies: %s", rb.msg);
+    kt_bundle_set_free(&set);
+    for (int i = 0; i < pl.placed; i++) {
+        free(pl.k[i]);
+        free(pl.v[i]);
+    }
 }
 
 int main(int argc, char **argv)
@@ -1515,7 +1564,8 @@ int main(int argc, char **argv)
                               strtoull(argv[4], NULL, 10), argv[5]);
     if (argc >= 6 && strcmp(argv[1], "--child-sender") == 0)
         return child_sender((uint16_t)atoi(argv[2]), strtoull(argv[3], NULL, 10),
-                            strtoull(argv[4], NULL, 10), argv[5]);
+                            strtoull(argv[4], NULL, 10), argv[5],
+                            argc >= 7 && strcmp(argv[6], "padded") == 0);
     signal(SIGPIPE, SIG_IGN);
     char err[KT_ERR_MAX];
     kt_transport *rx = make("test-rx", 1, 0, err);
