@@ -742,10 +742,8 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     r->more = more;
     r->put = put;
     r->state = KT_XFER_STATE_RECEIVING;
-    if (put) { /* the part is in buf already: the loop takes it from here */
-        r->rx[0].status = UCS_OK;
+    if (put) /* the part is in buf already: the loop takes it from here */
         return UCS_OK;
-    }
     if (piece) {
         r->pieces = 1;
         return kt_on_piece(t, r, h, data, length, offset, rndv, param);
