@@ -334,9 +334,9 @@ void kt_bundle_set_free(kt_bundle_set *s);
  * length and policy; where it holds a layer already held, each of its lists must continue the
  * list (positions after its last one; pinned entries only after pinned ones). `last` (the
  * sender said no part follows) completes the set, and then every position of every part must
- * lie below the last part's next_pos. Every part has the first one's block_rows (the set's
- * header carries it) and its rows (a view from kt_bundle_parse_head joins once
- * kt_bundle_parse_rows completed it). Fails, leaving the set as it was, when the part does not
+ * lie below the last part's next_pos. Parts may be padded differently (each is read through its
+ * own view; the set's header carries block_rows when all parts agree, else 0). A part needs its
+ * rows (a view from kt_bundle_parse_head joins once kt_bundle_parse_rows completed it). Fails, leaving the set as it was, when the part does not
  * fit, the set is full or already complete. */
 int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, char *err);
 /* List (layer, head) of a complete set, over every part holding a piece of it: count and
