@@ -48,8 +48,9 @@ krc_wait_serving() {
       return 0
     fi
     if ! kill -0 "$pid" 2>/dev/null; then
-      echo "kvrelay: $id exited before serving; the end of its log ($KRC_DIR/$id.log):" >&2
-      tail -n 20 "$KRC_DIR/$id.log" >&2
+      # the log's own lines: a sanitizer build's leak report at exit would bury the reason
+      echo "kvrelay: $id exited before serving; the end of its log ($KRC_DIR/$id.log, without sanitizer reports):" >&2
+      grep -v -E '^ +#[0-9]|^(Direct|Indirect) leak|^SUMMARY: |^=+$|^$' "$KRC_DIR/$id.log" | tail -n 20 >&2
       return 1
     fi
     sleep 0.1
