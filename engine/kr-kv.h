@@ -116,6 +116,11 @@ static inline void kr_kv_list_rows(const kr_kv_pool *p, const kr_kv_list *l, int
         if (++slot == p->block_size) slot = 0, b++;
     }
 }
+/* Room for `blocks` block ids in l's array (its blocks stay as they are): capacity doubles from
+ * 4, so a list that grows a block per step reallocates rarely. */
+int kr_kv_list_reserve(kr_kv_list *l, int blocks, char *err);
+/* How many of blocks first .. first + n - 1 are free in the pool (under its lock). */
+int kr_kv_pool_run_free(kr_kv_pool *p, int32_t first, int n);
 /* Makes room for `n` more entries in every (layer, KV head), all or nothing: fails when the
  * pool lacks blocks, leaving the sequence as it was. */
 int kr_seq_grow(kr_seq *s, int n, char *err);

@@ -197,6 +197,14 @@ void kr_kv_pool_give_run(kr_kv_pool *p, int32_t first, int n)
     pthread_mutex_unlock(&p->lock);
 }
 
+int kr_kv_pool_run_free(kr_kv_pool *p, int32_t first, int n)
+{
+    pthread_mutex_lock(&p->lock);
+    const int n_free = run_bits(p, first, n, RUN_COUNT);
+    pthread_mutex_unlock(&p->lock);
+    return n_free;
+}
+
 void kr_kv_pool_run_rows(const kr_kv_pool *p, int32_t first, void **k, void **v, int32_t **pos)
 {
     *k = kr_kv_key(p, first, 0);
@@ -285,9 +293,7 @@ void kr_seq_footprint(const kr_seq *s, kr_footprint *out)
     *out = s->fp;
 }
 
-/* Room for `blocks` block ids in l's array: capacity doubles from 4, so a list that grows a
- * block per step reallocates rarely. */
-static int list_reserve(kr_kv_list *l, int blocks, char *err)
+int kr_kv_list_reserve(kr_kv_list *l, int blocks, char *err)
 {
     if (blocks <= l->cap_blocks) return KR_OK;
     int cap = l->cap_blocks ? l->cap_blocks : 4;
@@ -312,7 +318,7 @@ static int grow_lists(kr_seq *s, int first, int count, int n, char *err)
     /* grow the block arrays first so a failed allocation leaves the pool untouched */
     for (int i = first; i < first + count; i++) {
         kr_kv_list *l = &s->lists[i];
-        if (list_reserve(l, (l->off + l->len + n + p->block_size - 1) / p->block_size, err) != KR_OK) return -1;
+        if (kr_kv_list_reserve(l, (l->off + l->len + n + p->block_size - 1) / p->block_size, err) != KR_OK) return -1;
     }
     pthread_mutex_lock(&p->lock);
     if (need > p->n_free) {
@@ -338,59 +344,6 @@ int kr_seq_grow(kr_seq *s, int n, char *err)
 int kr_seq_grow_list(kr_seq *s, int layer, int kv_head, int n, char *err)
 {
     return grow_lists(s, layer * s->n_kv_heads + kv_head, 1, n, err);
-}
-
-int kr_seq_list_adopt(kr_seq *s, int layer, int kv_head, int32_t first, int n, int len, int pinned, char *err)
-{
-    kr_kv_pool *p = s->pool;
-    if (layer < 0 || layer >= s->n_layers || kv_head < 0 || kv_head >= s->n_kv_heads)
-        return kr_errf(err, "list_adopt: list (layer %d, KV head %d) does not exist (the sequence has %d layers x %d "
-                       "KV heads)", layer, kv_head, s->n_layers, s->n_kv_heads);
-    if (s->fp.steps != 0 || s->closed) /* as for kr_seq_list_fill: lists are filled before that */
-        return kr_errf(err, "list_adopt: the sequence was already %s; lists are filled before that",
-                       s->closed ? "closed by kr_seq_set_next_pos" : "fed tokens");
-    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
-    /* the adopted entries follow the list's own in slot order only when those fill its blocks */
-    if ((int64_t)l->off + l->len != (int64_t)l->n_blocks * p->block_size)
-        return kr_errf(err, "list_adopt: list (layer %d, KV head %d) holds %d entries from slot %d of its %d "
-                       "blocks; only a list whose entries fill its blocks adopts more", layer, kv_head, l->len,
-                       l->off, l->n_blocks);
-    if (len < 0 || n < 0 || n != (int)(((int64_t)len + p->block_size - 1) / p->block_size) ||
-        len > INT_MAX - l->len)
-        return kr_errf(err, "list_adopt: %d blocks for %d entries in list (layer %d, KV head %d): n must be "
-                       "ceil(len / block_size), block_size %d", n, len, layer, kv_head, p->block_size);
-    if (pinned < l->pinned || pinned > l->len + len)
-        return kr_errf(err, "list_adopt: pinned = %d for a list of %d entries, %d of them pinned before (layer %d, "
-                       "KV head %d)", pinned, l->len + len, l->pinned, layer, kv_head);
-    if (n == 0) {
-        l->pinned = pinned;
-        return KR_OK;
-    }
-    if (first < 0 || first > p->n_blocks - n)
-        return kr_errf(err, "list_adopt: blocks %d..%d are outside the pool's %d", first, first + n - 1,
-                       p->n_blocks);
-    pthread_mutex_lock(&p->lock);
-    const int n_free = run_bits(p, first, n, RUN_COUNT);
-    pthread_mutex_unlock(&p->lock);
-    if (n_free)
-        return kr_errf(err, "list_adopt: %d of blocks %d..%d are free in the pool; a list adopts only blocks taken "
-                       "by kr_kv_pool_take_run", n_free, first, first + n - 1);
-    /* the run's slots are consecutive: entry i's position is pos[i] */
-    const int32_t *pos = kr_kv_pos(p, first, 0);
-    int32_t last = l->len ? *kr_kv_list_pos(p, l, l->len - 1) : -1;
-    for (int i = 0; i < len; i++) {
-        if (pos[i] <= last)
-            return kr_errf(err, "list_adopt: position %d at entry %d of list (layer %d, KV head %d) is not above the "
-                           "one before it (%d): positions must be >= 0 and strictly increasing", pos[i],
-                           l->len + i, layer, kv_head, last);
-        last = pos[i];
-    }
-    if (list_reserve(l, l->n_blocks + n, err) != KR_OK) return -1;
-    for (int b = 0; b < n; b++) l->blocks[l->n_blocks + b] = first + b;
-    l->n_blocks += n;
-    l->len += len;
-    l->pinned = pinned;
-    return KR_OK;
 }
 
 void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,

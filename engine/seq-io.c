@@ -16,6 +16,7 @@
 #include "kr-util.h"
 #include "policy.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,6 +34,21 @@ static int check_open(const kr_seq *s, const char *what, char *err)
     if (s->fp.steps != 0 || s->closed)
         return kr_errf(err, "%s: the sequence was already %s; lists are filled before that", what,
                        s->closed ? "closed by kr_seq_set_next_pos" : "fed tokens");
+    return KR_OK;
+}
+
+/* pos[0, n) continue a list whose last position is *last (-1: none): each >= 0 and above the one
+ * before it; *last becomes the final one. Entry `at` is pos[0]'s number in the message. */
+static int check_positions(const int32_t *pos, int n, int32_t *last, int at, int layer, int kv_head,
+                           const char *what, char *err)
+{
+    for (int e = 0; e < n; e++) {
+        if (pos[e] <= *last)
+            return kr_errf(err, "%s: position %d at entry %d of list (layer %d, KV head %d) is not above the one "
+                           "before it (%d): positions must be >= 0 and strictly increasing", what, pos[e], at + e,
+                           layer, kv_head, *last);
+        *last = pos[e];
+    }
     return KR_OK;
 }
 
@@ -147,16 +163,9 @@ int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_li
         int32_t *pos;
         void *k, *v;
         run = list_run(s->pool, l, l->len + at, n - at, &pos, &k, &v);
-        if (fn(arg, at, run, pos, s->pool->dtype, k, v, err) != 0) goto err_spare;
-        for (int e = 0; e < run; e++) {
-            if (pos[e] <= last) {
-                kr_errf(err, "list_append: position %d at entry %d of list (layer %d, KV head %d) is not above "
-                        "the one before it (%d): positions must be >= 0 and strictly increasing",
-                        pos[e], at + e, layer, kv_head, last);
-                goto err_spare;
-            }
-            last = pos[e];
-        }
+        if (fn(arg, at, run, pos, s->pool->dtype, k, v, err) != 0 ||
+            check_positions(pos, run, &last, at, layer, kv_head, "list_append", err) != KR_OK)
+            goto err_spare;
     }
     l->len += n;
     l->pinned = pinned;
@@ -164,6 +173,47 @@ int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_li
 err_spare:
     kr_seq_release_spare(s); /* the blocks this call took: the list is as it was */
     return -1;
+}
+
+int kr_seq_list_adopt(kr_seq *s, int layer, int kv_head, int32_t first, int n, int len, int pinned, char *err)
+{
+    kr_kv_pool *p = s->pool;
+    if (check_list(s, layer, kv_head, "list_adopt", err) != KR_OK || check_open(s, "list_adopt", err) != KR_OK)
+        return -1;
+    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    /* the adopted entries follow the list's own in slot order only when those fill its blocks */
+    if ((int64_t)l->off + l->len != (int64_t)l->n_blocks * p->block_size)
+        return kr_errf(err, "list_adopt: list (layer %d, KV head %d) holds %d entries from slot %d of its %d "
+                       "blocks; only a list whose entries fill its blocks adopts more", layer, kv_head, l->len,
+                       l->off, l->n_blocks);
+    if (len < 0 || n < 0 || n != (int)(((int64_t)len + p->block_size - 1) / p->block_size) ||
+        len > INT_MAX - l->len)
+        return kr_errf(err, "list_adopt: %d blocks for %d entries in list (layer %d, KV head %d): n must be "
+                       "ceil(len / block_size), block_size %d", n, len, layer, kv_head, p->block_size);
+    if (pinned < l->pinned || pinned > l->len + len)
+        return kr_errf(err, "list_adopt: pinned = %d for a list of %d entries, %d of them pinned before (layer %d, "
+                       "KV head %d)", pinned, l->len + len, l->pinned, layer, kv_head);
+    if (n == 0) {
+        l->pinned = pinned;
+        return KR_OK;
+    }
+    if (first < 0 || first > p->n_blocks - n)
+        return kr_errf(err, "list_adopt: blocks %d..%d are outside the pool's %d", first, first + n - 1,
+                       p->n_blocks);
+    const int n_free = kr_kv_pool_run_free(p, first, n);
+    if (n_free)
+        return kr_errf(err, "list_adopt: %d of blocks %d..%d are free in the pool; a list adopts only blocks taken "
+                       "by kr_kv_pool_take_run", n_free, first, first + n - 1);
+    /* the run's slots are consecutive: entry i's position is pos[i] */
+    int32_t last = l->len ? *kr_kv_list_pos(p, l, l->len - 1) : -1;
+    if (check_positions(kr_kv_pos(p, first, 0), len, &last, l->len, layer, kv_head, "list_adopt", err) != KR_OK ||
+        kr_kv_list_reserve(l, l->n_blocks + n, err) != KR_OK)
+        return -1;
+    for (int b = 0; b < n; b++) l->blocks[l->n_blocks + b] = first + b;
+    l->n_blocks += n;
+    l->len += len;
+    l->pinned = pinned;
+    return KR_OK;
 }
 
 void kr_seq_list_rule(const kr_seq *s, int layer, int kv_head, kr_list_rule *out)
