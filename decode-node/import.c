@@ -107,16 +107,9 @@ int dn_place_part(void *arg, const kt_bundle_set *s, const kt_bundle_view *head,
     (void)s;
     if (admit_part(r, head, err) != 0)
         return -1;
-    const int n = kt_part_run_blocks(r->seq, pool, head);
-    int32_t first, *pos;
-    /* Not laid out as this pool's blocks, or no free run that long: received into a buffer and
-     * copied into whatever blocks are free. */
-    if (n == 0 || kr_kv_pool_take_run(pool, n, &first) != KR_OK)
-        return 1;
-    r->run_first = first;
-    r->run_n = n;
-    kr_kv_pool_run_rows(pool, first, k, v, &pos);
-    return 0;
+    /* Not laid out as this pool's blocks, or no free run that long (1): received into a buffer
+     * and copied into whatever blocks are free. */
+    return kt_part_take_run(r->seq, pool, head, &r->run_first, &r->run_n, k, v);
 }
 
 void dn_resv_drop_run(dn_resv *r)
@@ -138,33 +131,29 @@ int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
     int32_t *pos;
     if (r->run_n)
         kr_kv_pool_run_rows(n->pool, r->run_first, &k, &v, &pos);
-    if (k && part->k == k) { /* placed: its rows are in the run already, and it was admitted */
-        const int rc = kt_bundle_part_adopt(r->seq, n->pool, part, r->run_first, r->run_n, why);
+    const int placed = k && part->k == k; /* its rows are in the run already, and it was admitted */
+    int rc;
+    if (placed) {
+        rc = kt_bundle_part_adopt(r->seq, n->pool, part, r->run_first, r->run_n, why);
         r->run_n = 0;
-        if (rc != 0) {
-            snprintf(err, KT_ERR_MAX, "importing the KV bundle failed: %.450s", why);
+    } else {
+        if (admit_part(r, part, err) != 0)
+            return -1;
+        float *rows = NULL;
+        if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32 && kt_dtype_quantized(part->hdr.dtype) &&
+            !(rows = malloc(sizeof(float) * 2 * (size_t)kr_kv_pool_block_size(n->pool) *
+                            (size_t)c->head_dim))) {
+            snprintf(err, KT_ERR_MAX, "out of memory for the rows of one KV block");
             return -1;
         }
-        r->import_s += dn_now() - t0;
-        kc_counter_inc(n->m.parts_in_blocks, 1);
-        return 0;
+        rc = kt_bundle_part_to_seq(r->seq, part, (uint32_t)c->head_dim, rows, why);
+        free(rows);
     }
-    if (admit_part(r, part, err) != 0)
-        return -1;
-    float *rows = NULL;
-    if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32 && kt_dtype_quantized(part->hdr.dtype) &&
-        !(rows = malloc(sizeof(float) * 2 * (size_t)kr_kv_pool_block_size(n->pool) *
-                        (size_t)c->head_dim))) {
-        snprintf(err, KT_ERR_MAX, "out of memory for the rows of one KV block");
-        return -1;
-    }
-    const int rc = kt_bundle_part_to_seq(r->seq, part, (uint32_t)c->head_dim, rows, why);
-    free(rows);
     if (rc != 0) {
         snprintf(err, KT_ERR_MAX, "importing the KV bundle failed: %.450s", why);
         return -1;
     }
     r->import_s += dn_now() - t0;
-    kc_counter_inc(n->m.parts_copied, 1);
+    kc_counter_inc(placed ? n->m.parts_in_blocks : n->m.parts_copied, 1);
     return 0;
 }

@@ -138,6 +138,22 @@ static inline int kt_part_run_blocks(const kr_seq *s, const kr_kv_pool *pool,
     return (int)(head->n_rows / (uint64_t)bs);
 }
 
+/* A placement hook's work (kt_bundle_place_fn): takes the run kt_part_run_blocks asks for and
+ * gives its key and value rows as the places for the part's K and V. 0 with *first, *n, *k and
+ * *v set; 1 (nothing taken) when the part cannot land in blocks or the pool has no free run
+ * that long: the part then lands in a buffer and is copied. */
+static inline int kt_part_take_run(const kr_seq *s, kr_kv_pool *pool, const kt_bundle_view *head,
+                                   int32_t *first, int *n, void **k, void **v)
+{
+    const int want = kt_part_run_blocks(s, pool, head);
+    int32_t *pos;
+    if (want == 0 || kr_kv_pool_take_run(pool, want, first) != KR_OK)
+        return 1;
+    *n = want;
+    kr_kv_pool_run_rows(pool, *first, k, v, &pos);
+    return 0;
+}
+
 /* Appends every list of a validated part whose K and V were received into the run of `n` blocks
  * from `first` (kt_part_run_blocks, kr_kv_pool_take_run, kr_kv_pool_run_rows) to sequence s:
  * each list's positions are written into its share of the run (they came in the part's head),

@@ -62,15 +62,9 @@ static int place_part(void *arg, const kt_bundle_set *s, const kt_bundle_view *h
                       void **v, char *err)
 {
     slot *sl = arg;
-    int32_t *pos;
-    const int n = kt_part_run_blocks(sl->seq, sl->pool, head);
     (void)s;
     (void)err;
-    if (n == 0 || kr_kv_pool_take_run(sl->pool, n, &sl->run_first) != KR_OK)
-        return 1;
-    sl->run_n = n;
-    kr_kv_pool_run_rows(sl->pool, sl->run_first, k, v, &pos);
-    return 0;
+    return kt_part_take_run(sl->seq, sl->pool, head, &sl->run_first, &sl->run_n, k, v);
 }
 
 /* --import: the decode node's part hook (the same): each part into the slot's sequence on the
