@@ -582,6 +582,25 @@ static int placed_part_cb(void *arg, const kt_bundle_set *s, uint32_t i, char *e
     return 0;
 }
 
+/* An empty set over parts[0, cap) whose placement and part hooks log into *pl (its mode set). */
+static void placed_set(kt_bundle_set *set, kt_bundle_view *parts, uint32_t cap, place_log *pl)
+{
+    kt_bundle_set_init(set, parts, cap);
+    set->on_place = place_cb;
+    set->on_part = placed_part_cb;
+    set->on_part_arg = pl;
+}
+
+/* Frees the set's parts and the places the hook gave. */
+static void placed_set_free(kt_bundle_set *set, place_log *pl)
+{
+    kt_bundle_set_free(set);
+    for (int i = 0; i < pl->placed; i++) {
+        free(pl->k[i]);
+        free(pl->v[i]);
+    }
+}
+
 /* A block-padded bundle travels in pieces (head, K, V): with a placement hook its K and V land
  * where the hook says and are validated there; without one, or when the hook declines, in a
  * part buffer (or the reservation's buffer) as a whole part would; the hook's refusal, and K
@@ -604,11 +623,8 @@ static void test_pieces(kt_transport *rx, kt_transport *tx)
                                    write_padded(seg[1], cap, 1, count, 16, &lay[1])};
             kt_bundle_view parts[2];
             kt_bundle_set set;
-            kt_bundle_set_init(&set, parts, 2);
             place_log pl = {.mode = mode};
-            set.on_place = place_cb;
-            set.on_part = placed_part_cb;
-            set.on_part_arg = &pl;
+            placed_set(&set, parts, 2, &pl);
             uint8_t *dst = mode == 2 ? malloc(2 * cap) : NULL;
             done_box rb, sb;
             box_init(&rb);
@@ -653,11 +669,7 @@ static void test_pieces(kt_transport *rx, kt_transport *tx)
                               memcmp(dst + (i ? n[0] : 0), seg[i], n[i]) == 0,
                           "part %d (big %d): a reservation's buffer takes the part whole", i, big);
             }
-            kt_bundle_set_free(&set);
-            for (int i = 0; i < pl.placed; i++) {
-                free(pl.k[i]);
-                free(pl.v[i]);
-            }
+            placed_set_free(&set, &pl);
             free(dst);
         }
     /* A corrupt V piece: placed, then refused by its checksum; the place stays the hook's. */
@@ -666,11 +678,8 @@ static void test_pieces(kt_transport *rx, kt_transport *tx)
     seg[0][lay.v_off + 100] ^= 0x40;
     kt_bundle_view parts[1];
     kt_bundle_set set;
-    kt_bundle_set_init(&set, parts, 1);
     place_log pl = {.mode = 0};
-    set.on_place = place_cb;
-    set.on_part = placed_part_cb;
-    set.on_part_arg = &pl;
+    placed_set(&set, parts, 1, &pl);
     done_box rb;
     box_init(&rb);
     REQUIRE(kt_transport_reserve_bundle(rx, ++id, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
@@ -681,9 +690,7 @@ static void test_pieces(kt_transport *rx, kt_transport *tx)
     REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
     CHECK(rb.status == -1 && pl.placed == 1 && pl.parts == 0 && set.n_parts == 0,
           "reservation failed after placing, no part taken: %s", rb.msg);
-    kt_bundle_set_free(&set);
-    free(pl.k[0]);
-    free(pl.v[0]);
+    placed_set_free(&set, &pl);
     free(seg[0]);
     free(seg[1]);
 }
@@ -850,11 +857,8 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
         const uint64_t id = 850 + c;
         kt_bundle_view parts[1];
         kt_bundle_set set;
-        kt_bundle_set_init(&set, parts, 1);
         place_log pl = {.mode = 0};
-        set.on_place = place_cb;
-        set.on_part = placed_part_cb;
-        set.on_part_arg = &pl;
+        placed_set(&set, parts, 1, &pl);
         done_box rb;
         box_init(&rb);
         REQUIRE(kt_transport_reserve_bundle(rx, id, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
@@ -877,11 +881,7 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
               "case %zu: the reservation failed with '%s': %s", c, cases[c].want, rb.msg);
         CHECK(heard && status != 0 && strstr(heard, cases[c].want),
               "case %zu: the sender hears '%s': %s", c, cases[c].want, heard ? heard : "(no ack)");
-        kt_bundle_set_free(&set);
-        for (int i = 0; i < pl.placed; i++) {
-            free(pl.k[i]);
-            free(pl.v[i]);
-        }
+        placed_set_free(&set, &pl);
     }
     /* K and V before their head, small enough to come eagerly: held (their data kept past the
      * handler) and landed once the head is placed. A one-part set of layer 0 holds it. */
@@ -891,11 +891,8 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
         const uint64_t sn = write_padded(small, sizeof small, 0, 4, 16, &sl);
         kt_bundle_view parts[1];
         kt_bundle_set set;
-        kt_bundle_set_init(&set, parts, 1);
         place_log pl = {.mode = 0};
-        set.on_place = place_cb;
-        set.on_part = placed_part_cb;
-        set.on_part_arg = &pl;
+        placed_set(&set, parts, 1, &pl);
         done_box rb;
         box_init(&rb);
         REQUIRE(kt_transport_reserve_bundle(rx, 869, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
@@ -911,19 +908,14 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
                   memcmp(pl.v[0], small + sl.v_off, sl.v_len) == 0,
               "K and V sent before their head land where the hook said: %s / %s", rb.msg,
               heard ? heard : "(no ack)");
-        kt_bundle_set_free(&set);
-        free(pl.k[0]);
-        free(pl.v[0]);
+        placed_set_free(&set, &pl);
     }
     raw_close(&raw);
     /* The receiver still serves: the same parts, sent properly, land where the hook says. */
     kt_bundle_view parts[2];
     kt_bundle_set set;
-    kt_bundle_set_init(&set, parts, 2);
     place_log pl = {.mode = 0};
-    set.on_place = place_cb;
-    set.on_part = placed_part_cb;
-    set.on_part_arg = &pl;
+    placed_set(&set, parts, 2, &pl);
     done_box rb;
     box_init(&rb);
     REQUIRE(kt_transport_reserve_bundle(rx, 870, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
@@ -941,11 +933,7 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
               memcmp(pl.k[1], seg + lay.k_off, lay.k_len) == 0 &&
               memcmp(pl.v[0], seg0 + lay0.v_off, lay0.v_len) == 0,
           "the proper parts landed where the hook said: %s", rb.msg);
-    kt_bundle_set_free(&set);
-    for (int i = 0; i < pl.placed; i++) {
-        free(pl.k[i]);
-        free(pl.v[i]);
-    }
+    placed_set_free(&set, &pl);
     free(seg);
     free(seg0);
 }
@@ -1526,11 +1514,8 @@ static void test_sender_death(kt_transport *rx, kt_transport *tx)
      * reported the failure. */
     kt_bundle_view parts[1];
     kt_bundle_set set;
-    kt_bundle_set_init(&set, parts, 1);
     place_log pl = {.mode = 0};
-    set.on_place = place_cb;
-    set.on_part = placed_part_cb;
-    set.on_part_arg = &pl;
+    placed_set(&set, parts, 1, &pl);
     box_init(&rb);
     REQUIRE(kt_transport_reserve_bundle(rx, 602, NULL, big, 20.0, &set, box_cb, &rb, tok, err) == 0,
             "%s", err);
@@ -1550,11 +1535,7 @@ static void test_sender_death(kt_transport *rx, kt_transport *tx)
     waitpid(pid, &st, 0);
     CHECK(box_wait(&rb, 6.0) && rb.status != 0 && pl.parts == 0 && set.n_parts == 0,
           "a part in pieces fails, untaken, when its sender dies: %s", rb.msg);
-    kt_bundle_set_free(&set);
-    for (int i = 0; i < pl.placed; i++) {
-        free(pl.k[i]);
-        free(pl.v[i]);
-    }
+    placed_set_free(&set, &pl);
 }
 
 int main(int argc, char **argv)
