@@ -1128,6 +1128,9 @@ static double kt_step(kt_transport *t)
     for (kt_resv *r = t->resvs; r; r = r->next) {
         unsigned finished = 0;
         ucs_status_t rst = kt_rq_reap(r->rx, KT_PIECES, &finished);
+        if (finished || rst != UCS_OK)
+            KT_TRACE(t, "receive of bundle %" PRIu64 " done: %s (pieces 0x%x in)", r->id,
+                     ucs_status_string(rst), finished);
         r->landed |= finished;
         if (rst != UCS_OK && !r->done) {
             char msg[KT_ERR_MAX];
@@ -1209,6 +1212,9 @@ static double kt_step(kt_transport *t)
                        "shutting down", op->id, op->peer);
         unsigned finished = 0;
         ucs_status_t sst = kt_rq_reap(op->tx, KT_PIECES, &finished);
+        if (finished || sst != UCS_OK)
+            KT_TRACE(t, "send of bundle %" PRIu64 " done: %s (pieces 0x%x out)", op->id,
+                     ucs_status_string(sst), finished);
         if (sst != UCS_OK)
             kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: %s", op->id,
                        op->peer, ucs_status_string(sst));
