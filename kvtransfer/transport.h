@@ -145,6 +145,26 @@ int kt_transport_reserve_rma(kt_transport *t, uint64_t id, void *buf, uint64_t s
                              double timeout_s, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
                              uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err);
 
+/* Where a reservation mapped for RMA also takes the K and V rows of block-padded parts: two more
+ * regions of the receiver's memory (a decode node: the key and value rows of a run of its KV
+ * blocks), of `bytes` each, with their keys. Travels with the reservation's kt_rma_key, and is
+ * as secret. */
+typedef struct kt_rma_rows {
+    kt_rma_key k, v;
+    uint64_t bytes;
+} kt_rma_rows;
+
+/* Maps `bytes` at k and at v (caller-owned, valid until the reservation's callback) as the rows
+ * regions of reservation `id`, made by kt_transport_reserve_rma with a set, and fills *out. A
+ * part put with kt_transport_put_rows then has its head in the reservation's buffer (right after
+ * the parts before it) and its K and V sections in the regions, each at the K bytes of the
+ * earlier rows parts; when the last part's notice comes every mapping is dropped, and each part
+ * is validated where it lies and added to the set in order: a rows part's view then points into
+ * the regions. Call before the token is handed out (a Reserve answer); fails when `id` is
+ * unknown, not mapped for RMA, has no set, already has rows, or bytes is 0. */
+int kt_transport_map_rows(kt_transport *t, uint64_t id, void *k, void *v, uint64_t bytes,
+                          kt_rma_rows *out, char *err);
+
 /* Abandons a reservation: if it has not completed, its callback reports "released" before this
  * returns (a transfer in flight is cancelled first), so the buffer may be freed on return.
  * Returns 0 if it released something, -1 if there was nothing under `id`. Not from a kt_
@@ -183,6 +203,18 @@ int kt_transport_put(kt_transport *t, const char *host, uint16_t port, uint64_t 
                      const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
                      uint64_t offset, const void *buf, uint64_t size, unsigned flags,
                      double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err);
+/* kt_transport_put of a block-padded, unquantized part (kt_bundle_layout_read: split,
+ * block_rows > 0; its K and V sections of equal length) whose head goes to key->address + offset
+ * and whose K and V sections go to rows->k.address + rows_off and rows->v.address + rows_off
+ * (rows_off: the K bytes of the rows parts before it), then a flush, then its notice (flags
+ * KT_WIRE_PUT and KT_WIRE_PIECE, the head's length and offset). Fails at once for a part that
+ * is not laid out so, or whose sections would end past rows->bytes. Parts, flags, timeout and
+ * callback as kt_transport_put; rows parts and whole put parts may alternate in one bundle. */
+int kt_transport_put_rows(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                          const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
+                          uint64_t offset, const kt_rma_rows *rows, uint64_t rows_off,
+                          const void *buf, uint64_t size, unsigned flags, double timeout_s,
+                          kt_xfer_cb cb, void *cb_arg, char *err);
 /* kt_transport_send of a whole bundle (no flags), waiting for the outcome. Not from a kt_
  * callback. */
 int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,
