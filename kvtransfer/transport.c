@@ -16,8 +16,13 @@
  * RMA (KT_TRANSPORT_MODE_RMA): a reservation's buffer is mapped at reserve time and its remote
  * key handed out; the sender's op goes put -> flush -> header (flag KT_WIRE_PUT, the part's
  * offset at 32, no data), and the receiver takes the header as "the part is in buf at offset".
- * Put parts are read only after the last one's header, once the mapping is gone: validating a
- * part the sender can still overwrite would prove nothing.
+ * A reservation may also map two rows regions (kt_transport_map_rows: a decode node's K and V
+ * rows of a run of KV blocks); a block-padded part put with its rows goes as three puts (its
+ * head into buf, its K and V into the regions, each after the rows parts before it), one flush,
+ * then a header with KT_WIRE_PUT and KT_WIRE_PIECE whose size is the head's. Put parts are read
+ * only after the last one's header, once every mapping is gone: validating a part the sender
+ * can still overwrite would prove nothing; a rows part is then parsed head first, its K and V
+ * where they lie in the regions.
  * Pieces (KT_WIRE_PIECE): a block-padded bundle part is sent as three messages, its head, K and
  * V. The receiver takes the head into a buffer, checks it, asks the set's placement hook where K
  * and V go (a run of KV blocks, or a part buffer as for a whole part), and receives them there;
@@ -129,6 +134,12 @@ typedef struct kt_held {
     int rndv;
 } kt_held;
 
+/* A put part that came before the last, as its header said: read once the last one is in. */
+typedef struct kt_put_part {
+    uint64_t len; /* its bytes in the reservation's buffer: the part, or its head */
+    int rows; /* put with its rows (KT_WIRE_PIECE): K and V in the rows regions */
+} kt_put_part;
+
 typedef struct kt_resv {
     struct kt_resv *next;
     uint64_t serial; /* unique per reservation, for release to wait on */
@@ -152,9 +163,16 @@ typedef struct kt_resv {
     uint64_t seq; /* the sender's seq, echoed in the ack */
     int cancel_asked; /* ucp_request_cancel issued */
     ucp_mem_h memh;   /* RMA: buf mapped for the sender's puts, until the last part or the end */
+    /* kt_transport_map_rows: the caller's K and V rows regions (rows_bytes each) and their
+     * mappings, dropped with memh; a rows part's K and V lie there, after the earlier ones'. */
+    uint8_t *rows[2];
+    uint64_t rows_bytes;
+    ucp_mem_h rows_memh[2];
     int put;          /* the arriving part was put (its header came alone) */
-    uint64_t *put_lens; /* RMA: sizes of the put parts before the arriving one, read at the end */
+    int put_rows;     /* ... with its rows: its head is in buf (len bytes), K and V in the regions */
+    kt_put_part *put_parts; /* RMA: the put parts before the arriving one, read at the end */
     uint32_t n_put, cap_put;
+    uint64_t rows_more; /* bytes of the rows parts' K and V, added up by their validation */
     /* The arriving part in pieces (KT_WIRE_PIECE), for a reservation without a buffer: the head
      * lands in `head`; once it is checked, K and V land where the set's placement hook says
      * (placed 1) or in `part` after a copy of the head (placed 2). With a buffer, every piece
@@ -191,10 +209,14 @@ typedef struct kt_send_op {
     int n_pieces; /* 1: the part whole; KT_PIECES: head, K, V (KT_WIRE_PIECE) */
     kt_rma_key rma; /* a put (kt_transport_put): the reservation's key; rkey_len 0: a send */
     uint64_t offset; /* where the part goes in the receiver's buffer */
-    ucp_rkey_h rkey; /* unpacked on the connection's endpoint */
+    /* A put with its rows (kt_transport_put_rows, n_pieces KT_PIECES): the regions' keys, and
+     * where its K and V go in them. */
+    kt_rma_rows rows;
+    uint64_t rows_off;
+    ucp_rkey_h rkey[KT_PIECES]; /* unpacked on the connection's endpoint: buf's, K's, V's */
     int phase;       /* a put: KT_PUT_DATA, KT_PUT_FLUSH, then KT_PUT_HEADER */
     int started;
-    kt_rq tx[KT_PIECES]; /* the sends in flight (a put's steps use tx[0]) */
+    kt_rq tx[KT_PIECES]; /* the sends in flight (a put's: its pieces' puts, then tx[0]) */
     int acked, ack_status;
     char ack_msg[KT_WIRE_ACK_MSG];
     int conn_failed;
@@ -450,13 +472,21 @@ static void kt_resv_next_part(kt_resv *r)
     memset(r->dst, 0, sizeof r->dst);
 }
 
-/* Drops r's RMA mapping: from here on a put into it fails at the sender. */
+static void kt_mem_unmap(kt_transport *t, ucp_mem_h *memh)
+{
+    if (!*memh) return;
+    ucs_status_t st = ucp_mem_unmap(t->ctx, *memh);
+    if (st != UCS_OK) KT_UCS_LOG(t, "ucp_mem_unmap", st);
+    *memh = NULL;
+}
+
+/* Drops r's RMA mappings, its buffer's and its rows regions': from here on a put into any of
+ * them fails at the sender (on a transport that checks keys, docs/transport.md). */
 static void kt_resv_unmap(kt_transport *t, kt_resv *r)
 {
-    if (!r->memh) return;
-    ucs_status_t st = ucp_mem_unmap(t->ctx, r->memh);
-    if (st != UCS_OK) KT_UCS_LOG(t, "ucp_mem_unmap", st);
-    r->memh = NULL;
+    kt_mem_unmap(t, &r->memh);
+    kt_mem_unmap(t, &r->rows_memh[0]);
+    kt_mem_unmap(t, &r->rows_memh[1]);
 }
 
 /* Adds a validated part to r->set, which then owns *owned (the part's buffer, cleared here;
@@ -473,12 +503,48 @@ static int kt_set_take(kt_resv *r, const kt_bundle_view *v, int last, uint8_t **
     return s->on_part ? s->on_part(s->on_part_arg, s, s->n_parts - 1, err) : 0;
 }
 
+/* Validates put part i of r, put with its rows: its head of `len` bytes at `head`, its K and V at
+ * *rows_at in r's rows regions (advanced past them), and adds it to r->set (the view points
+ * into r's buffer and the regions, the caller's memory). */
+static int kt_parse_rows_part(kt_resv *r, uint32_t i, const uint8_t *head, uint64_t len,
+                              int last, uint64_t *rows_at, char *err)
+{
+    char why[KT_ERR_MAX] = "";
+    kt_bundle_layout lay;
+    kt_bundle_view v;
+    int rc = kt_bundle_layout_read(head, (size_t)len, &lay, why);
+    if (rc == 0 && (!lay.split || lay.head_len != len || lay.k_len != lay.v_len)) {
+        snprintf(why, sizeof why, "its %" PRIu64 "-byte head does not match its layout (a %"
+                 PRIu64 "-byte head, K and V of %" PRIu64 " and %" PRIu64 " bytes%s)", len,
+                 lay.head_len, lay.k_len, lay.v_len, lay.split ? "" : ", not to be split");
+        rc = -1;
+    } else if (rc == 0 && lay.k_len > r->rows_bytes - *rows_at) {
+        snprintf(why, sizeof why, "its K and V (%" PRIu64 " bytes each) end past the rows "
+                 "regions (%" PRIu64 " bytes, %" PRIu64 " taken by the parts before it)",
+                 lay.k_len, r->rows_bytes, *rows_at);
+        rc = -1;
+    }
+    if (rc == 0 && (kt_bundle_parse_head(head, (size_t)len, lay.size, &v, why) != 0 ||
+                    kt_bundle_parse_rows(&v, r->rows[0] + *rows_at, r->rows[1] + *rows_at,
+                                         why) != 0))
+        rc = -1;
+    if (rc != 0) {
+        kt_seterr(err, "part %" PRIu32 " (put with its rows): %s", i, why);
+        return -1;
+    }
+    *rows_at += lay.k_len;
+    r->rows_more += lay.size - len;
+    return kt_set_take(r, &v, last, NULL, err);
+}
+
 /* Validates what arrived for r and adds it to r->set, then calls the set's part hook: the part
- * that just landed, or, for a bundle put in parts, each part in order now that the last is in.
- * A part buffer of r's own belongs to the set once added. A part that came in pieces and was
- * placed by the set's hook has its head validated already: only its K and V are checked, where
- * they landed. Runs without t->lock (only the progress thread touches r's buffers and set
- * meanwhile). */
+ * that just landed, or, for a bundle put in parts, each part in order now that the last is in
+ * (a part put with its rows: its head in r's buffer, its K and V in the rows regions, each
+ * region filled in part order). A part buffer of r's own belongs to the set once added. A part
+ * that came in pieces and was placed by the set's hook has its head validated already: only its
+ * K and V are checked, where they landed. Runs without t->lock (only the progress thread
+ * touches r's buffers and set meanwhile; the rows regions are unmapped and can no longer be
+ * mapped). */
 static int kt_parse_arrived(kt_resv *r, char *err)
 {
     kt_bundle_view v;
@@ -489,13 +555,15 @@ static int kt_parse_arrived(kt_resv *r, char *err)
                    : kt_set_take(r, &v, !r->more, &r->head, err);
     }
     uint32_t n = r->put ? r->n_put + 1 : 1;
-    uint64_t at = r->put ? 0 : r->filled;
+    uint64_t at = r->put ? 0 : r->filled, rows_at = 0;
     for (uint32_t i = 0; i < n; i++) {
-        uint64_t len = i + 1 < n ? r->put_lens[i] : r->len;
+        const uint64_t len = i + 1 < n ? r->put_parts[i].len : r->len;
+        const int rows = i + 1 < n ? r->put_parts[i].rows : r->put_rows;
+        const int last = i + 1 == n && !r->more;
         uint8_t *part = r->buf ? r->buf + at : r->part;
-        if (kt_bundle_parse(part, (size_t)len, &v, err) != 0 ||
-            kt_set_take(r, &v, i + 1 == n && !r->more, part == r->part ? &r->part : NULL,
-                        err) != 0)
+        if (rows ? kt_parse_rows_part(r, i, part, len, last, &rows_at, err) != 0
+                 : kt_bundle_parse(part, (size_t)len, &v, err) != 0 ||
+                       kt_set_take(r, &v, last, part == r->part ? &r->part : NULL, err) != 0)
             return -1;
         at += len;
     }
@@ -531,8 +599,12 @@ static void kt_ack_queue(kt_transport *t, kt_conn *c, uint64_t seq, uint64_t id,
     kt_wr64(a->wire + 16, id);
     kt_wr64(a->wire + 24, bytes);
     snprintf((char *)a->wire + 40, KT_WIRE_ACK_MSG, "%s", msg ? msg : "");
-    a->next = t->acks;
-    t->acks = a;
+    /* In the order queued: a sender takes the first ack of a seq, and a part refused by one
+     * piece has its later pieces answered "unknown or expired" (the list is short). */
+    kt_ack **pp = &t->acks;
+    while (*pp)
+        pp = &(*pp)->next;
+    *pp = a;
 }
 
 /* ------------------------------------------------------------------ UCX callbacks
@@ -679,10 +751,12 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     uint64_t offset = kt_rd64(h + 32);
     const uint16_t wf = kt_rd16(h + 6);
     int put = (wf & KT_WIRE_PUT) != 0, more = (wf & KT_SEND_MORE) != 0;
-    int piece = (wf & KT_WIRE_PIECE) != 0 && !put;
+    /* A put piece is a part put with its rows: its head (`size` bytes) at the offset in buf,
+     * its K and V in the rows regions. */
+    int piece = (wf & KT_WIRE_PIECE) != 0 && !put, rows = (wf & KT_WIRE_PIECE) != 0 && put;
     const int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     KT_TRACE(t, "bundle %" PRIu64 " arrives from %s: %zu bytes, %s", id, c->peer, length,
-             put ? "put" : rndv ? "rendezvous" : "eager");
+             rows ? "put with its rows" : put ? "put" : rndv ? "rendezvous" : "eager");
     char msg[KT_ERR_MAX];
     kt_resv *r = kt_resv_find(t, id);
     if (piece && r && r->state == KT_XFER_STATE_RECEIVING && r->pieces && r->seq == seq &&
@@ -713,6 +787,10 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         snprintf(msg, sizeof msg,
                  "transport: reservation %" PRIu64 " is not mapped for RMA: put bundle refused",
                  id);
+    } else if (rows && !r->rows_memh[0]) {
+        snprintf(msg, sizeof msg,
+                 "transport: reservation %" PRIu64 " is not mapped for rows: a part put with its "
+                 "rows refused", id);
     } else if (put && offset != r->filled) {
         snprintf(msg, sizeof msg,
                  "transport: part for reservation %" PRIu64 " put at offset %" PRIu64
@@ -741,6 +819,7 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     r->len = size;
     r->more = more;
     r->put = put;
+    r->put_rows = rows;
     r->state = KT_XFER_STATE_RECEIVING;
     if (put) /* the part is in buf already: the loop takes it from here */
         return UCS_OK;
@@ -926,51 +1005,68 @@ static kt_conn *kt_connect(kt_transport *t, kt_send_op *op)
     return c;
 }
 
-/* Issues a put's next step: the data, a flush (the data is in the receiver's memory when it
- * completes), then the header that tells the receiver so. 1 when UCX completed it in the call,
- * with no request to wait for. */
+/* Issues a put's next step: the data (the part, or its head, K and V: one put each, in flight
+ * together), a flush (the data is in the receiver's memory when it completes), then the header
+ * that tells the receiver so. 1 when UCX completed all of it in the call, with no request to
+ * wait for. */
 static int kt_put_step(kt_transport *t, kt_send_op *op)
 {
-    kt_rq *q = &op->tx[0];
-    ucp_request_param_t p = {
-        .op_attr_mask =
-            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
-        .cb.send = kt_on_send_done,
-        .user_data = q,
-    };
+    static const char *const section[KT_PIECES] = {"", " (K)", " (V)"};
     ucp_ep_h ep = op->conn->ep;
-    const char *what;
-    ucs_status_ptr_t sp;
-    q->pending = 1; /* before the call: UCX may run the callback inside it */
-    switch (++op->phase) {
-    case KT_PUT_DATA:
-        what = "ucp_put_nbx";
-        sp = ucp_put_nbx(ep, op->buf, op->size, op->rma.address + op->offset, op->rkey, &p);
-        break;
-    case KT_PUT_FLUSH:
-        what = "ucp_ep_flush_nbx";
-        sp = ucp_ep_flush_nbx(ep, &p);
-        break;
-    default:
-        what = "ucp_am_send_nbx(header)";
-        p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-        sp = ucp_am_send_nbx(ep, KT_AM_BUNDLE, op->hdr[0], sizeof op->hdr[0], NULL, 0, &p);
-        break;
+    const int phase = ++op->phase, n = phase == KT_PUT_DATA ? op->n_pieces : 1;
+    int in_call = 0;
+    for (int i = 0; i < n; i++) {
+        kt_rq *q = &op->tx[i];
+        ucp_request_param_t p = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .cb.send = kt_on_send_done,
+            .user_data = q,
+        };
+        const char *what;
+        ucs_status_ptr_t sp;
+        if (phase == KT_PUT_DATA && op->piece_len[i] == 0) { /* nothing to put */
+            in_call++;
+            continue;
+        }
+        q->pending = 1; /* before the call: UCX may run the callback inside it */
+        switch (phase) {
+        case KT_PUT_DATA:
+            what = "ucp_put_nbx";
+            sp = ucp_put_nbx(ep, (const uint8_t *)op->buf + op->piece_off[i], op->piece_len[i],
+                             i == 0   ? op->rma.address + op->offset
+                             : i == 1 ? op->rows.k.address + op->rows_off
+                                      : op->rows.v.address + op->rows_off,
+                             op->rkey[i], &p);
+            break;
+        case KT_PUT_FLUSH:
+            what = "ucp_ep_flush_nbx";
+            sp = ucp_ep_flush_nbx(ep, &p);
+            break;
+        default:
+            what = "ucp_am_send_nbx(header)";
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+            sp = ucp_am_send_nbx(ep, KT_AM_BUNDLE, op->hdr[0], sizeof op->hdr[0], NULL, 0, &p);
+            break;
+        }
+        if (UCS_PTR_IS_ERR(sp)) {
+            q->pending = 0;
+            kt_op_fail(op, "transport: %s%s of bundle %" PRIu64 " to %s failed: %s", what,
+                       phase == KT_PUT_DATA ? section[i] : "", op->id, op->peer,
+                       ucs_status_string(UCS_PTR_STATUS(sp)));
+            return 0; /* the puts already in flight finish or fail; the loop closes the rest */
+        }
+        if (!sp) {
+            KT_TRACE(t, "%s%s of bundle %" PRIu64 " completed in the call", what,
+                     phase == KT_PUT_DATA ? section[i] : "", op->id);
+            q->pending = 0;
+            in_call++;
+            continue;
+        }
+        q->req = sp;
     }
-    if (UCS_PTR_IS_ERR(sp)) {
-        q->pending = 0;
-        kt_op_fail(op, "transport: %s of bundle %" PRIu64 " to %s failed: %s", what, op->id,
-                   op->peer, ucs_status_string(UCS_PTR_STATUS(sp)));
-        return 0;
-    }
-    if (!sp) {
-        KT_TRACE(t, "%s of bundle %" PRIu64 " completed in the call", what, op->id);
-        q->pending = 0;
-        return 1;
-    }
-    q->req = sp;
-    return 0;
+    return in_call == n;
 }
 
 /* A put's steps from the next one on, up to the first that UCX has not completed at once. */
@@ -988,15 +1084,24 @@ static void kt_op_start(kt_transport *t, kt_send_op *op)
         return;
     op->conn = c;
     if (op->rma.rkey_len) {
-        ucs_status_t st = ucp_ep_rkey_unpack(c->ep, op->rma.rkey, &op->rkey);
-        if (st != UCS_OK) {
-            op->rkey = NULL;
-            kt_op_fail(op,
-                       "transport: the remote key of reservation %" PRIu64 " from %s does not "
-                       "unpack: %s",
-                       op->id, op->peer, ucs_status_string(st));
-            return;
+        /* The buffer's key, and for a put with its rows the K and V regions' keys. */
+        const kt_rma_key *keys[KT_PIECES] = {&op->rma, &op->rows.k, &op->rows.v};
+        static const char *const whose[KT_PIECES] = {"", "K rows ", "V rows "};
+        for (int i = 0; i < op->n_pieces; i++) {
+            ucs_status_t st = ucp_ep_rkey_unpack(c->ep, keys[i]->rkey, &op->rkey[i]);
+            if (st != UCS_OK) {
+                op->rkey[i] = NULL;
+                kt_op_fail(op,
+                           "transport: the %sremote key of reservation %" PRIu64 " from %s does "
+                           "not unpack: %s",
+                           whose[i], op->id, op->peer, ucs_status_string(st));
+                return;
+            }
         }
+        if (op->n_pieces > 1)
+            KT_TRACE(t, "put of bundle %" PRIu64 " with its rows: a %" PRIu64 "-byte head at %"
+                     PRIu64 ", K and V of %" PRIu64 " bytes each at %" PRIu64 " of the rows",
+                     op->id, op->piece_len[0], op->offset, op->piece_len[1], op->rows_off);
         kt_put_next(t, op);
         return;
     }
@@ -1148,7 +1253,10 @@ static double kt_step(kt_transport *t)
                             (!r->pieces || r->landed == (1u << KT_PIECES) - 1);
         if (arrived && r->put && r->more) {
             /* A put part is read once the last one is in and the sender can write no more. */
-            r->put_lens[r->n_put++] = r->len;
+            KT_TRACE(t, "bundle %" PRIu64 ": part %" PRIu32 " put%s (%" PRIu64 " bytes in the "
+                     "buffer), read with the last", r->id, r->n_put,
+                     r->put_rows ? " with its rows" : "", r->len);
+            r->put_parts[r->n_put++] = (kt_put_part){.len = r->len, .rows = r->put_rows};
             r->filled += r->len;
             r->state = KT_XFER_STATE_RESERVED;
             kt_ack_queue(t, r->from, r->seq, r->id, 0, r->len, "");
@@ -1180,7 +1288,7 @@ static double kt_step(kt_transport *t)
                 r->state = KT_XFER_STATE_RESERVED;
                 kt_resv_next_part(r);
             } else {
-                kt_resv_finish(r, 0, r->filled + r->len, "");
+                kt_resv_finish(r, 0, r->filled + r->len + r->rows_more, "");
             }
             kt_ack_queue(t, r->from, r->seq, r->id, bad ? -1 : 0, bad ? 0 : r->len, msg);
         }
@@ -1219,8 +1327,8 @@ static double kt_step(kt_transport *t)
             kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s failed: %s", op->id,
                        op->peer, ucs_status_string(sst));
         else if (finished && op->rma.rkey_len && op->phase < KT_PUT_HEADER && op->conn &&
-                 !op->fail_msg[0])
-            kt_put_next(t, op);
+                 !op->fail_msg[0] && !kt_rq_busy(op->tx, KT_PIECES))
+            kt_put_next(t, op); /* the step's last request (of a rows part's three puts) done */
         const int moving = kt_rq_busy(op->tx, KT_PIECES);
         if (!op->fail_msg[0] && now >= op->deadline)
             kt_op_fail(op, "transport: send of bundle %" PRIu64 " to %s timed out after %.3g s "
@@ -1333,7 +1441,7 @@ static int kt_deliver(kt_transport *t)
             *pp = r->next;
             kt_partbuf_free(r->part);
             kt_partbuf_free(r->head);
-            free(r->put_lens);
+            free(r->put_parts);
             free(r);
         } else {
             pp = &r->next;
@@ -1343,7 +1451,8 @@ static int kt_deliver(kt_transport *t)
         kt_send_op *op = *pp;
         if (op->done && !op->cb) {
             *pp = op->next;
-            if (op->rkey) ucp_rkey_destroy(op->rkey);
+            for (int i = 0; i < KT_PIECES; i++)
+                if (op->rkey[i]) ucp_rkey_destroy(op->rkey[i]);
             free(op);
         } else {
             pp = &op->next;
@@ -1547,35 +1656,38 @@ void kt_transport_destroy(kt_transport *t)
 
 uint16_t kt_transport_port(const kt_transport *t) { return t->port; }
 
-/* Maps r->buf for remote writes and packs the key a sender needs into *key. Under t->lock. */
-static int kt_resv_map(kt_transport *t, kt_resv *r, kt_rma_key *key, char *err)
+/* Maps `len` bytes at addr (reservation id's `what`) for remote writes into *memh and packs the
+ * key a sender needs into *key; on failure *memh stays NULL. Under t->lock. */
+static int kt_mem_map(kt_transport *t, uint64_t id, const char *what, void *addr, uint64_t len,
+                      ucp_mem_h *memh, kt_rma_key *key, char *err)
 {
     ucp_mem_map_params_t mp = {
         .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-        .address = r->buf,
-        .length = r->size,
+        .address = addr,
+        .length = len,
     };
     void *packed = NULL;
     size_t packed_len = 0;
-    KT_UCS_CHECK(ucp_mem_map(t->ctx, &mp, &r->memh), err, fail);
-    KT_UCS_CHECK(ucp_rkey_pack(t->ctx, r->memh, &packed, &packed_len), err, fail_unmap);
+    KT_UCS_CHECK(ucp_mem_map(t->ctx, &mp, memh), err, fail);
+    KT_UCS_CHECK(ucp_rkey_pack(t->ctx, *memh, &packed, &packed_len), err, fail_unmap);
     if (packed_len > sizeof key->rkey) {
         ucp_rkey_buffer_release(packed);
         kt_seterr(err,
-                  "transport: reserve %" PRIu64 ": the remote key has %zu bytes, more than "
-                  "%d",
-                  r->id, packed_len, KT_RMA_KEY_MAX);
+                  "transport: reservation %" PRIu64 ": the remote key of its %s has %zu bytes, "
+                  "more than %d",
+                  id, what, packed_len, KT_RMA_KEY_MAX);
         goto fail_unmap;
     }
     memset(key, 0, sizeof *key);
-    key->address = (uint64_t)(uintptr_t)r->buf;
+    key->address = (uint64_t)(uintptr_t)addr;
     key->rkey_len = (uint32_t)packed_len;
     memcpy(key->rkey, packed, packed_len);
     ucp_rkey_buffer_release(packed);
     return 0;
 fail_unmap:
-    kt_resv_unmap(t, r);
+    kt_mem_unmap(t, memh);
 fail:
+    *memh = NULL;
     return -1;
 }
 
@@ -1608,14 +1720,14 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, do
     r->state = KT_XFER_STATE_RESERVED;
     r->deadline = kt_now() + timeout_s;
     r->cap_put = !key ? 0 : set ? set->cap : KT_RMA_MAX_PARTS;
-    if (key && !(r->put_lens = calloc(r->cap_put, sizeof *r->put_lens))) {
+    if (key && !(r->put_parts = calloc(r->cap_put, sizeof *r->put_parts))) {
         kt_seterr(err, "transport: out of memory");
         free(r);
         return -1;
     }
     if (getrandom(r->resv_token, sizeof r->resv_token, 0) != (ssize_t)sizeof r->resv_token) {
         kt_seterr(err, "transport: reserve %" PRIu64 ": getrandom failed: %s", id, strerror(errno));
-        free(r->put_lens);
+        free(r->put_parts);
         free(r);
         return -1;
     }
@@ -1624,9 +1736,9 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, do
                       : kt_resv_find(t, id) ? "already exists"
                                             : NULL;
     if (why) kt_seterr(err, "transport: reservation %" PRIu64 " %s", id, why);
-    if (why || (key && kt_resv_map(t, r, key, err) != 0)) {
+    if (why || (key && kt_mem_map(t, id, "buffer", buf, size, &r->memh, key, err) != 0)) {
         pthread_mutex_unlock(&t->lock);
-        free(r->put_lens);
+        free(r->put_parts);
         free(r);
         return -1;
     }
@@ -1681,6 +1793,42 @@ int kt_transport_reserve_rma(kt_transport *t, uint64_t id, void *buf, uint64_t s
     return kt_reserve_set(t, id, buf, size, timeout_s, set, cb, cb_arg, token, key, err);
 }
 
+int kt_transport_map_rows(kt_transport *t, uint64_t id, void *k, void *v, uint64_t bytes,
+                          kt_rma_rows *out, char *err)
+{
+    if (!k || !v || bytes == 0 || !out) {
+        kt_seterr(err, "transport: rows of reservation %" PRIu64 ": need the K and V regions, "
+                  "a size > 0 and a place for their keys", id);
+        return -1;
+    }
+    kt_rma_rows rows = {.bytes = bytes};
+    kt_api_lock(t);
+    kt_resv *r = kt_resv_find(t, id);
+    const char *why = !r                 ? "unknown or ended"
+                      : !r->memh         ? "not mapped for RMA (kt_transport_reserve_rma)"
+                      : !r->set          ? "without a set to validate rows parts into"
+                      : r->rows_memh[0]  ? "already mapped for rows"
+                                         : NULL;
+    if (why)
+        kt_seterr(err, "transport: rows of reservation %" PRIu64 ": the reservation is %s", id,
+                  why);
+    if (why || kt_mem_map(t, id, "K rows", k, bytes, &r->rows_memh[0], &rows.k, err) != 0) {
+        pthread_mutex_unlock(&t->lock);
+        return -1;
+    }
+    if (kt_mem_map(t, id, "V rows", v, bytes, &r->rows_memh[1], &rows.v, err) != 0) {
+        kt_mem_unmap(t, &r->rows_memh[0]);
+        pthread_mutex_unlock(&t->lock);
+        return -1;
+    }
+    r->rows[0] = k;
+    r->rows[1] = v;
+    r->rows_bytes = bytes;
+    pthread_mutex_unlock(&t->lock);
+    *out = rows;
+    return 0;
+}
+
 int kt_transport_release(kt_transport *t, uint64_t id)
 {
     kt_api_lock(t);
@@ -1715,8 +1863,12 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id)
     return s;
 }
 
+/* A send (key NULL) or a put (key: the reservation's, the part at offset) of the part at buf;
+ * with `pieces` (the part's layout, split and block-padded) it goes as head, K and V: three
+ * messages, or with `rows` three puts (K and V at rows_off in the rows regions). */
 static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
                    const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key, uint64_t offset,
+                   const kt_rma_rows *rows, uint64_t rows_off, const kt_bundle_layout *pieces,
                    const void *buf, uint64_t size, unsigned flags, double timeout_s, kt_xfer_cb cb,
                    void *cb_arg, char *err)
 {
@@ -1750,17 +1902,18 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
     op->size = size;
     op->n_pieces = 1;
     op->piece_len[0] = size;
-    kt_bundle_layout lay;
     if (key) {
         op->rma = *key;
         op->offset = offset;
-    } else if (kt_bundle_layout_read(buf, (size_t)size, &lay, NULL) == 0 && lay.split &&
-               lay.block_rows > 0 && lay.size == size) {
-        /* A block-padded bundle goes in pieces, so that the receiver can land K and V in its
-         * KV blocks; anything else goes whole. */
+    }
+    if (rows) {
+        op->rows = *rows;
+        op->rows_off = rows_off;
+    }
+    if (pieces) {
         op->n_pieces = KT_PIECES;
-        const uint64_t off[KT_PIECES] = {0, lay.k_off, lay.v_off};
-        const uint64_t len[KT_PIECES] = {lay.head_len, lay.k_len, lay.v_len};
+        const uint64_t off[KT_PIECES] = {0, pieces->k_off, pieces->v_off};
+        const uint64_t len[KT_PIECES] = {pieces->head_len, pieces->k_len, pieces->v_len};
         memcpy(op->piece_off, off, sizeof off);
         memcpy(op->piece_len, len, sizeof len);
     }
@@ -1784,7 +1937,7 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
                                   (op->n_pieces > 1 ? KT_WIRE_PIECE : 0)));
         kt_wr64(h + 8, op->seq);
         kt_wr64(h + 16, id);
-        kt_wr64(h + 24, size);
+        kt_wr64(h + 24, rows ? pieces->head_len : size); /* a rows part: what is in buf */
         kt_wr64(h + 32, key ? offset : op->piece_off[i]);
         memcpy(h + 40, token, KT_RESV_TOKEN_BYTES);
     }
@@ -1799,7 +1952,19 @@ int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t
                       const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
                       unsigned flags, double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
 {
-    return kt_send(t, host, port, id, token, NULL, 0, buf, size, flags, timeout_s, cb, cb_arg, err);
+    /* A block-padded bundle goes in pieces, so that the receiver can land K and V in its KV
+     * blocks; anything else goes whole. */
+    kt_bundle_layout lay;
+    const int split = buf && kt_bundle_layout_read(buf, (size_t)size, &lay, NULL) == 0 &&
+                      lay.split && lay.block_rows > 0 && lay.size == size;
+    return kt_send(t, host, port, id, token, NULL, 0, NULL, 0, split ? &lay : NULL, buf, size,
+                   flags, timeout_s, cb, cb_arg, err);
+}
+
+/* 1 for a packed remote key of a plausible length. */
+static int kt_key_ok(const kt_rma_key *key)
+{
+    return key && key->rkey_len > 0 && key->rkey_len <= KT_RMA_KEY_MAX;
 }
 
 int kt_transport_put(kt_transport *t, const char *host, uint16_t port, uint64_t id,
@@ -1807,14 +1972,51 @@ int kt_transport_put(kt_transport *t, const char *host, uint16_t port, uint64_t 
                      uint64_t offset, const void *buf, uint64_t size, unsigned flags,
                      double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
 {
-    if (!t->rma || !key || key->rkey_len == 0 || key->rkey_len > KT_RMA_KEY_MAX) {
+    if (!t->rma || !kt_key_ok(key)) {
         kt_seterr(err, "transport: put of bundle %" PRIu64 ": %s", id,
                   !t->rma ? "the transport was not created in KT_TRANSPORT_MODE_RMA"
                           : "needs the reservation's remote key");
         return -1;
     }
-    return kt_send(t, host, port, id, token, key, offset, buf, size, flags, timeout_s, cb, cb_arg,
-                   err);
+    return kt_send(t, host, port, id, token, key, offset, NULL, 0, NULL, buf, size, flags,
+                   timeout_s, cb, cb_arg, err);
+}
+
+int kt_transport_put_rows(kt_transport *t, const char *host, uint16_t port, uint64_t id,
+                          const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
+                          uint64_t offset, const kt_rma_rows *rows, uint64_t rows_off,
+                          const void *buf, uint64_t size, unsigned flags, double timeout_s,
+                          kt_xfer_cb cb, void *cb_arg, char *err)
+{
+    if (!t->rma || !kt_key_ok(key) || !rows || !kt_key_ok(&rows->k) || !kt_key_ok(&rows->v)) {
+        kt_seterr(err, "transport: put of bundle %" PRIu64 " with its rows: %s", id,
+                  !t->rma ? "the transport was not created in KT_TRANSPORT_MODE_RMA"
+                          : "needs the reservation's remote key and its rows' keys");
+        return -1;
+    }
+    char why[KT_ERR_MAX] = "";
+    kt_bundle_layout lay;
+    if (!buf || size == 0 || kt_bundle_layout_read(buf, (size_t)size, &lay, why) != 0) {
+        kt_seterr(err, "transport: put of bundle %" PRIu64 " with its rows: %s", id,
+                  buf && size ? why : "needs a buffer and a size > 0");
+        return -1;
+    }
+    if (!lay.split || lay.block_rows == 0 || lay.size != size || lay.k_len != lay.v_len) {
+        kt_seterr(err, "transport: put of bundle %" PRIu64 " with its rows: the %" PRIu64 "-byte "
+                  "part is not a block-padded, unquantized one of K and V of one length (layout: %"
+                  PRIu64 " bytes, block_rows %" PRIu32 ", K %" PRIu64 " and V %" PRIu64
+                  " bytes%s)", id, size, lay.size, lay.block_rows, lay.k_len, lay.v_len,
+                  lay.split ? "" : ", not to be split");
+        return -1;
+    }
+    if (lay.k_len > rows->bytes || rows_off > rows->bytes - lay.k_len) {
+        kt_seterr(err, "transport: put of bundle %" PRIu64 " with its rows: its K and V (%" PRIu64
+                  " bytes each) at %" PRIu64 " end past the rows regions' %" PRIu64 " bytes", id,
+                  lay.k_len, rows_off, rows->bytes);
+        return -1;
+    }
+    return kt_send(t, host, port, id, token, key, offset, rows, rows_off, &lay, buf, size, flags,
+                   timeout_s, cb, cb_arg, err);
 }
 
 typedef struct kt_waiter {

@@ -4,8 +4,10 @@
  * transfers, refusals (unknown reservation, a bundle larger than its reservation, bad bundle)
  * that leave the receiver serving, a smaller bundle accepted with its own size, expiry and
  * send timeouts, a set's part hook (once per part, in order, before the ack; its refusal
- * reaches the sender), block-padded bundles in pieces landing where a placement hook says, and
- * peer death both ways with processes killed by SIGKILL mid-transfer
+ * reaches the sender), block-padded bundles in pieces landing where a placement hook says, RMA
+ * puts (parts put whole, and block-padded parts whose K and V are put into mapped rows regions
+ * and validated where they lie), and peer death both ways with processes killed by SIGKILL
+ * mid-transfer
  * (children are this binary re-executed with --child-*, so no UCX state crosses a fork).
  * Not a benchmark: tools/kvrelay-transfer-bench measures throughput.
  * Run: ctest -R transport (about 5 s). Exit 77 (SKIPPED) when UCX cannot listen on loopback.
@@ -938,18 +940,41 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
     free(seg0);
 }
 
-/* kt_transport_put, waited for: its callback's status (and message in box). */
+/* kt_transport_put, or with `rows` kt_transport_put_rows (K and V at rows_off), waited for: its
+ * callback's status (and message in box). */
+static int put_rows_wait(kt_transport *tx, uint16_t port, uint64_t id, const uint8_t *tok,
+                         const kt_rma_key *key, uint64_t offset, const kt_rma_rows *rows,
+                         uint64_t rows_off, const uint8_t *buf, uint64_t n, unsigned flags,
+                         done_box *box)
+{
+    char err[KT_ERR_MAX];
+    box_init(box);
+    REQUIRE((rows ? kt_transport_put_rows(tx, HOST, port, id, tok, key, offset, rows, rows_off,
+                                          buf, n, flags, 5.0, box_cb, box, err)
+                  : kt_transport_put(tx, HOST, port, id, tok, key, offset, buf, n, flags, 5.0,
+                                     box_cb, box, err)) == 0,
+            "%s", err);
+    REQUIRE(box_wait(box, 5.0), "put of bundle %" PRIu64 " completed within 5 s", id);
+    return box->status;
+}
+
 static int put_wait(kt_transport *tx, uint16_t port, uint64_t id, const uint8_t *tok,
                     const kt_rma_key *key, uint64_t offset, const uint8_t *buf, uint64_t n,
                     unsigned flags, done_box *box)
 {
+    return put_rows_wait(tx, port, id, tok, key, offset, NULL, 0, buf, n, flags, box);
+}
+
+/* A listening and a sending transport in KT_TRANSPORT_MODE_RMA. */
+static void make_rma(kt_transport **rx, kt_transport **tx)
+{
     char err[KT_ERR_MAX];
-    box_init(box);
-    REQUIRE(kt_transport_put(tx, HOST, port, id, tok, key, offset, buf, n, flags, 5.0, box_cb, box,
-                             err) == 0,
-            "%s", err);
-    REQUIRE(box_wait(box, 5.0), "put of bundle %" PRIu64 " completed within 5 s", id);
-    return box->status;
+    kt_transport_config rc = {
+        .mode = KT_TRANSPORT_MODE_RMA, .listen_host = HOST, .name = "test-rma-rx"};
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_RMA, .name = "test-rma-tx"};
+    *rx = *tx = NULL;
+    REQUIRE(kt_transport_create(&rc, rx, err) == 0 && kt_transport_create(&tc, tx, err) == 0,
+            "RMA transports: %s", err);
 }
 
 /* RMA: a reservation mapped at reserve time takes a bundle put in two layer segments, each
@@ -961,12 +986,8 @@ static int put_wait(kt_transport *tx, uint16_t port, uint64_t id, const uint8_t 
 static void test_rma(kt_transport *am_rx, kt_transport *am_tx)
 {
     char err[KT_ERR_MAX];
-    kt_transport_config rc = {
-        .mode = KT_TRANSPORT_MODE_RMA, .listen_host = HOST, .name = "test-rma-rx"};
-    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_RMA, .name = "test-rma-tx"};
-    kt_transport *rx = NULL, *tx = NULL;
-    REQUIRE(kt_transport_create(&rc, &rx, err) == 0 && kt_transport_create(&tc, &tx, err) == 0,
-            "RMA transports: %s", err);
+    kt_transport *rx, *tx;
+    make_rma(&rx, &tx);
     const uint16_t port = kt_transport_port(rx);
     enum { CAP = 16384 };
     static uint8_t seg[2][CAP], dst[2 * CAP];
@@ -1079,6 +1100,250 @@ static void test_rma(kt_transport *am_rx, kt_transport *am_tx)
     CHECK_ERR_HAS(err, "not created in KT_TRANSPORT_MODE_RMA");
     kt_transport_destroy(tx);
     kt_transport_destroy(rx);
+}
+
+/* Every list of the 2-head test model's segments seg[0, n) (layer i in seg[i], as write_padded
+ * makes them) read through the complete set equals the same list read from the segment. */
+static int set_reads_as(const kt_bundle_set *set, uint8_t *const *seg, const uint64_t *len, int n)
+{
+    enum { D = 64, MAX = 1000 };
+    static float k[2][MAX * D], v[2][MAX * D];
+    static int32_t pos[2][MAX];
+    char err[KT_ERR_MAX];
+    int same = 1;
+    for (int l = 0; l < n; l++) {
+        kt_bundle_view sv;
+        REQUIRE(kt_bundle_parse(seg[l], len[l], &sv, err) == 0, "segment %d: %s", l, err);
+        for (uint32_t hd = 0; hd < 2; hd++) {
+            kt_bundle_list_view lv;
+            REQUIRE(kt_bundle_view_list(&sv, 0, hd, &lv, err) == 0 && lv.count <= MAX, "%s", err);
+            REQUIRE(kt_bundle_set_read(set, (uint32_t)l, hd, 0, lv.count, pos[0], KT_DTYPE_F32,
+                                       k[0], v[0], err) == 0 &&
+                        kt_bundle_list_read(&sv, &lv, 0, lv.count, pos[1], KT_DTYPE_F32, k[1],
+                                            v[1], err) == 0,
+                    "list (%d, %u): %s", l, hd, err);
+            same &= memcmp(pos[0], pos[1], lv.count * sizeof pos[0][0]) == 0 &&
+                    memcmp(k[0], k[1], lv.count * D * sizeof k[0][0]) == 0 &&
+                    memcmp(v[0], v[1], lv.count * D * sizeof v[0][0]) == 0;
+        }
+    }
+    return same;
+}
+
+/* RMA with rows regions: a reservation maps two more regions (a decode node's K and V rows of
+ * its KV blocks); block-padded parts put with their rows land head in the buffer, K and V in
+ * the regions, alternating with a part put whole, and are validated there at the end: the
+ * set's views point into the regions, the callback counts whole parts. A corrupt K section
+ * fails the reservation; a sender that claims larger regions than the receiver mapped is
+ * refused at the end. Refused and left waiting: a part put with its rows into a reservation
+ * without rows. Refused at the call: a packed or quantized part, sections past the regions,
+ * map_rows on a reservation unknown, not mapped for RMA, without a set, or mapped already.
+ * A reservation with rows released reports "released". */
+static void test_rma_rows(void)
+{
+    char err[KT_ERR_MAX];
+    kt_transport *rx, *tx;
+    make_rma(&rx, &tx);
+    const uint16_t port = kt_transport_port(rx);
+    const uint64_t cap = 1 << 20;
+    uint8_t *seg[3] = {malloc(cap), malloc(cap), malloc(cap)}, *dst = malloc(cap);
+    REQUIRE(seg[0] && seg[1] && seg[2] && dst, "out of memory");
+    kt_bundle_layout lay[3];
+    const uint64_t n[3] = {write_padded(seg[0], cap, 0, 40, 16, &lay[0]),
+                           write_padded(seg[1], cap, 1, 60, 16, &lay[1]),
+                           write_padded(seg[2], cap, 2, 1000, 16, &lay[2])}; /* K: 256 KiB */
+    /* Regions with room to spare, allocated twice as large as mapped: the part past `rbytes`
+     * takes the puts of a sender that claims more than was mapped. */
+    const uint64_t rbytes = lay[0].k_len + lay[2].k_len + 4096;
+    uint8_t *krows = calloc(1, 2 * rbytes), *vrows = calloc(1, 2 * rbytes);
+    REQUIRE(krows && vrows, "out of memory");
+    kt_bundle_view parts[3];
+    kt_bundle_set set;
+    kt_rma_key key;
+    kt_rma_rows rows;
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    done_box rb, sb;
+
+    /* parts 0 and 2 with their rows, part 1 whole */
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 3);
+    REQUIRE(kt_transport_reserve_rma(rx, 900, dst, cap, 5.0, &set, box_cb, &rb, tok, &key, err) == 0,
+            "%s", err);
+    REQUIRE(kt_transport_map_rows(rx, 900, krows, vrows, rbytes, &rows, err) == 0, "%s", err);
+    CHECK(rows.k.address == (uint64_t)(uintptr_t)krows &&
+              rows.v.address == (uint64_t)(uintptr_t)vrows && rows.bytes == rbytes &&
+              rows.k.rkey_len > 0 && rows.v.rkey_len > 0,
+          "the rows keys name the regions and carry remote keys");
+    kt_rma_rows again;
+    CHECK(kt_transport_map_rows(rx, 900, krows, vrows, rbytes, &again, err) != 0,
+          "rows mapped twice refused");
+    CHECK_ERR_HAS(err, "already mapped for rows");
+    const uint64_t at2 = lay[0].head_len + n[1]; /* where part 2's head goes */
+    CHECK(put_rows_wait(tx, port, 900, tok, &key, 0, &rows, 0, seg[0], n[0], KT_SEND_MORE,
+                        &sb) == 0 && sb.bytes == n[0],
+          "part 0 put with its rows: %s", sb.msg);
+    CHECK(put_wait(tx, port, 900, tok, &key, lay[0].head_len, seg[1], n[1], KT_SEND_MORE, &sb) ==
+              0,
+          "part 1 put whole: %s", sb.msg);
+    CHECK(set.n_parts == 0 && !box_wait(&rb, 0.02), "no put part read before the last one");
+    CHECK(put_rows_wait(tx, port, 900, tok, &key, at2, &rows, lay[0].k_len, seg[2], n[2], 0,
+                        &sb) == 0,
+          "part 2 put with its rows: %s", sb.msg);
+    REQUIRE(box_wait(&rb, 5.0), "reservation completed within 5 s");
+    CHECK(rb.status == 0 && rb.bytes == n[0] + n[1] + n[2],
+          "receive: status %d, %" PRIu64 " bytes of %" PRIu64 " %s", rb.status, rb.bytes,
+          n[0] + n[1] + n[2], rb.msg);
+    CHECK(set.complete && set.n_parts == 3 && set.hdr.n_layers == 3,
+          "the set: %u parts, %u layers", set.n_parts, set.hdr.n_layers);
+    if (set.complete && set.n_parts == 3) {
+        CHECK(parts[0].base == dst && parts[0].k == krows && parts[0].v == vrows,
+              "part 0: head in the buffer, K and V at the regions' start");
+        CHECK(parts[1].base == dst + lay[0].head_len &&
+                  parts[1].k == dst + lay[0].head_len + lay[1].k_off,
+              "part 1: whole in the buffer after part 0's head");
+        CHECK(parts[2].base == dst + at2 && parts[2].k == krows + lay[0].k_len &&
+                  parts[2].v == vrows + lay[0].k_len,
+              "part 2: head after part 1, K and V after part 0's");
+        for (int i = 0; i < 3; i += 2)
+            CHECK(memcmp(parts[i].base, seg[i], lay[i].head_len) == 0 &&
+                      memcmp(parts[i].k, seg[i] + lay[i].k_off, lay[i].k_len) == 0 &&
+                      memcmp(parts[i].v, seg[i] + lay[i].v_off, lay[i].v_len) == 0,
+                  "part %d: head, K and V as sent", i);
+        CHECK(set_reads_as(&set, seg, n, 3), "every list read through the set as written");
+    }
+
+    /* a K byte flipped after the bundle was sealed: the reservation fails, nothing joins */
+    memset(krows, 0, 2 * rbytes); /* no valid rows left from before */
+    memset(vrows, 0, 2 * rbytes);
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 3);
+    REQUIRE(kt_transport_reserve_rma(rx, 901, dst, cap, 5.0, &set, box_cb, &rb, tok, &key, err) == 0,
+            "%s", err);
+    REQUIRE(kt_transport_map_rows(rx, 901, krows, vrows, rbytes, &rows, err) == 0, "%s", err);
+    seg[0][lay[0].k_off + 10] ^= 0x40;
+    CHECK(put_rows_wait(tx, port, 901, tok, &key, 0, &rows, 0, seg[0], n[0], 0, &sb) != 0,
+          "a corrupt K section put with its rows is refused");
+    CHECK_ERR_HAS(sb.msg, "checksum");
+    seg[0][lay[0].k_off + 10] ^= 0x40;
+    REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
+    CHECK(rb.status == -1 && strstr(rb.msg, "bundle 901 rejected: part 0") && set.n_parts == 0,
+          "reservation failed, no part taken: %s", rb.msg);
+
+    /* a sender that claims larger regions than the receiver mapped (one byte short of parts 0
+     * and 1's K): the second part's K and V land past the mapping (in the spare half here), and
+     * the receiver refuses them at the end */
+    box_init(&rb);
+    kt_bundle_set_init(&set, parts, 3);
+    REQUIRE(kt_transport_reserve_rma(rx, 902, dst, cap, 5.0, &set, box_cb, &rb, tok, &key, err) == 0,
+            "%s", err);
+    REQUIRE(kt_transport_map_rows(rx, 902, krows, vrows, lay[0].k_len + lay[1].k_len - 1, &rows,
+                                  err) == 0,
+            "%s", err);
+    kt_rma_rows liar = rows;
+    liar.bytes = 2 * rbytes;
+    CHECK(put_rows_wait(tx, port, 902, tok, &key, 0, &liar, 0, seg[0], n[0], KT_SEND_MORE, &sb) ==
+              0,
+          "part 0: %s", sb.msg);
+    CHECK(put_rows_wait(tx, port, 902, tok, &key, lay[0].head_len, &liar, lay[0].k_len, seg[1],
+                        n[1], 0, &sb) != 0,
+          "a part whose rows end past the mapped regions is refused");
+    CHECK_ERR_HAS(sb.msg, "end past the rows regions");
+    REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
+    CHECK(rb.status == -1 && strstr(rb.msg, "part 1 (put with its rows)") && set.n_parts == 1,
+          "reservation failed at part 1, part 0 taken: %s", rb.msg);
+
+    /* a part put with its rows into a reservation without rows: refused, it waits on and takes
+     * a proper put; the rows' keys are another reservation's (its regions take the bytes) */
+    done_box ob;
+    box_init(&rb);
+    box_init(&ob);
+    kt_bundle_set_init(&set, parts, 3);
+    kt_bundle_view other_parts[1];
+    kt_bundle_set other;
+    kt_bundle_set_init(&other, other_parts, 1);
+    kt_rma_key okey;
+    uint8_t otok[KT_RESV_TOKEN_BYTES];
+    static uint8_t odst[4096];
+    REQUIRE(kt_transport_reserve_rma(rx, 903, dst, cap, 5.0, &set, box_cb, &rb, tok, &key, err) == 0 &&
+                kt_transport_reserve_rma(rx, 904, odst, sizeof odst, 5.0, &other, box_cb, &ob, otok,
+                                         &okey, err) == 0 &&
+                kt_transport_map_rows(rx, 904, krows, vrows, rbytes, &rows, err) == 0,
+            "%s", err);
+    CHECK(put_rows_wait(tx, port, 903, tok, &key, 0, &rows, 0, seg[0], n[0], 0, &sb) != 0,
+          "a part put with its rows into a reservation without rows is refused");
+    CHECK_ERR_HAS(sb.msg, "is not mapped for rows");
+    CHECK(kt_transport_reservation_state(rx, 903) == KT_XFER_STATE_RESERVED, "and it waits on");
+    CHECK(put_wait(tx, port, 903, tok, &key, 0, seg[0], n[0], 0, &sb) == 0, "then a put: %s",
+          sb.msg);
+    REQUIRE(box_wait(&rb, 5.0), "reservation completed within 5 s");
+    CHECK(rb.status == 0 && rb.bytes == n[0] && set.complete && parts[0].k == dst + lay[0].k_off,
+          "the whole put completes it: %s", rb.msg);
+
+    /* refused at the call */
+    uint8_t *packed = malloc(cap);
+    REQUIRE(packed, "out of memory");
+    kt_bundle_layout play;
+    uint64_t pn = write_padded(packed, cap, 0, 40, 0, &play);
+    CHECK(kt_transport_put_rows(tx, HOST, port, 904, otok, &okey, 0, &rows, 0, packed, pn, 0, 5.0,
+                                box_cb, &sb, err) != 0,
+          "a packed part cannot be put with its rows");
+    CHECK_ERR_HAS(err, "not a block-padded");
+    pn = write_segment(packed, cap, 0, 0);
+    CHECK(kt_transport_put_rows(tx, HOST, port, 904, otok, &okey, 0, &rows, 0, packed, pn, 0, 5.0,
+                                box_cb, &sb, err) != 0,
+          "a quantized part cannot be put with its rows");
+    CHECK_ERR_HAS(err, "not a block-padded");
+    const uint64_t past[2] = {rbytes - lay[0].k_len + 1, UINT64_MAX};
+    for (int i = 0; i < 2; i++) {
+        CHECK(kt_transport_put_rows(tx, HOST, port, 904, otok, &okey, 0, &rows, past[i], seg[0],
+                                    n[0], 0, 5.0, box_cb, &sb, err) != 0,
+              "sections ending past the regions (at %" PRIu64 ") refused", past[i]);
+        CHECK_ERR_HAS(err, "end past the rows regions");
+    }
+    free(packed);
+
+    /* map_rows refusals */
+    done_box pb, qb;
+    box_init(&pb);
+    box_init(&qb);
+    kt_rma_key nokey;
+    static uint8_t pbuf[4096];
+    kt_bundle_set_init(&set, parts, 3);
+    REQUIRE(kt_transport_reserve_bundle(rx, 905, pbuf, sizeof pbuf, 5.0, &set, box_cb, &pb, tok,
+                                        err) == 0 &&
+                kt_transport_reserve_rma(rx, 906, pbuf, sizeof pbuf, 5.0, NULL, box_cb, &qb, tok,
+                                         &nokey, err) == 0,
+            "%s", err);
+    const struct {
+        uint64_t id, bytes;
+        const char *why;
+    } refused[] = {{999, rbytes, "unknown"},
+                   {905, rbytes, "not mapped for RMA"},
+                   {906, rbytes, "without a set"},
+                   {904, rbytes, "already mapped for rows"},
+                   {906, 0, "a size > 0"}};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        CHECK(kt_transport_map_rows(rx, refused[i].id, krows, vrows, refused[i].bytes, &again,
+                                    err) != 0,
+              "map_rows on reservation %" PRIu64 " refused", refused[i].id);
+        CHECK_ERR_HAS(err, refused[i].why);
+    }
+    CHECK(kt_transport_release(rx, 905) == 0 && kt_transport_release(rx, 906) == 0 &&
+              box_wait(&pb, 1.0) && box_wait(&qb, 1.0),
+          "released");
+
+    /* a reservation with rows mapped, released: unmapped, and its callback says so */
+    CHECK(kt_transport_release(rx, 904) == 0 && box_wait(&ob, 1.0) && ob.status == -1 &&
+              strstr(ob.msg, "released"),
+          "a reservation with rows released: %s", ob.msg);
+    CHECK(kt_transport_reservation_state(rx, 904) == KT_XFER_STATE_NONE, "and gone");
+    kt_transport_destroy(tx);
+    kt_transport_destroy(rx);
+    for (int i = 0; i < 3; i++)
+        free(seg[i]);
+    free(dst);
+    free(krows);
+    free(vrows);
 }
 
 /* A reservation without a buffer (a decode node's): each part lands in a buffer of exactly its
@@ -1568,6 +1833,7 @@ int main(int argc, char **argv)
     test_wrong_token(rx, tx);
     test_timeouts(rx, tx);
     test_rma(rx, tx);
+    test_rma_rows();
     kt_transport_destroy(tx);
     kt_transport_destroy(rx);
 
