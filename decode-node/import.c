@@ -107,6 +107,8 @@ int dn_place_part(void *arg, const kt_bundle_set *s, const kt_bundle_view *head,
     (void)s;
     if (admit_part(r, head, err) != 0)
         return -1;
+    if (r->run_n) /* blocks taken for another part (cannot happen: parts come one at a time) */
+        return 1;
     /* Not laid out as this pool's blocks, or no free run that long (1): received into a buffer
      * and copied into whatever blocks are free. */
     return kt_part_take_run(r->seq, pool, head, &r->run_first, &r->run_n, k, v);
@@ -129,16 +131,30 @@ int dn_import_part(void *arg, const kt_bundle_set *s, uint32_t i, char *err)
     char why[KR_ERR_MAX > KT_ERR_MAX ? KR_ERR_MAX : KT_ERR_MAX];
     void *k = NULL, *v;
     int32_t *pos;
+    if (admit_part(r, part, err) != 0)
+        return -1;
     if (r->run_n)
         kr_kv_pool_run_rows(n->pool, r->run_first, &k, &v, &pos);
-    const int placed = k && part->k == k; /* its rows are in the run already, and it was admitted */
+    /* Its K and V are in the run's first blocks already: received there (AM: the run is the
+     * part's own), or put there in order (RMA: the run taken at Reserve). */
+    const int placed = k && part->k == k;
     int rc;
     if (placed) {
-        rc = kt_bundle_part_adopt(r->seq, n->pool, part, r->run_first, r->run_n, why);
-        r->run_n = 0;
-    } else {
-        if (admit_part(r, part, err) != 0)
+        const int blocks = kt_part_run_blocks(r->seq, n->pool, part);
+        if (blocks == 0) {
+            snprintf(err, KT_ERR_MAX, "a KV bundle part put into this node's blocks is not laid "
+                     "out as them");
             return -1;
+        }
+        if (blocks > r->run_n) {
+            snprintf(err, KT_ERR_MAX, "a KV bundle part put into this node's blocks needs %d of "
+                     "them, its reservation has %d left", blocks, r->run_n);
+            return -1;
+        }
+        rc = kt_bundle_part_adopt(r->seq, n->pool, part, r->run_first, blocks, why);
+        r->run_first += blocks;
+        r->run_n -= blocks;
+    } else {
         float *rows = NULL;
         if (kr_kv_pool_dtype(n->pool) != KR_DTYPE_F32 && kt_dtype_quantized(part->hdr.dtype) &&
             !(rows = malloc(sizeof(float) * 2 * (size_t)kr_kv_pool_block_size(n->pool) *

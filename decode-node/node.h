@@ -100,11 +100,15 @@ typedef struct dn_resv {
     dn_node *node;
     int64_t blocks_bound; /* `blocks` as reserved, fixed: what seq may take */
     kr_seq *seq;
-    /* A run of blocks dn_place_part took for the arriving part's K and V, which the transport
-     * receives into; adopted by seq's lists in dn_import_part, or given back to the pool if the
-     * part fails (run_n 0: none). */
+    /* Blocks taken for K and V to be received or put into, not yet adopted by seq's lists (run_n
+     * 0: none). In AM mode, the run dn_place_part took for the arriving part; in RMA mode, the
+     * run taken at Reserve and mapped for the prefill node's puts, each part adopting the next
+     * blocks of it in order (dn_import_part). What is left goes back to the pool when the
+     * transfer ends (dn_resv_drop_run). */
     int32_t run_first;
     int run_n;
+    int64_t run_extra; /* RMA: the run's blocks, admitted in `blocks` on top of the bound (they are
+                          held beside the sequence's own until the transfer ends) */
     double import_s; /* seconds spent copying rows into seq */
     int xfer_open; /* the transport still adds to set (its callback has not run) */
     int cancel; /* DECODING: Release asked to end it */
@@ -193,13 +197,14 @@ struct dn_node {
 /* resv.c */
 /* Admits a reservation (takes `policy` in every case) and reserves room for its bundle in the
  * transport. Returns a grpc_status_code: OK with the outputs set (token_out: the transport's
- * random token, which the bundle must carry; rma_out, in RMA mode: where the prefill node puts
- * it), or an error with `err` (KT_ERR_MAX bytes): RESOURCE_EXHAUSTED when the bound does not
- * fit the free blocks. */
+ * random token, which the bundle must carry; in RMA mode rma_out: where the prefill node puts
+ * it, and rows_out: where padded parts' K and V go, bytes 0 when no run of blocks was taken),
+ * or an error with `err` (KT_ERR_MAX bytes): RESOURCE_EXHAUSTED when the bound does not fit the
+ * free blocks. */
 int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
                   int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
                   int64_t *expires_unix_ms_out, uint8_t token_out[KT_RESV_TOKEN_BYTES],
-                  kt_rma_key *rma_out, char *err);
+                  kt_rma_key *rma_out, kt_rma_rows *rows_out, char *err);
 dn_resv *dn_resv_find_locked(dn_node *n, uint64_t id);
 void dn_resv_unlink_locked(dn_node *n, dn_resv *r);
 void dn_resv_free(dn_resv *r); /* after unlink; returns nothing to the accounting */

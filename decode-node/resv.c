@@ -119,6 +119,16 @@ static uint64_t new_id_locked(dn_node *n)
     }
 }
 
+/* Gives back the blocks of r's run that no list adopted, and takes an RMA run (admitted on top
+ * of the bound) out of r's count. */
+static void return_run_locked(dn_node *n, dn_resv *r)
+{
+    dn_resv_drop_run(r);
+    n->reserved_sum -= r->run_extra;
+    r->blocks -= r->run_extra;
+    r->run_extra = 0;
+}
+
 /* The transport's completion of a reservation (its progress thread, no transport lock held). */
 static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
 {
@@ -131,6 +141,7 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
         if (status == 0) {
             r->state = DN_RESV_READY;
             r->len = bytes;
+            return_run_locked(n, r);
             kc_info(r->request_id, "reservation %" PRIu64 ": bundle arrived (%" PRIu64 " bytes)",
                     id, bytes);
         } else {
@@ -141,7 +152,7 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
             kt_bundle_set_init(&r->set, r->parts, r->set.cap);
             kr_seq_free(r->seq); /* the rows copied so far: their blocks count as free below */
             r->seq = NULL;
-            dn_resv_drop_run(r); /* a run the failed part was received into */
+            return_run_locked(n, r); /* blocks a part was received or put into */
             if (strstr(r->err, " expired"))
                 kc_counter_inc(n->m.expired, 1);
             kc_warn(r->request_id, "reservation %" PRIu64 ": %s; %" PRId64 " blocks returned", id,
@@ -156,10 +167,37 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
     kt_bundle_set_free(&drop);
 }
 
+/* Maps the key and value rows of the run of blocks reservation `id` took for the prefill node's
+ * puts; on failure (logged) the run goes back to the pool and out of the reservation's count,
+ * and the bundle is put into the buffer. Called before the Reserve answer: nobody can put yet,
+ * and the transport cannot have ended the reservation. */
+static int map_run(dn_node *n, const char *rid, uint64_t id, int32_t first, int blocks,
+                   kt_rma_rows *out)
+{
+    void *k, *v;
+    int32_t *pos;
+    kr_kv_pool_run_rows(n->pool, first, &k, &v, &pos);
+    const uint64_t bytes = (uint64_t)blocks * (uint64_t)kr_kv_pool_block_size(n->pool) *
+                           (uint64_t)n->mcfg->head_dim * kr_dtype_size(kr_kv_pool_dtype(n->pool));
+    char err[KT_ERR_MAX];
+    if (kt_transport_map_rows(n->transport, id, k, v, bytes, out, err) == 0)
+        return 0;
+    kc_warn(rid, "reservation %" PRIu64 ": %s; its bundle is put into its buffer and copied", id,
+            err);
+    pthread_mutex_lock(&n->lock);
+    dn_resv *r = dn_resv_find_locked(n, id); /* by id: never trust a pointer across the unlock */
+    if (r) {
+        return_run_locked(n, r);
+        dn_publish_locked(n);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return -1;
+}
+
 int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
                   int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
                   int64_t *expires_unix_ms_out, uint8_t token_out[KT_RESV_TOKEN_BYTES],
-                  kt_rma_key *rma_out, char *err)
+                  kt_rma_key *rma_out, kt_rma_rows *rows_out, char *err)
 {
     const kr_config *c = n->mcfg;
     /* The bound assumes a bundle brings at most this many entries per list; service.c refuses
@@ -218,17 +256,29 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
      * transfer pipelined in up to one segment per layer plus the early parts */
     const uint32_t max_parts = (uint32_t)c->n_layers + KT_BUNDLE_MAX_EARLY_PARTS;
     size += KT_BUNDLE_MAX_POLICY + 64 + (uint64_t)max_parts * KT_BUNDLE_SEGMENT_SLACK;
-    /* and, in AM mode (service.c asks for block-padded bundles), for each list's padding to
-     * whole blocks: at most block_size - 1 rows per list in each early part and once more in
-     * its layer's segment, a row being at most a float32 K and V row and a position (or int8
-     * rows with their scales) */
-    if (!n->cfg.rma) {
-        const uint64_t row = 8 * (uint64_t)c->head_dim + 4 > 2 * ((uint64_t)c->head_dim + 4) + 4
-                                 ? 8 * (uint64_t)c->head_dim + 4
-                                 : 2 * ((uint64_t)c->head_dim + 4) + 4;
-        size += (uint64_t)(KT_BUNDLE_MAX_EARLY_PARTS + 1) * n_lists *
-                (uint64_t)(kr_kv_pool_block_size(n->pool) - 1) * row;
+    /* and for each list's padding to whole blocks (service.c asks for block-padded bundles): at
+     * most block_size - 1 rows per list in each early part and once more in its layer's
+     * segment, a row being at most a float32 K and V row and a position (or int8 rows with
+     * their scales); in RMA mode a padded part lands whole in the buffer when the run taken
+     * for K and V has no room left for it */
+    const uint64_t row = 8 * (uint64_t)c->head_dim + 4 > 2 * ((uint64_t)c->head_dim + 4) + 4
+                             ? 8 * (uint64_t)c->head_dim + 4
+                             : 2 * ((uint64_t)c->head_dim + 4) + 4;
+    size += (uint64_t)(KT_BUNDLE_MAX_EARLY_PARTS + 1) * n_lists *
+            (uint64_t)(kr_kv_pool_block_size(n->pool) - 1) * row;
+
+    /* RMA: a padded bundle's K and V go straight into a run of the pool's blocks, taken now and
+     * mapped beside the buffer: every list at `entries` rows in whole blocks, at most the bound
+     * (per-layer budgets keep fewer in some lists). The run is held beside the sequence's own
+     * blocks until the transfer ends, so it is admitted on top of the bound; without room for
+     * both, or without a free run that long, the parts are put into the buffer and copied. */
+    int64_t run_want = 0;
+    if (n->cfg.rma) {
+        const int64_t bs = kr_kv_pool_block_size(n->pool);
+        run_want = (int64_t)n_lists * ((entries + bs - 1) / bs);
+        if (run_want > need) run_want = need;
     }
+    memset(rows_out, 0, sizeof *rows_out);
 
     dn_resv *r = calloc(1, sizeof *r);
     if (!r || !(r->parts = calloc(max_parts, sizeof *r->parts))) {
@@ -287,14 +337,20 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
         return GRPC_STATUS_RESOURCE_EXHAUSTED;
     }
     r->id = new_id_locked(n);
-    r->blocks = r->blocks_bound = need;
-    n->reserved_sum += need;
+    if (run_want > 0 && run_want <= free_blocks - need && run_want <= INT32_MAX &&
+        kr_kv_pool_take_run(n->pool, (int)run_want, &r->run_first) == KR_OK)
+        r->run_n = (int)(r->run_extra = run_want);
+    r->blocks_bound = need;
+    r->blocks = need + r->run_extra;
+    n->reserved_sum += r->blocks;
     r->next = n->resvs;
     n->resvs = r;
     n->n_resvs++;
     dn_publish_locked(n);
     uint64_t id = r->id;
     int64_t expires_unix_ms = r->expires_unix_ms;
+    const int32_t run_first = r->run_first;
+    const int run_n = r->run_n;
     pthread_mutex_unlock(&n->lock);
 
     /* The record is in the table first: the callback may come before this returns. The set
@@ -316,6 +372,8 @@ int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int pro
         snprintf(err, KT_ERR_MAX, "%s", berr);
         return GRPC_STATUS_UNAVAILABLE;
     }
+    if (run_n && map_run(n, request_id, id, run_first, run_n, rows_out) != 0)
+        memset(rows_out, 0, sizeof *rows_out);
     *id_out = id;
     *blocks_out = need;
     *expires_unix_ms_out = expires_unix_ms;

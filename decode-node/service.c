@@ -18,6 +18,7 @@
 #include <sys/random.h>
 
 #include "kvrelay/v1/internal.pb-c.h"
+#include "rma-rows.h"
 #include "log.h"
 
 #define PATH_RESERVE "/kvrelay.v1.Decode/Reserve"
@@ -87,8 +88,9 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     int64_t blocks = 0, expires = 0;
     uint8_t token[KT_RESV_TOKEN_BYTES];
     kt_rma_key rma = {.rkey_len = 0};
+    kt_rma_rows rows;
     int code = dn_resv_admit(n, rid, policy, (int)req->prompt_tokens, (int)req->max_tokens, ttl_ms,
-                             &id, &blocks, &expires, token, &rma, err);
+                             &id, &blocks, &expires, token, &rma, &rows, err);
     if (code != GRPC_STATUS_OK)
         return refuse(call, rid, (grpc_status_code)code, "%s", err);
     kc_info(rid, "reserved %" PRId64 " blocks as reservation %" PRIu64 " (%u prompt tokens, %u "
@@ -102,9 +104,14 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     resp.reservation_token = (ProtobufCBinaryData){.len = sizeof token, .data = token};
     resp.rma_address = rma.address;
     resp.rma_key = (ProtobufCBinaryData){.len = rma.rkey_len, .data = rma.rkey};
-    /* In AM mode a bundle padded to the pool's blocks is received into them (import.c); puts
-     * land in the reservation's buffer whatever the layout, so RMA mode asks for none. */
-    resp.kv_block_rows = n->cfg.rma ? 0 : (uint32_t)kr_kv_pool_block_size(n->pool);
+    /* A bundle padded to the pool's blocks, in their dtype, is received into them (AM mode,
+     * import.c) or put into the run of them the reservation took (RMA mode, when it took one:
+     * without, puts land in the buffer whatever the layout, so none is asked for). */
+    const int padded = !n->cfg.rma || rows.bytes;
+    resp.kv_block_rows = padded ? (uint32_t)kr_kv_pool_block_size(n->pool) : 0;
+    resp.kv_block_dtype = (char *)(padded ? kt_dtype_name((kt_dtype)kr_kv_pool_dtype(n->pool)) : "");
+    Kvrelay__V1__RmaRows rr;
+    resp.rma_rows = kc_rma_rows_to_pb(&rows, &rr);
     if (kc_call_send(call, &resp.base) != 0) {
         /* The router is gone or past its deadline: it will never use the reservation. */
         dn_resv_release(n, id, rid);

@@ -82,8 +82,9 @@ typedef enum kt_xfer_state {
 /* Completion of a reservation or a send, called exactly once. status 0: the whole bundle is
  * in the buffer (receive) or the receiver accepted it (send); -1: `err` says why (expired,
  * released, peer died, bundle too large, parse error, timeout, ...). `bytes` = bytes delivered:
- * on success the bundle's actual size (for a reservation, at most the reserved size: the bundle
- * occupies buf[0, bytes)), 0 otherwise. After the callback the buffer is the caller's again.
+ * on success the bundle's actual size (for a reservation into a buffer, at most the reserved
+ * size: the bundle occupies buf[0, bytes), except the K and V of parts put into rows regions,
+ * kt_transport_map_rows), 0 otherwise. After the callback the buffer is the caller's again.
  * `err` is valid only during the call. */
 typedef void (*kt_xfer_cb)(void *arg, uint64_t id, int status, uint64_t bytes, const char *err);
 

@@ -95,7 +95,10 @@ typedef struct pf_job {
     uint8_t reservation_token[KT_RESV_TOKEN_BYTES]; /* sent with the bundle */
     kt_rma_key rma;          /* rkey_len > 0: the reservation is mapped; the parts are put there */
     uint32_t block_rows;     /* the decode node's KV block size: lists are padded to whole blocks
-                                of it (bundle format 2.3) so they land in its blocks; 0: packed */
+                                of it (bundle format 2.3) so they land in its blocks; 0: packed
+                                (also when the wire dtype is not its blocks') */
+    kt_rma_rows rma_rows;    /* bytes > 0: the K and V rows of the blocks the decode node took,
+                                mapped: padded parts are put there, their heads into `rma` */
     kc_call *call;           /* deadline and cancellation */
     /* queue (the node's lock) */
     struct pf_job *next;

@@ -152,6 +152,7 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
     kt_bundle_list *lists = n->lists + (size_t)first * (size_t)c->n_kv_heads;
     int *sent = n->sent + (size_t)first * (size_t)c->n_kv_heads;
     uint64_t entries = 0, rows = 0;
+    int aligned = 1; /* every list's earlier parts end on a block boundary */
     for (int l = 0; l < count; l++)
         for (int kv = 0; kv < c->n_kv_heads; kv++) {
             int len, pinned, from = sent[l * c->n_kv_heads + kv];
@@ -164,11 +165,13 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
             entries += (uint64_t)(len - from);
             const uint64_t br = j->block_rows ? j->block_rows : 1;
             rows += ((uint64_t)(len - from) + br - 1) / br * br;
+            aligned &= (uint64_t)from % br == 0;
         }
     /* Padded to the decode node's blocks, the part lands in them with no copy there; where
      * that would add more than an eighth to the rows on the wire (short lists, large blocks) it
-     * goes packed and the decode node copies it. */
-    h.block_rows = rows - entries <= entries / 8 ? j->block_rows : 0;
+     * goes packed and the decode node copies it, as it does a part continuing lists that an
+     * earlier part left ending inside a block (a list adopts whole blocks only). */
+    h.block_rows = aligned && rows - entries <= entries / 8 ? j->block_rows : 0;
     uint64_t size;
     if (kt_bundle_size(&h, lists, &size, err) != 0 || buf_room(b, size, err) != 0) return -1;
     kt_bundle_writer w;
@@ -200,7 +203,10 @@ typedef struct pf_pipe {
     int chunk_ends, early_every; /* chunk-end calls so far; an early part at every early_every-th */
     uint64_t size[KT_BUNDLE_MAX_LAYERS + KT_BUNDLE_MAX_EARLY_PARTS]; /* bytes of each part */
     uint64_t bytes, entries;
-    uint64_t offset; /* bytes of the parts handed over: where a put part goes */
+    uint64_t offset; /* bytes of the parts handed over: where a put part (or its head) goes */
+    uint64_t rows_off; /* K bytes of the parts put into the decode node's blocks: where the next
+                          one's K and V go */
+    int rows_parts; /* parts put into the decode node's blocks */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int settled; /* sends whose callback ran */
@@ -245,13 +251,24 @@ static int pipe_pump(pf_pipe *p, int last)
     p->sent_at = pf_now();
     p->timeout = timeout;
     const void *buf = p->n->bufs[k].p;
+    /* In RMA mode a part padded to the decode node's blocks puts its K and V into the blocks
+     * it took at Reserve, while they have room, and its head into the reservation's buffer;
+     * any other part is put whole into the buffer. */
+    kt_bundle_layout lay;
+    const int rows = j->rma.rkey_len && j->rma_rows.bytes &&
+                     kt_bundle_layout_read(buf, (size_t)p->size[k], &lay, NULL) == 0 && lay.split &&
+                     lay.block_rows == j->block_rows && lay.block_rows > 0 && lay.k_len == lay.v_len &&
+                     lay.k_len <= j->rma_rows.bytes - p->rows_off;
     if (ms_left <= 0 ||
-        (j->rma.rkey_len ? kt_transport_put(p->n->tx, j->host, j->port, j->reservation_id,
-                                            j->reservation_token, &j->rma, p->offset, buf,
-                                            p->size[k], flags, timeout, pipe_cb, p, err)
-                         : kt_transport_send(p->n->tx, j->host, j->port, j->reservation_id,
-                                             j->reservation_token, buf, p->size[k], flags, timeout,
-                                             pipe_cb, p, err)) != 0) {
+        (rows ? kt_transport_put_rows(p->n->tx, j->host, j->port, j->reservation_id,
+                                      j->reservation_token, &j->rma, p->offset, &j->rma_rows,
+                                      p->rows_off, buf, p->size[k], flags, timeout, pipe_cb, p, err)
+         : j->rma.rkey_len ? kt_transport_put(p->n->tx, j->host, j->port, j->reservation_id,
+                                              j->reservation_token, &j->rma, p->offset, buf,
+                                              p->size[k], flags, timeout, pipe_cb, p, err)
+                           : kt_transport_send(p->n->tx, j->host, j->port, j->reservation_id,
+                                               j->reservation_token, buf, p->size[k], flags, timeout,
+                                               pipe_cb, p, err)) != 0) {
         pthread_mutex_lock(&p->mu);
         p->failed = 1;
         p->failed_after = ms_left <= 0 ? p->timeout : 0;
@@ -259,7 +276,9 @@ static int pipe_pump(pf_pipe *p, int last)
         pthread_mutex_unlock(&p->mu);
         return -1;
     }
-    p->offset += p->size[k];
+    p->offset += rows ? lay.head_len : p->size[k];
+    p->rows_off += rows ? lay.k_len : 0;
+    p->rows_parts += rows;
     p->sent++;
     return 0;
 }
@@ -447,15 +466,19 @@ void pf_run(pf_node *n, pf_job *j)
     }
     j->code = GRPC_STATUS_OK;
     j->details[0] = 0;
+    char rows_note[80] = "";
+    if (p->rows_parts)
+        snprintf(rows_note, sizeof rows_note, "; K and V of %d part(s) put into its KV blocks",
+                 p->rows_parts);
     kc_info(j->request_id,
             "prefilled %d tokens (%s): first token %d; %llu entries, %llu bytes (%s) in %d "
             "part(s), %d sent during prefill, %s reservation %llu at %s:%u (%s); prefill %.3f s, "
-            "transfer %.3f s after it",
+            "transfer %.3f s after it%s",
             j->n_tokens, kr_policy_spec(j->policy), j->first_token, (unsigned long long)p->entries,
             (unsigned long long)p->bytes, kt_dtype_name(j->wire), p->written, j->usage.parts_early,
             j->rma.rkey_len ? "put into" : "sent to", (unsigned long long)j->reservation_id,
             j->host, j->port, j->decode_node && *j->decode_node ? j->decode_node : "-",
-            j->usage.prefill_s, j->usage.transfer_s);
+            j->usage.prefill_s, j->usage.transfer_s, rows_note);
 out:
     pipe_wait(p); /* no send may still read a buffer when the next job starts */
     pthread_cond_destroy(&p->cv);

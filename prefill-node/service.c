@@ -19,6 +19,7 @@
 #include "kvrelay/v1/internal.pb-c.h"
 #include "flags.h"
 #include "log.h"
+#include "rma-rows.h"
 
 #define PF_POLICY_CACHE 64 /* parsed specs kept; more distinct specs are parsed per request */
 
@@ -218,8 +219,14 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
                       "kv_block_rows: %u, want at most %d (Decode.Reserve's, passed on as is)",
                       req->kv_block_rows, KT_BUNDLE_MAX_BLOCK_ROWS);
-    /* Quantized rows cannot land in a decode node's blocks (it dequantizes them): packed. */
-    j->block_rows = kt_dtype_quantized(j->wire) ? 0 : req->kv_block_rows;
+    kt_dtype block_dtype = j->wire;
+    if (req->kv_block_dtype && *req->kv_block_dtype && kt_dtype_parse(req->kv_block_dtype, &block_dtype) != 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "kv_block_dtype '%.32s' is not one of f32, bf16, f16 (Decode.Reserve's, passed on as is)",
+                      req->kv_block_dtype);
+    /* Rows of another dtype than the decode node's blocks (quantized ones included: it
+     * dequantizes them) cannot land in them: packed, and converted there. */
+    j->block_rows = block_dtype != j->wire || kt_dtype_quantized(j->wire) ? 0 : req->kv_block_rows;
 
     kr_sampling *s = &j->sampling;
     kr_sampling_default(s);
@@ -275,6 +282,13 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
     j->rma.address = req->rma_address;
     j->rma.rkey_len = (uint32_t)req->rma_key.len;
     if (req->rma_key.len) memcpy(j->rma.rkey, req->rma_key.data, req->rma_key.len);
+    const Kvrelay__V1__RmaRows *rr = req->rma_rows;
+    if (kc_rma_rows_from_pb(rr, &j->rma_rows) != 0 || (j->rma_rows.bytes && !req->rma_key.len))
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "rma_rows: keys of %zu and %zu bytes at addresses %" PRIu64 " and %" PRIu64
+                      ", want 1..%d bytes each at nonzero addresses, with an rma_key "
+                      "(Decode.Reserve's, passed on as is)",
+                      rr->k_key.len, rr->v_key.len, rr->k_address, rr->v_address, KT_RMA_KEY_MAX);
 
     *tokens = malloc(nt * sizeof **tokens);
     if (!*tokens)

@@ -8,6 +8,7 @@
  * killed mid-request, --prefill-timeout-ms).
  */
 #include "request.h"
+#include "rma-rows.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -46,6 +47,9 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
     req.rma_address = r->rma_address;
     req.kv_block_rows = r->kv_block_rows;
     req.rma_key = (ProtobufCBinaryData){.len = r->rma_key_len, .data = r->rma_key};
+    req.kv_block_dtype = r->kv_block_dtype;
+    Kvrelay__V1__RmaRows rows;
+    req.rma_rows = kc_rma_rows_to_pb(&r->rma_rows, &rows);
     req.decode_node = r->dnode->id;
     if (r->forced) { /* the next id to emit: after a migration, the first not yet sent */
         req.forced_first_choice_case = KVRELAY__V1__PREFILL_REQUEST__FORCED_FIRST_CHOICE_FORCED_FIRST;

@@ -81,6 +81,9 @@ typedef struct rt_req {
     uint8_t rma_key[KT_RMA_KEY_MAX];
     size_t rma_key_len; /* 0: the bundle is sent, not put */
     uint32_t kv_block_rows; /* Reserve's, passed on to Prefill: the decode node's block size */
+    char kv_block_dtype[16]; /* Reserve's, passed on to Prefill: its blocks' dtype */
+    kt_rma_rows rma_rows; /* Reserve's, passed on to Prefill: RMA mode's run of blocks (bytes 0:
+                             none) */
 
     /* results */
     Kvrelay__V1__PrefillUsage pu; /* numbers only */

@@ -8,6 +8,7 @@
  * Tested through the cluster: test_router_cluster, tests/integration/admission.sh, failures.sh.
  */
 #include "request.h"
+#include "rma-rows.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -85,6 +86,11 @@ rt_attempt rt_reserve(rt_req *r, kc_status *st)
             r->rma_key_len = resp->rma_key.len <= sizeof r->rma_key ? resp->rma_key.len : 0;
             r->rma_address = resp->rma_address;
             r->kv_block_rows = resp->kv_block_rows;
+            snprintf(r->kv_block_dtype, sizeof r->kv_block_dtype, "%s",
+                     resp->kv_block_dtype ? resp->kv_block_dtype : "");
+            /* malformed rows are dropped (bytes 0): the prefill node then puts every part into
+             * the reservation's buffer */
+            kc_rma_rows_from_pb(resp->rma_rows, &r->rma_rows);
             if (r->rma_key_len) memcpy(r->rma_key, resp->rma_key.data, r->rma_key_len);
             r->reserved_blocks = (int64_t)resp->reserved_blocks;
             snprintf(r->transfer_address, sizeof r->transfer_address, "%s", resp->transfer_address);

@@ -9,7 +9,8 @@
  * buffers of each bundle's size: every checksum and field), and with --import the bundle is
  * padded to the blocks of a KV pool, goes in pieces, and lands with its K and V in a run of the
  * pool's blocks, which a sequence then adopts before the ack: a decode node's whole receive path
- * (decode-node/import.c); ucx_perftest runs
+ * (decode-node/import.c; with --mode rma the run is taken and mapped at reserve time and the
+ * sender puts K and V into it, kt_transport_map_rows and kt_transport_put_rows); ucx_perftest runs
  * as a server and a client process with -t TEST -s SIZE. With --mode rma each reservation is
  * mapped and the bundle put into it (kt_transport_reserve_rma, kt_transport_put), next to
  * ucx_perftest -t ucp_put_bw. It is not a test: nothing is asserted.
@@ -127,6 +128,7 @@ typedef struct flight {
     uint64_t size;
     int validate, rma;
     kr_kv_pool *pool; /* --import */
+    int run_blocks; /* --import with --mode rma: blocks a bundle's K and V are put into */
     window w;
     kt_rma_key *keys; /* rma: slot k's reservation key */
     slot *slots;
@@ -153,7 +155,24 @@ static void launch(flight *f, int k)
     uint8_t *dst = f->dst + (uint64_t)k * f->size;
     const uint16_t port = kt_transport_port(f->rx);
     int rc;
-    if (f->rma) /* the slot's buffer mapped, validated into the set when asked */
+    if (f->rma && f->pool) { /* as a decode node: a run of blocks mapped for K and V too */
+        slot *sl = &f->slots[k];
+        kt_rma_rows rows;
+        void *kr, *vr;
+        int32_t *pos;
+        rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, 60.0, &f->sets[k], count_cb, sl, tok,
+                                      &f->keys[k], err) != 0;
+        if (!rc && kr_kv_pool_take_run(f->pool, f->run_blocks, &sl->run_first) != KR_OK)
+            cli_die(1, "no free run of %d blocks for --import", f->run_blocks);
+        sl->run_n = f->run_blocks;
+        kr_kv_pool_run_rows(f->pool, sl->run_first, &kr, &vr, &pos);
+        rc = rc ||
+             kt_transport_map_rows(f->rx, id, kr, vr,
+                                   (uint64_t)f->run_blocks * BENCH_BLOCK_ROWS * 128 * sizeof(float), &rows,
+                                   err) != 0 ||
+             kt_transport_put_rows(f->tx, "127.0.0.1", port, id, tok, &f->keys[k], 0, &rows, 0, f->src,
+                                   f->size, 0, 60.0, count_cb, sl, err) != 0;
+    } else if (f->rma) /* the slot's buffer mapped, validated into the set when asked */
         rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, 60.0, f->validate ? &f->sets[k] : NULL, count_cb,
                                       &f->slots[k], tok, &f->keys[k], err) != 0 ||
              kt_transport_put(f->tx, "127.0.0.1", port, id, tok, &f->keys[k], 0, f->src, f->size, 0, 60.0,
@@ -205,6 +224,9 @@ static double bench_kvrelay(kt_transport *rx, kt_transport *tx, const uint8_t *s
     flight f = {.rx = rx, .tx = tx, .src = src, .dst = dst, .size = size, .validate = validate, .rma = rma,
                 .pool = pool, .keys = keys,
                 .w = {.ready = ready, .failed = 0}, .slots = slots, .views = views, .sets = sets};
+    kt_bundle_layout lay;
+    if (pool && rma && kt_bundle_layout_read(src, (size_t)size, &lay, NULL) == 0) /* make_bundle's */
+        f.run_blocks = (int)(lay.k_len / (BENCH_BLOCK_ROWS * 128 * sizeof(float)));
     sem_init(&f.w.done, 0, 0);
     pthread_mutex_init(&f.w.lock, NULL);
     const int total = iters + inflight;
@@ -364,7 +386,8 @@ int main(int argc, char **argv)
         {.kind = KC_FLAG_BOOL, .name = "--import", .dest = &import,
          .help = "with --validate: bundles padded to the blocks of a KV pool, whose K and V the "
                  "receiver takes straight into a run of its blocks, as a decode node does (its "
-                 "whole receive path)"},
+                 "whole receive path; with --mode rma the run is mapped at reserve time and K and V "
+                 "put into it)"},
         {.kind = KC_FLAG_END},
     };
     const kc_flags flags = {.prog = "kvrelay-transfer-bench", .usage = "[options]", .table = table};
