@@ -94,8 +94,9 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     if (code != GRPC_STATUS_OK)
         return refuse(call, rid, (grpc_status_code)code, "%s", err);
     kc_info(rid, "reserved %" PRId64 " blocks as reservation %" PRIu64 " (%u prompt tokens, %u "
-            "max_tokens, %s, ttl %d ms)", blocks, id, req->prompt_tokens, req->max_tokens, spec,
-            ttl_ms);
+            "max_tokens, %s, ttl %d ms)%s", blocks, id, req->prompt_tokens, req->max_tokens, spec,
+            ttl_ms, rows.bytes ? "; mapped for puts, with a run of blocks for K and V"
+                    : rma.rkey_len ? "; mapped for puts" : "");
     Kvrelay__V1__ReserveResponse resp = KVRELAY__V1__RESERVE_RESPONSE__INIT;
     resp.reservation_id = id;
     resp.transfer_address = n->transfer_addr;

@@ -19,6 +19,9 @@
  *     whose decode rules never trim against a reservation sized for streaming
  *     (FAILED_PRECONDITION naming the list and the blocks; the blocks return), garbage bytes
  *     on all four RPCs (INVALID_ARGUMENT), after all of which the node still serves;
+ *   - a node in RMA mode decodes bundles put into it as one process does: padded ones with
+ *     their K and V put into the run of KV blocks each reservation took, the others put whole
+ *     and copied; the run leaves the pool while the bundle is awaited and comes back;
  *   - a node killed with SIGKILL and restarted on the same ports serves the same
  *     sender again; SIGTERM drains (running and reserved work finishes with one-process tokens,
  *     new Reserves UNAVAILABLE "draining", health NOT_SERVING, Status DRAINING, exit 0); an
@@ -33,11 +36,13 @@
 #include <arpa/inet.h>
 #include <inttypes.h>
 #include <netinet/in.h>
+#include <semaphore.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 
 #include "bundle-rule.h"
 #include "kr.h"
+#include "rma-rows.h"
 #include "rpc.h"
 #include "transport.h"
 
@@ -139,16 +144,17 @@ static double metric(const node *nd, const char *name)
 }
 
 /* Starts the node on `listen` and `transfer` (HOST:PORT; port 0: any free) with
- * --drain-timeout-s `drain_s`. */
-static void node_start(node *nd, const char *bin, const char *model, const char *listen,
-                       const char *transfer, const char *drain_s)
+ * --drain-timeout-s `drain_s` and --transfer-mode `mode`. */
+static void node_start_mode(node *nd, const char *bin, const char *model, const char *listen,
+                            const char *transfer, const char *drain_s, const char *mode)
 {
     char blocks[32];
     snprintf(blocks, sizeof blocks, "%d", KV_BLOCKS);
     char *argv[] = {(char *)bin, "--model", (char *)model, "--id", "decode-t", "--listen",
                     (char *)listen, "--transfer", (char *)transfer, "--http", "127.0.0.1:0",
                     "--kv-blocks", blocks, "--threads", "1", "--max-batch", "4",
-                    "--reservation-ttl-ms", "20000", "--drain-timeout-s", (char *)drain_s, NULL};
+                    "--reservation-ttl-ms", "20000", "--drain-timeout-s", (char *)drain_s,
+                    "--transfer-mode", (char *)mode, NULL};
     REQUIRE(test_proc_start(argv, 60.0, &nd->proc) == 0, "kvrelay-decode starts on %s", model);
     kc_status st;
     REQUIRE(kc_channel_create(nd->proc.grpc, 0, &nd->ch, &st) == 0, "%s", st.details);
@@ -185,6 +191,13 @@ static void node_start(node *nd, const char *bin, const char *model, const char 
     }
 }
 
+/* node_start_mode in the default transfer mode (active messages). */
+static void node_start(node *nd, const char *bin, const char *model, const char *listen,
+                       const char *transfer, const char *drain_s)
+{
+    node_start_mode(nd, bin, model, listen, transfer, drain_s, "am");
+}
+
 /* grpc.health.v1 Check of the Decode service: 1 SERVING, 0 anything else, -1 no answer. */
 static int health_serving(node *nd)
 {
@@ -203,21 +216,25 @@ static int health_serving(node *nd)
 
 /* ------------------------------------------------------------------ the router's calls */
 
-/* The tokens of the latest reservations, by id, for ship() (a bundle must carry its
- * reservation's token); a ring, since the tests hold few reservations at a time. */
-static struct {
+/* What the latest reservations' Reserve answers gave the sender, by id, for ship() (a bundle
+ * must carry its reservation's token; a node in RMA mode also hands out where to put it); a
+ * ring, since the tests hold few reservations at a time. */
+typedef struct grant {
     uint64_t id;
     uint8_t token[KT_RESV_TOKEN_BYTES];
-} tokens[64];
-static unsigned n_tokens;
+    kt_rma_key rma; /* rkey_len 0: send */
+    kt_rma_rows rows; /* bytes 0: no run of blocks to put K and V into */
+} grant;
+static grant grants[64];
+static unsigned n_grants;
 
-static const uint8_t *token_of(uint64_t id)
+static const grant *grant_of(uint64_t id)
 {
-    for (unsigned i = 0; i < sizeof tokens / sizeof tokens[0]; i++)
-        if (tokens[i].id == id)
-            return tokens[i].token;
-    static const uint8_t none[KT_RESV_TOKEN_BYTES];
-    return none;
+    for (unsigned i = 0; i < sizeof grants / sizeof grants[0]; i++)
+        if (grants[i].id == id)
+            return &grants[i];
+    static const grant none;
+    return &none;
 }
 
 static uint64_t reserve(node *nd, const char *rid, uint32_t prompt, uint32_t max_tokens,
@@ -242,10 +259,18 @@ static uint64_t reserve(node *nd, const char *rid, uint32_t prompt, uint32_t max
           id, r->reserved_blocks, r->transfer_address);
     CHECK(r->reservation_token.len == KT_RESV_TOKEN_BYTES, "Reserve answer: a %zu-byte token",
           r->reservation_token.len);
-    if (r->reservation_token.len == KT_RESV_TOKEN_BYTES) {
-        unsigned slot = n_tokens++ % (sizeof tokens / sizeof tokens[0]);
-        tokens[slot].id = id;
-        memcpy(tokens[slot].token, r->reservation_token.data, KT_RESV_TOKEN_BYTES);
+    CHECK(r->rma_key.len <= KT_RMA_KEY_MAX, "Reserve answer: a %zu-byte RMA key", r->rma_key.len);
+    if (r->reservation_token.len == KT_RESV_TOKEN_BYTES && r->rma_key.len <= KT_RMA_KEY_MAX) {
+        grant *g = &grants[n_grants++ % (sizeof grants / sizeof grants[0])];
+        memset(g, 0, sizeof *g);
+        g->id = id;
+        memcpy(g->token, r->reservation_token.data, KT_RESV_TOKEN_BYTES);
+        g->rma = (kt_rma_key){.address = r->rma_address, .rkey_len = (uint32_t)r->rma_key.len};
+        if (r->rma_key.len)
+            memcpy(g->rma.rkey, r->rma_key.data, r->rma_key.len);
+        CHECK(kc_rma_rows_from_pb(r->rma_rows, &g->rows) == 0, "Reserve answer: rma_rows well formed");
+        CHECK(!g->rows.bytes || (r->kv_block_rows == 16 && g->rma.rkey_len),
+              "Reserve answer: rows only with an RMA key and the block size (%u)", r->kv_block_rows);
     }
     kc_message_free(resp);
     return id;
@@ -359,7 +384,7 @@ static void engine_init(engine *e, const char *dir)
     e->cfg = kr_model_config(e->m);
     kr_ctx_params cp = {.backend = KR_BACKEND_CPU, .n_threads = 1, .max_chunk = 16};
     REQUIRE(kr_ctx_create(e->m, &cp, &e->ctx, err) == KR_OK, "%s", err);
-    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_AM, .name = "test-prefill"};
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_RMA, .name = "test-prefill"}; /* sends too */
     char terr[KT_ERR_MAX];
     REQUIRE(kt_transport_create(&tc, &e->tx, terr) == 0, "%s", terr);
     e->logits = malloc(sizeof(float) * (size_t)e->cfg->vocab_size);
@@ -554,10 +579,51 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
     kr_kv_pool_free(pool);
 }
 
+/* A put's outcome, for ship(). */
+typedef struct put_wait {
+    sem_t done;
+    int status;
+    char err[KT_ERR_MAX];
+} put_wait;
+
+static void put_done(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
+{
+    put_wait *w = arg;
+    w->status = status;
+    snprintf(w->err, sizeof w->err, "%s", err ? err : "");
+    sem_post(&w->done);
+    (void)id;
+    (void)bytes;
+}
+
+/* Ships rq's bundle to reservation `id` as a prefill node does: sent, or in RMA mode put into
+ * the reservation's buffer, with its K and V into the node's blocks when the reservation took
+ * a run of them and the bundle is laid out as them. */
 static int ship(engine *e, node *nd, uint64_t id, request *rq, char *err)
 {
-    int rc = kt_transport_send_wait(e->tx, nd->xfer_host, nd->xfer_port, id, token_of(id),
-                                    rq->bundle, rq->size, 10.0, err);
+    const grant *g = grant_of(id);
+    int rc;
+    if (!g->rma.rkey_len) {
+        rc = kt_transport_send_wait(e->tx, nd->xfer_host, nd->xfer_port, id, g->token, rq->bundle,
+                                    rq->size, 10.0, err);
+    } else {
+        put_wait w = {.status = -1};
+        sem_init(&w.done, 0, 0);
+        kt_bundle_layout lay;
+        const int rows = g->rows.bytes && kt_bundle_layout_read(rq->bundle, (size_t)rq->size, &lay, NULL) == 0 &&
+                         lay.split && lay.block_rows == 16 && lay.k_len <= g->rows.bytes;
+        rc = rows ? kt_transport_put_rows(e->tx, nd->xfer_host, nd->xfer_port, id, g->token, &g->rma, 0,
+                                          &g->rows, 0, rq->bundle, rq->size, 0, 10.0, put_done, &w, err)
+                  : kt_transport_put(e->tx, nd->xfer_host, nd->xfer_port, id, g->token, &g->rma, 0,
+                                     rq->bundle, rq->size, 0, 10.0, put_done, &w, err);
+        if (rc == 0) {
+            while (sem_wait(&w.done) != 0) {
+            }
+            rc = w.status;
+            snprintf(err, KT_ERR_MAX, "%s", w.err);
+        }
+        sem_destroy(&w.done);
+    }
     free(rq->bundle);
     rq->bundle = NULL;
     return rc;
@@ -1059,6 +1125,60 @@ static void test_restart(engine *e, node *nd, const char *bin, const char *model
     CHECK(idle(nd), "after the restart: every block back");
 }
 
+/* A node in RMA mode: each reservation maps a buffer and takes a run of KV blocks, mapped too;
+ * a bundle padded to the node's blocks in their dtype has its K and V put into the run and the
+ * lists adopt it, any other is put whole into the buffer and copied. The tokens equal one
+ * process's either way; the run is out of the pool while the bundle is awaited, and every block
+ * comes back afterwards, and from a reservation released before its bundle came. */
+static void test_rma(engine *e, const char *bin, const char *model)
+{
+    node nd;
+    node_start_mode(&nd, bin, model, "127.0.0.1:0", "127.0.0.1:0", "30", "rma");
+    request rq[] = {
+        {.policy = "full", .n_prompt = 37, .max_tokens = 30, .padded = 1},
+        {.policy = "streaming:sink=4,window=16", .n_prompt = 50, .max_tokens = 30, .padded = 1},
+        {.policy = "take:budget=16,warmup_budget=32,warmup_layers=1,probe=8", .n_prompt = 48,
+         .max_tokens = 30, .padded = 1},
+        {.policy = heads_spec, .n_prompt = 40, .max_tokens = 30, .padded = 1},
+        {.policy = "snapkv:mode=patched,obs=8,budget=16", .n_prompt = 45, .max_tokens = 30},
+    };
+    enum { N = sizeof rq / sizeof rq[0] };
+    const char *landed[2] = {"kvrelay_decode_bundle_parts_total{landing=\"received\"}",
+                             "kvrelay_decode_bundle_parts_total{landing=\"copied\"}"};
+    uint64_t ids[N];
+    char rid[N][32];
+    int n_padded = 0;
+    for (int i = 0; i < N; i++) {
+        snprintf(rid[i], sizeof rid[i], "rma-%d", i);
+        ids[i] = ready(e, &nd, &rq[i], rid[i], 500 + i, 1);
+        n_padded += rq[i].padded;
+    }
+    const double received = metric(&nd, landed[0]), copied = metric(&nd, landed[1]);
+    CHECK(received == n_padded && copied == N - n_padded,
+          "RMA: %g parts put into the KV blocks and %g copied, want %d and %d", received, copied,
+          n_padded, N - n_padded);
+    kc_stream *s[N];
+    for (int i = 0; i < N; i++)
+        s[i] = decode_open(&nd, ids[i], rid[i], (uint32_t)rq[i].max_tokens, NULL, 30000);
+    for (int i = 0; i < N; i++)
+        check_stream(s[i], &rq[i], rq[i].policy);
+
+    /* A reservation's run is out of the pool until it ends; released unused, it comes back. */
+    kc_status st;
+    uint64_t id = reserve(&nd, "rma-released", 40, 8, "full", 0, &st);
+    REQUIRE(id, "Reserve: %s %s", kc_status_name(st.code), st.details);
+    CHECK(grant_of(id)->rows.bytes > 0, "RMA: the reservation took a run of blocks for K and V");
+    Kvrelay__V1__Node *ns = status(&nd);
+    CHECK(ns && ns->free_kv_blocks < ns->total_kv_blocks, "RMA: the run is out of the pool (%" PRIu64
+          " of %" PRIu64 " free)", ns ? ns->free_kv_blocks : 0, ns ? ns->total_kv_blocks : 0);
+    kc_message_free((ProtobufCMessage *)ns);
+    CHECK(release(&nd, id) == 1, "RMA: Release of a waiting reservation");
+    CHECK(idle(&nd), "RMA: every block back");
+    kc_channel_destroy(nd.ch);
+    int rc = test_proc_stop(&nd.proc, SIGTERM, 30.0);
+    CHECK(rc >= 0 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "RMA node, SIGTERM: exit 0 (%d)", rc);
+}
+
 /* SIGTERM drains. A stream running at the signal and a reservation whose Decode
  * comes after it are decoded to their end (same tokens as one process); a new Reserve is
  * refused UNAVAILABLE "draining"; health says NOT_SERVING, /healthz 503 "draining", Status
@@ -1197,6 +1317,7 @@ int main(void)
             test_refusals(&e, &nd);
             test_expiry(&e, &nd);
             test_restart(&e, &nd, bin, dir);
+            test_rma(&e, bin, dir);
             test_http_port_taken(bin, dir);
             test_drain(&e, &nd);
             node_start(&nd, bin, dir, "127.0.0.1:0", "127.0.0.1:0", "1");
