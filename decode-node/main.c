@@ -249,11 +249,11 @@ static int metrics_init(dn_metrics *m)
                                 "Reservations that expired unused and returned their blocks", NULL);
     m->parts_in_blocks = kc_counter_add(r, "kvrelay_decode_bundle_parts_total",
                                         "KV bundle parts imported, by how their rows reached the KV blocks: "
-                                        "received into them, or copied from a part buffer",
+                                        "received or put into them, or copied from a part buffer",
                                         "landing=\"received\"");
     m->parts_copied = kc_counter_add(r, "kvrelay_decode_bundle_parts_total",
                                      "KV bundle parts imported, by how their rows reached the KV blocks: "
-                                     "received into them, or copied from a part buffer",
+                                     "received or put into them, or copied from a part buffer",
                                      "landing=\"copied\"");
     if (!m->blocks_used || !m->blocks_reserved || !m->blocks_free ||
         !m->running || !m->queued || !m->reservations || !m->batch_size || !m->tpot ||
