@@ -169,8 +169,9 @@ static void on_transfer(void *arg, uint64_t id, int status, uint64_t bytes, cons
 
 /* Maps the key and value rows of the run of blocks reservation `id` took for the prefill node's
  * puts; on failure (logged) the run goes back to the pool and out of the reservation's count,
- * and the bundle is put into the buffer. Called before the Reserve answer: nobody can put yet,
- * and the transport cannot have ended the reservation. */
+ * and the bundle is put into the buffer. Called before the Reserve answer, so nobody can put
+ * yet; a reservation the transport ended meanwhile (expired) is unknown to it, the mapping
+ * fails, and its callback has given the run back already. */
 static int map_run(dn_node *n, const char *rid, uint64_t id, int32_t first, int blocks,
                    kt_rma_rows *out)
 {

@@ -160,13 +160,12 @@ static void launch(flight *f, int k)
         kt_rma_rows rows;
         void *kr, *vr;
         int32_t *pos;
-        rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, 60.0, &f->sets[k], count_cb, sl, tok,
-                                      &f->keys[k], err) != 0;
-        if (!rc && kr_kv_pool_take_run(f->pool, f->run_blocks, &sl->run_first) != KR_OK)
+        if (kr_kv_pool_take_run(f->pool, f->run_blocks, &sl->run_first) != KR_OK)
             cli_die(1, "no free run of %d blocks for --import", f->run_blocks);
         sl->run_n = f->run_blocks;
         kr_kv_pool_run_rows(f->pool, sl->run_first, &kr, &vr, &pos);
-        rc = rc ||
+        rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, 60.0, &f->sets[k], count_cb, sl, tok,
+                                      &f->keys[k], err) != 0 ||
              kt_transport_map_rows(f->rx, id, kr, vr,
                                    (uint64_t)f->run_blocks * BENCH_BLOCK_ROWS * 128 * sizeof(float), &rows,
                                    err) != 0 ||
