@@ -33,6 +33,7 @@
 
 #include "bundle-rule.h"
 #include "cli.h"
+#include "partbuf.h"
 #include "transport.h"
 
 /* --import: entries per block of the receiver's KV pool (the decode node's default). */
@@ -425,7 +426,10 @@ int main(int argc, char **argv)
     uint64_t dst_bytes = max * (uint64_t)inflight_flag;
     if (dst_bytes > (1ull << 30))
         dst_bytes = max > (1ull << 30) ? max : (1ull << 30);
-    uint8_t *src = malloc(max), *dst = malloc(dst_bytes);
+    /* bundle buffers as the nodes take them (partbuf.h: huge pages from 2 MiB up): a prefill
+     * node's send buffer, and the receiver's memory (a decode node's KV pool is in huge pages
+     * too, kr_kv_pool_create) */
+    uint8_t *src = kt_partbuf_alloc(max), *dst = kt_partbuf_alloc(dst_bytes);
     if (!src || !dst)
         cli_die(1, "cannot allocate %" PRIu64 " + %" PRIu64 " bytes", max, dst_bytes);
     for (uint64_t i = 0; i < max; i++)
@@ -488,8 +492,8 @@ int main(int argc, char **argv)
     kt_transport_destroy(tx);
     kt_transport_destroy(rx);
     kr_kv_pool_free(pool);
-    free(src);
-    free(dst);
+    kt_partbuf_free(src);
+    kt_partbuf_free(dst);
     free(mib);
     return 0;
 }

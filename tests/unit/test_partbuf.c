@@ -2,7 +2,8 @@
  * test_partbuf.c - the recycled part buffers (kvtransfer/partbuf.h): a released large buffer is
  * handed out again for a part of its size class and holds the whole part; small ones and ones
  * past the kept bound are not kept; the bound follows the most bytes out at once, between its
- * floor and its ceiling; buffers are 64-byte aligned. Under the sanitizer build a
+ * floor and its ceiling; buffers are 64-byte aligned, and 2 MiB aligned from 2 MiB up (their own
+ * mappings, for huge pages). Under the sanitizer build a
  * write past what was asked for, a double release or a buffer lost on the way would fail here.
  * Run: ctest -R test_partbuf
  */
@@ -20,7 +21,8 @@ int main(void)
 
     uint8_t *a = kt_partbuf_alloc(3 * mib);
     REQUIRE(a, "3 MiB");
-    CHECK(((uintptr_t)a & 63) == 0, "64-byte aligned: %p", (void *)a);
+    CHECK(((uintptr_t)a & (2 * mib - 1)) == 0, "from 2 MiB up, 2 MiB aligned (huge pages): %p",
+          (void *)a);
     memset(a, 0xab, 4 * mib); /* the class: 3 MiB rounds up to 4 */
     kt_partbuf_free(a);
     CHECK(kt_partbuf_kept() == 4 * mib, "the released 4 MiB class kept: %zu", kt_partbuf_kept());
@@ -35,12 +37,18 @@ int main(void)
     kt_partbuf_free(c);
     CHECK(kt_partbuf_kept() == 12 * mib, "4 + 8 MiB kept: %zu", kt_partbuf_kept());
 
+    uint8_t *m = kt_partbuf_alloc(mib); /* a kept class below 2 MiB: from the heap */
+    REQUIRE(m, "1 MiB");
+    CHECK(((uintptr_t)m & 63) == 0, "64-byte aligned: %p", (void *)m);
+    memset(m, 3, mib);
+    kt_partbuf_free(m);
+    CHECK(kt_partbuf_kept() == 13 * mib, "4 + 8 + 1 MiB kept: %zu", kt_partbuf_kept());
     uint8_t *s = kt_partbuf_alloc(1000);
     REQUIRE(s, "1000 bytes");
     CHECK(((uintptr_t)s & 63) == 0, "a small one is 64-byte aligned too");
     memset(s, 2, 1000);
     kt_partbuf_free(s);
-    CHECK(kt_partbuf_kept() == 12 * mib, "a small buffer is not kept: %zu", kt_partbuf_kept());
+    CHECK(kt_partbuf_kept() == 13 * mib, "a small buffer is not kept: %zu", kt_partbuf_kept());
     kt_partbuf_free(NULL);
 
     /* the bound follows the most bytes out at once: 40 buffers of 16 MiB out together raise it
