@@ -21,7 +21,8 @@
  *     on all four RPCs (INVALID_ARGUMENT), after all of which the node still serves;
  *   - a node in RMA mode decodes bundles put into it as one process does: padded ones with
  *     their K and V put into the run of KV blocks each reservation took, the others put whole
- *     and copied; the run leaves the pool while the bundle is awaited and comes back;
+ *     and copied; the run leaves the pool while the bundle is awaited and comes back; with room
+ *     for a reservation's bound but not for its run beside it, it goes without one;
  *   - a node killed with SIGKILL and restarted on the same ports serves the same
  *     sender again; SIGTERM drains (running and reserved work finishes with one-process tokens,
  *     new Reserves UNAVAILABLE "draining", health NOT_SERVING, Status DRAINING, exit 0); an
@@ -144,12 +145,13 @@ static double metric(const node *nd, const char *name)
 }
 
 /* Starts the node on `listen` and `transfer` (HOST:PORT; port 0: any free) with
- * --drain-timeout-s `drain_s` and --transfer-mode `mode`. */
+ * --drain-timeout-s `drain_s`, --transfer-mode `mode` and --kv-blocks `kv_blocks`. */
 static void node_start_mode(node *nd, const char *bin, const char *model, const char *listen,
-                            const char *transfer, const char *drain_s, const char *mode)
+                            const char *transfer, const char *drain_s, const char *mode,
+                            int kv_blocks)
 {
     char blocks[32];
-    snprintf(blocks, sizeof blocks, "%d", KV_BLOCKS);
+    snprintf(blocks, sizeof blocks, "%d", kv_blocks);
     char *argv[] = {(char *)bin, "--model", (char *)model, "--id", "decode-t", "--listen",
                     (char *)listen, "--transfer", (char *)transfer, "--http", "127.0.0.1:0",
                     "--kv-blocks", blocks, "--threads", "1", "--max-batch", "4",
@@ -164,7 +166,7 @@ static void node_start_mode(node *nd, const char *bin, const char *model, const 
     CHECK(s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING, "state %d", s->state);
     CHECK(strcmp(s->id, "decode-t") == 0, "id %s", s->id);
     CHECK(strcmp(s->grpc_address, nd->proc.grpc) == 0, "grpc_address %s", s->grpc_address);
-    CHECK(s->total_kv_blocks == KV_BLOCKS && s->free_kv_blocks == KV_BLOCKS &&
+    CHECK(s->total_kv_blocks == (uint64_t)kv_blocks && s->free_kv_blocks == (uint64_t)kv_blocks &&
           s->reserved_kv_blocks == 0, "blocks %" PRIu64 "/%" PRIu64 "/%" PRIu64,
           s->total_kv_blocks, s->free_kv_blocks, s->reserved_kv_blocks);
     nd->total_blocks = s->total_kv_blocks;
@@ -195,7 +197,7 @@ static void node_start_mode(node *nd, const char *bin, const char *model, const 
 static void node_start(node *nd, const char *bin, const char *model, const char *listen,
                        const char *transfer, const char *drain_s)
 {
-    node_start_mode(nd, bin, model, listen, transfer, drain_s, "am");
+    node_start_mode(nd, bin, model, listen, transfer, drain_s, "am", KV_BLOCKS);
 }
 
 /* grpc.health.v1 Check of the Decode service: 1 SERVING, 0 anything else, -1 no answer. */
@@ -1133,7 +1135,7 @@ static void test_restart(engine *e, node *nd, const char *bin, const char *model
 static void test_rma(engine *e, const char *bin, const char *model)
 {
     node nd;
-    node_start_mode(&nd, bin, model, "127.0.0.1:0", "127.0.0.1:0", "30", "rma");
+    node_start_mode(&nd, bin, model, "127.0.0.1:0", "127.0.0.1:0", "30", "rma", KV_BLOCKS);
     request rq[] = {
         {.policy = "full", .n_prompt = 37, .max_tokens = 30, .padded = 1},
         {.policy = "streaming:sink=4,window=16", .n_prompt = 50, .max_tokens = 30, .padded = 1},
@@ -1176,6 +1178,36 @@ static void test_rma(engine *e, const char *bin, const char *model)
     CHECK(idle(&nd), "RMA: every block back");
     kc_channel_destroy(nd.ch);
     int rc = test_proc_stop(&nd.proc, SIGTERM, 30.0);
+    CHECK(rc >= 0 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "RMA node, SIGTERM: exit 0 (%d)", rc);
+
+    /* A pool with room for a reservation's bound but not for the run beside it: the reservation
+     * goes without one (no rows, no block size asked), the padded bundle is put whole into its
+     * buffer and copied, and decodes as one process does. The bound and the run as the node
+     * computes them: every list at the prompt's length (full), in 16-entry blocks. */
+    const kr_config *c = e->cfg;
+    request one = {.policy = "full", .n_prompt = 40, .max_tokens = 20, .padded = 1};
+    char err[KR_ERR_MAX];
+    kr_kv_pool *pool;
+    kr_policy *pol;
+    REQUIRE(kr_kv_pool_create(c->head_dim, 16, 1, KR_DTYPE_F32, &pool, err) == KR_OK, "%s", err);
+    REQUIRE(kr_policy_parse(one.policy, c, &pol, err) == KR_OK, "%s", err);
+    const int64_t need = kr_seq_blocks_bound(pool, pol, c->n_layers, c->n_kv_heads, one.n_prompt,
+                                             one.max_tokens - 1);
+    const int64_t run = (int64_t)c->n_layers * c->n_kv_heads * ((one.n_prompt + 15) / 16);
+    kr_policy_free(pol);
+    kr_kv_pool_free(pool);
+    REQUIRE(need > 0 && run > 0 && run <= need, "bound %" PRId64 ", run %" PRId64, need, run);
+    node_start_mode(&nd, bin, model, "127.0.0.1:0", "127.0.0.1:0", "30", "rma", (int)(need + run - 1));
+    const double copied0 = metric(&nd, landed[1]);
+    id = ready(e, &nd, &one, "rma-no-run", 520, 1);
+    CHECK(grant_of(id)->rma.rkey_len && !grant_of(id)->rows.bytes,
+          "RMA: with room for the bound only, a reservation mapped without a run");
+    check_stream(decode_open(&nd, id, "rma-no-run", (uint32_t)one.max_tokens, NULL, 30000), &one,
+                 "RMA without a run");
+    CHECK(metric(&nd, landed[1]) - copied0 == 1, "RMA without a run: the part copied");
+    CHECK(idle(&nd), "RMA without a run: every block back");
+    kc_channel_destroy(nd.ch);
+    rc = test_proc_stop(&nd.proc, SIGTERM, 30.0);
     CHECK(rc >= 0 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "RMA node, SIGTERM: exit 0 (%d)", rc);
 }
 
