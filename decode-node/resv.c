@@ -6,7 +6,9 @@
  * transport's completion
  * callback, Release, and expiry. Accounting (docs/decode-node.md "Admission"):
  *   reserved_sum = sum of the blocks bound of every live reservation (a running sequence's
- *                  reservation included: its blocks in use count inside its bound),
+ *                  reservation included: its blocks in use count inside its bound), and of
+ *                  the run an RMA reservation holds for the prefill node's puts until its
+ *                  transfer ends,
  *   used         = blocks sequences hold in the pool (read from it: running ones, and those
  *                  being imported),
  *   free         = total - reserved_sum (what a new Reserve may take),
