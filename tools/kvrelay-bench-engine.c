@@ -1,15 +1,24 @@
 /*
  * kvrelay-bench-engine - engine speed against the machine's own limits, measured in the same
- * run: prefill tokens/s as a fraction of the GEMM peak (CPU: OpenBLAS, one sgemm per thread, as
+ * run. Prefill: tokens/s as a fraction of the GEMM peak (CPU: OpenBLAS, one sgemm per thread, as
  * the engine runs it, or for bf16 weights on the AVX-512-BF16 kernels the throughput of
- * vdpbf16ps on every thread; CUDA: one large cuBLAS bf16 GEMM with f32 accumulation), and decode
- * tokens/s, alone or in batches (kr_forward_batch), as a fraction of the memory-bandwidth bound
- * (bytes a decode step must read: weights + the KV cache of every sequence of the batch in its
- * dtype, over the measured bandwidth of a streaming read on the CPU, of a device-to-device copy
- * with CUDA). The CPU's memcpy bandwidth (read + write) is measured and reported too, and the
- * JSON keeps decode's fraction of it (fraction_of_bandwidth) next to the read one.
+ * vdpbf16ps on every thread; CUDA: one large cuBLAS bf16 GEMM with f32 accumulation). Decode,
+ * alone or in batches (kr_forward_batch; tokens/s are the batch's total): tokens/s against the
+ * roofline of a step, the longer of two times: the bytes it must read (weights + the KV cache of
+ * every sequence of the batch in its dtype) at the measured bandwidth (a streaming read on the
+ * CPU, a device-to-device copy with CUDA), and its FLOPs at the measured peak of the kernel path
+ * that runs them (matmuls, 2 x params per token x batch: vdpbf16ps for bf16 weights on the
+ * avx512bf16 variant, else f32 FMAs at the variant's vector width; attention, 2 x 2 x head_dim
+ * per query head and cached entry: f32 FMAs; CUDA: the cuBLAS peak for both). Each decode line
+ * says which bound binds and the fraction of the roofline reached, keeps the fraction of the
+ * read bandwidth, and with more than one batch size the speed-up over batch 1 and the fraction
+ * of the longest prompt's prefill tokens/s. The CPU's memcpy bandwidth (read + write) is
+ * measured and reported too, and the JSON keeps decode's fraction of it (fraction_of_bandwidth).
+ * Not a profile: a roofline says how far a run is from a bound, not where the time goes.
  *   kvrelay-bench-engine (--model DIR | --random CONFIG.json) [--dtype bf16] [--threads N]
- *                        [--kv-cache-dtype f32|bf16|f16|auto]
+ *                        [--kv-cache-dtype f32|bf16|f16|auto] [--prefill LIST] [--contexts LIST]
+ *                        [--batch LIST] [--json]
+ * e.g. --random tools/data/llama-110m.json --dtype bf16 --threads 2 --batch 1,8,32.
  * Progress goes to stderr, results to stdout (a table, or one JSON object with --json).
  */
 #include "cli.h"
@@ -196,13 +205,66 @@ static double measure_gemm_peak(int threads)
     return best;
 }
 
+/* Throughput kernels for the compute peaks: each runs *(long *)arg iterations of CHAINS
+ * independent accumulator chains (more than an operation's latency times its issue rate on
+ * current cores: Zen 4 issues two FMAs per cycle at 4 cycles' latency), with no memory in the
+ * way, and writes a value of the sums back through arg so that the loop stays. The FMA chains
+ * multiply by just under 1 and add a small constant: the sums settle near 1000, never overflow
+ * and never reach a denormal. */
+enum { CHAINS = 12 };
+
+/* plain C on 4-float vectors (GCC vector extension): the width of the base variant's SSE2 code */
+typedef float fma_vec4 __attribute__((vector_size(16)));
+static void *fma_c_thread(void *p)
+{
+    fma_vec4 acc[CHAINS];
+    const fma_vec4 a = {0.999999f, 0.999999f, 0.999999f, 0.999999f}, b = {1e-3f, 1e-3f, 1e-3f, 1e-3f};
+    for (int c = 0; c < CHAINS; c++) acc[c] = b;
+    for (long it = 0; it < *(long *)p; it++)
+#pragma GCC unroll 12
+        for (int c = 0; c < CHAINS; c++) acc[c] = acc[c] * a + b;
+    float s = 0;
+    for (int c = 0; c < CHAINS; c++) s += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+    *(long *)p = (long)s;
+    return NULL;
+}
+
 #if defined(__x86_64__)
 #include <immintrin.h>
-/* 12 independent chains of vdpbf16ps (its latency times its issue rate on current cores is under
- * 12), 64 FLOP each: the instruction's throughput, with no memory in the way */
+__attribute__((target("avx2,fma"))) static void *fma_avx2_thread(void *p)
+{
+    __m256 acc[CHAINS];
+    const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-3f);
+    for (int c = 0; c < CHAINS; c++) acc[c] = b;
+    for (long it = 0; it < *(long *)p; it++)
+#pragma GCC unroll 12
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+    float v[8], s = 0;
+    for (int c = 0; c < CHAINS; c++) {
+        _mm256_storeu_ps(v, acc[c]);
+        for (int i = 0; i < 8; i++) s += v[i];
+    }
+    *(long *)p = (long)s;
+    return NULL;
+}
+
+__attribute__((target("avx512f"))) static void *fma_avx512_thread(void *p)
+{
+    __m512 acc[CHAINS];
+    const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-3f);
+    for (int c = 0; c < CHAINS; c++) acc[c] = b;
+    for (long it = 0; it < *(long *)p; it++)
+#pragma GCC unroll 12
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+    float s = 0;
+    for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_ps(acc[c]);
+    *(long *)p = (long)s;
+    return NULL;
+}
+
+/* vdpbf16ps: 16 lanes, each two products and two adds */
 __attribute__((target("avx512f,avx512bf16"))) static void *dp_thread(void *p)
 {
-    enum { CHAINS = 12 };
     __m512 acc[CHAINS];
     const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3c003c00), b = (__m512bh)_mm512_set1_epi32(0x3f803f80);
     for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_setzero_ps();
@@ -211,13 +273,14 @@ __attribute__((target("avx512f,avx512bf16"))) static void *dp_thread(void *p)
         for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
     float s = 0;
     for (int c = 0; c < CHAINS; c++) s += _mm512_reduce_add_ps(acc[c]);
-    *(long *)p = (long)s; /* the sums are used: the loop stays */
+    *(long *)p = (long)s;
     return NULL;
 }
+#endif
 
-/* The AVX-512-BF16 kernels' limit: vdpbf16ps FLOP/s on `threads` threads (32 products and
- * 32 adds each), best of 4 */
-static double measure_bf16_dot_peak(int threads)
+/* FLOP/s of `kernel` (above) on `threads` threads at once, `flops` per iteration of a thread,
+ * best of 4 */
+static double measure_peak(int threads, void *(*kernel)(void *), double flops)
 {
     const long iters = 20000000;
     long arg[256];
@@ -225,14 +288,46 @@ static double measure_bf16_dot_peak(int threads)
     double best = 0;
     for (int rep = 0; rep < 4; rep++) {
         double t0 = cli_now();
-        for (int t = 0; t < threads; t++) arg[t] = iters, pthread_create(&th[t], NULL, dp_thread, &arg[t]);
+        for (int t = 0; t < threads; t++) arg[t] = iters, pthread_create(&th[t], NULL, kernel, &arg[t]);
         for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
-        double f = 64.0 * 12 * (double)iters * threads / (cli_now() - t0);
+        double f = flops * (double)iters * threads / (cli_now() - t0);
         if (f > best) best = f;
     }
     return best;
 }
+
+/* The AVX-512-BF16 kernels' limit: vdpbf16ps FLOP/s on `threads` threads (32 products and
+ * 32 adds each) */
+static double measure_bf16_dot_peak(int threads)
+{
+#if defined(__x86_64__)
+    return measure_peak(threads, dp_thread, 64.0 * CHAINS);
+#else
+    (void)threads;
+    return 0; /* never asked for: the avx512bf16 variant exists on x86-64 only */
 #endif
+}
+
+/* f32 FMA FLOP/s on `threads` threads, at the vector width of the kernel variant this process
+ * runs (kr_cpu_isa): what decode's f32 dot products and attention can reach. The plain C
+ * fallback (base variant, other architectures) is a 4-float vector the compiler may or may not
+ * contract into FMAs: an approximate bound. */
+static double measure_fma_peak(int threads, const char **what)
+{
+#if defined(__x86_64__)
+    const char *isa = kr_cpu_isa();
+    if (!strcmp(isa, "avx512bf16") || !strcmp(isa, "avx512")) {
+        *what = "f32 FMA (avx512)";
+        return measure_peak(threads, fma_avx512_thread, 2.0 * 16 * CHAINS);
+    }
+    if (!strcmp(isa, "avx2")) {
+        *what = "f32 FMA (avx2)";
+        return measure_peak(threads, fma_avx2_thread, 2.0 * 8 * CHAINS);
+    }
+#endif
+    *what = "f32 mul+add (plain C)";
+    return measure_peak(threads, fma_c_thread, 2.0 * 4 * CHAINS);
+}
 
 #ifdef KR_HAVE_CUDA
 static void cuda_ok(cudaError_t e, const char *what)
@@ -303,6 +398,71 @@ static double measure_gemm_peak_cuda(void)
     return best;
 }
 #endif
+
+/* ---- the limits of a run and the decode roofline */
+
+/* what a compute peak bounds: each runs on its own kernel path */
+enum { USE_PREFILL, USE_MATMUL, USE_ATTENTION, USES };
+static const char *const use_name[USES] = {"prefill", "decode matmuls", "attention"};
+
+/* What the run's figures are fractions of, measured once before any timing */
+typedef struct limits {
+    double read_bw; /* bytes/s bounding a decode step's reads: a streaming read (CPU), a device copy (CUDA) */
+    const char *read_what;
+    double copy_bw; /* bytes read + written per second by memcpy (CPU) or a device copy (CUDA) */
+    const char *copy_what;
+    int read_measured; /* read_bw is a read of its own (CPU), not the copy */
+    double peak[USES]; /* FLOP/s of the kernel path each use runs on */
+    const char *peak_what[USES];
+} limits;
+
+static void measure_limits(int backend, int threads, kr_dtype weights, limits *lim)
+{
+    memset(lim, 0, sizeof *lim);
+    if (backend == KR_BACKEND_CUDA) {
+#ifdef KR_HAVE_CUDA
+        /* every use against the one cuBLAS peak: attention runs on CUDA cores, not on the tensor
+         * cores a bf16 GEMM uses, so its bound is optimistic (a roofline is an upper bound) */
+        fprintf(stderr, "bench: measuring device copy bandwidth and cuBLAS bf16 GEMM peak\n");
+        lim->copy_bw = lim->read_bw = measure_copy_bandwidth_cuda();
+        lim->copy_what = lim->read_what = "device-to-device copy";
+        double gemm = measure_gemm_peak_cuda();
+        for (int u = 0; u < USES; u++) lim->peak[u] = gemm, lim->peak_what[u] = "cuBLAS bf16 GEMM";
+#else
+        cli_die(1, "--backend cuda: built without CUDA"); /* kr_ctx_create refused it already */
+#endif
+        return;
+    }
+    fprintf(stderr, "bench: measuring memory bandwidth and the compute peaks on %d threads\n", threads);
+    lim->read_bw = measure_read_bandwidth(threads), lim->read_what = "read", lim->read_measured = 1;
+    lim->copy_bw = measure_copy_bandwidth(threads), lim->copy_what = "memcpy";
+    /* attention is f32 FMAs everywhere; so are the decode matmuls except bf16 weights on the
+     * AVX-512-BF16 kernels, which multiply with vdpbf16ps as their prefill GEMM does; prefill of
+     * other weights runs OpenBLAS sgemm */
+    lim->peak[USE_ATTENTION] = measure_fma_peak(threads, &lim->peak_what[USE_ATTENTION]);
+    if (!strcmp(kr_cpu_isa(), "avx512bf16") && weights == KR_DTYPE_BF16) {
+        lim->peak[USE_PREFILL] = lim->peak[USE_MATMUL] = measure_bf16_dot_peak(threads);
+        lim->peak_what[USE_PREFILL] = lim->peak_what[USE_MATMUL] = "vdpbf16ps";
+    } else {
+        lim->peak[USE_PREFILL] = measure_gemm_peak(threads), lim->peak_what[USE_PREFILL] = "sgemm";
+        lim->peak[USE_MATMUL] = lim->peak[USE_ATTENTION], lim->peak_what[USE_MATMUL] = lim->peak_what[USE_ATTENTION];
+    }
+}
+
+/* "vdpbf16ps peak 450.0 GFLOP/s (prefill, decode matmuls), f32 FMA (avx512) peak ..." */
+static void print_peaks(const limits *lim)
+{
+    for (int u = 0; u < USES; u++) {
+        int first = 1;
+        for (int v = 0; v < u; v++) first &= strcmp(lim->peak_what[v], lim->peak_what[u]) != 0;
+        if (!first) continue;
+        printf("%s%s peak %.1f GFLOP/s (", u ? ", " : "", lim->peak_what[u], lim->peak[u] / 1e9);
+        for (int v = u, n = 0; v < USES; v++)
+            if (!strcmp(lim->peak_what[v], lim->peak_what[u])) printf("%s%s", n++ ? ", " : "", use_name[v]);
+        printf(")");
+    }
+    printf("\n");
+}
 
 /* ---- engine timings */
 
@@ -389,6 +549,86 @@ static decode_run time_decode(bench *b, int ctx_len, int steps, int batch)
     return run;
 }
 
+/* ---- decode against its roofline */
+
+/* The work of a decode step, from the model's shape */
+typedef struct step_cost {
+    double weight_bytes; /* weights a step reads: every matrix once (the embedding is a lookup of
+                          * one row per sequence, left out) */
+    double params; /* weights a token multiplies, 2 FLOPs each */
+    double entry_bytes; /* one cached entry of one (layer, KV head): its K and V rows in the cache's dtype */
+    double entry_flops; /* attention over one such entry for one query token: for each of the
+                         * n_heads / n_kv_heads query heads of the group, QK^T and PV, 2 x 2 x head_dim */
+} step_cost;
+
+typedef struct decode_fig {
+    int context, batch;
+    decode_run run;
+    double tokens_per_s, bytes, mm_flops, att_flops; /* per step */
+    double roofline_s; /* the larger of bandwidth_s and compute_s */
+    double bandwidth_s; /* bytes at the read bandwidth */
+    double compute_s; /* matmuls at their peak, then attention at its: one after the other */
+    const char *bound; /* which of the two binds: "bandwidth" or "compute" */
+} decode_fig;
+
+/* A timed decode run against its roofline. The bytes a step must read are every weight matrix
+ * once and every cached K and V entry the policy holds in the batch (run.entries), whatever the
+ * batch size; the FLOPs grow with it. */
+static decode_fig decode_figures(const limits *lim, const step_cost *sc, int context, int batch, decode_run run)
+{
+    decode_fig f = {.context = context, .batch = batch, .run = run, .tokens_per_s = batch / run.seconds};
+    f.bytes = sc->weight_bytes + run.entries * sc->entry_bytes;
+    f.mm_flops = 2.0 * sc->params * batch;
+    f.att_flops = run.entries * sc->entry_flops;
+    f.bandwidth_s = f.bytes / lim->read_bw;
+    f.compute_s = f.mm_flops / lim->peak[USE_MATMUL] + f.att_flops / lim->peak[USE_ATTENTION];
+    f.bound = f.compute_s > f.bandwidth_s ? "compute" : "bandwidth";
+    f.roofline_s = f.compute_s > f.bandwidth_s ? f.compute_s : f.bandwidth_s;
+    return f;
+}
+
+/* figures a decode line is also compared with, where this run timed them (else 0) */
+typedef struct decode_refs {
+    double batch1_tokens_per_s; /* the same context at batch 1 */
+    double prefill_tokens_per_s; /* the longest prompt's prefill */
+    int prefill_tokens;
+} decode_refs;
+
+static void decode_report(cJSON *dec, const limits *lim, const decode_fig *f, const decode_refs *ref, int json)
+{
+    const double dt = f->run.seconds, frac_read = f->bytes / dt / lim->read_bw, frac_roof = f->roofline_s / dt;
+    const double speedup = f->batch > 1 && ref->batch1_tokens_per_s > 0 ? f->tokens_per_s / ref->batch1_tokens_per_s : 0;
+    const double of_prefill = f->batch > 1 && ref->prefill_tokens > 0 ? f->tokens_per_s / ref->prefill_tokens_per_s : 0;
+    cJSON *e = cJSON_CreateObject();
+    cJSON_AddNumberToObject(e, "context", f->context);
+    cJSON_AddNumberToObject(e, "batch", f->batch);
+    cJSON_AddNumberToObject(e, "seconds_per_step", dt);
+    cJSON_AddNumberToObject(e, "tokens_per_second", f->tokens_per_s);
+    cJSON_AddNumberToObject(e, "bytes_per_step", f->bytes);
+    cJSON_AddNumberToObject(e, "fraction_of_bandwidth", f->bytes / dt / lim->copy_bw); /* of the copy */
+    if (lim->read_measured) cJSON_AddNumberToObject(e, "fraction_of_read_bandwidth", frac_read);
+    cJSON_AddNumberToObject(e, "matmul_flops_per_step", f->mm_flops);
+    cJSON_AddNumberToObject(e, "attention_flops_per_step", f->att_flops);
+    cJSON_AddNumberToObject(e, "bandwidth_bound_seconds", f->bandwidth_s);
+    cJSON_AddNumberToObject(e, "compute_bound_seconds", f->compute_s);
+    cJSON_AddNumberToObject(e, "roofline_tokens_per_s", f->batch / f->roofline_s);
+    cJSON_AddNumberToObject(e, "fraction_of_roofline", frac_roof);
+    cJSON_AddStringToObject(e, "bound", f->bound);
+    if (speedup > 0) cJSON_AddNumberToObject(e, "speedup_over_batch1", speedup);
+    if (of_prefill > 0) cJSON_AddNumberToObject(e, "fraction_of_prefill", of_prefill);
+    cJSON_AddNumberToObject(e, "kv_entries", f->run.entries);
+    cJSON_AddNumberToObject(e, "kv_footprint", f->run.footprint);
+    cJSON_AddItemToArray(dec, e);
+    if (json) return;
+    printf("decode at %5d, batch %2d: %9.1f tokens/s = %.2f of roofline %.1f (%s bound); %6.1f MB read per step, "
+           "%5.1f GB/s = %.2f of %s bandwidth; KV footprint %.3f", f->context, f->batch, f->tokens_per_s, frac_roof,
+           f->batch / f->roofline_s, f->bound, f->bytes / 1e6, f->bytes / dt / 1e9, frac_read, lim->read_what,
+           f->run.footprint);
+    if (speedup > 0) printf("; %.2fx batch 1", speedup);
+    if (of_prefill > 0) printf("; %.2f of prefill %d", of_prefill, ref->prefill_tokens);
+    printf("\n");
+}
+
 int main(int argc, char **argv)
 {
     cli_init(argv);
@@ -420,7 +660,8 @@ int main(int argc, char **argv)
         {.kind = KC_FLAG_FUNC, .name = "--contexts", .arg = "LIST", .dest = &contexts, .fn = flag_list,
          .def = "128,2048", .help = "contexts to time decode at"},
         {.kind = KC_FLAG_FUNC, .name = "--batch", .arg = "LIST", .dest = &batches, .fn = flag_list,
-         .def = "1", .help = "sequences decoded together"},
+         .def = "1", .help = "sequences decoded together (tokens/s: the batch's total; each batch is compared with batch 1 "
+                             "when both are listed)"},
         {.kind = KC_FLAG_INT, .name = "--decode-tokens", .arg = "N", .dest = &decode_tokens, .min = 1,
          .max = 1 << 16, .def = "32", .help = "decode steps timed per context"},
         {.kind = KC_FLAG_INT, .name = "--chunk", .arg = "C", .dest = &chunk, .min = 1, .max = 1 << 16,
@@ -436,8 +677,11 @@ int main(int argc, char **argv)
     const kc_flags flags = {
         .prog = "kvrelay-bench-engine",
         .usage = "(--model DIR | --random CONFIG.json) [options]",
-        .about = "Measures prefill and decode speed and prints each as a fraction of a limit\n"
-                 "measured in the same run (GEMM peak for prefill, memory bandwidth for decode).",
+        .about = "Measures prefill and decode speed and prints each as a fraction of a limit measured\n"
+                 "in the same run: the GEMM peak for prefill; for decode the roofline of a step, the\n"
+                 "longer of its bytes at the read bandwidth and its FLOPs at the peak of the kernels\n"
+                 "that run them (vdpbf16ps for bf16 weights on avx512bf16, else f32 FMAs), with the\n"
+                 "bound that binds.",
         .table = table,
         .footer = footer,
     };
@@ -489,35 +733,19 @@ int main(int argc, char **argv)
         b.tokens[i] = (int32_t)(x % (uint64_t)cfg->vocab_size);
     }
 
-    double bw, peak, read_bw = 0; /* read_bw: CPU only */
-    const char *bw_what, *peak_what;
-    if (backend == KR_BACKEND_CUDA) {
-#ifdef KR_HAVE_CUDA
-        fprintf(stderr, "bench: measuring device copy bandwidth and cuBLAS bf16 GEMM peak\n");
-        bw = measure_copy_bandwidth_cuda(), bw_what = "device-to-device copy";
-        peak = measure_gemm_peak_cuda(), peak_what = "cuBLAS bf16 GEMM";
-#else
-        cli_die(1, "--backend cuda: built without CUDA"); /* kr_ctx_create refused it already */
-#endif
-    } else {
-        fprintf(stderr, "bench: measuring memory bandwidth and the GEMM peak on %d threads\n", nth);
-        read_bw = measure_read_bandwidth(nth);
-        bw = measure_copy_bandwidth(nth), bw_what = "memcpy";
-#if defined(__x86_64__)
-        /* bf16 weights on the AVX-512-BF16 kernels multiply with vdpbf16ps, not sgemm */
-        if (!strcmp(kr_cpu_isa(), "avx512bf16") && kr_model_weight_dtype(m) == KR_DTYPE_BF16)
-            peak = measure_bf16_dot_peak(nth), peak_what = "vdpbf16ps";
-        else
-#endif
-            peak = measure_gemm_peak(nth), peak_what = "sgemm";
-    }
-    double params = 0;
+    limits lim;
+    measure_limits(backend, nth, kr_model_weight_dtype(m), &lim);
     /* FLOPs per token: 2 per weight of every matrix a token multiplies (the embedding is a lookup) */
     const double d = cfg->hidden_size, f = cfg->intermediate_size, hd = cfg->head_dim;
-    params = cfg->n_layers * (d * cfg->n_heads * hd * 2 + d * cfg->n_kv_heads * hd * 2 + 3 * d * f) +
-             d * cfg->vocab_size;
-    const double weight_bytes_read = (double)kr_model_weight_bytes(m) -
-                                     (cfg->tie_word_embeddings ? 0.0 : (double)cfg->vocab_size * d * kr_dtype_size(kr_model_weight_dtype(m)));
+    const double params = cfg->n_layers * (d * cfg->n_heads * hd * 2 + d * cfg->n_kv_heads * hd * 2 + 3 * d * f) +
+                          d * cfg->vocab_size;
+    const step_cost sc = {
+        .weight_bytes = (double)kr_model_weight_bytes(m) -
+                        (cfg->tie_word_embeddings ? 0.0 : (double)cfg->vocab_size * d * kr_dtype_size(kr_model_weight_dtype(m))),
+        .params = params,
+        .entry_bytes = hd * 2 * (double)kr_dtype_size(kr_ctx_kv_dtype(b.ctx)),
+        .entry_flops = 4.0 * hd * cfg->n_heads / cfg->n_kv_heads,
+    };
 
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "model", model_dir ? model_dir : random_cfg);
@@ -530,14 +758,15 @@ int main(int argc, char **argv)
     cJSON_AddNumberToObject(root, "load_seconds", t_load);
     cJSON_AddStringToObject(root, "backend", backend == KR_BACKEND_CUDA ? "cuda" : "cpu");
     cJSON_AddStringToObject(root, "cpu_isa", kr_cpu_isa());
-    cJSON_AddStringToObject(root, "copy_bandwidth_of", bw_what);
-    cJSON_AddNumberToObject(root, "copy_bandwidth_GBps", bw / 1e9);
-    cJSON_AddStringToObject(root, "gemm_peak_of", peak_what);
-    cJSON_AddNumberToObject(root, "gemm_peak_GFLOPs", peak / 1e9);
-    if (read_bw > 0) cJSON_AddNumberToObject(root, "read_bandwidth_GBps", read_bw / 1e9);
-    /* decode's bound: the read bandwidth where it was measured (CPU), else the copy's */
-    const double dec_bw = read_bw > 0 ? read_bw : bw;
-    const char *dec_what = read_bw > 0 ? "read" : bw_what;
+    cJSON_AddStringToObject(root, "copy_bandwidth_of", lim.copy_what);
+    cJSON_AddNumberToObject(root, "copy_bandwidth_GBps", lim.copy_bw / 1e9);
+    cJSON_AddStringToObject(root, "gemm_peak_of", lim.peak_what[USE_PREFILL]);
+    cJSON_AddNumberToObject(root, "gemm_peak_GFLOPs", lim.peak[USE_PREFILL] / 1e9);
+    cJSON_AddStringToObject(root, "decode_matmul_peak_of", lim.peak_what[USE_MATMUL]);
+    cJSON_AddNumberToObject(root, "decode_matmul_peak_GFLOPs", lim.peak[USE_MATMUL] / 1e9);
+    cJSON_AddStringToObject(root, "attention_peak_of", lim.peak_what[USE_ATTENTION]);
+    cJSON_AddNumberToObject(root, "attention_peak_GFLOPs", lim.peak[USE_ATTENTION] / 1e9);
+    if (lim.read_measured) cJSON_AddNumberToObject(root, "read_bandwidth_GBps", lim.read_bw / 1e9);
     if (!json) {
         printf("model %s: %s weights, %.1f M params per token, %.1f MiB, %d threads (%s), policy %s, "
                "%s KV cache\n", model_dir ? model_dir : random_cfg, kr_dtype_name(kr_model_weight_dtype(m)),
@@ -545,10 +774,11 @@ int main(int argc, char **argv)
                backend == KR_BACKEND_CUDA ? "cuda" : kr_cpu_isa(), kr_policy_spec(pol),
                kr_dtype_name(kr_ctx_kv_dtype(b.ctx)));
         printf("limits: ");
-        if (read_bw > 0) printf("read bandwidth %.1f GB/s, ", read_bw / 1e9);
-        printf("%s bandwidth %.1f GB/s (read+write), %s peak %.1f GFLOP/s\n", bw_what, bw / 1e9, peak_what,
-               peak / 1e9);
+        if (lim.read_measured) printf("read bandwidth %.1f GB/s, ", lim.read_bw / 1e9);
+        printf("%s bandwidth %.1f GB/s (read+write), ", lim.copy_what, lim.copy_bw / 1e9);
+        print_peaks(&lim);
     }
+    decode_refs ref = {0};
     cJSON *pre = cJSON_AddArrayToObject(root, "prefill");
     for (int i = 0; i < prefill.n; i++) {
         int n = prefill.v[i];
@@ -559,7 +789,8 @@ int main(int argc, char **argv)
         /* lm_head runs for the last token only: prefill returns one row of logits */
         double head = (double)cfg->hidden_size * cfg->vocab_size;
         double flops = 2.0 * (params - head) * n + 2.0 * head + att;
-        double frac = flops / dt / peak;
+        double frac = flops / dt / lim.peak[USE_PREFILL];
+        if (n >= ref.prefill_tokens) ref.prefill_tokens = n, ref.prefill_tokens_per_s = n / dt;
         cJSON *e = cJSON_CreateObject();
         cJSON_AddNumberToObject(e, "tokens", n);
         cJSON_AddNumberToObject(e, "seconds", dt);
@@ -568,35 +799,21 @@ int main(int argc, char **argv)
         cJSON_AddItemToArray(pre, e);
         if (!json)
             printf("prefill %5d tokens: %9.1f tokens/s  %6.1f GFLOP/s = %.2f of %s peak\n", n, n / dt,
-                   flops / dt / 1e9, frac, peak_what);
+                   flops / dt / 1e9, frac, lim.peak_what[USE_PREFILL]);
     }
+    /* every batch of a context is timed before its lines print: each line compares with batch 1 */
     cJSON *dec = cJSON_AddArrayToObject(root, "decode");
-    for (int i = 0; i < contexts.n * batches.n; i++) {
-        int c = contexts.v[i / batches.n], nb = batches.v[i % batches.n];
-        fprintf(stderr, "bench: decode at context %d, batch %d (%d steps x %d)\n", c, nb, decode_tokens, repeat);
-        decode_run run = time_decode(&b, c, decode_tokens, nb);
-        double dt = run.seconds;
-        /* bytes a step must read: every weight matrix once (one embedding row per sequence,
-         * negligible) and every cached K and V entry the policy holds in the batch, in the
-         * cache's dtype */
-        double kv = run.entries * hd * 2 * (double)kr_dtype_size(kr_ctx_kv_dtype(b.ctx));
-        double bytes = weight_bytes_read + kv;
-        double frac = bytes / dt / dec_bw;
-        cJSON *e = cJSON_CreateObject();
-        cJSON_AddNumberToObject(e, "context", c);
-        cJSON_AddNumberToObject(e, "batch", nb);
-        cJSON_AddNumberToObject(e, "seconds_per_step", dt);
-        cJSON_AddNumberToObject(e, "tokens_per_second", nb / dt);
-        cJSON_AddNumberToObject(e, "bytes_per_step", bytes);
-        cJSON_AddNumberToObject(e, "fraction_of_bandwidth", bytes / dt / bw); /* of the copy */
-        if (read_bw > 0) cJSON_AddNumberToObject(e, "fraction_of_read_bandwidth", frac);
-        cJSON_AddNumberToObject(e, "kv_entries", run.entries);
-        cJSON_AddNumberToObject(e, "kv_footprint", run.footprint);
-        cJSON_AddItemToArray(dec, e);
-        if (!json)
-            printf("decode at %5d, batch %2d: %9.1f tokens/s  %6.1f MB read per step, %5.1f GB/s = %.2f of "
-                   "%s bandwidth; KV footprint %.3f\n", c, nb, nb / dt, bytes / 1e6, bytes / dt / 1e9, frac,
-                   dec_what, run.footprint);
+    for (int i = 0; i < contexts.n; i++) {
+        int c = contexts.v[i];
+        decode_fig fig[MAX_LIST];
+        ref.batch1_tokens_per_s = 0;
+        for (int j = 0; j < batches.n; j++) {
+            int nb = batches.v[j];
+            fprintf(stderr, "bench: decode at context %d, batch %d (%d steps x %d)\n", c, nb, decode_tokens, repeat);
+            fig[j] = decode_figures(&lim, &sc, c, nb, time_decode(&b, c, decode_tokens, nb));
+            if (nb == 1) ref.batch1_tokens_per_s = fig[j].tokens_per_s;
+        }
+        for (int j = 0; j < batches.n; j++) decode_report(dec, &lim, &fig[j], &ref, json);
     }
     if (json) {
         char *s = cJSON_Print(root);

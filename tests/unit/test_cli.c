@@ -4,7 +4,8 @@
  * --chunk; kvrelay-generate --json --greedy reproduces the fixtures' greedy tokens (both with
  * --kv-cache-dtype f32: the references are float32 computations); --kv-cache-dtype auto follows
  * the weights' dtype and its stats count the cache's bytes; bad flags and bad ids fail with a
- * clear message and a non-zero status. Runs the built programs from $KR_BIN on the models in
+ * clear message and a non-zero status; kvrelay-bench-engine's decode roofline figures hold
+ * together. Runs the built programs from $KR_BIN on the models in
  * $KR_FIXTURES, on kernels that keep matmul inputs f32.
  */
 #include "kr_test.h"
@@ -186,6 +187,54 @@ static void check_kv_dtype(const char *model, const char *want, int elem_bytes)
     free(out);
 }
 
+static double json_num(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItem(o, key);
+    return cJSON_IsNumber(v) ? v->valuedouble : NAN;
+}
+
+/* kvrelay-bench-engine --json, as bench/vs-llama.cpp.sh reads it: a decode line per (context,
+ * batch), each with the roofline of a step (the longer of its bandwidth and compute times, named
+ * in `bound`), the fraction of it reached, and for a batch above 1 its speed-up over batch 1 at
+ * the same context and its fraction of the prefill tokens/s. Checks the arithmetic, not the
+ * speed. */
+static void check_bench_engine(const char *m)
+{
+    char *out;
+    int st = run(&out, "{ %s/kvrelay-bench-engine --model %s --threads 1 --prefill 8 --contexts 16 --batch 4,1 "
+                 "--decode-tokens 2 --repeat 1 --json 2>/dev/null; }", bin, m);
+    cJSON *res = cJSON_Parse(out);
+    const cJSON *dec = res ? cJSON_GetObjectItem(res, "decode") : NULL;
+    const cJSON *pre = res ? cJSON_GetArrayItem(cJSON_GetObjectItem(res, "prefill"), 0) : NULL;
+    CHECK(st == 0 && cJSON_GetArraySize(dec) == 2 && pre, "bench-engine: status %d, '%s'", st, out);
+    const double tps1 = json_num(cJSON_GetArrayItem(dec, 1), "tokens_per_second");
+    for (int i = 0; i < cJSON_GetArraySize(dec); i++) {
+        const cJSON *e = cJSON_GetArrayItem(dec, i);
+        const cJSON *bound = cJSON_GetObjectItem(e, "bound");
+        const double tps = json_num(e, "tokens_per_second"), roof = json_num(e, "roofline_tokens_per_s");
+        const double bw = json_num(e, "bandwidth_bound_seconds"), cp = json_num(e, "compute_bound_seconds");
+        const int batch = (int)json_num(e, "batch");
+        CHECK(batch == (i ? 1 : 4) && tps > 0 && bw > 0 && cp > 0, "decode line %d: batch %d, %g tokens/s, bounds %g / %g s",
+              i, batch, tps, bw, cp);
+        CHECK(fabs(roof - batch / fmax(bw, cp)) <= 1e-9 * roof, "batch %d: roofline %g tokens/s, bounds %g / %g s",
+              batch, roof, bw, cp);
+        CHECK(cJSON_IsString(bound) && !strcmp(bound->valuestring, bw >= cp ? "bandwidth" : "compute"),
+              "batch %d: bound '%s' for %g / %g s", batch, cJSON_IsString(bound) ? bound->valuestring : "?", bw, cp);
+        CHECK(fabs(json_num(e, "fraction_of_roofline") * roof - tps) <= 1e-9 * tps, "batch %d: fraction of roofline",
+              batch);
+        if (batch == 1) {
+            CHECK(!cJSON_HasObjectItem(e, "speedup_over_batch1"), "batch 1 compared with itself");
+            continue;
+        }
+        CHECK(fabs(json_num(e, "speedup_over_batch1") - tps / tps1) <= 1e-9 * tps, "batch %d: speed-up over %g", batch,
+              tps1);
+        CHECK(fabs(json_num(e, "fraction_of_prefill") - tps / json_num(pre, "tokens_per_second")) <= 1e-9 * tps,
+              "batch %d: fraction of prefill", batch);
+    }
+    cJSON_Delete(res);
+    free(out);
+}
+
 /* a command must fail with status != 0 and print `needle` */
 static void check_fails(const char *needle, const char *fmt, const char *arg)
 {
@@ -216,6 +265,7 @@ int main(void)
 
     char m[4096];
     snprintf(m, sizeof m, "%s/models/llama3-tiny", fx);
+    check_bench_engine(m);
     check_fails("--kv-cache-dtype", "%s/kvrelay-generate --model %s --ids 1 --max-tokens 2 --kv-cache-dtype f8", m);
     check_fails("--out", "%s/kvrelay-logits --model %s --ids '1 2'", m);
     check_fails("outside the vocabulary", "%s/kvrelay-logits --model %s --ids '1 512' --out /dev/null", m);
