@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # vs-llama.cpp.sh - kvrelay's CPU engine against llama.cpp on the same model, the same weights and
-# the same thread count (docs/performance.md): prefill of a 512-token prompt and decode at
-# contexts 128 and 2048, for f32 and bf16 weights. Not a test: the figures depend on the machine;
+# the same thread count (docs/performance.md): prefill of a 512-token prompt, decode of one
+# sequence at contexts 128 and 2048, and decode of batches of 8 and 32 sequences at those
+# contexts, for f32 and bf16 weights. Not a test: the figures depend on the machine;
 # run it by hand. llama.cpp is not part of this repository: build it yourself (below) and point
 # --llama-cpp at the build directory.
 #
 #   bench/vs-llama.cpp.sh --llama-cpp DIR [--bin DIR] [--threads N] [--rounds N] [--config FILE]
-#                         [--dtypes LIST] [--prompt N] [--contexts LIST] [--decode-tokens N]
-#                         [--repeat N] [--out DIR] [--llama-args "ARGS"]
+#                         [--dtypes LIST] [--prompt N] [--contexts LIST] [--batches LIST]
+#                         [--decode-tokens N] [--repeat N] [--out DIR] [--llama-args "ARGS"]
 #
 # Building llama.cpp (in a clone of its repository, ggml-org/llama.cpp on GitHub):
-#   cmake -B build -DGGML_NATIVE=ON && cmake --build build -j --target llama-bench
-# and pass --llama-cpp build (the directory holding bin/llama-bench). A llama-bench without the
-# depth option (-d, --n-depth; older versions) cannot time decode at a context, so
-# then llama-batched-bench is used for decode and must be built too:
+#   cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
 #   cmake --build build -j --target llama-bench llama-batched-bench
+# and pass --llama-cpp build (the directory holding bin/llama-bench and bin/llama-batched-bench).
+# llama-batched-bench times the batches; with --batches '' llama-bench alone does, unless it lacks
+# the depth option (-d, --n-depth; older versions such as b4748): then batched-bench also times
+# decode at a context.
 #
 # What runs. bench/gguf_model.py writes, per dtype, one random-weight model in the shape of
 # --config twice: config.json + model.safetensors for kvrelay and model.gguf for llama.cpp, with
@@ -30,12 +32,31 @@
 #                 llama-bench -m M.gguf -t N -p 0 -n 32 -d C -r 3 -o jsonl, or without -d:
 #                 llama-batched-bench -m M.gguf -t N -tb N -c C+288 -npp C,C,C -ntg 32 -npl 1
 #                   --output-format jsonl        (32 decode steps after each C-token prompt)
+#   decode at C, batch B (every B of --batches in one run of each program):
+#                 kvrelay-bench-engine --model M --threads N --prefill 1 --contexts C
+#                   --batch 8,32 --decode-tokens 32 --repeat 1 --json
+#                 llama-batched-bench -m M.gguf -t N -tb N -c 32*(C+32) -npp C -ntg 32
+#                   -npl 8,32 --output-format jsonl
+#                 (B sequences, each with its own C-token prompt, then 32 steps of one token per
+#                 sequence; -c must hold B x (C + 32) cells, or batched-bench skips the batch)
 # Each side's figure is a best of 3 (kvrelay-bench-engine's own rule; the best of llama-bench's
-# 3 samples; the best of batched-bench's 3 prompts). The table shows the median over rounds of
-# each engine and the ratio kvrelay / llama.cpp of those medians; beside it the paired ratio,
-# the median of each round's ratio (a round's two runs are seconds apart, so it carries less of
-# the drift between rounds), and the range of the per-round ratios. Decode tok/s is 1 / the
-# time of one step at that context (batch 1); prefill tok/s is prompt tokens / prefill time.
+# 3 samples; the best of batched-bench's 3 prompts), except for the batches: one sample of 32
+# steps on each side (batched-bench times decode only after a prefill of B x C tokens, the
+# costly part of the run, so the rounds are the repeats there). The table shows the median over
+# rounds of each engine and the ratio kvrelay / llama.cpp of those medians; beside it the paired
+# ratio, the median of each round's ratio (a round's two runs are seconds apart, so it carries
+# less of the drift between rounds), and the range of the per-round ratios. Decode tok/s is 1 /
+# the time of one step at that context (batch 1); decode at a batch B is the batch's total, B /
+# the time of one step (batched-bench's S_TG t/s, speed_tg = B x 32 / the 32 steps' time);
+# prefill tok/s is prompt tokens / prefill time.
+#
+# The batches cost: both sides prefill B x C tokens per batch size (65536 at batch 32 and
+# context 2048); fewer --batches or --contexts shorten a run. llama.cpp b4748 keeps one KV cache
+# for all the sequences, and its attention runs every token's query over all of the cache's
+# cells in use, masked (B x (C + 32) at batch B), where kvrelay's runs over the sequence's own
+# C + 32: at long contexts and large batches llama.cpp does up to B times the attention work, in
+# its prefill as in its decode. That is how it decodes independent sequences at that version, so
+# the rows compare it as it is.
 #
 # Not the same work in every respect: llama.cpp keeps its KV cache in f16 by default, kvrelay in
 # the weights' dtype (--llama-args "-ctk f32 -ctv f32" asks llama.cpp for f32, which the b4748
@@ -46,13 +67,16 @@
 #
 # Defaults: --bin build, --threads 2, --rounds 3, --config tools/data/llama-110m.json (hidden 768,
 # 12 layers, 12/4 heads, MLP 2048, vocab 32000), --dtypes f32,bf16, --prompt 512, --contexts
-# 128,2048, --decode-tokens 32, --repeat 3, --out a new temporary directory (kept; it holds the
-# models, every raw output and runs.tsv). Exit 0, 1 when a run failed, 2 for bad flags.
+# 128,2048, --batches 8,32 ('' for none), --decode-tokens 32, --repeat 3, --out a new temporary
+# directory (kept; it holds the models, every raw output and runs.tsv). Exit 0, 1 when a run
+# failed, 2 for bad flags.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 llama= bin=$here/build threads=2 rounds=3 config=$here/tools/data/llama-110m.json dtypes=f32,bf16
-prompt=512 contexts=128,2048 steps=32 repeat=3 out= llama_args=
-usage() { sed -n '2,49p' "$0" | sed 's/^# \{0,1\}//'; }
+prompt=512 contexts=128,2048 batches=8,32 steps=32 repeat=3 out= llama_args=
+# the header above, up to its first line that is no comment; a reader that stops early
+# (--help | grep -q) is no error
+usage() { sed -n '2,/^[^#]/{/^#/!q;s/^# \{0,1\}//p}' "$0" || true; }
 while [ $# -gt 0 ]; do
   case $1 in
     --llama-cpp) llama=${2:?--llama-cpp needs a directory}; shift 2 ;;
@@ -63,6 +87,7 @@ while [ $# -gt 0 ]; do
     --dtypes) dtypes=$2; shift 2 ;;
     --prompt) prompt=$2; shift 2 ;;
     --contexts) contexts=$2; shift 2 ;;
+    --batches) batches=$2; shift 2 ;;
     --decode-tokens) steps=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
@@ -76,17 +101,20 @@ for n in "$threads" "$rounds" "$prompt" "$steps" "$repeat"; do
   [[ $n =~ ^[1-9][0-9]*$ ]] || die2 "'$n' is not a positive integer"
 done
 [[ $contexts =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || die2 "--contexts '$contexts' is not a list like 128,2048"
+[[ $batches =~ ^([1-9][0-9]*(,[1-9][0-9]*)*)?$ ]] || die2 "--batches '$batches' is not a list like 8,32 (or '')"
 IFS=, read -r -a dtype_list <<<"$dtypes"
 for d in "${dtype_list[@]}"; do
   case $d in f32 | bf16) ;; *) die2 "--dtypes: '$d' is not f32 or bf16" ;; esac
 done
 [ -n "$llama" ] || die2 "--llama-cpp DIR is required: a llama.cpp build directory holding bin/llama-bench.
   Build one in a clone of llama.cpp (ggml-org/llama.cpp on GitHub):
-    cmake -B build -DGGML_NATIVE=ON && cmake --build build -j --target llama-bench
+    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+    cmake --build build -j --target llama-bench llama-batched-bench
   then pass --llama-cpp build (--help says more)"
 lb=$llama/bin/llama-bench
 [ -x "$lb" ] || die2 "--llama-cpp $llama has no bin/llama-bench. In the llama.cpp clone:
-    cmake -B build -DGGML_NATIVE=ON && cmake --build build -j --target llama-bench"
+    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+    cmake --build build -j --target llama-bench llama-batched-bench"
 # decode at a context: llama-bench's depth option when it has one, else llama-batched-bench
 if "$lb" --help 2>&1 | grep -q -- '--n-depth'; then
   decode_tool=llama-bench
@@ -96,6 +124,10 @@ else
   at a context needs bin/llama-batched-bench, which $llama lacks. In the llama.cpp clone:
     cmake --build build -j --target llama-bench llama-batched-bench"
 fi
+[ -z "$batches" ] || [ -x "$llama/bin/llama-batched-bench" ] || die2 "--batches $batches needs
+  bin/llama-batched-bench, which $llama lacks. In the llama.cpp clone:
+    cmake --build build -j --target llama-bench llama-batched-bench
+  (or pass --batches '' to leave the batches out)"
 [ -x "$bin/kvrelay-bench-engine" ] || die2 "--bin $bin has no built kvrelay-bench-engine (cmake --build $bin --target kvrelay-bench-engine)"
 [ -f "$config" ] || die2 "--config $config does not exist"
 py=/usr/bin/python3
@@ -103,8 +135,9 @@ py=/usr/bin/python3
 out=${out:-$(mktemp -d -t kvrelay-vs-llama.XXXXXX)}
 mkdir -p "$out/raw"
 IFS=, read -r -a ctx_list <<<"$contexts"
-max_ctx=0
-for c in "${ctx_list[@]}"; do [ "$c" -gt "$max_ctx" ] && max_ctx=$c; done
+IFS=, read -r -a batch_list <<<"$batches"
+max_batch=0
+for b in "${batch_list[@]}"; do [ "$b" -gt "$max_batch" ] && max_batch=$b; done
 
 # the llama.cpp commit: the source tree's git when the build directory sits in one, else what
 # llama-bench was built with (unknown when it was built outside git)
@@ -122,32 +155,42 @@ for d in "${dtype_list[@]}"; do
   fi
 done
 
-# run_kvrelay ROUND DTYPE TEST, run_llama ROUND DTYPE TEST (TEST: pp, or tgC for decode at C):
-# raw outputs into $out/raw/rROUND-DTYPE-TEST-{kvrelay.json,llama.jsonl} and their .err
+# run_kvrelay ROUND DTYPE TEST, run_llama ROUND DTYPE TEST (TEST: pp, tgC for decode at C, tbC
+# for decode at C in every batch of --batches): raw outputs into
+# $out/raw/rROUND-DTYPE-TEST-{kvrelay.json,llama.jsonl} and their .err
 run_kvrelay() {
   local f=$out/raw/r$1-$2-$3-kvrelay args
-  if [ "$3" = pp ]; then args=(--prefill "$prompt" --contexts 1 --decode-tokens 1)
-  else args=(--prefill 1 --contexts "${3#tg}" --decode-tokens "$steps"); fi
+  case $3 in
+    pp) args=(--prefill "$prompt" --contexts 1 --decode-tokens 1 --repeat "$repeat") ;;
+    tg*) args=(--prefill 1 --contexts "${3#tg}" --decode-tokens "$steps" --repeat "$repeat") ;;
+    tb*) args=(--prefill 1 --contexts "${3#tb}" --batch "$batches" --decode-tokens "$steps" --repeat 1) ;;
+  esac
   "$bin/kvrelay-bench-engine" --model "$out/models/$2" --threads "$threads" "${args[@]}" \
-    --repeat "$repeat" --json >"$f.json" 2>"$f.err" ||
+    --json >"$f.json" 2>"$f.err" ||
     { echo "vs-llama.cpp.sh: kvrelay-bench-engine failed (round $1, $2, $3):" >&2; tail -n 5 "$f.err" >&2; return 1; }
 }
 run_llama() {
-  local f=$out/raw/r$1-$2-$3-llama m=$out/models/$2/model.gguf c=${3#tg} npp= i
+  local f=$out/raw/r$1-$2-$3-llama m=$out/models/$2/model.gguf c=${3#t?} npp= i
+  for ((i = 0; i < repeat; i++)); do npp+=${npp:+,}$c; done # batched-bench: one sample per prompt
   # shellcheck disable=SC2086 # --llama-args is split on purpose
   if [ "$3" = pp ]; then
     "$lb" -m "$m" -t "$threads" -p "$prompt" -n 0 -r "$repeat" -o jsonl $llama_args >"$f.jsonl" 2>"$f.err"
+  elif [ "${3:0:2}" = tb ]; then
+    "$llama/bin/llama-batched-bench" -m "$m" -t "$threads" -tb "$threads" -c $((max_batch * (c + steps))) \
+      -npp "$c" -ntg "$steps" -npl "$batches" --output-format jsonl $llama_args >"$f.jsonl" 2>"$f.err"
   elif [ "$decode_tool" = llama-bench ]; then
     "$lb" -m "$m" -t "$threads" -p 0 -n "$steps" -d "$c" -r "$repeat" -o jsonl $llama_args >"$f.jsonl" 2>"$f.err"
   else
-    for ((i = 0; i < repeat; i++)); do npp+=${npp:+,}$c; done
     "$llama/bin/llama-batched-bench" -m "$m" -t "$threads" -tb "$threads" -c $((c + steps + 256)) \
       -npp "$npp" -ntg "$steps" -npl 1 --output-format jsonl $llama_args >"$f.jsonl" 2>"$f.err"
   fi || { echo "vs-llama.cpp.sh: llama.cpp failed (round $1, $2, $3):" >&2; tail -n 5 "$f.err" >&2; return 1; }
 }
 
 tests=(pp)
-for c in "${ctx_list[@]}"; do tests+=("tg$c"); done
+for c in "${ctx_list[@]}"; do
+  tests+=("tg$c")
+  [ -z "$batches" ] || tests+=("tb$c")
+done
 for ((r = 1; r <= rounds; r++)); do
   for d in "${dtype_list[@]}"; do
     for t in "${tests[@]}"; do
@@ -159,34 +202,53 @@ for ((r = 1; r <= rounds; r++)); do
 done
 
 # the table: medians over rounds; runs.tsv: every round's figures
-"$py" - "$out" "$rounds" "$dtypes" "$prompt" "$contexts" "$threads" "$decode_tool" "${llama_commit:-}" <<'PY'
+"$py" - "$out" "$rounds" "$dtypes" "$prompt" "$contexts" "$batches" "$threads" "$decode_tool" "${llama_commit:-}" <<'PY'
 import json, os, statistics, sys
-out, rounds, dtypes, prompt, contexts, threads, tool, commit = sys.argv[1:]
-rounds, prompt, contexts = int(rounds), int(prompt), [int(c) for c in contexts.split(",")]
+out, rounds, dtypes, prompt, contexts, batches, threads, tool, commit = sys.argv[1:]
+rounds, prompt = int(rounds), int(prompt)
+contexts = [int(c) for c in contexts.split(",")]
+batches = [int(b) for b in batches.split(",")] if batches else []
 
 def jsonl(path):
     with open(path) as f:
         return [json.loads(l) for l in f if l.strip().startswith("{")]
 
+# (test, context, batch, label) in the order of the runs; batch 0 is the batch-1 decode of its
+# own run (llama-bench -d, or batched-bench -npl 1), context 0 the prefill
+tests = [("pp", 0, 0, "prefill %d" % prompt)]
+for c in contexts:
+    tests.append(("tg%d" % c, c, 0, "decode at %d" % c))
+    tests += [("tb%d" % c, c, b, "decode at %d, batch %d" % (c, b)) for b in batches]
+
 build = None
+
+def kvrelay_figure(k, c, b):
+    if not c:
+        return k["prefill"][0]["tokens_per_second"]
+    return [e for e in k["decode"] if e["batch"] == max(b, 1)][0]["tokens_per_second"]
+
+def llama_figures(path, c, b):
+    global build
+    ll = []
+    for e in jsonl(path):
+        if not build and e.get("build_commit"):  # llama-bench's lines carry it, batched-bench's not
+            build = (e["build_commit"], e.get("build_number"))
+        if not c:
+            ll += e["samples_ts"] if e["n_prompt"] == prompt and e["n_gen"] == 0 else []
+        elif b or tool != "llama-bench":  # batched-bench: speed_tg is pl x tg / the tg steps' time
+            ll += [e["speed_tg"]] if e["pp"] == c and e["pl"] == max(b, 1) else []
+        else:
+            ll += e["samples_ts"] if e["n_depth"] == c and e["n_gen"] > 0 else []
+    return ll
+
 rows = []  # (dtype, test, round, kvrelay, llama)
 for d in dtypes.split(","):
     for r in range(1, rounds + 1):
-        for c in [0] + contexts:
-            base = os.path.join(out, "raw", "r%d-%s-%s-" % (r, d, "tg%d" % c if c else "pp"))
-            t = "decode at %d" % c if c else "prefill %d" % prompt
+        for test, c, b, t in tests:
+            base = os.path.join(out, "raw", "r%d-%s-%s-" % (r, d, test))
             with open(base + "kvrelay.json") as f:
-                k = json.load(f)
-            kv = k["decode"][0]["tokens_per_second"] if c else k["prefill"][0]["tokens_per_second"]
-            ll = []
-            for e in jsonl(base + "llama.jsonl"):
-                build = build or (e.get("build_commit"), e.get("build_number"))
-                if not c:
-                    ll += e["samples_ts"] if e["n_prompt"] == prompt and e["n_gen"] == 0 else []
-                elif tool == "llama-bench":
-                    ll += e["samples_ts"] if e["n_depth"] == c and e["n_gen"] > 0 else []
-                else:
-                    ll += [e["speed_tg"]] if e["pp"] == c else []
+                kv = kvrelay_figure(json.load(f), c, b)
+            ll = llama_figures(base + "llama.jsonl", c, b)
             if not ll:
                 sys.exit("vs-llama.cpp.sh: round %d, %s, %s: llama.cpp reported no figure (%sllama.err)"
                          % (r, d, t, base))
@@ -200,7 +262,8 @@ with open(os.path.join(out, "runs.tsv"), "w") as f:
 if not commit:
     commit = "%s (build %s, from llama-bench)" % build if build else "unknown"
 print("kvrelay vs llama.cpp, %d threads, median of %d rounds (each a best of its repeats); "
-      "llama.cpp %s; decode via %s" % (int(threads), rounds, commit, tool))
+      "llama.cpp %s; decode via %s%s" % (int(threads), rounds, commit, tool,
+                                         ", batches via llama-batched-bench" if batches else ""))
 print("| weights | test | kvrelay tok/s | llama.cpp tok/s | ratio | paired ratio | per-round ratios |")
 print("|---|---|---|---|---|---|---|")
 seen = []

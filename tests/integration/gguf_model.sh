@@ -201,10 +201,14 @@ for b in bad:
 sys.exit(1 if bad else 0)
 PY
 
-# kvrelay loads the safetensors half and computes finite logits
+# kvrelay loads the safetensors half and computes finite logits. On the avx512bf16 kernels a bf16
+# model's matmuls round their inputs to bf16 (docs/engine.md, "Numerics"), so both dtypes run
+# the avx512 ones, which compute what the f32 model does: the logits then say whether the two
+# files hold the same values (a CPU without AVX-512 refuses the variant and runs its best, also
+# exact)
 if [ -x "${KR_BIN:-}/kvrelay-logits" ]; then
   for d in f32 bf16; do
-    "$KR_BIN/kvrelay-logits" --model "$tmp/$d" --ids "1 5 9 200" --out "$tmp/$d.logits" --threads 1 \
+    KR_CPU_ISA=avx512 "$KR_BIN/kvrelay-logits" --model "$tmp/$d" --ids "1 5 9 200" --out "$tmp/$d.logits" --threads 1 \
       >"$tmp/$d.klog" 2>&1 || { cat "$tmp/$d.klog"; fail "kvrelay-logits on the $d model failed"; continue; }
     "$py" -c 'import math, struct, sys
 b = open(sys.argv[1], "rb").read()
