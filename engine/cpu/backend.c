@@ -53,9 +53,10 @@ static int cpu_create(const kr_model *m, int n_threads, int max_chunk, kr_backen
     b->slab = calloc((size_t)n_threads, sizeof *b->slab);
     b->att = calloc((size_t)n_threads, sizeof *b->att);
     size_t xrows = (size_t)(max_chunk > GEMM_MIN_TOKENS ? max_chunk : GEMM_MIN_TOKENS);
-    b->xperm = malloc(sizeof(float) * xrows * (size_t)widest);
+    /* rows padded to 64 bytes (matmul.c's dot_ldx): the decode kernels' loads never split a line */
+    b->xperm = aligned_alloc(64, (sizeof(float) * xrows * ((size_t)widest + 16) + 63) & ~(size_t)63);
     b->xbf16_rows = (int)xrows;
-    b->xbf16 = malloc(sizeof(uint16_t) * xrows * ((size_t)widest + 1));
+    b->xbf16 = aligned_alloc(64, (sizeof(uint16_t) * xrows * ((size_t)widest + 32) + 63) & ~(size_t)63);
     if (!b->slab || !b->att || !b->xperm || !b->xbf16) goto err_oom;
     for (int i = 0; i < n_threads; i++) {
         b->slab[i] = malloc(b->slab_floats * sizeof(float));
@@ -211,5 +212,5 @@ const kr_backend_ops KR_CPU_SYM(kr_cpu_backend) = {
     .score = kr_cpu_score,
     .score_past = kr_cpu_score_past,
     .kv_dtypes = 1u << KR_DTYPE_F32 | 1u << KR_DTYPE_BF16 | 1u << KR_DTYPE_F16,
-    .bf16_x_min_tokens = KR_CPU_LEVEL >= 3 ? GEMM_MIN_TOKENS : 0,
+    .bf16_x_min_tokens = KR_CPU_LEVEL >= 3 ? 1 : 0,
 };

@@ -41,11 +41,13 @@ struct kr_backend {
     float **slab; /* [n_threads][slab_floats] */
     size_t att_floats; /* per-thread attention scratch */
     float **att; /* [n_threads][att_floats] */
-    /* [max(max_chunk, GEMM_MIN_TOKENS)][widest input] tokens reordered for bf16 dot products:
-     * a decode batch of up to max_chunk rows takes that path too */
+    /* [max(max_chunk, GEMM_MIN_TOKENS)][widest input + 16] tokens reordered for the even/odd
+     * dot products of bf16 weights (a decode batch of up to max_chunk rows takes that path too),
+     * 64-byte aligned */
     float *xperm;
-    /* [xbf16_rows][widest input + 1] tokens rounded to bf16 for the AVX-512-BF16 variant's
-     * matmuls of bf16 weights (matmul.c), xbf16_rows = max(max_chunk, GEMM_MIN_TOKENS) */
+    /* [xbf16_rows][widest input + 32] tokens rounded to bf16 for the AVX-512-BF16 variant's
+     * matmuls of bf16 weights (matmul.c), xbf16_rows = max(max_chunk, GEMM_MIN_TOKENS), 64-byte
+     * aligned */
     uint16_t *xbf16;
     int xbf16_rows;
 };

@@ -1,38 +1,23 @@
 /*
  * matmul.c - y[n][out] (+)= x[n][in] . W[out][in]^T (+ bias) on the CPU backend.
- * Output rows are split over the thread pool. Few tokens (decode): each thread streams its
- * weight rows once, one row at a time, dotting each with every token (memory-bound; bf16 and
- * f16 rows are upcast in registers, never in memory; bf16 pairs are split into even and odd
- * lanes with a shift and a mask against a token vector reordered to match, because the
- * widening shuffle was the bottleneck, not memory). Many tokens (prefill): OpenBLAS sgemm per
- * thread on its rows, bf16/f16 rows first upcast into a per-thread f32 slab; on a CPU with
- * AVX-512-BF16, bf16 weights instead go through this file's GEMM of bf16 pairs (x rounded to
- * bf16, f32 sums).
- * The paths round differently. `kr_cpu_matmul_rows` (decode batches) always takes the
- * dot-product path: a token's result there does not depend on how many tokens share the call
- * or on the thread count, so it equals the one-token call bit for bit.
+ * Output rows are split over the thread pool. Two paths, which round differently:
+ * - few tokens (< GEMM_MIN_TOKENS) and every decode batch (`kr_cpu_matmul_rows`): dot products,
+ *   register-blocked over tiles of weight rows x tokens, each weight row streamed from memory
+ *   once per call (dot_rows). A token's result does not depend on how many tokens share the call
+ *   or on the thread count, so a decode batch equals its one-token calls bit for bit. bf16 and
+ *   f16 rows are widened in registers; on a CPU with AVX-512-BF16, bf16 rows are multiplied by
+ *   vdpbf16ps against x rounded to bf16 (pairs of exact products, f32 sums), as prefill does.
+ * - many tokens (prefill): OpenBLAS sgemm per thread on its rows, bf16/f16 rows first upcast
+ *   into a per-thread f32 slab; on a CPU with AVX-512-BF16, bf16 weights go through this file's
+ *   GEMM of bf16 pairs instead (x rounded to bf16, f32 sums).
+ * Not here: attention (attention.c) and the element-wise ops (backend.c).
  */
 #include "cpu.h"
 #include "simd.h"
 
 #include <cblas.h>
+#include <math.h>
 #include <string.h>
-
-/* One bf16 row against x reordered by kr_deinterleave; two sums, so that the adds of the even
- * and odd halves do not wait on each other. */
-static float dot1_bf16eo(const float *x, const uint16_t *w, int in)
-{
-    kr_vf a = vf_zero(), b = vf_zero(), e, o;
-    int i = 0;
-    for (; i + 2 * KR_VL <= in; i += 2 * KR_VL) {
-        vf_load_bf16_eo(w + i, &e, &o);
-        a = vf_fma(vf_load(x + i), e, a);
-        b = vf_fma(vf_load(x + i + KR_VL), o, b);
-    }
-    float s = vf_sum(vf_add(a, b));
-    for (; i < in; i++) s += x[i] * kr_bf16_to_f32(w[i]);
-    return s;
-}
 
 typedef struct mm_job {
     kr_backend *b;
@@ -46,28 +31,239 @@ typedef struct mm_job {
     float *y;
 } mm_job;
 
-static float dot1(const kr_tensor *w, int64_t o, const float *x)
+/* ---- Few tokens and decode batches: every output is the dot product of one weight row with one
+ * token, and a token's dot product is computed the same way whatever else shares the call.
+ * A thread streams its weight rows once, front to back; while a tile of DOT_RB rows is in L1,
+ * every token passes over it, DOT_TB tokens at a time: each chunk of a row is loaded (and
+ * widened) once per tile and each chunk of a token once per tile, and they feed the tile's
+ * DOT_RB x DOT_TB pairs of accumulators, which live in registers. Each (row, token) has its own
+ * two accumulators over alternate chunks, its own column order and its own final reduction, so
+ * the tile it falls in, the batch size and the thread count never change its arithmetic: one
+ * token is this kernel with a 1 x 1 tile, bit for bit the same sums. Tails are exact fmaf, never
+ * left to the compiler's contraction, so that every tile shape rounds them alike. */
+#if KR_CPU_LEVEL >= 2
+#define DOT_TB 6 /* 2 x 6 pairs of accumulators + 4 weight vectors: 28 of 32 registers */
+#else
+#define DOT_TB 2 /* 2 x 2 pairs + 4 weight vectors: 12 of 16 registers */
+#endif
+#define DOT_RB 2
+/* Fewer tokens than this read one row at a time: a single front-to-back stream is what the
+ * hardware prefetcher follows at full speed, and with few tokens memory, not arithmetic, binds. */
+enum { DOT_RB_MIN_TOKENS = 2 };
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* s[r * DOT_TB + t] = x[t] . w[r] for RB rows (w[r] at w + r * ldw) and TB tokens (x[t] at
+ * x + t * ldx): f32 or f16 rows widened in registers, chunks of KR_VL columns */
+static ALWAYS_INLINE void dot_tile_f32_f16(const int RB, const int TB, const int f16, const float *x,
+                                           int64_t ldx, const void *w, int64_t ldw, int in, float *s)
 {
-    int in = (int)w->cols;
-    switch (w->dtype) {
-    case KR_DTYPE_BF16: return dot1_bf16eo(x, (const uint16_t *)w->data + o * in, in);
-    case KR_DTYPE_F16: return kr_dot_f16(x, (const uint16_t *)w->data + o * in, in);
-    default: return kr_dot_f32(x, (const float *)w->data + o * in, in);
+    kr_vf a[DOT_RB][DOT_TB], b[DOT_RB][DOT_TB];
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) a[r][t] = b[r][t] = vf_zero();
+    const float *wf = w;
+    const uint16_t *wh = w;
+#define DOT_LOAD_W(r, i) (f16 ? vf_load_f16(wh + (r) * ldw + (i)) : vf_load(wf + (r) * ldw + (i)))
+    int i = 0;
+    for (; i + 2 * KR_VL <= in; i += 2 * KR_VL) {
+        kr_vf w0[DOT_RB], w1[DOT_RB];
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; r++) w0[r] = DOT_LOAD_W(r, i), w1[r] = DOT_LOAD_W(r, i + KR_VL);
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) {
+            const kr_vf x0 = vf_load(x + t * ldx + i), x1 = vf_load(x + t * ldx + i + KR_VL);
+#pragma GCC unroll 2
+            for (int r = 0; r < RB; r++) a[r][t] = vf_fma(x0, w0[r], a[r][t]), b[r][t] = vf_fma(x1, w1[r], b[r][t]);
+        }
+    }
+    for (; i + KR_VL <= in; i += KR_VL)
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; r++) {
+            const kr_vf w0 = DOT_LOAD_W(r, i);
+#pragma GCC unroll 8
+            for (int t = 0; t < TB; t++) a[r][t] = vf_fma(vf_load(x + t * ldx + i), w0, a[r][t]);
+        }
+#undef DOT_LOAD_W
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) {
+            float v = vf_sum(a[r][t]) + vf_sum(b[r][t]);
+            for (int k = i; k < in; k++)
+                v = fmaf(x[t * ldx + k], f16 ? kr_f16_to_f32(wh[r * ldw + k]) : wf[r * ldw + k], v);
+            s[r * DOT_TB + t] = v;
+        }
+}
+
+/* The same for bf16 rows widened in registers: each chunk of 2 * KR_VL columns is split into its
+ * even and odd columns with a shift and a mask (the widening shuffle was the bottleneck), against
+ * x reordered to match (kr_deinterleave); one accumulator for the even, one for the odd */
+static ALWAYS_INLINE void dot_tile_bf16eo(const int RB, const int TB, const float *x, int64_t ldx,
+                                          const uint16_t *w, int64_t ldw, int in, float *s)
+{
+    kr_vf a[DOT_RB][DOT_TB], b[DOT_RB][DOT_TB];
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) a[r][t] = b[r][t] = vf_zero();
+    int i = 0;
+    for (; i + 2 * KR_VL <= in; i += 2 * KR_VL) {
+        kr_vf e[DOT_RB], o[DOT_RB];
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; r++) vf_load_bf16_eo(w + r * ldw + i, &e[r], &o[r]);
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) {
+            const kr_vf x0 = vf_load(x + t * ldx + i), x1 = vf_load(x + t * ldx + i + KR_VL);
+#pragma GCC unroll 2
+            for (int r = 0; r < RB; r++) a[r][t] = vf_fma(x0, e[r], a[r][t]), b[r][t] = vf_fma(x1, o[r], b[r][t]);
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) {
+            float v = vf_sum(vf_add(a[r][t], b[r][t]));
+            for (int k = i; k < in; k++) v = fmaf(x[t * ldx + k], kr_bf16_to_f32(w[r * ldw + k]), v);
+            s[r * DOT_TB + t] = v;
+        }
+}
+
+#if KR_CPU_LEVEL >= 3
+/* bf16 rows on AVX-512-BF16, against x rounded to bf16 (matmul): vdpbf16ps multiplies a chunk of
+ * 32 columns pairwise and adds both exact products of a pair to an f32 lane, twice the multiply
+ * rate of f32 FMAs and nothing to widen. The last, partial chunks are masked (zero past the row's
+ * end) into the first accumulator. */
+static ALWAYS_INLINE void dot_tile_dpbf16(const int RB, const int TB, const uint16_t *x, int64_t ldx,
+                                          const uint16_t *w, int64_t ldw, int in, float *s)
+{
+    __m512 a[DOT_RB][DOT_TB], b[DOT_RB][DOT_TB];
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) a[r][t] = b[r][t] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 64 <= in; i += 64) {
+        __m512bh w0[DOT_RB], w1[DOT_RB];
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; r++)
+            w0[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + i), w1[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + i + 32);
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + t * ldx + i);
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + t * ldx + i + 32);
+#pragma GCC unroll 2
+            for (int r = 0; r < RB; r++)
+                a[r][t] = _mm512_dpbf16_ps(a[r][t], x0, w0[r]), b[r][t] = _mm512_dpbf16_ps(b[r][t], x1, w1[r]);
+        }
+    }
+    for (; i < in; i += 32) {
+        const int left = in - i;
+        const __mmask32 m = left >= 32 ? ~(__mmask32)0 : ((__mmask32)1 << left) - 1;
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; r++) {
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * ldw + i);
+#pragma GCC unroll 8
+            for (int t = 0; t < TB; t++)
+                a[r][t] = _mm512_dpbf16_ps(a[r][t], (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * ldx + i), w0);
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TB; t++) s[r * DOT_TB + t] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][t], b[r][t]));
+}
+#endif
+
+/* How a matmul's rows are dotted: by the weights' dtype, and for bf16 by the variant */
+typedef enum dot_kind { DOT_F32, DOT_F16, DOT_BF16EO, DOT_DPBF16 } dot_kind;
+
+static dot_kind dot_kind_of(kr_dtype t)
+{
+    switch (t) {
+    case KR_DTYPE_BF16: return KR_CPU_LEVEL >= 3 ? DOT_DPBF16 : DOT_BF16EO;
+    case KR_DTYPE_F16: return DOT_F16;
+    case KR_DTYPE_F32: break;
+    }
+    return DOT_F32;
+}
+
+/* The tokens' layout for dot_rows: rounded to bf16 for vdpbf16ps, reordered for the even/odd
+ * split, as given otherwise; rows of ldx values (64-byte multiples where the kernel loads them
+ * from the backend's aligned scratch) */
+static int64_t dot_ldx(dot_kind kind, int64_t in)
+{
+    switch (kind) {
+    case DOT_DPBF16: return (in + 31) & ~(int64_t)31;
+    case DOT_BF16EO: return (in + 15) & ~(int64_t)15;
+    case DOT_F32:
+    case DOT_F16: break;
+    }
+    return in;
+}
+
+/* One tile of RB rows x TB tokens (constants at each call site, so that the accumulators are
+ * registers); x: the tile's first token, in the kind's layout */
+static ALWAYS_INLINE void dot_tile_const(const int RB, const int TB, dot_kind kind, const void *x, int64_t ldx,
+                                         const void *w, int in, float *s)
+{
+    switch (kind) {
+    case DOT_F32: dot_tile_f32_f16(RB, TB, 0, x, ldx, w, in, in, s); return;
+    case DOT_F16: dot_tile_f32_f16(RB, TB, 1, x, ldx, w, in, in, s); return;
+    case DOT_BF16EO: dot_tile_bf16eo(RB, TB, x, ldx, w, in, in, s); return;
+    case DOT_DPBF16:
+#if KR_CPU_LEVEL >= 3
+        dot_tile_dpbf16(RB, TB, x, ldx, w, in, in, s);
+#endif
+        return;
     }
 }
 
-/* One weight row at a time, every token against it while it is in L1: the thread reads its rows
- * front to back in one stream, which the hardware prefetcher follows at full speed (groups of
- * rows read side by side reached two thirds of that on rows of 1.5 KB) */
-static void matvec_rows(const mm_job *j, int64_t lo, int64_t hi)
+#define DOT_CASE(R, T)                                                                            \
+    case (R) * 16 + (T): dot_tile_const(R, T, kind, x, ldx, w, in, s); return;
+#if DOT_TB == 6
+#define DOT_CASES(R) DOT_CASE(R, 1) DOT_CASE(R, 2) DOT_CASE(R, 3) DOT_CASE(R, 4) DOT_CASE(R, 5) DOT_CASE(R, 6)
+#else
+#define DOT_CASES(R) DOT_CASE(R, 1) DOT_CASE(R, 2)
+#endif
+
+static void dot_tile(int rb, int tb, dot_kind kind, const void *x, int64_t ldx, const void *w, int in, float *s)
+{
+    switch (rb * 16 + tb) {
+        DOT_CASES(1)
+        DOT_CASES(2)
+    default: return;
+    }
+}
+#undef DOT_CASES
+#undef DOT_CASE
+
+/* Output rows [lo, hi) of every token, the weight rows read once, front to back */
+static void dot_rows(const mm_job *j, int64_t lo, int64_t hi)
 {
     const int64_t in = j->w->cols, out = j->w->rows;
-    const float *x = j->w->dtype == KR_DTYPE_BF16 ? j->b->xperm : j->x;
-    for (int64_t o = lo; o < hi; o++)
-        for (int t = 0; t < j->n; t++) {
-            float *y = j->y + t * out + o;
-            *y = (j->accumulate ? *y : 0.0f) + dot1(j->w, o, x + t * in);
+    const dot_kind kind = dot_kind_of(j->w->dtype);
+    const size_t row_bytes = (size_t)in * kr_dtype_size(j->w->dtype);
+    const void *x = kind == DOT_DPBF16 ? (const void *)j->b->xbf16
+                    : kind == DOT_BF16EO ? (const void *)j->b->xperm : (const void *)j->x;
+    const int64_t ldx = dot_ldx(kind, in);
+    const size_t xsz = kind == DOT_DPBF16 ? sizeof(uint16_t) : sizeof(float);
+    const int rb_most = j->n >= DOT_RB_MIN_TOKENS ? DOT_RB : 1;
+    float s[DOT_RB * DOT_TB];
+    for (int64_t o = lo; o < hi; o += rb_most) {
+        const int rb = hi - o < rb_most ? (int)(hi - o) : rb_most;
+        const void *w = (const char *)j->w->data + (size_t)o * row_bytes;
+        for (int t0 = 0; t0 < j->n; t0 += DOT_TB) {
+            const int tb = j->n - t0 < DOT_TB ? j->n - t0 : DOT_TB;
+            dot_tile(rb, tb, kind, (const char *)x + (size_t)(t0 * ldx) * xsz, ldx, w, (int)in, s);
+            for (int r = 0; r < rb; r++)
+                for (int t = 0; t < tb; t++) {
+                    float *y = j->y + (t0 + t) * out + o + r;
+                    *y = (j->accumulate ? *y : 0.0f) + s[r * DOT_TB + t];
+                }
         }
+    }
 }
 
 static void gemm_rows(const mm_job *j, int ith, int64_t lo, int64_t hi)
@@ -215,7 +411,7 @@ static void mm_task(void *arg, int ith, int nth)
     if (j->bf16_x) bf_gemm_rows(j, ith, lo, hi);
     else
 #endif
-        if (j->rows_alone || j->n < GEMM_MIN_TOKENS) matvec_rows(j, lo, hi);
+        if (j->rows_alone || j->n < GEMM_MIN_TOKENS) dot_rows(j, lo, hi);
     else gemm_rows(j, ith, lo, hi);
     if (j->bias && j->bias->data) {
         const float *bias = j->bias->data;
@@ -231,8 +427,15 @@ static void matmul(kr_backend *b, const kr_tensor *w, const kr_tensor *bias, con
 {
     mm_job j = {.b = b, .w = w, .bias = bias, .x = x, .n = n, .accumulate = accumulate,
                 .rows_alone = rows_alone, .y = y};
-    if ((rows_alone || n < GEMM_MIN_TOKENS) && w->dtype == KR_DTYPE_BF16)
-        for (int t = 0; t < n; t++) kr_deinterleave(x + t * w->cols, (int)w->cols, b->xperm + t * w->cols);
+    if ((rows_alone || n < GEMM_MIN_TOKENS) && w->dtype == KR_DTYPE_BF16) {
+        /* the few tokens in dot_rows' layout, once per call (n * cols values: microseconds) */
+        const int64_t in = w->cols, ldx = dot_ldx(dot_kind_of(w->dtype), in);
+        for (int t = 0; t < n; t++)
+            if (dot_kind_of(w->dtype) == DOT_DPBF16)
+                kr_cpu_from_f32(KR_DTYPE_BF16, x + t * in, (size_t)in, b->xbf16 + t * ldx);
+            else
+                kr_deinterleave(x + t * in, (int)in, b->xperm + t * ldx);
+    }
 #if KR_CPU_LEVEL >= 3
     if (!rows_alone && n >= GEMM_MIN_TOKENS && w->dtype == KR_DTYPE_BF16) {
         /* xbf16 holds xbf16_rows tokens: more are taken that many at a time */
