@@ -3,8 +3,10 @@
  * Two paths, both with an online softmax (running max and sum) over tiles of entries, so no
  * score matrix of the whole context exists:
  * - few tokens (decode), and decode batches (token i of sequence i): work items are (token, KV
- *   head) pairs; each attends the query heads of one GQA group over that head's block list with
- *   vector dot products;
+ *   head) pairs, which threads claim one at a time from a shared counter (items differ in cost
+ *   by their list's length); each item runs the query heads of one GQA group over that head's
+ *   block list in register-blocked kernels: every key row is loaded (and widened) once for the
+ *   group's scores, every value row once for the group's outputs;
  * - many tokens (prefill): work items are (KV head, block of 64 queries); each tile of 128 keys
  *   and values is gathered once from its blocks and used by every query head of the group
  *   through two sgemm calls (scores = Q K^T, output += P V), flash-attention style.
@@ -13,24 +15,39 @@
  * (positions <= pos - window).
  * A bf16 or f16 cache is widened as it is read (in registers on the decode path, while gathering
  * a tile on the prefill path); the arithmetic is the f32 path's on the rounded entries.
+ * Not here: the scoring op's attention (score.c).
  */
 #include "cpu.h"
 #include "simd.h"
 
 #include <cblas.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 enum {
     TILE = 128, /* entries per softmax tile (both paths) */
     QBLOCK = 64, /* queries per work item on the prefill path */
     BLOCKED_MIN_TOKENS = 16, /* chunks at least this long take the prefill path */
+    ROWS = 4, /* key rows per step of the decode score kernel (vf_sum4 reduces four) */
+    CHUNKS = 4, /* vectors of each output row the decode P.V kernel keeps in registers */
 };
+
+/* Query heads per pass of the decode kernels: the score kernel holds HEAD_BLOCK x ROWS
+ * accumulators and ROWS key vectors, the P.V kernel HEAD_BLOCK x CHUNKS outputs and CHUNKS value
+ * vectors: 21 of AVX-512's 32 registers, 13 of AVX2's 16 with 2 heads. */
+#if KR_CPU_LEVEL == 1
+#define HEAD_BLOCK 2
+#else
+#define HEAD_BLOCK 4
+#endif
+
+#define KR_ALWAYS_INLINE static inline __attribute__((always_inline))
 
 size_t kr_cpu_attention_scratch(const kr_config *cfg)
 {
     size_t g = (size_t)(cfg->n_heads / cfg->n_kv_heads), d = (size_t)cfg->head_dim;
-    size_t one = g * TILE + g * d + 2 * g;
+    size_t one = g * TILE + g * d + 3 * g;
     size_t blocked = 2 * TILE * d + g * QBLOCK * TILE + g * QBLOCK * d + 2 * g * QBLOCK;
     return one > blocked ? one : blocked;
 }
@@ -46,6 +63,7 @@ typedef struct att_job {
     const int32_t *pos;
     int window;
     float *out;
+    atomic_int next; /* decode: the next (token, KV head) item to claim */
 } att_job;
 
 /* Asks for the key and value rows of entries [j0, j0 + n) of list l, a block's run of rows at a
@@ -66,19 +84,198 @@ static void prefetch_rows(const kr_kv_pool *p, const kr_kv_list *l, int j0, int 
     }
 }
 
+/* The horizontal sums of four vectors, out[0..4), each by a fixed tree of its own lanes: a sum
+ * does not depend on the other three vectors. */
+static inline void vf_sum4(kr_vf a, kr_vf b, kr_vf c, kr_vf d, float *out)
+{
+#if KR_CPU_LEVEL >= 2
+    /* 128-bit lanes: ab = [a0+a2, a1+a3, b0+b2, b1+b3], then s = [a, b, c, d] in four floats each */
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xb1));
+    s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), s);
+    _mm_storeu_ps(out, _mm512_castps512_ps128(s));
+#elif KR_CPU_LEVEL == 1
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#else
+    out[0] = a, out[1] = b, out[2] = c, out[3] = d;
+#endif
+}
+
+/* KR_VL elements of a cache row of dtype t from element i, widened exactly; t is a constant
+ * wherever the kernels below are instantiated, so the switch folds away */
+KR_ALWAYS_INLINE kr_vf load_kv(kr_dtype t, const void *row, int i)
+{
+    switch (t) {
+    case KR_DTYPE_BF16: return vf_load_bf16((const uint16_t *)row + i);
+    case KR_DTYPE_F16: return vf_load_f16((const uint16_t *)row + i);
+    case KR_DTYPE_F32: break;
+    }
+    return vf_load((const float *)row + i);
+}
+
+KR_ALWAYS_INLINE float kv_at(kr_dtype t, const void *row, int i)
+{
+    switch (t) {
+    case KR_DTYPE_BF16: return kr_bf16_to_f32(((const uint16_t *)row)[i]);
+    case KR_DTYPE_F16: return kr_f16_to_f32(((const uint16_t *)row)[i]);
+    case KR_DTYPE_F32: break;
+    }
+    return ((const float *)row)[i];
+}
+
+/* Scores of key rows k[0..ROWS) against nh query heads q[nh][d]: s[h * TILE + r] = q_h . k_r *
+ * scale for r < nr (rows past nr are padding: computed, not stored). Each key chunk is loaded
+ * once for the nh heads. A score sums its chunk products in one accumulator in element order,
+ * then that accumulator's lanes (vf_sum4), then the elements past the last whole chunk. */
+KR_ALWAYS_INLINE void score_rows(kr_dtype t, int nh, const float *q, int d, const void *const *k, int nr,
+                                 float scale, float *s)
+{
+    kr_vf acc[HEAD_BLOCK][ROWS];
+#pragma GCC unroll 4
+    for (int h = 0; h < nh; h++)
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) acc[h][r] = vf_zero();
+    int i = 0;
+    for (; i + KR_VL <= d; i += KR_VL) {
+        kr_vf kv[ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) kv[r] = load_kv(t, k[r], i);
+#pragma GCC unroll 4
+        for (int h = 0; h < nh; h++) {
+            kr_vf qv = vf_load(q + (size_t)h * d + i);
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) acc[h][r] = vf_fma(qv, kv[r], acc[h][r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < nh; h++) {
+        float sum[ROWS];
+        vf_sum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3], sum);
+        for (int r = 0; r < nr; r++) {
+            float x = sum[r];
+            for (int e = i; e < d; e++) x += q[(size_t)h * d + e] * kv_at(t, k[r], e);
+            s[(size_t)h * TILE + r] = x * scale;
+        }
+    }
+}
+
+/* Outputs [i, i + nc * KR_VL) of nh heads (out[nh][d]) over value rows v[0..n): each output is
+ * first multiplied by its head's corr, then accumulates p[h * TILE + j] * v_j in entry order
+ * j = 0, 1, ..., held in registers across the tile; each value chunk is loaded once for the nh
+ * heads. */
+KR_ALWAYS_INLINE void pv_chunks(kr_dtype t, int nh, int nc, const float *p, const void *const *v, int n, int i,
+                                const float *corr, int d, float *out)
+{
+    kr_vf acc[HEAD_BLOCK][CHUNKS];
+#pragma GCC unroll 4
+    for (int h = 0; h < nh; h++) {
+        kr_vf c = vf_set1(corr[h]);
+#pragma GCC unroll 4
+        for (int x = 0; x < nc; x++) acc[h][x] = vf_mul(vf_load(out + (size_t)h * d + i + x * KR_VL), c);
+    }
+    for (int j = 0; j < n; j++) {
+        kr_vf vv[CHUNKS];
+#pragma GCC unroll 4
+        for (int x = 0; x < nc; x++) vv[x] = load_kv(t, v[j], i + x * KR_VL);
+#pragma GCC unroll 4
+        for (int h = 0; h < nh; h++) {
+            kr_vf w = vf_set1(p[(size_t)h * TILE + j]);
+#pragma GCC unroll 4
+            for (int x = 0; x < nc; x++) acc[h][x] = vf_fma(w, vv[x], acc[h][x]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < nh; h++)
+#pragma GCC unroll 4
+        for (int x = 0; x < nc; x++) vf_store(out + (size_t)h * d + i + x * KR_VL, acc[h][x]);
+}
+
+/* Scratch of a block of query heads of one item (see attend_one) */
+typedef struct head_block {
+    const float *q; /* [nh][d] */
+    float *sc; /* [nh][TILE] scores, then probabilities */
+    float *acc; /* [nh][d] outputs so far, not yet divided by the sum */
+    float *m, *sum, *corr; /* [nh] running max and sum; this tile's rescaling of acc */
+} head_block;
+
+/* The online softmax step of one tile of n scores for nh heads: the scores become exp(s - max),
+ * the running max and sum move on, corr is exp(old max - new max). Not inlined into the kernels:
+ * the vectorised exp's constants, hoisted, would take the registers their accumulators need. */
+static __attribute__((noinline)) void softmax_tile(const head_block *hb, int nh, int n)
+{
+    for (int h = 0; h < nh; h++) {
+        float *s = hb->sc + (size_t)h * TILE;
+        float mt = hb->m[h];
+        for (int j = 0; j < n; j++) mt = s[j] > mt ? s[j] : mt;
+        hb->corr[h] = expf(hb->m[h] - mt); /* exp(-inf) = 0 on the first tile */
+        hb->sum[h] = hb->sum[h] * hb->corr[h] + kr_exp_shift_sum(s, n, mt);
+        hb->m[h] = mt;
+    }
+}
+
+/* One tile of n entries (key rows k padded to a multiple of ROWS, value rows v) for the nh heads
+ * of hb: scores, the online softmax step, then acc = acc * corr + P V. */
+KR_ALWAYS_INLINE void tile_heads(kr_dtype t, int nh, const head_block *hb, int d, const void *const *k,
+                                 const void *const *v, int n)
+{
+    const float scale = 1.0f / sqrtf((float)d);
+    for (int j = 0; j < n; j += ROWS)
+        score_rows(t, nh, hb->q, d, k + j, n - j < ROWS ? n - j : ROWS, scale, hb->sc + j);
+    softmax_tile(hb, nh, n);
+    int i = 0;
+    for (; i + CHUNKS * KR_VL <= d; i += CHUNKS * KR_VL) pv_chunks(t, nh, CHUNKS, hb->sc, v, n, i, hb->corr, d, hb->acc);
+    for (; i + KR_VL <= d; i += KR_VL) pv_chunks(t, nh, 1, hb->sc, v, n, i, hb->corr, d, hb->acc);
+    for (int h = 0; h < nh; h++) /* the elements past the last whole vector */
+        for (int e = i; e < d; e++) {
+            float y = hb->acc[(size_t)h * d + e] * hb->corr[h];
+            for (int j = 0; j < n; j++) y += hb->sc[(size_t)h * TILE + j] * kv_at(t, v[j], e);
+            hb->acc[(size_t)h * d + e] = y;
+        }
+}
+
+/* tile_heads instantiated for each head count of a block, for one dtype */
+KR_ALWAYS_INLINE void tile_dtype(kr_dtype t, int nh, const head_block *hb, int d, const void *const *k,
+                                 const void *const *v, int n)
+{
+    switch (nh) {
+    case 1: tile_heads(t, 1, hb, d, k, v, n); return;
+#if HEAD_BLOCK > 2
+    case 2: tile_heads(t, 2, hb, d, k, v, n); return;
+    case 3: tile_heads(t, 3, hb, d, k, v, n); return;
+#endif
+    default: tile_heads(t, HEAD_BLOCK, hb, d, k, v, n); return;
+    }
+}
+
+static void tile_run(kr_dtype t, int nh, const head_block *hb, int d, const void *const *k, const void *const *v,
+                     int n)
+{
+    switch (t) {
+    case KR_DTYPE_BF16: tile_dtype(KR_DTYPE_BF16, nh, hb, d, k, v, n); return;
+    case KR_DTYPE_F16: tile_dtype(KR_DTYPE_F16, nh, hb, d, k, v, n); return;
+    case KR_DTYPE_F32: break;
+    }
+    tile_dtype(KR_DTYPE_F32, nh, hb, d, k, v, n);
+}
+
 /* One token's query heads of one GQA group (q, out: [group][d]) over the first `visible`
  * entries of list l, less those at positions <= pos - window when window > 0. Both the chunk
  * path (token i of n sees len - n + i + 1) and the batch path (every token sees its whole list)
- * come here, so a batched row is the one-token call's row bit for bit. */
+ * come here, so a batched row is the one-token call's row bit for bit: nothing in it depends on
+ * the call's other items or on the thread that runs it. */
 static void attend_one(const kr_kv_pool *p, const kr_kv_list *l, int visible, int32_t pos, int window,
                        const float *q, int group, float *scratch, float *o)
 {
     const int d = p->head_dim;
-    const float scale = 1.0f / sqrtf((float)d);
     float *sc = scratch; /* [group][TILE] */
     float *acc = sc + (size_t)group * TILE; /* [group][d] */
     float *m = acc + (size_t)group * d; /* [group] running max */
     float *sum = m + group; /* [group] running sum */
+    float *corr = sum + group; /* [group] */
     int start = window > 0 ? kr_kv_list_first_after(p, l, visible, pos - window) : 0;
 
     for (int h = 0; h < group; h++) {
@@ -86,28 +283,18 @@ static void attend_one(const kr_kv_pool *p, const kr_kv_list *l, int visible, in
         sum[h] = 0.0f;
         for (int e = 0; e < d; e++) acc[(size_t)h * d + e] = 0.0f;
     }
-    const kr_dtype t = p->dtype;
-    const void *krow[TILE], *vrow[TILE];
+    const void *krow[TILE + ROWS - 1], *vrow[TILE];
     for (int j0 = start; j0 < visible; j0 += TILE) {
         int jn = visible - j0 < TILE ? visible - j0 : TILE;
         kr_kv_list_rows(p, l, j0, jn, krow, vrow);
+        for (int r = jn; r % ROWS; r++) krow[r] = krow[jn - 1]; /* the score kernel's padding */
         if (j0 + jn < visible)
             prefetch_rows(p, l, j0 + jn, visible - j0 - jn < TILE ? visible - j0 - jn : TILE);
-        for (int jj = 0; jj < jn; jj++)
-            for (int h = 0; h < group; h++)
-                sc[(size_t)h * TILE + jj] = kr_dot_row(q + (size_t)h * d, krow[jj], t, d) * scale;
-        for (int h = 0; h < group; h++) {
-            float *s = sc + (size_t)h * TILE;
-            float mt = m[h];
-            for (int jj = 0; jj < jn; jj++) mt = s[jj] > mt ? s[jj] : mt;
-            float corr = expf(m[h] - mt); /* exp(-inf) = 0 on the first tile */
-            sum[h] = sum[h] * corr + kr_exp_shift_sum(s, jn, mt);
-            kr_scale(acc + (size_t)h * d, corr, d);
-            m[h] = mt;
+        for (int h0 = 0; h0 < group; h0 += HEAD_BLOCK) {
+            head_block hb = {.q = q + (size_t)h0 * d, .sc = sc + (size_t)h0 * TILE, .acc = acc + (size_t)h0 * d,
+                             .m = m + h0, .sum = sum + h0, .corr = corr + h0};
+            tile_run(p->dtype, group - h0 < HEAD_BLOCK ? group - h0 : HEAD_BLOCK, &hb, d, krow, vrow, jn);
         }
-        for (int jj = 0; jj < jn; jj++) /* each value row once for the whole group */
-            for (int h = 0; h < group; h++)
-                kr_axpy_row(acc + (size_t)h * d, sc[(size_t)h * TILE + jj], vrow[jj], t, d);
     }
     for (int h = 0; h < group; h++) {
         float inv = 1.0f / sum[h];
@@ -215,14 +402,19 @@ static void attend_block(const att_job *j, float *scratch, int g, int i0, int i1
 
 static void att_task(void *arg, int ith, int nth)
 {
-    const att_job *j = arg;
+    att_job *j = arg;
     int kvh = j->seqs ? j->seqs[0]->n_kv_heads : j->s->n_kv_heads;
-    int64_t lo, hi;
     if (j->seqs || j->n < BLOCKED_MIN_TOKENS) {
-        kr_split((int64_t)j->n * kvh, ith, nth, 1, &lo, &hi);
-        for (int64_t it = lo; it < hi; it++) {
-            if (it + 1 < hi) prefetch_item(j, (int)((it + 1) / kvh), (int)((it + 1) % kvh));
-            attend_item(j, j->b->att[ith], (int)(it / kvh), (int)(it % kvh));
+        /* items cost as many entries as they see, which differ across a batch: each thread
+         * claims the next item when it is free, and the one after that before it starts, so the
+         * first tile of that one is fetched meanwhile */
+        const int items = j->n * kvh;
+        int it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        while (it < items) {
+            int after = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+            if (after < items) prefetch_item(j, after / kvh, after % kvh);
+            attend_item(j, j->b->att[ith], it / kvh, it % kvh);
+            it = after;
         }
         return;
     }
