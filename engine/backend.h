@@ -91,10 +91,11 @@ typedef struct kr_backend_ops {
      * one: 0 means f32 only). kr_ctx_create refuses a KV dtype the backend does not store and
      * kr_forward a sequence in a pool of one. */
     unsigned kv_dtypes;
-    /* matmul rounds x to bf16 before multiplying when the weights are bf16 and n is at least
-     * this (0: never; x stays f32): the multi-token matmuls of the CPU's AVX-512-BF16 variant
-     * and of CUDA, whose weights are bf16 on the device whatever the checkpoint's dtype. Sums are
-     * f32 either way. Tests widen their references' x the same way. */
+    /* matmul (and matmul_rows) round x to bf16 before multiplying when the weights are bf16 and
+     * n is at least this (0: never; x stays f32): every matmul of bf16 weights on the CPU's
+     * AVX-512-BF16 variant (1: decode too, so that a batch equals its one-token calls), the
+     * multi-token ones of CUDA, whose weights are bf16 on the device whatever the checkpoint's
+     * dtype. Sums are f32 either way. Tests widen their references' x the same way. */
     int bf16_x_min_tokens;
 } kr_backend_ops;
 
