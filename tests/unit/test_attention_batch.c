@@ -12,6 +12,7 @@
 #include "kr_test.h"
 
 #include "backend.h"
+#include "model_shell.h"
 
 enum {
     N_SEQS = 33, /* the largest batch */
@@ -30,18 +31,6 @@ static float frand(void) /* uniform in [-1, 1) */
     return (float)((double)(rng >> 11) * 0x1.0p-52 - 1.0);
 }
 
-/* a model shell: the CPU backend only reads the config from it */
-static kr_model shell(int heads, int head_dim)
-{
-    kr_model m;
-    memset(&m, 0, sizeof m);
-    m.cfg.hidden_size = heads * head_dim;
-    m.cfg.intermediate_size = 64;
-    m.cfg.n_heads = heads;
-    m.cfg.n_kv_heads = KV_HEADS;
-    m.cfg.head_dim = head_dim;
-    return m;
-}
 
 /* Lengths around the kernels' edges (1, a score step of 4, a block of 16, a tile of 128, the
  * window) and between them */
@@ -180,7 +169,8 @@ int main(void)
         for (int threads = 1; threads <= 2; threads++)
             for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
                 char err[KR_ERR_MAX];
-                kr_model m = shell(shapes[s].group * KV_HEADS, shapes[s].hd);
+                const int heads = shapes[s].group * KV_HEADS;
+                kr_model m = kr_test_model_shell(heads * shapes[s].hd, 64, heads, KV_HEADS, shapes[s].hd);
                 kr_backend *b;
                 REQUIRE(ops->create(&m, threads, 64, &b, err) == KR_OK, "%s", err);
                 for (int t = 0; t < 3; t++)

@@ -13,6 +13,7 @@
 
 #include "backend.h"
 #include "kr-util.h"
+#include "model_shell.h"
 
 enum { MAX_N = 33, GEMM_ROWS = 6 };
 
@@ -23,18 +24,6 @@ static float frand(void) /* uniform in [-1, 1) */
 {
     rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
     return (float)((double)(rng >> 11) * 0x1.0p-52 - 1.0);
-}
-
-static kr_model shell(int d, int f)
-{
-    kr_model m;
-    memset(&m, 0, sizeof m);
-    m.cfg.hidden_size = d;
-    m.cfg.intermediate_size = f;
-    m.cfg.n_heads = 2;
-    m.cfg.n_kv_heads = 1;
-    m.cfg.head_dim = 16;
-    return m;
 }
 
 typedef struct mm_case {
@@ -132,7 +121,7 @@ int main(void)
 {
     char err[KR_ERR_MAX];
     /* the widest input sizes the backends' scratch */
-    kr_model m = shell(1037, 160);
+    kr_model m = kr_test_model_shell(1037, 160, 2, 1, 16);
     int ran = 0;
     for (const char *const *isa = (const char *const[]){"avx512bf16", "avx512", "avx2", "base", NULL}; *isa; isa++) {
         if (!kr_cpu_isa_supported(*isa)) {

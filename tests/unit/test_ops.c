@@ -16,6 +16,7 @@
 #include "kr_test.h"
 
 #include "backend.h"
+#include "model_shell.h"
 /* the vectorised exp and the row kernels below are simd.h's at the instruction set this test is
  * compiled for */
 #if defined(__AVX512F__)
@@ -45,17 +46,6 @@ static uint32_t rand_bits(void) /* 32 uniform random bits */
 }
 
 /* a model shell: the CPU backend only reads the config from it */
-static kr_model shell(int d, int f, int heads, int kv_heads, int head_dim)
-{
-    kr_model m;
-    memset(&m, 0, sizeof m);
-    m.cfg.hidden_size = d;
-    m.cfg.intermediate_size = f;
-    m.cfg.n_heads = heads;
-    m.cfg.n_kv_heads = kv_heads;
-    m.cfg.head_dim = head_dim;
-    return m;
-}
 
 static uint32_t bits(float x)
 {
@@ -354,7 +344,7 @@ static void check_row_ops(void)
 static void check_variant(void)
 {
     char err[KR_ERR_MAX];
-    kr_model m = shell(96, 160, 8, 2, 64);
+    kr_model m = kr_test_model_shell(96, 160, 8, 2, 64);
     kr_backend *b;
     REQUIRE(ops->create(&m, 2, 64, &b, err) == KR_OK, "%s", err);
 
@@ -368,7 +358,7 @@ static void check_variant(void)
     /* bf16 GEMMs within one column block and past it (2048), odd in, outputs no tile width
      * divides, token counts with every tail, and more tokens than the scratch's 64 rows; a model
      * as wide as the widest input, which the backend sizes its scratch for */
-    kr_model wide = shell(2085, 1024, 8, 2, 64);
+    kr_model wide = kr_test_model_shell(2085, 1024, 8, 2, 64);
     kr_backend *bw;
     REQUIRE(ops->create(&wide, 2, 64, &bw, err) == KR_OK, "%s", err);
     check_matmul(bw, KR_DTYPE_BF16, 1037, 101, 70, 1, 0);
@@ -441,7 +431,7 @@ static void check_variant(void)
         {6, 2, 128, 1000, 1000, 0, 16},
     };
     for (size_t i = 0; i < sizeof at / sizeof at[0]; i++) {
-        kr_model ma = shell(at[i].heads * at[i].hd, 64, at[i].heads, at[i].kv, at[i].hd);
+        kr_model ma = kr_test_model_shell(at[i].heads * at[i].hd, 64, at[i].heads, at[i].kv, at[i].hd);
         REQUIRE(ops->create(&ma, 2, 64, &b, err) == KR_OK, "%s", err);
         for (int t = 0; t < 3; t++)
             check_attention(b, dts[t], at[i].heads, at[i].kv, at[i].hd, at[i].len, at[i].n, at[i].window, at[i].bs);
@@ -451,7 +441,7 @@ static void check_variant(void)
     const struct { int heads, kv, hd, len, n, bs; } odd[] = {{6, 2, 33, 150, 1, 7}, {6, 2, 33, 150, 40, 7},
                                                            {4, 4, 17, 200, 20, 16}, {3, 1, 5, 41, 3, 4}};
     for (size_t i = 0; i < sizeof odd / sizeof odd[0]; i++) {
-        kr_model ma = shell(odd[i].heads * odd[i].hd, 64, odd[i].heads, odd[i].kv, odd[i].hd);
+        kr_model ma = kr_test_model_shell(odd[i].heads * odd[i].hd, 64, odd[i].heads, odd[i].kv, odd[i].hd);
         REQUIRE(ops->create(&ma, 2, 64, &b, err) == KR_OK, "%s", err);
         for (int t = 0; t < 3; t++)
             check_attention(b, dts[t], odd[i].heads, odd[i].kv, odd[i].hd, odd[i].len, odd[i].n, 0, odd[i].bs);

@@ -9,6 +9,7 @@
 #include "kr_test.h"
 
 #include "backend.h"
+#include "model_shell.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static float frand(void) /* uniform in [-1, 1) */
@@ -20,13 +21,7 @@ static float frand(void) /* uniform in [-1, 1) */
 static void check(int heads, int kv_heads, int hd, int n_obs, int hidden, int bs)
 {
     char err[KR_ERR_MAX];
-    kr_model m;
-    memset(&m, 0, sizeof m);
-    m.cfg.hidden_size = heads * hd;
-    m.cfg.intermediate_size = 64;
-    m.cfg.n_heads = heads;
-    m.cfg.n_kv_heads = kv_heads;
-    m.cfg.head_dim = hd;
+    kr_model m = kr_test_model_shell(heads * hd, 64, heads, kv_heads, hd);
     kr_backend *b;
     REQUIRE(kr_cpu_backend.create(&m, 2, 64, &b, err) == KR_OK, "%s", err);
     kr_kv_pool *pool;
