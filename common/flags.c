@@ -116,7 +116,7 @@ static int store(const kc_flag *e, const char *a, const char *v, char *err, size
     switch (e->kind) {
     case KC_FLAG_INT:
     case KC_FLAG_INT64: {
-        int64_t x;
+        int64_t x = 0; /* set by parse_int on success; initialised for -O2's flow analysis */
         if (parse_int(a, v, e->min, e->max, &x, err, cap)) return -1;
         if (e->kind == KC_FLAG_INT) *(int *)e->dest = (int)x;
         else *(int64_t *)e->dest = x;
