@@ -137,10 +137,9 @@ __attribute__((format(printf, 4, 5))) static void finish(dn_loop *L, dn_job *j,
     j->seq = NULL;
     pthread_mutex_lock(&n->lock);
     dn_resv_unlink_locked(n, j->resv);
-    dn_publish_locked(n);
     publish_families(L);
     pthread_mutex_unlock(&n->lock);
-    dn_resv_free(j->resv);
+    dn_resv_end(n, j->resv);
     dn_job_free(j);
 }
 
@@ -200,7 +199,7 @@ static void admit(dn_loop *L, dn_job *j)
     dn_node *n = L->n;
     j->t_join = j->t_last = dn_now();
     j->n_gen = 1; /* the prefill node's first token */
-    int32_t first = j->set.hdr.first_token;
+    int32_t first = j->first_token;
     Kvrelay__V1__FinishReason why = stop_reason(n, j, first);
     if (why) { /* nothing to decode: the router already has the only token */
         finish_ok(L, j, why);
@@ -211,7 +210,7 @@ static void admit(dn_loop *L, dn_job *j)
     char err[KR_ERR_MAX];
     j->seq = j->resv->seq;
     j->resv->seq = NULL;
-    if (kr_seq_set_next_pos(j->seq, j->set.hdr.next_pos, err) != KR_OK) {
+    if (kr_seq_set_next_pos(j->seq, j->next_pos, err) != KR_OK) {
         finish(L, j, GRPC_STATUS_INTERNAL, "the KV bundle's sequence: %s", err);
         return;
     }
@@ -334,11 +333,13 @@ static void step(dn_loop *L)
 
 /* ------------------------------------------------------------------ the thread */
 
-static void wait_for_work_locked(dn_node *n, dn_loop *L)
+/* Waits until there is work: a hand-over, a running sequence, shutdown, or reservations whose
+ * time is up, unlinked onto *dead for the caller to end after unlocking. */
+static void wait_for_work_locked(dn_node *n, dn_loop *L, dn_resv **dead)
 {
     for (;;) {
-        double now = dn_now(), next = dn_resv_reap_locked(n, now);
-        if (n->stopping || n->pending || L->n_run > 0)
+        double now = dn_now(), next = dn_resv_reap_locked(n, now, dead);
+        if (n->stopping || n->pending || L->n_run > 0 || *dead)
             return;
         double wait = next - now;
         if (wait > 1.0)
@@ -361,8 +362,9 @@ static void *loop_main(void *arg)
     dn_loop *L = arg;
     dn_node *n = L->n;
     for (;;) {
+        dn_resv *dead = NULL;
         pthread_mutex_lock(&n->lock);
-        wait_for_work_locked(n, L);
+        wait_for_work_locked(n, L, &dead);
         dn_job *joining = n->pending;
         n->pending = NULL;
         n->pending_tail = &n->pending;
@@ -374,6 +376,10 @@ static void *loop_main(void *arg)
         dn_publish_locked(n);
         pthread_mutex_unlock(&n->lock);
 
+        for (dn_resv *r = dead, *nx; r; r = nx) { /* freed outside the lock */
+            nx = r->next;
+            dn_resv_end(n, r);
+        }
         for (dn_job *j = joining, *nx; j; j = nx) {
             nx = j->next;
             j->next = NULL;

@@ -68,6 +68,10 @@ typedef struct dn_config {
 
 typedef struct dn_node dn_node;
 
+/* A reservation's states. It is created WAITING; the only moves are WAITING -> READY (the
+ * bundle arrived), WAITING -> FAILED (the transfer failed or expired) and READY -> DECODING (a
+ * Decode call claimed it), all made by dn_resv_move. Any state ends by unlinking and
+ * dn_resv_end, which is not a state. */
 typedef enum dn_resv_state {
     DN_RESV_WAITING = 0, /* reserved in the transport, bundle not (fully) here */
     DN_RESV_READY = 1, /* bundle arrived and parsed by the transport; no Decode yet */
@@ -76,8 +80,9 @@ typedef enum dn_resv_state {
     DN_RESV_DECODING = 3, /* a Decode call took it; freed by that call's path (handler or loop) */
 } dn_resv_state;
 
-/* One reservation. Lives in dn_node.resvs; found by id under the lock. Freed by whoever
- * unlinks it (Release, expiry, the loop when its sequence ends, a Decode that fails). */
+/* One reservation. Lives in dn_node.resvs; found by id under the lock. Ended (dn_resv_end) by
+ * whoever unlinks it (Release, expiry, the loop when its sequence ends, a Decode that fails);
+ * its blocks stay counted in reserved_sum until then. */
 typedef struct dn_resv {
     struct dn_resv *next;
     uint64_t id; /* random, never 0 */
@@ -125,7 +130,8 @@ typedef struct dn_job {
     dn_resv *resv; /* DECODING: nobody else frees it */
     kc_call *call; /* detached; finished exactly once by the loop */
     char request_id[DN_REQUEST_ID_MAX + 1];
-    kt_bundle_set set; /* a copy of resv->set (which keeps owning the parts), until admitted */
+    int32_t first_token, next_pos; /* the bundle's, read from resv->set by the Decode handler
+                                      (the parts are freed when the job joins the batch) */
     kr_sampler *sampler;
     int32_t *stop_ids; /* [n_stop] */
     int n_stop;
@@ -195,21 +201,44 @@ struct dn_node {
 };
 
 /* resv.c */
-/* Admits a reservation (takes `policy` in every case) and reserves room for its bundle in the
- * transport. Returns a grpc_status_code: OK with the outputs set (token_out: the transport's
- * random token, which the bundle must carry; in RMA mode rma_out: where the prefill node puts
- * it, and rows_out: where padded parts' K and V go, bytes 0 when no run of blocks was taken),
- * or an error with `err` (KT_ERR_MAX bytes): RESOURCE_EXHAUSTED when the bound does not fit the
- * free blocks. */
-int dn_resv_admit(dn_node *n, const char *request_id, kr_policy *policy, int prompt_tokens,
-                  int max_tokens, int ttl_ms, uint64_t *id_out, int64_t *blocks_out,
-                  int64_t *expires_unix_ms_out, uint8_t token_out[KT_RESV_TOKEN_BYTES],
-                  kt_rma_key *rma_out, kt_rma_rows *rows_out, char *err);
+/* What a Reserve asks for, checked by service.c. */
+typedef struct dn_resv_ask {
+    const char *request_id;
+    kr_policy *policy; /* taken by dn_resv_admit in every case */
+    int prompt_tokens, max_tokens;
+    int ttl_ms;
+} dn_resv_ask;
+
+/* What an admitted reservation answers with. */
+typedef struct dn_resv_grant {
+    uint64_t id;
+    int64_t blocks; /* the blocks bound */
+    int64_t expires_unix_ms;
+    uint8_t token[KT_RESV_TOKEN_BYTES]; /* the transport's random token the bundle must carry */
+    kt_rma_key rma; /* RMA mode: where the prefill node puts the bundle (rkey_len 0: AM mode) */
+    kt_rma_rows rows; /* RMA mode: where padded parts' K and V go; bytes 0: no run of blocks */
+} dn_resv_grant;
+
+/* Admits a reservation and reserves room for its bundle in the transport. Returns a
+ * grpc_status_code: OK with *out set, or an error with `err` (KT_ERR_MAX bytes) and *out
+ * untouched: RESOURCE_EXHAUSTED when the bound does not fit the free blocks, OUT_OF_RANGE when
+ * it exceeds the whole pool. */
+int dn_resv_admit(dn_node *n, const dn_resv_ask *ask, dn_resv_grant *out, char *err);
+/* Moves r to `to` (n->lock held): WAITING -> READY, WAITING -> FAILED, READY -> DECODING.
+ * Returns 0, or -1 (logged with the request id, r unchanged) for any other move. */
+int dn_resv_move(dn_resv *r, dn_resv_state to);
 dn_resv *dn_resv_find_locked(dn_node *n, uint64_t id);
+/* Takes r out of the table (n->lock held); its blocks stay counted until dn_resv_end. */
 void dn_resv_unlink_locked(dn_node *n, dn_resv *r);
-void dn_resv_free(dn_resv *r); /* after unlink; returns nothing to the accounting */
+/* Without n->lock, once r is unlinked (or never linked) and its transfer is over: frees r (its
+ * sequence, its unadopted run, its parts, its policy), then takes its blocks out of
+ * reserved_sum, so that blocks are counted free only once they are back in the pool. NULL:
+ * nothing. */
+void dn_resv_end(dn_node *n, dn_resv *r);
 int dn_resv_release(dn_node *n, uint64_t id, const char *request_id);
-double dn_resv_reap_locked(dn_node *n, double now); /* returns the next deadline */
+/* Unlinks the reservations whose time is up onto *dead (linked by next; the caller ends each
+ * with dn_resv_end after unlocking). Returns the next deadline. */
+double dn_resv_reap_locked(dn_node *n, double now, dn_resv **dead);
 void dn_resv_release_all(dn_node *n);
 void dn_publish_locked(dn_node *n); /* gauges from the accounting */
 /* Blocks sequences hold in the pool now: running ones and those being imported. */

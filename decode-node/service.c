@@ -83,36 +83,35 @@ static int reserve(kc_call *call, const Kvrelay__V1__ReserveRequest *req, dn_nod
     kr_policy *policy = NULL;
     if (kr_policy_parse(spec, c, &policy, err) != KR_OK)
         return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%s': %s", spec, err);
-    int ttl_ms = req->ttl_ms ? (int)req->ttl_ms : n->cfg.ttl_ms;
-    uint64_t id = 0;
-    int64_t blocks = 0, expires = 0;
-    uint8_t token[KT_RESV_TOKEN_BYTES];
-    kt_rma_key rma = {.rkey_len = 0};
-    kt_rma_rows rows;
-    int code = dn_resv_admit(n, rid, policy, (int)req->prompt_tokens, (int)req->max_tokens, ttl_ms,
-                             &id, &blocks, &expires, token, &rma, &rows, err);
+    const dn_resv_ask ask = {.request_id = rid, .policy = policy,
+                             .prompt_tokens = (int)req->prompt_tokens,
+                             .max_tokens = (int)req->max_tokens,
+                             .ttl_ms = req->ttl_ms ? (int)req->ttl_ms : n->cfg.ttl_ms};
+    dn_resv_grant g;
+    int code = dn_resv_admit(n, &ask, &g, err);
     if (code != GRPC_STATUS_OK)
         return refuse(call, rid, (grpc_status_code)code, "%s", err);
+    const uint64_t id = g.id;
     kc_info(rid, "reserved %" PRId64 " blocks as reservation %" PRIu64 " (%u prompt tokens, %u "
-            "max_tokens, %s, ttl %d ms)%s", blocks, id, req->prompt_tokens, req->max_tokens, spec,
-            ttl_ms, rows.bytes ? "; mapped for puts, with a run of blocks for K and V"
-                    : rma.rkey_len ? "; mapped for puts" : "");
+            "max_tokens, %s, ttl %d ms)%s", g.blocks, id, req->prompt_tokens, req->max_tokens,
+            spec, ask.ttl_ms, g.rows.bytes ? "; mapped for puts, with a run of blocks for K and V"
+                              : g.rma.rkey_len ? "; mapped for puts" : "");
     Kvrelay__V1__ReserveResponse resp = KVRELAY__V1__RESERVE_RESPONSE__INIT;
     resp.reservation_id = id;
     resp.transfer_address = n->transfer_addr;
-    resp.reserved_blocks = (uint64_t)blocks;
-    resp.expires_unix_ms = expires;
-    resp.reservation_token = (ProtobufCBinaryData){.len = sizeof token, .data = token};
-    resp.rma_address = rma.address;
-    resp.rma_key = (ProtobufCBinaryData){.len = rma.rkey_len, .data = rma.rkey};
+    resp.reserved_blocks = (uint64_t)g.blocks;
+    resp.expires_unix_ms = g.expires_unix_ms;
+    resp.reservation_token = (ProtobufCBinaryData){.len = sizeof g.token, .data = g.token};
+    resp.rma_address = g.rma.address;
+    resp.rma_key = (ProtobufCBinaryData){.len = g.rma.rkey_len, .data = g.rma.rkey};
     /* A bundle padded to the pool's blocks, in their dtype, is received into them (AM mode,
      * import.c) or put into the run of them the reservation took (RMA mode, when it took one:
      * without, puts land in the buffer whatever the layout, so none is asked for). */
-    const int padded = !n->cfg.rma || rows.bytes;
+    const int padded = !n->cfg.rma || g.rows.bytes;
     resp.kv_block_rows = padded ? (uint32_t)kr_kv_pool_block_size(n->pool) : 0;
     resp.kv_block_dtype = (char *)(padded ? kt_dtype_name((kt_dtype)kr_kv_pool_dtype(n->pool)) : "");
     Kvrelay__V1__RmaRows rr;
-    resp.rma_rows = kc_rma_rows_to_pb(&rows, &rr);
+    resp.rma_rows = kc_rma_rows_to_pb(&g.rows, &rr);
     if (kc_call_send(call, &resp.base) != 0) {
         /* The router is gone or past its deadline: it will never use the reservation. */
         dn_resv_release(n, id, rid);
@@ -187,7 +186,11 @@ static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_res
             break;
         }
         if (r->state == DN_RESV_READY) {
-            r->state = DN_RESV_DECODING;
+            if (dn_resv_move(r, DN_RESV_DECODING) != 0) {
+                code = refuse(call, rid, GRPC_STATUS_INTERNAL, "reservation_id %" PRIu64
+                              " cannot be claimed", id);
+                break;
+            }
             *out = r;
             break;
         }
@@ -231,7 +234,7 @@ static int claim(kc_call *call, dn_node *n, uint64_t id, const char *rid, dn_res
         dn_publish_locked(n);
     }
     pthread_mutex_unlock(&n->lock);
-    dn_resv_free(dead);
+    dn_resv_end(n, dead);
     if (abandon) {
         kc_info(rid, "Decode call ended (%s) while waiting for the bundle of reservation %" PRIu64,
                 kc_status_name((grpc_status_code)code), id);
@@ -251,9 +254,9 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
 {
     const kr_config *c = n->mcfg;
     char err[KT_ERR_MAX > KR_ERR_MAX ? KT_ERR_MAX : KR_ERR_MAX];
-    kt_bundle_set *v = &job->set;
-    *v = r->set; /* validated by the transport as the bytes arrived (kt_transport_reserve_bundle) */
-    /* the model and the policy were checked part by part as the bundle arrived (import.c) */
+    /* validated by the transport as the bytes arrived (kt_transport_reserve_bundle); the model
+     * and the policy were checked part by part as the bundle arrived (import.c) */
+    const kt_bundle_set *v = &r->set;
     const kt_bundle_header *h = &v->hdr;
     if (h->prompt_len > r->prompt_tokens)
         return refuse(call, rid, GRPC_STATUS_FAILED_PRECONDITION,
@@ -313,6 +316,9 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
                       worst_lv.sink, window, worst_lv.lazy, worst_lv.slack, worst_lv.max_drop,
                       worst);
     }
+    /* all the loop needs of the bundle once the parts are freed at its admission */
+    job->first_token = h->first_token;
+    job->next_pos = h->next_pos;
     return GRPC_STATUS_OK;
 }
 
@@ -408,7 +414,7 @@ static int decode(kc_call *call, const Kvrelay__V1__DecodeRequest *req, dn_node 
     pthread_mutex_lock(&n->lock);
     dn_resv_unlink_locked(n, r);
     pthread_mutex_unlock(&n->lock);
-    dn_resv_free(r);
+    dn_resv_end(n, r);
     dn_job_free(job);
     return code;
 }
