@@ -25,11 +25,12 @@
  * Each kernel's comment gives its grid, block and shared memory.
  *
  * The lists' block ids, lengths and offsets and the query positions are host memory: each call
- * copies what it needs into b->host_tables and uploads it with one cudaMemcpyAsync on b->stream
- * (kr_cuda_tables_reserve waits for the previous upload first). K, V and positions of the pool
- * are read where they are (CUDA managed memory). The window is applied on the device (chunk
- * blocks binary-search their first entry, decode splits check their newest one, and every
- * entry is masked by its position), so the host never reads the managed pool here.
+ * copies what it needs into its own slice of the pinned staging (kr_cuda_tables_reserve) and
+ * uploads it with one cudaMemcpyAsync on b->stream, without waiting for earlier kernels. K, V
+ * and positions of the pool are read where they are (CUDA managed memory). The window is
+ * applied on the device (chunk blocks binary-search their first entry, decode splits check
+ * their newest one, and every entry is masked by its position), so the host never reads the
+ * managed pool here.
  *
  * Limits: the tensor-core path is plain wmma (no cp.async pipelining, no wgmma): correct first,
  * to be measured; decode reads the f32 pool on the CUDA cores, which is bandwidth-bound anyway.
@@ -55,7 +56,7 @@ constexpr int SPLIT = 256; /* entries per split before the scratch forces longer
 constexpr int REC = 5; /* ints per list record in the tables: see rec_* below */
 enum { REC_HI = 0, REC_OFF = 1, REC_IDS = 2, REC_SPLIT = 3, REC_PART = 4 };
 
-/* Where the call's tables are on the device (all in b->dev_tables). */
+/* Where the call's tables are on the device (all in b->dev_slice). */
 struct tables {
     const int32_t *rec; /* [n_rows][n_kv][REC]: visible count, off, first block id, split, partial base */
     const int32_t *qpos; /* [n_rows] query positions */
@@ -617,7 +618,7 @@ size_t row_need(const int32_t *rec, int i, int n_kv, int *most)
     return need;
 }
 
-/* The split path over rows 0 .. n_rows-1 whose records are in b->host_tables (fill_tables):
+/* The split path over rows 0 .. n_rows-1 whose records are in b->host_slice (fill_tables):
  * sets each list's split length and partial base, uploads the tables, then launches
  * (split_kernel, merge_kernel) once per run of consecutive rows whose partials fit the scratch
  * together (one run unless the batch is long and its contexts too). */
@@ -628,10 +629,10 @@ void run_split(kr_backend *b, const kr_kv_pool *pool, const float *q, int n_rows
     const int d = pool->head_dim, group = n_heads / n_kv;
     const int head_chunks = (group + ROWS - 1) / ROWS;
     const size_t per = (size_t)group * (size_t)(d + 2); /* floats of one partial slot */
-    int32_t *rec = b->host_tables;
+    int32_t *rec = b->host_slice;
     tables t;
-    t.rec = b->dev_tables;
-    t.qpos = b->dev_tables + (size_t)n_rows * n_kv * REC;
+    t.rec = b->dev_slice;
+    t.qpos = b->dev_slice + (size_t)n_rows * n_kv * REC;
     t.ids = t.qpos + n_rows;
     /* pass 1: split lengths and partial bases (bases restart at 0 with each launch) */
     int row0 = 0, most = 1;
@@ -650,7 +651,7 @@ void run_split(kr_backend *b, const kr_kv_pool *pool, const float *q, int n_rows
             if (ns > 1) used += (size_t)ns;
         }
     }
-    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_tables, b->host_tables, n_ints * sizeof(int32_t),
+    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_slice, b->host_slice, n_ints * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, b->stream));
     set_smem<DMAX>((const void *)split_kernel<DMAX>);
     const float scale = 1.0f / sqrtf((float)d);
@@ -682,7 +683,7 @@ void run_split(kr_backend *b, const kr_kv_pool *pool, const float *q, int n_rows
     launch(row0, n_rows, most);
 }
 
-/* Fills b->host_tables for n_rows rows: records [n_rows][n_kv][REC] (visible count, off, block
+/* Fills b->host_slice for n_rows rows: records [n_rows][n_kv][REC] (visible count, off, block
  * ids' start; split and partial base 0), then query positions, then the block ids. Row i's
  * lists are seqs[i] (batch) or s's (chunk: rows are its tokens, token i sees len - n + i + 1;
  * the ids are written once per list). Returns the ints used. */
@@ -701,7 +702,7 @@ size_t fill_tables(kr_backend *b, const kr_seq *s, const kr_seq *const *seqs, in
     }
     const size_t n_ints = (size_t)n_rows * n_kv * REC + (size_t)n_rows + n_ids;
     if (kr_cuda_tables_reserve(b, n_ints) != KR_OK) fail("out of device memory for block tables");
-    int32_t *rec = b->host_tables, *qpos = rec + (size_t)n_rows * n_kv * REC, *ids = qpos + n_rows;
+    int32_t *rec = b->host_slice, *qpos = rec + (size_t)n_rows * n_kv * REC, *ids = qpos + n_rows;
     int32_t at = 0;
     for (int i = 0; i < n_rows; i++) {
         const kr_seq *owner = seqs ? seqs[i] : s;
@@ -741,10 +742,10 @@ void chunk(kr_backend *b, const kr_seq *s, const float *q, int n, int n_heads, i
     const int n_kv = s->n_kv_heads, group = n_heads / n_kv, d = pool->head_dim;
     const float scale = 1.0f / sqrtf((float)d);
     tables t;
-    t.rec = b->dev_tables;
-    t.qpos = b->dev_tables + (size_t)n * n_kv * REC;
+    t.rec = b->dev_slice;
+    t.qpos = b->dev_slice + (size_t)n * n_kv * REC;
     t.ids = t.qpos + n;
-    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_tables, b->host_tables, n_ints * sizeof(int32_t),
+    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_slice, b->host_slice, n_ints * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, b->stream));
     const size_t rows = (size_t)n * group;
     if (d == DMAX && (DMAX == 64 || DMAX == 128)) {

@@ -46,29 +46,38 @@ const kr_cuda_weight *kr_cuda_weight_of(const kr_backend *b, const kr_tensor *t)
     return w;
 }
 
+/* Slices start on 64-byte boundaries (16 int32). */
+enum { TABLE_ALIGN = 16 };
+
 int kr_cuda_tables_reserve(kr_backend *b, size_t n)
 {
-    /* The pinned staging buffer is rewritten by the caller right after this returns: the copy
-     * that read it last must be done. One sync per table upload (docs/cuda.md: a ring of
-     * staging buffers would remove it). */
-    KR_CUDA_CHECK(cudaStreamSynchronize(b->stream));
-    if (n <= b->dev_tables_cap) return KR_OK;
-    size_t cap = b->dev_tables_cap * 2 > n ? b->dev_tables_cap * 2 : n;
-    int32_t *dev = NULL, *host = NULL;
-    if (cudaMalloc((void **)&dev, cap * sizeof(int32_t)) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return -1;
+    size_t at = (b->tables_used + TABLE_ALIGN - 1) / TABLE_ALIGN * TABLE_ALIGN;
+    if (at + n > b->dev_tables_cap) {
+        /* the copies that read the earlier slices must be done before the host rewrites them */
+        KR_CUDA_CHECK(cudaStreamSynchronize(b->stream));
+        at = 0;
     }
-    if (cudaMallocHost((void **)&host, cap * sizeof(int32_t)) != cudaSuccess) {
-        (void)cudaGetLastError();
-        cudaFree(dev);
-        return -1;
+    if (n > b->dev_tables_cap) {
+        size_t cap = b->dev_tables_cap * 2 > n ? b->dev_tables_cap * 2 : n;
+        int32_t *dev = NULL, *host = NULL;
+        if (cudaMalloc((void **)&dev, cap * sizeof(int32_t)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return -1;
+        }
+        if (cudaMallocHost((void **)&host, cap * sizeof(int32_t)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            cudaFree(dev);
+            return -1;
+        }
+        cudaFree(b->dev_tables);
+        cudaFreeHost(b->host_tables);
+        b->dev_tables = dev;
+        b->host_tables = host;
+        b->dev_tables_cap = cap;
     }
-    cudaFree(b->dev_tables);
-    cudaFreeHost(b->host_tables);
-    b->dev_tables = dev;
-    b->host_tables = host;
-    b->dev_tables_cap = cap;
+    b->host_slice = b->host_tables + at;
+    b->dev_slice = b->dev_tables + at;
+    b->tables_used = at + n;
     return KR_OK;
 }
 
@@ -246,11 +255,15 @@ static int cuda_create(const kr_model *m, int n_threads, int max_chunk, kr_backe
         cuda_destroy(b);
         return -1;
     }
-    if (kr_cuda_tables_reserve(b, (size_t)max_chunk * (size_t)(cfg->n_kv_heads + 1) * 4) != KR_OK) {
+    /* room for a whole decode step's uploads between two syncs at most batch and context sizes
+     * (16 MiB pinned); a bigger step waits for the stream when it runs out */
+    const size_t chunk_ints = (size_t)max_chunk * (size_t)(cfg->n_kv_heads + 1) * 4;
+    if (kr_cuda_tables_reserve(b, chunk_ints > ((size_t)1 << 22) ? chunk_ints : (size_t)1 << 22) != KR_OK) {
         kr_errf(err, "CUDA backend: cannot allocate block tables");
         cuda_destroy(b);
         return -1;
     }
+    b->tables_used = 0;
     if (upload_model(b, m, err) != KR_OK) {
         cuda_destroy(b);
         return -1;
@@ -280,15 +293,16 @@ static void cuda_act_free(kr_backend *b, float *p)
     KR_CUDA_CHECK(cudaFree(p));
 }
 
-static void cuda_to_host(kr_backend *b, const float *src, size_t n_floats, float *dst)
-{
-    KR_CUDA_CHECK(cudaMemcpyAsync(dst, src, n_floats * sizeof(float), cudaMemcpyDeviceToHost, b->stream));
-    KR_CUDA_CHECK(cudaStreamSynchronize(b->stream));
-}
-
 static void cuda_sync(kr_backend *b)
 {
     KR_CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    b->tables_used = 0; /* every upload so far is done: the slices may be rewritten */
+}
+
+static void cuda_to_host(kr_backend *b, const float *src, size_t n_floats, float *dst)
+{
+    KR_CUDA_CHECK(cudaMemcpyAsync(dst, src, n_floats * sizeof(float), cudaMemcpyDeviceToHost, b->stream));
+    cuda_sync(b);
 }
 
 /* The KV pool in managed memory: the host code that edits lists (kv.c, policies, sequence

@@ -43,10 +43,14 @@ struct kr_backend {
     /* scratch, sized at create for max_chunk rows: bf16 copy of a GEMM's input activations */
     __nv_bfloat16 *xb;
     size_t xb_elems;
-    /* block tables uploaded per attention/score call: int32 block ids and list lengths */
+    /* Tables uploaded per op (block ids and list lengths, token ids, cos/sin rows, KV slots):
+     * pinned host staging and its device twin, handed out in slices in call order. A slice is
+     * reused only after a stream sync, so an upload never waits for the kernels before it. */
     int32_t *dev_tables;
     size_t dev_tables_cap; /* int32 elements */
-    int32_t *host_tables; /* pinned staging for the same */
+    int32_t *host_tables;
+    size_t tables_used; /* int32 elements handed out since the last sync */
+    int32_t *host_slice, *dev_slice; /* the slice the last kr_cuda_tables_reserve handed out */
     /* scratch for attention partial results (split along the sequence) and scores */
     float *dev_scratch;
     size_t dev_scratch_floats;
@@ -57,7 +61,8 @@ struct kr_backend {
 /* The device copy of a model tensor (bf16 matrix or f32 vector); aborts if it was not uploaded
  * (a programming error: every model tensor is uploaded at create). */
 const kr_cuda_weight *kr_cuda_weight_of(const kr_backend *b, const kr_tensor *t);
-/* Grows b->dev_tables/host_tables to `n` int32 (no-op if big enough; called outside kernels). */
+/* Points b->host_slice/dev_slice at the next n int32 of the tables; when they do not fit, waits
+ * for the stream and starts over (growing the buffers if n alone does not fit). */
 int kr_cuda_tables_reserve(kr_backend *b, size_t n);
 /* Aborts with file:line and the CUDA / cuBLAS error string: failures inside ops are programming
  * or device errors (ops have no error return); argument and memory errors are caught at create. */

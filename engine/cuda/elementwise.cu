@@ -21,9 +21,9 @@ static const void *upload(kr_backend *b, const void *src, size_t bytes)
         fprintf(stderr, "CUDA backend: out of memory for a %zu-byte table\n", bytes);
         abort();
     }
-    memcpy(b->host_tables, src, bytes);
-    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_tables, b->host_tables, bytes, cudaMemcpyHostToDevice, b->stream));
-    return b->dev_tables;
+    memcpy(b->host_slice, src, bytes);
+    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_slice, b->host_slice, bytes, cudaMemcpyHostToDevice, b->stream));
+    return b->dev_slice;
 }
 
 static unsigned blocks_for(size_t count)
@@ -157,16 +157,16 @@ void kr_cuda_kv_store(kr_backend *b, kr_seq *s, int layer, const float *k, const
         const int base = l->len - n;
         for (int t = 0; t < n; t++) {
             const int i = l->off + base + t;
-            b->host_tables[(size_t)t * kvh + g] = l->blocks[i / bs] * bs + i % bs;
+            b->host_slice[(size_t)t * kvh + g] = l->blocks[i / bs] * bs + i % bs;
             /* positions: host writes into managed memory, ordered before the later kernels */
             *kr_kv_list_pos(p, l, base + t) = pos[t];
         }
     }
-    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_tables, b->host_tables, rows * sizeof(int32_t),
+    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_slice, b->host_slice, rows * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, b->stream));
     const int threads = p->head_dim < THREADS ? (p->head_dim + 31) / 32 * 32 : THREADS;
     /* f32 pools only: the CUDA backend stores no other dtype (kr_backend_ops.kv_dtypes) */
-    kv_store_kernel<<<(unsigned)rows, threads, 0, b->stream>>>(k, v, b->dev_tables, p->head_dim,
+    kv_store_kernel<<<(unsigned)rows, threads, 0, b->stream>>>(k, v, b->dev_slice, p->head_dim,
                                                                reinterpret_cast<float *>(p->k),
                                                                reinterpret_cast<float *>(p->v));
     KR_CUDA_CHECK(cudaGetLastError());

@@ -210,7 +210,7 @@ void run(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_ob
     if (maxlen == 0) return;
     const size_t n_ints = (size_t)n_kv * REC + n_ids;
     if (kr_cuda_tables_reserve(b, n_ints) != KR_OK) fail("out of device memory for block tables", n_ints, 0);
-    int32_t *rec = b->host_tables, *ids = rec + (size_t)n_kv * REC;
+    int32_t *rec = b->host_slice, *ids = rec + (size_t)n_kv * REC;
     int32_t at = 0;
     for (int g = 0; g < n_kv; g++) {
         const kr_kv_list *l = &s->lists[layer * n_kv + g];
@@ -221,7 +221,7 @@ void run(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_ob
         memcpy(ids + at, l->blocks, sizeof(int32_t) * (size_t)nb);
         at += nb;
     }
-    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_tables, b->host_tables, n_ints * sizeof(int32_t),
+    KR_CUDA_CHECK(cudaMemcpyAsync(b->dev_slice, b->host_slice, n_ints * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, b->stream));
 
     /* scratch: observers' queries, per-pair stats, per-range partials, output columns */
@@ -248,8 +248,8 @@ void run(kr_backend *b, const kr_seq *s, int layer, const float *q_obs, int n_ob
     KR_CUDA_CHECK(cudaMemcpyAsync(dq, q_obs, q_floats * sizeof(float), cudaMemcpyDefault, b->stream));
     score_args a;
     a.k = reinterpret_cast<const float *>(pool->k); /* f32: the CUDA backend stores no other dtype */
-    a.rec = b->dev_tables;
-    a.ids = b->dev_tables + (size_t)n_kv * REC;
+    a.rec = b->dev_slice;
+    a.ids = b->dev_slice + (size_t)n_kv * REC;
     a.q = dq;
     a.bs = pool->block_size;
     a.d = d;
