@@ -8,7 +8,8 @@
  *   reserved_sum = sum of the blocks bound of every live reservation (a running sequence's
  *                  reservation included: its blocks in use count inside its bound), and of
  *                  the run an RMA reservation holds for the prefill node's puts until its
- *                  transfer ends,
+ *                  transfer ends; a reservation's blocks leave it only once its sequence and
+ *                  run are back in the pool (dn_resv_end, which frees outside the node's lock),
  *   used         = blocks sequences hold in the pool (read from it: running ones, and those
  *                  being imported),
  *   free         = total - reserved_sum (what a new Reserve may take),
