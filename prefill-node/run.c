@@ -213,7 +213,8 @@ typedef struct pf_pipe {
     pthread_cond_t cv;
     int settled; /* sends whose callback ran */
     int failed; /* a part failed: nothing more is sent */
-    double failed_after; /* seconds from that send to its failure */
+    int timed_out; /* ... at its timeout (the deadline or the transfer cap), or the deadline had
+                      passed before it was sent */
     double sent_at, timeout; /* when the part in flight was handed over, and its timeout */
     char err[KT_ERR_MAX];
 } pf_pipe;
@@ -226,11 +227,24 @@ static void pipe_cb(void *arg, uint64_t id, int status, uint64_t bytes, const ch
     pthread_mutex_lock(&p->mu);
     if (status != 0 && !p->failed) {
         p->failed = 1;
-        p->failed_after = pf_now() - p->sent_at;
+        p->timed_out = pf_now() - p->sent_at >= p->timeout * 0.999;
         snprintf(p->err, sizeof p->err, "%s", err);
     }
     p->settled++;
     pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Records a part that could not be handed to the transport (timed_out: because the call's
+ * deadline had passed), unless an earlier failure was recorded. */
+static void pipe_fail(pf_pipe *p, int timed_out, const char *err)
+{
+    pthread_mutex_lock(&p->mu);
+    if (!p->failed) {
+        p->failed = 1;
+        p->timed_out = timed_out;
+        snprintf(p->err, sizeof p->err, "%s", err);
+    }
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -245,6 +259,11 @@ static int pipe_pump(pf_pipe *p, int last)
     if (!idle || p->sent == p->written) return 0;
     const pf_job *j = p->j;
     int64_t ms_left = kc_call_ms_left(j->call);
+    if (ms_left <= 0) { /* the deadline passed while the prefill ran, or while the last part was
+                           in flight: the call's deadline, not the peer, ends it */
+        pipe_fail(p, 1, "deadline passed before the bundle was sent");
+        return -1;
+    }
     double timeout = p->n->cfg->transfer_timeout_s;
     if ((double)ms_left / 1000.0 < timeout) timeout = (double)ms_left / 1000.0;
     char err[KT_ERR_MAX];
@@ -261,8 +280,7 @@ static int pipe_pump(pf_pipe *p, int last)
                      kt_bundle_layout_read(buf, (size_t)p->size[k], &lay, NULL) == 0 && lay.split &&
                      lay.block_rows == j->block_rows && lay.block_rows > 0 && lay.k_len == lay.v_len &&
                      lay.k_len <= j->rma_rows.bytes - p->rows_off;
-    if (ms_left <= 0 ||
-        (rows ? kt_transport_put_rows(p->n->tx, j->host, j->port, j->reservation_id,
+    if ((rows ? kt_transport_put_rows(p->n->tx, j->host, j->port, j->reservation_id,
                                       j->reservation_token, &j->rma, p->offset, &j->rma_rows,
                                       p->rows_off, buf, p->size[k], flags, timeout, pipe_cb, p, err)
          : j->rma.rkey_len ? kt_transport_put(p->n->tx, j->host, j->port, j->reservation_id,
@@ -271,11 +289,7 @@ static int pipe_pump(pf_pipe *p, int last)
                            : kt_transport_send(p->n->tx, j->host, j->port, j->reservation_id,
                                                j->reservation_token, buf, p->size[k], flags, timeout,
                                                pipe_cb, p, err)) != 0) {
-        pthread_mutex_lock(&p->mu);
-        p->failed = 1;
-        p->failed_after = ms_left <= 0 ? p->timeout : 0;
-        snprintf(p->err, sizeof p->err, "%s", ms_left <= 0 ? "deadline passed before the bundle was sent" : err);
-        pthread_mutex_unlock(&p->mu);
+        pipe_fail(p, 0, err);
         return -1;
     }
     p->offset += rows ? lay.head_len : p->size[k];
@@ -350,12 +364,12 @@ static void pool_gauges(pf_node *n)
     kc_gauge_set(n->metrics.blocks_free, free_blocks);
 }
 
-/* The transport's failure as the call's status: a part that failed at its timeout is the
- * deadline (or the transfer cap); anything earlier is the peer. */
+/* The transport's failure as the call's status: a part that failed at its timeout, or was not
+ * sent because the deadline had passed, is the deadline (or the transfer cap); anything earlier
+ * is the peer. */
 static void transfer_fail(pf_job *j, const pf_pipe *p)
 {
-    grpc_status_code code = p->failed_after >= p->timeout * 0.999 ? GRPC_STATUS_DEADLINE_EXCEEDED
-                                                                  : GRPC_STATUS_UNAVAILABLE;
+    grpc_status_code code = p->timed_out ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_UNAVAILABLE;
     job_fail(j, code, "KV bundle for reservation %llu at %s:%u (%s): %s",
              (unsigned long long)j->reservation_id, j->host, j->port,
              j->decode_node && *j->decode_node ? j->decode_node : "decode node", p->err);
