@@ -1,5 +1,5 @@
 /*
- * test_chat.c - the chat template renderer (engine/chat.c) on hand-checked cases: every
+ * test_chat.c - the chat template renderer (engine/chat*.c) on hand-checked cases: every
  * construct of the subset, whitespace control with trim_blocks/lstrip_blocks, the three built-in
  * templates, raise_exception, parse and render errors with their messages, the limits, and
  * kr_chat_template_load's choices. Expected strings were worked out by hand from jinja2's rules
