@@ -286,8 +286,8 @@ int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, u
  * final before the last one, sent early), and the last piece of a list carries its decode
  * rule. */
 typedef struct kt_bundle_set kt_bundle_set;
-/* A receiver's hook on a set the transport fills (kt_transport_reserve_bundle and _rma): called
- * on the transport's progress thread, without its lock, right after part `i` was validated and
+/* A receiver's hook on a set the transport fills (kt_transport_reserve and _rma with a set):
+ * called on the transport's progress thread, without its lock, right after part `i` was validated and
  * joined the set and before that part is acknowledged, so that the receiver can take the part's
  * rows while they are still in cache. Non-zero (with a message in err, KT_ERR_MAX bytes) refuses
  * the part: the reservation fails as for a part that does not validate, and the sender hears

@@ -1,6 +1,6 @@
 /*
  * partbuf.h - buffers for bundles and their arriving parts, recycled. A receiver that lets the transport
- * allocate each part at its size (kt_transport_reserve_bundle with buf NULL) frees the part once
+ * allocate each part at its size (kt_transport_reserve with a set, buf NULL) frees the part once
  * imported. Fresh large buffers cost the kernel a zeroed page per 4 KiB touched (and an munmap
  * when freed), which with several bundles in flight cost more than the transfer itself; buffers
  * over 128 KiB are therefore rounded up to a power of two (256 KiB at least) and kept after their

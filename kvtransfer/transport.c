@@ -209,7 +209,7 @@ typedef struct kt_send_op {
     int n_pieces; /* 1: the part whole; KT_PIECES: head, K, V (KT_WIRE_PIECE) */
     kt_rma_key rma; /* a put (kt_transport_put): the reservation's key; rkey_len 0: a send */
     uint64_t offset; /* where the part goes in the receiver's buffer */
-    /* A put with its rows (kt_transport_put_rows, n_pieces KT_PIECES): the regions' keys, and
+    /* A put with its rows (kt_transport_put with rows, n_pieces KT_PIECES): the regions' keys, and
      * where its K and V go in them. */
     kt_rma_rows rows;
     uint64_t rows_off;
@@ -1691,18 +1691,26 @@ fail:
     return -1;
 }
 
-static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
-                      unsigned flags, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
-                      uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err)
+/* A reservation of buf (NULL: parts in buffers of their own, owned by o->set), mapped for RMA
+ * when key is non-NULL. */
+static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
+                      const kt_resv_opts *o, uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key,
+                      char *err)
 {
+    kt_bundle_set *set = o->set;
     if (!t->listener) {
         kt_seterr(err, "transport: reserve needs a listening transport (listen_host unset)");
         return -1;
     }
-    if ((!buf && !set) || size == 0 || !cb || !(timeout_s > 0)) {
+    if ((!buf && !set) || size == 0 || !o->cb || !(o->timeout_s > 0)) {
         kt_seterr(err, "transport: reserve %" PRIu64 ": needs a buffer (or a set to own the "
                   "parts), a size > 0, a callback and a timeout > 0 (got size %" PRIu64
-                  ", timeout %g)", id, size, timeout_s);
+                  ", timeout %g)", id, size, o->timeout_s);
+        return -1;
+    }
+    if (set && (set->cap == 0 || set->n_parts != 0)) {
+        kt_seterr(err, "transport: reserve %" PRIu64 ": needs an empty set (kt_bundle_set_init) "
+                  "to assemble the bundle in", id);
         return -1;
     }
     kt_resv *r = calloc(1, sizeof *r);
@@ -1713,12 +1721,12 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, do
     r->id = id;
     r->buf = buf;
     r->size = size;
-    r->flags = flags;
+    r->flags = set ? KT_RESERVE_PARSE : key ? 0 : o->flags;
     r->set = set;
-    r->cb = cb;
-    r->cb_arg = cb_arg;
+    r->cb = o->cb;
+    r->cb_arg = o->cb_arg;
     r->state = KT_XFER_STATE_RESERVED;
-    r->deadline = kt_now() + timeout_s;
+    r->deadline = kt_now() + o->timeout_s;
     r->cap_put = !key ? 0 : set ? set->cap : KT_RMA_MAX_PARTS;
     if (key && !(r->put_parts = calloc(r->cap_put, sizeof *r->put_parts))) {
         kt_seterr(err, "transport: out of memory");
@@ -1742,6 +1750,7 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, do
         free(r);
         return -1;
     }
+    if (set) set->owned = buf == NULL;
     r->serial = ++t->next_serial;
     r->next = t->resvs;
     t->resvs = r;
@@ -1751,37 +1760,15 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, do
     return 0;
 }
 
-int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
-                         unsigned flags, kt_xfer_cb cb, void *cb_arg,
-                         uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
+int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
+                         const kt_resv_opts *o, uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
 {
-    return kt_reserve(t, id, buf, size, timeout_s, flags, NULL, cb, cb_arg, token, NULL, err);
-}
-
-static int kt_reserve_set(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
-                          kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
-                          uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err)
-{
-    if (!set || set->cap == 0 || set->n_parts != 0) {
-        kt_seterr(err, "transport: reserve %" PRIu64 ": needs an empty set (kt_bundle_set_init) "
-                  "to assemble the bundle in", id);
-        return -1;
-    }
-    set->owned = buf == NULL;
-    return kt_reserve(t, id, buf, size, timeout_s, KT_RESERVE_PARSE, set, cb, cb_arg, token, key,
-                      err);
-}
-
-int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
-                                double timeout_s, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
-                                uint8_t token[KT_RESV_TOKEN_BYTES], char *err)
-{
-    return kt_reserve_set(t, id, buf, size, timeout_s, set, cb, cb_arg, token, NULL, err);
+    return kt_reserve(t, id, buf, size, o, token, NULL, err);
 }
 
 int kt_transport_reserve_rma(kt_transport *t, uint64_t id, void *buf, uint64_t size,
-                             double timeout_s, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
-                             uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err)
+                             const kt_resv_opts *o, uint8_t token[KT_RESV_TOKEN_BYTES],
+                             kt_rma_key *key, char *err)
 {
     if (!t->rma || !buf || !key) {
         kt_seterr(err, "transport: reserve %" PRIu64 " for RMA: %s", id,
@@ -1789,8 +1776,7 @@ int kt_transport_reserve_rma(kt_transport *t, uint64_t id, void *buf, uint64_t s
                           : "needs the buffer to map and a key to fill");
         return -1;
     }
-    if (!set) return kt_reserve(t, id, buf, size, timeout_s, 0, NULL, cb, cb_arg, token, key, err);
-    return kt_reserve_set(t, id, buf, size, timeout_s, set, cb, cb_arg, token, key, err);
+    return kt_reserve(t, id, buf, size, o, token, key, err);
 }
 
 int kt_transport_map_rows(kt_transport *t, uint64_t id, void *k, void *v, uint64_t bytes,
@@ -1863,28 +1849,26 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id)
     return s;
 }
 
-/* A send (key NULL) or a put (key: the reservation's, the part at offset) of the part at buf;
- * with `pieces` (the part's layout, split and block-padded) it goes as head, K and V: three
- * messages, or with `rows` three puts (K and V at rows_off in the rows regions). */
-static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                   const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key, uint64_t offset,
-                   const kt_rma_rows *rows, uint64_t rows_off, const kt_bundle_layout *pieces,
-                   const void *buf, uint64_t size, unsigned flags, double timeout_s, kt_xfer_cb cb,
-                   void *cb_arg, char *err)
+/* A send (at NULL) or a put (at: where in the receiver's memory) of the part at buf; with
+ * `pieces` (the part's layout, split and block-padded) it goes as head, K and V: three
+ * messages, or with at->rows three puts (K and V at rows_off in the rows regions). */
+static int kt_send(kt_transport *t, const kt_peer *to, const kt_put_dest *at,
+                   const kt_bundle_layout *pieces, const void *buf, uint64_t size,
+                   const kt_send_opts *o, char *err)
 {
-    if (!host || !buf || size == 0 || !cb || !(timeout_s > 0)) {
-        kt_seterr(err, "transport: send %" PRIu64 ": needs a host, a buffer, a size > 0, a "
-                  "callback and a timeout > 0", id);
+    if (!to->host || !to->token || !buf || size == 0 || !o->cb || !(o->timeout_s > 0)) {
+        kt_seterr(err, "transport: send %" PRIu64 ": needs a host, a token, a buffer, a size > 0, "
+                  "a callback and a timeout > 0", to->id);
         return -1;
     }
     struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_NUMERICSERV};
     struct addrinfo *ai = NULL;
     char ports[8];
-    snprintf(ports, sizeof ports, "%u", port);
-    int gr = getaddrinfo(host, ports, &hints, &ai);
+    snprintf(ports, sizeof ports, "%u", to->port);
+    int gr = getaddrinfo(to->host, ports, &hints, &ai);
     if (gr != 0) {
-        kt_seterr(err, "transport: cannot resolve %s: %s", host, gai_strerror(gr));
+        kt_seterr(err, "transport: cannot resolve %s: %s", to->host, gai_strerror(gr));
         return -1;
     }
     kt_send_op *op = calloc(1, sizeof *op);
@@ -1896,19 +1880,19 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
     memcpy(&op->addr, ai->ai_addr, ai->ai_addrlen);
     op->addrlen = ai->ai_addrlen;
     freeaddrinfo(ai);
-    snprintf(op->peer, sizeof op->peer, "%s:%u", host, port);
-    op->id = id;
+    snprintf(op->peer, sizeof op->peer, "%s:%u", to->host, to->port);
+    op->id = to->id;
     op->buf = buf;
     op->size = size;
     op->n_pieces = 1;
     op->piece_len[0] = size;
-    if (key) {
-        op->rma = *key;
-        op->offset = offset;
+    if (at) {
+        op->rma = *at->key;
+        op->offset = at->offset;
     }
-    if (rows) {
-        op->rows = *rows;
-        op->rows_off = rows_off;
+    if (at && at->rows) {
+        op->rows = *at->rows;
+        op->rows_off = at->rows_off;
     }
     if (pieces) {
         op->n_pieces = KT_PIECES;
@@ -1917,10 +1901,10 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
         memcpy(op->piece_off, off, sizeof off);
         memcpy(op->piece_len, len, sizeof len);
     }
-    op->timeout_s = timeout_s;
-    op->deadline = kt_now() + timeout_s;
-    op->cb = cb;
-    op->cb_arg = cb_arg;
+    op->timeout_s = o->timeout_s;
+    op->deadline = kt_now() + o->timeout_s;
+    op->cb = o->cb;
+    op->cb_arg = o->cb_arg;
     kt_api_lock(t);
     if (t->stopping) {
         pthread_mutex_unlock(&t->lock);
@@ -1933,13 +1917,13 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
         uint8_t *h = op->hdr[i];
         kt_wr32(h, KT_WIRE_MAGIC);
         kt_wr16(h + 4, KT_WIRE_VERSION);
-        kt_wr16(h + 6, (uint16_t)((flags & KT_SEND_MORE) | (key ? KT_WIRE_PUT : 0) |
+        kt_wr16(h + 6, (uint16_t)((o->flags & KT_SEND_MORE) | (at ? KT_WIRE_PUT : 0) |
                                   (op->n_pieces > 1 ? KT_WIRE_PIECE : 0)));
         kt_wr64(h + 8, op->seq);
-        kt_wr64(h + 16, id);
-        kt_wr64(h + 24, rows ? pieces->head_len : size); /* a rows part: what is in buf */
-        kt_wr64(h + 32, key ? offset : op->piece_off[i]);
-        memcpy(h + 40, token, KT_RESV_TOKEN_BYTES);
+        kt_wr64(h + 16, to->id);
+        kt_wr64(h + 24, at && at->rows ? pieces->head_len : size); /* a rows part: what is in buf */
+        kt_wr64(h + 32, at ? at->offset : op->piece_off[i]);
+        memcpy(h + 40, to->token, KT_RESV_TOKEN_BYTES);
     }
     op->next = t->ops;
     t->ops = op;
@@ -1948,17 +1932,15 @@ static int kt_send(kt_transport *t, const char *host, uint16_t port, uint64_t id
     return 0;
 }
 
-int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                      const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
-                      unsigned flags, double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
+int kt_transport_send(kt_transport *t, const kt_peer *to, const void *buf, uint64_t size,
+                      const kt_send_opts *o, char *err)
 {
     /* A block-padded bundle goes in pieces, so that the receiver can land K and V in its KV
      * blocks; anything else goes whole. */
     kt_bundle_layout lay;
     const int split = buf && kt_bundle_layout_read(buf, (size_t)size, &lay, NULL) == 0 &&
                       lay.split && lay.block_rows > 0 && lay.size == size;
-    return kt_send(t, host, port, id, token, NULL, 0, NULL, 0, split ? &lay : NULL, buf, size,
-                   flags, timeout_s, cb, cb_arg, err);
+    return kt_send(t, to, NULL, split ? &lay : NULL, buf, size, o, err);
 }
 
 /* 1 for a packed remote key of a plausible length. */
@@ -1967,56 +1949,51 @@ static int kt_key_ok(const kt_rma_key *key)
     return key && key->rkey_len > 0 && key->rkey_len <= KT_RMA_KEY_MAX;
 }
 
-int kt_transport_put(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                     const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
-                     uint64_t offset, const void *buf, uint64_t size, unsigned flags,
-                     double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err)
+/* A rows part's layout into *lay: block-padded, unquantized, K and V of one length, ending
+ * within the rows regions. */
+static int kt_rows_layout(uint64_t id, const kt_put_dest *at, const void *buf, uint64_t size,
+                          kt_bundle_layout *lay, char *err)
 {
-    if (!t->rma || !kt_key_ok(key)) {
-        kt_seterr(err, "transport: put of bundle %" PRIu64 ": %s", id,
-                  !t->rma ? "the transport was not created in KT_TRANSPORT_MODE_RMA"
-                          : "needs the reservation's remote key");
-        return -1;
-    }
-    return kt_send(t, host, port, id, token, key, offset, NULL, 0, NULL, buf, size, flags,
-                   timeout_s, cb, cb_arg, err);
-}
-
-int kt_transport_put_rows(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                          const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
-                          uint64_t offset, const kt_rma_rows *rows, uint64_t rows_off,
-                          const void *buf, uint64_t size, unsigned flags, double timeout_s,
-                          kt_xfer_cb cb, void *cb_arg, char *err)
-{
-    if (!t->rma || !kt_key_ok(key) || !rows || !kt_key_ok(&rows->k) || !kt_key_ok(&rows->v)) {
-        kt_seterr(err, "transport: put of bundle %" PRIu64 " with its rows: %s", id,
-                  !t->rma ? "the transport was not created in KT_TRANSPORT_MODE_RMA"
-                          : "needs the reservation's remote key and its rows' keys");
-        return -1;
-    }
     char why[KT_ERR_MAX] = "";
-    kt_bundle_layout lay;
-    if (!buf || size == 0 || kt_bundle_layout_read(buf, (size_t)size, &lay, why) != 0) {
+    if (!buf || size == 0 || kt_bundle_layout_read(buf, (size_t)size, lay, why) != 0) {
         kt_seterr(err, "transport: put of bundle %" PRIu64 " with its rows: %s", id,
                   buf && size ? why : "needs a buffer and a size > 0");
         return -1;
     }
-    if (!lay.split || lay.block_rows == 0 || lay.size != size || lay.k_len != lay.v_len) {
+    if (!lay->split || lay->block_rows == 0 || lay->size != size || lay->k_len != lay->v_len) {
         kt_seterr(err, "transport: put of bundle %" PRIu64 " with its rows: the %" PRIu64 "-byte "
                   "part is not a block-padded, unquantized one of K and V of one length (layout: %"
                   PRIu64 " bytes, block_rows %" PRIu32 ", K %" PRIu64 " and V %" PRIu64
-                  " bytes%s)", id, size, lay.size, lay.block_rows, lay.k_len, lay.v_len,
-                  lay.split ? "" : ", not to be split");
+                  " bytes%s)", id, size, lay->size, lay->block_rows, lay->k_len, lay->v_len,
+                  lay->split ? "" : ", not to be split");
         return -1;
     }
-    if (lay.k_len > rows->bytes || rows_off > rows->bytes - lay.k_len) {
+    if (lay->k_len > at->rows->bytes || at->rows_off > at->rows->bytes - lay->k_len) {
         kt_seterr(err, "transport: put of bundle %" PRIu64 " with its rows: its K and V (%" PRIu64
                   " bytes each) at %" PRIu64 " end past the rows regions' %" PRIu64 " bytes", id,
-                  lay.k_len, rows_off, rows->bytes);
+                  lay->k_len, at->rows_off, at->rows->bytes);
         return -1;
     }
-    return kt_send(t, host, port, id, token, key, offset, rows, rows_off, &lay, buf, size, flags,
-                   timeout_s, cb, cb_arg, err);
+    return 0;
+}
+
+int kt_transport_put(kt_transport *t, const kt_peer *to, const kt_put_dest *at, const void *buf,
+                     uint64_t size, const kt_send_opts *o, char *err)
+{
+    const int rows = at && at->rows;
+    if (!t->rma || !at || !kt_key_ok(at->key) ||
+        (rows && (!kt_key_ok(&at->rows->k) || !kt_key_ok(&at->rows->v)))) {
+        kt_seterr(err, "transport: put of bundle %" PRIu64 "%s: %s", to->id,
+                  rows ? " with its rows" : "",
+                  !t->rma ? "the transport was not created in KT_TRANSPORT_MODE_RMA"
+                  : rows  ? "needs the reservation's remote key and its rows' keys"
+                          : "needs the reservation's remote key");
+        return -1;
+    }
+    kt_bundle_layout lay;
+    if (rows && kt_rows_layout(to->id, at, buf, size, &lay, err) != 0)
+        return -1;
+    return kt_send(t, to, at, rows ? &lay : NULL, buf, size, o, err);
 }
 
 typedef struct kt_waiter {
@@ -2039,15 +2016,14 @@ static void kt_waiter_cb(void *arg, uint64_t id, int status, uint64_t bytes, con
     (void)bytes;
 }
 
-int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                           const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf,
-                           uint64_t size, double timeout_s, char *err)
+int kt_transport_send_wait(kt_transport *t, const kt_peer *to, const void *buf, uint64_t size,
+                           double timeout_s, char *err)
 {
     kt_waiter w = {.done = 0};
     pthread_mutex_init(&w.m, NULL);
     pthread_cond_init(&w.c, NULL);
-    int rc = kt_transport_send(t, host, port, id, token, buf, size, 0, timeout_s, kt_waiter_cb, &w,
-                               err);
+    const kt_send_opts o = {.timeout_s = timeout_s, .cb = kt_waiter_cb, .cb_arg = &w};
+    int rc = kt_transport_send(t, to, buf, size, &o, err);
     if (rc == 0) {
         pthread_mutex_lock(&w.m);
         while (!w.done)

@@ -94,33 +94,39 @@ typedef void (*kt_xfer_cb)(void *arg, uint64_t id, int status, uint64_t bytes, c
 /* Run kt_bundle_parse on exactly the bytes that arrived; a bad bundle fails both sides. */
 #define KT_RESERVE_PARSE 1u
 
+/* How a reservation waits and whom it tells. */
+typedef struct kt_resv_opts {
+    double timeout_s; /* > 0: the reservation expires after it (the callback says "expired") */
+    unsigned flags; /* KT_RESERVE_PARSE */
+    /* Non-NULL: the set the parts join (caller-owned, empty from kt_bundle_set_init, valid as
+     * long as buf); implies KT_RESERVE_PARSE (below). */
+    kt_bundle_set *set;
+    kt_xfer_cb cb; /* required */
+    void *cb_arg;
+} kt_resv_opts;
+
 /* Reserves `buf` (`size` bytes, caller-owned, must stay valid until the callback) for the
- * bundle tagged `id`, expiring after timeout_s seconds (the callback then reports "expired").
+ * bundle tagged `id`, expiring after o->timeout_s seconds (the callback then reports "expired").
  * A bundle of 1..size bytes is accepted (the callback's `bytes` says how many arrived); a
  * larger one is refused with "bundle too large for reservation ID: reserved at most N bytes,
  * bundle has M" and the reservation stays waiting; so is a bundle whose token is not this
  * reservation's ("wrong token for reservation ID"). On success *token (KT_RESV_TOKEN_BYTES) is
  * the reservation's fresh random token, to hand to the one sender allowed to fill it. Fails
  * when not listening, when `id` is already reserved, or size is 0. Any id is fine; ids are the
- * caller's (the decode node's reservation ids). */
-int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size, double timeout_s,
-                         unsigned flags, kt_xfer_cb cb, void *cb_arg,
-                         uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
-/* kt_transport_reserve with KT_RESERVE_PARSE that keeps the parse: each part that arrives (a
- * whole bundle, or one layer segment of a pipelined transfer) is parsed and added to *set
- * (caller-owned, empty from kt_bundle_set_init, valid as long as buf); a part that does not
- * parse or does not fit the set fails the reservation. Before a successful callback the set is
- * complete, so the receiver validates a bundle once, in the transport, and reads it through
+ * caller's (the decode node's reservation ids).
+ * With o->set: KT_RESERVE_PARSE that keeps the parse: each part that arrives (a whole bundle, or
+ * one layer segment of a pipelined transfer) is parsed and added to the set; a part that does
+ * not parse or does not fit the set fails the reservation. Before a successful callback the set
+ * is complete, so the receiver validates a bundle once, in the transport, and reads it through
  * the set.
- * buf NULL: no buffer is reserved up front; each part lands in a buffer of its own, taken when
- * it arrives (partbuf.h: large ones are recycled), and `size` bounds the bytes of all parts
- * together. The set then
- * owns the parts it holds (set->owned): free them with kt_bundle_set_free, whatever the
- * outcome, once the callback has run. A receiver that can only bound a bundle (a decode node:
- * every list at the prompt's length, in f32) so holds what arrived, not the bound. */
-int kt_transport_reserve_bundle(kt_transport *t, uint64_t id, void *buf, uint64_t size,
-                                double timeout_s, kt_bundle_set *set, kt_xfer_cb cb,
-                                void *cb_arg, uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
+ * buf NULL (only with o->set): no buffer is reserved up front; each part lands in a buffer of
+ * its own, taken when it arrives (partbuf.h: large ones are recycled), and `size` bounds the
+ * bytes of all parts together. The set then owns the parts it holds (set->owned): free them with
+ * kt_bundle_set_free, whatever the outcome, once the callback has run. A receiver that can only
+ * bound a bundle (a decode node: every list at the prompt's length, in f32) so holds what
+ * arrived, not the bound. */
+int kt_transport_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
+                         const kt_resv_opts *o, uint8_t token[KT_RESV_TOKEN_BYTES], char *err);
 /* Most bytes of a packed remote key (ucp_rkey_pack): tens over TCP and shared memory, a few
  * hundred with InfiniBand. */
 #define KT_RMA_KEY_MAX 1024
@@ -134,17 +140,16 @@ typedef struct kt_rma_key {
     uint8_t rkey[KT_RMA_KEY_MAX];
 } kt_rma_key;
 
-/* kt_transport_reserve_bundle into the caller's `buf` (`size` bytes), mapped for remote writes
+/* kt_transport_reserve into the caller's `buf` (`size` bytes), mapped for remote writes
  * (ucp_mem_map) until the reservation ends: *key says where and how. A part put with
  * kt_transport_put is not read while more parts follow; when the last one's notice arrives the
  * mapping is dropped first, so the sender can no longer write, then every part is validated and
- * added to *set, in order, and the callback reports the outcome. set NULL: the bytes are not
- * parsed (as kt_transport_reserve without flags). A bundle sent as active messages
- * (kt_transport_send) is received into buf as usual. Needs a transport created in
- * KT_TRANSPORT_MODE_RMA. */
+ * added to o->set, in order, and the callback reports the outcome. o->set NULL: the bytes are not
+ * parsed (o->flags is not read). A bundle sent as active messages (kt_transport_send) is
+ * received into buf as usual. Needs a transport created in KT_TRANSPORT_MODE_RMA. */
 int kt_transport_reserve_rma(kt_transport *t, uint64_t id, void *buf, uint64_t size,
-                             double timeout_s, kt_bundle_set *set, kt_xfer_cb cb, void *cb_arg,
-                             uint8_t token[KT_RESV_TOKEN_BYTES], kt_rma_key *key, char *err);
+                             const kt_resv_opts *o, uint8_t token[KT_RESV_TOKEN_BYTES],
+                             kt_rma_key *key, char *err);
 
 /* Where a reservation mapped for RMA also takes the K and V rows of block-padded parts: two more
  * regions of the receiver's memory (a decode node: the key and value rows of a run of its KV
@@ -157,7 +162,7 @@ typedef struct kt_rma_rows {
 
 /* Maps `bytes` at k and at v (caller-owned, valid until the reservation's callback) as the rows
  * regions of reservation `id`, made by kt_transport_reserve_rma with a set, and fills *out. A
- * part put with kt_transport_put_rows then has its head in the reservation's buffer (right after
+ * part put with its rows (kt_put_dest) then has its head in the reservation's buffer (right after
  * the parts before it) and its K and V sections in the regions, each at the K bytes of the
  * earlier rows parts; when the last part's notice comes every mapping is dropped, and each part
  * is validated where it lies and added to the set in order: a rows part's view then points into
@@ -176,51 +181,70 @@ kt_xfer_state kt_transport_reservation_state(kt_transport *t, uint64_t id);
 
 /* ------------------------------------------------------------------ sending side */
 
-/* kt_transport_send flag: this is one part of a bundle sent in parts, and more parts follow for
- * the same reservation. */
+/* kt_send_opts flag: this is one part of a bundle sent in parts, and more parts follow for the
+ * same reservation. */
 #define KT_SEND_MORE 1u
 
-/* Sends `size` bytes at `buf` to the receiver listening on host:port, for reservation `id`
- * whose token (from the receiver's kt_transport_reserve) is `token`.
+/* Where a bundle goes: the receiver listening on host:port, and its reservation `id` whose token
+ * (KT_RESV_TOKEN_BYTES, from the receiver's kt_transport_reserve) is `token`. */
+typedef struct kt_peer {
+    const char *host;
+    uint16_t port;
+    uint64_t id;
+    const uint8_t *token;
+} kt_peer;
+
+/* How a send or a put goes and whom it tells. */
+typedef struct kt_send_opts {
+    unsigned flags; /* KT_SEND_MORE */
+    double timeout_s; /* > 0 */
+    kt_xfer_cb cb; /* required */
+    void *cb_arg;
+} kt_send_opts;
+
+/* Sends `size` bytes at `buf` to `to`.
  * A bundle may go in parts (a layer-pipelined transfer): every part but the last with
- * KT_SEND_MORE in `flags`, each sent only once the previous one's callback reported success
+ * KT_SEND_MORE in o->flags, each sent only once the previous one's callback reported success
  * (a part that arrives while the previous one is still landing is refused). Part k lands in the
  * reserved buffer right after part k-1; each part is acknowledged on its own; the
  * reservation completes with the part sent without KT_SEND_MORE, its `bytes` then the sum.
  * Connects on first use (an endpoint per address, re-created after a failure). Completes
- * through `cb` when the receiver acknowledged the bundle (status 0) or refused it, when the
- * peer died, or after timeout_s seconds. `buf` must stay valid until the callback. A send
+ * through o->cb when the receiver acknowledged the bundle (status 0) or refused it, when the
+ * peer died, or after o->timeout_s seconds. `buf` must stay valid until the callback. A send
  * still moving data at its timeout closes the connection (the other sends on it fail too:
  * a stalled connection is not trusted). */
-int kt_transport_send(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                      const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf, uint64_t size,
-                      unsigned flags, double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err);
-/* kt_transport_send into a reservation mapped for RMA (its *key from kt_transport_reserve_rma):
- * the part goes by ucp_put_nbx to key->address + offset (offset: the bytes of the parts before
- * it), then, once a flush says it is in the receiver's memory, its header as an active message;
- * the receiver's acknowledgement completes it as with kt_transport_send. Parts, flags, timeout
- * and callback as kt_transport_send. Needs a transport created in KT_TRANSPORT_MODE_RMA. */
-int kt_transport_put(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                     const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
-                     uint64_t offset, const void *buf, uint64_t size, unsigned flags,
-                     double timeout_s, kt_xfer_cb cb, void *cb_arg, char *err);
-/* kt_transport_put of a block-padded, unquantized part (kt_bundle_layout_read: split,
- * block_rows > 0; its K and V sections of equal length) whose head goes to key->address + offset
- * and whose K and V sections go to rows->k.address + rows_off and rows->v.address + rows_off
- * (rows_off: the K bytes of the rows parts before it), then a flush, then its notice (flags
- * KT_WIRE_PUT and KT_WIRE_PIECE, the head's length and offset). Fails at once for a part that
- * is not laid out so, or whose sections would end past rows->bytes. Parts, flags, timeout and
- * callback as kt_transport_put; rows parts and whole put parts may alternate in one bundle. */
-int kt_transport_put_rows(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                          const uint8_t token[KT_RESV_TOKEN_BYTES], const kt_rma_key *key,
-                          uint64_t offset, const kt_rma_rows *rows, uint64_t rows_off,
-                          const void *buf, uint64_t size, unsigned flags, double timeout_s,
-                          kt_xfer_cb cb, void *cb_arg, char *err);
-/* kt_transport_send of a whole bundle (no flags), waiting for the outcome. Not from a kt_
- * callback. */
-int kt_transport_send_wait(kt_transport *t, const char *host, uint16_t port, uint64_t id,
-                           const uint8_t token[KT_RESV_TOKEN_BYTES], const void *buf,
-                           uint64_t size, double timeout_s, char *err);
+int kt_transport_send(kt_transport *t, const kt_peer *to, const void *buf, uint64_t size,
+                      const kt_send_opts *o, char *err);
+
+/* Where a put goes in the receiver's memory: a reservation mapped for RMA. */
+typedef struct kt_put_dest {
+    const kt_rma_key *key; /* the reservation's, from kt_transport_reserve_rma */
+    uint64_t offset; /* where the part (or, with rows, its head) goes: the bytes of the parts
+                        before it in the reservation's buffer */
+    /* NULL: the part goes whole. Else the rows regions (kt_transport_map_rows) its K and V go
+     * to, at rows_off: the K bytes of the rows parts before it. */
+    const kt_rma_rows *rows;
+    uint64_t rows_off;
+} kt_put_dest;
+
+/* kt_transport_send into a reservation mapped for RMA: the part goes by ucp_put_nbx to
+ * at->key->address + at->offset, then, once a flush says it is in the receiver's memory, its
+ * header as an active message; the receiver's acknowledgement completes it as with
+ * kt_transport_send.
+ * With at->rows, the part must be block-padded and unquantized (kt_bundle_layout_read: split,
+ * block_rows > 0; its K and V sections of equal length): its head goes to key->address + offset
+ * and its K and V sections to rows->k.address + rows_off and rows->v.address + rows_off, then a
+ * flush, then its notice (flags KT_WIRE_PUT and KT_WIRE_PIECE, the head's length and offset).
+ * Fails at once for a part that is not laid out so, or whose sections would end past
+ * rows->bytes. Rows parts and whole put parts may alternate in one bundle.
+ * Parts, flags, timeout and callback as kt_transport_send. Needs a transport created in
+ * KT_TRANSPORT_MODE_RMA. */
+int kt_transport_put(kt_transport *t, const kt_peer *to, const kt_put_dest *at, const void *buf,
+                     uint64_t size, const kt_send_opts *o, char *err);
+/* kt_transport_send of a whole bundle (no flags), waiting at most timeout_s for the outcome.
+ * Not from a kt_ callback. */
+int kt_transport_send_wait(kt_transport *t, const kt_peer *to, const void *buf, uint64_t size,
+                           double timeout_s, char *err);
 
 #ifdef __cplusplus
 }

@@ -128,15 +128,43 @@ static int put_rows(void *arg, int first, int n, const int32_t *pos, kr_dtype dt
                                 k, v, err);
 }
 
-/* Writes layers [first, first + count) of `seq` into `b`: a whole bundle (segment 0, all the
- * layers) or a layer segment, whose first_token and next_pos the caller passes provisional
- * when a later segment follows. Each list's entries from n->sent on go in (the ones before are
- * in an earlier part, which this one continues), and n->sent moves to the list's end. Adds to
- * *size_out and *entries_out. */
-static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int first, int count,
-                        int segment, int32_t first_token, int32_t next_pos, pf_buf *b,
-                        uint64_t *size_out, uint64_t *entries_out, char *err)
+/* A transfer in parts (docs/prefill-node.md, "Layer-wise pipelining"): part k is written into
+ * n->bufs[k] as soon as its layers are final and sent once part k-1 is acknowledged, which is
+ * what the transport asks of parts. The transport's callbacks (its progress thread) count the
+ * outcomes under `mu`; the worker sends and waits. */
+typedef struct pf_pipe {
+    pf_node *n;
+    pf_job *j;
+    int layers_written; /* layers [0, layers_written) are final and sent up to their end */
+    int written, sent; /* parts written, parts handed to the transport */
+    int chunk_ends, early_every; /* chunk-end calls so far; an early part at every early_every-th */
+    uint64_t size[KT_BUNDLE_MAX_LAYERS + KT_BUNDLE_MAX_EARLY_PARTS]; /* bytes of each part */
+    uint64_t bytes, entries;
+    uint64_t offset; /* bytes of the parts handed over: where a put part (or its head) goes */
+    uint64_t rows_off; /* K bytes of the parts put into the decode node's blocks: where the next
+                          one's K and V go */
+    int rows_parts; /* parts put into the decode node's blocks */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int settled; /* sends whose callback ran */
+    int failed; /* a part failed: nothing more is sent */
+    int timed_out; /* ... at its timeout (the deadline or the transfer cap), or the deadline had
+                      passed before it was sent */
+    double sent_at, timeout; /* when the part in flight was handed over, and its timeout */
+    char err[KT_ERR_MAX];
+} pf_pipe;
+
+/* Writes layers [first, first + count) of `seq` as the pipe's next part, into its buffer
+ * (n->bufs[p->written]): a whole bundle (segment 0, all the layers) or a layer segment, whose
+ * first_token the caller passes provisional when a later segment follows. Each list's entries
+ * from n->sent on go in (the ones before are in an earlier part, which this one continues), and
+ * n->sent moves to the list's end. Counts the part, its bytes and its entries in p. */
+static int pipe_write(pf_pipe *p, const kr_seq *seq, int first, int count, int segment,
+                      int32_t first_token, char *err)
 {
+    pf_node *n = p->n;
+    const pf_job *j = p->j;
+    pf_buf *b = &n->bufs[p->written];
     const kr_config *c = n->mcfg;
     kt_bundle_header h;
     memset(&h, 0, sizeof h);
@@ -147,7 +175,7 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
     h.dtype = j->wire;
     h.first_token = first_token;
     h.prompt_len = j->n_tokens;
-    h.next_pos = next_pos;
+    h.next_pos = kr_seq_next_pos(seq);
     h.segment = (uint32_t)segment;
     h.first_layer = (uint32_t)first;
     snprintf(h.policy, sizeof h.policy, "%s", kr_policy_spec(j->policy));
@@ -188,36 +216,11 @@ static int write_bundle(pf_node *n, const pf_job *j, const kr_seq *seq, int firs
     if (kt_bundle_writer_finish(&w, &size, err) != 0) return -1;
     for (int i = 0; i < count * c->n_kv_heads; i++)
         sent[i] += (int)lists[i].count;
-    *size_out += size;
-    *entries_out += entries;
+    p->size[p->written++] = size;
+    p->bytes += size;
+    p->entries += entries;
     return 0;
 }
-
-/* A transfer in parts (docs/prefill-node.md, "Layer-wise pipelining"): part k is written into
- * n->bufs[k] as soon as its layers are final and sent once part k-1 is acknowledged, which is
- * what the transport asks of parts. The transport's callbacks (its progress thread) count the
- * outcomes under `mu`; the worker sends and waits. */
-typedef struct pf_pipe {
-    pf_node *n;
-    pf_job *j;
-    int layers_written; /* layers [0, layers_written) are final and sent up to their end */
-    int written, sent; /* parts written, parts handed to the transport */
-    int chunk_ends, early_every; /* chunk-end calls so far; an early part at every early_every-th */
-    uint64_t size[KT_BUNDLE_MAX_LAYERS + KT_BUNDLE_MAX_EARLY_PARTS]; /* bytes of each part */
-    uint64_t bytes, entries;
-    uint64_t offset; /* bytes of the parts handed over: where a put part (or its head) goes */
-    uint64_t rows_off; /* K bytes of the parts put into the decode node's blocks: where the next
-                          one's K and V go */
-    int rows_parts; /* parts put into the decode node's blocks */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int settled; /* sends whose callback ran */
-    int failed; /* a part failed: nothing more is sent */
-    int timed_out; /* ... at its timeout (the deadline or the transfer cap), or the deadline had
-                      passed before it was sent */
-    double sent_at, timeout; /* when the part in flight was handed over, and its timeout */
-    char err[KT_ERR_MAX];
-} pf_pipe;
 
 static void pipe_cb(void *arg, uint64_t id, int status, uint64_t bytes, const char *err)
 {
@@ -280,15 +283,12 @@ static int pipe_pump(pf_pipe *p, int last)
                      kt_bundle_layout_read(buf, (size_t)p->size[k], &lay, NULL) == 0 && lay.split &&
                      lay.block_rows == j->block_rows && lay.block_rows > 0 && lay.k_len == lay.v_len &&
                      lay.k_len <= j->rma_rows.bytes - p->rows_off;
-    if ((rows ? kt_transport_put_rows(p->n->tx, j->host, j->port, j->reservation_id,
-                                      j->reservation_token, &j->rma, p->offset, &j->rma_rows,
-                                      p->rows_off, buf, p->size[k], flags, timeout, pipe_cb, p, err)
-         : j->rma.rkey_len ? kt_transport_put(p->n->tx, j->host, j->port, j->reservation_id,
-                                              j->reservation_token, &j->rma, p->offset, buf,
-                                              p->size[k], flags, timeout, pipe_cb, p, err)
-                           : kt_transport_send(p->n->tx, j->host, j->port, j->reservation_id,
-                                               j->reservation_token, buf, p->size[k], flags, timeout,
-                                               pipe_cb, p, err)) != 0) {
+    const kt_peer to = {j->host, j->port, j->reservation_id, j->reservation_token};
+    const kt_put_dest at = {.key = &j->rma, .offset = p->offset,
+                            .rows = rows ? &j->rma_rows : NULL, .rows_off = p->rows_off};
+    const kt_send_opts o = {.flags = flags, .timeout_s = timeout, .cb = pipe_cb, .cb_arg = p};
+    if ((j->rma.rkey_len ? kt_transport_put(p->n->tx, &to, &at, buf, p->size[k], &o, err)
+                         : kt_transport_send(p->n->tx, &to, buf, p->size[k], &o, err)) != 0) {
         pipe_fail(p, 0, err);
         return -1;
     }
@@ -307,19 +307,11 @@ static int pipe_layers_final(void *arg, const kr_seq *s, int n_final, char *err)
 {
     pf_pipe *p = arg;
     if (n_final == 0 && ++p->chunk_ends % p->early_every == 0) {
-        if (write_bundle(p->n, p->j, s, 0, p->n->mcfg->n_layers, 1, 0, kr_seq_next_pos(s),
-                         &p->n->bufs[p->written], &p->size[p->written], &p->entries, err) != 0)
-            return -1;
-        p->bytes += p->size[p->written];
-        p->written++;
+        if (pipe_write(p, s, 0, p->n->mcfg->n_layers, 1, 0, err) != 0) return -1;
     } else if (n_final < p->n->mcfg->n_layers && n_final > p->layers_written) {
         int first = p->layers_written;
         /* provisional: the token is not sampled yet; every position is below the prompt's end */
-        if (write_bundle(p->n, p->j, s, first, n_final - first, 1, 0, kr_seq_next_pos(s),
-                         &p->n->bufs[p->written], &p->size[p->written], &p->entries, err) != 0)
-            return -1;
-        p->bytes += p->size[p->written];
-        p->written++;
+        if (pipe_write(p, s, first, n_final - first, 1, 0, err) != 0) return -1;
         p->layers_written = n_final;
     }
     if (pipe_pump(p, 0) != 0) {
@@ -455,14 +447,10 @@ void pf_run(pf_node *n, pf_job *j)
     /* the last part: the layers not sent yet, with the first token; a whole bundle when
      * nothing was sent before */
     int first = p->layers_written;
-    if (write_bundle(n, j, seq, first, c->n_layers - first, p->written > 0, j->first_token,
-                     kr_seq_next_pos(seq), &n->bufs[p->written], &p->size[p->written],
-                     &p->entries, err) != 0) {
+    if (pipe_write(p, seq, first, c->n_layers - first, p->written > 0, j->first_token, err) != 0) {
         job_fail(j, GRPC_STATUS_INTERNAL, "writing the KV bundle: %s", err);
         goto out;
     }
-    p->bytes += p->size[p->written];
-    p->written++;
     kr_seq_free(seq); /* the bundle holds what is shipped: the blocks go back now */
     seq = NULL;
     pool_gauges(n);

@@ -5,15 +5,15 @@
  * What it measures: reserve + send + acknowledgement per bundle (the full protocol a prefill
  * node pays), one bundle at a time and K at once, sender and receiver as two UCX contexts in
  * this process; with --validate the data is a real bundle of about the size and the receiver
- * validates it before acknowledging, as a decode node does (kt_transport_reserve_bundle into
- * buffers of each bundle's size: every checksum and field), and with --import the bundle is
+ * validates it before acknowledging, as a decode node does (kt_transport_reserve with a set,
+ * into buffers of each bundle's size: every checksum and field), and with --import the bundle is
  * padded to the blocks of a KV pool, goes in pieces, and lands with its K and V in a run of the
  * pool's blocks, which a sequence then adopts before the ack: a decode node's whole receive path
  * (decode-node/import.c; with --mode rma the run is taken and mapped at reserve time and the
- * sender puts K and V into it, kt_transport_map_rows and kt_transport_put_rows); ucx_perftest runs
- * as a server and a client process with -t TEST -s SIZE. With --mode rma each reservation is
- * mapped and the bundle put into it (kt_transport_reserve_rma, kt_transport_put), next to
- * ucx_perftest -t ucp_put_bw. It is not a test: nothing is asserted.
+ * sender puts K and V into it, kt_transport_map_rows and kt_transport_put with rows);
+ * ucx_perftest runs as a server and a client process with -t TEST -s SIZE. With --mode rma each
+ * reservation is mapped and the bundle put into it (kt_transport_reserve_rma, kt_transport_put),
+ * next to ucx_perftest -t ucp_put_bw. It is not a test: nothing is asserted.
  * Run: kvrelay-transfer-bench [--sizes 1,4,16,64,256,1024] [--tls tcp] [--mode am|rma]
  * [--test NAME] [--rounds 3] [--validate [--import]] (sizes in MiB; rounds alternate the two
  * and the table gives medians). Progress
@@ -154,7 +154,10 @@ static void launch(flight *f, int k)
     /* validating, the receiver is a decode node's: parts land in buffers the transport
      * allocates at their size, owned by the set */
     uint8_t *dst = f->dst + (uint64_t)k * f->size;
-    const uint16_t port = kt_transport_port(f->rx);
+    const kt_peer to = {"127.0.0.1", kt_transport_port(f->rx), id, tok};
+    kt_resv_opts ro = {.timeout_s = 60.0, .set = f->validate ? &f->sets[k] : NULL, .cb = count_cb,
+                       .cb_arg = &f->slots[k]};
+    const kt_send_opts so = {.timeout_s = 60.0, .cb = count_cb, .cb_arg = &f->slots[k]};
     int rc;
     if (f->rma && f->pool) { /* as a decode node: a run of blocks mapped for K and V too */
         slot *sl = &f->slots[k];
@@ -165,25 +168,20 @@ static void launch(flight *f, int k)
             cli_die(1, "no free run of %d blocks for --import", f->run_blocks);
         sl->run_n = f->run_blocks;
         kr_kv_pool_run_rows(f->pool, sl->run_first, &kr, &vr, &pos);
-        rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, 60.0, &f->sets[k], count_cb, sl, tok,
-                                      &f->keys[k], err) != 0 ||
+        ro.set = &f->sets[k];
+        rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, &ro, tok, &f->keys[k], err) != 0 ||
              kt_transport_map_rows(f->rx, id, kr, vr,
                                    (uint64_t)f->run_blocks * BENCH_BLOCK_ROWS * 128 * sizeof(float), &rows,
                                    err) != 0 ||
-             kt_transport_put_rows(f->tx, "127.0.0.1", port, id, tok, &f->keys[k], 0, &rows, 0, f->src,
-                                   f->size, 0, 60.0, count_cb, sl, err) != 0;
+             kt_transport_put(f->tx, &to, &(kt_put_dest){.key = &f->keys[k], .rows = &rows}, f->src,
+                              f->size, &so, err) != 0;
     } else if (f->rma) /* the slot's buffer mapped, validated into the set when asked */
-        rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, 60.0, f->validate ? &f->sets[k] : NULL, count_cb,
-                                      &f->slots[k], tok, &f->keys[k], err) != 0 ||
-             kt_transport_put(f->tx, "127.0.0.1", port, id, tok, &f->keys[k], 0, f->src, f->size, 0, 60.0,
-                              count_cb, &f->slots[k], err) != 0;
+        rc = kt_transport_reserve_rma(f->rx, id, dst, f->size, &ro, tok, &f->keys[k], err) != 0 ||
+             kt_transport_put(f->tx, &to, &(kt_put_dest){.key = &f->keys[k]}, f->src, f->size, &so,
+                              err) != 0;
     else
-        rc = (f->validate ? kt_transport_reserve_bundle(f->rx, id, NULL, f->size, 60.0, &f->sets[k], count_cb,
-                                                        &f->slots[k], tok, err)
-                          : kt_transport_reserve(f->rx, id, dst, f->size, 60.0, 0, count_cb, &f->slots[k], tok,
-                                                 err)) != 0 ||
-             kt_transport_send(f->tx, "127.0.0.1", port, id, tok, f->src, f->size, 0, 60.0, count_cb,
-                               &f->slots[k], err) != 0;
+        rc = kt_transport_reserve(f->rx, id, ro.set ? NULL : dst, f->size, &ro, tok, err) != 0 ||
+             kt_transport_send(f->tx, &to, f->src, f->size, &so, err) != 0;
     if (rc)
         cli_die(1, "%s", err); /* transfers in flight may still call back: stop here */
 }

@@ -605,19 +605,18 @@ static int ship(engine *e, node *nd, uint64_t id, request *rq, char *err)
 {
     const grant *g = grant_of(id);
     int rc;
+    const kt_peer to = {nd->xfer_host, nd->xfer_port, id, g->token};
     if (!g->rma.rkey_len) {
-        rc = kt_transport_send_wait(e->tx, nd->xfer_host, nd->xfer_port, id, g->token, rq->bundle,
-                                    rq->size, 10.0, err);
+        rc = kt_transport_send_wait(e->tx, &to, rq->bundle, rq->size, 10.0, err);
     } else {
         put_wait w = {.status = -1};
         sem_init(&w.done, 0, 0);
         kt_bundle_layout lay;
         const int rows = g->rows.bytes && kt_bundle_layout_read(rq->bundle, (size_t)rq->size, &lay, NULL) == 0 &&
                          lay.split && lay.block_rows == 16 && lay.k_len <= g->rows.bytes;
-        rc = rows ? kt_transport_put_rows(e->tx, nd->xfer_host, nd->xfer_port, id, g->token, &g->rma, 0,
-                                          &g->rows, 0, rq->bundle, rq->size, 0, 10.0, put_done, &w, err)
-                  : kt_transport_put(e->tx, nd->xfer_host, nd->xfer_port, id, g->token, &g->rma, 0,
-                                     rq->bundle, rq->size, 0, 10.0, put_done, &w, err);
+        const kt_put_dest at = {.key = &g->rma, .rows = rows ? &g->rows : NULL};
+        const kt_send_opts o = {.timeout_s = 10.0, .cb = put_done, .cb_arg = &w};
+        rc = kt_transport_put(e->tx, &to, &at, rq->bundle, rq->size, &o, err);
         if (rc == 0) {
             while (sem_wait(&w.done) != 0) {
             }

@@ -161,8 +161,9 @@ int main(void)
         uint8_t token[KT_RESV_TOKEN_BYTES];
         c.resv = 100 + (uint64_t)attempt;
         c.token = token;
-        REQUIRE(kt_transport_reserve(rx, c.resv, buf, cap, 60.0, 0, resv_cb, NULL, token, err) == 0,
-                "reserve: %s", err);
+        const kt_resv_opts ro = {.timeout_s = 60.0, .cb = resv_cb};
+        REQUIRE(kt_transport_reserve(rx, c.resv, buf, cap, &ro, token, err) == 0, "reserve: %s",
+                err);
         pthread_t th;
         pthread_create(&th, NULL, call_main, &c);
         /* The worker runs the call: stop the node a moment into its prefill. */

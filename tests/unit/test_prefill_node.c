@@ -100,8 +100,8 @@ static void resv_open(resv *r, uint64_t cap)
     r->buf = malloc(cap);
     kt_bundle_set_init(&r->set, r->parts, 4 + KT_BUNDLE_MAX_EARLY_PARTS);
     char err[KT_ERR_MAX];
-    REQUIRE(r->buf && kt_transport_reserve_bundle(rx, r->id, r->buf, cap, 60.0, &r->set, resv_cb,
-                                                  r, r->token, err) == 0,
+    const kt_resv_opts o = {.timeout_s = 60.0, .set = &r->set, .cb = resv_cb, .cb_arg = r};
+    REQUIRE(r->buf && kt_transport_reserve(rx, r->id, r->buf, cap, &o, r->token, err) == 0,
             "reserve: %s", err);
 }
 

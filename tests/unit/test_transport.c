@@ -130,7 +130,9 @@ static int child_receiver(uint16_t port, uint64_t id, uint64_t size, const char 
     done_box b;
     box_init(&b);
     uint8_t ready[1 + KT_RESV_TOKEN_BYTES] = {'R'}; /* ready, then the reservation's token */
-    if (!buf || kt_transport_reserve(t, id, buf, size, 30.0, 0, box_cb, &b, ready + 1, err) != 0) {
+    if (!buf || kt_transport_reserve(t, id, buf, size,
+                                     &(kt_resv_opts){.timeout_s = 30.0, .cb = box_cb, .cb_arg = &b},
+                                     ready + 1, err) != 0) {
         fprintf(stderr, "child receiver: %s\n", err);
         return 3;
     }
@@ -191,8 +193,11 @@ static int child_sender(uint16_t port, uint64_t id, uint64_t size, const char *h
     }
     done_box b;
     box_init(&b);
-    if (kt_transport_send(t, HOST, port, id, tok, buf, size, padded ? KT_SEND_MORE : 0, 30.0,
-                          box_cb, &b, err) != 0)
+    if (kt_transport_send(
+            t, &(kt_peer){HOST, port, id, tok}, buf, size,
+            &(kt_send_opts){
+                .flags = padded ? KT_SEND_MORE : 0, .timeout_s = 30.0, .cb = box_cb, .cb_arg = &b},
+            err) != 0)
         return 3;
     pause();
     return 0;
@@ -248,8 +253,8 @@ static uint16_t free_port(void)
 
 /* A header of the test model's 2 KV heads: `layers` layers of head_dim `dim`, a prompt of
  * `prompt` tokens. */
-static kt_bundle_header test_header(uint32_t layers, uint32_t dim, kt_dtype dtype, int32_t first_token,
-                                    int32_t prompt, const char *policy)
+static kt_bundle_header test_header(uint32_t layers, uint32_t dim, kt_dtype dtype,
+                                    int32_t first_token, int32_t prompt, const char *policy)
 {
     kt_bundle_header h;
     memset(&h, 0, sizeof h);
@@ -276,7 +281,7 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
     REQUIRE(kt_bundle_size(&h, lists, &size, err) == 0, "%s", err);
     /* The receiver reserves more than the bundle needs (as a decode node reserves the bound):
      * the transport must validate exactly the bytes that arrived, and hand over its view of them
-     * (kt_transport_reserve_bundle), the only parse a decode node makes. */
+     * (kt_transport_reserve with a set), the only parse a decode node makes. */
     uint64_t cap = size + 4096;
     uint8_t *src = calloc(1, size), *dst = calloc(1, cap);
     kt_bundle_writer w;
@@ -305,13 +310,22 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
     kt_bundle_view view;
     kt_bundle_set set;
     kt_bundle_set_init(&set, &view, 1);
-    CHECK(kt_transport_reserve_bundle(rx, 1, dst, cap, 5.0, NULL, box_cb, &rb, tok, err) != 0,
-          "a bundle reservation without a set refused");
+    kt_bundle_set roomless;
+    kt_bundle_set_init(&roomless, NULL, 0);
+    CHECK(kt_transport_reserve(rx, 1, dst, cap,
+                               &(kt_resv_opts){
+                                   .timeout_s = 5.0, .set = &roomless, .cb = box_cb, .cb_arg = &rb},
+                               tok, err) != 0,
+          "a bundle reservation into a set without room refused");
     CHECK_ERR_HAS(err, "needs an empty set");
-    REQUIRE(kt_transport_reserve_bundle(rx, 1, dst, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+    REQUIRE(kt_transport_reserve(
+                rx, 1, dst, cap,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
             "%s", err);
     CHECK(kt_transport_reservation_state(rx, 1) == KT_XFER_STATE_RESERVED, "state RESERVED");
-    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 1, tok, src, size, 5.0, err);
+    int rc = kt_transport_send_wait(tx, &(kt_peer){HOST, kt_transport_port(rx), 1, tok}, src, size,
+                                    5.0, err);
     CHECK(rc == 0, "send of a real bundle: %s", err);
     REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
     CHECK(rb.status == 0 && rb.bytes == size, "receive: status %d bytes %" PRIu64 " %s",
@@ -375,17 +389,24 @@ static void test_segments(kt_transport *rx, kt_transport *tx)
     box_init(&rb);
     uint8_t tok[KT_RESV_TOKEN_BYTES];
     const uint16_t port = kt_transport_port(rx);
-    REQUIRE(kt_transport_reserve_bundle(rx, 700, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok,
-                                        err) == 0, "%s", err);
+    REQUIRE(kt_transport_reserve(
+                rx, 700, dst, sizeof dst,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
+            "%s", err);
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, port, 700, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb,
-                              &sb, err) == 0, "%s", err);
+    REQUIRE(
+        kt_transport_send(
+            tx, &(kt_peer){HOST, port, 700, tok}, seg[0], n0,
+            &(kt_send_opts){.flags = KT_SEND_MORE, .timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+            err) == 0,
+        "%s", err);
     REQUIRE(box_wait(&sb, 5.0), "first segment acknowledged within 5 s");
     CHECK(sb.status == 0, "first segment: %s", sb.msg);
     CHECK(kt_transport_reservation_state(rx, 700) == KT_XFER_STATE_RESERVED,
           "after a part with more to come, the reservation waits for the next");
     CHECK(!box_wait(&rb, 0.05), "no completion before the last part");
-    CHECK(kt_transport_send_wait(tx, HOST, port, 700, tok, seg[1], n1, 5.0, err) == 0,
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, 700, tok}, seg[1], n1, 5.0, err) == 0,
           "last segment: %s", err);
     REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
     CHECK(rb.status == 0 && rb.bytes == n0 + n1, "receive: status %d, %" PRIu64 " bytes of %" PRIu64
@@ -402,27 +423,38 @@ static void test_segments(kt_transport *rx, kt_transport *tx)
     /* a set must start at layer 0; a second segment that restarts there is refused too */
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 2);
-    REQUIRE(kt_transport_reserve_bundle(rx, 701, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok,
-                                        err) == 0, "%s", err);
-    CHECK(kt_transport_send_wait(tx, HOST, port, 701, tok, seg[1], n1, 5.0, err) != 0,
+    REQUIRE(kt_transport_reserve(
+                rx, 701, dst, sizeof dst,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
+            "%s", err);
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, 701, tok}, seg[1], n1, 5.0, err) != 0,
           "a set that starts at layer 1 is refused");
     CHECK_ERR_HAS(err, "starts at layer 1, not 0");
     REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
     CHECK(rb.status == -1, "reservation failed");
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 2);
-    REQUIRE(kt_transport_reserve_bundle(rx, 702, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok,
-                                        err) == 0, "%s", err);
+    REQUIRE(kt_transport_reserve(
+                rx, 702, dst, sizeof dst,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
+            "%s", err);
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, port, 702, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb,
-                              &sb, err) == 0, "%s", err);
+    REQUIRE(
+        kt_transport_send(
+            tx, &(kt_peer){HOST, port, 702, tok}, seg[0], n0,
+            &(kt_send_opts){.flags = KT_SEND_MORE, .timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+            err) == 0,
+        "%s", err);
     REQUIRE(box_wait(&sb, 5.0), "first segment acknowledged");
     uint64_t bad = write_segment(seg[1], CAP, 1, 0);
-    CHECK(kt_transport_send_wait(tx, HOST, port, 702, tok, seg[1], bad, 5.0, err) != 0,
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, 702, tok}, seg[1], bad, 5.0, err) != 0,
           "a segment that restarts layer 0 at its old positions is refused");
     CHECK_ERR_HAS(err, "not after its position");
     REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
-    CHECK(rb.status == -1 && strstr(rb.msg, "not after its position"), "reservation failed: %s", rb.msg);
+    CHECK(rb.status == -1 && strstr(rb.msg, "not after its position"), "reservation failed: %s",
+          rb.msg);
 }
 
 /* What a part hook saw: the parts it was called for, in order, and whether the first part's
@@ -475,10 +507,17 @@ static void test_part_hook(kt_transport *rx, kt_transport *tx)
         kt_bundle_set_init(&set, parts, 2);
         set.on_part = hook_cb;
         set.on_part_arg = &h;
-        REQUIRE(kt_transport_reserve_bundle(rx, id, NULL, 2 * CAP, 5.0, &set, box_cb, &rb, tok,
-                                            err) == 0, "%s", err);
-        REQUIRE(kt_transport_send(tx, HOST, port, id, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb,
-                                  &sb, err) == 0, "%s", err);
+        REQUIRE(kt_transport_reserve(
+                    rx, id, NULL, 2 * CAP,
+                    &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb},
+                    tok, err) == 0,
+                "%s", err);
+        REQUIRE(kt_transport_send(
+                    tx, &(kt_peer){HOST, port, id, tok}, seg[0], n0,
+                    &(kt_send_opts){
+                        .flags = KT_SEND_MORE, .timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+                    err) == 0,
+                "%s", err);
         REQUIRE(box_wait(&sb, 5.0), "first segment answered within 5 s");
         if (refuse_at == 0) {
             CHECK(sb.status == -1 && strstr(sb.msg, "no room for part 0"),
@@ -489,13 +528,15 @@ static void test_part_hook(kt_transport *rx, kt_transport *tx)
             CHECK(h.calls == 1, "no part after a refusal: %d calls", h.calls);
         } else {
             CHECK(sb.status == 0, "first segment: %s", sb.msg);
-            CHECK(kt_transport_send_wait(tx, HOST, port, id, tok, seg[1], n1, 5.0, err) == 0,
+            CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, id, tok}, seg[1], n1, 5.0,
+                                         err) == 0,
                   "last segment: %s", err);
             REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
             CHECK(rb.status == 0 && set.complete, "receive: %s", rb.msg);
             CHECK(h.calls == 2 && h.index[0] == 0 && h.index[1] == 1 && h.first_layer[0] == 0 &&
                       h.first_layer[1] == 1,
-                  "one call per part, in order: %d calls (%u, %u)", h.calls, h.index[0], h.index[1]);
+                  "one call per part, in order: %d calls (%u, %u)", h.calls, h.index[0],
+                  h.index[1]);
         }
         CHECK(h.answered_before == 0, "the hook runs before the part's sender is answered");
         kt_bundle_set_free(&set);
@@ -632,10 +673,17 @@ static void test_pieces(kt_transport *rx, kt_transport *tx)
             box_init(&rb);
             box_init(&sb);
             id++;
-            REQUIRE(kt_transport_reserve_bundle(rx, id, dst, 2 * cap, 5.0, &set, box_cb, &rb, tok,
-                                                err) == 0, "%s", err);
-            REQUIRE(kt_transport_send(tx, HOST, port, id, tok, seg[0], n[0], KT_SEND_MORE, 5.0,
-                                      box_cb, &sb, err) == 0, "%s", err);
+            REQUIRE(kt_transport_reserve(
+                        rx, id, dst, 2 * cap,
+                        &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb},
+                        tok, err) == 0,
+                    "%s", err);
+            REQUIRE(kt_transport_send(
+                        tx, &(kt_peer){HOST, port, id, tok}, seg[0], n[0],
+                        &(kt_send_opts){
+                            .flags = KT_SEND_MORE, .timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+                        err) == 0,
+                    "%s", err);
             REQUIRE(box_wait(&sb, 5.0), "first part answered within 5 s");
             if (mode < 0) {
                 CHECK(sb.status == -1 && strstr(sb.msg, "no blocks for part 0"),
@@ -647,7 +695,8 @@ static void test_pieces(kt_transport *rx, kt_transport *tx)
                 continue;
             }
             CHECK(sb.status == 0, "first part (big %d, mode %d): %s", big, mode, sb.msg);
-            CHECK(kt_transport_send_wait(tx, HOST, port, id, tok, seg[1], n[1], 5.0, err) == 0,
+            CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, id, tok}, seg[1], n[1], 5.0,
+                                         err) == 0,
                   "last part (big %d, mode %d): %s", big, mode, err);
             REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
             CHECK(rb.status == 0 && set.complete && set.n_parts == 2 && pl.parts == 2,
@@ -684,9 +733,12 @@ static void test_pieces(kt_transport *rx, kt_transport *tx)
     placed_set(&set, parts, 1, &pl);
     done_box rb;
     box_init(&rb);
-    REQUIRE(kt_transport_reserve_bundle(rx, ++id, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+    REQUIRE(kt_transport_reserve(
+                rx, ++id, NULL, cap,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
             "%s", err);
-    CHECK(kt_transport_send_wait(tx, HOST, port, id, tok, seg[0], n, 5.0, err) != 0,
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, id, tok}, seg[0], n, 5.0, err) != 0,
           "a corrupt V piece is refused");
     CHECK_ERR_HAS(err, "checksum");
     REQUIRE(box_wait(&rb, 5.0), "failed reservation reported");
@@ -838,7 +890,8 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
     kt_bundle_layout lay, lay0;
     const uint64_t n = write_padded(seg, cap, 1, 40, 16, &lay);
     const uint64_t n0 = write_padded(seg0, cap, 0, 40, 16, &lay0);
-    const uint64_t off[3] = {0, lay.k_off, lay.v_off}, len[3] = {lay.head_len, lay.k_len, lay.v_len};
+    const uint64_t off[3] = {0, lay.k_off, lay.v_off},
+                   len[3] = {lay.head_len, lay.k_len, lay.v_len};
     struct {
         int order[4], n; /* pieces in order; 3: the head cut 64 bytes short; 4: K with a size
                             field one byte larger */
@@ -863,7 +916,10 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
         placed_set(&set, parts, 1, &pl);
         done_box rb;
         box_init(&rb);
-        REQUIRE(kt_transport_reserve_bundle(rx, id, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+        REQUIRE(kt_transport_reserve(
+                    rx, id, NULL, cap,
+                    &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb},
+                    tok, err) == 0,
                 "%s", err);
         for (int i = 0; i < cases[c].n; i++) {
             const int p = cases[c].order[i];
@@ -897,7 +953,10 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
         placed_set(&set, parts, 1, &pl);
         done_box rb;
         box_init(&rb);
-        REQUIRE(kt_transport_reserve_bundle(rx, 869, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+        REQUIRE(kt_transport_reserve(
+                    rx, 869, NULL, cap,
+                    &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb},
+                    tok, err) == 0,
                 "%s", err);
         raw_piece(&raw, 869, tok, 1100, sn, sl.k_off, small + sl.k_off, sl.k_len);
         raw_piece(&raw, 869, tok, 1100, sn, sl.v_off, small + sl.v_off, sl.v_len);
@@ -920,15 +979,23 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
     placed_set(&set, parts, 2, &pl);
     done_box rb;
     box_init(&rb);
-    REQUIRE(kt_transport_reserve_bundle(rx, 870, NULL, cap, 5.0, &set, box_cb, &rb, tok, err) == 0,
+    REQUIRE(kt_transport_reserve(
+                rx, 870, NULL, cap,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
             "%s", err);
     done_box sb;
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, kt_transport_port(rx), 870, tok, seg0, n0, KT_SEND_MORE, 5.0,
-                              box_cb, &sb, err) == 0, "%s", err);
+    REQUIRE(
+        kt_transport_send(
+            tx, &(kt_peer){HOST, kt_transport_port(rx), 870, tok}, seg0, n0,
+            &(kt_send_opts){.flags = KT_SEND_MORE, .timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+            err) == 0,
+        "%s", err);
     CHECK(box_wait(&sb, 5.0) && sb.status == 0, "a proper first part after the bad pieces: %s",
           sb.msg);
-    CHECK(kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 870, tok, seg, n, 5.0, err) == 0,
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, kt_transport_port(rx), 870, tok}, seg, n, 5.0,
+                                 err) == 0,
           "a proper last part after the bad pieces: %s", err);
     REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
     CHECK(rb.status == 0 && pl.placed == 2 && pl.parts == 2 && parts[1].k == pl.k[1] &&
@@ -940,8 +1007,8 @@ static void test_bad_pieces(kt_transport *rx, kt_transport *tx)
     free(seg0);
 }
 
-/* kt_transport_put, or with `rows` kt_transport_put_rows (K and V at rows_off), waited for: its
- * callback's status (and message in box). */
+/* kt_transport_put, with `rows` (K and V at rows_off) or without, waited for: its callback's
+ * status (and message in box). */
 static int put_rows_wait(kt_transport *tx, uint16_t port, uint64_t id, const uint8_t *tok,
                          const kt_rma_key *key, uint64_t offset, const kt_rma_rows *rows,
                          uint64_t rows_off, const uint8_t *buf, uint64_t n, unsigned flags,
@@ -949,11 +1016,10 @@ static int put_rows_wait(kt_transport *tx, uint16_t port, uint64_t id, const uin
 {
     char err[KT_ERR_MAX];
     box_init(box);
-    REQUIRE((rows ? kt_transport_put_rows(tx, HOST, port, id, tok, key, offset, rows, rows_off,
-                                          buf, n, flags, 5.0, box_cb, box, err)
-                  : kt_transport_put(tx, HOST, port, id, tok, key, offset, buf, n, flags, 5.0,
-                                     box_cb, box, err)) == 0,
-            "%s", err);
+    const kt_put_dest at = {.key = key, .offset = offset, .rows = rows, .rows_off = rows_off};
+    const kt_send_opts o = {.flags = flags, .timeout_s = 5.0, .cb = box_cb, .cb_arg = box};
+    REQUIRE(kt_transport_put(tx, &(kt_peer){HOST, port, id, tok}, &at, buf, n, &o, err) == 0, "%s",
+            err);
     REQUIRE(box_wait(box, 5.0), "put of bundle %" PRIu64 " completed within 5 s", id);
     return box->status;
 }
@@ -1000,8 +1066,10 @@ static void test_rma(kt_transport *am_rx, kt_transport *am_tx)
 
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 2);
-    REQUIRE(kt_transport_reserve_rma(rx, 800, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok, &key,
-                                     err) == 0,
+    REQUIRE(kt_transport_reserve_rma(
+                rx, 800, dst, sizeof dst,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                &key, err) == 0,
             "%s", err);
     CHECK(key.address == (uint64_t)(uintptr_t)dst && key.rkey_len > 0 &&
               key.rkey_len <= KT_RMA_KEY_MAX,
@@ -1031,19 +1099,24 @@ static void test_rma(kt_transport *am_rx, kt_transport *am_tx)
     /* sent, not put, into a mapped reservation: taken as usual */
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 2);
-    REQUIRE(kt_transport_reserve_rma(rx, 801, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok, &key,
-                                     err) == 0,
+    REQUIRE(kt_transport_reserve_rma(
+                rx, 801, dst, sizeof dst,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                &key, err) == 0,
             "%s", err);
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, port, 801, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb, &sb,
-                              err) == 0,
-            "%s", err);
+    REQUIRE(
+        kt_transport_send(
+            tx, &(kt_peer){HOST, port, 801, tok}, seg[0], n0,
+            &(kt_send_opts){.flags = KT_SEND_MORE, .timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+            err) == 0,
+        "%s", err);
     REQUIRE(box_wait(&sb, 5.0) && sb.status == 0, "first part sent: %s", sb.msg);
     /* a put after a sent part: refused */
     CHECK(put_wait(tx, port, 801, tok, &key, n0, seg[1], n1, 0, &sb) != 0,
           "a put after sent parts is refused");
     CHECK_ERR_HAS(sb.msg, "all be put or all be sent");
-    CHECK(kt_transport_send_wait(tx, HOST, port, 801, tok, seg[1], n1, 5.0, err) == 0,
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, 801, tok}, seg[1], n1, 5.0, err) == 0,
           "last part sent: %s", err);
     REQUIRE(box_wait(&rb, 5.0), "reservation completed within 5 s");
     CHECK(rb.status == 0 && set.complete && set.n_parts == 2,
@@ -1054,16 +1127,20 @@ static void test_rma(kt_transport *am_rx, kt_transport *am_tx)
     kt_bundle_set_init(&set, parts, 2);
     uint8_t tok2[KT_RESV_TOKEN_BYTES];
     static uint8_t plain[2 * CAP];
-    REQUIRE(kt_transport_reserve_bundle(rx, 802, plain, sizeof plain, 5.0, &set, box_cb, &rb, tok2,
-                                        err) == 0,
+    REQUIRE(kt_transport_reserve(
+                rx, 802, plain, sizeof plain,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok2,
+                err) == 0,
             "%s", err);
     done_box ob; /* a mapped reservation whose key the put borrows: the bytes land there */
     box_init(&ob);
     kt_bundle_view other_part;
     kt_bundle_set other;
     kt_bundle_set_init(&other, &other_part, 1);
-    REQUIRE(kt_transport_reserve_rma(rx, 805, dst, sizeof dst, 5.0, &other, box_cb, &ob, tok, &key,
-                                     err) == 0,
+    REQUIRE(kt_transport_reserve_rma(
+                rx, 805, dst, sizeof dst,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &other, .cb = box_cb, .cb_arg = &ob}, tok,
+                &key, err) == 0,
             "%s", err);
     CHECK(put_wait(tx, port, 802, tok2, &key, 0, seg[0], n0, KT_SEND_MORE, &sb) != 0,
           "a put into an unmapped reservation is refused");
@@ -1075,8 +1152,10 @@ static void test_rma(kt_transport *am_rx, kt_transport *am_tx)
     /* a put bundle that does not validate fails the reservation, and the sender hears why */
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 2);
-    REQUIRE(kt_transport_reserve_rma(rx, 803, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok, &key,
-                                     err) == 0,
+    REQUIRE(kt_transport_reserve_rma(
+                rx, 803, dst, sizeof dst,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                &key, err) == 0,
             "%s", err);
     static uint8_t bad[CAP];
     memcpy(bad, seg[0], n0);
@@ -1090,12 +1169,15 @@ static void test_rma(kt_transport *am_rx, kt_transport *am_tx)
     /* RMA calls on a transport created for active messages only */
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 2);
-    CHECK(kt_transport_reserve_rma(am_rx, 804, dst, sizeof dst, 5.0, &set, box_cb, &rb, tok, &key,
-                                   err) != 0,
+    CHECK(kt_transport_reserve_rma(
+              am_rx, 804, dst, sizeof dst,
+              &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+              &key, err) != 0,
           "reserve_rma on an AM transport is refused");
     CHECK_ERR_HAS(err, "not created in KT_TRANSPORT_MODE_RMA");
-    CHECK(kt_transport_put(am_tx, HOST, port, 804, tok, &key, 0, seg[0], n0, 0, 5.0, box_cb, &sb,
-                           err) != 0,
+    CHECK(kt_transport_put(
+              am_tx, &(kt_peer){HOST, port, 804, tok}, &(kt_put_dest){.key = &key, .offset = 0},
+              seg[0], n0, &(kt_send_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb}, err) != 0,
           "put on an AM transport is refused");
     CHECK_ERR_HAS(err, "not created in KT_TRANSPORT_MODE_RMA");
     kt_transport_destroy(tx);
@@ -1167,7 +1249,10 @@ static void test_rma_rows(void)
     /* parts 0 and 2 with their rows, part 1 whole */
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 3);
-    REQUIRE(kt_transport_reserve_rma(rx, 900, dst, cap, 5.0, &set, box_cb, &rb, tok, &key, err) == 0,
+    REQUIRE(kt_transport_reserve_rma(
+                rx, 900, dst, cap,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                &key, err) == 0,
             "%s", err);
     REQUIRE(kt_transport_map_rows(rx, 900, krows, vrows, rbytes, &rows, err) == 0, "%s", err);
     CHECK(rows.k.address == (uint64_t)(uintptr_t)krows &&
@@ -1217,7 +1302,10 @@ static void test_rma_rows(void)
     memset(vrows, 0, 2 * rbytes);
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 3);
-    REQUIRE(kt_transport_reserve_rma(rx, 901, dst, cap, 5.0, &set, box_cb, &rb, tok, &key, err) == 0,
+    REQUIRE(kt_transport_reserve_rma(
+                rx, 901, dst, cap,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                &key, err) == 0,
             "%s", err);
     REQUIRE(kt_transport_map_rows(rx, 901, krows, vrows, rbytes, &rows, err) == 0, "%s", err);
     seg[0][lay[0].k_off + 10] ^= 0x40;
@@ -1234,7 +1322,10 @@ static void test_rma_rows(void)
      * the receiver refuses them at the end */
     box_init(&rb);
     kt_bundle_set_init(&set, parts, 3);
-    REQUIRE(kt_transport_reserve_rma(rx, 902, dst, cap, 5.0, &set, box_cb, &rb, tok, &key, err) == 0,
+    REQUIRE(kt_transport_reserve_rma(
+                rx, 902, dst, cap,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                &key, err) == 0,
             "%s", err);
     REQUIRE(kt_transport_map_rows(rx, 902, krows, vrows, lay[0].k_len + lay[1].k_len - 1, &rows,
                                   err) == 0,
@@ -1264,9 +1355,14 @@ static void test_rma_rows(void)
     kt_rma_key okey;
     uint8_t otok[KT_RESV_TOKEN_BYTES];
     static uint8_t odst[4096];
-    REQUIRE(kt_transport_reserve_rma(rx, 903, dst, cap, 5.0, &set, box_cb, &rb, tok, &key, err) == 0 &&
-                kt_transport_reserve_rma(rx, 904, odst, sizeof odst, 5.0, &other, box_cb, &ob, otok,
-                                         &okey, err) == 0 &&
+    REQUIRE(kt_transport_reserve_rma(
+                rx, 903, dst, cap,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                &key, err) == 0 &&
+                kt_transport_reserve_rma(
+                    rx, 904, odst, sizeof odst,
+                    &(kt_resv_opts){.timeout_s = 5.0, .set = &other, .cb = box_cb, .cb_arg = &ob},
+                    otok, &okey, err) == 0 &&
                 kt_transport_map_rows(rx, 904, krows, vrows, rbytes, &rows, err) == 0,
             "%s", err);
     CHECK(put_rows_wait(tx, port, 903, tok, &key, 0, &rows, 0, seg[0], n[0], 0, &sb) != 0,
@@ -1284,19 +1380,26 @@ static void test_rma_rows(void)
     REQUIRE(packed, "out of memory");
     kt_bundle_layout play;
     uint64_t pn = write_padded(packed, cap, 0, 40, 0, &play);
-    CHECK(kt_transport_put_rows(tx, HOST, port, 904, otok, &okey, 0, &rows, 0, packed, pn, 0, 5.0,
-                                box_cb, &sb, err) != 0,
+    CHECK(kt_transport_put(
+              tx, &(kt_peer){HOST, port, 904, otok},
+              &(kt_put_dest){.key = &okey, .offset = 0, .rows = &rows, .rows_off = 0}, packed, pn,
+              &(kt_send_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb}, err) != 0,
           "a packed part cannot be put with its rows");
     CHECK_ERR_HAS(err, "not a block-padded");
     pn = write_segment(packed, cap, 0, 0);
-    CHECK(kt_transport_put_rows(tx, HOST, port, 904, otok, &okey, 0, &rows, 0, packed, pn, 0, 5.0,
-                                box_cb, &sb, err) != 0,
+    CHECK(kt_transport_put(
+              tx, &(kt_peer){HOST, port, 904, otok},
+              &(kt_put_dest){.key = &okey, .offset = 0, .rows = &rows, .rows_off = 0}, packed, pn,
+              &(kt_send_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb}, err) != 0,
           "a quantized part cannot be put with its rows");
     CHECK_ERR_HAS(err, "not a block-padded");
     const uint64_t past[2] = {rbytes - lay[0].k_len + 1, UINT64_MAX};
     for (int i = 0; i < 2; i++) {
-        CHECK(kt_transport_put_rows(tx, HOST, port, 904, otok, &okey, 0, &rows, past[i], seg[0],
-                                    n[0], 0, 5.0, box_cb, &sb, err) != 0,
+        CHECK(kt_transport_put(
+                  tx, &(kt_peer){HOST, port, 904, otok},
+                  &(kt_put_dest){.key = &okey, .offset = 0, .rows = &rows, .rows_off = past[i]},
+                  seg[0], n[0], &(kt_send_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+                  err) != 0,
               "sections ending past the regions (at %" PRIu64 ") refused", past[i]);
         CHECK_ERR_HAS(err, "end past the rows regions");
     }
@@ -1309,11 +1412,15 @@ static void test_rma_rows(void)
     kt_rma_key nokey;
     static uint8_t pbuf[4096];
     kt_bundle_set_init(&set, parts, 3);
-    REQUIRE(kt_transport_reserve_bundle(rx, 905, pbuf, sizeof pbuf, 5.0, &set, box_cb, &pb, tok,
-                                        err) == 0 &&
-                kt_transport_reserve_rma(rx, 906, pbuf, sizeof pbuf, 5.0, NULL, box_cb, &qb, tok,
-                                         &nokey, err) == 0,
-            "%s", err);
+    REQUIRE(
+        kt_transport_reserve(
+            rx, 905, pbuf, sizeof pbuf,
+            &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &pb}, tok,
+            err) == 0 &&
+            kt_transport_reserve_rma(rx, 906, pbuf, sizeof pbuf,
+                                     &(kt_resv_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &qb},
+                                     tok, &nokey, err) == 0,
+        "%s", err);
     const struct {
         uint64_t id, bytes;
         const char *why;
@@ -1363,14 +1470,21 @@ static void test_owned_parts(kt_transport *rx, kt_transport *tx)
 
     kt_bundle_set_init(&set, parts, 2);
     box_init(&rb);
-    REQUIRE(kt_transport_reserve_bundle(rx, 800, NULL, n0 + n1, 5.0, &set, box_cb, &rb, tok,
-                                        err) == 0, "%s", err);
+    REQUIRE(kt_transport_reserve(
+                rx, 800, NULL, n0 + n1,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
+            "%s", err);
     CHECK(set.owned, "a reservation without a buffer gives the set its parts");
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, port, 800, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb,
-                              &sb, err) == 0, "%s", err);
+    REQUIRE(
+        kt_transport_send(
+            tx, &(kt_peer){HOST, port, 800, tok}, seg[0], n0,
+            &(kt_send_opts){.flags = KT_SEND_MORE, .timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+            err) == 0,
+        "%s", err);
     REQUIRE(box_wait(&sb, 5.0), "first segment acknowledged within 5 s");
-    CHECK(kt_transport_send_wait(tx, HOST, port, 800, tok, seg[1], n1, 5.0, err) == 0,
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, 800, tok}, seg[1], n1, 5.0, err) == 0,
           "last segment: %s", err);
     REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
     CHECK(rb.status == 0 && rb.bytes == n0 + n1, "receive: status %d, %" PRIu64 " bytes %s",
@@ -1405,9 +1519,12 @@ static void test_owned_parts(kt_transport *rx, kt_transport *tx)
     REQUIRE(kt_bundle_writer_finish(&w, &size, err) == 0, "%s", err);
     kt_bundle_set_init(&set, parts, 2);
     box_init(&rb);
-    REQUIRE(kt_transport_reserve_bundle(rx, 801, NULL, 4 * size, 5.0, &set, box_cb, &rb, tok,
-                                        err) == 0, "%s", err);
-    CHECK(kt_transport_send_wait(tx, HOST, port, 801, tok, src, size, 5.0, err) == 0,
+    REQUIRE(kt_transport_reserve(
+                rx, 801, NULL, 4 * size,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
+            "%s", err);
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, 801, tok}, src, size, 5.0, err) == 0,
           "a 2.4 MB bundle: %s", err);
     REQUIRE(box_wait(&rb, 5.0), "receive callback within 5 s");
     CHECK(rb.status == 0 && set.n_parts == 1 && parts[0].size == size &&
@@ -1420,13 +1537,20 @@ static void test_owned_parts(kt_transport *rx, kt_transport *tx)
     /* the bound counts every part: the second segment is one byte too many */
     kt_bundle_set_init(&set, parts, 2);
     box_init(&rb);
-    REQUIRE(kt_transport_reserve_bundle(rx, 802, NULL, n0 + n1 - 1, 5.0, &set, box_cb, &rb, tok,
-                                        err) == 0, "%s", err);
+    REQUIRE(kt_transport_reserve(
+                rx, 802, NULL, n0 + n1 - 1,
+                &(kt_resv_opts){.timeout_s = 5.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
+            "%s", err);
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, port, 802, tok, seg[0], n0, KT_SEND_MORE, 5.0, box_cb,
-                              &sb, err) == 0, "%s", err);
+    REQUIRE(
+        kt_transport_send(
+            tx, &(kt_peer){HOST, port, 802, tok}, seg[0], n0,
+            &(kt_send_opts){.flags = KT_SEND_MORE, .timeout_s = 5.0, .cb = box_cb, .cb_arg = &sb},
+            err) == 0,
+        "%s", err);
     REQUIRE(box_wait(&sb, 5.0), "first segment acknowledged");
-    CHECK(kt_transport_send_wait(tx, HOST, port, 802, tok, seg[1], n1, 5.0, err) != 0,
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, port, 802, tok}, seg[1], n1, 5.0, err) != 0,
           "a part past the reservation's bound is refused");
     CHECK_ERR_HAS(err, "too large for reservation");
     CHECK(kt_transport_release(rx, 802) == 0, "release after the refusal");
@@ -1447,10 +1571,12 @@ static void test_sizes(kt_transport *rx, kt_transport *tx)
         done_box rb;
         box_init(&rb);
         uint8_t tok[KT_RESV_TOKEN_BYTES];
-        REQUIRE(kt_transport_reserve(rx, id, dst, n, 10.0, 0, box_cb, &rb, tok, err) == 0, "%s",
-                err);
-        int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), id, tok, src, n, 10.0,
-                                        err);
+        REQUIRE(kt_transport_reserve(
+                    rx, id, dst, n, &(kt_resv_opts){.timeout_s = 10.0, .cb = box_cb, .cb_arg = &rb},
+                    tok, err) == 0,
+                "%s", err);
+        int rc = kt_transport_send_wait(tx, &(kt_peer){HOST, kt_transport_port(rx), id, tok}, src,
+                                        n, 10.0, err);
         CHECK(rc == 0, "send %" PRIu64 " bytes: %s", n, err);
         CHECK(box_wait(&rb, 5.0) && rb.status == 0 && rb.bytes == n, "receive %" PRIu64 ": %s",
               n, rb.msg);
@@ -1472,8 +1598,8 @@ typedef struct conc_arg {
 static void *conc_main(void *p)
 {
     conc_arg *a = p;
-    a->rc = kt_transport_send_wait(a->tx, HOST, a->port, a->id, a->tok, a->src, a->n, 10.0,
-                                   a->err);
+    a->rc = kt_transport_send_wait(a->tx, &(kt_peer){HOST, a->port, a->id, a->tok}, a->src, a->n,
+                                   10.0, a->err);
     return NULL;
 }
 
@@ -1491,8 +1617,11 @@ static void test_concurrent(kt_transport *rx, kt_transport *tx)
         dst[i] = calloc(1, n);
         fill(src[i], n, 200 + i);
         box_init(&rb[i]);
-        REQUIRE(kt_transport_reserve(rx, 200 + i, dst[i], n, 10.0, 0, box_cb, &rb[i], tok[i],
-                                     err) == 0, "%s", err);
+        REQUIRE(
+            kt_transport_reserve(rx, 200 + i, dst[i], n,
+                                 &(kt_resv_opts){.timeout_s = 10.0, .cb = box_cb, .cb_arg = &rb[i]},
+                                 tok[i], err) == 0,
+            "%s", err);
         args[i] = (conc_arg){.tx = tx, .port = kt_transport_port(rx), .id = 200 + i, .n = n,
                              .tok = tok[i], .src = src[i]};
     }
@@ -1517,10 +1646,10 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
     fill(src, sizeof src, 300);
 
     /* Unknown reservation, small (eager) and large (rendezvous). */
-    int rc = kt_transport_send_wait(tx, HOST, port, 999, tok, src, 100, 5.0, err);
+    int rc = kt_transport_send_wait(tx, &(kt_peer){HOST, port, 999, tok}, src, 100, 5.0, err);
     CHECK(rc != 0, "unknown reservation refused");
     CHECK_ERR_HAS(err, "unknown or expired reservation 999");
-    rc = kt_transport_send_wait(tx, HOST, port, 999, tok, src, sizeof src, 5.0, err);
+    rc = kt_transport_send_wait(tx, &(kt_peer){HOST, port, 999, tok}, src, sizeof src, 5.0, err);
     CHECK(rc != 0, "unknown reservation refused (rendezvous size)");
     CHECK_ERR_HAS(err, "unknown or expired reservation 999");
 
@@ -1533,9 +1662,11 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
         uint64_t cap = n + 1;
         box_init(&rb);
         memset(dst, 0, sizeof dst);
-        REQUIRE(kt_transport_reserve(rx, id, dst, cap, 5.0, 0, box_cb, &rb, tok, err) == 0, "%s",
-                err);
-        rc = kt_transport_send_wait(tx, HOST, port, id, tok, src, cap + 1, 5.0, err);
+        REQUIRE(kt_transport_reserve(rx, id, dst, cap,
+                                     &(kt_resv_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &rb},
+                                     tok, err) == 0,
+                "%s", err);
+        rc = kt_transport_send_wait(tx, &(kt_peer){HOST, port, id, tok}, src, cap + 1, 5.0, err);
         CHECK(rc != 0, "bundle over the reserved size refused (%" PRIu64 " > %" PRIu64 ")",
               cap + 1, cap);
         char want[160];
@@ -1544,7 +1675,7 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
         CHECK_ERR_HAS(err, want);
         CHECK(!rb.done && kt_transport_reservation_state(rx, id) == KT_XFER_STATE_RESERVED,
               "reservation survives a too large bundle");
-        rc = kt_transport_send_wait(tx, HOST, port, id, tok, src, n, 5.0, err);
+        rc = kt_transport_send_wait(tx, &(kt_peer){HOST, port, id, tok}, src, n, 5.0, err);
         CHECK(rc == 0, "smaller bundle accepted after a refusal: %s", err);
         CHECK(box_wait(&rb, 5.0) && rb.status == 0 && rb.bytes == n, "callback reports the "
               "bundle's own size: status %d bytes %" PRIu64 " (want %" PRIu64 ") %s", rb.status,
@@ -1555,15 +1686,23 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
 
     /* Duplicate reservation and bad arguments. */
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 302, dst, sizeof dst, 5.0, KT_RESERVE_PARSE, box_cb, &rb,
-                                 tok, err) == 0, "%s", err);
-    CHECK(kt_transport_reserve(rx, 302, dst, sizeof dst, 5.0, 0, box_cb, &rb, tok, err) != 0,
+    REQUIRE(kt_transport_reserve(
+                rx, 302, dst, sizeof dst,
+                &(kt_resv_opts){
+                    .timeout_s = 5.0, .flags = KT_RESERVE_PARSE, .cb = box_cb, .cb_arg = &rb},
+                tok, err) == 0,
+            "%s", err);
+    CHECK(kt_transport_reserve(rx, 302, dst, sizeof dst,
+                               &(kt_resv_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &rb}, tok,
+                               err) != 0,
           "duplicate reservation refused");
     CHECK_ERR_HAS(err, "already exists");
-    CHECK(kt_transport_reserve(tx, 5, dst, 1, 1.0, 0, box_cb, &rb, tok, err) != 0,
+    CHECK(kt_transport_reserve(tx, 5, dst, 1,
+                               &(kt_resv_opts){.timeout_s = 1.0, .cb = box_cb, .cb_arg = &rb}, tok,
+                               err) != 0,
           "reserve on a send-only transport refused");
     /* Not a bundle, with KT_RESERVE_PARSE: both sides hear the parser's reason. */
-    rc = kt_transport_send_wait(tx, HOST, port, 302, tok, src, sizeof src, 5.0, err);
+    rc = kt_transport_send_wait(tx, &(kt_peer){HOST, port, 302, tok}, src, sizeof src, 5.0, err);
     CHECK(rc != 0, "garbage refused by the parse flag");
     CHECK_ERR_HAS(err, "bundle 302 rejected: bundle: ");
     CHECK(box_wait(&rb, 5.0) && rb.status != 0, "receiver reports the bad bundle");
@@ -1571,7 +1710,9 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
 
     /* Release of a pending reservation reports "released" before returning. */
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 303, dst, sizeof dst, 5.0, 0, box_cb, &rb, tok, err) == 0,
+    REQUIRE(kt_transport_reserve(rx, 303, dst, sizeof dst,
+                                 &(kt_resv_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &rb},
+                                 tok, err) == 0,
             "%s", err);
     CHECK(kt_transport_release(rx, 303) == 0 && rb.done == 1 && rb.status != 0,
           "release completes the reservation");
@@ -1587,7 +1728,7 @@ static void test_refusals(kt_transport *rx, kt_transport *tx)
     /* No receiver at all: the send fails, quickly, with a message. */
     uint16_t dead = free_port();
     double t0 = now_s();
-    rc = kt_transport_send_wait(tx, HOST, dead, 1, tok, src, 100, 5.0, err);
+    rc = kt_transport_send_wait(tx, &(kt_peer){HOST, dead, 1, tok}, src, 100, 5.0, err);
     CHECK(rc != 0 && now_s() - t0 < 5.0, "send to a closed port fails in %.2f s: %s",
           now_s() - t0, err);
 }
@@ -1607,8 +1748,11 @@ static void test_wrong_token(kt_transport *rx, kt_transport *tx)
     memset(dst, 0, sizeof dst);
     for (int i = 0; i < 2; i++) {
         box_init(&rb[i]);
-        REQUIRE(kt_transport_reserve(rx, 320 + (uint64_t)i, dst[i], sizes[i], 10.0, 0, box_cb,
-                                     &rb[i], tok[i], err) == 0, "%s", err);
+        REQUIRE(
+            kt_transport_reserve(rx, 320 + (uint64_t)i, dst[i], sizes[i],
+                                 &(kt_resv_opts){.timeout_s = 10.0, .cb = box_cb, .cb_arg = &rb[i]},
+                                 tok[i], err) == 0,
+            "%s", err);
     }
     CHECK(memcmp(tok[0], tok[1], KT_RESV_TOKEN_BYTES) != 0, "each reservation has its own token");
     for (int i = 0; i < 2; i++) {
@@ -1619,8 +1763,8 @@ static void test_wrong_token(kt_transport *rx, kt_transport *tx)
         bad[KT_RESV_TOKEN_BYTES - 1] ^= 1; /* one bit off */
         const uint8_t *wrong[3] = {bad, tok[1 - i], (const uint8_t[KT_RESV_TOKEN_BYTES]){0}};
         for (int w = 0; w < 3; w++) {
-            int rc = kt_transport_send_wait(tx, HOST, port, id, wrong[w], src, sizes[i], 5.0,
-                                            err);
+            int rc = kt_transport_send_wait(tx, &(kt_peer){HOST, port, id, wrong[w]}, src, sizes[i],
+                                            5.0, err);
             CHECK(rc != 0, "reservation %" PRIu64 ": wrong token %d refused", id, w);
             CHECK_ERR_HAS(err, want);
             CHECK(!rb[i].done &&
@@ -1632,7 +1776,8 @@ static void test_wrong_token(kt_transport *rx, kt_transport *tx)
             nonzero += dst[i][b] != 0;
         CHECK(nonzero == 0, "nothing of a refused bundle was written (%" PRIu64 " bytes)",
               nonzero);
-        int rc = kt_transport_send_wait(tx, HOST, port, id, tok[i], src, sizes[i], 5.0, err);
+        int rc =
+            kt_transport_send_wait(tx, &(kt_peer){HOST, port, id, tok[i]}, src, sizes[i], 5.0, err);
         CHECK(rc == 0, "reservation %" PRIu64 ": its own token accepted: %s", id, err);
         CHECK(box_wait(&rb[i], 5.0) && rb[i].status == 0 && rb[i].bytes == sizes[i],
               "reservation %" PRIu64 " completes: %s", id, rb[i].msg);
@@ -1648,14 +1793,16 @@ static void test_timeouts(kt_transport *rx, kt_transport *tx)
     done_box rb;
     box_init(&rb);
     double t0 = now_s();
-    REQUIRE(kt_transport_reserve(rx, 400, dst, sizeof dst, 0.3, 0, box_cb, &rb, tok, err) == 0,
+    REQUIRE(kt_transport_reserve(rx, 400, dst, sizeof dst,
+                                 &(kt_resv_opts){.timeout_s = 0.3, .cb = box_cb, .cb_arg = &rb},
+                                 tok, err) == 0,
             "%s", err);
     CHECK(box_wait(&rb, 3.0) && rb.status != 0, "reservation expires");
     double dt = now_s() - t0;
     CHECK(dt >= 0.29 && dt < 2.0, "expiry after %.3f s (asked 0.3)", dt);
     CHECK_ERR_HAS(rb.msg, "reservation 400 expired");
-    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 400, tok, src, sizeof src,
-                                    5.0, err);
+    int rc = kt_transport_send_wait(tx, &(kt_peer){HOST, kt_transport_port(rx), 400, tok}, src,
+                                    sizeof src, 5.0, err);
     CHECK(rc != 0, "bundle for an expired reservation refused");
     CHECK_ERR_HAS(err, "unknown or expired reservation 400");
 }
@@ -1683,7 +1830,9 @@ static void test_receiver_death(kt_transport *tx)
     done_box sb;
     box_init(&sb);
     double t0 = now_s();
-    REQUIRE(kt_transport_send(tx, HOST, port, 500, tok, src, big, 0, 1.5, box_cb, &sb, err) == 0,
+    REQUIRE(kt_transport_send(tx, &(kt_peer){HOST, port, 500, tok}, src, big,
+                              &(kt_send_opts){.timeout_s = 1.5, .cb = box_cb, .cb_arg = &sb},
+                              err) == 0,
             "%s", err);
     int st = 0;
     REQUIRE(waitpid(pid, &st, WUNTRACED) == pid && WIFSTOPPED(st), "child stopped mid-transfer");
@@ -1698,7 +1847,9 @@ static void test_receiver_death(kt_transport *tx)
     pid = spawn(argv1, &fd);
     REQUIRE(pid > 0 && wait_ready(fd, tok), "receiver child ready (2)");
     box_init(&sb);
-    REQUIRE(kt_transport_send(tx, HOST, port, 500, tok, src, big, 0, 10.0, box_cb, &sb, err) == 0,
+    REQUIRE(kt_transport_send(tx, &(kt_peer){HOST, port, 500, tok}, src, big,
+                              &(kt_send_opts){.timeout_s = 10.0, .cb = box_cb, .cb_arg = &sb},
+                              err) == 0,
             "%s", err);
     REQUIRE(waitpid(pid, &st, WUNTRACED) == pid && WIFSTOPPED(st), "child stopped (2)");
     t0 = now_s();
@@ -1718,7 +1869,7 @@ static void test_receiver_death(kt_transport *tx)
     pid = spawn(argv3, &fd);
     REQUIRE(pid > 0 && wait_ready(fd, tok), "new receiver ready");
     fill(src, small, 501);
-    int rc = kt_transport_send_wait(tx, HOST, port, 501, tok, src, small, 10.0, err);
+    int rc = kt_transport_send_wait(tx, &(kt_peer){HOST, port, 501, tok}, src, small, 10.0, err);
     CHECK(rc == 0, "send to the restarted receiver: %s", err);
     REQUIRE(waitpid(pid, &st, 0) == pid, "wait new receiver");
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "restarted receiver got the bundle intact "
@@ -1734,8 +1885,10 @@ static void test_sender_death(kt_transport *rx, kt_transport *tx)
     uint8_t *dst = malloc(big), tok[KT_RESV_TOKEN_BYTES];
     done_box rb;
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 600, dst, big, 20.0, 0, box_cb, &rb, tok, err) == 0, "%s",
-            err);
+    REQUIRE(kt_transport_reserve(rx, 600, dst, big,
+                                 &(kt_resv_opts){.timeout_s = 20.0, .cb = box_cb, .cb_arg = &rb},
+                                 tok, err) == 0,
+            "%s", err);
     char ports[16], ids[32], sizes[32], hex[2 * KT_RESV_TOKEN_BYTES + 1];
     token_hex(tok, hex);
     snprintf(ports, sizeof ports, "%u", kt_transport_port(rx));
@@ -1766,10 +1919,12 @@ static void test_sender_death(kt_transport *rx, kt_transport *tx)
     uint8_t src[5000], d2[5000];
     fill(src, sizeof src, 601);
     box_init(&rb);
-    REQUIRE(kt_transport_reserve(rx, 601, d2, sizeof d2, 5.0, 0, box_cb, &rb, tok, err) == 0,
+    REQUIRE(kt_transport_reserve(rx, 601, d2, sizeof d2,
+                                 &(kt_resv_opts){.timeout_s = 5.0, .cb = box_cb, .cb_arg = &rb},
+                                 tok, err) == 0,
             "%s", err);
-    int rc = kt_transport_send_wait(tx, HOST, kt_transport_port(rx), 601, tok, src, sizeof src,
-                                    5.0, err);
+    int rc = kt_transport_send_wait(tx, &(kt_peer){HOST, kt_transport_port(rx), 601, tok}, src,
+                                    sizeof src, 5.0, err);
     CHECK(rc == 0 && box_wait(&rb, 5.0) && rb.status == 0 && memcmp(src, d2, sizeof d2) == 0,
           "receiver serves after a sender died: %s %s", err, rb.msg);
     free(dst);
@@ -1782,7 +1937,10 @@ static void test_sender_death(kt_transport *rx, kt_transport *tx)
     place_log pl = {.mode = 0};
     placed_set(&set, parts, 1, &pl);
     box_init(&rb);
-    REQUIRE(kt_transport_reserve_bundle(rx, 602, NULL, big, 20.0, &set, box_cb, &rb, tok, err) == 0,
+    REQUIRE(kt_transport_reserve(
+                rx, 602, NULL, big,
+                &(kt_resv_opts){.timeout_s = 20.0, .set = &set, .cb = box_cb, .cb_arg = &rb}, tok,
+                err) == 0,
             "%s", err);
     token_hex(tok, hex);
     snprintf(ids, sizeof ids, "602");
