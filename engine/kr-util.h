@@ -1,9 +1,9 @@
 /*
- * kr-util.h - the engine's small shared utilities (util.c): error messages into a caller's
- * buffer, whole-file reads, and the bf16 / f16 <-> f32 conversions the loaders, the backends and
- * the model writer use (the scalar ones here; the row conversions per CPU variant,
- * engine/cpu/convert.c). Included by nearly every engine source and by the CUDA sources (through
- * engine/cuda/cuda.h); not installed, not part of the public contract (kr.h).
+ * kr-util.h - the engine's small shared utilities (util.c): its assertion macro (KR_ASSERT),
+ * error messages into a caller's buffer, whole-file reads, and the bf16 / f16 <-> f32
+ * conversions the loaders and the backends use (the scalar ones here; the row conversions per
+ * CPU variant, engine/cpu/convert.c). Included by nearly every engine source and by the CUDA
+ * sources (through engine/cuda/cuda.h); not installed, not part of the public contract (kr.h).
  */
 #ifndef KR_UTIL_H
 #define KR_UTIL_H
@@ -12,9 +12,30 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #ifdef __cplusplus /* the CUDA sources include this through cuda.h */
 extern "C" {
+#endif
+
+/* KR_ASSERT(cond): an invariant of the engine's state that no input may break (the KV pool's
+ * bitmap against its free count, a block given back was taken, a list's length within its
+ * blocks); malformed input gets an error return instead. In the sanitizer build (CMake
+ * KR_SANITIZE, which defines KR_ASSERTS=1) a false condition prints file:line and the condition
+ * and aborts. Otherwise it is compiled out, the condition type-checked but never evaluated:
+ * decode steps pass through these checks and are hot. Where a broken invariant would corrupt
+ * memory or counts, the code also handles the false case itself, so Release stays safe. */
+#if defined(KR_ASSERTS) && KR_ASSERTS
+#define KR_ASSERT(cond)                                                                        \
+    do {                                                                                       \
+        if (!(cond)) {                                                                         \
+            fprintf(stderr, "%s:%d: KR_ASSERT(%s) failed\n", __FILE__, __LINE__, #cond);      \
+            abort();                                                                           \
+        }                                                                                      \
+    } while (0)
+#else
+#define KR_ASSERT(cond) ((void)sizeof(cond))
 #endif
 
 /* printf-style error message into err (KR_ERR_MAX bytes; err may be NULL). Returns -1 so that

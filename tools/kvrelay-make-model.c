@@ -18,7 +18,6 @@
 
 #include "cli.h"
 #include "kr.h"
-#include "kr-util.h" /* kr_f32_to_bf16, kr_f32_to_f16: the engine's own conversions */
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -912,7 +911,8 @@ static void encode_tensor(const float *x, int64_t n, kr_dtype d, unsigned char *
             memcpy(&u, &x[i], 4);
             for (int k = 0; k < 4; k++) out[4 * i + k] = (unsigned char)(u >> (8 * k));
         } else {
-            uint16_t h = d == KR_DTYPE_BF16 ? kr_f32_to_bf16(x[i]) : kr_f32_to_f16(x[i]);
+            uint16_t h;
+            kr_dtype_from_f32(d, &x[i], 1, &h); /* the engine's own rounding */
             out[2 * i] = (unsigned char)h;
             out[2 * i + 1] = (unsigned char)(h >> 8);
         }
@@ -980,10 +980,11 @@ int main(int argc, char **argv)
     mm_opts o;
     parse_args(argc, argv, &o);
 
-    char err[KR_ERR_MAX];
-    char *text;
+    FILE *corpus = fopen(o.corpus, "rb");
+    if (!corpus) cli_die(1, "--corpus %s: cannot open: %s", o.corpus, strerror(errno));
     size_t len;
-    if (kr_read_file(o.corpus, &text, &len, err)) cli_die(1, "--corpus: %s", err);
+    char *text = cli_read_file(corpus, &len);
+    fclose(corpus);
     if (len == 0) { free(text); cli_die(1, "--corpus %s is empty: the tokenizer needs text to train on", o.corpus); }
 
     out_begin(o.out);

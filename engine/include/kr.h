@@ -1,5 +1,6 @@
 /*
- * kr.h - the kvrelay engine: the one public header of engine/.
+ * kr.h - the kvrelay engine: the one public header of engine/, alone in engine/include/ so that
+ * a program linking kr_engine sees nothing else (the headers in engine/ are its internals).
  *
  * What it is: Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2) loaded from
  * safetensors, their tokenizer.json, a paged KV cache (a pool of blocks; per sequence a block
