@@ -44,7 +44,6 @@ static int need_str(rctx *c, const node *at, const char *what, const value *v)
     return chat_rerr(c, at, "%s must be a string, not %s", what, chat_type_name(v));
 }
 
-
 static int opt_int(rctx *c, const node *at, const char *what, const value *v, int64_t dflt, int64_t *out)
 {
     if (!v || v->t == V_NONE) { *out = dflt; return 0; }

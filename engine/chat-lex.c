@@ -171,26 +171,29 @@ static int lx_string(lexer *L)
     return 0;
 }
 
+/* The digits from i with single underscores between them (jinja2's integer_re), appended to
+ * buf[*k..] up to cap - 8 bytes (the caller refuses a longer literal); returns the run's end. */
+static size_t lx_digits(const lexer *L, size_t i, char *buf, size_t *k, size_t cap)
+{
+    while (i < L->n && (L->src[i] >= '0' && L->src[i] <= '9')) {
+        if (*k < cap - 8) buf[(*k)++] = L->src[i];
+        i++;
+        if (i + 1 < L->n && L->src[i] == '_' && L->src[i + 1] >= '0' && L->src[i + 1] <= '9') i++;
+    }
+    return i;
+}
+
 static int lx_number(lexer *L)
 {
     size_t start = L->pos, i = start;
     char buf[128];
     size_t k = 0;
     int is_float = 0;
-    /* digits with single underscores between them, as jinja2's integer_re */
-#define LX_DIGITS()                                                                            \
-    do {                                                                                       \
-        while (i < L->n && (L->src[i] >= '0' && L->src[i] <= '9')) {                           \
-            if (k < sizeof buf - 8) buf[k++] = L->src[i];                                      \
-            i++;                                                                               \
-            if (i + 1 < L->n && L->src[i] == '_' && L->src[i + 1] >= '0' && L->src[i + 1] <= '9') i++; \
-        }                                                                                      \
-    } while (0)
-    LX_DIGITS();
+    i = lx_digits(L, i, buf, &k, sizeof buf);
     if (i + 1 < L->n && L->src[i] == '.' && L->src[i + 1] >= '0' && L->src[i + 1] <= '9') {
         is_float = 1;
         buf[k++] = L->src[i++];
-        LX_DIGITS();
+        i = lx_digits(L, i, buf, &k, sizeof buf);
     }
     if (i < L->n && (L->src[i] == 'e' || L->src[i] == 'E')) {
         size_t j = i + 1;
@@ -199,11 +202,9 @@ static int lx_number(lexer *L)
             is_float = 1;
             buf[k++] = 'e';
             if (L->src[i + 1] == '-' || L->src[i + 1] == '+') buf[k++] = L->src[i + 1];
-            i = j;
-            LX_DIGITS();
+            i = lx_digits(L, j, buf, &k, sizeof buf);
         }
     }
-#undef LX_DIGITS
     buf[k] = 0;
     if (k >= sizeof buf - 8) return lx_err(L, start, "number literal too long");
     token *t = lx_push(L, is_float ? TK_FLOAT : TK_INT, start);
@@ -223,6 +224,33 @@ static int lx_number(lexer *L)
 
 static const char *const OPS2[] = {"//", "**", "==", "!=", ">=", "<=", NULL};
 static const char OPS1[] = "+-/*%~[](){}><=.:|,;";
+
+/* An operator at L->pos; brackets must pair up (stack[0..*depth) are the closers awaited). */
+static int lx_op(lexer *L, char *stack, int *depth)
+{
+    unsigned char c = (unsigned char)L->src[L->pos];
+    size_t opn = 0;
+    for (int k = 0; OPS2[k]; k++)
+        if (lx_starts(L, L->pos, OPS2[k])) { opn = 2; break; }
+    if (!opn && c && strchr(OPS1, c)) opn = 1;
+    if (!opn) {
+        if (c < 0x20 || c >= 0x7f) return lx_err(L, L->pos, "unexpected byte 0x%02x", c);
+        return lx_err(L, L->pos, "unexpected character '%c'", c);
+    }
+    if (opn == 1 && (c == '(' || c == '[' || c == '{')) {
+        if (*depth == CHAT_MAX_DEPTH) return lx_err(L, L->pos, "brackets nested too deep");
+        stack[(*depth)++] = c == '(' ? ')' : c == '[' ? ']' : '}';
+    } else if (opn == 1 && (c == ')' || c == ']' || c == '}')) {
+        if (*depth == 0) return lx_err(L, L->pos, "unexpected '%c'", c);
+        if (stack[*depth - 1] != (char)c) return lx_err(L, L->pos, "unexpected '%c', expected '%c'", c, stack[*depth - 1]);
+        (*depth)--;
+    }
+    token *t = lx_push(L, TK_OP, L->pos);
+    if (!t) return lx_err(L, L->pos, "out of memory");
+    t->s = L->src + L->pos, t->n = opn;
+    L->pos += opn;
+    return 0;
+}
 
 /* The tokens of a {{ }} or {% %} tag up to and including its end. */
 static int lx_tag(lexer *L, int is_block, size_t tag_off)
@@ -277,27 +305,8 @@ static int lx_tag(lexer *L, int is_block, size_t tag_off)
             t->s = name, t->n = L->pos - s;
         } else if (c == '\'' || c == '"') {
             if (lx_string(L)) return -1;
-        } else {
-            size_t opn = 0;
-            for (int k = 0; OPS2[k]; k++)
-                if (lx_starts(L, L->pos, OPS2[k])) { opn = 2; break; }
-            if (!opn && c && strchr(OPS1, c)) opn = 1;
-            if (!opn) {
-                if (c < 0x20 || c >= 0x7f) return lx_err(L, L->pos, "unexpected byte 0x%02x", c);
-                return lx_err(L, L->pos, "unexpected character '%c'", c);
-            }
-            if (opn == 1 && (c == '(' || c == '[' || c == '{')) {
-                if (depth == CHAT_MAX_DEPTH) return lx_err(L, L->pos, "brackets nested too deep");
-                stack[depth++] = c == '(' ? ')' : c == '[' ? ']' : '}';
-            } else if (opn == 1 && (c == ')' || c == ']' || c == '}')) {
-                if (depth == 0) return lx_err(L, L->pos, "unexpected '%c'", c);
-                if (stack[depth - 1] != (char)c) return lx_err(L, L->pos, "unexpected '%c', expected '%c'", c, stack[depth - 1]);
-                depth--;
-            }
-            token *t = lx_push(L, TK_OP, L->pos);
-            if (!t) return lx_err(L, L->pos, "out of memory");
-            t->s = L->src + L->pos, t->n = opn;
-            L->pos += opn;
+        } else if (lx_op(L, stack, &depth)) {
+            return -1;
         }
     }
 }

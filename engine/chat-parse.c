@@ -292,6 +292,38 @@ static int p_items(parser *p, const char *close, nvec *keys, nvec *vals)
     return 0;
 }
 
+/* "(" expr ")" or a tuple "(" [expr, ...] ")", the "(" being current. */
+static node *p_paren(parser *p)
+{
+    const token *t = cur(p);
+    node *n;
+    adv(p);
+    if (is_op(cur(p), ")")) { /* () */
+        adv(p);
+        return mk(p, E_TUPLE, t);
+    }
+    node *e = p_expr(p, 1);
+    if (!e) return NULL;
+    if (is_op(cur(p), ",")) {
+        nvec items = {0};
+        if (nv_push(p, &items, e, NULL)) return NULL;
+        adv(p);
+        while (!is_op(cur(p), ")")) {
+            node *x = p_expr(p, 1);
+            if (!x || nv_push(p, &items, x, NULL)) return NULL;
+            if (is_op(cur(p), ",")) adv(p);
+            else if (!is_op(cur(p), ")")) { p_expected(p, "',' or ')'"); return NULL; }
+        }
+        if (!(n = mk(p, E_TUPLE, t))) return NULL;
+        n->args = items.v, n->nargs = items.n;
+    } else {
+        n = e;
+        if (!is_op(cur(p), ")")) { p_expected(p, "')'"); return NULL; }
+    }
+    adv(p);
+    return n;
+}
+
 static node *p_primary(parser *p)
 {
     const token *t = cur(p);
@@ -328,31 +360,7 @@ static node *p_primary(parser *p)
         break;
     case TK_OP:
         if (is_op(t, "(")) {
-            adv(p);
-            if (is_op(cur(p), ")")) { /* () */
-                adv(p);
-                if (!(n = mk(p, E_TUPLE, t))) return NULL;
-                break;
-            }
-            node *e = p_expr(p, 1);
-            if (!e) return NULL;
-            if (is_op(cur(p), ",")) {
-                nvec items = {0};
-                if (nv_push(p, &items, e, NULL)) return NULL;
-                adv(p);
-                while (!is_op(cur(p), ")")) {
-                    node *x = p_expr(p, 1);
-                    if (!x || nv_push(p, &items, x, NULL)) return NULL;
-                    if (is_op(cur(p), ",")) adv(p);
-                    else if (!is_op(cur(p), ")")) { p_expected(p, "',' or ')'"); return NULL; }
-                }
-                if (!(n = mk(p, E_TUPLE, t))) return NULL;
-                n->args = items.v, n->nargs = items.n;
-            } else {
-                n = e;
-                if (!is_op(cur(p), ")")) { p_expected(p, "')'"); return NULL; }
-            }
-            adv(p);
+            if (!(n = p_paren(p))) return NULL;
             break;
         }
         if (is_op(t, "[") || is_op(t, "{")) {

@@ -210,6 +210,21 @@ int chat_vcmp(rctx *c, const node *at, const value *a, const value *b, const cha
     return chat_rerr(c, at, "'%s' not supported between instances of '%s' and '%s'", op, chat_type_name(a), chat_type_name(b));
 }
 
+/* snprintf at *o, *left bytes being left there; once a write does not fit, the rest are
+ * dropped. */
+static void put(char **o, size_t *left, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void put(char **o, size_t *left, const char *fmt, ...)
+{
+    if (!*left) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(*o, *left, fmt, ap);
+    va_end(ap);
+    if (w < 0 || (size_t)w >= *left) { *left = 0; return; }
+    *o += w;
+    *left -= (size_t)w;
+}
+
 /* repr(float) of Python: the shortest digits that read back to x, fixed notation for
  * 1e-4 <= |x| < 1e16, else d.ddde+XX. */
 static void py_float(double x, char *out, size_t cap)
@@ -235,26 +250,24 @@ static void py_float(double x, char *out, size_t cap)
     int exp10 = atoi(p + 1), decpt = exp10 + 1;
     char *o = out;
     size_t left = cap;
-#define PUT(...) do { int w = snprintf(o, left, __VA_ARGS__); if (w < 0 || (size_t)w >= left) return; o += w; left -= (size_t)w; } while (0)
-    if (neg) PUT("-");
+    if (neg) put(&o, &left, "-");
     if (decpt > -4 && decpt <= 16) {
         if (decpt <= 0) {
-            PUT("0.");
-            for (int i = 0; i < -decpt; i++) PUT("0");
-            PUT("%s", digits);
+            put(&o, &left, "0.");
+            for (int i = 0; i < -decpt; i++) put(&o, &left, "0");
+            put(&o, &left, "%s", digits);
         } else if (decpt >= nd) {
-            PUT("%s", digits);
-            for (int i = nd; i < decpt; i++) PUT("0");
-            PUT(".0");
+            put(&o, &left, "%s", digits);
+            for (int i = nd; i < decpt; i++) put(&o, &left, "0");
+            put(&o, &left, ".0");
         } else {
-            PUT("%.*s.%s", decpt, digits, digits + decpt);
+            put(&o, &left, "%.*s.%s", decpt, digits, digits + decpt);
         }
     } else {
-        PUT("%c", digits[0]);
-        if (nd > 1) PUT(".%s", digits + 1);
-        PUT("e%c%02d", exp10 < 0 ? '-' : '+', exp10 < 0 ? -exp10 : exp10);
+        put(&o, &left, "%c", digits[0]);
+        if (nd > 1) put(&o, &left, ".%s", digits + 1);
+        put(&o, &left, "e%c%02d", exp10 < 0 ? '-' : '+', exp10 < 0 ? -exp10 : exp10);
     }
-#undef PUT
 }
 
 /* Python's repr(str): single quotes unless the text has ' and no ", non-printable characters
@@ -362,6 +375,33 @@ int chat_to_str(rctx *c, const node *at, const value *v, value *out)
     return chat_sb_to_value(c, at, &b, out);
 }
 
+/* A JSON string literal as json.dumps writes it with ensure_ascii off: only '"', '\\' and
+ * control characters are escaped. */
+static void json_str(sbuf *b, const char *s, size_t n)
+{
+    size_t run = 0;
+    sb_puts(b, "\"");
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        const char *e = NULL;
+        char u[8];
+        if (ch == '"') e = "\\\"";
+        else if (ch == '\\') e = "\\\\";
+        else if (ch == '\n') e = "\\n";
+        else if (ch == '\r') e = "\\r";
+        else if (ch == '\t') e = "\\t";
+        else if (ch == '\b') e = "\\b";
+        else if (ch == '\f') e = "\\f";
+        else if (ch < 0x20) { snprintf(u, sizeof u, "\\u%04x", ch); e = u; }
+        if (!e) continue;
+        sb_put(b, s + run, i - run);
+        sb_puts(b, e);
+        run = i + 1;
+    }
+    sb_put(b, s + run, n - run);
+    sb_puts(b, "\"");
+}
+
 /* json.dumps(v, ensure_ascii=False, indent=indent) as transformers' tojson filter does;
  * indent NULL: one line with ", " and ": " separators. */
 int chat_json_into(rctx *c, const node *at, sbuf *b, const value *v, const char *indent, int level)
@@ -377,31 +417,7 @@ int chat_json_into(rctx *c, const node *at, sbuf *b, const value *v, const char 
         else if (isinf(v->u.f)) sb_puts(b, v->u.f < 0 ? "-Infinity" : "Infinity");
         else { py_float(v->u.f, num_buf, sizeof num_buf); sb_puts(b, num_buf); }
         return 0;
-    case V_STR: {
-        const char *s = v->u.s.p;
-        size_t n = v->u.s.n, run = 0;
-        sb_puts(b, "\"");
-        for (size_t i = 0; i < n; i++) {
-            unsigned char ch = (unsigned char)s[i];
-            const char *e = NULL;
-            char u[8];
-            if (ch == '"') e = "\\\"";
-            else if (ch == '\\') e = "\\\\";
-            else if (ch == '\n') e = "\\n";
-            else if (ch == '\r') e = "\\r";
-            else if (ch == '\t') e = "\\t";
-            else if (ch == '\b') e = "\\b";
-            else if (ch == '\f') e = "\\f";
-            else if (ch < 0x20) { snprintf(u, sizeof u, "\\u%04x", ch); e = u; }
-            if (!e) continue;
-            sb_put(b, s + run, i - run);
-            sb_puts(b, e);
-            run = i + 1;
-        }
-        sb_put(b, s + run, n - run);
-        sb_puts(b, "\"");
-        return 0;
-    }
+    case V_STR: json_str(b, v->u.s.p, v->u.s.n); return 0;
     case V_LIST: case V_DICT: {
         int is_list = v->t == V_LIST;
         size_t n = is_list ? v->u.l->n : v->u.d->n;
@@ -647,64 +663,48 @@ static int repeat(rctx *c, const node *at, const value *seq, int64_t times, valu
     return 0;
 }
 
-int chat_binop(rctx *c, const node *at, int op, const value *a, const value *b, value *out)
+static const char *const OP_NAMES[] = {"+", "-", "*", "/", "//", "%", "**", "~"};
+
+/* x op y for integers (not /): Python's floor division and modulo, an error past 64 bits; a
+ * negative power is a float, as in Python. */
+static int binop_int(rctx *c, const node *at, int op, int64_t x, int64_t y, value *out)
 {
-    static const char *const names[] = {"+", "-", "*", "/", "//", "%", "**", "~"};
-    if (op == OP_CONCAT) {
-        value sa, sb2;
-        if (chat_to_str(c, at, a, &sa) || chat_to_str(c, at, b, &sb2)) return -1;
-        return concat2(c, at, sa.u.s.p, sa.u.s.n, sb2.u.s.p, sb2.u.s.n, out);
+    int64_t r = 0;
+    int ovf = 0;
+    switch (op) {
+    case OP_ADD: ovf = __builtin_add_overflow(x, y, &r); break;
+    case OP_SUB: ovf = __builtin_sub_overflow(x, y, &r); break;
+    case OP_MUL: ovf = __builtin_mul_overflow(x, y, &r); break;
+    case OP_FLOORDIV: case OP_MOD: {
+        if (y == 0) return chat_rerr(c, at, "integer division or modulo by zero");
+        if (x == INT64_MIN && y == -1) { ovf = 1; break; }
+        int64_t q = x / y, m = x % y;
+        if (m != 0 && ((m < 0) != (y < 0))) { q--; m += y; }
+        r = op == OP_FLOORDIV ? q : m;
+        break;
     }
-    if (a->t == V_UNDEF) return chat_undef_err(c, at, a);
-    if (b->t == V_UNDEF) return chat_undef_err(c, at, b);
-    if (op == OP_ADD && a->t == V_STR && b->t == V_STR) return concat2(c, at, a->u.s.p, a->u.s.n, b->u.s.p, b->u.s.n, out);
-    if (op == OP_ADD && a->t == V_LIST && b->t == V_LIST && a->u.l->tuple == b->u.l->tuple) {
-        vlist *l = chat_mk_list(c, at, a->u.l->n + b->u.l->n, a->u.l->tuple);
-        if (!l) return -1;
-        if (a->u.l->n) memcpy(l->v, a->u.l->v, a->u.l->n * sizeof(value));
-        if (b->u.l->n) memcpy(l->v + a->u.l->n, b->u.l->v, b->u.l->n * sizeof(value));
-        *out = v_list(l);
-        return 0;
-    }
-    if (op == OP_MUL && (a->t == V_STR || a->t == V_LIST) && is_intlike(b)) return repeat(c, at, a, b->u.i, out);
-    if (op == OP_MUL && (b->t == V_STR || b->t == V_LIST) && is_intlike(a)) return repeat(c, at, b, a->u.i, out);
-    if (op == OP_MOD && a->t == V_STR) return chat_rerr(c, at, "string formatting with %% is not supported");
-    if (!is_num(a) || !is_num(b))
-        return chat_rerr(c, at, "unsupported operand type(s) for %s: '%s' and '%s'", names[op], chat_type_name(a), chat_type_name(b));
-    if (is_intlike(a) && is_intlike(b) && op != OP_DIV) {
-        int64_t x = a->u.i, y = b->u.i, r = 0;
-        int ovf = 0;
-        switch (op) {
-        case OP_ADD: ovf = __builtin_add_overflow(x, y, &r); break;
-        case OP_SUB: ovf = __builtin_sub_overflow(x, y, &r); break;
-        case OP_MUL: ovf = __builtin_mul_overflow(x, y, &r); break;
-        case OP_FLOORDIV: case OP_MOD: {
-            if (y == 0) return chat_rerr(c, at, "integer division or modulo by zero");
-            if (x == INT64_MIN && y == -1) { ovf = 1; break; }
-            int64_t q = x / y, m = x % y;
-            if (m != 0 && ((m < 0) != (y < 0))) { q--; m += y; }
-            r = op == OP_FLOORDIV ? q : m;
-            break;
+    case OP_POW:
+        if (y < 0) {
+            if (x == 0) return chat_rerr(c, at, "0 cannot be raised to a negative power");
+            *out = v_float(pow((double)x, (double)y));
+            return 0;
         }
-        case OP_POW:
-            if (y < 0) {
-                if (x == 0) return chat_rerr(c, at, "0 cannot be raised to a negative power");
-                *out = v_float(pow((double)x, (double)y));
-                return 0;
-            }
-            r = 1;
-            for (int64_t base = x, e = y; e > 0;) { /* square and multiply */
-                if (e & 1) ovf |= __builtin_mul_overflow(r, base, &r);
-                e >>= 1;
-                if (e) ovf |= __builtin_mul_overflow(base, base, &base);
-            }
-            break;
+        r = 1;
+        for (int64_t base = x, e = y; e > 0;) { /* square and multiply */
+            if (e & 1) ovf |= __builtin_mul_overflow(r, base, &r);
+            e >>= 1;
+            if (e) ovf |= __builtin_mul_overflow(base, base, &base);
         }
-        if (ovf) return chat_rerr(c, at, "integer overflow in '%s' (beyond 64 bits)", names[op]);
-        *out = v_int(r);
-        return 0;
+        break;
     }
-    double x = num(a), y = num(b);
+    if (ovf) return chat_rerr(c, at, "integer overflow in '%s' (beyond 64 bits)", OP_NAMES[op]);
+    *out = v_int(r);
+    return 0;
+}
+
+/* x op y with floats, as Python computes it (float floor division and modulo included). */
+static int binop_float(rctx *c, const node *at, int op, double x, double y, value *out)
+{
     switch (op) {
     case OP_ADD: *out = v_float(x + y); return 0;
     case OP_SUB: *out = v_float(x - y); return 0;
@@ -738,6 +738,33 @@ int chat_binop(rctx *c, const node *at, int op, const value *a, const value *b, 
         return 0;
     }
     return chat_rerr(c, at, "bad operator");
+}
+
+int chat_binop(rctx *c, const node *at, int op, const value *a, const value *b, value *out)
+{
+    if (op == OP_CONCAT) {
+        value sa, sb2;
+        if (chat_to_str(c, at, a, &sa) || chat_to_str(c, at, b, &sb2)) return -1;
+        return concat2(c, at, sa.u.s.p, sa.u.s.n, sb2.u.s.p, sb2.u.s.n, out);
+    }
+    if (a->t == V_UNDEF) return chat_undef_err(c, at, a);
+    if (b->t == V_UNDEF) return chat_undef_err(c, at, b);
+    if (op == OP_ADD && a->t == V_STR && b->t == V_STR) return concat2(c, at, a->u.s.p, a->u.s.n, b->u.s.p, b->u.s.n, out);
+    if (op == OP_ADD && a->t == V_LIST && b->t == V_LIST && a->u.l->tuple == b->u.l->tuple) {
+        vlist *l = chat_mk_list(c, at, a->u.l->n + b->u.l->n, a->u.l->tuple);
+        if (!l) return -1;
+        if (a->u.l->n) memcpy(l->v, a->u.l->v, a->u.l->n * sizeof(value));
+        if (b->u.l->n) memcpy(l->v + a->u.l->n, b->u.l->v, b->u.l->n * sizeof(value));
+        *out = v_list(l);
+        return 0;
+    }
+    if (op == OP_MUL && (a->t == V_STR || a->t == V_LIST) && is_intlike(b)) return repeat(c, at, a, b->u.i, out);
+    if (op == OP_MUL && (b->t == V_STR || b->t == V_LIST) && is_intlike(a)) return repeat(c, at, b, a->u.i, out);
+    if (op == OP_MOD && a->t == V_STR) return chat_rerr(c, at, "string formatting with %% is not supported");
+    if (!is_num(a) || !is_num(b))
+        return chat_rerr(c, at, "unsupported operand type(s) for %s: '%s' and '%s'", OP_NAMES[op], chat_type_name(a), chat_type_name(b));
+    if (is_intlike(a) && is_intlike(b) && op != OP_DIV) return binop_int(c, at, op, a->u.i, b->u.i, out);
+    return binop_float(c, at, op, num(a), num(b), out);
 }
 
 int chat_contains(rctx *c, const node *at, const value *hay, const value *needle, int *r)

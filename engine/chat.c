@@ -185,6 +185,33 @@ static int file_exists(const char *path)
     return f != NULL;
 }
 
+/* tokenizer_config.json's "chat_template" in *src: a string, or from a list of
+ * {"name", "template"} the one named "default", else the first; NULL when absent or null. */
+static int config_template(const cJSON *root, const char *path, const char **src, char *err)
+{
+    const cJSON *ct = cJSON_GetObjectItemCaseSensitive(root, "chat_template");
+    *src = NULL;
+    if (!ct || cJSON_IsNull(ct)) return 0;
+    if (cJSON_IsString(ct)) {
+        *src = ct->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsArray(ct))
+        return kr_errf(err, "%s: chat_template must be a string or a list of {\"name\", \"template\"}", path);
+    const cJSON *pick = NULL;
+    for (const cJSON *e = ct->child; e; e = e->next) {
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(e, "name");
+        const cJSON *tp = cJSON_GetObjectItemCaseSensitive(e, "template");
+        if (!cJSON_IsObject(e) || !cJSON_IsString(tp))
+            return kr_errf(err, "%s: chat_template list entries must be {\"name\": ..., \"template\": \"...\"}", path);
+        if (!pick) pick = tp;
+        if (cJSON_IsString(nm) && !strcmp(nm->valuestring, "default")) { pick = tp; break; }
+    }
+    if (!pick) return kr_errf(err, "%s: chat_template is an empty list", path);
+    *src = pick->valuestring;
+    return 0;
+}
+
 int kr_chat_template_load(const char *dir, kr_chat_template **out, char *err)
 {
     char tpath[4096], cpath[4096];
@@ -205,30 +232,7 @@ int kr_chat_template_load(const char *dir, kr_chat_template **out, char *err)
         }
         bos = special_token(troot, "bos_token");
         eos = special_token(troot, "eos_token");
-        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(troot, "chat_template");
-        if (cJSON_IsString(ct)) {
-            src = ct->valuestring;
-        } else if (cJSON_IsArray(ct)) { /* [{"name", "template"}]: "default", else the first */
-            const cJSON *pick = NULL;
-            for (const cJSON *e = ct->child; e; e = e->next) {
-                const cJSON *nm = cJSON_GetObjectItemCaseSensitive(e, "name");
-                const cJSON *tp = cJSON_GetObjectItemCaseSensitive(e, "template");
-                if (!cJSON_IsObject(e) || !cJSON_IsString(tp)) {
-                    kr_errf(err, "%s: chat_template list entries must be {\"name\": ..., \"template\": \"...\"}", tpath);
-                    goto out;
-                }
-                if (!pick) pick = tp;
-                if (cJSON_IsString(nm) && !strcmp(nm->valuestring, "default")) { pick = tp; break; }
-            }
-            if (!pick) {
-                kr_errf(err, "%s: chat_template is an empty list", tpath);
-                goto out;
-            }
-            src = pick->valuestring;
-        } else if (ct && !cJSON_IsNull(ct)) {
-            kr_errf(err, "%s: chat_template must be a string or a list of {\"name\", \"template\"}", tpath);
-            goto out;
-        }
+        if (config_template(troot, tpath, &src, err)) goto out;
     }
     if (src) {
         char perr_buf[KR_ERR_MAX];
