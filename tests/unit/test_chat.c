@@ -143,6 +143,38 @@ static void test_filters_tests_methods(void)
     R("{{ range(3)|list }}{{ range(1, 7, 2)|list }}{{ range(3, 0, -1)|list }}", "[0, 1, 2][1, 3, 5][3, 2, 1]");
 }
 
+/* Every filter and test docs/chat-templates.md lists is known to the parser (their tables in
+ * engine/chat-builtins.c), and names beyond those are not. */
+static void test_builtin_names(void)
+{
+    static const char *const filters[] = {
+        "trim", "length", "count", "tojson", "string", "safe", "lower", "upper", "capitalize", "title",
+        "default", "d", "first", "last", "join", "items", "list", "reverse", "replace", "int", "float", "abs"};
+    static const char *const tests[] = {
+        "defined", "undefined", "none", "string", "mapping", "iterable", "sequence", "number", "integer",
+        "float", "boolean", "true", "false", "even", "odd", "divisibleby", "eq", "equalto", "ne", "lt", "le",
+        "gt", "ge", "in", "lower", "upper", "sameas"};
+    static const char *const unknown[] = {"selectattr", "map", "sort", "unique", "indent", "round", "Trim", "tri"};
+    char src[128], err[KR_ERR_MAX];
+    kr_chat_template *t;
+    for (size_t i = 0; i < sizeof filters / sizeof filters[0]; i++) {
+        snprintf(src, sizeof src, "{{ x|%s }}", filters[i]);
+        if (kr_chat_template_parse(src, "", "", &t, err)) { kt_failures++; fprintf(stderr, "test_chat.c: %s: %s\n", src, err); }
+        else kr_chat_template_free(t);
+    }
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+        snprintf(src, sizeof src, "{{ x is %s }}", tests[i]);
+        if (kr_chat_template_parse(src, "", "", &t, err)) { kt_failures++; fprintf(stderr, "test_chat.c: %s: %s\n", src, err); }
+        else kr_chat_template_free(t);
+    }
+    for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
+        snprintf(src, sizeof src, "{{ x|%s }}", unknown[i]);
+        check_error(__LINE__, src, 1, "no filter named");
+        snprintf(src, sizeof src, "{{ x is %s }}", unknown[i]);
+        check_error(__LINE__, src, 1, "no test named");
+    }
+}
+
 static void test_statements(void)
 {
     R("{% if messages[0].role == 'system' %}S{% elif false %}E{% else %}N{% endif %}", "S");
@@ -404,6 +436,7 @@ int main(void)
 {
     test_expressions();
     test_filters_tests_methods();
+    test_builtin_names();
     test_statements();
     test_whitespace();
     test_builtins();
