@@ -291,19 +291,26 @@ static void md_free(grpc_metadata *md, size_t n)
 
 /* ------------------------------------------------------------------ unary */
 
+/* A unary call's deadline and the metadata it sends (n_md entries of md; none: NULL, 0). */
+typedef struct unary_hop {
+    int64_t timeout_ms;
+    const kc_md *md;
+    size_t n_md;
+} unary_hop;
+
 static int unary_bb(kc_channel *ch, const char *path, grpc_byte_buffer *req_bb,
-                    const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
-                    const kc_md *md, size_t n_md, ProtobufCMessage **resp, kc_status *st)
+                    const ProtobufCMessageDescriptor *resp_desc, const unary_hop *hop,
+                    ProtobufCMessage **resp, kc_status *st)
 {
-    grpc_metadata *send_md = md_copy(md, n_md);
-    if (n_md && !send_md) {
+    grpc_metadata *send_md = md_copy(hop->md, hop->n_md);
+    if (hop->n_md && !send_md) {
         kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         return -1;
     }
     grpc_completion_queue *cq;
-    grpc_call *call = call_create(ch, path, timeout_ms, &cq);
+    grpc_call *call = call_create(ch, path, hop->timeout_ms, &cq);
     if (!call) {
-        md_free(send_md, n_md);
+        md_free(send_md, hop->n_md);
         kc_status_set(st, GRPC_STATUS_INTERNAL, "%s: cannot create the call", path);
         return -1;
     }
@@ -316,7 +323,7 @@ static int unary_bb(kc_channel *ch, const char *path, grpc_byte_buffer *req_bb,
     grpc_op ops[6];
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].data.send_initial_metadata.count = n_md;
+    ops[0].data.send_initial_metadata.count = hop->n_md;
     ops[0].data.send_initial_metadata.metadata = send_md;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = req_bb;
@@ -357,7 +364,7 @@ out:
     grpc_metadata_array_destroy(&trailing_md);
     grpc_metadata_array_destroy(&initial_md);
     call_destroy(call, cq);
-    md_free(send_md, n_md);
+    md_free(send_md, hop->n_md);
     return rc;
 }
 
@@ -375,7 +382,8 @@ int kc_unary_md(kc_channel *ch, const char *path, const ProtobufCMessage *req,
     grpc_byte_buffer *bb;
     if (kc_message_pack(req, ch->max_message_bytes, &bb, st) != 0)
         return -1;
-    int rc = unary_bb(ch, path, bb, resp_desc, timeout_ms, md, n_md, resp, st);
+    const unary_hop hop = {.timeout_ms = timeout_ms, .md = md, .n_md = n_md};
+    int rc = unary_bb(ch, path, bb, resp_desc, &hop, resp, st);
     grpc_byte_buffer_destroy(bb);
     return rc;
 }
@@ -387,7 +395,8 @@ int kc_unary_bytes(kc_channel *ch, const char *path, const void *req, size_t len
     grpc_slice slice = grpc_slice_from_copied_buffer(req, len);
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&slice, 1);
     grpc_slice_unref(slice);
-    int rc = unary_bb(ch, path, bb, resp_desc, timeout_ms, NULL, 0, resp, st);
+    const unary_hop hop = {.timeout_ms = timeout_ms};
+    int rc = unary_bb(ch, path, bb, resp_desc, &hop, resp, st);
     grpc_byte_buffer_destroy(bb);
     return rc;
 }
