@@ -274,7 +274,6 @@ typedef struct args {
 
 /* Render errors: "line N: what failed" in c->err; always -1. */
 int chat_rerr(rctx *c, const node *at, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-int chat_oom(rctx *c, const node *at);
 int chat_undef_err(rctx *c, const node *at, const value *v);
 /* The error for a buffer that refused a put. */
 int chat_sb_fail(rctx *c, const node *at, const sbuf *b, const char *what);

@@ -57,7 +57,7 @@ int chat_rerr(rctx *c, const node *at, const char *fmt, ...)
     return kr_errf(c->err, "line %d: %s", at ? at->line : 0, msg);
 }
 
-int chat_oom(rctx *c, const node *at)
+static int oom(rctx *c, const node *at)
 {
     return chat_rerr(c, at, "render memory limit reached (%zu MiB of values)", CHAT_MAX_ARENA >> 20);
 }
@@ -65,7 +65,7 @@ int chat_oom(rctx *c, const node *at)
 void *chat_ralloc(rctx *c, const node *at, size_t n)
 {
     void *p = chat_arena_alloc(&c->ar, n);
-    if (!p) chat_oom(c, at);
+    if (!p) oom(c, at);
     return p;
 }
 
@@ -655,7 +655,7 @@ static int repeat(rctx *c, const node *at, const value *seq, int64_t times, valu
         return 0;
     }
     size_t m = seq->u.l->n;
-    if (m && (uint64_t)times > (CHAT_MAX_ARENA / sizeof(value)) / m) return chat_oom(c, at);
+    if (m && (uint64_t)times > (CHAT_MAX_ARENA / sizeof(value)) / m) return oom(c, at);
     vlist *l = chat_mk_list(c, at, m * (size_t)times, seq->u.l->tuple);
     if (!l) return -1;
     for (int64_t k = 0; k < times; k++) memcpy(l->v + (size_t)k * m, seq->u.l->v, m * sizeof(value));
