@@ -110,6 +110,7 @@ grpc_status_code rt_place(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_stat
             break;
         }
         if (queued && !fifo_wait_turn(rt, &w)) continue; /* an earlier request goes first */
+        rt_req_phase(r, RT_PHASE_PLACING);
         rt_attempt a = rt_reserve(r, st);
         if (a == RT_ATTEMPT_DONE) a = rt_prefill(r, out, st);
         if (a == RT_ATTEMPT_DONE) {
@@ -127,6 +128,7 @@ grpc_status_code rt_place(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_stat
             fifo_join(rt, &w);
             queued = 1;
         }
+        if (queued) rt_req_phase(r, RT_PHASE_QUEUED);
         int64_t left = rt_req_ms_left(r), wait = backoff < left ? backoff : left > 0 ? left : 0;
         kc_debug(r->id, "%s; retrying in %" PRId64 " ms", st->details, wait);
         if (!queued && wait <= 0) { /* a re-placement: no FIFO, the deadline only */

@@ -95,15 +95,28 @@ typedef struct oa_call {
 
 /* ------------------------------------------------------------------ responses */
 
-/* Answers with doc; a refusal that may succeed later says when (Retry-After, whole seconds). */
+/* What a response whose document could not be built says instead (a fixed string: building it
+ * needs no memory). */
+static const char oom_body[] = "{\"error\":{\"message\":\"the router ran out of memory building the "
+                               "response\",\"type\":\"server_error\",\"param\":null,\"code\":null}}";
+
+/* Answers with doc; a refusal that may succeed later says when (Retry-After, whole seconds). A
+ * document that could not be built or printed (out of memory) is answered 500 with oom_body. */
 static int respond_json_retry(rt_router *rt, struct MHD_Connection *conn, unsigned status, cJSON *doc,
                               const char *request_id, int64_t retry_after_ms)
 {
-    count_response(rt, status);
     char *body = doc ? cJSON_PrintUnformatted(doc) : NULL;
     cJSON_Delete(doc);
-    if (!body) return MHD_NO; /* out of memory: libmicrohttpd closes the connection */
-    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
+    if (!body) {
+        kc_error(request_id && request_id[0] ? request_id : NULL, "HTTP %u answer: out of memory building it; "
+                 "answering 500", status);
+        status = MHD_HTTP_INTERNAL_SERVER_ERROR;
+        retry_after_ms = 0;
+    }
+    count_response(rt, status);
+    struct MHD_Response *r = body ? MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE)
+                                  : MHD_create_response_from_buffer(sizeof oom_body - 1, (void *)oom_body,
+                                                                    MHD_RESPMEM_PERSISTENT);
     if (!r) {
         free(body);
         return MHD_NO;
@@ -331,7 +344,8 @@ static void keep_finish(oa_call *c, const Kvrelay__V1__Finish *f)
     }
 }
 
-/* Non-streamed: the text is gathered, the finish kept. */
+/* Non-streamed: the text is gathered, the finish kept. Text that cannot be kept (out of memory)
+ * fails the request as an internal error, not as a client that went away. */
 static int whole_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
 {
     oa_call *c = ctx;
@@ -340,7 +354,7 @@ static int whole_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
         if (c->text_len + n + 1 > c->text_cap) {
             size_t cap = (c->text_len + n + 1) * 2;
             char *grown = realloc(c->text, cap);
-            if (!grown) return -1;
+            if (!grown) return RT_SINK_FAILED;
             c->text = grown;
             c->text_cap = cap;
         }
@@ -349,7 +363,7 @@ static int whole_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
     } else if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH) {
         keep_finish(c, msg->finish);
     }
-    return atomic_load(&c->gone) ? -1 : 0;
+    return atomic_load(&c->gone) ? RT_SINK_GONE : 0;
 }
 
 /* Non-streamed: the connection's thread is the one generating, so its socket stays open. */
@@ -437,7 +451,7 @@ static int stream_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
     }
     c->started = 1;
     pthread_cond_broadcast(&c->cv);
-    int rc = atomic_load(&c->gone) || c->oom ? -1 : 0;
+    int rc = atomic_load(&c->gone) ? RT_SINK_GONE : c->oom ? RT_SINK_FAILED : 0;
     pthread_mutex_unlock(&c->mu);
     return rc;
 }

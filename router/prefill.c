@@ -24,6 +24,7 @@
 rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *st)
 {
     rt_router *rt = r->rt;
+    rt_req_phase(r, RT_PHASE_PREFILLING);
     rt_node *order[RT_NODES_MAX];
     int n = rt_nodes_order(rt, RT_ROLE_PREFILL, r->skip_p, r->n_skip_p, order);
     uint32_t *ids = malloc((size_t)r->n_pf * sizeof *ids);

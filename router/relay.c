@@ -3,7 +3,8 @@
  * its token batches turned into text deltas (the detokenizer, stop strings matched on the text
  * by stop.c, log-probabilities when asked) and sent to the request's sink, its finish kept for
  * the request's own. A failed stream (UNAVAILABLE, DEADLINE_EXCEEDED, or silent for
- * --decode-stall-ms) marks the request decode_failed so that request.c may migrate it.
+ * --decode-stall-ms) moves the request to RT_PHASE_DECODE_FAILED so that request.c may migrate
+ * it.
  * Not the Finish message (request.c) nor the watcher that cancels streams (watch.c).
  * Tested by test_router_cluster (stop strings, logprobs, cancellation), tests/integration/
  * cluster.sh, openai_api.sh and failures.sh (a decode node killed or frozen mid-stream).
@@ -26,10 +27,18 @@ int rt_is_stop_id(const rt_req *r, uint32_t id)
     return 0;
 }
 
+/* Sets st for a send to the client that returned `sent` (not 0) `when`. */
+static void send_failed(const rt_req *r, int sent, kc_status *st, const char *when)
+{
+    if (sent == RT_SINK_FAILED)
+        kc_status_set(st, GRPC_STATUS_INTERNAL, "the router could not build the response %s: out of memory", when);
+    else rt_req_client_gone(r, st, when);
+}
+
 /* Sends ids[0, n) to the client with the text they complete, cut at a stop string, and with
  * r->logprobs their lps[0, n) and tops[0, n). Returns 0, 1 when a stop string matched (later
  * ids are dropped; r->stopped set), -1 when the client is gone (st CANCELLED) or the
- * detokenizer failed (st INTERNAL). */
+ * detokenizer or the sink failed (st INTERNAL). */
 int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *tops, size_t n, kc_status *st)
 {
     char *text = NULL;
@@ -94,7 +103,7 @@ int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *t
     r->n_sent += kept;
     r->t_last = rt_now_s();
     if (sent != 0) {
-        rt_req_client_gone(r, st, "while tokens were streamed");
+        send_failed(r, sent, st, "while tokens were streamed");
         return -1;
     }
     if (matched) {
@@ -140,8 +149,9 @@ int rt_relay_flush(rt_req *r, kc_status *st)
         Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
         msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA;
         msg.delta = &d;
-        if (r->sink->send(r->sink->ctx, &msg) != 0) {
-            rt_req_client_gone(r, st, "before the last text");
+        int sent = r->sink->send(r->sink->ctx, &msg);
+        if (sent != 0) {
+            send_failed(r, sent, st, "before the last text");
             rc = -1;
         }
     }
@@ -150,7 +160,7 @@ int rt_relay_flush(rt_req *r, kc_status *st)
 }
 
 /* Sets st for a decode stream that ended with the error s_st: the client went away, the
- * request's deadline passed, or the node failed (r->decode_failed set, its breaker told). */
+ * request's deadline passed, or the node failed (RT_PHASE_DECODE_FAILED, its breaker told). */
 static void stream_failed(rt_req *r, const rt_active *active, const kc_status *s_st, kc_status *st)
 {
     if (r->sink->cancelled(r->sink->ctx)) {
@@ -169,7 +179,7 @@ static void stream_failed(rt_req *r, const rt_active *active, const kc_status *s
         kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "decode node %s failed after %u tokens were sent: %s", r->dnode->id,
                       r->completion, cause);
         rt_node_outcome(r->rt, r->dnode, atomic_load(&active->stalled) ? GRPC_STATUS_DEADLINE_EXCEEDED : s_st->code, cause);
-        r->decode_failed = 1;
+        rt_req_phase(r, RT_PHASE_DECODE_FAILED);
     } else {
         kc_status_set(st, s_st->code, "decode node %s: %s", r->dnode->id, s_st->details);
     }
@@ -192,13 +202,13 @@ grpc_status_code rt_decode_stream(rt_req *r, kc_status *st)
     req.logprobs = r->logprobs;
     kc_stream *s;
     kc_status s_st;
-    r->decode_failed = 0;
     if (kc_stream_open(rt_node_channel(r->rt, r->dnode), "/kvrelay.v1.Decode/Decode", &req.base, rt_req_hop_timeout(r), &s,
                        &s_st) != 0) {
         kc_status_set(st, s_st.code, "decode node %s: %s", r->dnode->id, s_st.details);
         rt_reservation_end(r, 1);
         return st->code;
     }
+    rt_req_phase(r, RT_PHASE_DECODING);
     rt_active active = {.sink = r->sink, .stream = s};
     atomic_init(&active.last_ms, rt_now_ms());
     atomic_init(&active.stalled, 0);
@@ -250,6 +260,7 @@ grpc_status_code rt_decode_stream(rt_req *r, kc_status *st)
      * Release it (idempotent) so the blocks come back even if the cancel did not arrive. Not on
      * a failed node: it is dead (the Release would fail) or frozen (it would wait), and the
      * cancelled stream frees the sequence when it wakes up. */
-    rt_reservation_end(r, !r->decode_failed && !(code == GRPC_STATUS_OK && r->have_decode_finish && !r->stopped));
+    rt_reservation_end(r, r->phase != RT_PHASE_DECODE_FAILED &&
+                              !(code == GRPC_STATUS_OK && r->have_decode_finish && !r->stopped));
     return code;
 }

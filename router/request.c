@@ -40,6 +40,14 @@ int64_t rt_req_hop_timeout(const rt_req *r)
     return left > 0 ? left : 1;
 }
 
+void rt_req_phase(rt_req *r, rt_phase to)
+{
+    static const char *const names[] = {"arrived", "admitted", "queued", "placing", "prefilling",
+                                        "decoding", "decode-failed", "done", "failed"};
+    kc_debug(r->id[0] ? r->id : NULL, "phase %s -> %s", names[r->phase], names[to]);
+    r->phase = to;
+}
+
 void rt_req_client_gone(const rt_req *r, kc_status *st, const char *when)
 {
     if (r->sink->ms_left(r->sink->ctx) <= 0)
@@ -190,7 +198,7 @@ static grpc_status_code serve(rt_req *r, kc_status *st)
         if (done) break;
         code = rt_decode_stream(r, st);
         if (code == GRPC_STATUS_OK) break;
-        if (!r->decode_failed || !r->rt->migrate || migrate(r, st) != 0) return code;
+        if (r->phase != RT_PHASE_DECODE_FAILED || !r->rt->migrate || migrate(r, st) != 0) return code;
     }
     if (rt_relay_flush(r, st) != 0) return st->code;
     send_finish(r);
@@ -223,12 +231,14 @@ grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateReque
     }
     if (code == GRPC_STATUS_OK) code = rt_req_validate(rt, q, r, st);
     if (code == GRPC_STATUS_OK) {
+        rt_req_phase(r, RT_PHASE_ADMITTED);
         kc_counter_inc(rt->m.prompt_tokens, r->n_prompt);
         kc_info(r->id, "accepted: %d prompt tokens, max_tokens %u%s%s, kv_policy '%s', %zu stop strings, %zu stop ids",
                 r->n_prompt, r->max_tokens, r->forced ? " (forced)" : "", r->logprobs ? ", logprobs" : "",
                 r->policy[0] ? r->policy : "full", r->forced ? (size_t)0 : q->n_stop, r->n_stop_ids);
         code = serve(r, st);
     }
+    rt_req_phase(r, code == GRPC_STATUS_OK ? RT_PHASE_DONE : RT_PHASE_FAILED);
     if (code != GRPC_STATUS_OK) {
         if (code == GRPC_STATUS_CANCELLED) kc_info(r->id[0] ? r->id : NULL, "CANCELLED: %s", st->details);
         else kc_warn(r->id[0] ? r->id : NULL, "%s: %s", kc_status_name(code), st->details);

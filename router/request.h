@@ -32,11 +32,28 @@ struct rt_active {
     rt_active *next;
 };
 
+/* Where a request is on its path (docs/router.md, "A request's phases"). Set only through
+ * rt_req_phase, which logs each move at debug level with the request id. */
+typedef enum rt_phase {
+    RT_PHASE_ARRIVED = 0, /* not yet validated or within the client's limits */
+    RT_PHASE_ADMITTED, /* validated and within the client's limits */
+    RT_PHASE_QUEUED, /* in the admission FIFO: every candidate node was full */
+    RT_PHASE_PLACING, /* Reserve on a decode node */
+    RT_PHASE_PREFILLING, /* Prefill on a prefill node, which ships the KV bundle to the
+                            reservation before it answers with the first token */
+    RT_PHASE_DECODING, /* the decode stream is open; its tokens are relayed to the client */
+    RT_PHASE_DECODE_FAILED, /* the decode node failed mid-stream; with --migrate the request is
+                               placed again with the tokens sent so far */
+    RT_PHASE_DONE, /* the finish was sent */
+    RT_PHASE_FAILED, /* ended with an error status */
+} rt_phase;
+
 /* One Generate request, owned by its handler thread. */
 typedef struct rt_req {
     rt_router *rt;
     const rt_sink *sink; /* the client */
     char id[RT_REQUEST_ID_MAX + 1];
+    rt_phase phase;
     int32_t *prompt; /* n_prompt, malloc'd */
     int n_prompt;
     uint32_t max_tokens;
@@ -70,7 +87,6 @@ typedef struct rt_req {
     rt_node *skip_p[RT_NODES_MAX], *skip_d[RT_NODES_MAX]; /* failed in this request */
     int n_skip_p, n_skip_d;
     int prefill_failures; /* prefill node failures in this placement: one retry, docs/failures.md */
-    int decode_failed; /* the decode stream failed on the node's side (st says how) */
     int reserved; /* a reservation is held on dnode */
     uint64_t reservation;
     uint8_t reservation_token[16]; /* Reserve's, passed on to Prefill (the bundle must carry it) */
@@ -110,6 +126,8 @@ double rt_now_s(void);
 int64_t rt_req_ms_left(const rt_req *r);
 /* The timeout of one hop: the time left before the request's deadline, at least 1 ms. */
 int64_t rt_req_hop_timeout(const rt_req *r);
+/* Moves r to phase `to`, logged at debug level. */
+void rt_req_phase(rt_req *r, rt_phase to);
 /* Sets st for a call that is over on the client's side: DEADLINE_EXCEEDED when its deadline
  * passed, CANCELLED when it went away; `when` says at which step. */
 void rt_req_client_gone(const rt_req *r, kc_status *st, const char *when);
@@ -156,7 +174,7 @@ int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *t
  * prefix). Returns 0, or -1 with st. */
 int rt_relay_flush(rt_req *r, kc_status *st);
 /* Opens the decode stream on r->dnode and relays it until its finish, a stop string or an
- * error; r->decode_failed says the node failed (a migration may follow). */
+ * error; phase RT_PHASE_DECODE_FAILED says the node failed (a migration may follow). */
 grpc_status_code rt_decode_stream(rt_req *r, kc_status *st);
 
 /* ------------------------------------------------------------------ watch.c */

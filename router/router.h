@@ -199,9 +199,16 @@ int rt_openai_metrics_init(rt_router *rt);
 /* Where a Generate request's events go, and how its client is watched: the gRPC call
  * (rt_generate) or an HTTP client of the OpenAI API (openai.c). Every function is thread-safe:
  * the cancel watcher calls `cancelled` from its own thread. */
+/* What a sink's send returns besides 0. */
+enum {
+    RT_SINK_GONE = -1, /* the client went away */
+    RT_SINK_FAILED = -2, /* the sink could not take the message (out of memory building the
+                            response): an internal error, not the client's doing */
+};
+
 typedef struct rt_sink {
     void *ctx;
-    /* Sends one GenerateResponse (a delta or the finish). 0, or -1 when the client is gone. */
+    /* Sends one GenerateResponse (a delta or the finish). 0, RT_SINK_GONE or RT_SINK_FAILED. */
     int (*send)(void *ctx, const Kvrelay__V1__GenerateResponse *msg);
     /* 1 once the client went away (or its deadline passed, or the router is stopping). */
     int (*cancelled)(void *ctx);
