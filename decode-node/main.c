@@ -181,6 +181,13 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
     }
 }
 
+/* The transport's log lines through this program's logger (its levels are the logger's). */
+static void transport_log(void *arg, kt_log_level level, const char *request_id, const char *line)
+{
+    (void)arg;
+    KC_LOG_AT((kc_log_level)level, request_id, "transport: %s", line);
+}
+
 /* What this node puts in etcd (membership.h). */
 static void member(const dn_node *n, const char *state, kc_member *m)
 {
@@ -409,7 +416,8 @@ int main(int argc, char **argv)
 
     kt_transport_config tc = {.mode = c->rma ? KT_TRANSPORT_MODE_RMA : KT_TRANSPORT_MODE_AM,
                               .listen_host = thost,
-                              .listen_port = (uint16_t)addrs.transfer.port, .name = c->id};
+                              .listen_port = (uint16_t)addrs.transfer.port, .name = c->id,
+                              .log = transport_log};
     if (kt_transport_create(&tc, &n->transport, err) != 0) {
         kc_error(NULL, "--transfer %s: %s", c->transfer, err);
         return 1;

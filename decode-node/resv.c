@@ -427,7 +427,8 @@ int dn_resv_admit(dn_node *n, const dn_resv_ask *ask, dn_resv_grant *out, char *
     const double ttl_s = (double)ask->ttl_ms / 1000.0;
     void *region = r->set.region;
     char terr[KT_ERR_MAX];
-    const kt_resv_opts ro = {.timeout_s = ttl_s, .set = &r->set, .cb = on_transfer, .cb_arg = n};
+    const kt_resv_opts ro = {.timeout_s = ttl_s, .set = &r->set, .cb = on_transfer, .cb_arg = n,
+                             .request_id = ask->request_id};
     if ((region ? kt_transport_reserve_rma(n->transport, id, region, z.size, &ro, g.token, &g.rma,
                                            terr)
                 : kt_transport_reserve(n->transport, id, NULL, z.size, &ro, g.token, terr)) != 0) {

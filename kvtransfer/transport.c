@@ -97,8 +97,11 @@
 
 /* Logs a UCX call that failed at runtime (no caller to return to: a callback or the loop). */
 #define KT_UCS_LOG(t, stmt, st)                                                                 \
-    kt_log(t, "%s failed: %s (%s, %s:%d)", stmt, ucs_status_string(st), __func__, __FILE__,    \
-           __LINE__)
+    kt_log(t, KT_LOG_ERROR, NULL, "%s failed: %s (%s, %s:%d)", stmt, ucs_status_string(st),    \
+           __func__, __FILE__, __LINE__)
+
+/* Bytes kept of a caller's request id, for log lines. */
+#define KT_RID_MAX 64
 
 typedef struct kt_conn kt_conn;
 
@@ -190,6 +193,7 @@ typedef struct kt_resv {
     int status;
     uint64_t bytes;
     char msg[KT_ERR_MAX];
+    char rid[KT_RID_MAX]; /* the caller's request id, for log lines */
 } kt_resv;
 
 typedef struct kt_send_op {
@@ -223,6 +227,7 @@ typedef struct kt_send_op {
     char fail_msg[KT_ERR_MAX]; /* first failure seen; outcome once the request is done */
     int done;
     int status;
+    char rid[KT_RID_MAX]; /* the caller's request id, for log lines */
 } kt_send_op;
 
 enum { KT_PUT_DATA = 1, KT_PUT_FLUSH, KT_PUT_HEADER };
@@ -243,6 +248,8 @@ typedef struct kt_conn_req {
 
 struct kt_transport {
     char name[64];
+    kt_log_fn log; /* NULL: stderr */
+    void *log_arg;
     ucp_context_h ctx;
     ucp_worker_h worker;
     ucp_listener_h listener;
@@ -268,6 +275,10 @@ struct kt_transport {
 
 /* ------------------------------------------------------------------ helpers */
 
+static void kt_seterr(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void kt_log(const kt_transport *t, kt_log_level level, const char *rid, const char *fmt,
+                   ...) __attribute__((format(printf, 4, 5)));
+
 static void kt_seterr(char *err, const char *fmt, ...)
 {
     if (!err)
@@ -278,15 +289,24 @@ static void kt_seterr(char *err, const char *fmt, ...)
     va_end(ap);
 }
 
-/* Peer and runtime errors the loop cannot return: one line on stderr, tagged with the role. */
-static void kt_log(const kt_transport *t, const char *fmt, ...)
+/* Peer and runtime errors the loop cannot return, and trace lines: through the program's log
+ * callback, or one line on stderr tagged with the role, the level and the request id. */
+static void kt_log(const kt_transport *t, kt_log_level level, const char *rid, const char *fmt,
+                   ...)
 {
+    static const char *const names[] = {"DEBUG", "INFO", "WARN", "ERROR"};
     char line[KT_ERR_MAX + 64];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
-    fprintf(stderr, "[kt %s] %s\n", t ? t->name : "?", line);
+    if (rid && !*rid)
+        rid = NULL;
+    if (t->log)
+        t->log(t->log_arg, level, rid, line);
+    else
+        fprintf(stderr, "[kt %s] %s%s%s%s %s\n", t->name, names[level], rid ? " [" : "",
+                rid ? rid : "", rid ? "]" : "", line);
 }
 
 static int kt_trace_on = -1;
@@ -296,7 +316,7 @@ static int kt_trace_on = -1;
         if (kt_trace_on < 0)                                                                    \
             kt_trace_on = getenv("KT_TRANSPORT_TRACE") != NULL;                                 \
         if (kt_trace_on)                                                                        \
-            kt_log(t, __VA_ARGS__);                                                             \
+            kt_log(t, KT_LOG_DEBUG, NULL, __VA_ARGS__);                                         \
     } while (0)
 
 static double kt_now(void)
@@ -588,7 +608,7 @@ static void kt_ack_queue(kt_transport *t, kt_conn *c, uint64_t seq, uint64_t id,
         return;
     kt_ack *a = calloc(1, sizeof *a);
     if (!a) {
-        kt_log(t, "out of memory queueing the ack of bundle %" PRIu64, id);
+        kt_log(t, KT_LOG_ERROR, NULL, "out of memory queueing the ack of bundle %" PRIu64, id);
         return;
     }
     a->conn = c;
@@ -666,7 +686,8 @@ static void kt_on_ack_sent(void *request, ucs_status_t status, void *user_data)
 /* Fails r's arriving bundle: the log names the peer, the sender hears msg in the ack. */
 static void kt_resv_reject(kt_transport *t, kt_resv *r, const char *msg)
 {
-    kt_log(t, "%s (from %s)", msg + strlen("transport: "), r->from ? r->from->peer : "?");
+    kt_log(t, KT_LOG_WARN, r->rid, "%s (from %s)", msg + strlen("transport: "),
+           r->from ? r->from->peer : "?");
     kt_resv_finish(r, -1, 0, msg);
     kt_ack_queue(t, r->from, r->seq, r->id, -1, 0, msg);
 }
@@ -736,13 +757,14 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
                      ? kt_conn_by_ep(t, param->reply_ep)
                      : NULL;
     if (!c) {
-        kt_log(t, "bundle from an unknown endpoint dropped (%zu bytes)", length);
+        kt_log(t, KT_LOG_WARN, NULL, "bundle from an unknown endpoint dropped (%zu bytes)", length);
         return UCS_OK;
     }
     const uint8_t *h = header;
     if (header_length != KT_WIRE_HDR_BYTES || kt_rd32(h) != KT_WIRE_MAGIC ||
         kt_rd16(h + 4) != KT_WIRE_VERSION) {
-        kt_log(t, "malformed bundle header from %s (%zu bytes) dropped", c->peer, header_length);
+        kt_log(t, KT_LOG_WARN, NULL, "malformed bundle header from %s (%zu bytes) dropped", c->peer,
+               header_length);
         kt_ack_queue(t, c, header_length >= 16 ? kt_rd64(h + 8) : 0, 0, -1, 0,
                      "transport: malformed bundle header (version or magic)");
         return UCS_OK;
@@ -810,7 +832,8 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
     }
     if (msg[0]) {
         /* Refused: returning OK without receiving drops the data; the ack tells the sender. */
-        kt_log(t, "%s (from %s)", msg + strlen("transport: "), c->peer);
+        kt_log(t, KT_LOG_WARN, r ? r->rid : NULL, "%s (from %s)", msg + strlen("transport: "),
+               c->peer);
         kt_ack_queue(t, c, seq, id, -1, 0, msg);
         return UCS_OK;
     }
@@ -832,7 +855,7 @@ static ucs_status_t kt_on_bundle(void *arg, const void *header, size_t header_le
         snprintf(msg, sizeof msg, "transport: no memory for a %zu-byte part of bundle %" PRIu64,
                  length, id);
     if (!dst || kt_land(t, data, length, rndv, 0, dst, &r->rx[0], msg) < 0) {
-        kt_log(t, "%s (from %s)", msg + strlen("transport: "), c->peer);
+        kt_log(t, KT_LOG_WARN, r->rid, "%s (from %s)", msg + strlen("transport: "), c->peer);
         kt_resv_finish(r, -1, 0, msg);
         kt_ack_queue(t, c, seq, id, -1, 0, msg);
     }
@@ -846,7 +869,7 @@ static ucs_status_t kt_on_ack(void *arg, const void *header, size_t header_lengt
     const uint8_t *w = data;
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != KT_WIRE_ACK_BYTES ||
         kt_rd32(w) != KT_WIRE_MAGIC || kt_rd16(w + 4) != KT_WIRE_VERSION) {
-        kt_log(t, "malformed acknowledgement (%zu bytes) dropped", length);
+        kt_log(t, KT_LOG_WARN, NULL, "malformed acknowledgement (%zu bytes) dropped", length);
         return UCS_OK;
     }
     uint64_t seq = kt_rd64(w + 8);
@@ -880,16 +903,16 @@ static void kt_conn_close(kt_transport *t, kt_conn *c)
     }
     c->closing = 1;
     if (c->error != UCS_OK) { /* a peer that went away between bundles is no failure */
-        int busy = 0;
-        for (kt_resv *r = t->resvs; r; r = r->next)
-            busy |= r->from == c && !r->done;
-        for (kt_send_op *op = t->ops; op; op = op->next)
-            busy |= op->conn == c && !op->done;
+        const char *busy = NULL; /* the request id of a transfer it held, "" for none given */
+        for (kt_resv *r = t->resvs; r && !busy; r = r->next)
+            busy = r->from == c && !r->done ? r->rid : NULL;
+        for (kt_send_op *op = t->ops; op && !busy; op = op->next)
+            busy = op->conn == c && !op->done ? op->rid : NULL;
         if (busy)
-            kt_log(t, "%s", c->fail_msg);
+            kt_log(t, KT_LOG_WARN, busy, "%s", c->fail_msg);
         else
-            kt_log(t, "peer %s disconnected (%s); nothing was in flight on it", c->peer,
-                   ucs_status_string(c->error));
+            kt_log(t, KT_LOG_INFO, NULL, "peer %s disconnected (%s); nothing was in flight on it",
+                   c->peer, ucs_status_string(c->error));
     }
     if (!c->failed) {
         c->failed = 1;
@@ -939,7 +962,7 @@ static void kt_accept(kt_transport *t, ucp_conn_request_h req)
 {
     kt_conn *c = calloc(1, sizeof *c);
     if (!c) {
-        kt_log(t, "out of memory accepting a connection; rejected");
+        kt_log(t, KT_LOG_ERROR, NULL, "out of memory accepting a connection; rejected");
         ucp_listener_reject(t->listener, req);
         return;
     }
@@ -1281,7 +1304,7 @@ static double kt_step(kt_transport *t)
             } else if (bad) {
                 snprintf(msg, sizeof msg, "transport: bundle %" PRIu64 " rejected: %s", r->id,
                          perr);
-                kt_log(t, "%s", msg);
+                kt_log(t, KT_LOG_WARN, r->rid, "%s", msg);
                 kt_resv_finish(r, -1, 0, msg);
             } else if (r->more) { /* the part is in: wait for the next one */
                 r->filled += r->len;
@@ -1530,6 +1553,8 @@ int kt_transport_create(const kt_transport_config *cfg, kt_transport **out, char
         return -1;
     }
     snprintf(t->name, sizeof t->name, "%s", cfg->name ? cfg->name : "transport");
+    t->log = cfg->log;
+    t->log_arg = cfg->log_arg;
     t->rma = cfg->mode == KT_TRANSPORT_MODE_RMA;
     t->worker_efd = -1;
     t->next_seq = 1;
@@ -1725,6 +1750,7 @@ static int kt_reserve(kt_transport *t, uint64_t id, void *buf, uint64_t size,
     r->set = set;
     r->cb = o->cb;
     r->cb_arg = o->cb_arg;
+    snprintf(r->rid, sizeof r->rid, "%s", o->request_id ? o->request_id : "");
     r->state = KT_XFER_STATE_RESERVED;
     r->deadline = kt_now() + o->timeout_s;
     r->cap_put = !key ? 0 : set ? set->cap : KT_RMA_MAX_PARTS;
@@ -1905,6 +1931,7 @@ static int kt_send(kt_transport *t, const kt_peer *to, const kt_put_dest *at,
     op->deadline = kt_now() + o->timeout_s;
     op->cb = o->cb;
     op->cb_arg = o->cb_arg;
+    snprintf(op->rid, sizeof op->rid, "%s", o->request_id ? o->request_id : "");
     kt_api_lock(t);
     if (t->stopping) {
         pthread_mutex_unlock(&t->lock);

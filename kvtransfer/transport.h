@@ -50,6 +50,23 @@ typedef enum kt_transport_mode {
     KT_TRANSPORT_MODE_RMA = 1, /* the same, and puts: kt_transport_reserve_rma, kt_transport_put */
 } kt_transport_mode;
 
+/* The levels of the transport's log lines: those of the nodes' logger (common/log.h). */
+typedef enum kt_log_level {
+    KT_LOG_DEBUG = 0, /* a protocol trace line: only with KT_TRANSPORT_TRACE in the environment */
+    KT_LOG_INFO = 1,
+    KT_LOG_WARN = 2, /* a peer's error: a refused or failed bundle, a lost connection */
+    KT_LOG_ERROR = 3, /* a UCX call that failed at runtime, out of memory */
+} kt_log_level;
+
+/* One log line of the transport, for an error it cannot return to a caller (it happened on the
+ * progress thread) or a trace line. `request_id` is the one given with the reservation or send
+ * the line is about (kt_resv_opts, kt_send_opts), NULL when none or not about one; `line` has
+ * no newline and is valid only during the call. Called on the progress thread (or the thread of
+ * an API call), possibly with the transport's lock held: it must not call into the transport,
+ * and should only write the line. */
+typedef void (*kt_log_fn)(void *arg, kt_log_level level, const char *request_id,
+                          const char *line);
+
 typedef struct kt_transport_config {
     kt_transport_mode mode;
     /* Receiving side: listen on listen_host:listen_port (port 0: an ephemeral port, read it
@@ -59,6 +76,10 @@ typedef struct kt_transport_config {
     /* Seconds an idle connection attempt or a stalled peer may take before UCX declares it
      * dead is UCX's own (~1 s on loopback, STACK.md); nothing to set here. */
     const char *name; /* role tag for log lines, e.g. "decode-0"; may be NULL */
+    /* Where log lines go: a program passes one that writes through its own logger. NULL: one
+     * line on stderr, "[kt NAME] LEVEL [REQUEST_ID] line". */
+    kt_log_fn log;
+    void *log_arg;
 } kt_transport_config;
 
 /* Starts UCX (context, worker, progress thread) and, with listen_host, the listener. Fails with
@@ -103,6 +124,7 @@ typedef struct kt_resv_opts {
     kt_bundle_set *set;
     kt_xfer_cb cb; /* required */
     void *cb_arg;
+    const char *request_id; /* tags the transport's log lines about it (copied); may be NULL */
 } kt_resv_opts;
 
 /* Reserves `buf` (`size` bytes, caller-owned, must stay valid until the callback) for the
@@ -200,6 +222,7 @@ typedef struct kt_send_opts {
     double timeout_s; /* > 0 */
     kt_xfer_cb cb; /* required */
     void *cb_arg;
+    const char *request_id; /* tags the transport's log lines about it (copied); may be NULL */
 } kt_send_opts;
 
 /* Sends `size` bytes at `buf` to `to`.

@@ -166,6 +166,13 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
             "router reaches this node at (it is registered in etcd)", c->listen);
 }
 
+/* The transport's log lines through this program's logger (its levels are the logger's). */
+static void transport_log(void *arg, kt_log_level level, const char *request_id, const char *line)
+{
+    (void)arg;
+    KC_LOG_AT((kc_log_level)level, request_id, "transport: %s", line);
+}
+
 /* What this node puts in etcd (membership.h). */
 static void member(const pf_node *n, const char *state, kc_member *m)
 {
@@ -309,7 +316,7 @@ int main(int argc, char **argv)
     if (!http) die(1, "--http %s: %s", cfg.http, http_err);
 
     /* RMA capable: a decode node in RMA mode has the bundle put into its memory */
-    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_RMA, .listen_host = NULL, .name = cfg.id};
+    kt_transport_config tc = {.mode = KT_TRANSPORT_MODE_RMA, .name = cfg.id, .log = transport_log};
     if (kt_transport_create(&tc, &n->tx, err) != 0) die(1, "%s", err);
 
     kc_server *srv;

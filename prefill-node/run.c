@@ -286,7 +286,8 @@ static int pipe_pump(pf_pipe *p, int last)
     const kt_peer to = {j->host, j->port, j->reservation_id, j->reservation_token};
     const kt_put_dest at = {.key = &j->rma, .offset = p->offset,
                             .rows = rows ? &j->rma_rows : NULL, .rows_off = p->rows_off};
-    const kt_send_opts o = {.flags = flags, .timeout_s = timeout, .cb = pipe_cb, .cb_arg = p};
+    const kt_send_opts o = {.flags = flags, .timeout_s = timeout, .cb = pipe_cb, .cb_arg = p,
+                            .request_id = j->request_id};
     if ((j->rma.rkey_len ? kt_transport_put(p->n->tx, &to, &at, buf, p->size[k], &o, err)
                          : kt_transport_send(p->n->tx, &to, buf, p->size[k], &o, err)) != 0) {
         pipe_fail(p, 0, err);

@@ -1785,6 +1785,58 @@ static void test_wrong_token(kt_transport *rx, kt_transport *tx)
     }
 }
 
+/* The last line a log callback got. */
+typedef struct log_sink {
+    pthread_mutex_t m;
+    int n;
+    kt_log_level level;
+    char rid[64], line[KT_ERR_MAX + 64];
+} log_sink;
+
+static void sink_cb(void *arg, kt_log_level level, const char *request_id, const char *line)
+{
+    log_sink *s = arg;
+    pthread_mutex_lock(&s->m);
+    s->n++;
+    s->level = level;
+    snprintf(s->rid, sizeof s->rid, "%s", request_id ? request_id : "(none)");
+    snprintf(s->line, sizeof s->line, "%s", line);
+    pthread_mutex_unlock(&s->m);
+}
+
+/* A transport with a log callback hands it its lines (here a refused bundle's) with their level
+ * and the request id given with the reservation, instead of writing them on stderr. */
+static void test_log_callback(kt_transport *tx)
+{
+    char err[KT_ERR_MAX];
+    log_sink sink = {.n = 0};
+    pthread_mutex_init(&sink.m, NULL);
+    kt_transport_config cfg = {
+        .listen_host = HOST, .name = "test-log-rx", .log = sink_cb, .log_arg = &sink};
+    kt_transport *rx;
+    REQUIRE(kt_transport_create(&cfg, &rx, err) == 0, "%s", err);
+    static uint8_t src[1000], dst[1000];
+    uint8_t tok[KT_RESV_TOKEN_BYTES];
+    done_box rb;
+    box_init(&rb);
+    const kt_resv_opts ro = {
+        .timeout_s = 10.0, .cb = box_cb, .cb_arg = &rb, .request_id = "req-log-1"};
+    REQUIRE(kt_transport_reserve(rx, 330, dst, sizeof dst, &ro, tok, err) == 0, "%s", err);
+    tok[0] ^= 1;
+    CHECK(kt_transport_send_wait(tx, &(kt_peer){HOST, kt_transport_port(rx), 330, tok}, src,
+                                 sizeof src, 5.0, err) != 0,
+          "a wrong token refused");
+    pthread_mutex_lock(&sink.m);
+    CHECK(sink.n == 1 && sink.level == KT_LOG_WARN && strcmp(sink.rid, "req-log-1") == 0 &&
+              strstr(sink.line, "wrong token for reservation 330") != NULL,
+          "%d line(s); the last: level %d, request id %s: %s", sink.n, (int)sink.level, sink.rid,
+          sink.line);
+    pthread_mutex_unlock(&sink.m);
+    kt_transport_release(rx, 330);
+    kt_transport_destroy(rx);
+    pthread_mutex_destroy(&sink.m);
+}
+
 static void test_timeouts(kt_transport *rx, kt_transport *tx)
 {
     char err[KT_ERR_MAX];
@@ -1989,6 +2041,7 @@ int main(int argc, char **argv)
     test_concurrent(rx, tx);
     test_refusals(rx, tx);
     test_wrong_token(rx, tx);
+    test_log_callback(tx);
     test_timeouts(rx, tx);
     test_rma(rx, tx);
     test_rma_rows();
