@@ -254,7 +254,7 @@ static int check_bundle(kc_call *call, dn_node *n, dn_resv *r, dn_job *job, cons
 {
     const kr_config *c = n->mcfg;
     char err[KT_ERR_MAX > KR_ERR_MAX ? KT_ERR_MAX : KR_ERR_MAX];
-    /* validated by the transport as the bytes arrived (kt_transport_reserve_bundle); the model
+    /* validated by the transport as the bytes arrived (kt_transport_reserve); the model
      * and the policy were checked part by part as the bundle arrived (import.c) */
     const kt_bundle_set *v = &r->set;
     const kt_bundle_header *h = &v->hdr;
