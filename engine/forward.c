@@ -329,10 +329,10 @@ static int run_policy(kr_ctx *c, kr_seq *s, int layer, int n_real, int n_app, co
     p->ops->after_chunk(p, s, &c->env, &kc, layer);
     if (n_app)
         for (int g = 0; g < s->n_kv_heads; g++) {
-            kr_kv_list *l = kr_seq_list(s, layer, g);
-            int pinned = l->pinned;
+            const kr_kv_list *l = kr_seq_list(s, layer, g);
+            const int pinned = l->pinned;
             kr_seq_keep_ends(s, layer, g, l->len - n_app, 0);
-            l->pinned = pinned < l->len ? pinned : l->len;
+            kr_seq_pin(s, layer, g, pinned);
         }
     return KR_OK;
 }
@@ -372,10 +372,10 @@ static void decode_trim(kr_ctx *c, kr_seq *s, int layer)
 {
     int synced = 0;
     for (int g = 0; g < s->n_kv_heads; g++) {
-        kr_kv_list *l = kr_seq_list(s, layer, g);
+        const kr_kv_list *l = kr_seq_list(s, layer, g);
         const kr_list_rule *r = &l->rule;
-        int head = l->pinned;
-        if (r->sink > head) head = r->sink < l->len ? r->sink : l->len;
+        kr_seq_pin(s, layer, g, r->sink > l->pinned ? r->sink : l->pinned);
+        const int head = l->pinned;
         int target = r->window < 0 ? -1
                                    : kr_streaming_target(l->len, head, r->window, r->lazy, r->slack, r->max_drop);
         if ((target >= 0 || r->rel) && !synced && c->ops->sync) {
@@ -383,7 +383,6 @@ static void decode_trim(kr_ctx *c, kr_seq *s, int layer)
             synced = 1;
         }
         if (target >= 0) kr_seq_keep_ends(s, layer, g, head, target - head);
-        else l->pinned = head;
         if (r->rel) kr_policy_rerotate(s, &c->env, layer, g);
     }
     /* positions restart after the cache: a pos=rel sequence's next token follows its lists */
@@ -422,9 +421,9 @@ static int run_layers(kr_ctx *c, seq_rows *sr, int n_seqs, kr_seq *const *seqs, 
             /* peak KV: what the cache holds at the moment a layer attends, before the policy trims */
             kr_seq *s = sr[i].s;
             for (int g = 0; g < cfg->n_kv_heads; g++) {
-                kr_kv_list *list = kr_seq_list(s, l, g);
-                list->len += sr[i].n;
-                if (list->len > s->fp.peak_head_entries) s->fp.peak_head_entries = list->len;
+                kr_seq_extend(s, l, g, sr[i].n);
+                const int len = kr_seq_list(s, l, g)->len;
+                if (len > s->fp.peak_head_entries) s->fp.peak_head_entries = len;
             }
             sr[i].held += (int64_t)sr[i].n * cfg->n_kv_heads;
             if (sr[i].held > s->fp.peak_entries) s->fp.peak_entries = sr[i].held;

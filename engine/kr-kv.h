@@ -5,6 +5,13 @@
  * entries: kv.c, forward.c, the policies (policy*.c), sequence import/export (seq-io.c) and the
  * backends (through backend.h). Not installed; the public side is kr.h.
  *
+ * Only kv.c writes the pool's fields and a list's: the others read them and change a list
+ * through the helpers below (kr_seq_grow, kr_seq_extend, kr_seq_pin, kr_seq_keep,
+ * kr_seq_keep_ends, kr_seq_adopt_blocks, kr_seq_set_rule, kr_seq_release_spare), which keep
+ * their invariants (KR_ASSERT in the sanitizer build): a block is in one list or free, never
+ * both; n_free counts the free blocks; a list's entries fit its blocks and its pinned set its
+ * entries.
+ *
  * A block stores `block_size` entries of one (layer, KV head): keys [block_size][head_dim]
  * post-RoPE, values [block_size][head_dim], both in the pool's dtype (f32, bf16 or f16), and
  * positions. The row accessors return byte pointers to rows of `row_bytes`; readers widen them
@@ -49,7 +56,9 @@ int kr_kv_pool_create_in(int head_dim, int block_size, int n_blocks, kr_dtype dt
 
 /* One (layer, KV head) of a sequence: `len` entries in order, entry i in slot off + i of the
  * concatenated blocks (off < block_size: dropping the oldest entries can release whole blocks
- * from the front instead of moving everything behind them). Use the accessors below. */
+ * from the front instead of moving everything behind them); off + len <= n_blocks * block_size,
+ * n_blocks <= cap_blocks, pinned <= len. Read through the accessors below; write through kv.c's
+ * helpers. */
 typedef struct kr_kv_list {
     int32_t *blocks;
     int n_blocks;
@@ -116,10 +125,8 @@ static inline void kr_kv_list_rows(const kr_kv_pool *p, const kr_kv_list *l, int
         if (++slot == p->block_size) slot = 0, b++;
     }
 }
-/* Room for `blocks` block ids in l's array (its blocks stay as they are): capacity doubles from
- * 4, so a list that grows a block per step reallocates rarely. */
-int kr_kv_list_reserve(kr_kv_list *l, int blocks, char *err);
-/* How many of blocks first .. first + n - 1 are free in the pool (under its lock). */
+/* How many of blocks first .. first + n - 1 are free in the pool (under its lock); -1 when they
+ * are not all inside it. */
 int kr_kv_pool_run_free(kr_kv_pool *p, int32_t first, int n);
 /* Makes room for `n` more entries in every (layer, KV head), all or nothing: fails when the
  * pool lacks blocks, leaving the sequence as it was. */
@@ -129,6 +136,18 @@ int kr_seq_grow_list(kr_seq *s, int layer, int kv_head, int n, char *err);
 /* Returns to the pool the blocks a sequence holds past its entries (what kr_seq_grow took and
  * no entry uses yet): undoes a grow. */
 void kr_seq_release_spare(kr_seq *s);
+/* Counts n more entries at the end of a list, inside the room kr_seq_grow made: the caller
+ * writes their rows (kr_seq_put, the backend's kv_store, a bundle's rows) before or after. */
+void kr_seq_extend(kr_seq *s, int layer, int kv_head, int n);
+/* Pins the first min(max(n, 0), len) entries of a list: the one clamp of a pinned count. */
+void kr_seq_pin(kr_seq *s, int layer, int kv_head, int n);
+/* Appends blocks first .. first + n - 1 (a run inside the pool, taken, owned by no list) to a
+ * list whose entries fill its blocks; its length is unchanged (kr_seq_extend counts the run's
+ * entries). Fails (-1, message in err) only when the block array cannot grow, changing nothing. */
+int kr_seq_adopt_blocks(kr_seq *s, int layer, int kv_head, int32_t first, int n, char *err);
+/* Sets a list's decode rule as it is (kr_seq_list_set_rule in kr.h is the checked one that
+ * imports use). */
+void kr_seq_set_rule(kr_seq *s, int layer, int kv_head, const kr_list_rule *rule);
 /* Keeps entries keep[0..n_keep) (strictly increasing indices < len) of one list, in order,
  * returns freed blocks to the pool, and pins the first min(n_pinned, n_keep) kept entries. */
 void kr_seq_keep(kr_seq *s, int layer, int kv_head, const int32_t *keep, int n_keep, int n_pinned);
@@ -141,7 +160,7 @@ int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int3
 /* The rule of a list that is never trimmed: what a sequence without a policy has. */
 extern const kr_list_rule kr_rule_dense; /* kv.c */
 /* Writes entry `idx` (< the grown capacity) of one (layer, KV head): float32 key and value
- * rounded to the pool's dtype. Lengths are set by the caller through the list's `len`. */
+ * rounded to the pool's dtype. The caller counts the entry with kr_seq_extend. */
 void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, const float *v,
                 int32_t pos);
 

@@ -24,8 +24,9 @@ extern "C" {
  * blocks); malformed input gets an error return instead. In the sanitizer build (CMake
  * KR_SANITIZE, which defines KR_ASSERTS=1) a false condition prints file:line and the condition
  * and aborts. Otherwise it is compiled out, the condition type-checked but never evaluated:
- * decode steps pass through these checks and are hot. Where a broken invariant would corrupt
- * memory or counts, the code also handles the false case itself, so Release stays safe. */
+ * decode steps pass through these checks and are hot. Where a caller's bug can break an
+ * invariant (a block given back twice), the code also handles the false case itself, so a
+ * Release build refuses it instead of corrupting the pool. */
 #if defined(KR_ASSERTS) && KR_ASSERTS
 #define KR_ASSERT(cond)                                                                        \
     do {                                                                                       \

@@ -88,6 +88,14 @@ int kr_kv_pool_n_blocks(const kr_kv_pool *p)
     return p->n_blocks;
 }
 
+/* The pool's free count is the number of set bits of its bitmap: every change below counts the
+ * bits it actually flipped, so a bad give cannot inflate it (an inflated count sends pool_take's
+ * scan past the bitmap's end). */
+static void pool_check(const kr_kv_pool *p)
+{
+    KR_ASSERT(p->n_free >= 0 && p->n_free <= p->n_blocks);
+}
+
 /* The lowest free block, taken (the caller holds p->lock and checked n_free). Lowest first, so that a sequence's
  * blocks lie together and in order however earlier sequences came and went: a list read in
  * order is then one address stream the hardware prefetcher follows, where the blocks a stack of
@@ -95,30 +103,49 @@ int kr_kv_pool_n_blocks(const kr_kv_pool *p)
  * 441-token sequence in a pool shuffled by 200 others, llama-110m shape). */
 static int32_t pool_take(kr_kv_pool *p)
 {
+    KR_ASSERT(p->n_free > 0);
     int w = p->free_hint;
-    while (!p->free_bits[w]) w++;
+    while (!p->free_bits[w]) {
+        w++;
+        KR_ASSERT(w < (p->n_blocks + 63) / 64); /* n_free > 0 promised a set bit */
+    }
     const int bit = __builtin_ctzll(p->free_bits[w]);
+    KR_ASSERT(w * 64 + bit < p->n_blocks); /* bits past the pool's end are never set */
     p->free_bits[w] &= p->free_bits[w] - 1;
     p->free_hint = w;
     p->n_free--;
+    pool_check(p);
     return (int32_t)(w * 64 + bit);
 }
 
-/* Under p->lock. */
+/* Returns a block a list held (under p->lock). One outside the pool or already free (given
+ * twice) is left alone and not counted. */
 static void pool_give(kr_kv_pool *p, int32_t block)
 {
+    const int taken = block >= 0 && block < p->n_blocks && !((p->free_bits[block / 64] >> (block % 64)) & 1);
+    KR_ASSERT(taken); /* a block given back must be taken */
+    if (!taken) return;
     p->free_bits[block / 64] |= (uint64_t)1 << (block % 64);
     if (block / 64 < p->free_hint) p->free_hint = block / 64;
     p->n_free++;
+    pool_check(p);
+}
+
+/* Blocks [first, first + n) are a run of at least one block inside the pool. */
+static int run_inside(const kr_kv_pool *p, int32_t first, int n)
+{
+    return n >= 1 && first >= 0 && first <= p->n_blocks - n;
 }
 
 /* What run_bits does to the bits of a run of blocks. */
 enum run_op { RUN_COUNT, RUN_GIVE, RUN_TAKE };
 
 /* Counts the free blocks among [first, first + n) (before the op), then marks them all free
- * (RUN_GIVE) or taken (RUN_TAKE), a bitmap word at a time. Under p->lock. */
+ * (RUN_GIVE) or taken (RUN_TAKE), a bitmap word at a time. Under p->lock; the run is inside the
+ * pool. */
 static int run_bits(kr_kv_pool *p, int32_t first, int n, enum run_op op)
 {
+    KR_ASSERT(run_inside(p, first, n));
     int free_before = 0;
     for (int64_t b = first, end = (int64_t)first + n; b < end;) {
         const int64_t w = b / 64, lo = b % 64, hi = end - w * 64 < 64 ? end - w * 64 : 64; /* bits [lo, hi) */
@@ -178,8 +205,10 @@ int kr_kv_pool_take_run(kr_kv_pool *p, int n, int32_t *first)
     pthread_mutex_lock(&p->lock);
     const int64_t at = n <= p->n_free ? find_run(p, n) : -1;
     if (at >= 0) {
-        run_bits(p, (int32_t)at, n, RUN_TAKE);
-        p->n_free -= n;
+        const int was_free = run_bits(p, (int32_t)at, n, RUN_TAKE);
+        KR_ASSERT(was_free == n); /* find_run returns a run of free blocks */
+        p->n_free -= was_free;
+        pool_check(p);
     }
     pthread_mutex_unlock(&p->lock);
     if (at < 0) return -1;
@@ -187,18 +216,31 @@ int kr_kv_pool_take_run(kr_kv_pool *p, int n, int32_t *first)
     return KR_OK;
 }
 
-void kr_kv_pool_give_run(kr_kv_pool *p, int32_t first, int n)
+int kr_kv_pool_give_run(kr_kv_pool *p, int32_t first, int n)
 {
-    if (n < 1) return;
+    if (n == 0) return KR_OK;
+    const int inside = run_inside(p, first, n);
+    KR_ASSERT(inside); /* a run given back lies in the pool */
+    if (!inside) return -1;
     pthread_mutex_lock(&p->lock);
-    run_bits(p, first, n, RUN_GIVE);
-    p->n_free += n;
-    if (first / 64 < p->free_hint) p->free_hint = first / 64;
+    const int already_free = run_bits(p, first, n, RUN_COUNT);
+    KR_ASSERT(already_free == 0); /* a run given back must be wholly taken */
+    if (!already_free) {
+        run_bits(p, first, n, RUN_GIVE);
+        p->n_free += n;
+        if (first / 64 < p->free_hint) p->free_hint = first / 64;
+        pool_check(p);
+    }
     pthread_mutex_unlock(&p->lock);
+    return already_free ? -1 : KR_OK;
 }
 
 int kr_kv_pool_run_free(kr_kv_pool *p, int32_t first, int n)
 {
+    if (n == 0) return 0;
+    const int inside = run_inside(p, first, n);
+    KR_ASSERT(inside);
+    if (!inside) return -1;
     pthread_mutex_lock(&p->lock);
     const int n_free = run_bits(p, first, n, RUN_COUNT);
     pthread_mutex_unlock(&p->lock);
@@ -293,7 +335,25 @@ void kr_seq_footprint(const kr_seq *s, kr_footprint *out)
     *out = s->fp;
 }
 
-int kr_kv_list_reserve(kr_kv_list *l, int blocks, char *err)
+/* A list's own invariants: its block ids fit its array, its entries its blocks (from slot off <
+ * block_size of the first), its pinned set its entries. */
+static void list_check(const kr_kv_pool *p, const kr_kv_list *l)
+{
+    KR_ASSERT(l->n_blocks >= 0 && l->n_blocks <= l->cap_blocks);
+    KR_ASSERT(l->off >= 0 && l->off < p->block_size);
+    KR_ASSERT(l->len >= 0 && (int64_t)l->off + l->len <= (int64_t)l->n_blocks * p->block_size);
+    KR_ASSERT(l->pinned >= 0 && l->pinned <= l->len);
+}
+
+/* The pinned count clamped to the list: min(max(n, 0), len). */
+static void list_pin(kr_kv_list *l, int n)
+{
+    l->pinned = n < 0 ? 0 : n < l->len ? n : l->len;
+}
+
+/* Room for `blocks` block ids in l's array (its blocks stay as they are): capacity doubles from
+ * 4, so a list that grows a block per step reallocates rarely. */
+static int list_reserve(kr_kv_list *l, int blocks, char *err)
 {
     if (blocks <= l->cap_blocks) return KR_OK;
     int cap = l->cap_blocks ? l->cap_blocks : 4;
@@ -318,7 +378,7 @@ static int grow_lists(kr_seq *s, int first, int count, int n, char *err)
     /* grow the block arrays first so a failed allocation leaves the pool untouched */
     for (int i = first; i < first + count; i++) {
         kr_kv_list *l = &s->lists[i];
-        if (kr_kv_list_reserve(l, (l->off + l->len + n + p->block_size - 1) / p->block_size, err) != KR_OK) return -1;
+        if (list_reserve(l, (l->off + l->len + n + p->block_size - 1) / p->block_size, err) != KR_OK) return -1;
     }
     pthread_mutex_lock(&p->lock);
     if (need > p->n_free) {
@@ -331,6 +391,7 @@ static int grow_lists(kr_seq *s, int first, int count, int n, char *err)
         kr_kv_list *l = &s->lists[i];
         int blocks = (l->off + l->len + n + p->block_size - 1) / p->block_size;
         while (l->n_blocks < blocks) l->blocks[l->n_blocks++] = pool_take(p);
+        list_check(p, l);
     }
     pthread_mutex_unlock(&p->lock);
     return KR_OK;
@@ -356,6 +417,36 @@ void kr_seq_put(kr_seq *s, int layer, int kv_head, int idx, const float *k, cons
     *kr_kv_list_pos(p, l, idx) = pos;
 }
 
+void kr_seq_extend(kr_seq *s, int layer, int kv_head, int n)
+{
+    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    KR_ASSERT(n >= 0);
+    l->len += n;
+    list_check(s->pool, l); /* within the room kr_seq_grow made */
+}
+
+void kr_seq_pin(kr_seq *s, int layer, int kv_head, int n)
+{
+    list_pin(kr_seq_list(s, layer, kv_head), n);
+}
+
+int kr_seq_adopt_blocks(kr_seq *s, int layer, int kv_head, int32_t first, int n, char *err)
+{
+    kr_kv_pool *p = s->pool;
+    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    KR_ASSERT(run_inside(p, first, n) && kr_kv_pool_run_free(p, first, n) == 0);
+    KR_ASSERT((int64_t)l->off + l->len == (int64_t)l->n_blocks * p->block_size);
+    if (list_reserve(l, l->n_blocks + n, err) != KR_OK) return -1;
+    for (int b = 0; b < n; b++) l->blocks[l->n_blocks++] = first + b;
+    list_check(p, l);
+    return KR_OK;
+}
+
+void kr_seq_set_rule(kr_seq *s, int layer, int kv_head, const kr_list_rule *rule)
+{
+    kr_seq_list(s, layer, kv_head)->rule = *rule;
+}
+
 int kr_kv_list_first_after(const kr_kv_pool *p, const kr_kv_list *l, int n, int32_t min_pos)
 {
     int lo = 0, hi = n;
@@ -378,13 +469,16 @@ static void move_entry(const kr_kv_pool *p, const kr_kv_list *l, int from, int t
 /* sets the list's new length and pinned count; blocks past the length go back to the pool */
 static void shrink(kr_kv_pool *p, kr_kv_list *l, int len, int pinned)
 {
+    KR_ASSERT(len >= 0 && len <= l->len);
     l->len = len;
-    l->pinned = pinned < len ? pinned : len;
+    list_pin(l, pinned);
     int need = (l->off + len + p->block_size - 1) / p->block_size;
-    if (l->n_blocks <= need) return;
-    pthread_mutex_lock(&p->lock);
-    while (l->n_blocks > need) pool_give(p, l->blocks[--l->n_blocks]);
-    pthread_mutex_unlock(&p->lock);
+    if (l->n_blocks > need) {
+        pthread_mutex_lock(&p->lock);
+        while (l->n_blocks > need) pool_give(p, l->blocks[--l->n_blocks]);
+        pthread_mutex_unlock(&p->lock);
+    }
+    list_check(p, l);
 }
 
 void kr_seq_release_spare(kr_seq *s)
@@ -399,6 +493,7 @@ void kr_seq_release_spare(kr_seq *s)
  * the pool and the offset absorbs the rest */
 static void drop_front(kr_kv_pool *p, kr_kv_list *l, int start)
 {
+    KR_ASSERT(start >= 0 && start <= l->len);
     int off = l->off + start, whole = off / p->block_size;
     pthread_mutex_lock(&p->lock);
     for (int b = 0; b < whole; b++) pool_give(p, l->blocks[b]);

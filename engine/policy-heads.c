@@ -142,7 +142,7 @@ static void heads_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env 
         if (hp->dense[layer * s->n_kv_heads + g]) continue;
         const kr_kv_list *l = kr_seq_list(s, layer, g);
         if (l->len > hp->sink + hp->window) kr_seq_keep_ends(s, layer, g, hp->sink, hp->window);
-        else kr_seq_list(s, layer, g)->pinned = hp->sink < l->len ? hp->sink : l->len;
+        else kr_seq_pin(s, layer, g, hp->sink);
     }
 }
 

@@ -277,10 +277,10 @@ static int hsft_state_init(const kr_policy *p, kr_seq *s, char *err)
 static void hsft_trim(const hsft_params *hp, kr_seq *s, int layer, int window)
 {
     for (int g = 0; g < s->n_kv_heads; g++) {
-        kr_kv_list *l = kr_seq_list(s, layer, g);
-        if (hp->is_dense[layer * s->n_kv_heads + g]) l->pinned = l->len;
+        const kr_kv_list *l = kr_seq_list(s, layer, g);
+        if (hp->is_dense[layer * s->n_kv_heads + g]) kr_seq_pin(s, layer, g, l->len);
         else if (window != KR_HSFT_ALL && l->len - hp->sink > window) kr_seq_keep_ends(s, layer, g, hp->sink, window);
-        else l->pinned = hp->sink < l->len ? hp->sink : l->len;
+        else kr_seq_pin(s, layer, g, hp->sink);
     }
 }
 
@@ -312,7 +312,7 @@ static void hsft_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
         kr_hsft_rescale(hp->learned, p->n_layers, hp->n_dense, hp->n_stream, hp->sink, hp->budget, ctx, st->window);
         st->ctx = ctx;
         for (int i = 0; i < p->n_layers * p->n_kv_heads; i++)
-            kr_policy_list_rule(p, s, i / p->n_kv_heads, i % p->n_kv_heads, &s->lists[i].rule);
+            kr_policy_set_list_rule(p, s, i / p->n_kv_heads, i % p->n_kv_heads);
     }
     hsft_trim(hp, s, layer, st->window[layer]);
 }

@@ -90,8 +90,8 @@ static void sage_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
         const kr_kv_list *l = kr_seq_list(s, layer, g);
         const int n = l->len, window = sp->recent + 1;
         if (n <= sp->budget) { /* nothing to evict; the sinks are pinned */
-            kr_seq_list(s, layer, g)->pinned = sp->sink < n ? sp->sink : n;
-            kr_policy_list_rule(p, s, layer, g, &kr_seq_list(s, layer, g)->rule);
+            kr_seq_pin(s, layer, g, sp->sink);
+            kr_policy_set_list_rule(p, s, layer, g);
             continue;
         }
         const int mid0 = sp->sink, mid1 = n - window; /* middle [mid0, mid1) */
@@ -110,7 +110,7 @@ static void sage_after_chunk(const kr_policy *p, kr_seq *s, const kr_evict_env *
         pinned = m;
         for (int i = mid1; i < n; i++) env->idx[m++] = i;
         kr_seq_keep(s, layer, g, env->idx, m, pinned);
-        kr_policy_list_rule(p, s, layer, g, &kr_seq_list(s, layer, g)->rule);
+        kr_policy_set_list_rule(p, s, layer, g);
     }
 }
 

@@ -91,7 +91,7 @@ static void streaming_prune(const streaming_params *sp, kr_seq *s, const kr_evic
         const kr_kv_list *l = kr_seq_list(s, layer, g);
         int target = kr_streaming_target(l->len, sp->sink, sp->window, sp->lazy, sp->slack, sp->max_drop);
         if (target >= 0) kr_seq_keep_ends(s, layer, g, sp->sink, target - sp->sink);
-        else kr_seq_list(s, layer, g)->pinned = sp->sink < l->len ? sp->sink : l->len;
+        else kr_seq_pin(s, layer, g, sp->sink);
         if (sp->rel) kr_policy_rerotate(s, env, layer, g);
     }
     /* positions restart after the cache (every list of a streaming sequence has one length) */

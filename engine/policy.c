@@ -77,6 +77,13 @@ void kr_policy_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_
     else if (p->decode_window >= 0) rule->window = p->decode_window;
 }
 
+void kr_policy_set_list_rule(const kr_policy *p, kr_seq *s, int layer, int kv_head)
+{
+    kr_list_rule rule = kr_rule_dense;
+    if (p) kr_policy_list_rule(p, s, layer, kv_head, &rule);
+    kr_seq_set_rule(s, layer, kv_head, &rule);
+}
+
 /* Element i of a key row of dtype t, widened; and storing one, rounded to nearest even. */
 static float key_at(const void *row, kr_dtype t, int i)
 {
@@ -242,9 +249,7 @@ int kr_seq_set_policy(kr_seq *s, const kr_policy *p, char *err)
         s->policy = NULL;
         return -1;
     }
-    for (int i = 0; i < s->n_layers * s->n_kv_heads; i++) {
-        if (p) kr_policy_list_rule(p, s, i / s->n_kv_heads, i % s->n_kv_heads, &s->lists[i].rule);
-        else s->lists[i].rule = kr_rule_dense;
-    }
+    for (int i = 0; i < s->n_layers * s->n_kv_heads; i++)
+        kr_policy_set_list_rule(p, s, i / s->n_kv_heads, i % s->n_kv_heads);
     return KR_OK;
 }

@@ -117,6 +117,8 @@ int kr_policy_decode_key(kr_policy *p, const char *key, const char *value, int *
 /* The rule list (layer, kv_head) of a sequence starts with under p (the list_rule op or its
  * default); s NULL: the policy's own value. */
 void kr_policy_list_rule(const kr_policy *p, const kr_seq *s, int layer, int kv_head, kr_list_rule *rule);
+/* Gives list (layer, kv_head) of s that rule (p NULL: kr_rule_dense, never trimmed). */
+void kr_policy_set_list_rule(const kr_policy *p, kr_seq *s, int layer, int kv_head);
 /* Re-assigns positions 0..len-1 to a list's entries and rotates each key by its position change
  * (DESIGN.md section 1, `pos=rel`). */
 void kr_policy_rerotate(kr_seq *s, const kr_evict_env *env, int layer, int kv_head);

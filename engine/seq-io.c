@@ -150,7 +150,7 @@ int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_li
 {
     if (check_list(s, layer, kv_head, "list_append", err) != KR_OK) return -1;
     if (check_open(s, "list_append", err) != KR_OK) return -1;
-    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    const kr_kv_list *l = kr_seq_list(s, layer, kv_head);
     if (n < 0) return kr_errf(err, "list_append: n = %d entries", n);
     if (pinned < 0 || pinned > l->len + n)
         return kr_errf(err, "list_append: pinned = %d for a list of %d entries (layer %d, KV head %d)", pinned,
@@ -167,8 +167,8 @@ int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_li
             check_positions(pos, run, &last, at, layer, kv_head, "list_append", err) != KR_OK)
             goto err_spare;
     }
-    l->len += n;
-    l->pinned = pinned;
+    kr_seq_extend(s, layer, kv_head, n);
+    kr_seq_pin(s, layer, kv_head, pinned);
     return KR_OK;
 err_spare:
     kr_seq_release_spare(s); /* the blocks this call took: the list is as it was */
@@ -180,7 +180,7 @@ int kr_seq_list_adopt(kr_seq *s, int layer, int kv_head, int32_t first, int n, i
     kr_kv_pool *p = s->pool;
     if (check_list(s, layer, kv_head, "list_adopt", err) != KR_OK || check_open(s, "list_adopt", err) != KR_OK)
         return -1;
-    kr_kv_list *l = kr_seq_list(s, layer, kv_head);
+    const kr_kv_list *l = kr_seq_list(s, layer, kv_head);
     /* the adopted entries follow the list's own in slot order only when those fill its blocks */
     if ((int64_t)l->off + l->len != (int64_t)l->n_blocks * p->block_size)
         return kr_errf(err, "list_adopt: list (layer %d, KV head %d) holds %d entries from slot %d of its %d "
@@ -194,7 +194,7 @@ int kr_seq_list_adopt(kr_seq *s, int layer, int kv_head, int32_t first, int n, i
         return kr_errf(err, "list_adopt: pinned = %d for a list of %d entries, %d of them pinned before (layer %d, "
                        "KV head %d)", pinned, l->len + len, l->pinned, layer, kv_head);
     if (n == 0) {
-        l->pinned = pinned;
+        kr_seq_pin(s, layer, kv_head, pinned);
         return KR_OK;
     }
     if (first < 0 || first > p->n_blocks - n)
@@ -207,12 +207,10 @@ int kr_seq_list_adopt(kr_seq *s, int layer, int kv_head, int32_t first, int n, i
     /* the run's slots are consecutive: entry i's position is pos[i] */
     int32_t last = l->len ? *kr_kv_list_pos(p, l, l->len - 1) : -1;
     if (check_positions(kr_kv_pos(p, first, 0), len, &last, l->len, layer, kv_head, "list_adopt", err) != KR_OK ||
-        kr_kv_list_reserve(l, l->n_blocks + n, err) != KR_OK)
+        kr_seq_adopt_blocks(s, layer, kv_head, first, n, err) != KR_OK)
         return -1;
-    for (int b = 0; b < n; b++) l->blocks[l->n_blocks + b] = first + b;
-    l->n_blocks += n;
-    l->len += len;
-    l->pinned = pinned;
+    kr_seq_extend(s, layer, kv_head, len);
+    kr_seq_pin(s, layer, kv_head, pinned);
     return KR_OK;
 }
 
@@ -240,7 +238,7 @@ int kr_seq_list_set_rule(kr_seq *s, int layer, int kv_head, const kr_list_rule *
         return kr_errf(err, "list_set_rule: list (layer %d, KV head %d): %s is out of range (sink %d, window %d, lazy "
                        "%d, slack %d, max_drop %d, rel %d: window >= -1, rel 0 or 1, the others >= 0)", layer, kv_head,
                        bad, r->sink, r->window, r->lazy, r->slack, r->max_drop, r->rel);
-    kr_seq_list(s, layer, kv_head)->rule = *rule;
+    kr_seq_set_rule(s, layer, kv_head, rule);
     return KR_OK;
 }
 

@@ -417,8 +417,11 @@ int kr_seq_list_fill(kr_seq *s, int layer, int kv_head, int n, int pinned, kr_li
  * taking single blocks is. The blocks are the caller's until kr_kv_pool_give_run or
  * kr_seq_list_adopt. */
 int kr_kv_pool_take_run(kr_kv_pool *p, int n, int32_t *first);
-/* Returns blocks first .. first + n - 1 (taken, owned by no list) to the pool. */
-void kr_kv_pool_give_run(kr_kv_pool *p, int32_t first, int n);
+/* Returns blocks first .. first + n - 1 (taken, owned by no list) to the pool (n 0: nothing).
+ * Refuses (-1, the pool unchanged) a run that is not inside the pool or holds a free block: a
+ * run given back twice is a bug of the caller's, which the sanitizer build stops at with an
+ * assertion instead. */
+int kr_kv_pool_give_run(kr_kv_pool *p, int32_t first, int n);
 /* Where the rows of the run that starts at block `first` lie: keys and values [n *
  * block_size][head_dim] of the pool's dtype, positions [n * block_size]; the caller writes them
  * before kr_seq_list_adopt. */

@@ -10,13 +10,19 @@
  * pool's end, agreeing with a brute-force search over random takes and gives), and a list that
  * adopts a run whose rows were written in place reads, grows, trims and frees like one that took
  * its blocks itself; adoption refuses what would break a list. Two threads sharing a pool, one
- * taking single blocks and one taking runs, never get the same block.
+ * taking single blocks and one taking runs, never get the same block. Giving back a block that
+ * is not taken (a run twice, a list's block behind its back) is refused and not counted:
+ * KR_ASSERT stops it in the sanitizer build, and with asserts compiled out the free count and
+ * the bitmap still agree.
  */
 #include "kr_test.h"
 
 #include "kr-kv.h"
 
 #include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 /* A bf16 or f16 pool of an odd head_dim: kr_seq_put rounds, trims move rows intact, reads widen. */
 static void check_typed_pool(kr_dtype t)
@@ -30,7 +36,7 @@ static void check_typed_pool(kr_dtype t)
     kr_seq *s;
     REQUIRE(kr_seq_create(p, 1, 1, &s, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_grow(s, N, err) == KR_OK, "%s", err);
-    kr_seq_list(s, 0, 0)->len = N;
+    kr_seq_extend(s, 0, 0, N);
     float k[N][HD], v[N][HD];
     for (int i = 0; i < N; i++) {
         for (int d = 0; d < HD; d++) k[i][d] = 1.0f + (float)i / 3.0f + (float)d * 1e-3f, v[i][d] = -k[i][d] * 7.1f;
@@ -222,7 +228,7 @@ static void *shared_worker(void *arg)
             }
             for (int l = 0; l < 2; l++)
                 for (int h = 0; h < 2; h++) {
-                    kr_seq_list(s, l, h)->len = n;
+                    kr_seq_extend(s, l, h, n);
                     for (int i = 0; i < n; i++) kr_seq_put(s, l, h, i, k, k, i);
                 }
         }
@@ -444,7 +450,7 @@ static void check_adopt(void)
 
     /* grow list 0 by 5 entries: one more block (the lowest free), rows put after the adopted ones */
     REQUIRE(kr_seq_grow_list(s, 0, 0, 5, err) == KR_OK, "%s", err);
-    kr_kv_list *l0 = kr_seq_list(s, 0, 0);
+    const kr_kv_list *l0 = kr_seq_list(s, 0, 0);
     CHECK(l0->n_blocks == 4 && l0->blocks[3] == first + m0 + m1 && l0->cap_blocks >= 4 &&
           kr_kv_pool_n_free(p) == N - 2 - m0 - m1, "grown: %d blocks, last %d, free %d", l0->n_blocks,
           l0->blocks[3], kr_kv_pool_n_free(p));
@@ -453,7 +459,7 @@ static void check_adopt(void)
         for (int d = 0; d < HD; d++) k[d] = adopt_key(0, e, d), v[d] = -adopt_key(0, e, d);
         kr_seq_put(s, 0, 0, e, k, v, 3 * e + 1);
     }
-    l0->len = LEN0 + 5;
+    kr_seq_extend(s, 0, 0, 5);
     /* keep 2 sinks and the newest 6 of 15: entries 0, 1, 9..14; the first block goes back */
     kr_seq_keep_ends(s, 0, 0, 2, 6);
     const int want[] = {0, 1, 9, 10, 11, 12, 13, 14};
@@ -550,6 +556,89 @@ static void check_adopt(void)
     kr_kv_pool_free(p);
 }
 
+/* Takes blocks one at a time (a list of block size 1 grown an entry at a time) until the pool
+ * refuses: returns how many it got, all of them ids inside the pool, or -1. */
+static int take_all_singly(kr_kv_pool *p)
+{
+    char err[KR_ERR_MAX];
+    kr_seq *s;
+    REQUIRE(kr_seq_create(p, 1, 1, &s, err) == KR_OK, "%s", err);
+    int n = 0, bad = 0;
+    while (n <= kr_kv_pool_n_blocks(p) && kr_seq_grow(s, 1, err) == KR_OK) {
+        kr_seq_extend(s, 0, 0, 1);
+        bad += kr_seq_list(s, 0, 0)->blocks[n++] >= kr_kv_pool_n_blocks(p);
+    }
+    CHECK_ERR_HAS(err, "KV pool exhausted");
+    if (bad) {
+        fprintf(stderr, "%d blocks taken past the pool's end\n", bad);
+        exit(1); /* freeing them would write past the bitmap */
+    }
+    kr_seq_free(s);
+    return n;
+}
+
+enum { DG_BLOCKS = 70 }; /* two bitmap words */
+
+/* A run given back twice, or overlapping free blocks, or outside the pool: refused, the free
+ * count unchanged, and takes after it get exactly the free blocks. */
+static int give_run_twice(void)
+{
+    char err[KR_ERR_MAX];
+    kr_kv_pool *p;
+    REQUIRE(kr_kv_pool_create(2, 1, DG_BLOCKS, KR_DTYPE_F32, &p, err) == KR_OK, "%s", err);
+    int32_t first;
+    REQUIRE(kr_kv_pool_take_run(p, DG_BLOCKS, &first) == KR_OK && first == 0, "the whole pool");
+    CHECK(kr_kv_pool_give_run(p, 60, 10) == KR_OK && kr_kv_pool_n_free(p) == 10, "free %d", kr_kv_pool_n_free(p));
+    CHECK(kr_kv_pool_give_run(p, 55, 10) == -1, "a run with 5 free blocks given back"); /* KR_ASSERT stops here */
+    CHECK(kr_kv_pool_give_run(p, 60, 10) == -1, "a run given back twice");
+    CHECK(kr_kv_pool_give_run(p, -1, 2) == -1 && kr_kv_pool_give_run(p, DG_BLOCKS - 1, 2) == -1 &&
+          kr_kv_pool_give_run(p, 0, -3) == -1, "a run outside the pool given back");
+    CHECK(kr_kv_pool_n_free(p) == 10, "refused gives changed the free count: %d", kr_kv_pool_n_free(p));
+    CHECK(take_all_singly(p) == 10, "takes after refused gives");
+    CHECK(kr_kv_pool_give_run(p, 0, 60) == KR_OK && kr_kv_pool_n_free(p) == DG_BLOCKS, "free %d",
+          kr_kv_pool_n_free(p));
+    kr_kv_pool_free(p);
+    return kt_failures;
+}
+
+/* A block a list holds, given back as a run (the pool cannot tell it from a run nobody holds):
+ * when the list frees it again the second give is not counted. */
+static int give_held_block(void)
+{
+    char err[KR_ERR_MAX];
+    kr_kv_pool *p;
+    kr_seq *s;
+    REQUIRE(kr_kv_pool_create(2, 1, DG_BLOCKS, KR_DTYPE_F32, &p, err) == KR_OK, "%s", err);
+    REQUIRE(kr_seq_create(p, 1, 1, &s, err) == KR_OK && kr_seq_grow(s, 3, err) == KR_OK, "%s", err);
+    kr_seq_extend(s, 0, 0, 3); /* blocks 0, 1, 2 */
+    CHECK(kr_kv_pool_give_run(p, 1, 1) == KR_OK, "block 1 is taken");
+    kr_seq_free(s); /* gives block 1 a second time: KR_ASSERT stops here */
+    CHECK(kr_kv_pool_n_free(p) == DG_BLOCKS, "free %d of %d after a double give", kr_kv_pool_n_free(p), DG_BLOCKS);
+    CHECK(take_all_singly(p) == DG_BLOCKS, "takes after a double give");
+    kr_kv_pool_free(p);
+    return kt_failures;
+}
+
+/* Runs a scenario with a bad give in a child process: with KR_ASSERT on (the sanitizer build)
+ * the child must abort at the bad give; with it compiled out it must finish with its checks
+ * passed, the pool still consistent. */
+static void check_bad_give(const char *what, int (*scenario)(void))
+{
+    fflush(stdout);
+    fflush(stderr);
+    const pid_t pid = fork();
+    REQUIRE(pid >= 0, "fork");
+    if (pid == 0) _exit(scenario() ? 1 : 0);
+    int st;
+    REQUIRE(waitpid(pid, &st, 0) == pid, "waitpid");
+#if defined(KR_ASSERTS) && KR_ASSERTS
+    CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT, "%s: KR_ASSERT did not stop it (wait status %#x)", what, st);
+    if (WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT) printf("%s: stopped by KR_ASSERT, as it must be\n", what);
+#else
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s: the pool broke (wait status %#x)", what, st);
+#endif
+}
+
 int main(void)
 {
     char err[KR_ERR_MAX];
@@ -561,6 +650,8 @@ int main(void)
     check_take_run_random();
     check_adopt();
     check_shared_pool();
+    check_bad_give("a run given back twice", give_run_twice);
+    check_bad_give("a list's block given back behind its back", give_held_block);
     REQUIRE(kr_kv_pool_create(4, 4, 10, KR_DTYPE_F32, &p, err) == KR_OK, "%s", err);
     CHECK(kr_kv_blocks_for(p, 2, 2, 5) == 8, "5 tokens x 4 lists need 2 blocks each");
 
@@ -577,8 +668,7 @@ int main(void)
     float k[4], v[4];
     for (int l = 0; l < 2; l++)
         for (int h = 0; h < 2; h++) {
-            kr_kv_list *list = kr_seq_list(a, l, h);
-            list->len = 5;
+            kr_seq_extend(a, l, h, 5);
             for (int i = 0; i < 5; i++) {
                 for (int d = 0; d < 4; d++) k[d] = (float)(100 * l + 10 * h + i), v[d] = -k[d] - d;
                 kr_seq_put(a, l, h, i, k, v, 3 * i);
@@ -587,7 +677,7 @@ int main(void)
     int ok = 1;
     for (int l = 0; l < 2; l++)
         for (int h = 0; h < 2; h++) {
-            kr_kv_list *list = kr_seq_list(a, l, h);
+            const kr_kv_list *list = kr_seq_list(a, l, h);
             for (int i = 0; i < 5; i++) {
                 ok &= ((const float *)kr_kv_list_key(p, list, i))[2] == (float)(100 * l + 10 * h + i);
                 ok &= ((const float *)kr_kv_list_value(p, list, i))[3] == -(float)(100 * l + 10 * h + i) - 3;
@@ -602,12 +692,13 @@ int main(void)
     CHECK(ok, "entries or window search wrong");
     CHECK(kr_seq_entries(a) == 20 && kr_seq_len(a, 1, 1) == 5 && kr_seq_len(a, 2, 0) == 0, "lengths");
 
-    /* per-head lengths: shrink one list (as eviction will), growth accounts per list */
-    kr_seq_list(a, 0, 0)->len = 1;
-    CHECK(kr_seq_grow(a, 3, err) == KR_OK, "%s", err); /* 5 + 3 fits in the 2 blocks held */
-    CHECK(kr_kv_pool_n_free(p) == 2 && kr_seq_blocks(a) == 8, "blocks %d free %d", kr_seq_blocks(a), kr_kv_pool_n_free(p));
-    CHECK(kr_seq_grow(a, 4, err) == -1, "3 lists need a third block, 2 free");
-    CHECK_ERR_HAS(err, "3 more blocks needed");
+    /* per-head lengths: trim one list to 1 entry (as eviction does; its second block goes back),
+     * growth accounts per list */
+    kr_seq_keep_ends(a, 0, 0, 1, 0);
+    CHECK(kr_seq_grow(a, 3, err) == KR_OK, "%s", err); /* 1 + 3 and 5 + 3 fit in the blocks held */
+    CHECK(kr_kv_pool_n_free(p) == 3 && kr_seq_blocks(a) == 7, "blocks %d free %d", kr_seq_blocks(a), kr_kv_pool_n_free(p));
+    CHECK(kr_seq_grow(a, 4, err) == -1, "each list needs another block, 3 free");
+    CHECK_ERR_HAS(err, "4 more blocks needed, 3 free of 10");
 
     kr_seq_free(a);
     CHECK(kr_kv_pool_n_free(p) == 10, "free after release %d", kr_kv_pool_n_free(p));
@@ -618,13 +709,13 @@ int main(void)
     kr_seq *c;
     REQUIRE(kr_seq_create(p, 1, 1, &c, err) == KR_OK, "%s", err);
     REQUIRE(kr_seq_grow(c, 13, err) == KR_OK, "%s", err);
-    kr_seq_list(c, 0, 0)->len = 13;
+    kr_seq_extend(c, 0, 0, 13);
     for (int i = 0; i < 13; i++) {
         for (int d = 0; d < 4; d++) k[d] = (float)i, v[d] = (float)-i;
         kr_seq_put(c, 0, 0, i, k, v, i);
     }
     kr_seq_keep_ends(c, 0, 0, 2, 7);
-    kr_kv_list *cl = kr_seq_list(c, 0, 0);
+    const kr_kv_list *cl = kr_seq_list(c, 0, 0);
     const int want1[] = {0, 1, 6, 7, 8, 9, 10, 11, 12};
     ok = cl->len == 9 && cl->pinned == 2 && cl->n_blocks == 3 && kr_kv_pool_n_free(p) == 7;
     for (int i = 0; i < 9; i++)
@@ -633,7 +724,7 @@ int main(void)
               ((const float *)kr_kv_list_value(p, cl, i))[0] == (float)-want1[i];
     CHECK(ok, "sinks moved up: len %d off %d blocks %d free %d", cl->len, cl->off, cl->n_blocks, kr_kv_pool_n_free(p));
     REQUIRE(kr_seq_grow(c, 2, err) == KR_OK, "%s", err);
-    cl->len += 2;
+    kr_seq_extend(c, 0, 0, 2);
     for (int i = 9; i < 11; i++) {
         for (int d = 0; d < 4; d++) k[d] = (float)(100 + i), v[d] = 0;
         kr_seq_put(c, 0, 0, i, k, v, 100 + i);
