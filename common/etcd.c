@@ -370,8 +370,8 @@ static int etcd_unary(kc_etcd *c, const char *path, const ProtobufCMessage *req,
         int rc = token_get(c, idx, tok, &last);
         if (rc == 0) {
             kc_md md = {"token", tok};
-            rc = kc_unary_md(c->channels[idx], path, req, resp_desc, timeout_ms,
-                             tok[0] ? &md : NULL, tok[0] ? 1 : 0, resp, &last);
+            const kc_call_opts opts = {.timeout_ms = timeout_ms, .md = tok[0] ? &md : NULL, .n_md = tok[0] ? 1 : 0};
+            rc = kc_unary_md(c->channels[idx], path, req, resp_desc, &opts, resp, &last);
             if (rc == 0) {
                 current_set(c, idx);
                 *st = last;

@@ -291,15 +291,8 @@ static void md_free(grpc_metadata *md, size_t n)
 
 /* ------------------------------------------------------------------ unary */
 
-/* A unary call's deadline and the metadata it sends (n_md entries of md; none: NULL, 0). */
-typedef struct unary_hop {
-    int64_t timeout_ms;
-    const kc_md *md;
-    size_t n_md;
-} unary_hop;
-
 static int unary_bb(kc_channel *ch, const char *path, grpc_byte_buffer *req_bb,
-                    const ProtobufCMessageDescriptor *resp_desc, const unary_hop *hop,
+                    const ProtobufCMessageDescriptor *resp_desc, const kc_call_opts *hop,
                     ProtobufCMessage **resp, kc_status *st)
 {
     grpc_metadata *send_md = md_copy(hop->md, hop->n_md);
@@ -372,18 +365,18 @@ int kc_unary(kc_channel *ch, const char *path, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
              ProtobufCMessage **resp, kc_status *st)
 {
-    return kc_unary_md(ch, path, req, resp_desc, timeout_ms, NULL, 0, resp, st);
+    const kc_call_opts opts = {.timeout_ms = timeout_ms};
+    return kc_unary_md(ch, path, req, resp_desc, &opts, resp, st);
 }
 
 int kc_unary_md(kc_channel *ch, const char *path, const ProtobufCMessage *req,
-                const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms, const kc_md *md,
-                size_t n_md, ProtobufCMessage **resp, kc_status *st)
+                const ProtobufCMessageDescriptor *resp_desc, const kc_call_opts *opts,
+                ProtobufCMessage **resp, kc_status *st)
 {
     grpc_byte_buffer *bb;
     if (kc_message_pack(req, ch->max_message_bytes, &bb, st) != 0)
         return -1;
-    const unary_hop hop = {.timeout_ms = timeout_ms, .md = md, .n_md = n_md};
-    int rc = unary_bb(ch, path, bb, resp_desc, &hop, resp, st);
+    int rc = unary_bb(ch, path, bb, resp_desc, opts, resp, st);
     grpc_byte_buffer_destroy(bb);
     return rc;
 }
@@ -395,7 +388,7 @@ int kc_unary_bytes(kc_channel *ch, const char *path, const void *req, size_t len
     grpc_slice slice = grpc_slice_from_copied_buffer(req, len);
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&slice, 1);
     grpc_slice_unref(slice);
-    const unary_hop hop = {.timeout_ms = timeout_ms};
+    const kc_call_opts hop = {.timeout_ms = timeout_ms};
     int rc = unary_bb(ch, path, bb, resp_desc, &hop, resp, st);
     grpc_byte_buffer_destroy(bb);
     return rc;

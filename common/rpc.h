@@ -197,10 +197,17 @@ typedef struct kc_md {
 int kc_unary(kc_channel *ch, const char *path, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
              ProtobufCMessage **resp, kc_status *st);
-/* kc_unary with `n_md` metadata entries sent with the call. */
+/* A unary call's deadline (<= 0 = none) and the metadata it sends (n_md entries of md; none:
+ * NULL, 0). */
+typedef struct kc_call_opts {
+    int64_t timeout_ms;
+    const kc_md *md;
+    size_t n_md;
+} kc_call_opts;
+/* kc_unary with the deadline and metadata of `opts`. */
 int kc_unary_md(kc_channel *ch, const char *path, const ProtobufCMessage *req,
-                const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms, const kc_md *md,
-                size_t n_md, ProtobufCMessage **resp, kc_status *st);
+                const ProtobufCMessageDescriptor *resp_desc, const kc_call_opts *opts,
+                ProtobufCMessage **resp, kc_status *st);
 /* Same with the request given as raw bytes (tests send malformed requests with it). */
 int kc_unary_bytes(kc_channel *ch, const char *path, const void *req, size_t len,
                    const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,

@@ -475,8 +475,9 @@ static int cmd_tokenize(int argc, char **argv)
     kc_channel *ch = connect_router();
     Kvrelay__V1__TokenizeResponse *resp;
     kc_status st;
+    const kc_call_opts opts = {.timeout_ms = 30000, .md = auth_md, .n_md = n_auth_md};
     if (kc_unary_md(ch, "/kvrelay.v1.Generation/Tokenize", &req.base, &kvrelay__v1__tokenize_response__descriptor,
-                    30000, auth_md, n_auth_md, (ProtobufCMessage **)&resp, &st) != 0)
+                    &opts, (ProtobufCMessage **)&resp, &st) != 0)
         fail_status(&st);
     for (size_t k = 0; k < resp->n_ids; k++) printf("%s%u", k ? " " : "", resp->ids[k]);
     putchar('\n');
@@ -501,9 +502,9 @@ static int cmd_status(int argc, char **argv)
     Kvrelay__V1__ClusterStatusRequest req = KVRELAY__V1__CLUSTER_STATUS_REQUEST__INIT;
     Kvrelay__V1__ClusterStatusResponse *resp;
     kc_status st;
+    const kc_call_opts opts = {.timeout_ms = 30000, .md = auth_md, .n_md = n_auth_md};
     if (kc_unary_md(ch, "/kvrelay.v1.Admin/ClusterStatus", &req.base,
-                    &kvrelay__v1__cluster_status_response__descriptor, 30000, auth_md, n_auth_md,
-                    (ProtobufCMessage **)&resp, &st) != 0)
+                    &kvrelay__v1__cluster_status_response__descriptor, &opts, (ProtobufCMessage **)&resp, &st) != 0)
         fail_status(&st);
     if (json) {
         cJSON *root = cJSON_CreateObject();

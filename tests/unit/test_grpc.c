@@ -515,8 +515,8 @@ static grpc_status_code reserve_md(kc_channel *ch, const kc_md *md, size_t n_md,
     Kvrelay__V1__ReserveRequest req = KVRELAY__V1__RESERVE_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     echo[0] = '\0';
-    if (kc_unary_md(ch, RESERVE, &req.base, &kvrelay__v1__reserve_response__descriptor, 5000, md,
-                    n_md, &resp, st) == 0) {
+    const kc_call_opts opts = {.timeout_ms = 5000, .md = md, .n_md = n_md};
+    if (kc_unary_md(ch, RESERVE, &req.base, &kvrelay__v1__reserve_response__descriptor, &opts, &resp, st) == 0) {
         snprintf(echo, 128, "%s", ((const Kvrelay__V1__ReserveResponse *)resp)->transfer_address);
         kc_message_free(resp);
     }
