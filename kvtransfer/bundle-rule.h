@@ -66,11 +66,13 @@ static inline int kt_part_fill_rows(void *arg, int first, int n, int32_t *pos, k
 {
     const kt_part_fill *a = (const kt_part_fill *)arg;
     if (!a->rows)
-        return kt_bundle_list_read(a->part, a->list, (uint32_t)first, (uint32_t)n, pos,
-                                   kt_dtype_of_cache(dtype), k, v, err);
+        return kt_bundle_list_read(a->part, a->list, (uint32_t)first,
+                                   &(kt_rows){(uint32_t)n, pos, kt_dtype_of_cache(dtype), k, v},
+                                   err);
     const size_t elems = (size_t)n * a->head_dim;
-    if (kt_bundle_list_read(a->part, a->list, (uint32_t)first, (uint32_t)n, pos, KT_DTYPE_F32,
-                            a->rows, a->rows + elems, err) != 0)
+    if (kt_bundle_list_read(a->part, a->list, (uint32_t)first,
+                            &(kt_rows){(uint32_t)n, pos, KT_DTYPE_F32, a->rows, a->rows + elems},
+                            err) != 0)
         return -1;
     kr_dtype_from_f32(dtype, a->rows, elems, k);
     kr_dtype_from_f32(dtype, a->rows + elems, elems, v);

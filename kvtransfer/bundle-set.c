@@ -181,9 +181,12 @@ int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head, kt
 }
 
 int kt_bundle_set_read(const kt_bundle_set *s, uint32_t layer, uint32_t head, uint32_t first,
-                       uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v_out,
-                       char *err)
+                       const kt_rows *out, char *err)
 {
+    uint32_t n = out->n;
+    const kt_dtype row_dtype = out->dtype;
+    int32_t *positions = out->positions;
+    void *k = out->k, *v_out = out->v; /* advanced past each part's entries */
     kt_bundle_list whole;
     if (kt_bundle_set_list(s, layer, head, &whole, err)) return -1;
     if ((uint64_t)first + n > whole.count)
@@ -198,7 +201,8 @@ int kt_bundle_set_read(const kt_bundle_set *s, uint32_t layer, uint32_t head, ui
         if (kt_bundle_view_list(v, layer - v->hdr.first_layer, head, &lv, err)) return -1;
         if (first < base + lv.count) {
             const uint32_t at = first - base, m = lv.count - at < n ? lv.count - at : n;
-            if (kt_bundle_list_read(v, &lv, at, m, positions, row_dtype, k, v_out, err)) return -1;
+            const kt_rows piece = {m, positions, row_dtype, k, v_out};
+            if (kt_bundle_list_read(v, &lv, at, &piece, err)) return -1;
             if (positions) positions += m;
             if (k) k = (uint8_t *)k + (size_t)m * row;
             if (v_out) v_out = (uint8_t *)v_out + (size_t)m * row;

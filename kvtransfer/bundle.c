@@ -263,9 +263,13 @@ static void convert(void *dst_bytes, kt_dtype dst_dtype, const uint8_t *src, kt_
  * their scales into `scales` (float32 LE each): scale = max|row| / 127 for int8, / 448 (the
  * largest E4M3) for fp8, so that the row's largest element lands on the largest code; a row of
  * zeros has scale 0. `which` names the rows in the error for a non-finite element. */
-static int quantize(uint8_t *dst, uint8_t *scales, kt_dtype dtype, const uint8_t *src,
-                    kt_dtype src_dtype, uint32_t n, uint32_t head_dim, const char *which, char *err)
+static int quantize(uint8_t *dst, uint8_t *scales, kt_dtype dtype, const kt_rows_in *rows, int is_v,
+                    uint32_t head_dim, char *err)
 {
+    const uint8_t *src = is_v ? rows->v : rows->k;
+    const kt_dtype src_dtype = rows->dtype;
+    const uint32_t n = rows->n;
+    const char *which = is_v ? "V" : "K";
     float row[KT_BUNDLE_MAX_HEAD_DIM];
     const float top = dtype == KT_DTYPE_INT8_TOKEN ? 127.0f : 448.0f;
     const size_t src_row = (size_t)head_dim * kt_dtype_size(src_dtype);
@@ -603,9 +607,24 @@ static unsigned dtype_sections(kt_dtype t) { return kt_dtype_quantized(t) ? BL_Q
 
 /* `n_sections` is what the header declares (>= n_known, the ones laid out here: a newer minor's
  * extra sections are the parser's to check); `block_rows` 0 or the padding's. */
-static int layout(uint32_t n_sections, unsigned n_known, uint32_t block_rows, size_t policy_len,
-                  uint32_t n_lists, uint64_t n_rows, size_t row_bytes, bl_layout *L, char *err)
+/* What a bundle's layout follows from: its sections (n_known of them this reader knows), its
+ * block padding, policy spec, lists, rows and row size. */
+typedef struct bl_shape {
+    uint32_t n_sections;
+    unsigned n_known;
+    uint32_t block_rows;
+    size_t policy_len;
+    uint32_t n_lists;
+    uint64_t n_rows;
+    size_t row_bytes;
+} bl_shape;
+
+static int layout(const bl_shape *sh, bl_layout *L, char *err)
 {
+    const uint32_t n_sections = sh->n_sections, block_rows = sh->block_rows, n_lists = sh->n_lists;
+    const unsigned n_known = sh->n_known;
+    const uint64_t n_rows = sh->n_rows;
+    const size_t policy_len = sh->policy_len, row_bytes = sh->row_bytes;
     /* n_lists <= 2^20 and n_rows < 2^52 by the bounds checked before: only the row products
      * can overflow 64 bits. */
     L->header_size = align_up(table_at(block_rows) + (uint64_t)n_sections * BL_SECT_ENTRY + policy_len);
@@ -648,9 +667,9 @@ static int plan(const kt_bundle_header *h, const kt_bundle_list *lists, bl_layou
         n_rows += list_rows(lists[i].count, h->block_rows);
     }
     const unsigned n_sec = dtype_sections(h->dtype);
-    if (layout(n_sec, n_sec, h->block_rows, policy_len, n_lists, n_rows,
-               (size_t)h->head_dim * kt_dtype_size(h->dtype), L, err))
-        return -1;
+    const bl_shape sh = {n_sec, n_sec, h->block_rows, policy_len, n_lists, n_rows,
+                         (size_t)h->head_dim * kt_dtype_size(h->dtype)};
+    if (layout(&sh, L, err)) return -1;
     return 0;
 }
 
@@ -785,10 +804,13 @@ static int writer_advance(kt_bundle_writer *w, uint32_t to, char *err)
     return 0;
 }
 
-int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uint32_t n,
-                         const int32_t *positions, kt_dtype src_dtype, const void *k,
-                         const void *v, char *err)
+int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head,
+                         const kt_rows_in *rows, char *err)
 {
+    const uint32_t n = rows->n;
+    const int32_t *positions = rows->positions;
+    const kt_dtype src_dtype = rows->dtype;
+    const void *k = rows->k, *v = rows->v;
     if (!w || w->state != 1) return fail(err, "writer is not open (never begun, finished or failed)");
     w->state = 0; /* until this call succeeds */
     const uint32_t n_layers = w->n_lists / w->n_kv_heads;
@@ -830,8 +852,8 @@ int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uin
     uint8_t *dv = w->buf + w->off_v + w->row * w->row_bytes;
     if (kt_dtype_quantized(w->dtype)) {
         uint8_t *dks = w->buf + w->off_ks + w->row * 4, *dvs = w->buf + w->off_vs + w->row * 4;
-        if (quantize(dk, dks, w->dtype, k, src_dtype, n, w->head_dim, "K", err) ||
-            quantize(dv, dvs, w->dtype, v, src_dtype, n, w->head_dim, "V", err))
+        if (quantize(dk, dks, w->dtype, rows, 0, w->head_dim, err) ||
+            quantize(dv, dvs, w->dtype, rows, 1, w->head_dim, err))
             return -1;
         w->crc_ks = kt_crc32c(w->crc_ks, dks, (size_t)n * 4);
         w->crc_vs = kt_crc32c(w->crc_vs, dvs, (size_t)n * 4);
@@ -907,10 +929,13 @@ static int check_section_crc(const uint8_t *p, unsigned s, unsigned n_known, uin
  * that scale times the largest code is finite (as the writer's max|row| / code is), and no fp8
  * element is a NaN code (the writer never makes one): every dequantized value is finite.
  * Padding rows, zero, pass. */
-static int check_quantized(kt_dtype dtype, const uint8_t *k, const uint8_t *v, const uint8_t *ks,
-                           const uint8_t *vs, uint64_t n_rows, uint32_t head_dim, const char *row_word,
-                           char *err)
+static int check_quantized(const kt_bundle_view *view, const uint8_t *const *at, char *err)
 {
+    const kt_dtype dtype = view->hdr.dtype;
+    const uint8_t *k = at[BL_SEC_K], *v = at[BL_SEC_V], *ks = at[BL_SEC_KS], *vs = at[BL_SEC_VS];
+    const uint64_t n_rows = view->n_rows;
+    const uint32_t head_dim = view->hdr.head_dim;
+    const char *row_word = view->hdr.block_rows ? "row" : "entry";
     const float most = FLT_MAX / (dtype == KT_DTYPE_INT8_TOKEN ? 127.0f : 448.0f);
     for (uint64_t i = 0; i < n_rows; i++)
         for (int which = 0; which < 2; which++) {
@@ -1149,9 +1174,9 @@ static int check_head(const uint8_t *b, kt_bundle_view *v, const bl_head *H, cha
     }
     bl_layout L;
     const size_t row_bytes = (size_t)h->head_dim * kt_dtype_size(h->dtype);
-    if (layout(H->n_sections, n_known, h->block_rows, strlen(h->policy), n_lists, n_rows, row_bytes,
-               &L, err))
-        return -1;
+    const bl_shape sh = {H->n_sections, n_known, h->block_rows, strlen(h->policy), n_lists, n_rows,
+                         row_bytes};
+    if (layout(&sh, &L, err)) return -1;
     for (unsigned s = BL_SEC_POSITIONS; s < n_known; s++)
         if (H->len[s] != L.len[s]) {
             char rows[64] = "";
@@ -1210,10 +1235,7 @@ static int check_rows(const kt_bundle_view *v, unsigned n_sections, unsigned n_k
     for (unsigned s = BL_SEC_K; s < n_known; s++)
         if (check_padding(v, at[s], s <= BL_SEC_V ? v->row_bytes : 4, sec_name(s, n_known), err))
             return -1;
-    if (n_known == BL_QUANT_SECTIONS &&
-        check_quantized(v->hdr.dtype, at[BL_SEC_K], at[BL_SEC_V], at[BL_SEC_KS], at[BL_SEC_VS],
-                        v->n_rows, v->hdr.head_dim, v->hdr.block_rows ? "row" : "entry", err))
-        return -1;
+    if (n_known == BL_QUANT_SECTIONS && check_quantized(v, at, err)) return -1;
     return 0;
 }
 
@@ -1384,9 +1406,12 @@ static int readable_as(kt_dtype payload, kt_dtype row, char *err)
 }
 
 int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
-                        uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v_out,
-                        char *err)
+                        const kt_rows *out, char *err)
 {
+    const uint32_t n = out->n;
+    const kt_dtype row_dtype = out->dtype;
+    int32_t *positions = out->positions;
+    void *k = out->k, *v_out = out->v;
     if ((uint64_t)first + n > l->count)
         return fail(err, "read of entries [%" PRIu32 ", %" PRIu64 ") past the list's %" PRIu32,
                     first, (uint64_t)first + n, l->count);

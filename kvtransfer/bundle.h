@@ -177,14 +177,30 @@ typedef struct kt_bundle_writer {
  * at finish), so buf need not be zeroed. */
 int kt_bundle_writer_begin(kt_bundle_writer *w, const kt_bundle_header *h,
                            const kt_bundle_list *lists, void *buf, size_t cap, char *err);
-/* Appends `n` entries to list (layer, head): their positions (strictly increasing, >= 0,
- * below next_pos, above the list's previous entry) and K and V rows of head_dim elements of
- * `src_dtype` (f32, f16 or bf16; contiguous, any alignment), converted to the payload dtype
- * with round to nearest even, or quantized row by row with its scale. A quantized payload
- * refuses a row with a NaN or infinity (its scale would be meaningless). */
-int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head, uint32_t n,
-                         const int32_t *positions, kt_dtype src_dtype, const void *k,
-                         const void *v, char *err);
+/* Entries a caller hands over: `n` positions and the K and V rows of head_dim elements of
+ * `dtype` each (contiguous, any alignment). */
+typedef struct kt_rows_in {
+    uint32_t n;
+    const int32_t *positions;
+    kt_dtype dtype;
+    const void *k, *v;
+} kt_rows_in;
+/* Where entries go out: `n` positions and the K and V rows of head_dim elements of `dtype` each
+ * (contiguous, any alignment); any of positions, k, v may be NULL (not read out). */
+typedef struct kt_rows {
+    uint32_t n;
+    int32_t *positions;
+    kt_dtype dtype;
+    void *k, *v;
+} kt_rows;
+
+/* Appends rows->n entries to list (layer, head): their positions (strictly increasing, >= 0,
+ * below next_pos, above the list's previous entry) and K and V rows of rows->dtype (f32, f16 or
+ * bf16), converted to the payload dtype with round to nearest even, or quantized row by row with
+ * its scale. A quantized payload refuses a row with a NaN or infinity (its scale would be
+ * meaningless). */
+int kt_bundle_writer_put(kt_bundle_writer *w, uint32_t layer, uint32_t head,
+                         const kt_rows_in *rows, char *err);
 /* Checks every list got exactly its count, writes the checksums; *size_out = bytes to send. */
 int kt_bundle_writer_finish(kt_bundle_writer *w, uint64_t *size_out, char *err);
 
@@ -267,15 +283,13 @@ int kt_bundle_check_model(const kt_bundle_header *h, const char *fingerprint, ui
  * k and v NULL until kt_bundle_parse_rows); fails only for layer or head out of range. */
 int kt_bundle_view_list(const kt_bundle_view *v, uint32_t layer, uint32_t head,
                         kt_bundle_list_view *out, char *err);
-/* Copies entries [first, first + n) of a list out, rows converted to `row_dtype`: float32,
+/* Copies entries [first, first + out->n) of a list out, rows converted to out->dtype: float32,
  * float16 or bfloat16 (round to nearest even; a plain copy when it is the payload's dtype, so a
  * receiver whose cache has the wire's dtype copies each row once). A quantized payload is read
- * as float32 only (dequantized with its scales). Any of positions, k, v may be NULL. Fails when
- * the range is outside the list, the dtype cannot be given, or rows are asked of a view whose
- * rows are not parsed yet. */
+ * as float32 only (dequantized with its scales). Fails when the range is outside the list, the
+ * dtype cannot be given, or rows are asked of a view whose rows are not parsed yet. */
 int kt_bundle_list_read(const kt_bundle_view *v, const kt_bundle_list_view *l, uint32_t first,
-                        uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v_out,
-                        char *err);
+                        const kt_rows *out, char *err);
 
 /* ------------------------------------------------------------------ assembling parts */
 
@@ -343,12 +357,11 @@ int kt_bundle_set_add(kt_bundle_set *s, const kt_bundle_view *part, int last, ch
  * pinned summed, the decode rule of the last piece. */
 int kt_bundle_set_list(const kt_bundle_set *s, uint32_t layer, uint32_t head, kt_bundle_list *out,
                        char *err);
-/* Entries [first, first + n) of list (layer, head) of a complete set, as kt_bundle_list_read
- * gives them (rows in `row_dtype`), across the parts that hold them; any of positions, k, v
- * may be NULL. Fails when the range is outside the list or the dtype cannot be given. */
+/* Entries [first, first + out->n) of list (layer, head) of a complete set, as
+ * kt_bundle_list_read gives them, across the parts that hold them. Fails when the range is
+ * outside the list or the dtype cannot be given. */
 int kt_bundle_set_read(const kt_bundle_set *s, uint32_t layer, uint32_t head, uint32_t first,
-                       uint32_t n, int32_t *positions, kt_dtype row_dtype, void *k, void *v,
-                       char *err);
+                       const kt_rows *out, char *err);
 
 /* ------------------------------------------------------------------ helpers */
 

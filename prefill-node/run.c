@@ -124,8 +124,9 @@ static int put_rows(void *arg, int first, int n, const int32_t *pos, kr_dtype dt
     const put_arg *a = arg;
     (void)first;
     /* the writer converts the cache's rows (f32, bf16 or f16) to the wire dtype */
-    return kt_bundle_writer_put(a->w, a->layer, a->head, (uint32_t)n, pos, kt_dtype_of_cache(dtype),
-                                k, v, err);
+    return kt_bundle_writer_put(a->w, a->layer, a->head,
+                                &(kt_rows_in){(uint32_t)n, pos, kt_dtype_of_cache(dtype), k, v},
+                                err);
 }
 
 /* A transfer in parts (docs/prefill-node.md, "Layer-wise pipelining"): part k is written into

@@ -277,7 +277,8 @@ static int make_bundle(uint8_t *src, uint64_t size, uint32_t block_rows, uint64_
         uint32_t n = list.count - at < RUN ? list.count - at : RUN;
         for (uint32_t j = 0; j < n; j++)
             pos[j] = (int32_t)(at + j);
-        if (kt_bundle_writer_put(&w, 0, 0, n, pos, KT_DTYPE_F32, rows, rows, err) != 0)
+        if (kt_bundle_writer_put(&w, 0, 0, &(kt_rows_in){n, pos, KT_DTYPE_F32, rows, rows}, err) !=
+            0)
             return -1;
     }
     return kt_bundle_writer_finish(&w, bytes, err);

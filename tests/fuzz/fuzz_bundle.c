@@ -98,7 +98,9 @@ static void parse_and_walk(const uint8_t *data, size_t size)
             int32_t last = -1;
             for (uint32_t j = 0; j < lv.count; j++) {
                 int32_t p;
-                if (kt_bundle_list_read(&v, &lv, j, 1, &p, KT_DTYPE_F32, k, vv, err) != 0) __builtin_trap();
+                if (kt_bundle_list_read(&v, &lv, j, &(kt_rows){1, &p, KT_DTYPE_F32, k, vv}, err) !=
+                    0)
+                    __builtin_trap();
                 if (p <= last || p >= v.hdr.next_pos) __builtin_trap();
                 /* a quantized payload dequantizes to finite values only (the parser's promise) */
                 for (size_t e = 0; kt_dtype_quantized(v.hdr.dtype) && e < dim; e++)
@@ -125,9 +127,12 @@ static void parse_and_walk(const uint8_t *data, size_t size)
                 kt_bundle_view_list(&v, l, 0, &b, err) != 0 || a.count != b.count ||
                 a.pinned != b.pinned || a.window != b.window)
                 __builtin_trap();
-            if (a.count && (kt_bundle_set_read(&set, l, 0, a.count - 1, 1, &p0, KT_DTYPE_F32, NULL, NULL, err) != 0 ||
-                            kt_bundle_list_read(&v, &b, a.count - 1, 1, &p1, KT_DTYPE_F32, NULL, NULL, err) != 0 ||
-                            p0 != p1))
+            if (a.count &&
+                (kt_bundle_set_read(&set, l, 0, a.count - 1,
+                                    &(kt_rows){1, &p0, KT_DTYPE_F32, NULL, NULL}, err) != 0 ||
+                 kt_bundle_list_read(&v, &b, a.count - 1,
+                                     &(kt_rows){1, &p1, KT_DTYPE_F32, NULL, NULL}, err) != 0 ||
+                 p0 != p1))
                 __builtin_trap();
         }
     }

@@ -119,9 +119,12 @@ static inline uint8_t *encode(const seqkv *s, uint64_t *size_out)
             for (uint32_t j = 0; j < c;) {
                 uint32_t n = 1 + (uint32_t)(rnd() % 4);
                 if (n > c - j) n = c - j;
-                REQUIRE(kt_bundle_writer_put(&w, l, hd, n, s->pos[i] + j, KT_DTYPE_F32,
-                                             s->k[i] + (size_t)j * dim, s->v[i] + (size_t)j * dim,
-                                             err) == 0, "put: %s", err);
+                REQUIRE(kt_bundle_writer_put(&w, l, hd,
+                                             &(kt_rows_in){n, s->pos[i] + j, KT_DTYPE_F32,
+                                                           s->k[i] + (size_t)j * dim,
+                                                           s->v[i] + (size_t)j * dim},
+                                             err) == 0,
+                        "put: %s", err);
                 j += n;
             }
         }
@@ -173,7 +176,8 @@ static inline void half_reads(const kt_bundle_view *v, const kt_bundle_list_view
     uint16_t *hk = malloc((elems + 1) * 2), *hv = malloc((elems + 1) * 2);
     const kt_dtype halves[2] = {KT_DTYPE_BF16, KT_DTYPE_F16};
     for (int t = 0; t < 2; t++) {
-        const int rc = kt_bundle_list_read(v, lv, 0, lv->count, NULL, halves[t], hk, hv, err);
+        const int rc =
+            kt_bundle_list_read(v, lv, 0, &(kt_rows){lv->count, NULL, halves[t], hk, hv}, err);
         if (kt_dtype_quantized(v->hdr.dtype)) {
             CHECK(rc == -1, "%s payload read as %s", kt_dtype_name(v->hdr.dtype), kt_dtype_name(halves[t]));
             CHECK_ERR_HAS(err, "read as f32");
@@ -195,7 +199,8 @@ static inline void half_reads(const kt_bundle_view *v, const kt_bundle_list_view
                   "%s rows read as %s are not the payload's bytes", kt_dtype_name(v->hdr.dtype),
                   kt_dtype_name(halves[t]));
     }
-    CHECK(kt_bundle_list_read(v, lv, 0, lv->count, NULL, KT_DTYPE_INT8_TOKEN, hk, hv, err) == -1,
+    CHECK(kt_bundle_list_read(v, lv, 0, &(kt_rows){lv->count, NULL, KT_DTYPE_INT8_TOKEN, hk, hv},
+                              err) == -1,
           "rows read as int8");
     CHECK_ERR_HAS(err, "f32, f16 or bf16");
     free(hk);
@@ -255,7 +260,9 @@ static inline int round_trip_padded(uint32_t layers, uint32_t heads, uint32_t di
                       lv.positions == v.positions + lv.first * 4, "list %u pointers", i);
                 total += lv.count;
                 rows += padded_rows(lv.count, block_rows);
-                REQUIRE(kt_bundle_list_read(&v, &lv, 0, lv.count, pos, KT_DTYPE_F32, k, vv, err) == 0, "%s", err);
+                REQUIRE(kt_bundle_list_read(
+                            &v, &lv, 0, &(kt_rows){lv.count, pos, KT_DTYPE_F32, k, vv}, err) == 0,
+                        "%s", err);
                 CHECK(memcmp(pos, s.pos[i], lv.count * sizeof(int32_t)) == 0, "list %u positions", i);
                 int bad = 0;
                 for (size_t e = 0; quant && e < (size_t)lv.count * dim && bad < 3; e++) {
@@ -278,13 +285,16 @@ static inline int round_trip_padded(uint32_t layers, uint32_t heads, uint32_t di
                 /* a partial read gets the same rows */
                 if (lv.count >= 2) {
                     float *part = malloc((size_t)dim * sizeof(float));
-                    REQUIRE(kt_bundle_list_read(&v, &lv, lv.count - 1, 1, NULL, KT_DTYPE_F32, part, NULL, err) == 0,
+                    REQUIRE(kt_bundle_list_read(&v, &lv, lv.count - 1,
+                                                &(kt_rows){1, NULL, KT_DTYPE_F32, part, NULL},
+                                                err) == 0,
                             "%s", err);
                     CHECK(memcmp(part, k + (size_t)(lv.count - 1) * dim, dim * sizeof(float)) == 0,
                           "partial read");
                     free(part);
                 }
-                CHECK(kt_bundle_list_read(&v, &lv, lv.count, 1, pos, KT_DTYPE_F32, NULL, NULL, err) == -1,
+                CHECK(kt_bundle_list_read(&v, &lv, lv.count,
+                                          &(kt_rows){1, pos, KT_DTYPE_F32, NULL, NULL}, err) == -1,
                       "read past the list");
                 half_reads(&v, &lv, k, vv);
             }

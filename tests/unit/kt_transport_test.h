@@ -137,7 +137,8 @@ static inline uint64_t write_segment(uint8_t *buf, uint64_t cap, uint32_t layer,
                 v[e * 32 + d] = -k[e * 32 + d];
             }
         }
-        REQUIRE(kt_bundle_writer_put(&w, 0, hd, lists[hd].count, pos, KT_DTYPE_F32, k, v, err) == 0,
+        REQUIRE(kt_bundle_writer_put(
+                    &w, 0, hd, &(kt_rows_in){lists[hd].count, pos, KT_DTYPE_F32, k, v}, err) == 0,
                 "%s", err);
     }
     uint64_t size = 0;
@@ -173,7 +174,8 @@ static inline uint64_t write_padded(uint8_t *buf, uint64_t cap, uint32_t layer, 
                 v[e * D + d] = -k[e * D + d];
             }
         }
-        REQUIRE(kt_bundle_writer_put(&w, 0, hd, lists[hd].count, pos, KT_DTYPE_F32, k, v, err) == 0,
+        REQUIRE(kt_bundle_writer_put(
+                    &w, 0, hd, &(kt_rows_in){lists[hd].count, pos, KT_DTYPE_F32, k, v}, err) == 0,
                 "%s", err);
     }
     free(k);

@@ -352,45 +352,63 @@ static void test_writer(void)
 
     CHECK(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size - 1, err) == -1, "short buffer");
     CHECK_ERR_HAS(err, "too small");
-    CHECK(kt_bundle_writer_put(&w, 0, 0, 1, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+    CHECK(kt_bundle_writer_put(&w, 0, 0, &(kt_rows_in){1, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0]},
+                               err) == -1,
           "put after failed begin");
     CHECK_ERR_HAS(err, "not open");
 
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
-    CHECK(kt_bundle_writer_put(&w, 1, 0, 1, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2], err) == -1,
+    CHECK(kt_bundle_writer_put(&w, 1, 0, &(kt_rows_in){1, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2]},
+                               err) == -1,
           "skipped a non-empty list");
     CHECK_ERR_HAS(err, "list (layer 0, head 0) got 0 of its 3 entries");
 
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
-    CHECK(kt_bundle_writer_put(&w, 0, 0, 4, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+    CHECK(kt_bundle_writer_put(&w, 0, 0, &(kt_rows_in){4, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0]},
+                               err) == -1,
           "too many entries");
     CHECK_ERR_HAS(err, "put of 4 entries to list (layer 0, head 0) which has 3 of 3 left");
 
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
     int32_t dup[2] = {s.pos[0][0], s.pos[0][0]};
-    CHECK(kt_bundle_writer_put(&w, 0, 0, 2, dup, KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+    CHECK(kt_bundle_writer_put(&w, 0, 0, &(kt_rows_in){2, dup, KT_DTYPE_F32, s.k[0], s.v[0]},
+                               err) == -1,
           "repeated position");
     CHECK_ERR_HAS(err, "positions must increase strictly");
 
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
-    CHECK(kt_bundle_writer_put(&w, 0, 0, 1, s.pos[0], KT_DTYPE_INT8_TOKEN, s.k[0], s.v[0], err) == -1,
+    CHECK(kt_bundle_writer_put(
+              &w, 0, 0, &(kt_rows_in){1, s.pos[0], KT_DTYPE_INT8_TOKEN, s.k[0], s.v[0]}, err) == -1,
           "int8 source");
     CHECK_ERR_HAS(err, "source dtype int8+scale: rows are put as f32, f16 or bf16");
 
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
-    CHECK(kt_bundle_writer_put(&w, 2, 0, 1, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+    CHECK(kt_bundle_writer_put(&w, 2, 0, &(kt_rows_in){1, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0]},
+                               err) == -1,
           "layer out of range");
     CHECK_ERR_HAS(err, "outside 2 layers x 2 heads");
 
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
-    REQUIRE(kt_bundle_writer_put(&w, 0, 0, 3, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == 0, "%s", err);
-    CHECK(kt_bundle_writer_put(&w, 0, 0, 0, NULL, KT_DTYPE_F32, NULL, NULL, err) == 0, "empty put: %s", err);
-    REQUIRE(kt_bundle_writer_put(&w, 1, 0, 2, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2], err) == 0, "%s", err);
-    CHECK(kt_bundle_writer_put(&w, 0, 1, 0, NULL, KT_DTYPE_F32, NULL, NULL, err) == -1, "going back");
+    REQUIRE(kt_bundle_writer_put(&w, 0, 0, &(kt_rows_in){3, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0]},
+                                 err) == 0,
+            "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 0, 0, &(kt_rows_in){0, NULL, KT_DTYPE_F32, NULL, NULL}, err) ==
+              0,
+          "empty put: %s", err);
+    REQUIRE(kt_bundle_writer_put(&w, 1, 0, &(kt_rows_in){2, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2]},
+                                 err) == 0,
+            "%s", err);
+    CHECK(kt_bundle_writer_put(&w, 0, 1, &(kt_rows_in){0, NULL, KT_DTYPE_F32, NULL, NULL}, err) ==
+              -1,
+          "going back");
     CHECK_ERR_HAS(err, "after a later list");
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
-    REQUIRE(kt_bundle_writer_put(&w, 0, 0, 3, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == 0, "%s", err);
-    REQUIRE(kt_bundle_writer_put(&w, 1, 0, 2, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2], err) == 0, "%s", err);
+    REQUIRE(kt_bundle_writer_put(&w, 0, 0, &(kt_rows_in){3, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0]},
+                                 err) == 0,
+            "%s", err);
+    REQUIRE(kt_bundle_writer_put(&w, 1, 0, &(kt_rows_in){2, s.pos[2], KT_DTYPE_F32, s.k[2], s.v[2]},
+                                 err) == 0,
+            "%s", err);
     CHECK(kt_bundle_writer_finish(&w, &got, err) == -1, "finish with a list short");
     CHECK_ERR_HAS(err, "list (layer 1, head 1) got 0 of its 5 entries");
     CHECK(kt_bundle_writer_finish(&w, &got, err) == -1, "finish twice");
@@ -402,7 +420,8 @@ static void test_writer(void)
         const uint32_t c = s.lists[i].count;
         uint16_t *kb = malloc((c * 4 + 1) * 2);
         for (uint32_t e = 0; e < c * 4; e++) kb[e] = kt_f32_to_bf16(s.k[i][e]);
-        REQUIRE(kt_bundle_writer_put(&w, i / 2, i % 2, c, s.pos[i], KT_DTYPE_BF16, kb, kb, err) == 0,
+        REQUIRE(kt_bundle_writer_put(&w, i / 2, i % 2,
+                                     &(kt_rows_in){c, s.pos[i], KT_DTYPE_BF16, kb, kb}, err) == 0,
                 "%s", err);
         free(kb);
     }
@@ -412,7 +431,8 @@ static void test_writer(void)
     kt_bundle_list_view lv;
     REQUIRE(kt_bundle_view_list(&v, 1, 1, &lv, err) == 0, "%s", err);
     float k[20];
-    REQUIRE(kt_bundle_list_read(&v, &lv, 0, 5, NULL, KT_DTYPE_F32, k, NULL, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_list_read(&v, &lv, 0, &(kt_rows){5, NULL, KT_DTYPE_F32, k, NULL}, err) == 0,
+            "%s", err);
     for (int e = 0; e < 20; e++)
         CHECK(k[e] == bf16_oracle(s.k[3][e]), "bf16 copy elem %d", e);
 
@@ -557,7 +577,8 @@ static void test_quantized_rows(kt_dtype t)
     kt_bundle_list_view lv;
     REQUIRE(kt_bundle_view_list(&v, 0, 0, &lv, err) == 0, "%s", err);
     float k[4 * DIM], vv[4 * DIM];
-    REQUIRE(kt_bundle_list_read(&v, &lv, 0, 4, NULL, KT_DTYPE_F32, k, vv, err) == 0, "%s", err);
+    REQUIRE(kt_bundle_list_read(&v, &lv, 0, &(kt_rows){4, NULL, KT_DTYPE_F32, k, vv}, err) == 0,
+            "%s", err);
     for (int e = 0; e < 4 * DIM; e++) {
         CHECK(quant_within_bound(t, rows[e / DIM], DIM, rows[e / DIM][e % DIM], k[e]), "%s row %d elem %d: %a from %a",
               kt_dtype_name(t), e / DIM, e % DIM, k[e], rows[e / DIM][e % DIM]);
@@ -600,7 +621,8 @@ static void test_quantized_rows(kt_dtype t)
     buf = malloc(size);
     kt_bundle_writer w;
     REQUIRE(kt_bundle_writer_begin(&w, &s.h, s.lists, buf, size, err) == 0, "%s", err);
-    CHECK(kt_bundle_writer_put(&w, 0, 0, 4, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0], err) == -1,
+    CHECK(kt_bundle_writer_put(&w, 0, 0, &(kt_rows_in){4, s.pos[0], KT_DTYPE_F32, s.k[0], s.v[0]},
+                               err) == -1,
           "%s quantized an infinity", kt_dtype_name(t));
     CHECK_ERR_HAS(err, "K row 1 element 3 is inf: a quantized payload takes finite values only");
     free(buf);

@@ -49,18 +49,21 @@ static void test_continued_lists(void)
               "list %d: %u entries, the last piece's rule", i, l.count);
         int32_t pos[16];
         float k[16 * DIM];
-        REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, 0, n, pos, KT_DTYPE_F32, k, NULL,
-                                   err) == 0, "%s", err);
+        REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, 0,
+                                   &(kt_rows){n, pos, KT_DTYPE_F32, k, NULL}, err) == 0,
+                "%s", err);
         CHECK(!memcmp(pos, a.pos[i], ca[i] * sizeof *pos) && !memcmp(pos + ca[i], b.pos[i], cb[i] * sizeof *pos) &&
               !memcmp(k, a.k[i], ca[i] * DIM * sizeof *k) &&
               !memcmp(k + ca[i] * DIM, b.k[i], cb[i] * DIM * sizeof *k), "list %d read across the parts", i);
         if (n >= 3) { /* a read that starts inside the first piece and ends in the second */
             int32_t p2[2];
-            REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n - 2, 2, p2, KT_DTYPE_F32, NULL,
-                                       NULL, err) == 0, "%s", err);
+            REQUIRE(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n - 2,
+                                       &(kt_rows){2, p2, KT_DTYPE_F32, NULL, NULL}, err) == 0,
+                    "%s", err);
             CHECK(p2[0] == pos[n - 2] && p2[1] == pos[n - 1], "list %d: a partial read", i);
         }
-        CHECK(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n, 1, pos, KT_DTYPE_F32, NULL, NULL, err) == -1,
+        CHECK(kt_bundle_set_read(&set, (uint32_t)i / HEADS, (uint32_t)i % HEADS, n,
+                                 &(kt_rows){1, pos, KT_DTYPE_F32, NULL, NULL}, err) == -1,
               "list %d: a read past the end is refused", i);
     }
     /* pinning after unpinned entries */
@@ -119,7 +122,9 @@ static void test_segments(void)
             int32_t pos[16];
             float k[16 * DIM], vv[16 * DIM];
             CHECK(lv.count == c && lv.window == seg[l].lists[h].window, "list (%u, %u)", l, h);
-            REQUIRE(kt_bundle_set_read(&set, l, h, 0, c, pos, KT_DTYPE_F32, k, vv, err) == 0, "%s", err);
+            REQUIRE(kt_bundle_set_read(&set, l, h, 0, &(kt_rows){c, pos, KT_DTYPE_F32, k, vv},
+                                       err) == 0,
+                    "%s", err);
             CHECK(memcmp(pos, seg[l].pos[h], c * sizeof *pos) == 0 &&
                   memcmp(k, seg[l].k[h], c * DIM * sizeof *k) == 0 &&
                   memcmp(vv, seg[l].v[h], c * DIM * sizeof *vv) == 0, "list (%u, %u) rows", l, h);
@@ -273,7 +278,8 @@ static uint8_t *fixed_bundle(kt_dtype dtype, int segment, uint32_t block_rows, u
                 k[e] = (float)(j + 1) * 0.375f - (float)e * 0.125f + (float)i;
                 v[e] = -k[e];
             }
-            if (kt_bundle_writer_put(&w, (uint32_t)i / H, (uint32_t)i % H, 1, &p, KT_DTYPE_F32, k, v, err))
+            if (kt_bundle_writer_put(&w, (uint32_t)i / H, (uint32_t)i % H,
+                                     &(kt_rows_in){1, &p, KT_DTYPE_F32, k, v}, err))
                 return NULL;
         }
     uint64_t got;
@@ -368,8 +374,12 @@ static void test_padded_image(void)
             CHECK(b.first % BR == 0 && a.count == b.count, "list %d: first %llu", i, (unsigned long long)b.first);
             float ka[8 * D + 1], kb[8 * D + 1], va[8 * D + 1], vb[8 * D + 1];
             int32_t pa[9], pb[9];
-            REQUIRE(kt_bundle_list_read(&vu, &a, 0, a.count, pa, KT_DTYPE_F32, ka, va, err) == 0, "%s", err);
-            REQUIRE(kt_bundle_list_read(&vp, &b, 0, b.count, pb, KT_DTYPE_F32, kb, vb, err) == 0, "%s", err);
+            REQUIRE(kt_bundle_list_read(&vu, &a, 0, &(kt_rows){a.count, pa, KT_DTYPE_F32, ka, va},
+                                        err) == 0,
+                    "%s", err);
+            REQUIRE(kt_bundle_list_read(&vp, &b, 0, &(kt_rows){b.count, pb, KT_DTYPE_F32, kb, vb},
+                                        err) == 0,
+                    "%s", err);
             CHECK(!memcmp(pa, pb, a.count * 4) && !memcmp(ka, kb, a.count * D * 4) &&
                   !memcmp(va, vb, a.count * D * 4), "%s list %d: padded rows differ", kt_dtype_name(dtypes[d]), i);
         }
@@ -509,9 +519,13 @@ static void two_step_equals_one(const uint8_t *b, uint64_t n, const char *what)
         float r[64 * 8];
         REQUIRE(kt_bundle_view_list(&two, 0, 0, &lv, err) == 0, "%s", err);
         CHECK(lv.k == NULL && lv.v == NULL, "%s: rows of a head", what);
-        CHECK(kt_bundle_list_read(&two, &lv, 0, lv.count, p, KT_DTYPE_F32, NULL, NULL, err) == 0, "%s", err);
+        CHECK(kt_bundle_list_read(&two, &lv, 0, &(kt_rows){lv.count, p, KT_DTYPE_F32, NULL, NULL},
+                                  err) == 0,
+              "%s", err);
         if (lv.count && lv.count <= 64 && one.hdr.head_dim <= 8) {
-            CHECK(kt_bundle_list_read(&two, &lv, 0, 1, NULL, KT_DTYPE_F32, r, NULL, err) == -1, "%s: rows of a head read", what);
+            CHECK(kt_bundle_list_read(&two, &lv, 0, &(kt_rows){1, NULL, KT_DTYPE_F32, r, NULL},
+                                      err) == -1,
+                  "%s: rows of a head read", what);
             CHECK_ERR_HAS(err, "not parsed yet");
         }
         kt_bundle_view part;
@@ -544,8 +558,12 @@ static void two_step_equals_one(const uint8_t *b, uint64_t n, const char *what)
                   !memcmp(a.v, c.v, a.count * one.row_bytes), "%s: list (%u, %u) differs", what, l, h);
             const size_t elems = (size_t)a.count * one.hdr.head_dim;
             float *ka = malloc(elems * 4 + 4), *kc = malloc(elems * 4 + 4);
-            REQUIRE(kt_bundle_list_read(&one, &a, 0, a.count, NULL, KT_DTYPE_F32, ka, NULL, err) == 0 &&
-                    kt_bundle_list_read(&two, &c, 0, c.count, NULL, KT_DTYPE_F32, kc, NULL, err) == 0, "%s", err);
+            REQUIRE(kt_bundle_list_read(
+                        &one, &a, 0, &(kt_rows){a.count, NULL, KT_DTYPE_F32, ka, NULL}, err) == 0 &&
+                        kt_bundle_list_read(&two, &c, 0,
+                                            &(kt_rows){c.count, NULL, KT_DTYPE_F32, kc, NULL},
+                                            err) == 0,
+                    "%s", err);
             CHECK(!memcmp(ka, kc, elems * 4), "%s: list (%u, %u) reads differ", what, l, h);
             free(ka);
             free(kc);
@@ -685,7 +703,9 @@ static void test_padded_set(void)
             int32_t pos[16];
             float k[16 * DIM], vv[16 * DIM];
             CHECK(lv.count == c, "list (%u, %u): %u entries", l, h, lv.count);
-            REQUIRE(kt_bundle_set_read(&set, l, h, 0, c, pos, KT_DTYPE_F32, k, vv, err) == 0, "%s", err);
+            REQUIRE(kt_bundle_set_read(&set, l, h, 0, &(kt_rows){c, pos, KT_DTYPE_F32, k, vv},
+                                       err) == 0,
+                    "%s", err);
             CHECK(!memcmp(pos, seg[l].pos[h], c * sizeof *pos) && !memcmp(k, seg[l].k[h], c * DIM * sizeof *k) &&
                   !memcmp(vv, seg[l].v[h], c * DIM * sizeof *vv), "list (%u, %u) rows", l, h);
         }
@@ -709,7 +729,9 @@ static void test_padded_set(void)
         for (uint32_t h = 0; h < HEADS; h++) {
             int32_t pos[2];
             float k[2 * DIM], vv[2 * DIM];
-            REQUIRE(kt_bundle_set_read(&set, 1, h, 0, 2, pos, KT_DTYPE_F32, k, vv, err) == 0, "%s", err);
+            REQUIRE(kt_bundle_set_read(&set, 1, h, 0, &(kt_rows){2, pos, KT_DTYPE_F32, k, vv},
+                                       err) == 0,
+                    "%s", err);
             CHECK(!memcmp(pos, other.pos[h], sizeof pos) && !memcmp(k, other.k[h], sizeof k) &&
                       !memcmp(vv, other.v[h], sizeof vv),
                   "list (1, %u) of the part padded to %u", h, other.h.block_rows);
@@ -733,7 +755,8 @@ int main(void)
     CHECK(round_trip_padded(2, 4, 8, KT_DTYPE_F32, SHAPE_MHA, 40, 4), "mha f32 padded to 4");
     CHECK(round_trip_padded(2, 4, 8, KT_DTYPE_BF16, SHAPE_MHA, 40, 3), "mha bf16 padded to 3");
     CHECK(round_trip_padded(2, 4, 8, KT_DTYPE_F16, SHAPE_MHA, 40, 16), "mha f16 padded to 16");
-    CHECK(round_trip_padded(3, 2, 64, KT_DTYPE_INT8_TOKEN, SHAPE_GQA, 64, 16), "gqa int8 padded to 16");
+    CHECK(round_trip_padded(3, 2, 64, KT_DTYPE_INT8_TOKEN, SHAPE_GQA, 64, 16),
+          "gqa int8 padded to 16");
     CHECK(round_trip_padded(3, 2, 64, KT_DTYPE_FP8_E4M3_TOKEN, SHAPE_GQA, 64, 17),
           "gqa fp8 padded to 17");
     CHECK(round_trip_padded(1, 4, 16, KT_DTYPE_F16, SHAPE_EMPTY, 1, 8), "all lists empty, padded");

@@ -520,8 +520,10 @@ static void prefill(engine *e, request *rq, int salt, int oracle)
             int len = (int)lists[l * c->n_kv_heads + hd].count;
             REQUIRE(len <= 1024, "list length");
             REQUIRE(kr_seq_list_read(seq, l, hd, 0, len, pos, k, v, err) == KR_OK, "%s", err);
-            REQUIRE(kt_bundle_writer_put(&w, (uint32_t)l, (uint32_t)hd, (uint32_t)len, pos,
-                                         KT_DTYPE_F32, k, v, terr) == 0, "%s", terr);
+            REQUIRE(kt_bundle_writer_put(&w, (uint32_t)l, (uint32_t)hd,
+                                         &(kt_rows_in){(uint32_t)len, pos, KT_DTYPE_F32, k, v},
+                                         terr) == 0,
+                    "%s", terr);
         }
     uint64_t written;
     REQUIRE(kt_bundle_writer_finish(&w, &written, terr) == 0 && written == rq->size, "%s", terr);

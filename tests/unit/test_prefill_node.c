@@ -290,8 +290,10 @@ static void check_bundle(ref_model *r, ref_run *x, const resv *rv, kt_dtype dtyp
                   *bv = malloc(sizeof(float) * (size_t)len * hd);
             REQUIRE(rp && bp && rk && rv_ && bk && bv, "out of memory");
             REQUIRE(kr_seq_list_read(x->s, l, h, 0, len, rp, rk, rv_, err) == KR_OK, "%s", err);
-            REQUIRE(kt_bundle_set_read(&v, (uint32_t)l, (uint32_t)h, 0, (uint32_t)len, bp, KT_DTYPE_F32, bk, bv,
-                                       err) == 0, "%s", err);
+            REQUIRE(kt_bundle_set_read(&v, (uint32_t)l, (uint32_t)h, 0,
+                                       &(kt_rows){(uint32_t)len, bp, KT_DTYPE_F32, bk, bv},
+                                       err) == 0,
+                    "%s", err);
             for (int i = 0; i < len * hd; i++) {
                 if (kt_dtype_quantized(dtype)) { /* within the bound, then compared as equal */
                     const float *row_k = rk + i / hd * hd, *row_v = rv_ + i / hd * hd;

@@ -188,7 +188,8 @@ static void test_real_bundle(kt_transport *rx, kt_transport *tx)
                     v[e * 64 + d] = -k[e * 64 + d];
                 }
             }
-            REQUIRE(kt_bundle_writer_put(&w, l, hd, 20, pos, KT_DTYPE_F32, k, v, err) == 0,
+            REQUIRE(kt_bundle_writer_put(&w, l, hd, &(kt_rows_in){20, pos, KT_DTYPE_F32, k, v},
+                                         err) == 0,
                     "%s", err);
         }
     uint64_t written = 0;
@@ -464,7 +465,8 @@ static void test_owned_parts(kt_transport *rx, kt_transport *tx)
     REQUIRE(kt_bundle_writer_begin(&w, &h, lists, src, size, err) == 0, "%s", err);
     for (uint32_t l = 0; l < 2; l++)
         for (uint32_t hd = 0; hd < 2; hd++)
-            REQUIRE(kt_bundle_writer_put(&w, l, hd, N, pos, KT_DTYPE_F32, rows, rows, err) == 0,
+            REQUIRE(kt_bundle_writer_put(&w, l, hd, &(kt_rows_in){N, pos, KT_DTYPE_F32, rows, rows},
+                                         err) == 0,
                     "%s", err);
     REQUIRE(kt_bundle_writer_finish(&w, &size, err) == 0, "%s", err);
     kt_bundle_set_init(&set, parts, 2);

@@ -573,10 +573,12 @@ static int set_reads_as(const kt_bundle_set *set, uint8_t *const *seg, const uin
         for (uint32_t hd = 0; hd < 2; hd++) {
             kt_bundle_list_view lv;
             REQUIRE(kt_bundle_view_list(&sv, 0, hd, &lv, err) == 0 && lv.count <= MAX, "%s", err);
-            REQUIRE(kt_bundle_set_read(set, (uint32_t)l, hd, 0, lv.count, pos[0], KT_DTYPE_F32,
-                                       k[0], v[0], err) == 0 &&
-                        kt_bundle_list_read(&sv, &lv, 0, lv.count, pos[1], KT_DTYPE_F32, k[1],
-                                            v[1], err) == 0,
+            REQUIRE(kt_bundle_set_read(set, (uint32_t)l, hd, 0,
+                                       &(kt_rows){lv.count, pos[0], KT_DTYPE_F32, k[0], v[0]},
+                                       err) == 0 &&
+                        kt_bundle_list_read(&sv, &lv, 0,
+                                            &(kt_rows){lv.count, pos[1], KT_DTYPE_F32, k[1], v[1]},
+                                            err) == 0,
                     "list (%d, %u): %s", l, hd, err);
             same &= memcmp(pos[0], pos[1], lv.count * sizeof pos[0][0]) == 0 &&
                     memcmp(k[0], k[1], lv.count * D * sizeof k[0][0]) == 0 &&
