@@ -15,7 +15,8 @@
  * field and the values at fault, and leave their outputs untouched. Nothing here allocates;
  * the only global state is the CRC32C table, built once under pthread_once, so every function
  * is thread-safe on distinct objects.
- * Tests: tests/unit/test_bundle.c, tests/fuzz/fuzz_bundle.c (ctest -R bundle).
+ * Tests: tests/unit/test_bundle.c, test_bundle_parts.c, tests/fuzz/fuzz_bundle.c (ctest -R
+ * bundle).
  */
 #ifndef KT_BUNDLE_H
 #define KT_BUNDLE_H

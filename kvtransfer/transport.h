@@ -29,7 +29,8 @@
  * callback where noted. Callbacks run on the progress thread, without internal locks held,
  * one at a time; they must not block for long. Conventions as bundle.h: 0 / -1, a message
  * starting with "transport: " in `err` (KT_ERR_MAX bytes, may be NULL).
- * Tests: tests/unit/test_transport.c (real UCX over loopback). Bench: kvrelay-transfer-bench.
+ * Tests: tests/unit/test_transport.c, test_transport_pieces.c (real UCX over loopback). Bench:
+ * kvrelay-transfer-bench.
  */
 #ifndef KT_TRANSPORT_H
 #define KT_TRANSPORT_H
