@@ -146,7 +146,7 @@ int kt_bundle_size(const kt_bundle_header *h, const kt_bundle_list *lists, uint6
  *     kt_bundle_writer w;
  *     kt_bundle_writer_begin(&w, &hdr, lists, buf, cap, err);
  *     for each layer, for each KV head, for each run of consecutive entries (a KV block):
- *         kt_bundle_writer_put(&w, layer, head, n, positions, KT_DTYPE_F32, k_rows, v_rows, err);
+ *         kt_bundle_writer_put(&w, layer, head, &(kt_rows_in){n, positions, KT_DTYPE_F32, k, v}, err);
  *     kt_bundle_writer_finish(&w, &size, err);
  *
  * Lists are written in layer-major order, each list's entries in order, in as many `put`
