@@ -1,5 +1,5 @@
 /*
- * bundle-rule.h - where the engine's per-list decode rule (kr_list_rule, engine/kr.h) meets the
+ * bundle-rule.h - where the engine's per-list decode rule (kr_list_rule, engine/include/kr.h) meets the
  * bundle's list record (kt_bundle_list, bundle.h): the prefill node writes each list's rule
  * into the bundle, the decode node reads it back; and where a KV cache's row dtype meets the
  * bundle's payload dtype; and where a received part's rows enter a sequence's blocks.
