@@ -1013,6 +1013,41 @@ static int read_prefix(const uint8_t *b, size_t len, uint64_t *total, char *err)
     return 0;
 }
 
+/* The section table at t (n_sections entries of a bundle of `total` bytes whose header ends at
+ * header_size) into H: in order, each right after the previous one (64-byte aligned), inside
+ * the bundle; the last one ends the bundle. */
+static int read_sections(const uint8_t *t, unsigned n_sections, unsigned n_known, uint32_t header_size,
+                         uint64_t total, bl_head *H, char *err)
+{
+    uint64_t end = header_size;
+    for (unsigned s = 0; s < n_sections; s++) {
+        const uint8_t *e = t + s * BL_SECT_ENTRY;
+        const uint32_t id = kt_rd32(e);
+        const uint64_t off = kt_rd64(e + 8), len = kt_rd64(e + 16);
+        H->crc[s] = kt_rd32(e + 4);
+        H->off[s] = off;
+        H->len[s] = len;
+        if (id != s + 1)
+            return fail(err, "section table entry %u has id %" PRIu32 ", expected %u (%s)", s, id,
+                        s + 1, sec_name(s, n_known));
+        if (off > total || len > total - off)
+            return fail(err, "section %s [%" PRIu64 ", +%" PRIu64 ") lies outside the %" PRIu64
+                        "-byte bundle", sec_name(s, n_known), off, len, total);
+        if (off < end)
+            return fail(err, "section %s starts at %" PRIu64 ", before the end of %s at %" PRIu64,
+                        sec_name(s, n_known), off, s ? sec_name(s - 1, n_known) : "the header", end);
+        if (off != align_up(end))
+            return fail(err, "section %s at offset %" PRIu64 ", expected %" PRIu64
+                        " (the first 64-byte boundary after %s)", sec_name(s, n_known), off,
+                        align_up(end), s ? sec_name(s - 1, n_known) : "the header");
+        end = off + len; /* the gap before off is checked once lengths are known */
+    }
+    if (end != total)
+        return fail(err, "%" PRIu64 " bytes after the last section (bundle is %" PRIu64 " bytes)",
+                    total - end, total);
+    return 0;
+}
+
 /* The fixed header and section table of a bundle of `total` bytes (read_prefix's), from the
  * `avail` bytes at b: every field, the header checksum, the sections' placement. Fills v's
  * header, version, flags and size, and *H. */
@@ -1103,34 +1138,7 @@ static int read_head(const uint8_t *b, size_t avail, uint64_t total, kt_bundle_v
     if (check_header(h, policy_len, err)) return -1; /* a NUL in the policy fails as non-UTF-8 */
     if (check_zero(b, policy_at + policy_len, header_size, "header padding", err)) return -1;
 
-    /* Section table: in order, each right after the previous one (64-byte aligned), inside
-     * the bundle; the last one ends the bundle. */
-    uint64_t end = header_size;
-    for (unsigned s = 0; s < n_sections; s++) {
-        const uint8_t *e = b + table + s * BL_SECT_ENTRY;
-        const uint32_t id = kt_rd32(e);
-        const uint64_t off = kt_rd64(e + 8), len = kt_rd64(e + 16);
-        H->crc[s] = kt_rd32(e + 4);
-        H->off[s] = off;
-        H->len[s] = len;
-        if (id != s + 1)
-            return fail(err, "section table entry %u has id %" PRIu32 ", expected %u (%s)", s, id,
-                        s + 1, sec_name(s, n_known));
-        if (off > total || len > total - off)
-            return fail(err, "section %s [%" PRIu64 ", +%" PRIu64 ") lies outside the %" PRIu64
-                        "-byte bundle", sec_name(s, n_known), off, len, total);
-        if (off < end)
-            return fail(err, "section %s starts at %" PRIu64 ", before the end of %s at %" PRIu64,
-                        sec_name(s, n_known), off, s ? sec_name(s - 1, n_known) : "the header", end);
-        if (off != align_up(end))
-            return fail(err, "section %s at offset %" PRIu64 ", expected %" PRIu64
-                        " (the first 64-byte boundary after %s)", sec_name(s, n_known), off,
-                        align_up(end), s ? sec_name(s - 1, n_known) : "the header");
-        end = off + len; /* the gap before off is checked once lengths are known */
-    }
-    if (end != total)
-        return fail(err, "%" PRIu64 " bytes after the last section (bundle is %" PRIu64 " bytes)",
-                    total - end, total);
+    if (read_sections(b + table, n_sections, n_known, header_size, total, H, err)) return -1;
     H->header_size = header_size;
     H->n_sections = n_sections;
     H->n_known = n_known;
