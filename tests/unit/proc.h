@@ -137,4 +137,43 @@ done:
     return status;
 }
 
+/* GET `path` from the HTTP address "HOST:PORT" (HTTP/1.0): the whole response, malloc'd, at
+ * most 64 KiB; an empty string when it cannot connect (the caller's checks then fail). */
+static inline char *test_http_get(const char *http, const char *path)
+{
+    char host[64], req[256];
+    int port, fd = -1;
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    if (!buf) return NULL;
+    buf[0] = 0;
+    if (sscanf(http, "%63[^:]:%d", host, &port) != 2 || (fd = socket(AF_INET, SOCK_STREAM, 0)) < 0)
+        return buf;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    snprintf(req, sizeof req, "GET %s HTTP/1.0\r\n\r\n", path);
+    if (inet_pton(AF_INET, host, &sa.sin_addr) == 1 && connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+        write(fd, req, strlen(req)) == (ssize_t)strlen(req)) {
+        ssize_t got;
+        while (len + 1 < cap && (got = read(fd, buf + len, cap - 1 - len)) > 0) len += (size_t)got;
+    }
+    buf[len] = 0;
+    close(fd);
+    return buf;
+}
+
+/* The value of the /metrics sample line that starts with `series` + ' ', or -1 when absent. */
+static inline double test_metric(const char *http, const char *series)
+{
+    char *buf = test_http_get(http, "/metrics");
+    double v = -1;
+    const size_t sl = strlen(series);
+    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
+        if (!strncmp(line, series, sl) && line[sl] == ' ') {
+            v = strtod(line + sl + 1, NULL);
+            break;
+        }
+    free(buf);
+    return v;
+}
+
 #endif /* KR_TEST_PROC_H */

@@ -27,43 +27,6 @@
 #define DEADLINE_MS 2000
 #define ATTEMPTS 3
 
-static char *http_get(const char *http, const char *path)
-{
-    char host[64];
-    int port;
-    REQUIRE(sscanf(http, "%63[^:]:%d", host, &port) == 2, "http address %s", http);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, host, &sa.sin_addr);
-    REQUIRE(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0, "connect %s", http);
-    char req[128];
-    snprintf(req, sizeof req, "GET %s HTTP/1.0\r\n\r\n", path);
-    REQUIRE(write(fd, req, strlen(req)) == (ssize_t)strlen(req), "write");
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    ssize_t got;
-    while ((got = read(fd, buf + len, cap - 1 - len)) > 0 && len + 1 < cap)
-        len += (size_t)got;
-    buf[len] = 0;
-    close(fd);
-    return buf;
-}
-
-/* The value of one /metrics series, or -1 when absent. */
-static double metric(const char *http, const char *series)
-{
-    char *buf = http_get(http, "/metrics");
-    double v = -1;
-    size_t sl = strlen(series);
-    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
-        if (!strncmp(line, series, sl) && line[sl] == ' ') {
-            v = strtod(line + sl + 1, NULL);
-            break;
-        }
-    free(buf);
-    return v;
-}
-
 static void sleep_ms(int ms)
 {
     struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -74,7 +37,7 @@ static void sleep_ms(int ms)
 static int wait_running(const char *http, double want, int ms)
 {
     for (int i = 0; i < ms; i++) {
-        if (metric(http, "kvrelay_running_sequences") == want) return 1;
+        if (test_metric(http, "kvrelay_running_sequences") == want) return 1;
         sleep_ms(1);
     }
     return 0;
@@ -170,8 +133,8 @@ static void deadline_case(const char *exe, const char *model, kt_transport *rx,
     REQUIRE(stopped_in_prefill, "the prefill always ended before the node was stopped");
     CHECK(c.st.code == GRPC_STATUS_DEADLINE_EXCEEDED, "--pipeline %s: the caller heard %s %s",
           pipeline, kc_status_name(c.st.code), c.st.details);
-    double dl = metric(p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}"),
-           un = metric(p.http, "kvrelay_requests_total{status=\"UNAVAILABLE\"}");
+    double dl = test_metric(p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}"),
+           un = test_metric(p.http, "kvrelay_requests_total{status=\"UNAVAILABLE\"}");
     CHECK(dl == 1 && un <= 0,
           "--pipeline %s: the node ended the call %g time(s) DEADLINE_EXCEEDED and %g time(s) "
           "UNAVAILABLE; want a deadline, not a failed decode node",

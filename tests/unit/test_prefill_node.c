@@ -1064,44 +1064,6 @@ static void case_flags(ref_model *r)
     close(fd);
 }
 
-/* GET /metrics; the value of the sample line starting with `series` + ' ', or -1. */
-/* GET `path` (the whole response, malloc'd). */
-static char *http_get(const char *http, const char *path)
-{
-    char host[64];
-    int port;
-    REQUIRE(sscanf(http, "%63[^:]:%d", host, &port) == 2, "http address %s", http);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, host, &sa.sin_addr);
-    REQUIRE(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0, "connect %s", http);
-    char req[128];
-    snprintf(req, sizeof req, "GET %s HTTP/1.0\r\n\r\n", path);
-    REQUIRE(write(fd, req, strlen(req)) == (ssize_t)strlen(req), "write");
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    ssize_t got;
-    while ((got = read(fd, buf + len, cap - 1 - len)) > 0 && len + 1 < cap)
-        len += (size_t)got;
-    buf[len] = 0;
-    close(fd);
-    return buf;
-}
-
-static double metric(const char *http, const char *series)
-{
-    char *buf = http_get(http, "/metrics");
-    double v = -1;
-    size_t sl = strlen(series);
-    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
-        if (!strncmp(line, series, sl) && line[sl] == ' ') {
-            v = strtod(line + sl + 1, NULL);
-            break;
-        }
-    free(buf);
-    return v;
-}
-
 /* SIGTERM drains. A runs (stuck in its send to the blocker) and Q waits behind it when
  * the signal comes; the node says DRAINING (Status), 503 "draining" (/healthz), NOT_SERVING
  * (grpc.health.v1) and refuses a new call UNAVAILABLE "draining". Without a timeout
@@ -1135,7 +1097,7 @@ static void case_drain(node *nd, ref_model *r, int timeout)
     CHECK(s && s->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING, "%s: Status DRAINING",
           nd->id);
     kc_message_free((ProtobufCMessage *)s);
-    char *hz = http_get(nd->p.http, "/healthz");
+    char *hz = test_http_get(nd->p.http, "/healthz");
     CHECK(strstr(hz, " 503 ") && strstr(hz, "draining"), "/healthz while draining: %.80s", hz);
     free(hz);
     Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
@@ -1247,26 +1209,26 @@ int main(void)
         char series[96];
         snprintf(series, sizeof series, "kvrelay_kv_bytes_shipped_total{wire_dtype=\"%s\"}",
                  kt_dtype_name((kt_dtype)t));
-        CHECK(metric(na.p.http, series) == (double)bytes_ok[t], "/metrics %s %g, usage says %" PRIu64,
-              series, metric(na.p.http, series), bytes_ok[t]);
+        CHECK(test_metric(na.p.http, series) == (double)bytes_ok[t], "/metrics %s %g, usage says %" PRIu64,
+              series, test_metric(na.p.http, series), bytes_ok[t]);
     }
-    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
+    CHECK(test_metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}") == n_ok,
           "/metrics OK requests %g, want %d",
-          metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
-    double early = metric(na.p.http, "kvrelay_kv_parts_sent_total{phase=\"during_prefill\"}"),
-           late = metric(na.p.http, "kvrelay_kv_parts_sent_total{phase=\"after_prefill\"}");
+          test_metric(na.p.http, "kvrelay_requests_total{status=\"OK\"}"), n_ok);
+    double early = test_metric(na.p.http, "kvrelay_kv_parts_sent_total{phase=\"during_prefill\"}"),
+           late = test_metric(na.p.http, "kvrelay_kv_parts_sent_total{phase=\"after_prefill\"}");
     CHECK(early + late == parts_ok && early > 0 && late >= n_ok,
           "/metrics: %g parts acknowledged during the prefill and %g after, for %d bundles of %d "
           "parts in all (the last one of each after)", early, late, n_ok, parts_ok);
-    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") ==
+    CHECK(test_metric(na.p.http, "kvrelay_requests_total{status=\"RESOURCE_EXHAUSTED\"}") ==
                   n_queue_full &&
-              metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
+              test_metric(na.p.http, "kvrelay_requests_total{status=\"FAILED_PRECONDITION\"}") == 1,
           "/metrics: %d queue refusals, one pool overflow", n_queue_full);
-    CHECK(metric(na.p.http, "kvrelay_kv_blocks_used") == 0, "/metrics: every block back");
-    CHECK(metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
+    CHECK(test_metric(na.p.http, "kvrelay_kv_blocks_used") == 0, "/metrics: every block back");
+    CHECK(test_metric(na.p.http, "kvrelay_requests_total{status=\"DEADLINE_EXCEEDED\"}") == 1,
           "/metrics: queue B's handler saw its deadline pass in the queue");
-    CHECK(metric(na.p.http, "kvrelay_queue_depth") == 0 &&
-              metric(na.p.http, "kvrelay_running_sequences") == 0,
+    CHECK(test_metric(na.p.http, "kvrelay_queue_depth") == 0 &&
+              test_metric(na.p.http, "kvrelay_running_sequences") == 0,
           "/metrics queue depth and running back to 0");
     case_drain(&na, &ra, 0);
     node nd1;
