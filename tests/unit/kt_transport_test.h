@@ -95,6 +95,21 @@ static inline kt_transport *make(const char *name, int listen, uint16_t port, ch
     return t;
 }
 
+/* The receiver ("test-rx", listening on HOST) and sender ("test-tx") every test program uses;
+ * 0, or KT_SKIP (said on stdout) where UCX cannot listen here. */
+static inline int make_pair(kt_transport **rx, kt_transport **tx)
+{
+    char err[KT_ERR_MAX];
+    *rx = make("test-rx", 1, 0, err);
+    if (!*rx) {
+        printf("SKIPPED: UCX cannot listen on %s here: %s\n", HOST, err);
+        return KT_SKIP;
+    }
+    *tx = make("test-tx", 0, 0, err);
+    REQUIRE(*tx, "sender transport: %s", err);
+    return 0;
+}
+
 /* A header of the test model's 2 KV heads: `layers` layers of head_dim `dim`, a prompt of
  * `prompt` tokens. */
 static inline kt_bundle_header test_header(uint32_t layers, uint32_t dim, kt_dtype dtype,

@@ -832,14 +832,8 @@ static void test_rma_rows(void)
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
-    char err[KT_ERR_MAX];
-    kt_transport *rx = make("test-rx", 1, 0, err);
-    if (!rx) {
-        printf("SKIPPED: UCX cannot listen on %s here: %s\n", HOST, err);
-        return KT_SKIP;
-    }
-    kt_transport *tx = make("test-tx", 0, 0, err);
-    REQUIRE(tx, "sender transport: %s", err);
+    kt_transport *rx, *tx;
+    if (make_pair(&rx, &tx) != 0) return KT_SKIP;
     test_pieces(rx, tx);
     test_bad_pieces(rx, tx);
     test_rma(rx, tx);
