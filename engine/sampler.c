@@ -3,13 +3,17 @@
  * temperature, then top-k, then top-p (nucleus) over the softmax, drawn with a seeded
  * generator (splitmix64 -> xoshiro256**), so a seed reproduces a run. Buffers are sized at
  * creation; sampling does not allocate. Also the log-probability of a token under a row's full
- * softmax (kr_logprob), which forced-token scoring reports.
+ * softmax (kr_logprob), which forced-token scoring reports. And the penalties a row of logits
+ * takes before sampling (repetition as vLLM, presence and frequency as OpenAI define them), over
+ * per-sequence counts sized once (kr_penalty_*).
  */
 #include "kr-util.h"
 #include "kr.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 struct kr_sampler {
     kr_sampling p;
@@ -196,4 +200,101 @@ int32_t kr_sampler_sample(kr_sampler *sp, const float *logits)
         if (r < acc) return sp->idx[i];
     }
     return sp->idx[cand - 1];
+}
+
+/* ------------------------------------------------------------------ penalties */
+
+struct kr_penalty_state {
+    kr_penalties p;
+    int vocab;
+    int32_t *count; /* [vocab]: occurrences in the output */
+    uint8_t *seen; /* [vocab]: in the prompt or the output */
+    int32_t *ids; /* [vocab]: the distinct seen ids, n_ids of them, in order of first sight */
+    int n_ids;
+};
+
+void kr_penalties_default(kr_penalties *p)
+{
+    p->repetition = 1.0f;
+    p->presence = 0.0f;
+    p->frequency = 0.0f;
+}
+
+int kr_penalties_check(const kr_penalties *p, char *err)
+{
+    if (!(p->repetition > 0.0f) || p->repetition > 100.0f)
+        return kr_errf(err, "repetition_penalty %g must be in (0, 100] (1: off)", p->repetition);
+    if (!(p->presence >= -2.0f) || p->presence > 2.0f)
+        return kr_errf(err, "presence_penalty %g must be in [-2, 2] (0: off)", p->presence);
+    if (!(p->frequency >= -2.0f) || p->frequency > 2.0f)
+        return kr_errf(err, "frequency_penalty %g must be in [-2, 2] (0: off)", p->frequency);
+    return KR_OK;
+}
+
+int kr_penalties_active(const kr_penalties *p)
+{
+    return p->repetition != 1.0f || p->presence != 0.0f || p->frequency != 0.0f;
+}
+
+static void see(kr_penalty_state *s, int32_t id)
+{
+    if (s->seen[id]) return;
+    s->seen[id] = 1;
+    s->ids[s->n_ids++] = id;
+}
+
+int kr_penalty_create(const kr_penalties *p, int vocab, const int32_t *prompt, int n_prompt,
+                      kr_penalty_state **out, char *err)
+{
+    if (kr_penalties_check(p, err) != KR_OK) return -1;
+    if (vocab < 1) return kr_errf(err, "penalties: vocabulary size %d", vocab);
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= vocab)
+            return kr_errf(err, "penalties: prompt[%d] = %d is outside the vocabulary [0, %d)", i, prompt[i], vocab);
+    kr_penalty_state *s = calloc(1, sizeof *s);
+    if (!s) return kr_errf(err, "penalties: out of memory");
+    s->p = *p;
+    s->vocab = vocab;
+    s->count = calloc((size_t)vocab, sizeof *s->count);
+    s->seen = calloc((size_t)vocab, sizeof *s->seen);
+    s->ids = malloc((size_t)vocab * sizeof *s->ids);
+    if (!s->count || !s->seen || !s->ids) {
+        kr_penalty_free(s);
+        return kr_errf(err, "penalties: out of memory");
+    }
+    /* the repetition penalty is the only one the prompt's tokens take part in */
+    for (int i = 0; p->repetition != 1.0f && i < n_prompt; i++) see(s, prompt[i]);
+    *out = s;
+    return KR_OK;
+}
+
+void kr_penalty_free(kr_penalty_state *s)
+{
+    if (!s) return;
+    free(s->count);
+    free(s->seen);
+    free(s->ids);
+    free(s);
+}
+
+void kr_penalty_add(kr_penalty_state *s, int32_t id)
+{
+    if (id < 0 || id >= s->vocab) return;
+    if (s->count[id] < INT32_MAX) s->count[id]++;
+    see(s, id);
+}
+
+void kr_penalty_apply(const kr_penalty_state *s, const float *logits, float *out)
+{
+    if (out != logits) memcpy(out, logits, (size_t)s->vocab * sizeof *out);
+    const float r = s->p.repetition;
+    for (int i = 0; i < s->n_ids; i++) {
+        int32_t id = s->ids[i];
+        float l = out[id];
+        if (r != 1.0f) l = l > 0.0f ? l / r : l * r;
+        int32_t c = s->count[id];
+        l -= s->p.frequency * (float)c;
+        if (c > 0) l -= s->p.presence;
+        out[id] = l;
+    }
 }

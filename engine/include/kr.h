@@ -486,6 +486,39 @@ void kr_sampler_free(kr_sampler *sp);
 /* Draws a token id from a row of logits. Does not allocate. */
 int32_t kr_sampler_sample(kr_sampler *sp, const float *logits);
 
+/* Penalties on a row of logits before the sampler sees it, over the tokens a sequence has seen
+ * (vLLM's and OpenAI's definitions; docs/openai.md). For a token with c occurrences in the
+ * output so far and l its logit: when it occurs in the prompt or the output, l becomes l / r if
+ * l > 0 and l * r otherwise (r = repetition); then l -= frequency * c, and l -= presence once
+ * when c > 0. Tokens never seen keep their logit. */
+typedef struct kr_penalties {
+    float repetition; /* (0, 100]; 1 = off */
+    float presence; /* [-2, 2]; 0 = off */
+    float frequency; /* [-2, 2]; 0 = off */
+} kr_penalties;
+
+/* Fills the defaults: all off (1, 0, 0). */
+void kr_penalties_default(kr_penalties *p);
+/* Validates ranges; the message names the field ("repetition_penalty", ...). */
+int kr_penalties_check(const kr_penalties *p, char *err);
+/* 1 when any penalty is on. */
+int kr_penalties_active(const kr_penalties *p);
+
+/* What the penalties count for one sequence: per-token output counts and the seen set, sized
+ * for the vocabulary at creation (kr_penalty_apply and kr_penalty_add do not allocate). */
+typedef struct kr_penalty_state kr_penalty_state;
+/* The state for penalties p over `vocab` ids, the prompt's n_prompt ids counted as seen (they
+ * matter to the repetition penalty only). Prompt ids outside [0, vocab) are an error. The caller
+ * frees *out with kr_penalty_free. */
+int kr_penalty_create(const kr_penalties *p, int vocab, const int32_t *prompt, int n_prompt,
+                      kr_penalty_state **out, char *err);
+void kr_penalty_free(kr_penalty_state *s);
+/* One more output token; an id outside the vocabulary is ignored. */
+void kr_penalty_add(kr_penalty_state *s, int32_t id);
+/* out = the penalized copy of logits[vocab] (out may be logits). Time: the vocabulary's copy
+ * plus the distinct tokens seen. */
+void kr_penalty_apply(const kr_penalty_state *s, const float *logits, float *out);
+
 /* The argmax of a row of `vocab` logits, lowest id on ties (what greedy sampling takes). */
 int32_t kr_argmax(const float *logits, int vocab);
 /* log softmax(logits)[id] at temperature 1: the natural log-probability of `id` under the full
