@@ -1,7 +1,9 @@
 """benchlib.py - what kvrelay-bench-serve (real runs) and kvrelay-sim (simulated ones) share so
 that both take the same load and write the same runs: the load, request-length and output flags
-with their checks, the runs' modes (a rate sweep, a closed loop, a trace), and which requests a
-run sends when. Not a program; both tools import it from tools/.
+with their checks, the runs' modes (a rate sweep, a closed loop, a trace), which requests a run
+sends when, and the shape of the generated workloads (the chat workload's conversations and
+turns, the shared-prefix workload's documents), without their tokens. Not a program; both tools
+import it from tools/.
 """
 import argparse
 import math
@@ -20,6 +22,12 @@ def length_spec():
             raise argparse.ArgumentTypeError("'%s': expected N or LO:HI with 1 <= LO <= HI" % s)
         return tuple(parts)
     return parse
+
+
+def uniform(rng, lo_hi):
+    """A length drawn uniformly from (lo, hi), both ends included."""
+    lo, hi = lo_hi
+    return lo if lo == hi else int(rng.integers(lo, hi + 1))
 
 
 def rate_list(s):
@@ -85,6 +93,97 @@ def add_request_args(g):
     g.add_argument("--policy", action="append", default=[], metavar="SPEC",
                    help="KV policy spec (docs/policies.md), repeatable: requests cycle through "
                         "them (default: full)")
+
+
+WORKLOADS = ("single", "chat", "shared-prefix")
+
+
+def add_workload_args(g):
+    """The workload group: independent prompts, conversations, or prompts sharing long prefixes.
+    Defaults are None where a flag given to the wrong workload must be refused."""
+    g.add_argument("--workload", choices=WORKLOADS, default="single",
+                   help="single: independent prompts (--prompt-len; the default); chat: conversations "
+                        "whose every turn resends the conversation so far; shared-prefix: requests made "
+                        "of one of --prefixes long documents and a question of their own")
+    g.add_argument("--conversations", type=int, metavar="N",
+                   help="chat: measured conversations per run, after the --warmup ones (16)")
+    g.add_argument("--turns", type=length_spec(), metavar="N|LO:HI",
+                   help="chat: turns per conversation, fixed or uniform (4)")
+    g.add_argument("--think-time", type=float, metavar="S",
+                   help="chat: mean seconds from an answer's end to the next turn's send, exponential "
+                        "(0: none) (1)")
+    g.add_argument("--prefixes", type=int, metavar="K",
+                   help="the distinct shared prefixes: chat's system prompts (1), shared-prefix's "
+                        "documents (4); each request draws one")
+    g.add_argument("--prefix-len", type=int, metavar="N",
+                   help="tokens of each shared prefix, the model's BOS included (chat 256, shared-prefix 1024)")
+    g.add_argument("--message-len", type=length_spec(), metavar="N|LO:HI",
+                   help="tokens of a user message (chat) or a question (shared-prefix), fixed or uniform (64)")
+
+
+def check_workload_args(ap, a):
+    """Flags that do not belong to --workload stop with ap.error naming them; fills the workload's
+    defaults. Called before check_load_args, which fills --num-requests."""
+    chat_only = (("--conversations", a.conversations), ("--turns", a.turns), ("--think-time", a.think_time))
+    shaped = (("--prefixes", a.prefixes), ("--prefix-len", a.prefix_len), ("--message-len", a.message_len))
+    if a.workload == "single":
+        for flag, val in chat_only + shaped:
+            if val is not None:
+                ap.error("%s needs --workload chat%s" % (flag, "" if (flag, val) in chat_only else " or shared-prefix"))
+        return
+    if a.trace:
+        ap.error("--trace and --workload %s conflict: a trace carries its own conversations and prefixes" % a.workload)
+    if a.prompt_len != (256, 256):
+        ap.error("--prompt-len and --workload %s conflict: a prompt is a shared prefix (--prefix-len) and a "
+                 "message (--message-len)" % a.workload)
+    if a.workload == "chat":
+        for flag, val in (("--num-requests", a.num_requests), ("--duration", a.duration)):
+            if val is not None:
+                ap.error("%s and --workload chat conflict: a chat run sends --conversations N (its turns "
+                         "follow their answers)" % flag)
+        a.conversations = 16 if a.conversations is None else a.conversations
+        a.turns = a.turns or (4, 4)
+        a.think_time = 1.0 if a.think_time is None else a.think_time
+        if a.conversations < 1:
+            ap.error("--conversations must be at least 1")
+        if not (a.think_time >= 0 and math.isfinite(a.think_time)):
+            ap.error("--think-time must be 0 or more seconds")
+    else:
+        for flag, val in chat_only:
+            if val is not None:
+                ap.error("%s needs --workload chat" % flag)
+    a.prefixes = a.prefixes if a.prefixes is not None else 1 if a.workload == "chat" else 4
+    a.prefix_len = a.prefix_len if a.prefix_len is not None else 256 if a.workload == "chat" else 1024
+    a.message_len = a.message_len or (64, 64)
+    if a.prefixes < 1 or a.prefix_len < 1:
+        ap.error("--prefixes and --prefix-len must be at least 1")
+
+
+def chat_conversations(args):
+    """The generated chat workload's conversations, warmup ones first: each a list of its turns,
+    {conversation, turn (from 1), think_s, prefix (turn 1: its system prompt's name), prefix_len,
+    message_len, output_len}. Conversation j comes from [seed, j, 5] alone, so the same flags give
+    the same conversations whatever the rate or the concurrency."""
+    import numpy as np
+    out = []
+    for j in range(args.warmup + args.conversations):
+        rng = np.random.default_rng([args.seed, j, 5])
+        system = "system-%d" % int(rng.integers(0, args.prefixes))
+        turns = []
+        for k in range(1, uniform(rng, args.turns) + 1):
+            think = float(rng.exponential(args.think_time)) if k > 1 and args.think_time > 0 else 0.0
+            turns.append({"conversation": "c%d" % j, "turn": k, "think_s": think,
+                          "prefix": system if k == 1 else None, "prefix_len": args.prefix_len if k == 1 else 0,
+                          "message_len": uniform(rng, args.message_len), "output_len": uniform(rng, args.output_len)})
+        out.append(turns)
+    return out
+
+
+def shared_prefix_request(args, rng):
+    """One request of the shared-prefix workload from its own rng: (document name, question
+    length, output length)."""
+    doc = "doc-%d" % int(rng.integers(0, args.prefixes))
+    return doc, uniform(rng, args.message_len), uniform(rng, args.output_len)
 
 
 def add_output_args(g):

@@ -1,8 +1,11 @@
 """bench_serve.py - run by bench_serve.sh against a running cluster: every kvrelay-bench-serve run
 must account for exactly what the router counted, and bad input must stop it with exit 2 and a
-message naming the fault, before anything is sent. Counts only, never latencies.
+message naming the fault, before anything is sent. Counts only, never latencies. First, without
+the cluster, the workload generators: the same seed gives the same conversations and prompts,
+and every turn's prompt holds the previous turn's prompt and answer.
 """
 import argparse
+import importlib.machinery
 import json
 import os
 import subprocess
@@ -47,14 +50,15 @@ def settled(http):
 
 
 def bench(a, *flags, expect=0):
+    """Runs the tool; None (a failure recorded) unless it exits `expect` (None: 0 or 1)."""
     t = time.time()
     r = subprocess.run([a.bench, "--no-progress"] + list(flags), stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True, timeout=300)
     name = " ".join(flags)
-    if not check(r.returncode == expect, "exit %d, wanted %d: %s\nstdout:\n%s\nstderr:\n%s"
-                 % (r.returncode, expect, name, r.stdout[-2000:], r.stderr[-2000:])):
+    if not check(r.returncode in ((0, 1) if expect is None else (expect,)), "exit %d, wanted %s: %s\nstdout:\n%s\n"
+                 "stderr:\n%s" % (r.returncode, expect, name, r.stdout[-2000:], r.stderr[-2000:])):
         return None
-    print("ok: exit %d in %.1f s: %s" % (expect, time.time() - t, name))
+    print("ok: exit %d in %.1f s: %s" % (r.returncode, time.time() - t, name))
     return r
 
 
@@ -96,6 +100,87 @@ def rows_match_sent(what, rows, sent):
               "%s: request %d lacks timings" % (what, r["index"]))
 
 
+class FakeText:
+    """A PromptSource without a router: BOS 1, then the ids 100..399 as the text."""
+    bos, ids = [1], list(range(100, 400))
+
+
+def check_generators(a):
+    """The chat and shared-prefix generators and the turn assembly, on a fake text."""
+    mod = importlib.machinery.SourceFileLoader("kvrelay_bench_serve", a.bench).load_module()
+    FakeText.window, FakeText.prompt = mod.PromptSource.window, mod.PromptSource.prompt
+    chat = ["--target", "h:1", "--workload", "chat", "--concurrency", "2", "--conversations", "6", "--turns",
+            "2:4", "--prefixes", "2", "--prefix-len", "20", "--message-len", "3:9", "--output-len", "2:5"]
+
+    def play(seed):
+        """Every turn of every conversation, with answers [7] * completion_tokens."""
+        plan = mod.Plan(mod.parse_args(chat + ["--seed", str(seed)]), FakeText(), None)
+        out = []
+        for j, turns in enumerate(plan.sessions):
+            prev = None
+            for k, (index, line) in enumerate(turns):
+                req = plan.turn(j, index, line, prev, k == len(turns) - 1)
+                answer = [7] * req["output_len"]
+                out.append((j, line["turn"], line["think_s"], req["prompt_ids"], answer, req["reusable_tokens"]))
+                prev = (req["prompt_ids"], {"completion_tokens": len(answer), "output_ids": answer})
+        return out
+    first, again, other = play(1), play(1), play(2)
+    check(first == again, "chat: the same seed gave other conversations")
+    check(first != other, "chat: seeds 1 and 2 gave the same conversations")
+    check(len({x[0] for x in first}) == 6 and {len([x for x in first if x[0] == j]) for j in range(6)} <= {2, 3, 4},
+          "chat: not 6 conversations of 2 to 4 turns: %s" % [(x[0], x[1]) for x in first])
+    systems = set()
+    for (j, turn, think, ids, answer, reusable), prev in zip(first, [None] + first):
+        if turn == 1:
+            check(think == 0 and 23 <= len(ids) <= 29 and ids[0] == 1, "chat: a first turn is not system + message")
+            systems.add(tuple(ids[:20]))
+        else:
+            want = prev[3] + prev[4]
+            check(prev[0] == j and ids[:len(want)] == want and 3 <= len(ids) - len(want) <= 9 and reusable == len(want)
+                  and think >= 0, "chat: conversation %d turn %d does not extend its previous prompt and answer" % (j, turn))
+    check(len(systems) == 2, "chat: %d distinct system prompts, --prefixes 2" % len(systems))
+    shared = mod.parse_args(["--target", "h:1", "--workload", "shared-prefix", "--rate", "5", "--prefixes", "3",
+                             "--prefix-len", "30", "--message-len", "4"])
+    reqs = [mod.Plan(shared, FakeText(), None).request(i) for i in range(12)]
+    check([r["prompt_ids"] for r in reqs] == [mod.Plan(shared, FakeText(), None).request(i)["prompt_ids"]
+                                                for i in range(12)], "shared-prefix: not deterministic")
+    docs = {}
+    for r in reqs:
+        docs.setdefault(r["prefix"], set()).add(tuple(r["prompt_ids"][:30]))
+        check(r["prompt_len"] == 34 and len(r["prompt_ids"]) == 34, "shared-prefix: a prompt of %d tokens" % r["prompt_len"])
+    check(len(docs) == 3 and all(len(v) == 1 for v in docs.values()) and len(set().union(*docs.values())) == 3,
+          "shared-prefix: documents are not 3 distinct prefixes shared by their requests: %s" % docs)
+    if not failures:
+        print("ok: generators: deterministic per seed, turns extend their previous turns, prefixes shared")
+
+
+def chat_rows_ok(what, rows, prefix_len, message, grpc):
+    """A chat run's rows: every turn OK, its prompt = the previous prompt + its answer + a message
+    (or, turn 1, the system prompt + a message), sent only after the previous answer ended."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["conversation"], []).append(r)
+    for c, turns in by.items():
+        turns.sort(key=lambda r: r["turn"])
+        check([r["turn"] for r in turns] == list(range(1, len(turns) + 1)), "%s: %s has turns %s"
+              % (what, c, [r["turn"] for r in turns]))
+        for prev, r in zip([None] + turns, turns):
+            if prev is None:
+                check(r["prompt_tokens"] == prefix_len + message and r["reusable_tokens"] in (0, prefix_len),
+                      "%s: %s turn 1: prompt %d, reusable %d" % (what, c, r["prompt_tokens"], r["reusable_tokens"]))
+                continue
+            grown = prev["prompt_tokens"] + prev["completion_tokens"] + message
+            reused = prev["prompt_tokens"] + (prev["completion_tokens"] if grpc else 0)
+            check(r["prompt_tokens"] == grown and r["reusable_tokens"] == reused,
+                  "%s: %s turn %d: prompt %d, reusable %d; wanted %d, %d" % (what, c, r["turn"], r["prompt_tokens"],
+                                                                          r["reusable_tokens"], grown, reused))
+            check(r["sent_s"] >= prev["end_s"], "%s: %s turn %d sent at %.3f s, before the previous answer ended at "
+                  "%.3f s" % (what, c, r["turn"], r["sent_s"], prev["end_s"]))
+            check(r["cached_tokens"] is None or 0 <= r["cached_tokens"] <= r["prompt_tokens"],
+                  "%s: %s turn %d: cached_tokens %s" % (what, c, r["turn"], r["cached_tokens"]))
+    return by
+
+
 def main():
     ap = argparse.ArgumentParser()
     for flag in ("--bench", "--cli", "--router", "--http", "--work"):
@@ -103,6 +188,7 @@ def main():
     a = ap.parse_args()
     w = a.work
     P2 = "streaming:sink=4,window=32"
+    check_generators(a)
 
     # ---------------------------------------------------------------- ~10 s of Poisson load
     before = settled(a.http)
@@ -203,11 +289,110 @@ def main():
         check(out["wire_dtype"] == "int8" and all(x["kv_wire_dtype"] == "int8+scale" for x in orows),
               "--wire-dtype int8: %s, rows say %s" % (out["wire_dtype"], {x["kv_wire_dtype"] for x in orows}))
 
+    # ---------------------------------------------------------------- chat, gRPC: real answers appended
+    before = settled(a.http)
+    r = bench(a, "--target", a.router, "--workload", "chat", "--concurrency", "2", "--conversations", "3",
+              "--warmup", "1", "--turns", "3", "--think-time", "0.05", "--prefix-len", "48", "--message-len", "8",
+              "--output-len", "6", "--json", w + "/chat.json", "--requests-out", w + "/chat.jsonl")
+    if r:
+        run = json.load(open(w + "/chat.json"))["runs"][0]
+        check_counts("chat", before, settled(a.http), run["sent"])
+        rows = rows_of(w + "/chat.jsonl")
+        rows_match_sent("chat", rows, run["sent"])
+        by = chat_rows_ok("chat", rows, 48, 8, True)
+        check(len(by) == 4 and len(rows) == 12 and run["summary"]["requests"] == 9,
+              "chat: %d conversations, %d rows, %d measured; wanted 4 (1 warmup), 12, 9"
+              % (len(by), len(rows), run["summary"]["requests"]))
+        s = run["summary"]
+        check(s["reusable_tokens"] == sum(x["reusable_tokens"] for x in rows if not x["warmup"]) > 0
+              and "prefix cache" in r.stdout, "chat: the summary's reuse figures: %s" % {k: s.get(k) for k in (
+                  "reusable_tokens", "cached_tokens", "cache_hit_rate")})
+
+    # ---------------------------------------------------------------- chat, OpenAI: stand-in answers
+    before = settled(a.http)
+    r = bench(a, "--openai", "http://%s/v1" % a.http, "--target", a.router, "--workload", "chat", "--rate", "4",
+              "--conversations", "2", "--turns", "2", "--think-time", "0", "--prefix-len", "32", "--message-len",
+              "5", "--output-len", "4", "--json", w + "/chat-openai.json", "--requests-out", w + "/chat-openai.jsonl")
+    if r:
+        run = json.load(open(w + "/chat-openai.json"))["runs"][0]
+        check_counts("chat over openai", before, settled(a.http), run["sent"])
+        rows = rows_of(w + "/chat-openai.jsonl")
+        check(len(rows) == 4 and all(x["status"] == "OK" for x in rows), "chat over openai: rows %s"
+              % [(x["status"], x["error"]) for x in rows])
+        chat_rows_ok("chat over openai", rows, 32, 5, False)
+
+    # ---------------------------------------------------------------- shared prefixes
+    before = settled(a.http)
+    r = bench(a, "--target", a.router, "--workload", "shared-prefix", "--rate", "20", "--num-requests", "8",
+              "--prefixes", "2", "--prefix-len", "40", "--message-len", "8", "--output-len", "4",
+              "--json", w + "/shared.json", "--requests-out", w + "/shared.jsonl")
+    if r:
+        run = json.load(open(w + "/shared.json"))["runs"][0]
+        check_counts("shared prefix", before, settled(a.http), run["sent"])
+        rows = rows_of(w + "/shared.jsonl")
+        rows_match_sent("shared prefix", rows, run["sent"])
+        seen = set()
+        for x in sorted(rows, key=lambda x: x["sent_s"]):
+            check(x["prompt_tokens"] == 48 and x["prefix"] in ("doc-0", "doc-1")
+                  and x["reusable_tokens"] == (40 if x["prefix"] in seen else 0),
+                  "shared prefix: request %d: %s" % (x["index"], {k: x[k] for k in ("prefix", "prompt_tokens",
+                                                                                    "reusable_tokens")}))
+            seen.add(x["prefix"])
+
+    # ---------------------------------------------------------------- a trace with conversations
+    with open(w + "/conv.jsonl", "w") as f:
+        for line in [
+                {"conversation": "a", "turn": 1, "arrival_s": 0, "prefix": "sys", "prefix_tokens": 30,
+                 "prompt_tokens": 6, "output_tokens": 3},
+                {"arrival_s": 0.05, "prompt_tokens": 12, "output_tokens": 2, "policy": P2},
+                {"conversation": 7, "turn": 1, "arrival_s": 0.1, "prefix": "sys", "prompt_tokens": [5, 9, 11],
+                 "output_tokens": 4},
+                {"conversation": "a", "turn": 2, "think_s": 0.05, "prompt_tokens": 4, "output_tokens": 3},
+                {"conversation": 7, "turn": 2, "prompt_tokens": [12, 13], "output_tokens": 2},
+                {"conversation": "a", "turn": 3, "think_s": 0.02, "prompt_tokens": 5, "output_tokens": 1}]:
+            f.write(json.dumps(line) + "\n")
+    before = settled(a.http)
+    r = bench(a, "--target", a.router, "--trace", w + "/conv.jsonl", "--json", w + "/conv.json",
+              "--requests-out", w + "/conv-rows.jsonl")
+    if r:
+        sent = json.load(open(w + "/conv.json"))["runs"][0]["sent"]
+        check_counts("conversation trace", before, settled(a.http), sent)
+        rows = rows_of(w + "/conv-rows.jsonl")
+        rows_match_sent("conversation trace", rows, sent)
+        check([(x["trace_line"], x["conversation"], x["turn"]) for x in rows] ==
+              [(1, "a", 1), (2, None, None), (3, "7", 1), (4, "a", 2), (5, "7", 2), (6, "a", 3)],
+              "conversation trace: rows %s" % [(x["trace_line"], x["conversation"], x["turn"]) for x in rows])
+        if len(rows) == 6:
+            a1, lone, s1, a2, s2, a3 = rows
+            check(lone["prompt_tokens"] == 12 and lone["policy"] == P2 and s1["prompt_tokens"] == 33
+                  and s1["reusable_tokens"] == 30, "conversation trace: lone %d, conversation 7 turn 1 %d (reusable %d)"
+                  % (lone["prompt_tokens"], s1["prompt_tokens"], s1["reusable_tokens"]))
+            for prev, x, own in ((a1, a2, 4), (a2, a3, 5), (s1, s2, 2)):
+                check(x["prompt_tokens"] == prev["prompt_tokens"] + prev["completion_tokens"] + own
+                      and x["sent_s"] >= prev["end_s"], "conversation trace: line %d does not follow line %d"
+                      % (x["trace_line"], prev["trace_line"]))
+
+    # ---------------------------------------------------------------- --ignore-eos is sent when asked
+    r = bench(a, "--openai", "http://%s/v1" % a.http, "--target", a.router, "--concurrency", "1",
+              "--num-requests", "2", "--prompt-len", "16", "--output-len", "5", "--ignore-eos",
+              "--json", w + "/eos.json", "--requests-out", w + "/eos.jsonl", expect=None)
+    if r:
+        out = json.load(open(w + "/eos.json"))
+        rows = rows_of(w + "/eos.jsonl")
+        # a router that reads ignore_eos streams every max_tokens; one that does not yet names it in its 400
+        check(out["ignore_eos"] is True and len(rows) == 2 and (
+            all(x["status"] == "OK" and x["finish_reason"] == "length" and x["completion_tokens"] == 5 for x in rows)
+            or all(x["status"] == "HTTP 400" and "ignore_eos" in x["error"] for x in rows)),
+            "--ignore-eos: %s" % [(x["status"], x["error"], x.get("finish_reason")) for x in rows])
+
     # ---------------------------------------------------------------- bad input: exit 2, nothing sent
     with open(w + "/bad.jsonl", "w") as f:
         f.write('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 2}\n')
         f.write('{"arrival_s": 0.1, "prompt_tokens": 8, "output_tokens": 2}\n')
         f.write('{"arrival_s": 0.2, "prompt_tokens": 8, "output_tokens": 0}\n')
+    with open(w + "/bad-turn.jsonl", "w") as f:
+        f.write('{"conversation": "x", "turn": 1, "arrival_s": 0, "prompt_tokens": 8, "output_tokens": 2}\n')
+        f.write('{"conversation": "x", "turn": 3, "prompt_tokens": 8, "output_tokens": 2}\n')
     with open(w + "/bad-json.jsonl", "w") as f:
         f.write('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 2}\n\n{"arrival_s": 1,\n')
     before = settled(a.http)
@@ -222,6 +407,11 @@ def main():
          "--num-requests and --duration conflict"),
         (["--target", a.router, "--burstiness", "0.5", "--concurrency", "2"], "--burstiness needs --rate"),
         (["--target", a.router, "--rate", "5", "--prompt-len", "9:3"], "argument --prompt-len: '9:3'"),
+        (["--target", a.router, "--trace", w + "/bad-turn.jsonl"], "bad-turn.jsonl:2: conversation x: turn 3 after "
+         "its turn 1 (line 1)"),
+        (["--target", a.router, "--workload", "chat", "--rate", "2", "--num-requests", "3"],
+         "--num-requests and --workload chat conflict"),
+        (["--target", a.router, "--rate", "2", "--think-time", "1"], "--think-time needs --workload chat"),
         (["--target", "127.0.0.1:1", "--rate", "5", "--connect-timeout", "1"], "--target 127.0.0.1:1: no router answers"),
         (["--openai", "http://127.0.0.1:1/v1", "--target", a.router, "--rate", "5", "--connect-timeout", "1"],
          "--openai http://127.0.0.1:1/v1: the router does not answer"),

@@ -5,7 +5,11 @@
 # (kvrelay_requests_total over every status, kvrelay_prompt_tokens_total,
 # kvrelay_tokens_generated_total), exact equality for: ~10 s of Poisson load under two policies
 # (with warmup, a plot, per-request rows); a replayed 12-line trace (its lengths, ids, text and
-# policies, request by request); a short rate sweep; the OpenAI HTTP API. Then bad input (a
+# policies, request by request); a short rate sweep; the OpenAI HTTP API; the chat workload over
+# gRPC and over the OpenAI API (each turn the previous prompt + answer + a message, sent after
+# the previous answer ended), the shared-prefix workload and a trace of conversations with a
+# shared prefix; --ignore-eos. Before the cluster, the generators alone: the same seed gives the
+# same conversations, turns extend their previous turns, documents are shared. Then bad input (a
 # malformed trace line, an unknown SLO key, conflicting flags, targets that do not answer): exit
 # 2 with the line, key, flags or address named, and nothing sent. Counts only, never latencies.
 # Skips (77) without python3-grpcio, numpy, matplotlib or the stub generator.
