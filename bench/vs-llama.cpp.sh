@@ -10,10 +10,13 @@
 #                         [--dtypes LIST] [--prompt N] [--contexts LIST] [--batches LIST]
 #                         [--decode-tokens N] [--repeat N] [--out DIR] [--llama-args "ARGS"]
 #
-# Building llama.cpp (in a clone of its repository, ggml-org/llama.cpp on GitHub):
-#   cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-#   cmake --build build -j --target llama-bench llama-batched-bench
-# and pass --llama-cpp build (the directory holding bin/llama-bench and bin/llama-batched-bench).
+# Building llama.cpp at the version bench/lib/llama-cpp.sh pins (b4748):
+#   git clone https://github.com/ggml-org/llama.cpp llama.cpp
+#   git -C llama.cpp checkout c392e5094deaf2d1a7c18683214f007fad3fe42b
+#   cmake -S llama.cpp -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+#   cmake --build llama.cpp/build -j --target llama-bench llama-batched-bench
+# and pass --llama-cpp llama.cpp/build (the directory holding bin/llama-bench and
+# bin/llama-batched-bench).
 # llama-batched-bench times the batches; with --batches '' llama-bench alone does, unless it lacks
 # the depth option (-d, --n-depth; older versions such as b4748): then batched-bench also times
 # decode at a context.
@@ -72,6 +75,7 @@
 # failed, 2 for bad flags.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+. "$here/bench/lib/llama-cpp.sh"
 llama= bin=$here/build threads=2 rounds=3 config=$here/tools/data/llama-110m.json dtypes=f32,bf16
 prompt=512 contexts=128,2048 batches=8,32 steps=32 repeat=3 out= llama_args=
 # the header above, up to its first line that is no comment; a reader that stops early
@@ -106,27 +110,26 @@ IFS=, read -r -a dtype_list <<<"$dtypes"
 for d in "${dtype_list[@]}"; do
   case $d in f32 | bf16) ;; *) die2 "--dtypes: '$d' is not f32 or bf16" ;; esac
 done
+hint=$(llama_cpp_build_hint llama-bench llama-batched-bench)
 [ -n "$llama" ] || die2 "--llama-cpp DIR is required: a llama.cpp build directory holding bin/llama-bench.
-  Build one in a clone of llama.cpp (ggml-org/llama.cpp on GitHub):
-    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-    cmake --build build -j --target llama-bench llama-batched-bench
-  then pass --llama-cpp build (--help says more)"
+  Build one:
+$hint
+  then pass --llama-cpp llama.cpp/build (--help says more)"
 lb=$llama/bin/llama-bench
-[ -x "$lb" ] || die2 "--llama-cpp $llama has no bin/llama-bench. In the llama.cpp clone:
-    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-    cmake --build build -j --target llama-bench llama-batched-bench"
+[ -x "$lb" ] || die2 "--llama-cpp $llama has no bin/llama-bench. Build it:
+$hint"
 # decode at a context: llama-bench's depth option when it has one, else llama-batched-bench
 if "$lb" --help 2>&1 | grep -q -- '--n-depth'; then
   decode_tool=llama-bench
 else
   decode_tool=llama-batched-bench
   [ -x "$llama/bin/llama-batched-bench" ] || die2 "this llama-bench has no depth option (-d), so decode
-  at a context needs bin/llama-batched-bench, which $llama lacks. In the llama.cpp clone:
-    cmake --build build -j --target llama-bench llama-batched-bench"
+  at a context needs bin/llama-batched-bench, which $llama lacks. Build it:
+$hint"
 fi
 [ -z "$batches" ] || [ -x "$llama/bin/llama-batched-bench" ] || die2 "--batches $batches needs
-  bin/llama-batched-bench, which $llama lacks. In the llama.cpp clone:
-    cmake --build build -j --target llama-bench llama-batched-bench
+  bin/llama-batched-bench, which $llama lacks. Build it:
+$hint
   (or pass --batches '' to leave the batches out)"
 [ -x "$bin/kvrelay-bench-engine" ] || die2 "--bin $bin has no built kvrelay-bench-engine (cmake --build $bin --target kvrelay-bench-engine)"
 [ -f "$config" ] || die2 "--config $config does not exist"
@@ -141,19 +144,13 @@ for b in "${batch_list[@]}"; do [ "$b" -gt "$max_batch" ] && max_batch=$b; done
 
 # the llama.cpp commit: the source tree's git when the build directory sits in one, else what
 # llama-bench was built with (unknown when it was built outside git)
-llama_commit=$(git -C "$llama" rev-parse HEAD 2>/dev/null ||
-  git -C "$llama/.." rev-parse HEAD 2>/dev/null || true)
+llama_commit=$(llama_cpp_commit "$llama")
 cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)
 flags=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|f16c|avx512f|avx512_bf16|amx_bf16)$' | tr '\n' ' ' || true)
 echo "vs-llama.cpp.sh: $(nproc) CPUs ($cpu; $flags), load $(cut -d' ' -f1-3 /proc/loadavg);" \
   "$rounds rounds, $threads threads; llama.cpp $llama (decode via $decode_tool); output in $out" >&2
 
-for d in "${dtype_list[@]}"; do
-  if [ ! -f "$out/models/$d/model.gguf" ]; then
-    echo "vs-llama.cpp.sh: writing the $d model ($config)" >&2
-    "$py" "$here/bench/gguf_model.py" --config "$config" --dtype "$d" --out "$out/models/$d" >/dev/null
-  fi
-done
+llama_models "$out/models" "$config" "$dtypes"
 
 # run_kvrelay ROUND DTYPE TEST, run_llama ROUND DTYPE TEST (TEST: pp, tgC for decode at C, tbC
 # for decode at C in every batch of --batches): raw outputs into
