@@ -22,6 +22,7 @@
 #include "node.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +39,7 @@ typedef struct dn_loop {
     kr_seq **seqs; /* [max_batch] batch scratch */
     int32_t *tokens; /* [max_batch] */
     float *logits; /* [max_batch][vocab] */
+    float *row; /* [vocab]: one job's logits after its penalties and masks */
 } dn_loop;
 
 /* The blocks the batch's sequences hold, by policy family (the loop's own view: it owns run[]). */
@@ -57,6 +59,7 @@ void dn_job_free(dn_job *job)
         return;
     kr_seq_free(job->seq);
     kr_sampler_free(job->sampler);
+    kr_penalty_free(job->pen);
     free(job->stop_ids);
     free(job->forced);
     free(job);
@@ -174,12 +177,15 @@ static grpc_status_code gone_code(dn_job *j)
 }
 
 /* After token `id` joined the completion: the reason to stop, or 0 to go on. A forced
- * continuation is scored to its end: EOS and stop ids inside it do not stop it. */
+ * continuation is scored to its end: EOS and stop ids inside it do not stop it; neither do
+ * they before min_tokens, nor EOS with ignore_eos. */
 static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_t id)
 {
-    if (!j->forced && id == n->mcfg->eos_token_id)
+    /* before min_tokens only the prefill node's first token can be EOS or a stop id: it goes on */
+    int may_stop = !j->forced && j->n_gen > j->min_tokens;
+    if (may_stop && !j->ignore_eos && id == n->mcfg->eos_token_id)
         return KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
-    for (int i = 0; !j->forced && i < j->n_stop; i++)
+    for (int i = 0; may_stop && i < j->n_stop; i++)
         if (j->stop_ids[i] == id)
             return KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
     if (j->n_gen >= j->max_tokens)
@@ -200,6 +206,8 @@ static void admit(dn_loop *L, dn_job *j)
     j->t_join = j->t_last = dn_now();
     j->n_gen = 1; /* the prefill node's first token */
     int32_t first = j->first_token;
+    if (j->pen)
+        kr_penalty_add(j->pen, first);
     Kvrelay__V1__FinishReason why = stop_reason(n, j, first);
     if (why) { /* nothing to decode: the router already has the only token */
         finish_ok(L, j, why);
@@ -262,6 +270,8 @@ static int take_token(dn_loop *L, dn_job *j, int32_t id, const float *row)
         j->pending_top[j->n_pending] = (uint32_t)top;
     }
     j->pending[j->n_pending++] = id;
+    if (j->pen)
+        kr_penalty_add(j->pen, id);
     Kvrelay__V1__FinishReason why = stop_reason(n, j, id);
     if (why) {
         finish_ok(L, j, why);
@@ -275,6 +285,28 @@ static int take_token(dn_loop *L, dn_job *j, int32_t id, const float *row)
         return 1;
     }
     return 0;
+}
+
+/* The row job j samples from: the model's logits, or with penalties or before min_tokens a
+ * copy in L->row with the penalties applied and EOS (unless ignored) and the stop ids masked
+ * out. Log-probabilities stay those of the model's row. */
+static const float *sampling_row(dn_loop *L, const dn_job *j, const float *row)
+{
+    int mask = j->n_gen < j->min_tokens;
+    if (!j->pen && !mask)
+        return row;
+    const kr_config *c = L->n->mcfg;
+    if (j->pen)
+        kr_penalty_apply(j->pen, row, L->row);
+    else
+        memcpy(L->row, row, (size_t)c->vocab_size * sizeof *L->row);
+    if (mask) {
+        if (!j->ignore_eos && c->eos_token_id >= 0 && c->eos_token_id < c->vocab_size)
+            L->row[c->eos_token_id] = -INFINITY;
+        for (int i = 0; i < j->n_stop; i++)
+            L->row[j->stop_ids[i]] = -INFINITY;
+    }
+    return L->row;
 }
 
 /* Feeds run[lo, lo + nb) one token each, samples and streams; a failed batch is retried one
@@ -310,7 +342,8 @@ static void step_chunk(dn_loop *L, int lo, int nb)
         const float *row = L->logits + (size_t)i * vocab;
         /* n_gen tokens so far, the prefill node's first included: this is forced[n_gen - 1]
          * (stop_reason ended the job at max_tokens, so the index is inside the list) */
-        int32_t id = j->forced ? j->forced[j->n_gen - 1] : kr_sampler_sample(j->sampler, row);
+        int32_t id = j->forced ? j->forced[j->n_gen - 1]
+                               : kr_sampler_sample(j->sampler, sampling_row(L, j, row));
         if (take_token(L, j, id, row))
             L->run[lo + i] = NULL;
     }
@@ -419,6 +452,7 @@ static void *loop_main(void *arg)
     free(L->seqs);
     free(L->tokens);
     free(L->logits);
+    free(L->row);
     free(L);
     return NULL;
 }
@@ -432,12 +466,14 @@ int dn_loop_start(dn_node *n, char *err)
         L->seqs = calloc((size_t)mb, sizeof *L->seqs);
         L->tokens = calloc((size_t)mb, sizeof *L->tokens);
         L->logits = malloc((size_t)mb * (size_t)n->mcfg->vocab_size * sizeof *L->logits);
+        L->row = malloc((size_t)n->mcfg->vocab_size * sizeof *L->row);
     }
-    if (!L || !L->seqs || !L->tokens || !L->logits) {
+    if (!L || !L->seqs || !L->tokens || !L->logits || !L->row) {
         if (L) {
             free(L->seqs);
             free(L->tokens);
             free(L->logits);
+            free(L->row);
         }
         free(L);
         snprintf(err, 256, "out of memory for a batch of %d (%d-token vocabulary)", mb,
@@ -451,6 +487,7 @@ int dn_loop_start(dn_node *n, char *err)
         free(L->seqs);
         free(L->tokens);
         free(L->logits);
+        free(L->row);
         free(L);
         snprintf(err, 256, "cannot start the batching thread");
         return -1;

@@ -139,6 +139,10 @@ typedef struct dn_job {
                         sample. Forced jobs ignore EOS and stop ids (they end at max_tokens) */
     int logprobs; /* stream logprobs and top_ids with the ids (always when forced) */
     int max_tokens; /* completion tokens allowed, the first included */
+    int ignore_eos; /* EOS is a token like any other: it does not stop the sequence */
+    int min_tokens; /* while n_gen < min_tokens, EOS and stop ids are masked out of the draws
+                       (and the prefill node's first token does not stop the sequence) */
+    kr_penalty_state *pen; /* NULL: no repetition, presence or frequency penalty */
     int budget_tokens; /* what the reservation's blocks cover (CONTEXT beyond it) */
     /* loop only, from the admission on */
     kr_seq *seq; /* adopted from resv->seq */

@@ -157,6 +157,44 @@ static int sampling_from(const Kvrelay__V1__Sampling *s, kr_sampling *out, char 
     return kr_sampling_check(out, err);
 }
 
+/* The penalties of Sampling (repetition 0 = off, as 1) and what they count: *out NULL when
+ * none is on. Forcing samples nothing, so it needs none. */
+static int penalties_from(const Kvrelay__V1__DecodeRequest *req, int vocab, kr_penalty_state **out,
+                          char *err)
+{
+    *out = NULL;
+    const Kvrelay__V1__Sampling *s = req->sampling;
+    kr_penalties p;
+    kr_penalties_default(&p);
+    if (s) {
+        p.repetition = s->repetition_penalty == 0.0f ? 1.0f : s->repetition_penalty;
+        p.presence = s->presence_penalty;
+        p.frequency = s->frequency_penalty;
+    }
+    if (kr_penalties_check(&p, err) != KR_OK)
+        return -1;
+    if (!kr_penalties_active(&p) || req->n_forced)
+        return 0;
+    for (size_t i = 0; i < req->n_penalty_output; i++)
+        if (req->penalty_output[i] >= (uint32_t)vocab) {
+            snprintf(err, KR_ERR_MAX, "penalty_output[%zu] = %u is outside the vocabulary [0, %d)",
+                     i, req->penalty_output[i], vocab);
+            return -1;
+        }
+    if (req->n_penalty_prompt > (size_t)INT32_MAX) {
+        snprintf(err, KR_ERR_MAX, "penalty_prompt: %zu ids", req->n_penalty_prompt);
+        return -1;
+    }
+    /* kr_penalty_create refuses ids outside the vocabulary: those below it are the same bits
+     * as int32 */
+    if (kr_penalty_create(&p, vocab, (const int32_t *)req->penalty_prompt,
+                          (int)req->n_penalty_prompt, out, err) != KR_OK)
+        return -1;
+    for (size_t i = 0; i < req->n_penalty_output; i++)
+        kr_penalty_add(*out, (int32_t)req->penalty_output[i]);
+    return 0;
+}
+
 /* A transfer that failed: which status tells the router the right thing. */
 static grpc_status_code transfer_code(const char *msg)
 {
@@ -382,7 +420,10 @@ static int decode(kc_call *call, const Kvrelay__V1__DecodeRequest *req, dn_node 
             job->forced[i] = (int32_t)req->forced[i];
     }
     job->logprobs = req->logprobs || req->n_forced > 0;
-    if (kr_sampler_create(&sampling, c->vocab_size, &job->sampler, err) != KR_OK) {
+    job->ignore_eos = req->ignore_eos;
+    job->min_tokens = (int)(req->min_tokens > (uint32_t)INT32_MAX ? INT32_MAX : req->min_tokens);
+    if (kr_sampler_create(&sampling, c->vocab_size, &job->sampler, err) != KR_OK ||
+        penalties_from(req, c->vocab_size, &job->pen, err) != 0) {
         dn_job_free(job);
         return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
     }
