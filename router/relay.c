@@ -54,7 +54,14 @@ int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *t
             kc_status_set(st, GRPC_STATUS_INTERNAL, "detokenizing generated token %u: %s", ids[i], err);
             return -1;
         }
-        int m = rt_stop_push(&r->stop, delta, dlen, &emit, &elen);
+        /* stop strings end nothing before min_tokens: the text before then is never matched */
+        int m = 0;
+        if (r->completion + i + 1 < r->min_tokens) {
+            emit = delta;
+            elen = dlen;
+        } else {
+            m = rt_stop_push(&r->stop, delta, dlen, &emit, &elen);
+        }
         if (m < 0) {
             free(text);
             kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
@@ -200,6 +207,21 @@ grpc_status_code rt_decode_stream(rt_req *r, kc_status *st)
         req.forced = (uint32_t *)r->forced + r->completion;
     }
     req.logprobs = r->logprobs;
+    req.ignore_eos = r->ignore_eos;
+    uint32_t before = r->max_tokens - r->left_tokens; /* generated before this placement */
+    req.min_tokens = r->min_tokens > before ? r->min_tokens - before : 0;
+    const Kvrelay__V1__Sampling *sg = &r->sampling;
+    if (sg->presence_penalty != 0.0f || sg->frequency_penalty != 0.0f ||
+        (sg->repetition_penalty != 0.0f && sg->repetition_penalty != 1.0f)) {
+        /* what the penalties count: the prompt for repetition, the tokens of earlier placements
+         * as output (the decode node adds the prefill's first token and its own) */
+        if (sg->repetition_penalty != 0.0f && sg->repetition_penalty != 1.0f) {
+            req.n_penalty_prompt = (size_t)r->n_prompt;
+            req.penalty_prompt = (uint32_t *)r->prompt; /* ids in the vocabulary: the same bits */
+        }
+        req.n_penalty_output = before;
+        req.penalty_output = r->sent;
+    }
     kc_stream *s;
     kc_status s_st;
     if (kc_stream_open(rt_node_channel(r->rt, r->dnode), "/kvrelay.v1.Decode/Decode", &req.base, rt_req_hop_timeout(r), &s,

@@ -145,10 +145,13 @@ static grpc_status_code start(rt_req *r, int *done, kc_status *st)
         return st->code;
     }
     *done = k == 1;
-    if (!*done && !r->forced && (int32_t)first == rt->cfg.eos_token_id) { /* forcing scores past EOS */
+    /* forcing scores past EOS; EOS and stop ids end nothing before min_tokens (r->completion
+     * counts this token now) */
+    int may_stop = !r->forced && r->completion > r->min_tokens;
+    if (!*done && may_stop && !r->ignore_eos && (int32_t)first == rt->cfg.eos_token_id) {
         r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
         *done = 1;
-    } else if (!*done && rt_is_stop_id(r, first)) {
+    } else if (!*done && may_stop && rt_is_stop_id(r, first)) {
         r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_STOP;
         *done = 1;
     } else if (!*done && r->left_tokens == 1) {

@@ -67,6 +67,8 @@ typedef struct rt_req {
     const uint32_t *forced; /* borrowed: the ids to emit instead of sampling, max_tokens of them;
                                NULL: sample */
     int logprobs; /* relay logprobs and top_ids (always when forcing) */
+    int ignore_eos; /* EOS does not end the completion */
+    uint32_t min_tokens; /* neither EOS, a stop id nor a stop string ends it before this many */
     kr_detok *detok; /* NULL without a tokenizer */
     rt_stop stop;
     double t_arrival, t_first, t_last; /* seconds, monotonic */

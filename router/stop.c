@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int rt_stop_init(rt_stop *m, char *const *stops, int n)
+int rt_stop_init(rt_stop *m, char *const *stops, int n, int include)
 {
     memset(m, 0, sizeof *m);
     size_t *lens = calloc(n > 0 ? (size_t)n : 1, sizeof *lens);
@@ -18,6 +18,7 @@ int rt_stop_init(rt_stop *m, char *const *stops, int n)
     m->stops = stops;
     m->stop_lens = lens;
     m->n_stops = n;
+    m->include = include;
     m->buf = buf;
     m->cap = 64;
     return 0;
@@ -30,14 +31,17 @@ void rt_stop_free(rt_stop *m)
     memset(m, 0, sizeof *m);
 }
 
-/* Earliest complete occurrence of any stop string in buf[0, len): its offset, or -1. A plain
+/* Earliest complete occurrence of any stop string in buf[0, len): its offset, or -1, and the
+ * length of the stop string found there (the first listed among those that match at it). A plain
  * scan: stop strings are short and the buffer holds one delta plus a held-back prefix. */
-static long first_match(const rt_stop *m, const char *buf, size_t len)
+static long first_match(const rt_stop *m, const char *buf, size_t len, size_t *stop_len)
 {
     for (size_t at = 0; at < len; at++)
         for (int i = 0; i < m->n_stops; i++)
-            if (m->stop_lens[i] <= len - at && memcmp(buf + at, m->stops[i], m->stop_lens[i]) == 0)
+            if (m->stop_lens[i] <= len - at && memcmp(buf + at, m->stops[i], m->stop_lens[i]) == 0) {
+                *stop_len = m->stop_lens[i];
                 return (long)at;
+            }
     return -1;
 }
 
@@ -76,12 +80,13 @@ int rt_stop_push(rt_stop *m, const char *delta, size_t len, const char **out, si
     }
     memcpy(m->buf + m->len, delta, len);
     m->len += len;
-    long hit = first_match(m, m->buf, m->len);
+    size_t stop_len = 0;
+    long hit = first_match(m, m->buf, m->len, &stop_len);
     if (hit >= 0) {
         m->matched = 1;
         m->emitted = m->len; /* nothing is kept after a match */
         *out = m->buf;
-        *out_len = (size_t)hit;
+        *out_len = (size_t)hit + (m->include ? stop_len : 0);
         return 1;
     }
     m->emitted = m->len - held_suffix(m, m->buf, m->len);

@@ -1,8 +1,9 @@
 /*
  * validate.c - a GenerateRequest checked and turned into an rt_req before anything is placed:
  * the request id (or a new one), the prompt tokenized and bounded by the model's context and
- * --max-prompt-tokens, max_tokens or the forced ids, the KV policy parsed (file keys resolved by
- * policy.c), sampling with a seed always present, stop strings and stop ids. Every refusal is
+ * --max-prompt-tokens, max_tokens (and min_tokens) or the forced ids, the KV policy parsed (file
+ * keys resolved by policy.c), sampling with a seed always present and its penalties in range,
+ * stop strings and stop ids. Every refusal is
  * INVALID_ARGUMENT (FAILED_PRECONDITION when the model lacks a tokenizer) naming the field.
  * Not the OpenAI API's own body checks (openai-request.c), which map onto these.
  * Tested by test_router_cluster (refusals) and tests/integration/openai_api.sh.
@@ -156,6 +157,13 @@ static grpc_status_code check_length(rt_router *rt, const Kvrelay__V1__GenerateR
         r->max_tokens = q->max_tokens;
     }
     r->logprobs = q->logprobs || r->forced;
+    if (!r->forced) { /* a forced request runs to its last id whatever EOS says */
+        if (q->min_tokens > r->max_tokens)
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "min_tokens: %u > max_tokens %u", q->min_tokens,
+                                 r->max_tokens), st->code;
+        r->min_tokens = q->min_tokens;
+        r->ignore_eos = q->ignore_eos;
+    }
     return GRPC_STATUS_OK;
 }
 
@@ -185,6 +193,9 @@ static grpc_status_code check_sampling(rt_router *rt, const Kvrelay__V1__Generat
         r->sampling.temperature = q->sampling->temperature;
         r->sampling.top_p = q->sampling->top_p;
         r->sampling.top_k = q->sampling->top_k;
+        r->sampling.repetition_penalty = q->sampling->repetition_penalty;
+        r->sampling.presence_penalty = q->sampling->presence_penalty;
+        r->sampling.frequency_penalty = q->sampling->frequency_penalty;
         if (q->sampling->seed_choice_case == KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED) {
             r->sampling.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
             r->sampling.seed = q->sampling->seed;
@@ -206,6 +217,11 @@ static grpc_status_code check_sampling(rt_router *rt, const Kvrelay__V1__Generat
     ks.seed = r->sampling.seed;
     if (kr_sampling_check(&ks, err) != KR_OK)
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "%s", err), st->code; /* "sampling: ..." */
+    kr_penalties kp = {.repetition = r->sampling.repetition_penalty == 0.0f ? 1.0f : r->sampling.repetition_penalty,
+                       .presence = r->sampling.presence_penalty,
+                       .frequency = r->sampling.frequency_penalty};
+    if (kr_penalties_check(&kp, err) != KR_OK)
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "sampling.%s", err), st->code;
     return GRPC_STATUS_OK;
 }
 
@@ -240,9 +256,9 @@ static grpc_status_code check_stops(rt_router *rt, const Kvrelay__V1__GenerateRe
     r->stop_ids = q->stop_ids;
     r->n_stop_ids = n_stop_ids;
 
-    if (rt->tok && kr_detok_create(rt->tok, 1, &r->detok, err) != KR_OK)
+    if (rt->tok && kr_detok_create(rt->tok, !q->keep_special_tokens, &r->detok, err) != KR_OK)
         return kc_status_set(st, GRPC_STATUS_INTERNAL, "detokenizer: %s", err), st->code;
-    if (rt_stop_init(&r->stop, q->stop, (int)n_stop) != 0)
+    if (rt_stop_init(&r->stop, q->stop, (int)n_stop, q->include_stop_str_in_output) != 0)
         return kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory"), st->code;
     return GRPC_STATUS_OK;
 }

@@ -2,8 +2,9 @@
  * test_router_stop.c - the router's stop-string matcher (router/stop.c) on hand-checked cases:
  * a stop string split over deltas, a held-back prefix that turns out not to be one, the earliest
  * of several stops, overlapping prefixes ("aab" in "aaab"), multi-byte UTF-8, flush, nothing after
- * a match; then a randomized comparison with a direct reference (cut the whole text at the
- * earliest occurrence once a delta completes one) over random texts, stops and delta splits, which
+ * a match; with include_stop_str_in_output the stop string ends the text; then a randomized
+ * comparison with a direct reference (cut the whole text at the earliest occurrence once a delta
+ * completes one) over random texts, stops and delta splits, which
  * also checks that no more than the longest stop minus one byte is ever held back.
  * No network. Run: ctest -R test_router_stop.
  */
@@ -15,12 +16,12 @@
 
 /* Feeds `deltas` (NULL-terminated) and returns everything emitted (static buffer); *matched
  * gets whether a stop string completed. */
-static const char *run(char *const *stops, int n_stops, const char *const *deltas, int *matched)
+static const char *run(char *const *stops, int n_stops, int include, const char *const *deltas, int *matched)
 {
     static char out[1024];
     size_t len = 0;
     rt_stop m;
-    REQUIRE(rt_stop_init(&m, stops, n_stops) == 0, "init");
+    REQUIRE(rt_stop_init(&m, stops, n_stops, include) == 0, "init");
     *matched = 0;
     for (int i = 0; deltas[i]; i++) {
         const char *e;
@@ -41,12 +42,23 @@ static const char *run(char *const *stops, int n_stops, const char *const *delta
     return out;
 }
 
+/* the same with include_stop_str_in_output */
+#define CASE_INC(stops_init, want, want_matched, ...)                                              \
+    do {                                                                                           \
+        char *stops[] = stops_init;                                                                \
+        const char *deltas[] = {__VA_ARGS__, NULL};                                                \
+        int matched;                                                                               \
+        const char *got = run(stops, (int)(sizeof stops / sizeof *stops), 1, deltas, &matched);    \
+        CHECK(!strcmp(got, want), "emitted '%s', want '%s'", got, want);                           \
+        CHECK(matched == want_matched, "matched %d, want %d (want '%s')", matched, want_matched, want); \
+    } while (0)
+
 #define CASE(stops_init, want, want_matched, ...)                                                  \
     do {                                                                                           \
         char *stops[] = stops_init;                                                                \
         const char *deltas[] = {__VA_ARGS__, NULL};                                                \
         int matched;                                                                               \
-        const char *got = run(stops, (int)(sizeof stops / sizeof *stops), deltas, &matched);       \
+        const char *got = run(stops, (int)(sizeof stops / sizeof *stops), 0, deltas, &matched);    \
         CHECK(!strcmp(got, want), "emitted '%s', want '%s'", got, want);                           \
         CHECK(matched == want_matched, "matched %d, want %d (want '%s')", matched, want_matched, want); \
     } while (0)
@@ -55,6 +67,11 @@ static const char *run(char *const *stops, int n_stops, const char *const *delta
 
 static void hand_cases(void)
 {
+    /* include_stop_str_in_output: the text ends after the stop string, split or not, and the
+     * earliest match's own string is the one kept */
+    CASE_INC(S("###"), "ab###", 1, "ab#", "#", "#cd", "more");
+    CASE_INC(S("cd", "bcd"), "abcd", 1, "abcdef");
+    CASE_INC(S("xyz"), "abc", 0, "ab", "c");
     /* a stop string split over three deltas: nothing of it is emitted, nor what follows */
     CASE(S("###"), "ab", 1, "ab#", "#", "#cd", "more");
     /* a held-back "#" that is not a stop after all comes out with the next delta */
@@ -81,14 +98,14 @@ static void hand_cases(void)
         char *none[1] = {NULL};
         const char *deltas[] = {"a", "b", NULL};
         int matched;
-        const char *got = run(none, 0, deltas, &matched);
+        const char *got = run(none, 0, 0, deltas, &matched);
         CHECK(!strcmp(got, "ab") && !matched, "no stops: '%s' %d", got, matched);
     }
     /* streaming: with no possible prefix, a delta is emitted whole at once */
     {
         char *stops[] = {"###"};
         rt_stop m;
-        REQUIRE(rt_stop_init(&m, stops, 1) == 0, "init");
+        REQUIRE(rt_stop_init(&m, stops, 1, 0) == 0, "init");
         const char *e;
         size_t elen;
         CHECK(rt_stop_push(&m, "abc", 3, &e, &elen) == 0 && elen == 3, "whole delta out (%zu)", elen);
@@ -130,7 +147,7 @@ static void random_cases(void)
         for (int k = 0; k < text_len; k++) text[k] = alphabet[rnd(3)];
         text[text_len] = 0;
         rt_stop m;
-        REQUIRE(rt_stop_init(&m, stops, n_stops) == 0, "init");
+        REQUIRE(rt_stop_init(&m, stops, n_stops, 0) == 0, "init");
         char out[128];
         size_t out_len = 0;
         int matched = 0, fed = 0, cut = text_len, want_match = 0;
