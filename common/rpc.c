@@ -78,6 +78,67 @@ int kc_message_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buf
     return 0;
 }
 
+/* Reads a varint at *p (< end) into *v; 0, or -1 when it runs past end or 10 bytes. */
+static int wire_varint(const uint8_t **p, const uint8_t *end, uint64_t *v)
+{
+    *v = 0;
+    for (int shift = 0; *p < end && shift < 70; shift += 7) {
+        uint8_t b = *(*p)++;
+        *v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80))
+            return 0;
+    }
+    return -1;
+}
+
+/* The first string field of a `desc` message's wire bytes [p, end), sub-messages included, that
+ * holds a NUL byte: its descriptor (and its message's in *owner), or NULL. protobuf-c hands a
+ * string over NUL-terminated without its length, so such a string would go on cut at the NUL.
+ * Only for bytes that protobuf-c parsed: the walk stops quietly at what it does not follow. */
+static const ProtobufCFieldDescriptor *nul_string(const ProtobufCMessageDescriptor *desc,
+                                                  const uint8_t *p, const uint8_t *end, int depth,
+                                                  const ProtobufCMessageDescriptor **owner)
+{
+    while (p < end && depth < 32) {
+        uint64_t tag, n;
+        if (wire_varint(&p, end, &tag) != 0)
+            return NULL;
+        switch (tag & 7) {
+        case 0: /* varint */
+            if (wire_varint(&p, end, &n) != 0)
+                return NULL;
+            break;
+        case 1: /* 64-bit */
+            p += (size_t)(end - p) < 8 ? (size_t)(end - p) : 8;
+            break;
+        case 5: /* 32-bit */
+            p += (size_t)(end - p) < 4 ? (size_t)(end - p) : 4;
+            break;
+        case 2: { /* length-delimited: a string, bytes, a message or a packed array */
+            if (wire_varint(&p, end, &n) != 0 || n > (uint64_t)(end - p))
+                return NULL;
+            const ProtobufCFieldDescriptor *f =
+                tag >> 3 <= UINT32_MAX ? protobuf_c_message_descriptor_get_field(desc, (unsigned)(tag >> 3))
+                                       : NULL;
+            if (f && f->type == PROTOBUF_C_TYPE_STRING && memchr(p, 0, (size_t)n)) {
+                *owner = desc;
+                return f;
+            }
+            if (f && f->type == PROTOBUF_C_TYPE_MESSAGE) {
+                const ProtobufCFieldDescriptor *in = nul_string(f->descriptor, p, p + n, depth + 1, owner);
+                if (in)
+                    return in;
+            }
+            p += n;
+            break;
+        }
+        default: /* groups: protobuf-c skips them, and proto3 has none */
+            return NULL;
+        }
+    }
+    return NULL;
+}
+
 int kc_message_unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
                       size_t max_bytes, ProtobufCMessage **out, kc_status *st)
 {
@@ -98,11 +159,21 @@ int kc_message_unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *de
                    desc->name, n, max_bytes);
         return -1;
     }
-    ProtobufCMessage *msg = protobuf_c_message_unpack(desc, NULL, n, GRPC_SLICE_START_PTR(slice));
+    const uint8_t *bytes = GRPC_SLICE_START_PTR(slice);
+    ProtobufCMessage *msg = protobuf_c_message_unpack(desc, NULL, n, bytes);
+    const ProtobufCMessageDescriptor *owner = NULL;
+    const ProtobufCFieldDescriptor *nul = msg ? nul_string(desc, bytes, bytes + n, 0, &owner) : NULL;
     grpc_slice_unref(slice);
     if (!msg) {
         kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "malformed %s (%zu bytes do not parse)",
                    desc->name, n);
+        return -1;
+    }
+    if (nul) {
+        kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                      "%s: %s.%s holds U+0000 (a NUL character), which kvrelay does not take in "
+                      "text", nul->name, owner->name, nul->name);
+        protobuf_c_message_free_unpacked(msg, NULL);
         return -1;
     }
     *out = msg;

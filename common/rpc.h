@@ -44,8 +44,10 @@ typedef struct {
 int kc_message_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer **out,
                     kc_status *st);
 /* Unpacks a byte buffer as a `desc` message into *out (free with kc_message_free). Bytes that do
- * not parse give INVALID_ARGUMENT naming the message type and length; more than `max_bytes`
- * (0 = default) gives RESOURCE_EXHAUSTED. `bb` stays the caller's. Returns 0 or -1. */
+ * not parse give INVALID_ARGUMENT naming the message type and length, and so does a string field
+ * (in a sub-message too) holding a NUL byte: "FIELD: Message.FIELD holds U+0000 ..." (protobuf-c
+ * would hand it over cut at the NUL); more than `max_bytes` (0 = default) gives
+ * RESOURCE_EXHAUSTED. `bb` stays the caller's. Returns 0 or -1. */
 int kc_message_unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
                       size_t max_bytes, ProtobufCMessage **out, kc_status *st);
 /* Frees a message from kc_message_unpack, kc_unary or kc_stream_next. NULL is fine. */
