@@ -587,17 +587,32 @@ int kr_prefill_layers(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int ch
                       kr_logits_mode mode, float *logits, kr_layers_final_fn fn, void *arg,
                       char *err)
 {
+    const kr_prompt_span sp = {.tokens = tokens, .n = n, .from = 0, .to = n, .chunk = chunk,
+                               .pos0 = s->next_pos};
+    return kr_prefill_span(c, s, &sp, mode, logits, fn, arg, err);
+}
+
+int kr_prefill_span(kr_ctx *c, kr_seq *s, const kr_prompt_span *sp, kr_logits_mode mode,
+                    float *logits, kr_layers_final_fn fn, void *arg, char *err)
+{
+    const int32_t *tokens = sp->tokens;
+    const int n = sp->n;
     if (n < 1) return kr_errf(err, "prefill: empty prompt");
+    int chunk = sp->chunk;
     if (chunk <= 0 || chunk > c->max_chunk) chunk = c->max_chunk;
+    if (sp->from < 0 || sp->from >= sp->to || sp->to > n || sp->from % chunk != 0 ||
+        (sp->to != n && sp->to % chunk != 0))
+        return kr_errf(err, "prefill: span [%d, %d) of a %d-token prompt does not start and end on "
+                       "%d-token chunk boundaries (or the prompt's end)", sp->from, sp->to, n, chunk);
     const int vocab = c->model->cfg.vocab_size;
-    /* room for the whole prompt up front, so running out of blocks fails before any work */
-    if (!s->policy && kr_seq_grow(s, n, err) != KR_OK) return -1;
+    /* room for the span up front, so running out of blocks fails before any work */
+    if (!s->policy && kr_seq_grow(s, sp->to - sp->from, err) != KR_OK) return -1;
     /* observers a policy appends to every chunk but the last: the prompt's last rows */
     const kr_policy *p = s->policy;
     int n_app = p ? kr_policy_appended(p, n) : 0;
-    const int pos0 = s->next_pos;
-    for (int at = 0; at < n; at += chunk) {
-        int len = n - at < chunk ? n - at : chunk;
+    const int pos0 = sp->pos0;
+    for (int at = sp->from; at < sp->to; at += chunk) {
+        int len = sp->to - at < chunk ? sp->to - at : chunk;
         int last = at + len == n;
         kr_logits_mode m = mode == KR_LOGITS_ALL ? KR_LOGITS_ALL : (last ? mode : KR_LOGITS_NONE);
         float *dst = mode == KR_LOGITS_ALL ? logits + (size_t)at * vocab : logits;

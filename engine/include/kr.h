@@ -307,6 +307,26 @@ typedef int (*kr_layers_final_fn)(void *arg, const kr_seq *s, int n_final, char 
 int kr_prefill_layers(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk,
                       kr_logits_mode mode, float *logits, kr_layers_final_fn fn, void *arg,
                       char *err);
+/* Part of a chunked prefill: prompt tokens [from, to) of tokens[0, n). */
+typedef struct kr_prompt_span {
+    const int32_t *tokens; /* [n]: the whole prompt */
+    int n;
+    int from; /* a multiple of chunk: the sequence holds tokens [0, from), fed by earlier spans of
+               * this prompt (or, for a prefix-deterministic policy, of any prompt beginning
+               * with the same tokens: kr_policy_prefix_deterministic) with the same chunk and
+               * pos0, or their kr_seq_copy */
+    int to; /* n, or a multiple of chunk above from */
+    int chunk; /* <= 0: the context's max_chunk */
+    int pos0; /* position of the prompt's first token (the sequence's next position before it) */
+} kr_prompt_span;
+/* kr_prefill_layers over the chunks of one span: the chunks, their positions, observers and
+ * policy hooks are exactly those the one-call prefill of the whole prompt runs for these
+ * tokens, so spans [0, b) then [b, n) leave the sequence, the logits and the callbacks as
+ * kr_prefill_layers of the whole prompt does, bit for bit. Logits (mode) come only from a span
+ * that ends the prompt; with KR_LOGITS_ALL row i is prompt token i's. Fails on a span whose
+ * ends are not chunk boundaries. */
+int kr_prefill_span(kr_ctx *c, kr_seq *s, const kr_prompt_span *sp, kr_logits_mode mode,
+                    float *logits, kr_layers_final_fn fn, void *arg, char *err);
 
 /* ------------------------------------------------------------------ batched decode */
 
@@ -464,6 +484,27 @@ int64_t kr_seq_blocks_bound(const kr_kv_pool *pool, const kr_policy *p, int n_la
  * kr_seq_list_set_rule's range, pinned outside 0..count, negative counts). */
 int64_t kr_list_rule_blocks_bound(const kr_kv_pool *pool, const kr_list_rule *rule, int count, int pinned,
                                   int n_generate);
+
+/* ------------------------------------------------------------------ copying a sequence
+ * What a prefix cache keeps (engine/seq-copy.c): a sequence's state between prefill spans, to
+ * continue it later, once or many times, as if it had never stopped. */
+
+/* A copy of src in `pool` (its head_dim and KV dtype must be src's pool's; any block size):
+ * every list's entries (positions, key and value rows exactly as stored), pinned count and
+ * decode rule, the next position, the footprint tally and whether it is closed. The copy gets
+ * policy p (NULL: none), which must be parsed for the sequence's shape and, to continue a
+ * prefill, have src's policy's canonical spec; src's own policy is not referenced, so a copy
+ * may outlive it. All or nothing: fails, taking no block, when `pool` lacks blocks (each list
+ * takes ceil(len / block_size)), or when src's policy or p keeps per-sequence state (TAKE's
+ * accumulated probe, HS-SFT's rescaled windows), which a copy cannot carry. */
+int kr_seq_copy(const kr_seq *src, kr_kv_pool *pool, const kr_policy *p, kr_seq **out, char *err);
+/* 1 when policy p (NULL: full attention) is prefix-deterministic at chunk boundaries: the state
+ * a prefill leaves after a chunk that is not the prompt's last depends only on the prompt's
+ * tokens up to that chunk's end and the chunk size, never on the tokens after it or on the
+ * prompt's length. Then a copy of that state continues (kr_prefill_span) any prompt that begins
+ * with those tokens exactly as prefilling it from scratch would. docs/prefix-cache.md says
+ * which families are and why. */
+int kr_policy_prefix_deterministic(const kr_policy *p);
 
 /* ------------------------------------------------------------------ sampler */
 
