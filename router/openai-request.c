@@ -18,16 +18,23 @@
 #include <string.h>
 
 /* The request fields each endpoint knows; any other is refused, as OpenAI does, so that a typo
- * is not silently ignored. */
+ * is not silently ignored. VLLM_FIELDS: vLLM's sampling extensions, on both endpoints. */
+#define VLLM_FIELDS                                                                                      \
+    "ignore_eos", "min_tokens", "repetition_penalty", "stop_token_ids", "skip_special_tokens",        \
+        "include_stop_str_in_output"
 static const char *const completion_fields[] = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
     "user", "echo", "logprobs", "best_of", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-    "kv_policy", "kv_wire_dtype", "top_k", "add_special_tokens", NULL};
+    "kv_policy", "kv_wire_dtype", "top_k", "add_special_tokens", VLLM_FIELDS, NULL};
 static const char *const chat_fields[] = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
     "stream_options", "stop", "seed", "user", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
     "logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "kv_policy", "kv_wire_dtype",
-    "top_k", "add_generation_prompt", NULL};
+    "top_k", "add_generation_prompt", VLLM_FIELDS, NULL};
+/* POST /tokenize takes a prompt or messages; POST /detokenize token ids (vLLM's shapes). */
+static const char *const tokenize_fields[] = {
+    "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs", NULL};
+static const char *const detokenize_fields[] = {"model", "tokens", NULL};
 
 
 static int refuse(oa_refusal *f, const char *param, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -73,6 +80,18 @@ static int num_field(const cJSON *doc, const char *name, double *out, oa_refusal
     return 0;
 }
 
+/* A number field in [lo, hi] (lo excluded when open_lo) into *out (untouched when absent). */
+static int ranged_field(const cJSON *doc, const char *name, double lo, int open_lo, double hi, double *out,
+                        oa_refusal *f)
+{
+    double x = *out;
+    if (num_field(doc, name, &x, f)) return -1;
+    if (x > hi || x < lo || (open_lo && x == lo))
+        return refuse(f, name, "'%s' is %g: it must be in %c%g, %g]", name, x, open_lo ? '(' : '[', lo, hi);
+    *out = x;
+    return 0;
+}
+
 static int bool_field(const cJSON *doc, const char *name, int *out, oa_refusal *f)
 {
     const cJSON *v = field(doc, name);
@@ -85,11 +104,6 @@ static int bool_field(const cJSON *doc, const char *name, int *out, oa_refusal *
 /* Fields kvrelay accepts only at their default value (what OpenAI does when they are absent). */
 static int only_default(const cJSON *doc, oa_refusal *f)
 {
-    double x = 0;
-    if (num_field(doc, "presence_penalty", &x, f) || x != 0)
-        return x != 0 ? refuse(f, "presence_penalty", "'presence_penalty' is not supported (only 0)") : -1;
-    if (num_field(doc, "frequency_penalty", &x, f) || x != 0)
-        return x != 0 ? refuse(f, "frequency_penalty", "'frequency_penalty' is not supported (only 0)") : -1;
     const cJSON *v = field(doc, "logit_bias");
     if (v && !(cJSON_IsObject(v) && !v->child)) return refuse(f, "logit_bias", "'logit_bias' is not supported");
     int64_t n = 1;
@@ -103,6 +117,37 @@ static int copy_stop(oa_request *r, const char *s, oa_refusal *f)
     if (r->n_stops >= OA_MAX_STOPS) return refuse(f, "stop", "'stop': at most %d strings", OA_MAX_STOPS);
     if (!(r->stops[r->n_stops] = strdup(s))) return refuse(f, NULL, "out of memory");
     r->n_stops++;
+    return 0;
+}
+
+/* The penalties (OpenAI's presence and frequency, vLLM's repetition) and vLLM's generation
+ * controls; min_tokens waits for max_tokens (parse_request). Ranges as docs/openai.md lists. */
+static int parse_vllm(const oa_model *m, oa_request *r, const cJSON *doc, oa_refusal *f)
+{
+    double repetition = 1.0, presence = 0.0, frequency = 0.0;
+    if (ranged_field(doc, "repetition_penalty", 0.0, 1, 100.0, &repetition, f) ||
+        ranged_field(doc, "presence_penalty", -2.0, 0, 2.0, &presence, f) ||
+        ranged_field(doc, "frequency_penalty", -2.0, 0, 2.0, &frequency, f))
+        return -1;
+    r->sampling.repetition_penalty = (float)repetition;
+    r->sampling.presence_penalty = (float)presence;
+    r->sampling.frequency_penalty = (float)frequency;
+    int skip_special = 1;
+    if (bool_field(doc, "ignore_eos", &r->ignore_eos, f) || bool_field(doc, "skip_special_tokens", &skip_special, f) ||
+        bool_field(doc, "include_stop_str_in_output", &r->include_stop, f))
+        return -1;
+    r->keep_special = !skip_special;
+    const cJSON *ids = field(doc, "stop_token_ids");
+    if (ids && !cJSON_IsArray(ids)) return refuse(f, "stop_token_ids", "'stop_token_ids' must be an array of token ids");
+    for (const cJSON *t = ids ? ids->child : NULL; t; t = t->next) {
+        if (r->n_stop_ids >= OA_MAX_STOP_IDS)
+            return refuse(f, "stop_token_ids", "'stop_token_ids': at most %d ids", OA_MAX_STOP_IDS);
+        if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) || t->valuedouble < 0 ||
+            t->valuedouble >= m->cfg->vocab_size)
+            return refuse(f, "stop_token_ids", "'stop_token_ids'[%d] is not a token id of the model's vocabulary [0, %d)",
+                          r->n_stop_ids, m->cfg->vocab_size);
+        r->stop_ids[r->n_stop_ids++] = (uint32_t)t->valuedouble;
+    }
     return 0;
 }
 
@@ -151,6 +196,7 @@ static int parse_common(const oa_model *m, oa_request *r, const cJSON *doc, oa_r
         r->sampling.seed_choice_case = KVRELAY__V1__SAMPLING__SEED_CHOICE_SEED;
         r->sampling.seed = (uint64_t)seed;
     }
+    if (parse_vllm(m, r, doc, f)) return -1;
 
     const cJSON *stop = field(doc, "stop");
     if (cJSON_IsString(stop)) {
@@ -260,6 +306,9 @@ static char *message_text(const cJSON *content, int i, oa_refusal *f)
     return out;
 }
 
+static int chat_prompt(const oa_model *m, oa_request *r, const cJSON *doc, int add_generation_prompt,
+                       int add_special, oa_refusal *f);
+
 /* POST /v1/chat/completions: the messages rendered with the model's chat template. */
 static int parse_chat(const oa_model *m, oa_request *r, const cJSON *doc, oa_refusal *f)
 {
@@ -281,7 +330,14 @@ static int parse_chat(const oa_model *m, oa_request *r, const cJSON *doc, oa_ref
     if (bool_field(doc, "store", &store, f)) return -1;
     if (store) return refuse(f, "store", "'store' is not supported");
     if (bool_field(doc, "parallel_tool_calls", &store, f)) return -1;
+    return chat_prompt(m, r, doc, add_generation_prompt, 0, f); /* the template writes the special tokens */
+}
 
+/* A chat's messages rendered with the model's chat template and tokenized into r->ids, with the
+ * tokenizer's special tokens when add_special (on top of those the template wrote). */
+static int chat_prompt(const oa_model *m, oa_request *r, const cJSON *doc, int add_generation_prompt,
+                       int add_special, oa_refusal *f)
+{
     const cJSON *msgs = field(doc, "messages");
     if (!cJSON_IsArray(msgs) || !msgs->child)
         return refuse(f, "messages", "'messages' is required: a non-empty array of {\"role\", \"content\"}");
@@ -328,7 +384,7 @@ static int parse_chat(const oa_model *m, oa_request *r, const cJSON *doc, oa_ref
         f->type = "server_error";
         goto out;
     }
-    rc = prompt[0] ? tokenize(m, r, prompt, 0, "messages", f) /* the template wrote the special tokens */
+    rc = prompt[0] ? tokenize(m, r, prompt, add_special, "messages", f)
                    : refuse(f, "messages", "the chat template rendered an empty prompt");
     free(prompt);
 out:
@@ -341,7 +397,6 @@ out:
 /* Builds r->q from the JSON body. */
 static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_refusal *f)
 {
-    if (!cJSON_IsObject(doc)) return refuse(f, NULL, "the request body must be a JSON object");
     if (parse_common(m, r, doc, f) ||
         (r->kind == OA_CHAT ? parse_chat(m, r, doc, f) : parse_completion(m, r, doc, f)))
         return -1;
@@ -355,6 +410,11 @@ static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_
         if (max_tokens > m->max_tokens_limit) max_tokens = m->max_tokens_limit;
         if (max_tokens < 1) max_tokens = 1;
     }
+    int64_t min_tokens = 0;
+    if (int_field(doc, "min_tokens", 0, 1e9, &min_tokens, f)) return -1;
+    if (min_tokens > max_tokens)
+        return refuse(f, "min_tokens", "'min_tokens' is %" PRId64 ": it must be at most the %s, %" PRId64, min_tokens,
+                      which, max_tokens);
     if ((int64_t)n_prompt + max_tokens > ctx) {
         refuse(f, which,
                "This model's maximum context length is %d tokens. However, you requested %" PRId64
@@ -375,7 +435,79 @@ static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_
     r->q.stop = r->stops;
     r->q.kv_policy = r->policy;
     r->q.kv_wire_dtype = r->wire;
+    r->q.n_stop_ids = (size_t)r->n_stop_ids;
+    r->q.stop_ids = r->stop_ids;
+    r->q.ignore_eos = r->ignore_eos;
+    r->q.min_tokens = (uint32_t)min_tokens;
+    r->q.keep_special_tokens = r->keep_special;
+    r->q.include_stop_str_in_output = r->include_stop;
     return 0;
+}
+
+/* The top-level field of a JSON object text body[0, len) in whose key or string values U+0000
+ * appears (escaped as \u0000, or a raw NUL byte), copied into name (cut to its bytes before
+ * the NUL); 0 when none. cJSON keeps strings NUL-terminated without their length, so such a
+ * string would go on cut at the NUL: the request runs on part of what the client sent. Only for
+ * a body cJSON parsed: the scan trusts its structure. */
+static int nul_field(const char *body, size_t len, char *name, size_t cap)
+{
+    int depth = 0, in_str = 0, expect_key = 0, in_key = 0;
+    size_t key_at = 0;
+    name[0] = '\0';
+    for (size_t i = 0; i < len; i++) {
+        char c = body[i];
+        if (in_str) {
+            int nul = c == '\0' || (c == '\\' && len - i > 5 && !memcmp(body + i + 1, "u0000", 5));
+            if (nul || c == '"') {
+                in_str = 0;
+                if (in_key) snprintf(name, cap, "%.*s", (int)(i - key_at), body + key_at);
+                in_key = 0;
+                if (nul) return 1;
+            } else if (c == '\\') {
+                i++; /* the escaped character, a quote included */
+            }
+            continue;
+        }
+        if (c == '"') {
+            in_str = 1;
+            in_key = depth == 1 && expect_key;
+            key_at = i + 1;
+            expect_key = 0;
+        } else if (c == '{' || c == '[') {
+            depth++;
+            expect_key = depth == 1 && c == '{';
+        } else if (c == '}' || c == ']') {
+            depth--;
+        } else if (c == ',' && depth == 1) {
+            expect_key = 1;
+        }
+    }
+    return 0;
+}
+
+/* The body parsed as a JSON object with no U+0000 in its strings; NULL with *f set when not. */
+static cJSON *parse_body(const char *body, size_t len, oa_refusal *f)
+{
+    cJSON *doc = cJSON_ParseWithLength(body, len);
+    if (!doc) {
+        const char *at = cJSON_GetErrorPtr();
+        refuse(f, NULL, "the request body is not valid JSON (near byte %td)",
+               at && at >= body && at <= body + len ? at - body : (ptrdiff_t)0);
+        return NULL;
+    }
+    char name[sizeof f->param];
+    if (nul_field(body, len, name, sizeof name)) {
+        refuse(f, name[0] ? name : NULL, "'%s' holds U+0000 (a NUL character), which kvrelay does not take in text",
+               name);
+        cJSON_Delete(doc);
+        return NULL;
+    }
+    if (!cJSON_IsObject(doc)) {
+        refuse(f, NULL, "the request body must be a JSON object");
+        cJSON_Delete(doc);
+        return NULL;
+    }
+    return doc;
 }
 
 int oa_request_parse(const oa_model *m, oa_kind kind, const char *body, size_t len, oa_request *r, oa_refusal *f)
@@ -383,13 +515,98 @@ int oa_request_parse(const oa_model *m, oa_kind kind, const char *body, size_t l
     memset(r, 0, sizeof *r);
     memset(f, 0, sizeof *f);
     r->kind = kind;
-    cJSON *doc = cJSON_ParseWithLength(body, len);
-    if (!doc) {
-        const char *at = cJSON_GetErrorPtr();
-        return refuse(f, NULL, "the request body is not valid JSON (near byte %td)",
-                      at && at >= body && at <= body + len ? at - body : (ptrdiff_t)0);
-    }
+    cJSON *doc = parse_body(body, len, f);
+    if (!doc) return -1;
     int rc = parse_request(m, r, doc, f);
+    cJSON_Delete(doc);
+    return rc;
+}
+
+/* The fields of a /tokenize or /detokenize body: none unknown, and "model" the served one when
+ * present (vLLM's requests may leave it out). */
+static int check_fields(const oa_model *m, const cJSON *doc, const char *const *known, oa_refusal *f)
+{
+    for (const cJSON *it = doc->child; it; it = it->next) {
+        int ok = 0;
+        for (int i = 0; known[i] && !ok; i++) ok = !strcmp(it->string, known[i]);
+        if (!ok) return refuse(f, it->string, "Unrecognized request argument supplied: %s", it->string);
+    }
+    const cJSON *model = field(doc, "model");
+    if (model && !cJSON_IsString(model)) return refuse(f, "model", "'model' must be a string");
+    if (model && strcmp(model->valuestring, m->name) != 0) {
+        refuse(f, "model", "The model '%.200s' does not exist (this server serves '%s')", model->valuestring, m->name);
+        f->http = 404;
+        f->code = "model_not_found";
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_tokenize(const oa_model *m, oa_request *r, const cJSON *doc, oa_refusal *f)
+{
+    if (check_fields(m, doc, tokenize_fields, f)) return -1;
+    int strs = 0;
+    if (bool_field(doc, "return_token_strs", &strs, f)) return -1;
+    if (strs) return refuse(f, "return_token_strs", "'return_token_strs' is not supported");
+    const cJSON *prompt = field(doc, "prompt"), *msgs = field(doc, "messages");
+    if (!prompt == !msgs) return refuse(f, "prompt", "give either 'prompt' (a string) or 'messages'");
+    if (prompt) {
+        int add_special = 1;
+        if (bool_field(doc, "add_special_tokens", &add_special, f)) return -1;
+        if (field(doc, "add_generation_prompt"))
+            return refuse(f, "add_generation_prompt", "'add_generation_prompt' goes with 'messages'");
+        if (!cJSON_IsString(prompt)) return refuse(f, "prompt", "'prompt' must be a string");
+        if (!prompt->valuestring[0]) { /* no text, no tokens: an empty list, as vLLM answers */
+            return 0;
+        }
+        return tokenize(m, r, prompt->valuestring, add_special, "prompt", f);
+    }
+    int add_special = 0, add_generation_prompt = 1;
+    if (bool_field(doc, "add_special_tokens", &add_special, f) ||
+        bool_field(doc, "add_generation_prompt", &add_generation_prompt, f))
+        return -1;
+    return chat_prompt(m, r, doc, add_generation_prompt, add_special, f);
+}
+
+int oa_tokenize_parse(const oa_model *m, const char *body, size_t len, oa_request *r, oa_refusal *f)
+{
+    memset(r, 0, sizeof *r);
+    memset(f, 0, sizeof *f);
+    r->kind = OA_CHAT;
+    cJSON *doc = parse_body(body, len, f);
+    if (!doc) return -1;
+    int rc = parse_tokenize(m, r, doc, f);
+    cJSON_Delete(doc);
+    return rc;
+}
+
+static int parse_detokenize(const oa_model *m, oa_request *r, const cJSON *doc, oa_refusal *f)
+{
+    if (check_fields(m, doc, detokenize_fields, f)) return -1;
+    const cJSON *tokens = field(doc, "tokens");
+    if (!cJSON_IsArray(tokens)) return refuse(f, "tokens", "'tokens' is required: an array of token ids");
+    int n = cJSON_GetArraySize(tokens);
+    r->ids = malloc((n > 0 ? (size_t)n : 1) * sizeof *r->ids);
+    if (!r->ids) return refuse(f, NULL, "out of memory");
+    int i = 0;
+    for (const cJSON *t = tokens->child; t; t = t->next, i++) {
+        if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) || t->valuedouble < 0 ||
+            t->valuedouble >= m->cfg->vocab_size)
+            return refuse(f, "tokens", "'tokens'[%d] is not a token id of the model's vocabulary [0, %d)", i,
+                          m->cfg->vocab_size);
+        r->ids[i] = (uint32_t)t->valuedouble;
+    }
+    r->prompt_ids.n_ids = (size_t)n;
+    return 0;
+}
+
+int oa_detokenize_parse(const oa_model *m, const char *body, size_t len, oa_request *r, oa_refusal *f)
+{
+    memset(r, 0, sizeof *r);
+    memset(f, 0, sizeof *f);
+    cJSON *doc = parse_body(body, len, f);
+    if (!doc) return -1;
+    int rc = parse_detokenize(m, r, doc, f);
     cJSON_Delete(doc);
     return rc;
 }

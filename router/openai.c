@@ -1,7 +1,7 @@
 /*
  * openai.c - the OpenAI-compatible HTTP API on the router's HTTP port (docs/openai.md):
  * GET /v1/models, POST /v1/completions and POST /v1/chat/completions, streamed as Server-Sent
- * Events or not. A request is checked and tokenized here (chat messages rendered with the
+ * Events or not, and vLLM's POST /tokenize and /detokenize. A request is checked and tokenized here (chat messages rendered with the
  * model's chat template first), turned into a kvrelay.v1.GenerateRequest and served by
  * rt_generate_run, the path the gRPC API takes, through an rt_sink that writes OpenAI's JSON.
  * Errors are OpenAI's error object with the HTTP status docs/openai.md lists.
@@ -204,8 +204,10 @@ static const char *param_of(const oa_call *c, const char *details)
     static const struct {
         const char *prefix, *param;
     } map[] = {{"kv_policy", "kv_policy"}, {"kv_wire_dtype", "kv_wire_dtype"}, {"sampling: temperature", "temperature"}, {"sampling: top_p", "top_p"},
-               {"sampling.top_k", "top_k"}, {"sampling: top_k", "top_k"}, {"stop", "stop"},
-               {"max_tokens", "max_tokens"}, {"request_id", "X-Request-Id"}};
+               {"sampling.top_k", "top_k"}, {"sampling: top_k", "top_k"}, {"stop_ids", "stop_token_ids"},
+               {"stop", "stop"}, {"max_tokens", "max_tokens"}, {"min_tokens", "min_tokens"},
+               {"sampling.repetition_penalty", "repetition_penalty"}, {"sampling.presence_penalty", "presence_penalty"},
+               {"sampling.frequency_penalty", "frequency_penalty"}, {"request_id", "X-Request-Id"}};
     if (!strncmp(details, "prompt", 6)) return c->req.kind == OA_CHAT ? "messages" : "prompt";
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
         if (!strncmp(details, map[i].prefix, strlen(map[i].prefix))) return map[i].param;
@@ -639,6 +641,13 @@ static int serve_whole(struct MHD_Connection *conn, oa_call *c)
     return ret;
 }
 
+/* What the request parser knows of the served model. */
+static oa_model model_of(const rt_router *rt)
+{
+    return (oa_model){.name = rt->served_model, .dir = rt->model_dir, .cfg = &rt->cfg, .tok = rt->tok,
+                      .chat = rt->chat, .chat_error = rt->chat_error, .max_tokens_limit = rt->max_tokens_limit};
+}
+
 static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind kind, const char *body, size_t len)
 {
     oa_call *c = calloc(1, sizeof *c);
@@ -671,8 +680,7 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
         rt_request_id_new(rt, c->request_id, sizeof c->request_id);
     }
     snprintf(c->id, sizeof c->id, "%s-%s", kind == OA_CHAT ? "chatcmpl" : "cmpl", c->request_id);
-    const oa_model m = {.name = rt->served_model, .dir = rt->model_dir, .cfg = &rt->cfg, .tok = rt->tok,
-                        .chat = rt->chat, .chat_error = rt->chat_error, .max_tokens_limit = rt->max_tokens_limit};
+    const oa_model m = model_of(rt);
     oa_refusal f;
     if (oa_request_parse(&m, kind, body, len, &c->req, &f) != 0) {
         kc_info(c->request_id, "HTTP %u: %s", f.http, f.msg);
@@ -683,7 +691,8 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
     return c->req.stream ? serve_stream(conn, c) : serve_whole(conn, c);
 }
 
-/* GET /v1/models and /v1/models/{id}. */
+/* GET /v1/models and /v1/models/{id}: OpenAI's fields and those of vLLM's we know (root: the
+ * model directory; no parent, no permission list). */
 static cJSON *model_doc(const rt_router *rt)
 {
     cJSON *m = cJSON_CreateObject();
@@ -691,17 +700,61 @@ static cJSON *model_doc(const rt_router *rt)
     cJSON_AddStringToObject(m, "object", "model");
     cJSON_AddNumberToObject(m, "created", (double)(rt->started_unix_ms / 1000));
     cJSON_AddStringToObject(m, "owned_by", "kvrelay");
+    cJSON_AddStringToObject(m, "root", rt->model_dir);
+    cJSON_AddNullToObject(m, "parent");
     cJSON_AddNumberToObject(m, "max_model_len", rt->cfg.max_position_embeddings);
     return m;
+}
+
+/* POST /tokenize and /detokenize, as vLLM serves them: the router's tokenizer and chat
+ * template, no node involved. */
+static int serve_tokenize(rt_router *rt, struct MHD_Connection *conn, int detok, const char *body, size_t len)
+{
+    const oa_model m = model_of(rt);
+    oa_request r;
+    oa_refusal f;
+    if ((detok ? oa_detokenize_parse : oa_tokenize_parse)(&m, body, len, &r, &f) != 0) {
+        oa_request_free(&r);
+        return respond_json(rt, conn, f.http, error_doc(f.type, f.param[0] ? f.param : NULL, f.code, f.msg), NULL);
+    }
+    cJSON *doc = cJSON_CreateObject();
+    int n = (int)r.prompt_ids.n_ids;
+    if (detok) {
+        char *text = NULL, err[KR_ERR_MAX];
+        if (!rt->tok) {
+            oa_request_free(&r);
+            cJSON_Delete(doc);
+            return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", "tokens", NULL,
+                                 "the model %s has no tokenizer.json: nothing to detokenize with", rt->model_dir);
+        }
+        /* ids in the vocabulary: the same bits as int32; special tokens kept, as vLLM's */
+        if (kr_tokenizer_decode(rt->tok, (const int32_t *)r.ids, n, 0, &text, err) != KR_OK) {
+            oa_request_free(&r);
+            cJSON_Delete(doc);
+            return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", "tokens", NULL,
+                                 "'tokens' do not detokenize: %s", err);
+        }
+        cJSON_AddStringToObject(doc, "prompt", text);
+        free(text);
+    } else {
+        cJSON_AddNumberToObject(doc, "count", n);
+        cJSON_AddNumberToObject(doc, "max_model_len", rt->cfg.max_position_embeddings);
+        cJSON *ids = cJSON_AddArrayToObject(doc, "tokens");
+        for (int i = 0; i < n && ids; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(r.ids[i]));
+    }
+    oa_request_free(&r);
+    return respond_json(rt, conn, MHD_HTTP_OK, doc, NULL);
 }
 
 int rt_openai_serve(void *user, struct MHD_Connection *conn, const char *method, const char *url, const char *body,
                     size_t len)
 {
     rt_router *rt = user;
-    if (strncmp(url, "/v1/", 4) != 0)
+    int tok_route = !strcmp(url, "/tokenize") || !strcmp(url, "/detokenize");
+    if (strncmp(url, "/v1/", 4) != 0 && !tok_route)
         return respond_error(rt, conn, MHD_HTTP_NOT_FOUND, "invalid_request_error", NULL, "not_found",
-                             "no route %.200s: this port serves /metrics, /healthz and the OpenAI API under /v1/", url);
+                             "no route %.200s: this port serves /metrics, /healthz, /tokenize, /detokenize and the "
+                             "OpenAI API under /v1/", url);
     const char *auth = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
     rt_apikey_why why = rt_apikeys_why(rt->keys, auth, auth ? strlen(auth) : 0);
     if (why != RT_APIKEY_WHY_OK) {
@@ -710,6 +763,16 @@ int rt_openai_serve(void *user, struct MHD_Connection *conn, const char *method,
                              rt_apikey_why_message(why, 1));
     }
     int get = !strcmp(method, MHD_HTTP_METHOD_GET), post = !strcmp(method, MHD_HTTP_METHOD_POST);
+    if (tok_route) {
+        if (!post)
+            return respond_error(rt, conn, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error", NULL,
+                                 "method_not_allowed", "%s %s: use POST", method, url);
+        if (!body)
+            return respond_error(rt, conn, MHD_HTTP_CONTENT_TOO_LARGE, "invalid_request_error", NULL,
+                                 "request_too_large", "the request body is over %zu bytes (--max-request-bytes)",
+                                 rt->max_body);
+        return serve_tokenize(rt, conn, url[1] == 'd', body, len);
+    }
     if (!strcmp(url, "/v1/models") || !strncmp(url, "/v1/models/", 11)) {
         if (!get)
             return respond_error(rt, conn, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error", NULL,

@@ -17,6 +17,7 @@
 
 enum {
     OA_MAX_STOPS = 16,          /* stop strings (the gRPC API's limit) */
+    OA_MAX_STOP_IDS = 64,       /* stop_token_ids (the gRPC API's limit on stop_ids) */
     OA_DEFAULT_MAX_TOKENS = 16, /* completions without max_tokens, as OpenAI's API */
 };
 
@@ -46,6 +47,10 @@ typedef struct oa_request {
     uint32_t *ids; /* the prompt, malloc'd */
     char *stops[OA_MAX_STOPS];
     int n_stops;
+    uint32_t stop_ids[OA_MAX_STOP_IDS]; /* stop_token_ids */
+    int n_stop_ids;
+    int ignore_eos, keep_special, include_stop; /* ignore_eos, !skip_special_tokens,
+                                                    include_stop_str_in_output */
 } oa_request;
 
 /* Why a request was refused: the HTTP status, OpenAI's error type and code (static strings,
@@ -59,11 +64,19 @@ typedef struct oa_refusal {
 
 /* Parses `len` bytes of `body` as a request of `kind` for model m into *r (which the caller
  * frees with oa_request_free whatever this returns). Returns 0, or -1 with *f filled: 400 for
- * bad input (malformed JSON, a missing, mistyped, unknown or unsupported field, a prompt that
- * does not tokenize, prompt + max_tokens over the context, a chat template's
- * raise_exception), 404 for another model, 500 when the model's chat template fails. Sampling
- * ranges, the policy spec and stop strings are left to the generation path to check. */
+ * bad input (malformed JSON, a missing, mistyped, unknown or unsupported field, a value out of
+ * its range, a string holding U+0000 (cJSON would cut it there), a prompt that does not
+ * tokenize, prompt + max_tokens over the context, a chat template's raise_exception), 404 for another model, 500 when the model's chat template fails.
+ * Temperature, top_p and top_k ranges, the policy spec and stop strings are left to the
+ * generation path to check; the penalties and vLLM's fields are checked here. */
 int oa_request_parse(const oa_model *m, oa_kind kind, const char *body, size_t len, oa_request *r, oa_refusal *f);
+/* POST /tokenize, vLLM's shapes: {"prompt": text, "add_special_tokens"} (default true) or
+ * {"messages", "add_generation_prompt", "add_special_tokens"} (default false: the template
+ * writes them), "model" optional. On 0 the ids are r->ids[0, r->prompt_ids.n_ids) (none for an
+ * empty prompt). Refusals as oa_request_parse's. */
+int oa_tokenize_parse(const oa_model *m, const char *body, size_t len, oa_request *r, oa_refusal *f);
+/* POST /detokenize: {"tokens": [ids]}, "model" optional; the ids into r as oa_tokenize_parse's. */
+int oa_detokenize_parse(const oa_model *m, const char *body, size_t len, oa_request *r, oa_refusal *f);
 void oa_request_free(oa_request *r);
 
 #endif /* RT_OPENAI_H */

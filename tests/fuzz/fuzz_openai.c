@@ -1,9 +1,11 @@
 /*
  * fuzz_openai.c - fuzz target for the OpenAI API's request parser (router/openai-request.c):
- * arbitrary bytes as the JSON body of /v1/completions (first byte even) or
- * /v1/chat/completions (odd), against the default model's config, tokenizer and chat template
- * (models/kjv-2l128-2k). Every outcome must be a request within the model's limits or a
- * refusal with a status and a message; anything else aborts.
+ * arbitrary bytes as the JSON body of /v1/completions (first byte's bits 0 and 1 clear),
+ * /v1/chat/completions (bit 0 set), /tokenize (bit 1) or /detokenize (both), against the
+ * default model's config, tokenizer and chat template (models/kjv-2l128-2k). Every outcome must
+ * be a request within the model's limits and vLLM's field ranges (ids in the vocabulary,
+ * min_tokens at most max_tokens, penalties in range) or a refusal with a status and a message;
+ * anything else aborts.
  * Run: ctest -R fuzz_openai, or build with -DKR_FUZZ=ON (clang) for libFuzzer.
  */
 #include "../../router/openai-request.c"
@@ -28,21 +30,45 @@ static void load_model(void)
                        .max_tokens_limit = 4096};
 }
 
+/* A parsed generation request must be within the model's limits and vLLM's field ranges. */
+static void check_request(const oa_request *r)
+{
+    const Kvrelay__V1__GenerateRequest *q = &r->q;
+    size_t n = q->token_ids ? q->token_ids->n_ids : 0;
+    if (q->prompt_case != KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS || n == 0 || q->max_tokens == 0 ||
+        n + q->max_tokens > (size_t)model.cfg->max_position_embeddings || q->n_stop > OA_MAX_STOPS ||
+        q->n_stop_ids > OA_MAX_STOP_IDS || q->min_tokens > q->max_tokens)
+        abort();
+    for (size_t i = 0; i < n; i++)
+        if (q->token_ids->ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
+    for (size_t i = 0; i < q->n_stop_ids; i++)
+        if (q->stop_ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
+    const Kvrelay__V1__Sampling *s = q->sampling;
+    /* written so that NaN fails */
+    if (!(s->repetition_penalty > 0.0f && s->repetition_penalty <= 100.0f) ||
+        !(s->presence_penalty >= -2.0f && s->presence_penalty <= 2.0f) ||
+        !(s->frequency_penalty >= -2.0f && s->frequency_penalty <= 2.0f))
+        abort();
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (!model.cfg) load_model();
     if (size == 0) return 0;
-    oa_kind kind = data[0] & 1 ? OA_CHAT : OA_COMPLETION;
+    /* bit 0: chat (or /detokenize); bit 1: /tokenize or /detokenize instead of a generation */
+    int chat = data[0] & 1, tok_route = data[0] & 2;
     oa_request r;
     oa_refusal f;
-    if (oa_request_parse(&model, kind, (const char *)data + 1, size - 1, &r, &f) == 0) {
-        const Kvrelay__V1__GenerateRequest *q = &r.q;
-        size_t n = q->token_ids ? q->token_ids->n_ids : 0;
-        if (q->prompt_case != KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS || n == 0 || q->max_tokens == 0 ||
-            n + q->max_tokens > (size_t)model.cfg->max_position_embeddings || q->n_stop > OA_MAX_STOPS)
-            abort();
-        for (size_t i = 0; i < n; i++)
-            if (q->token_ids->ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
+    int rc;
+    if (tok_route)
+        rc = (chat ? oa_detokenize_parse : oa_tokenize_parse)(&model, (const char *)data + 1, size - 1, &r, &f);
+    else
+        rc = oa_request_parse(&model, chat ? OA_CHAT : OA_COMPLETION, (const char *)data + 1, size - 1, &r, &f);
+    if (rc == 0 && tok_route) {
+        for (size_t i = 0; i < r.prompt_ids.n_ids; i++)
+            if (r.ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
+    } else if (rc == 0) {
+        check_request(&r);
     } else if (!f.msg[0] || (f.http != 400 && f.http != 404 && f.http != 500) || !f.type) {
         abort();
     }
