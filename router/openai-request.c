@@ -556,9 +556,6 @@ static int parse_tokenize(const oa_model *m, oa_request *r, const cJSON *doc, oa
         if (field(doc, "add_generation_prompt"))
             return refuse(f, "add_generation_prompt", "'add_generation_prompt' goes with 'messages'");
         if (!cJSON_IsString(prompt)) return refuse(f, "prompt", "'prompt' must be a string");
-        if (!prompt->valuestring[0]) { /* no text, no tokens: an empty list, as vLLM answers */
-            return 0;
-        }
         return tokenize(m, r, prompt->valuestring, add_special, "prompt", f);
     }
     int add_special = 0, add_generation_prompt = 1;

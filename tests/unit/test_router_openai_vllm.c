@@ -156,6 +156,16 @@ static void tokenize_bodies(void)
     CHECK(oa_tokenize_parse(&model, b, strlen(b), &r, &f) == 0 && r.prompt_ids.n_ids == (size_t)n - 1,
           "/tokenize without special tokens: %zu ids", r.prompt_ids.n_ids);
     oa_request_free(&r);
+    /* an empty prompt: the BOS alone with special tokens, nothing without */
+    b = "{\"prompt\": \"\"}";
+    CHECK(oa_tokenize_parse(&model, b, strlen(b), &r, &f) == 0 && r.prompt_ids.n_ids == 1 &&
+              r.ids[0] == (uint32_t)kr_tokenizer_bos(model.tok),
+          "/tokenize of an empty prompt: %zu ids (%s)", r.prompt_ids.n_ids, f.msg);
+    oa_request_free(&r);
+    b = "{\"prompt\": \"\", \"add_special_tokens\": false}";
+    CHECK(oa_tokenize_parse(&model, b, strlen(b), &r, &f) == 0 && r.prompt_ids.n_ids == 0,
+          "/tokenize of an empty prompt without special tokens: %zu ids (%s)", r.prompt_ids.n_ids, f.msg);
+    oa_request_free(&r);
     b = "{\"messages\": [{\"role\": \"user\", \"content\": \"In the beginning\"}]}";
     CHECK(oa_tokenize_parse(&model, b, strlen(b), &r, &f) == 0 && r.prompt_ids.n_ids > 0, "/tokenize of messages");
     oa_request_free(&r);
