@@ -46,6 +46,31 @@ static void die(int status, const char *fmt, ...)
     exit(status);
 }
 
+/* --prefix-cache-memory: "0", "1073741824", "512M", "2G", "64MiB" into an int64_t. */
+static int flag_bytes(void *dest, const char *flag, const char *s, char *err, size_t cap)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || !(v >= 0))
+        return snprintf(err, cap, "%s: '%s' is not a size (e.g. 0, 512M, 2G)", flag, s), -1;
+    double mul = 1;
+    if (*end == 'K' || *end == 'k')
+        mul = 1024.0;
+    else if (*end == 'M' || *end == 'm')
+        mul = 1024.0 * 1024.0;
+    else if (*end == 'G' || *end == 'g')
+        mul = 1024.0 * 1024.0 * 1024.0;
+    else if (*end)
+        return snprintf(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end), -1;
+    if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
+        return snprintf(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end), -1;
+    if (v * mul > 1e15)
+        return snprintf(err, cap, "%s: '%s' is too large", flag, s), -1;
+    *(int64_t *)dest = (int64_t)(v * mul);
+    return 0;
+}
+
 /* Flags that depend on the model are -1 until the model is loaded. */
 static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level)
 {
@@ -97,6 +122,11 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
         {.kind = KC_FLAG_INT, .name = "--kv-blocks", .arg = "N", .dest = &cfg.kv_blocks, .min = 1, .max = INT32_MAX,
          .def = "what a --max-prompt prompt needs under the full policy, plus one per list",
          .help = "KV pool blocks of " PF_STR(PF_BLOCK_SIZE) " entries"},
+        {.kind = KC_FLAG_FUNC, .name = "--prefix-cache-memory", .arg = "SIZE", .dest = &cfg.prefix_cache_bytes,
+         .fn = flag_bytes, .def = "the KV pool's bytes (--kv-blocks)",
+         .help = "memory of the prefix cache (docs/prefix-cache.md): prefill states kept at chunk "
+                 "boundaries, which later prompts beginning with the same tokens continue from; "
+                 "least recently used states are evicted for room; 0 turns it off"},
         {.kind = KC_FLAG_DOUBLE, .name = "--transfer-timeout-s", .arg = "S", .dest = &cfg.transfer_timeout_s,
          .dmin = 0.001, .dmax = 86400, .def = "30",
          .help = "cap on one bundle send (the call's deadline caps it too)"},
@@ -129,6 +159,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
                       .queue = 64,
                       .max_prompt = -1,
                       .kv_blocks = -1,
+                      .prefix_cache_bytes = -1,
                       .transfer_timeout_s = 30.0,
                       .drain_timeout_s = 30.0,
                       .cluster = "default",
@@ -302,6 +333,17 @@ int main(int argc, char **argv)
     if (!n->reg || pf_metrics_register(n) != 0)
         die(1, "cannot register the metrics (out of memory)");
     kc_gauge_set(n->metrics.blocks_free, kr_kv_pool_n_free(n->pool));
+    const int64_t block_bytes = (int64_t)PF_BLOCK_SIZE *
+                                (2 * (int64_t)n->mcfg->head_dim * (int64_t)kr_dtype_size(kr_ctx_kv_dtype(n->ctx)) + 4);
+    if (cfg.prefix_cache_bytes < 0) cfg.prefix_cache_bytes = (int64_t)cfg.kv_blocks * block_bytes;
+    if (cfg.prefix_cache_bytes > 0) {
+        const pf_cache_config cc = {.budget_bytes = cfg.prefix_cache_bytes, .chunk = cfg.chunk,
+                                    .block_size = PF_BLOCK_SIZE, .model = n->model,
+                                    .kv_dtype = kr_ctx_kv_dtype(n->ctx), .reg = n->reg};
+        if (pf_cache_create(&cc, &n->cache, err) != 0)
+            die(2, "--prefix-cache-memory %lld: %s; give 0 to turn the cache off, or at least %lld",
+                (long long)cfg.prefix_cache_bytes, err, (long long)block_bytes);
+    }
 
     /* the HTTP port before the transport, the gRPC server and the queue's threads: a port another
      * process holds ends start-up while nothing runs yet */
@@ -338,10 +380,11 @@ int main(int argc, char **argv)
 
     kc_info(NULL,
             "model %s (%s, %d layers, %d KV heads x %d), chunk %d, queue %d, max prompt %d, "
-            "%d KV blocks in %s, payload %s, %d threads (%s)",
+            "%d KV blocks in %s, prefix cache %lld bytes, payload %s, %d threads (%s)",
             cfg.model_dir, kr_model_fingerprint(n->model), n->mcfg->n_layers, n->mcfg->n_kv_heads,
             n->mcfg->head_dim, cfg.chunk, cfg.queue, cfg.max_prompt, cfg.kv_blocks,
-            kr_dtype_name(kr_ctx_kv_dtype(n->ctx)), kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx),
+            kr_dtype_name(kr_ctx_kv_dtype(n->ctx)), (long long)cfg.prefix_cache_bytes,
+            kt_dtype_name(cfg.kv_dtype), kr_ctx_n_threads(n->ctx),
             cfg.backend == KR_BACKEND_CPU ? kr_cpu_isa() : "cuda");
     char http_address[KC_HOST_MAX + 8];
     kc_hostport_format(http_hp.host, http_bound, http_address, sizeof http_address);
@@ -368,6 +411,7 @@ int main(int argc, char **argv)
     pf_queue_stop(n);
     kc_http_stop(http);
     kt_transport_destroy(n->tx);
+    pf_cache_free(n->cache); /* the worker is gone: no state is in use */
     pf_run_free(n);
     pf_service_free(n);
     kc_registry_free(n->reg);

@@ -22,6 +22,7 @@
 #include "kr.h"
 #include "membership.h"
 #include "metrics.h"
+#include "prefix-cache.h"
 #include "rpc.h"
 #include "transport.h"
 
@@ -48,6 +49,8 @@ typedef struct pf_config {
     int pipeline;              /* 1: layer-wise pipelined transfer (--pipeline on) */
     int max_prompt;            /* longest prompt accepted (tokens) */
     int kv_blocks;             /* KV pool blocks */
+    int64_t prefix_cache_bytes; /* the prefix cache's budget; 0: no cache (-1 until start-up
+                                   gives it the KV pool's bytes) */
     double transfer_timeout_s; /* cap on one bundle send */
     double drain_timeout_s;    /* the longest a SIGTERM'd node waits for its jobs */
     const char *advertise;     /* host registered in etcd instead of the --listen host */
@@ -69,6 +72,7 @@ typedef struct pf_usage {
     uint64_t kv_bytes;      /* K + V payload bytes of those entries, row scales included
                                (framing not counted) */
     kr_footprint footprint; /* the sequence's, after prefill */
+    int cached_tokens;      /* prompt tokens that came from the prefix cache, not computed */
 } pf_usage;
 
 typedef enum pf_job_state {
@@ -149,6 +153,7 @@ typedef struct pf_node {
     /* the worker's: only the worker thread touches these after start-up */
     kr_ctx *ctx;
     kr_kv_pool *pool;
+    pf_cache *cache;        /* NULL: --prefix-cache-memory 0 */
     float *logits;          /* [vocab_size] */
     kt_bundle_list *lists;  /* [n_layers * n_kv_heads] */
     pf_buf *bufs;           /* [n_layers + KT_BUNDLE_MAX_EARLY_PARTS]: a send buffer per part

@@ -412,8 +412,13 @@ void pf_run(pf_node *n, pf_job *j)
      * try again later". With pipelining, a failed part stops the prefill early: that is the
      * transfer's failure. */
     int pipelined = n->cfg->pipeline && c->n_layers > 1;
-    if (kr_prefill_layers(n->ctx, seq, j->tokens, j->n_tokens, n->cfg->chunk, KR_LOGITS_LAST,
-                          n->logits, pipelined ? pipe_layers_final : NULL, p, err) != KR_OK) {
+    /* Through the prefix cache: the prompt may continue from a cached state (exact: only
+     * prefix-deterministic policies reuse), and its states at chunk boundaries are kept. */
+    const pf_cache_job cj = {.tokens = j->tokens, .n = j->n_tokens, .chunk = n->cfg->chunk,
+                             .policy = j->policy, .fn = pipelined ? pipe_layers_final : NULL,
+                             .arg = p};
+    if (pf_cache_prefill(n->cache, n->ctx, n->pool, &cj, n->logits, &seq,
+                         &j->usage.cached_tokens, err) != KR_OK) {
         if (p->failed)
             transfer_fail(j, p);
         else
@@ -477,10 +482,11 @@ void pf_run(pf_node *n, pf_job *j)
         snprintf(rows_note, sizeof rows_note, "; K and V of %d part(s) put into its KV blocks",
                  p->rows_parts);
     kc_info(j->request_id,
-            "prefilled %d tokens (%s): first token %d; %llu entries, %llu bytes (%s) in %d "
-            "part(s), %d sent during prefill, %s reservation %llu at %s:%u (%s); prefill %.3f s, "
-            "transfer %.3f s after it%s",
-            j->n_tokens, kr_policy_spec(j->policy), j->first_token, (unsigned long long)p->entries,
+            "prefilled %d tokens (%s), %d of them from the prefix cache: first token %d; %llu "
+            "entries, %llu bytes (%s) in %d part(s), %d sent during prefill, %s reservation %llu "
+            "at %s:%u (%s); prefill %.3f s, transfer %.3f s after it%s",
+            j->n_tokens, kr_policy_spec(j->policy), j->usage.cached_tokens, j->first_token,
+            (unsigned long long)p->entries,
             (unsigned long long)p->bytes, kt_dtype_name(j->wire), p->written, j->usage.parts_early,
             j->rma.rkey_len ? "put into" : "sent to", (unsigned long long)j->reservation_id,
             j->host, j->port, j->decode_node && *j->decode_node ? j->decode_node : "-",

@@ -338,6 +338,7 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     u.transfer_s = j.usage.transfer_s;
     u.kv_entries_shipped = j.usage.kv_entries;
     u.kv_bytes_shipped = j.usage.kv_bytes;
+    u.cached_tokens = (uint32_t)j.usage.cached_tokens;
     u.kv_wire_dtype = (char *)kt_dtype_name(j.wire);
     u.footprint_entry_steps = (uint64_t)llround(fp->attended);
     u.peak_kv_entries = (uint64_t)fp->peak_entries;

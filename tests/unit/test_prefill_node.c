@@ -500,6 +500,7 @@ typedef struct pcase {
     int n;
     const Kvrelay__V1__Sampling *sampling; /* NULL: greedy */
     kt_dtype wire; /* the bundle's payload dtype expected */
+    int cached;    /* usage.cached_tokens expected: the prompt tokens the prefix cache gave */
     char what[160];
     ref_run x;
     resv rv;
@@ -538,7 +539,9 @@ static int want_parts(const pcase *c)
     if (c->a.policy && *c->a.policy && strncmp(c->a.policy, "full", 4) != 0) return c->nd->parts;
     int ends = (c->n - 1) / CHUNK;
     int every = ends / KT_BUNDLE_MAX_EARLY_PARTS + (ends % KT_BUNDLE_MAX_EARLY_PARTS != 0);
-    return c->nd->parts + (every ? ends / every : 0);
+    /* chunks that came from the prefix cache are not computed, and end no early part */
+    int computed = ends - c->cached / CHUNK;
+    return c->nd->parts + (every ? computed / every : 0);
 }
 
 static void pcase_check(pcase *c)
@@ -606,6 +609,8 @@ static void pcase_check(pcase *c)
     CHECK(u->footprint_entry_steps == (uint64_t)llround(x->fp.attended), "%s: entry steps %" PRIu64,
           what, u->footprint_entry_steps);
     CHECK(!strcmp(u->prefill_node, c->nd->id), "%s: prefill_node '%s'", what, u->prefill_node);
+    CHECK(u->cached_tokens == (uint32_t)c->cached, "%s: cached_tokens %u, want %d", what, u->cached_tokens,
+          c->cached);
     CHECK(u->prefill_s > 0 && u->transfer_s > 0, "%s: prefill_s %g transfer_s %g", what,
           u->prefill_s, u->transfer_s);
     bytes_ok[c->wire] += u->kv_bytes_shipped;
@@ -625,6 +630,51 @@ static void case_policy(node *nd, ref_model *r, const char *spec, int n, uint32_
     prefill(&c->a);
     pcase_check(c);
     free(c);
+}
+
+/* The prefix cache (docs/prefix-cache.md): a prompt, the same prompt extended (make_prompt's
+ * prompts of one seed share their first tokens) and the first again, under policies that reuse
+ * and one that must not (patched snapkv). Each bundle, first token and log-probability must be
+ * the in-process prefill's from scratch, bit for bit, and cached_tokens what the cache gave:
+ * the longer prompt continues from the shorter one's last chunk boundary below its end. */
+static void case_prefix_cache(node *nd, ref_model *r, uint32_t seed)
+{
+    static const struct {
+        const char *spec;
+        int reuses;
+    } specs[] = {{"full", 1}, {"streaming:sink=4,window=24", 1}, {"snapkv:mode=naive,budget=40,obs=8", 1},
+                 {"snapkv:budget=40,obs=8", 0}};
+    static const struct {
+        int n, cached;
+    } runs[] = {{100, 0}, {130, 96}, {100, 96}};
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
+        for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
+            pcase *c = calloc(1, sizeof *c);
+            pcase_prepare(c, nd, r, specs[i].spec, runs[k].n, seed + (uint32_t)i, NULL);
+            c->cached = specs[i].reuses ? runs[k].cached : 0;
+            c->a.logprobs = 1;
+            snprintf(c->what + strlen(c->what), sizeof c->what - strlen(c->what), " prefix cache run %zu", k);
+            prefill(&c->a);
+            pcase_check(c);
+            free(c);
+        }
+    /* naive snapkv reused twice (96 tokens each); patched snapkv went around the cache */
+    CHECK(test_metric(nd->p.http, "kvrelay_prefix_cache_tokens_reused_total{policy=\"snapkv\"}") == 192 &&
+              test_metric(nd->p.http, "kvrelay_prefix_cache_hits_total{policy=\"snapkv\"}") == 2 &&
+              test_metric(nd->p.http, "kvrelay_prefix_cache_bypass_total{policy=\"snapkv\"}") >= 3,
+          "/metrics: snapkv's prefix cache counters");
+    /* the node's default budget (its pool's bytes) holds a few of these states: older ones went */
+    double held = 0;
+    for (int f = 0; f < kr_policy_n_families(); f++) {
+        char series[128];
+        snprintf(series, sizeof series, "kvrelay_prefix_cache_bytes{policy=\"%s\"}", kr_policy_family_name(f));
+        held += test_metric(nd->p.http, series);
+    }
+    const double budget = test_metric(nd->p.http, "kvrelay_prefix_cache_budget_bytes");
+    CHECK(test_metric(nd->p.http, "kvrelay_prefix_cache_hits_total{policy=\"streaming\"}") >= 2 &&
+              test_metric(nd->p.http, "kvrelay_prefix_cache_hits_total{policy=\"full\"}") >= 2 && held > 0 &&
+              held <= budget && test_metric(nd->p.http, "kvrelay_prefix_cache_evictions_total{policy=\"full\"}") >= 0,
+          "/metrics: hits of streaming and full, %g bytes held within the budget %g", held, budget);
 }
 
 /* A request's own payload dtype (kv_wire_dtype, named as a user would), whatever the node's
@@ -1204,6 +1254,7 @@ int main(void)
     case_queue(&na, &ra);
     case_garbage_and_health(&na);
     case_http_port_taken();
+    case_prefix_cache(&na, &ra, 900);
     for (int t = 0; t <= KT_DTYPE_FP8_E4M3_TOKEN; t++) {
         if (!kt_dtype_size((kt_dtype)t)) continue;
         char series[96];
@@ -1244,6 +1295,7 @@ int main(void)
     node_start(&nb, &rb, "prefill-b", "0", "bf16", "60", "60", "off"); /* one whole bundle */
     for (int i = 1; i < n_pol; i++)
         case_policy(&nb, &rb, policies[i], 120, 20 + (uint32_t)i, NULL);
+    case_prefix_cache(&nb, &rb, 950);
     case_queue0(&nb, &rb, 0);
     case_queue0(&nb, &rb, 1); /* stops the node */
 
