@@ -516,6 +516,12 @@ static int build_decoded(load_ctx *c, const dec_step *steps, int n_steps)
         kr_tok *k = &t->toks[id];
         if (!k->present) continue;
         a.n = 0;
+        if (t->dec_byte_fallback && k->byte >= 0) { /* <0xXX> decodes to its byte */
+            uint8_t by = (uint8_t)k->byte;
+            k->doff = arena_add(t, (const char *)&by, 1, &oom);
+            k->dlen = 1;
+            continue;
+        }
         if (buf_add(&a, t->arena + k->off, k->len)) { oom = 1; break; }
         for (int s = 0; s < n_steps; s++) {
             b.n = 0;
@@ -924,6 +930,14 @@ int kr_tokenizer_eos(const kr_tokenizer *t) { return t->eos; }
 int kr_tokenizer_is_special(const kr_tokenizer *t, int32_t id)
 {
     return id >= 0 && id < t->n_vocab && t->toks[id].special;
+}
+
+int kr_tokenizer_token_bytes(const kr_tokenizer *t, int32_t id, const char **bytes, size_t *len)
+{
+    if (id < 0 || id >= t->n_vocab || !t->toks[id].present) return -1;
+    *bytes = t->arena + t->toks[id].doff;
+    *len = t->toks[id].dlen;
+    return 0;
 }
 
 /* ------------------------------------------------------------------ encoding */

@@ -134,6 +134,13 @@ int kr_tokenizer_n_vocab(const kr_tokenizer *t); /* highest id + 1 */
 int kr_tokenizer_bos(const kr_tokenizer *t); /* -1 when none */
 int kr_tokenizer_eos(const kr_tokenizer *t); /* -1 when none */
 int kr_tokenizer_is_special(const kr_tokenizer *t, int32_t id);
+/* The bytes token `id` adds to decoded text (after the per-token decoders; a byte-fallback
+ * <0xXX> token: its one byte), for code that must know what each token spells (grammars). They
+ * point into the tokenizer, valid until kr_tokenizer_free. Not applied: the stream steps that
+ * only drop leading spaces of the whole text (Strip, Metaspace's first space), and the joining
+ * of byte-fallback runs that are not valid UTF-8 into U+FFFD. Special tokens give their string.
+ * -1 for an id out of range or without a token. */
+int kr_tokenizer_token_bytes(const kr_tokenizer *t, int32_t id, const char **bytes, size_t *len);
 
 /* Incremental detokenizer: feed ids one at a time, get back only text that is final and valid
  * UTF-8 (a multi-byte character split over tokens is held back until complete). The
