@@ -706,6 +706,54 @@ static cJSON *model_doc(const rt_router *rt)
     return m;
 }
 
+/* ids[0, n) decoded with their special tokens as a JSON string (quoted and escaped, malloc'd),
+ * or NULL with err. Built from the detokenizer's deltas and their lengths, so that a token
+ * spelling U+0000 (a byte-level vocabulary has one) comes out as \u0000 instead of ending the
+ * text, as a C string would; the deltas are valid UTF-8, kept as they are. */
+static char *detokenized_json(const kr_tokenizer *tok, const uint32_t *ids, int n, char *err)
+{
+    kr_detok *d;
+    if (kr_detok_create(tok, 0, &d, err) != KR_OK) return NULL;
+    size_t len = 1, cap = 64;
+    char *out = malloc(cap);
+    if (out) out[0] = '"';
+    for (int i = 0; out && i <= n; i++) {
+        const char *delta;
+        size_t dlen;
+        if (i < n && kr_detok_push(d, (int32_t)ids[i], &delta, &dlen, err) != KR_OK) { /* ids in the vocabulary */
+            free(out);
+            kr_detok_free(d);
+            return NULL;
+        }
+        if (i == n) kr_detok_flush(d, &delta, &dlen);
+        if (len + 6 * dlen + 2 > cap) { /* an escape takes at most 6 bytes */
+            while (len + 6 * dlen + 2 > cap) cap *= 2;
+            char *grown = realloc(out, cap);
+            if (!grown) free(out);
+            out = grown;
+        }
+        for (size_t k = 0; out && k < dlen; k++) {
+            unsigned char c = (unsigned char)delta[k];
+            if (c == '"' || c == '\\') {
+                out[len++] = '\\';
+                out[len++] = (char)c;
+            } else if (c < 0x20) {
+                len += (size_t)snprintf(out + len, 7, "\\u%04x", c);
+            } else {
+                out[len++] = (char)c;
+            }
+        }
+    }
+    kr_detok_free(d);
+    if (!out) {
+        snprintf(err, KR_ERR_MAX, "out of memory");
+        return NULL;
+    }
+    out[len++] = '"';
+    out[len] = '\0';
+    return out;
+}
+
 /* POST /tokenize and /detokenize, as vLLM serves them: the router's tokenizer and chat
  * template, no node involved. */
 static int serve_tokenize(rt_router *rt, struct MHD_Connection *conn, int detok, const char *body, size_t len)
@@ -720,21 +768,21 @@ static int serve_tokenize(rt_router *rt, struct MHD_Connection *conn, int detok,
     cJSON *doc = cJSON_CreateObject();
     int n = (int)r.prompt_ids.n_ids;
     if (detok) {
-        char *text = NULL, err[KR_ERR_MAX];
+        char err[KR_ERR_MAX];
         if (!rt->tok) {
             oa_request_free(&r);
             cJSON_Delete(doc);
             return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", "tokens", NULL,
                                  "the model %s has no tokenizer.json: nothing to detokenize with", rt->model_dir);
         }
-        /* ids in the vocabulary: the same bits as int32; special tokens kept, as vLLM's */
-        if (kr_tokenizer_decode(rt->tok, (const int32_t *)r.ids, n, 0, &text, err) != KR_OK) {
+        char *text = detokenized_json(rt->tok, r.ids, n, err); /* special tokens kept, as vLLM's */
+        if (!text) { /* the ids are in the vocabulary: the router's failure */
             oa_request_free(&r);
             cJSON_Delete(doc);
-            return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", "tokens", NULL,
-                                 "'tokens' do not detokenize: %s", err);
+            return respond_error(rt, conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "server_error", NULL, NULL,
+                                 "the router could not detokenize: %s", err);
         }
-        cJSON_AddStringToObject(doc, "prompt", text);
+        cJSON_AddRawToObject(doc, "prompt", text);
         free(text);
     } else {
         cJSON_AddNumberToObject(doc, "count", n);

@@ -26,7 +26,8 @@ Checked:
     field; over gRPC, in GenerateRequest.text, stop, kv_policy and TokenizeRequest.text:
     INVALID_ARGUMENT naming it; an escaped backslash before "u0000" is text and is served;
   - /tokenize (prompt and messages) equals the gRPC Tokenize and kvrelay-tokenize --chat, with
-    count and max_model_len; /detokenize gives the prompt back; /v1/models lists max_model_len.
+    count and max_model_len; /detokenize gives the prompt back, and a token spelling U+0000
+    whole; /v1/models lists max_model_len.
 Run through openai_vllm.sh (it generates the stubs); every process is killed at the end.
 """
 import json
@@ -305,6 +306,13 @@ def main():
     status, doc = post(base, "/tokenize", {"model": NAME, "messages": msgs})
     check(status == 200 and doc.get("tokens") == want, "/tokenize of messages: %s, want %s" % (doc, want))
     refused(base, "/detokenize", {"tokens": [cfg["vocab_size"]]}, "tokens", "/detokenize of an id outside the vocabulary")
+    # the byte-level vocabulary's token for the byte 0 spells U+0000: it comes back whole
+    vocab = json.load(open(os.path.join(model, "tokenizer.json")))["model"]["vocab"]
+    nul_id = vocab.get("\u0100")
+    check(nul_id is not None, "the model's vocabulary has no token for the byte 0")
+    a, b_ = (post(base, "/tokenize", {"prompt": w, "add_special_tokens": False})[1]["tokens"] for w in ("a", "b"))
+    status, doc = post(base, "/detokenize", {"tokens": a + [nul_id] + b_})
+    check(status == 200 and doc == {"prompt": "a\x00b"}, "/detokenize of a token spelling U+0000: %d %s" % (status, doc))
     refused(base, "/tokenize", {"prompt": "x", "messages": msgs}, "prompt", "/tokenize of both")
     refused(base, "/tokenize", {"prompt": "x", "truncate": 3}, "truncate", "/tokenize with an unknown field")
     status, doc = post(base, "/tokenize", {"model": "other", "prompt": "x"})
