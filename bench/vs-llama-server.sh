@@ -244,7 +244,7 @@ def ms(d, key):
 def cached(s):
     return "%.2f" % s["cached_token_fraction"] if s.get("cached_token_fraction") is not None else "-"
 
-print("kvrelay (router + 1 prefill + 1 decode node, %d threads each) vs llama-server (%d threads), "
+print("kvrelay (router + 1 prefill + 1 decode node, --threads %d each) vs llama-server (--threads %d), "
       "%s weights of %s, llama.cpp %s, %d CPUs%s" % (threads, threads, dtype, os.path.basename(config), commit,
       cpus, "" if cpus > 2 * threads else " (kvrelay's nodes share cores)"))
 print("| load | kvrelay tok/s | llama-server tok/s | throughput ratio | kvrelay TTFT p50 / p99 ms "
