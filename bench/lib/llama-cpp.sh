@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # llama-cpp.sh - what the bench scripts that run llama.cpp share; sourced, not run: the pinned
 # llama.cpp source and how to build its programs from it, the commit a build came from, and the
 # random-weight models both engines load (bench/gguf_model.py). Not a llama.cpp installer: a
@@ -43,12 +44,12 @@ llama_cpp_commit() {
 
 # a dtype's model already written is kept: the same config, dtype and seed give the same files
 llama_models() {
-  local out=$1 config=$2 vocab=${4:-} d dtypes
-  IFS=, read -r -a dtypes <<<"$3"
-  for d in "${dtypes[@]}"; do
+  local out=$1 config=$2 vocab=${4:-} d list
+  IFS=, read -r -a list <<<"$3"
+  for d in "${list[@]}"; do
     [ -f "$out/$d/model.gguf" ] && continue
     echo "${0##*/}: writing the $d model ($config${vocab:+, vocabulary $vocab})" >&2
-    /usr/bin/python3 "$here/bench/gguf_model.py" --config "$config" --dtype "$d" --out "$out/$d" \
+    /usr/bin/python3 "${here:?the sourcing script sets here to the repository root}/bench/gguf_model.py" --config "$config" --dtype "$d" --out "$out/$d" \
       ${vocab:+--vocab "$vocab"} >/dev/null || return 1
   done
 }
