@@ -1,8 +1,9 @@
 /*
  * openai-request.c - the OpenAI API's request bodies (openai.h): every field checked by name
- * and type against what docs/openai.md lists, unknown ones refused as OpenAI refuses them, the
- * prompt tokenized (a chat's messages rendered with the model's chat template first), and a
- * kvrelay.v1.GenerateRequest built for the generation path the gRPC API takes.
+ * and type against what docs/openai.md lists (vLLM's extensions included), unknown ones refused
+ * as OpenAI refuses them, a string holding U+0000 refused, the prompt tokenized (a chat's
+ * messages rendered with the model's chat template first), and a kvrelay.v1.GenerateRequest
+ * built for the generation path the gRPC API takes. Also vLLM's /tokenize and /detokenize bodies.
  * Not here: what needs the cluster (the policy spec, sampling ranges and stop strings are
  * checked by rt_generate_run, so that both APIs refuse them alike).
  */

@@ -3,7 +3,8 @@
  * kvrelay.v1.GenerateRequest out, or a refusal naming the field and the HTTP status. Pure: no
  * network and no router state, so that the fuzz target fuzz_openai can drive it; the HTTP side
  * (routes, streams, answers) is openai.c. docs/openai.md lists the fields and their rules.
- * Test: tests/integration/openai_api.sh (through the router), ctest -R fuzz_openai.
+ * Test: tests/integration/openai_api.sh and openai_vllm.sh (through the router),
+ * ctest -R 'fuzz_openai|test_router_openai_vllm'.
  */
 #ifndef RT_OPENAI_H
 #define RT_OPENAI_H
