@@ -1,11 +1,13 @@
 /*
  * prefill.h - the insides of kvrelay-prefill (docs/prefill-node.md): the node (model, one
- * kr_ctx with its KV pool, a send-only UCX transport), its bounded FIFO of prefill jobs run by
- * one worker thread, and the gRPC service (Prefill.Prefill, Prefill.Status) in front of it.
+ * kr_ctx with its KV pool, the prefix cache of prefix-cache.h, a send-only UCX transport), its
+ * bounded FIFO of prefill jobs run by one worker thread, and the gRPC service (Prefill.Prefill,
+ * Prefill.Status) in front of it.
  *
  * Threads: gRPC handler threads (one per call, common/rpc.h) validate a request, turn it into a
  * pf_job on their own stack, queue it and wait for it; the one worker thread owns the kr_ctx,
- * the KV pool and every scratch buffer below, and runs jobs one at a time in arrival order.
+ * the KV pool, the prefix cache and every scratch buffer below, and runs jobs one at a time in
+ * arrival order.
  * A job is the handler's: the worker touches it only between taking it from the queue and
  * marking it PF_JOB_DONE, and the handler does not return before that.
  * Not here: placement, retries (the router's), decode (decode-node/).

@@ -1,8 +1,9 @@
 /*
  * run.c - one prefill job on the worker thread (prefill.h): chunked prefill with the request's
- * policy on the node's one kr_ctx, the first token (sampled, or forced; with its log-probability
- * and the row's argmax when asked), the KV bundle written straight from the
- * sequence's lists, the send to the decode node's reservation, and the usage.
+ * policy on the node's one kr_ctx, through the prefix cache (prefix-cache.h: the prompt may
+ * continue from a cached state of its prefix, exactly), the first token (sampled, or forced;
+ * with its log-probability and the row's argmax when asked), the KV bundle written straight from
+ * the sequence's lists, the send to the decode node's reservation, and the usage.
  *
  * Layer-wise pipelining (--pipeline on, with more than one layer): kr_prefill_layers says when
  * leading layers are final during the last chunk; each such group of layers is written as a
