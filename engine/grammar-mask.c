@@ -5,6 +5,12 @@
  * the matcher of a node is its parent's fed the node's byte; where the matcher refuses the
  * byte, the whole subtree is skipped, so a token costs one byte step only for the bytes it
  * does not share with its trie neighbours, and refused prefixes cost nothing below them.
+ *
+ * Inside a string nearly every token is allowed and a walk would visit the whole trie. So the
+ * tokens that are plain text there (printable, no quote or backslash, whole UTF-8 characters)
+ * are set from a precomputed bitset, as many as the string's remaining length admits (they
+ * change nothing but the character count), and only the other tokens are walked, in a second
+ * trie that holds just them.
  * Not here: the automaton itself (grammar-match.c). Measured cost: docs/structured-output.md.
  */
 #include <math.h>
@@ -26,11 +32,20 @@ typedef struct gv_node {
     uint8_t byte;
 } gv_node;
 
-struct kr_grammar_vocab {
-    int n_vocab;
+typedef struct gv_trie {
     gv_node *nodes; /* [n_nodes], depth-first */
     uint32_t n_nodes;
     int32_t *ids; /* token ids in trie order */
+} gv_trie;
+
+struct kr_grammar_vocab {
+    int n_vocab;
+    gv_trie all; /* every token that has bytes */
+    gv_trie other; /* the tokens that are not plain string text */
+    uint32_t *plain_bits; /* [(n_vocab + 31) / 32] the plain ones */
+    int32_t *plain_ids; /* [n_plain] by character count, fewest first */
+    uint16_t *plain_chars; /* [n_plain] */
+    int n_plain, max_plain_chars;
     uint8_t *kind; /* [n_vocab] GV_* */
     uint32_t *off, *len; /* [n_vocab] each token's bytes in `bytes` */
     char *bytes;
@@ -57,15 +72,15 @@ static int cmp_tok(const void *a, const void *b)
     return r ? r : x->len < y->len ? -1 : x->len > y->len ? 1 : x->id < y->id ? -1 : x->id > y->id;
 }
 
-/* The trie of the n tokens in t (sorted): nodes and ids of v. */
-static int build_trie(kr_grammar_vocab *v, const gv_tok *t, int n, char *err)
+/* The trie of the n tokens in t (sorted, none longer than max_len bytes). */
+static int build_trie(gv_trie *v, const gv_tok *t, int n, int max_len, char *err)
 {
     size_t total = 0;
     for (int i = 0; i < n; i++) total += t[i].len;
     if (total >= UINT32_MAX) return kr_errf(err, "grammar vocabulary: too many token bytes");
     v->nodes = malloc((total + 1) * sizeof *v->nodes);
     v->ids = malloc(((size_t)n + 1) * sizeof *v->ids);
-    uint32_t *open = malloc(((size_t)v->max_len + 1) * sizeof *open); /* node at each depth */
+    uint32_t *open = malloc(((size_t)max_len + 1) * sizeof *open); /* node at each depth */
     if (!v->nodes || !v->ids || !open) {
         free(open);
         return kr_errf(err, "grammar vocabulary: out of memory");
@@ -97,11 +112,72 @@ static int build_trie(kr_grammar_vocab *v, const gv_tok *t, int n, char *err)
     return 0;
 }
 
+/* Characters of s when it is plain string text (bytes 0x20 and up but quote and backslash, whole
+ * well-formed UTF-8 characters), else -1. */
+static int plain_chars(const char *s, uint32_t len)
+{
+    int chars = 0;
+    for (uint32_t i = 0; i < len;) {
+        uint8_t b = (uint8_t)s[i];
+        uint32_t n = b < 0x80 ? 1 : b >= 0xC2 && b <= 0xDF ? 2 : b >= 0xE0 && b <= 0xEF ? 3 : b >= 0xF0 && b <= 0xF4 ? 4 : 0;
+        if (!n || i + n > len || b < 0x20 || b == '"' || b == '\\') return -1;
+        for (uint32_t k = 1; k < n; k++)
+            if (((uint8_t)s[i + k] & 0xC0) != 0x80) return -1;
+        uint8_t b1 = n > 1 ? (uint8_t)s[i + 1] : 0;
+        if ((b == 0xE0 && b1 < 0xA0) || (b == 0xED && b1 > 0x9F) || (b == 0xF0 && b1 < 0x90) || (b == 0xF4 && b1 > 0x8F))
+            return -1;
+        i += n;
+        chars++;
+    }
+    return chars;
+}
+
+static int cmp_plain(const void *a, const void *b)
+{
+    const gv_tok *x = a, *y = b;
+    return x->len < y->len ? -1 : x->len > y->len ? 1 : x->id < y->id ? -1 : x->id > y->id;
+}
+
+/* Moves the plain tokens of t (sorted) to its end, keeping the others sorted at its start,
+ * and records them in v (their character counts in gv_tok.len's place while sorting). */
+static int split_plain(kr_grammar_vocab *v, gv_tok *t, int n, char *err)
+{
+    gv_tok *plain = malloc(((size_t)n + 1) * sizeof *plain);
+    v->plain_bits = calloc(((size_t)v->n_vocab + 31) / 32 + 1, sizeof *v->plain_bits);
+    v->plain_ids = malloc(((size_t)n + 1) * sizeof *v->plain_ids);
+    v->plain_chars = malloc(((size_t)n + 1) * sizeof *v->plain_chars);
+    if (!plain || !v->plain_bits || !v->plain_ids || !v->plain_chars) {
+        free(plain);
+        return kr_errf(err, "grammar vocabulary: out of memory");
+    }
+    int k = 0, np = 0;
+    for (int i = 0; i < n; i++) {
+        int c = plain_chars(t[i].p, t[i].len);
+        if (c < 0 || c > UINT16_MAX) t[k++] = t[i];
+        else plain[np++] = (gv_tok){t[i].p, (uint32_t)c, t[i].id};
+    }
+    qsort(plain, (size_t)np, sizeof *plain, cmp_plain);
+    for (int i = 0; i < np; i++) {
+        v->plain_ids[i] = plain[i].id;
+        v->plain_chars[i] = (uint16_t)plain[i].len;
+        v->plain_bits[plain[i].id >> 5] |= 1u << (plain[i].id & 31);
+        if ((int)plain[i].len > v->max_plain_chars) v->max_plain_chars = (int)plain[i].len;
+    }
+    v->n_plain = np;
+    free(plain);
+    return 0;
+}
+
 void kr_grammar_vocab_free(kr_grammar_vocab *v)
 {
     if (!v) return;
-    free(v->nodes);
-    free(v->ids);
+    free(v->all.nodes);
+    free(v->all.ids);
+    free(v->other.nodes);
+    free(v->other.ids);
+    free(v->plain_bits);
+    free(v->plain_ids);
+    free(v->plain_chars);
     free(v->kind);
     free(v->off);
     free(v->len);
@@ -166,7 +242,9 @@ int kr_grammar_vocab_create(const kr_tokenizer *t, const int32_t *end_ids, int n
         total += toks[i].len;
     }
     qsort(toks, (size_t)n, sizeof *toks, cmp_tok);
-    if (build_trie(v, toks, n, err)) goto err;
+    if (build_trie(&v->all, toks, n, v->max_len, err) || split_plain(v, toks, n, err) ||
+        build_trie(&v->other, toks, n - v->n_plain, v->max_len, err))
+        goto err;
     free(toks);
     *out = v;
     return 0;
@@ -207,16 +285,28 @@ int kr_grammar_mask(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_s
     if (kr_matcher_dead(m) || kr_matcher_ended(m)) return 0;
     KR_ASSERT(s->max_len >= v->max_len);
     int count = 0;
+    const gv_trie *trie = &v->all;
+    uint32_t room;
+    if (gr_plain_room(m, &room)) { /* in a string: plain tokens that fit, then the others */
+        trie = &v->other;
+        if (room >= (uint32_t)v->max_plain_chars) {
+            memcpy(allowed, v->plain_bits, ((size_t)v->n_vocab + 31) / 32 * sizeof *allowed);
+            count = v->n_plain;
+        } else {
+            for (; count < v->n_plain && v->plain_chars[count] <= room; count++)
+                allowed[v->plain_ids[count] >> 5] |= 1u << (v->plain_ids[count] & 31);
+        }
+    }
     kr_matcher *st = s->st;
     kr_matcher_copy(&st[0], m);
-    for (uint32_t i = 0; i < v->n_nodes;) {
-        const gv_node *nd = &v->nodes[i];
+    for (uint32_t i = 0; i < trie->n_nodes;) {
+        const gv_node *nd = &trie->nodes[i];
         if (gr_step(&st[nd->depth], &st[nd->depth - 1], nd->byte)) {
             i = nd->skip;
             continue;
         }
         for (uint32_t k = 0; k < nd->n_ids; k++) {
-            int32_t id = v->ids[nd->ids_off + k];
+            int32_t id = trie->ids[nd->ids_off + k];
             allowed[id >> 5] |= 1u << (id & 31);
         }
         count += nd->n_ids;
