@@ -509,6 +509,13 @@ static uint64_t arr_after(const kr_grammar *g, const gr_node *n, uint32_t items)
     return (uint64_t)(n->min_items - items) * (1 + g->nodes[n->items].min_doc) + 1;
 }
 
+/* "": value for an additional key: one byte more when "" is a declared name already written */
+static uint64_t free_key_cost(const kr_grammar *g, const gr_node *n, uint64_t seen)
+{
+    int empty_taken = n->n_props && g->props[n->props_off].name.len == 0 && (seen & 1);
+    return 3ull + empty_taken + g->nodes[n->additional].min_doc;
+}
+
 /* The object below key frame k, with the key finished: the key's rest, ':', the value, the
  * object's rest. The cheapest of the declared names still possible and an additional key. */
 static uint64_t key_rest(const kr_grammar *g, const gr_frame *k)
@@ -545,7 +552,7 @@ static uint64_t frame_rest(const kr_grammar *g, const gr_frame *f)
             return n->required ? obj_after(g, n, 0) - 1 : 1;
         case GS_OBJ_KEY: /* after a comma: some key, even when none is required */
             if (n->required & ~f->u.seen) return obj_after(g, n, f->u.seen) - 1;
-            best = n->additional >= 0 ? 3ull + g->nodes[n->additional].min_doc : GR_INF;
+            best = n->additional >= 0 ? free_key_cost(g, n, f->u.seen) : GR_INF;
             for (uint32_t i = 0; i < n->n_props; i++)
                 if (!(f->u.seen >> i & 1) && prop_cost(g, n, i) < best) best = prop_cost(g, n, i);
             return best + 1;
