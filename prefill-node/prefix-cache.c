@@ -349,7 +349,11 @@ static void insert(pf_cache *c, const kr_policy *p, const kr_seq *s, const int32
     const int f = family_of(p);
     pf_cache_stats *st = &c->stats[f];
     const int64_t need = copy_blocks(c, s);
-    pf_cache_entry *e = c->tail;
+    /* what evicting every unused state would free: when even that is too little, the cache is
+     * left as it is instead of emptied for nothing */
+    int64_t could = kr_kv_pool_n_free(c->pool);
+    for (const pf_cache_entry *e = c->head; e; e = e->next) could += e->refs ? 0 : e->blocks;
+    pf_cache_entry *e = could >= need ? c->tail : NULL;
     while (kr_kv_pool_n_free(c->pool) < need && e) {
         pf_cache_entry *prev = e->prev;
         if (e->refs == 0) {

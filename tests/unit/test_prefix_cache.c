@@ -394,15 +394,22 @@ static void check_budget(setup *su)
     CHECK(run_both(su, c, p, t, 100, "budget: 7 again") == 96, "a state in use was evicted");
     pf_cache_free(c);
 
-    /* a budget below one state: every state is skipped, every request still served */
+    /* a budget below one 96-token state: it is skipped, every request still served, and the
+     * 48-token state already held is not evicted for a state that could not fit anyway */
     c = cache_new(su, bb * (per_state - 1));
     st = pf_cache_family_stats(c, f);
+    int32_t short_prompt[50];
+    fill_tokens(short_prompt, 50, 77, su->cfg->vocab_size);
+    CHECK(run_both(su, c, p, short_prompt, 50, "budget: short") == 0, "nothing cached yet");
     for (int i = 0; i < 3; i++) {
         budget_prompt(t, 0, su->cfg->vocab_size);
         CHECK(run_both(su, c, p, t, 100, "budget: too small") == 0, "nothing fits, nothing is reused");
     }
-    CHECK(st->skipped == 3 && st->entries == 0 && pf_cache_n_free(c) == pf_cache_n_blocks(c),
-          "skipped %llu entries %lld", (unsigned long long)st->skipped, (long long)st->entries);
+    CHECK(st->skipped == 3 && st->entries == 1 && st->evictions == 0 &&
+              pf_cache_n_free(c) == pf_cache_n_blocks(c) - lists * 3,
+          "skipped %llu entries %lld evictions %llu", (unsigned long long)st->skipped, (long long)st->entries,
+          (unsigned long long)st->evictions);
+    CHECK(run_both(su, c, p, short_prompt, 50, "budget: short again") == 48, "the short state was lost");
     pf_cache_free(c);
     kr_policy_free(p);
 }
