@@ -49,6 +49,7 @@ struct pf_cache {
     int n_families;
     pf_cache_stats *stats;   /* [n_families] */
     family_metrics *metrics; /* [n_families] */
+    kc_gauge *budget;
     uint64_t *h;             /* the last lookup's chain: h[0] the key's hash, h[i] chunk i's */
     int h_cap;
 };
@@ -121,10 +122,10 @@ static int register_metrics(pf_cache *c)
             !m->collisions || !m->never || !m->bytes || !m->entries)
             return -1;
     }
-    kc_gauge *budget = kc_gauge_add(r, "kvrelay_prefix_cache_budget_bytes",
-                                    "The prefix cache's memory budget as blocks (--prefix-cache-memory).", NULL);
-    if (!budget) return -1;
-    kc_gauge_set(budget, (double)(c->block_bytes * kr_kv_pool_n_blocks(c->pool)));
+    c->budget = kc_gauge_add(r, "kvrelay_prefix_cache_budget_bytes",
+                             "The prefix cache's memory budget as blocks (--prefix-cache-memory).", NULL);
+    if (!c->budget) return -1;
+    kc_gauge_set(c->budget, (double)(c->block_bytes * kr_kv_pool_n_blocks(c->pool)));
     return 0;
 }
 
@@ -230,6 +231,21 @@ void pf_cache_set_hash(pf_cache *c, pf_cache_hash_fn fn)
 const pf_cache_stats *pf_cache_family_stats(const pf_cache *c, int family)
 {
     return family >= 0 && family < c->n_families ? &c->stats[family] : NULL;
+}
+
+void pf_cache_summarize(const pf_cache *c, pf_cache_summary *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!c) return;
+    out->budget_bytes = (uint64_t)kc_gauge_value(c->budget);
+    for (int f = 0; f < c->n_families; f++) {
+        const family_metrics *m = &c->metrics[f];
+        out->bytes += (uint64_t)kc_gauge_value(m->bytes);
+        out->entries += (uint64_t)kc_gauge_value(m->entries);
+        out->lookups += (uint64_t)kc_counter_value(m->lookups);
+        out->hits += (uint64_t)kc_counter_value(m->hits);
+        out->tokens_reused += (uint64_t)kc_counter_value(m->tokens_reused);
+    }
 }
 
 int64_t pf_cache_block_bytes(const pf_cache *c)

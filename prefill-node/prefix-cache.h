@@ -55,6 +55,12 @@ int pf_cache_create(const pf_cache_config *cfg, pf_cache **out, char *err);
 void pf_cache_free(pf_cache *c); /* NULL is fine; every state must be released */
 void pf_cache_set_hash(pf_cache *c, pf_cache_hash_fn fn); /* only while the cache is empty */
 const pf_cache_stats *pf_cache_family_stats(const pf_cache *c, int family);
+/* Totals over every family, read from the metrics (0 when the cache has no registry): safe from
+ * any thread, for Prefill.Status. */
+typedef struct pf_cache_summary {
+    uint64_t bytes, budget_bytes, entries, lookups, hits, tokens_reused;
+} pf_cache_summary;
+void pf_cache_summarize(const pf_cache *c, pf_cache_summary *out); /* c NULL: zeros */
 int64_t pf_cache_block_bytes(const pf_cache *c);
 int pf_cache_n_blocks(const pf_cache *c); /* the cache pool's blocks */
 int pf_cache_n_free(const pf_cache *c);   /* its free blocks */

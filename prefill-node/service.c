@@ -384,6 +384,14 @@ static int status_handler(kc_call *call, const ProtobufCMessage *msg, void *user
     node.queued_requests = (uint32_t)waiting;
     node.outstanding_prefill_tokens = outstanding;
     node.since_unix_ms = atomic_load(&n->since_unix_ms);
+    pf_cache_summary pc;
+    pf_cache_summarize(n->cache, &pc);
+    node.prefix_cache_bytes = pc.bytes;
+    node.prefix_cache_budget_bytes = pc.budget_bytes;
+    node.prefix_cache_entries = pc.entries;
+    node.prefix_cache_lookups = pc.lookups;
+    node.prefix_cache_hits = pc.hits;
+    node.prefix_cache_tokens_reused = pc.tokens_reused;
     kc_call_send(call, &node.base);
     (void)msg;
     return GRPC_STATUS_OK;

@@ -675,6 +675,18 @@ static void case_prefix_cache(node *nd, ref_model *r, uint32_t seed)
               test_metric(nd->p.http, "kvrelay_prefix_cache_hits_total{policy=\"full\"}") >= 2 && held > 0 &&
               held <= budget && test_metric(nd->p.http, "kvrelay_prefix_cache_evictions_total{policy=\"full\"}") >= 0,
           "/metrics: hits of streaming and full, %g bytes held within the budget %g", held, budget);
+    /* Status sums the same over the families, for the router and kvrelay-cli status */
+    Kvrelay__V1__Node *st = status(nd);
+    if (st) {
+        CHECK(st->prefix_cache_bytes == (uint64_t)held && st->prefix_cache_budget_bytes == (uint64_t)budget &&
+                  st->prefix_cache_hits >= 6 && st->prefix_cache_tokens_reused >= 6 * 96 &&
+                  st->prefix_cache_lookups >= st->prefix_cache_hits && st->prefix_cache_entries > 0,
+              "Status: prefix cache %" PRIu64 " bytes of %" PRIu64 ", %" PRIu64 " states, %" PRIu64 " hits of %" PRIu64
+              " lookups, %" PRIu64 " tokens reused",
+              st->prefix_cache_bytes, st->prefix_cache_budget_bytes, st->prefix_cache_entries, st->prefix_cache_hits,
+              st->prefix_cache_lookups, st->prefix_cache_tokens_reused);
+        kc_message_free((ProtobufCMessage *)st);
+    }
 }
 
 /* A request's own payload dtype (kv_wire_dtype, named as a user would), whatever the node's
