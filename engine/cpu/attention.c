@@ -129,7 +129,8 @@ KR_ALWAYS_INLINE float kv_at(kr_dtype t, const void *row, int i)
 }
 
 /* Scores of key rows k[0..ROWS) against nh query heads q[nh][d]: s[h * TILE + r] = q_h . k_r *
- * scale for r < nr (rows past nr are padding: computed, not stored). Each key chunk is loaded
+ * scale for r < nr (rows past nr are padding: computed, and stored past the tile's entries only
+ * when d is a whole number of vectors, where the ROWS scores are stored at once). Each key chunk is loaded
  * once for the nh heads. A score sums its chunk products in one accumulator in element order,
  * then that accumulator's lanes (vf_sum4), then the elements past the last whole chunk. */
 KR_ALWAYS_INLINE void score_rows(kr_dtype t, int nh, const float *q, int d, const void *const *k, int nr,
@@ -156,6 +157,11 @@ KR_ALWAYS_INLINE void score_rows(kr_dtype t, int nh, const float *q, int d, cons
     for (int h = 0; h < nh; h++) {
         float sum[ROWS];
         vf_sum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3], sum);
+        if (i == d) { /* no elements past the last chunk: the ROWS scores at once (padding too) */
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) s[(size_t)h * TILE + r] = sum[r] * scale;
+            continue;
+        }
         for (int r = 0; r < nr; r++) {
             float x = sum[r];
             for (int e = i; e < d; e++) x += q[(size_t)h * d + e] * kv_at(t, k[r], e);
@@ -206,14 +212,23 @@ typedef struct head_block {
 } head_block;
 
 /* The online softmax step of one tile of n scores for nh heads: the scores become exp(s - max),
- * the running max and sum move on, corr is exp(old max - new max). Not inlined into the kernels:
+ * the running max and sum move on, corr is exp(old max - new max). The max is taken a vector at a
+ * time (one compare per score after another was a tenth of a decode step's attention). Not inlined into the kernels:
  * the vectorised exp's constants, hoisted, would take the registers their accumulators need. */
 static __attribute__((noinline)) void softmax_tile(const head_block *hb, int nh, int n)
 {
     for (int h = 0; h < nh; h++) {
         float *s = hb->sc + (size_t)h * TILE;
         float mt = hb->m[h];
-        for (int j = 0; j < n; j++) mt = s[j] > mt ? s[j] : mt;
+        int j = 0;
+        if (n >= KR_VL) { /* the lanes' maxima, then theirs: a max is exact in any order */
+            kr_vf vm = vf_load(s);
+            for (j = KR_VL; j + KR_VL <= n; j += KR_VL) vm = vf_max(vm, vf_load(s + j));
+            float lanes[KR_VL];
+            vf_store(lanes, vm);
+            for (int x = 0; x < KR_VL; x++) mt = lanes[x] > mt ? lanes[x] : mt;
+        }
+        for (; j < n; j++) mt = s[j] > mt ? s[j] : mt;
         hb->corr[h] = expf(hb->m[h] - mt); /* exp(-inf) = 0 on the first tile */
         hb->sum[h] = hb->sum[h] * hb->corr[h] + kr_exp_shift_sum(s, n, mt);
         hb->m[h] = mt;
