@@ -52,6 +52,7 @@ struct pf_cache {
     kc_gauge *budget;
     uint64_t *h;             /* the last lookup's chain: h[0] the key's hash, h[i] chunk i's */
     int h_cap;
+    int h_levels;            /* chunks h holds for the last lookup (0: none) */
 };
 
 /* FNV-1a over 64 bits, then splitmix64's finalizer so that nearby inputs spread over every
@@ -299,6 +300,7 @@ static int common_tokens(const int32_t *a, const int32_t *b, int n)
 void pf_cache_lookup(pf_cache *c, const kr_policy *p, const int32_t *tokens, int n, pf_cache_hit *hit)
 {
     memset(hit, 0, sizeof *hit);
+    c->h_levels = 0;
     const int C = c->cfg.chunk, m = (n - 1) / C; /* boundaries below the prompt's end */
     const int f = family_of(p);
     if (!kr_policy_prefix_deterministic(p)) {
@@ -307,6 +309,7 @@ void pf_cache_lookup(pf_cache *c, const kr_policy *p, const int32_t *tokens, int
         return;
     }
     if (m < 1 || chain(c, p, tokens, m) != 0) return;
+    c->h_levels = m;
     c->stats[f].lookups++;
     kc_counter_inc(c->metrics[f].lookups, 1);
     const char *spec = spec_of(p);
@@ -364,7 +367,8 @@ static void insert(pf_cache *c, const kr_policy *p, const kr_seq *s, const int32
 {
     const int f = family_of(p);
     pf_cache_stats *st = &c->stats[f];
-    const int64_t need = copy_blocks(c, s);
+    const int levels = upto / c->cfg.chunk;
+    const int64_t need = levels <= c->h_levels ? copy_blocks(c, s) : INT64_MAX; /* chain known */
     /* what evicting every unused state would free: when even that is too little, the cache is
      * left as it is instead of emptied for nothing */
     int64_t could = kr_kv_pool_n_free(c->pool);
@@ -381,7 +385,6 @@ static void insert(pf_cache *c, const kr_policy *p, const kr_seq *s, const int32
     }
     char err[KR_ERR_MAX];
     pf_cache_entry *ne = calloc(1, sizeof *ne);
-    const int levels = upto / c->cfg.chunk;
     if (!ne || kr_kv_pool_n_free(c->pool) < need || !(ne->spec = strdup(spec_of(p))) ||
         !(ne->tokens = malloc(sizeof *ne->tokens * (size_t)upto)) ||
         !(ne->chain = malloc(sizeof *ne->chain * (size_t)levels)) ||
