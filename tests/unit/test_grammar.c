@@ -5,7 +5,7 @@
  * supported subset (seeded) each decoded by picking uniformly random allowed tokens of the
  * default model's vocabulary (models/kjv-2l128-2k) until an end token is picked: every answer
  * must decode (kr_tokenizer_decode) to text that cJSON parses and that grammar_check.h's
- * independent validator accepts. With $KR_SHARED, a few also on Llama 2's 32k sentencepiece
+ * independent validator accepts. The mask's edges (end ids, logits, refused ids) too. With $KR_SHARED, a few also on Llama 2's 32k sentencepiece
  * vocabulary (byte fallback).
  * Run: ctest -R test_grammar (KR_GRAMMAR_SEED=N for another seed).
  */
@@ -486,6 +486,62 @@ static void decoder_free(decoder *d)
     free(d->ids);
 }
 
+/* The mask's edges: end ids, logits, refused tokens. */
+static void test_mask_api(const char *model_dir)
+{
+    char err[KR_ERR_MAX];
+    kr_tokenizer *tok;
+    REQUIRE(kr_tokenizer_load(model_dir, &tok, err) == 0, "%s", err);
+    kr_grammar_vocab *v;
+    kr_grammar_scratch *s;
+    int32_t eos = kr_tokenizer_eos(tok), bad_end = kr_tokenizer_n_vocab(tok);
+    CHECK(kr_grammar_vocab_create(tok, &bad_end, 1, &v, err) == -1, "end id past the vocabulary accepted");
+    CHECK_ERR_HAS(err, "end id");
+    REQUIRE(kr_grammar_vocab_create(tok, NULL, 0, &v, err) == 0 && kr_grammar_scratch_create(v, &s, err) == 0, "%s", err);
+    int nv = kr_grammar_vocab_n(v);
+    CHECK(nv == kr_tokenizer_n_vocab(tok), "n %d", nv);
+    uint32_t *mask = calloc((size_t)(nv + 31) / 32, 4);
+    float *logits = malloc((size_t)(nv + 8) * sizeof *logits);
+    REQUIRE(mask && logits, "oom");
+    kr_grammar *g = schema("{\"type\":\"boolean\"}");
+    kr_matcher *m;
+    REQUIRE(kr_matcher_create(g, &m, err) == 0, "%s", err);
+    int32_t t_id = -1, x_id = -1;
+    for (int32_t id = 0; id < nv; id++) {
+        const char *p;
+        size_t len;
+        if (kr_tokenizer_token_bytes(tok, id, &p, &len)) continue;
+        if (len == 1 && p[0] == 't') t_id = id;
+        if (len == 1 && p[0] == 'x') x_id = id;
+    }
+    REQUIRE(t_id >= 0 && x_id >= 0 && eos >= 0, "single-byte tokens t, x and an EOS");
+    int count = kr_grammar_mask(v, m, s, mask);
+    CHECK(count > 0 && bit(mask, t_id) && !bit(mask, x_id) && !bit(mask, eos), "start of a boolean");
+    for (int i = 0; i < nv + 8; i++) logits[i] = 1.0f;
+    kr_grammar_mask_logits(mask, v, logits, nv + 8);
+    CHECK(logits[t_id] == 1.0f && isinf(logits[x_id]) && isinf(logits[nv + 3]), "mask_logits");
+    CHECK(kr_matcher_accept_token(m, v, eos) == -1 && kr_matcher_dead(m), "EOS before the document");
+    CHECK(kr_grammar_mask(v, m, s, mask) == 0, "a dead matcher allows nothing");
+    kr_matcher_reset(m);
+    CHECK(kr_matcher_accept_token(m, v, x_id) == -1 && kr_matcher_dead(m), "x refused");
+    kr_matcher_reset(m);
+    CHECK(kr_matcher_feed_bytes(m, "tru", 3) == 0 && kr_matcher_remaining(m) == 1, "one byte left");
+    CHECK(kr_matcher_feed(m, 'e') == 0 && kr_matcher_remaining(m) == 0 && kr_matcher_can_end(m), "true");
+    kr_grammar_mask(v, m, s, mask);
+    CHECK(bit(mask, eos), "EOS after the document");
+    CHECK(kr_matcher_accept_token(m, v, eos) == 0 && kr_matcher_ended(m), "EOS accepted");
+    CHECK(kr_grammar_mask(v, m, s, mask) == 0 && kr_matcher_accept_token(m, v, t_id) == -1, "nothing after the end");
+    kr_matcher_reset(m);
+    CHECK(kr_matcher_accept_token(m, v, -1) == -1 && kr_matcher_dead(m), "id -1");
+    kr_matcher_free(m);
+    kr_grammar_free(g);
+    free(mask);
+    free(logits);
+    kr_grammar_scratch_free(s);
+    kr_grammar_vocab_free(v);
+    kr_tokenizer_free(tok);
+}
+
 static void test_random_decoding(const char *model_dir, uint64_t seed)
 {
     char err[KR_ERR_MAX];
@@ -555,6 +611,7 @@ int main(void)
     }
     char dir[1024];
     snprintf(dir, sizeof dir, "%s/../../models/kjv-2l128-2k", fx);
+    test_mask_api(dir);
     test_random_decoding(dir, seed);
     const char *shared = kt_env("KR_SHARED");
     if (shared) test_spm(shared, seed);
