@@ -317,8 +317,22 @@ static int cmp_lit(const void *a, const void *b)
     return cmp_bytes(x, strlen(x), y, strlen(y));
 }
 
-/* enum / const of node idx: the values its other keywords accept, as sorted compact texts. */
-static int compile_literals(cctx *c, const cJSON *en, const cJSON *cn, int idx)
+/* Arrays and objects nested in v, v included. */
+static int value_depth(const cJSON *v)
+{
+    int d = 0;
+    const cJSON *e;
+    if (!cJSON_IsArray(v) && !cJSON_IsObject(v)) return 0;
+    cJSON_ArrayForEach(e, v) {
+        int k = value_depth(e);
+        if (k > d) d = k;
+    }
+    return d + 1;
+}
+
+/* enum / const of node idx, `depth` containers deep: the values its other keywords accept, as
+ * sorted compact texts. */
+static int compile_literals(cctx *c, const cJSON *en, const cJSON *cn, int idx, int depth)
 {
     kr_grammar *g = c->g;
     if (en && (!cJSON_IsArray(en) || !cJSON_GetArraySize(en)))
@@ -330,6 +344,11 @@ static int compile_literals(cctx *c, const cJSON *en, const cJSON *cn, int idx)
     if (!t) return oom(c);
     const cJSON *e = en ? en->child : cn;
     for (; e; e = en ? e->next : NULL) {
+        if (depth + value_depth(e) > c->g->lim.max_depth) {
+            kr_errf(c->err, "%s.%s: a value whose arrays and objects nest deeper than %d levels in the document is "
+                    "not supported", c->path, en ? "enum" : "const", c->g->lim.max_depth);
+            goto out;
+        }
         if (en && cn && !cJSON_Compare(e, cn, 1)) continue; /* both: the const, if the enum has it */
         if (!accepts(g, idx, e)) continue;
         if (!(t[k] = cJSON_PrintUnformatted(e))) { oom(c); goto out; }
@@ -401,7 +420,7 @@ static int compile_node(cctx *c, const cJSON *s, int depth)
     n->items = item_node;
     if (compile_object(c, s, idx, depth)) return -1;
     const cJSON *en = cJSON_GetObjectItemCaseSensitive(s, "enum"), *cn = cJSON_GetObjectItemCaseSensitive(s, "const");
-    if ((en || cn) && compile_literals(c, en, cn, idx)) return -1;
+    if ((en || cn) && compile_literals(c, en, cn, idx, depth)) return -1;
     n = &g->nodes[idx];
     n->min_doc = gr_node_min_doc(g, n);
     if (!n->n_lits && depth >= g->lim.max_depth && !(n->types & ~(GR_ARRAY | GR_OBJECT)))

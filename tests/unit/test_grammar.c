@@ -104,6 +104,11 @@ static void test_refusals(void)
     strcat(deep, "true");
     for (int i = 0; i < 33; i++) strcat(deep, "}");
     expect_refused(deep, 0, "an array or object nested deeper than 32 levels");
+    strcpy(deep, "{\"type\":\"array\",\"items\":{\"const\":");
+    for (int i = 0; i < 32; i++) strcat(deep, "[");
+    for (int i = 0; i < 32; i++) strcat(deep, "]");
+    strcat(deep, "}}");
+    expect_refused(deep, 0, "schema.items.const: a value whose arrays and objects nest deeper than 32 levels");
     /* response_format's own fields */
     expect_refused("{\"type\":\"xml\"}", 1, "response_format.type: \"xml\" is not one of");
     expect_refused("{\"type\":\"json_schema\"}", 1, "response_format.json_schema: expected an object");
