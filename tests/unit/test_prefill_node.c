@@ -1114,6 +1114,8 @@ static void case_flags(ref_model *r)
         {{"--model", r->dir, "--http", "nohost", NULL}, 2, "--http"},
         {{"--model", r->dir, "--max-prompt", "40000", NULL}, 2, "max_position_embeddings"},
         {{"--model", r->dir, "--max-prompt", "100", "--kv-blocks", "8", NULL}, 2, "--kv-blocks"},
+        {{"--model", r->dir, "--prefix-cache-memory", "2T", NULL}, 2, "unknown unit 'T'"},
+        {{"--model", r->dir, "--prefix-cache-memory", "100", NULL}, 2, "less than one KV block"},
         {{"--model", "/nonexistent", NULL}, 1, "/nonexistent"},
         {{"--model", r->dir, "--listen", blk, NULL}, 1, blk},
     };
