@@ -414,6 +414,50 @@ static void check_budget(setup *su)
     kr_policy_free(p);
 }
 
+/* kr_seq_copy into a pool of another block size and back, then the prefill continued: still the
+ * prefill from scratch, bit for bit (a copy packs lists from slot 0, in any block size). A pool
+ * of another dtype or head_dim is refused. */
+static void check_copy_layouts(setup *su)
+{
+    char err[KR_ERR_MAX];
+    kr_policy *p = kr_test_policy("streaming:sink=4,window=24", su->cfg, gates, windows);
+    int32_t t[130];
+    fill_tokens(t, 130, 31, su->cfg->vocab_size);
+    kr_seq *ref, *part, *odd, *back;
+    REQUIRE(kr_seq_create(su->pool, su->cfg->n_layers, su->cfg->n_kv_heads, &ref, err) == KR_OK &&
+                kr_seq_set_policy(ref, p, err) == KR_OK,
+            "%s", err);
+    REQUIRE(kr_prefill(su->ctx, ref, t, 130, CHUNK, KR_LOGITS_LAST, su->ref_logits, err) == KR_OK, "%s", err);
+    REQUIRE(kr_seq_create(su->pool, su->cfg->n_layers, su->cfg->n_kv_heads, &part, err) == KR_OK &&
+                kr_seq_set_policy(part, p, err) == KR_OK,
+            "%s", err);
+    kr_prompt_span sp = {.tokens = t, .n = 130, .from = 0, .to = 96, .chunk = CHUNK};
+    REQUIRE(kr_prefill_span(su->ctx, part, &sp, KR_LOGITS_NONE, NULL, NULL, NULL, err) == KR_OK, "%s", err);
+    kr_kv_pool *five;
+    REQUIRE(kr_kv_pool_create(su->cfg->head_dim, 5, 400, kr_ctx_kv_dtype(su->ctx), &five, err) == KR_OK, "%s", err);
+    REQUIRE(kr_seq_copy(part, five, NULL, &odd, err) == KR_OK, "%s", err);
+    kr_seq_free(part);
+    REQUIRE(kr_seq_copy(odd, su->pool, p, &back, err) == KR_OK, "%s", err);
+    kr_seq_free(odd);
+    CHECK(kr_kv_pool_n_free(five) == kr_kv_pool_n_blocks(five), "the 5-entry pool leaked");
+    sp = (kr_prompt_span){.tokens = t, .n = 130, .from = 96, .to = 130, .chunk = CHUNK};
+    REQUIRE(kr_prefill_span(su->ctx, back, &sp, KR_LOGITS_LAST, su->logits, NULL, NULL, err) == KR_OK, "%s", err);
+    CHECK(same_state(su, ref, back, "copied through 5-entry blocks", 0) &&
+              !memcmp(su->ref_logits, su->logits, sizeof(float) * (size_t)su->cfg->vocab_size),
+          "a copy through another block size changed the prefill");
+    kr_kv_pool *other;
+    kr_dtype od = kr_ctx_kv_dtype(su->ctx) == KR_DTYPE_F32 ? KR_DTYPE_BF16 : KR_DTYPE_F32;
+    REQUIRE(kr_kv_pool_create(su->cfg->head_dim, 16, 100, od, &other, err) == KR_OK, "%s", err);
+    kr_seq *none = NULL;
+    CHECK(kr_seq_copy(back, other, NULL, &none, err) == -1 && !none, "copied into a pool of another dtype");
+    CHECK_ERR_HAS(err, "the pool holds");
+    kr_kv_pool_free(other);
+    kr_kv_pool_free(five);
+    kr_seq_free(back);
+    kr_seq_free(ref);
+    kr_policy_free(p);
+}
+
 static void check_errors(setup *su)
 {
     char err[KR_ERR_MAX];
@@ -466,6 +510,7 @@ int main(void)
         check_policies(&su, cases[i].model);
         if (i == 0) {
             check_continuation(&su);
+            check_copy_layouts(&su);
             check_collision(&su);
             check_budget(&su);
             check_errors(&su);
