@@ -464,7 +464,10 @@ static kr_grammar *grammar_new(cctx *c, const kr_grammar_limits *limits)
     g->nodes[c->any].items = g->nodes[c->any].additional = c->any;
     g->nodes[c->any].min_doc = 1; /* a digit */
     static const char *const kw[] = {"false", "null", "true"};
-    if (grow((void **)&g->lits, &g->cap_lits, 3, sizeof *g->lits)) goto err_oom;
+    /* props is never NULL, so that props + offset is defined for objects without any */
+    if (grow((void **)&g->lits, &g->cap_lits, 3, sizeof *g->lits) ||
+        grow((void **)&g->props, &g->cap_props, 1, sizeof *g->props))
+        goto err_oom;
     g->kw_lits = 0;
     for (int i = 0; i < 3; i++)
         if (add_text(g, kw[i], strlen(kw[i]), &g->lits[g->n_lits++])) goto err_oom;
