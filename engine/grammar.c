@@ -330,6 +330,16 @@ static int value_depth(const cJSON *v)
     return d + 1;
 }
 
+/* A number in v (or v itself) past the range of a double: cJSON holds it as infinity and would
+ * print it as null. */
+static int has_infinity(const cJSON *v)
+{
+    if (cJSON_IsNumber(v)) return !(v->valuedouble - v->valuedouble == 0);
+    const cJSON *e;
+    cJSON_ArrayForEach(e, v) if (has_infinity(e)) return 1;
+    return 0;
+}
+
 /* enum / const of node idx, `depth` containers deep: the values its other keywords accept, as
  * sorted compact texts. */
 static int compile_literals(cctx *c, const cJSON *en, const cJSON *cn, int idx, int depth)
@@ -347,6 +357,11 @@ static int compile_literals(cctx *c, const cJSON *en, const cJSON *cn, int idx, 
         if (depth + value_depth(e) > c->g->lim.max_depth) {
             kr_errf(c->err, "%s.%s: a value whose arrays and objects nest deeper than %d levels in the document is "
                     "not supported", c->path, en ? "enum" : "const", c->g->lim.max_depth);
+            goto out;
+        }
+        if (has_infinity(e)) {
+            kr_errf(c->err, "%s.%s: a number beyond the range of a double is not supported", c->path,
+                    en ? "enum" : "const");
             goto out;
         }
         if (en && cn && !cJSON_Compare(e, cn, 1)) continue; /* both: the const, if the enum has it */

@@ -98,6 +98,7 @@ static void test_refusals(void)
     expect_refused("{\"type\":\"object\",\"properties\":{\"a\":1,\"a\":2}}", 0, "schema.properties.a: expected a schema");
     expect_refused("{\"type\":\"object\",\"properties\":{\"a\":{},\"a\":{}}}", 0, "\"a\" appears twice");
     expect_refused("{\"const\":\"\xff\"}", 0, "invalid UTF-8 at byte 10");
+    expect_refused("{\"enum\":[\"a\",[2e+340]]}", 0, "schema.enum: a number beyond the range of a double");
     /* nesting: 33 arrays in a row is one too many */
     char deep[2048] = "";
     for (int i = 0; i < 33; i++) strcat(deep, "{\"type\":\"array\",\"items\":");
