@@ -17,6 +17,7 @@
  * its end (the last chunk is always computed: it gives the logits).
  */
 #include "prefix-cache.h"
+#include "chain-hash.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,39 +56,21 @@ struct pf_cache {
     int h_levels;            /* chunks h holds for the last lookup (0: none) */
 };
 
-/* FNV-1a over 64 bits, then splitmix64's finalizer so that nearby inputs spread over every
- * bit. Not cryptographic: matches are confirmed on the tokens. */
-static uint64_t mix(uint64_t h)
-{
-    h ^= h >> 30;
-    h *= 0xbf58476d1ce4e5b9ULL;
-    h ^= h >> 27;
-    h *= 0x94d049bb133111ebULL;
-    return h ^ (h >> 31);
-}
-
-static uint64_t hash_bytes(uint64_t h, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ULL;
-    return h;
-}
-
+/* The chain's hash is common/chain-hash.h's, which the router's placement index shares. */
 uint64_t pf_cache_hash(uint64_t parent, const int32_t *tokens, int n)
 {
-    uint64_t h = hash_bytes(parent ^ 0xcbf29ce484222325ULL, tokens, sizeof *tokens * (size_t)n);
-    return mix(h);
+    return kc_chain_hash(parent, tokens, n);
 }
 
 /* h_0: everything a cached state depends on besides the tokens. */
 static uint64_t key_hash(const pf_cache *c, const char *spec)
 {
-    uint64_t h = 0xcbf29ce484222325ULL;
+    uint64_t h = KC_HASH_SEED;
     int32_t nums[2] = {c->cfg.chunk, (int32_t)c->cfg.kv_dtype};
-    h = hash_bytes(h, c->fingerprint, strlen(c->fingerprint) + 1);
-    h = hash_bytes(h, nums, sizeof nums);
-    h = hash_bytes(h, spec, strlen(spec) + 1);
-    return mix(h);
+    h = kc_hash_bytes(h, c->fingerprint, strlen(c->fingerprint) + 1);
+    h = kc_hash_bytes(h, nums, sizeof nums);
+    h = kc_hash_bytes(h, spec, strlen(spec) + 1);
+    return kc_hash_mix(h);
 }
 
 static int register_metrics(pf_cache *c)
