@@ -110,7 +110,8 @@ void kr_grammar_scratch_free(kr_grammar_scratch *s);
 
 /* The tokens allowed after m's bytes: a token is allowed when the matcher accepts all of its
  * bytes, an end id when kr_matcher_can_end. Writes the whole mask; returns how many ids are
- * allowed (0 only for a dead or ended matcher). Allocates nothing. */
+ * allowed: 0 for a dead or ended matcher, otherwise 0 only with a vocabulary that cannot spell
+ * single bytes (byte-level BPE and byte-fallback vocabularies can). Allocates nothing. */
 int kr_grammar_mask(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_scratch *s,
                     uint32_t *allowed);
 /* Sets logits[id] = -INFINITY for each id the mask does not allow, and for ids at and past
