@@ -53,6 +53,7 @@ typedef struct router_opts {
     int64_t max_tokens_limit, max_prompt, default_timeout_ms, max_queue_ms, max_request_bytes;
     rt_limit_conf limits; /* --limit-* (client-limits.h) */
     int64_t breaker_failures, breaker_cooldown_ms, prefill_timeout_ms, decode_stall_ms;
+    int64_t prefill_chunk, kv_index_blocks; /* kv-aware placement */
     int migrate;
     const char *api_keys[64], *api_key_files[64]; /* --api-key, --api-key-file (argv strings) */
     int n_api_keys, n_api_key_files;
@@ -94,8 +95,18 @@ static void parse(int argc, char **argv, router_opts *out)
          .def = "the base name of the model directory", .help = "the model's name in the OpenAI API"},
         {.kind = KC_FLAG_STRING, .name = "--id", .arg = "NAME", .dest = &o.id, .def = "router-0",
          .help = "this router's name in logs and ClusterStatus"},
-        {.kind = KC_FLAG_STRING, .name = "--placement", .arg = "P", .dest = &o.placement, .def = "least-loaded",
-         .help = "round-robin or least-loaded"},
+        {.kind = KC_FLAG_STRING, .name = "--placement", .arg = "P", .dest = &o.placement, .def = "kv-aware",
+         .help = "kv-aware (prefill nodes by queued prefill tokens + the prompt tokens each would compute, "
+                 "given the prefix its cache is predicted to hold; docs/prefix-cache.md), least-loaded or "
+                 "round-robin"},
+        {.kind = KC_FLAG_INT64, .name = "--prefill-chunk", .arg = "C", .dest = &o.prefill_chunk, .min = 1,
+         .max = 1 << 16, .def = "512",
+         .help = "the prefill nodes' --chunk: kv-aware placement cuts prompts into blocks of C tokens, as "
+                 "their prefix caches do (another value predicts their hits less well)"},
+        {.kind = KC_FLAG_INT64, .name = "--kv-index-blocks", .arg = "N", .dest = &o.kv_index_blocks, .min = 1,
+         .max = 1 << 24, .def = "16384",
+         .help = "kv-aware placement: prompt blocks remembered per prefill node (least recently used "
+                 "forgotten first; about 28 bytes each)"},
         {.kind = KC_FLAG_INT64, .name = "--max-tokens-limit", .arg = "N", .dest = &o.max_tokens_limit, .min = 1,
          .max = 1 << 24, .def = "4096", .help = "largest max_tokens a request may ask for"},
         {.kind = KC_FLAG_INT64, .name = "--max-prompt-tokens", .alias = "--max-prompt", .arg = "N",
@@ -165,7 +176,8 @@ static void parse(int argc, char **argv, router_opts *out)
                   "SIGTERM stops it cleanly.",
     };
     o = (router_opts){.listen = {.text = "127.0.0.1:7100"}, .http = {.text = "127.0.0.1:9100"}, .id = "router-0",
-                      .placement = "least-loaded", .log_level = KC_LOG_INFO, .max_tokens_limit = 4096,
+                      .placement = "kv-aware", .prefill_chunk = 512, .kv_index_blocks = 16384,
+                      .log_level = KC_LOG_INFO, .max_tokens_limit = 4096,
                       .max_prompt = -1, .default_timeout_ms = 300000, .max_queue_ms = 60000,
                       .cluster = "default", .breaker_failures = 3, .breaker_cooldown_ms = 2000,
                       .prefill_timeout_ms = 60000, .decode_stall_ms = 5000};
@@ -222,10 +234,24 @@ static void metrics_init(rt_router *rt)
                              "Generate calls waiting for a node with room (backing off)", NULL);
     m->retries = kc_counter_add(m->reg, "kvrelay_placement_retries_total",
                                 "Requests placed again after a node failed before anything was streamed", NULL);
+    for (int w = 0; w < RT_PLACED_REASONS; w++) {
+        char label[64];
+        snprintf(label, sizeof label, "reason=\"%s\"", rt_placed_names[w]);
+        m->placements[w] = kc_counter_add(m->reg, "kvrelay_placements_total",
+                                          "kv-aware prefill placements of prompts longer than a chunk, by why the first node came first",
+                                          label);
+        if (!m->placements[w]) die("cannot register metrics");
+    }
+    m->predicted_cached = kc_counter_add(m->reg, "kvrelay_placement_predicted_cached_tokens_total",
+                                         "Prompt tokens kv-aware placement predicted cached on the prefill node that "
+                                         "took the request",
+                                         NULL);
+    m->cached_tokens = kc_counter_add(m->reg, "kvrelay_prompt_tokens_cached_total",
+                                      "Prompt tokens the prefill nodes took from their prefix caches", NULL);
     for (int c = 0; c <= GRPC_STATUS_UNAUTHENTICATED; c++)
         if (!m->requests[c]) die("cannot register metrics");
-    if (!m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped ||
-        !m->in_flight || !m->queued || !m->retries || rt_openai_metrics_init(rt) != 0 ||
+    if (!m->prompt_tokens || !m->generated_tokens || !m->kv_bytes_shipped || !m->predicted_cached ||
+        !m->cached_tokens || !m->in_flight || !m->queued || !m->retries || rt_openai_metrics_init(rt) != 0 ||
         rt_limits_metrics_init(rt->limits, m->reg) != 0)
         die("cannot register metrics");
 }
@@ -292,9 +318,13 @@ static void log_setup(rt_router *rt, const router_opts *o)
     for (int i = 0; i < rt->n_nodes; i++) n_prefill += rt->nodes[i]->role == RT_ROLE_PREFILL;
     int n_decode = rt->n_nodes - n_prefill;
     pthread_mutex_unlock(&rt->mu);
-    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s%s", o->model,
+    char kv[96] = "";
+    if (rt->placement == &rt_placement_kv_aware)
+        snprintf(kv, sizeof kv, " (prefill chunk %d, %d blocks remembered per prefill node)", rt->prefill_chunk,
+                 rt->kv_index_blocks);
+    kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s%s%s", o->model,
             rt->cfg.arch_name, rt->cfg.vocab_size, rt->cfg.max_position_embeddings,
-            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", n_prefill, n_decode, rt->placement->name,
+            rt->tok ? "tokenizer" : "no tokenizer: token-id prompts only", n_prefill, n_decode, rt->placement->name, kv,
             rt->migrate ? ", --migrate" : "");
     char keys_desc[160];
     rt_apikeys_describe(rt->keys, keys_desc, sizeof keys_desc);
@@ -343,7 +373,9 @@ int main(int argc, char **argv)
     snprintf(rt->id, sizeof rt->id, "%s", o.id);
     snprintf(rt->model_dir, sizeof rt->model_dir, "%s", o.model);
     rt->placement = rt_placement_by_name(o.placement);
-    if (!rt->placement) die("--placement: '%s' is not round-robin or least-loaded", o.placement);
+    if (!rt->placement) die("--placement: '%s' is not kv-aware, least-loaded or round-robin", o.placement);
+    rt->prefill_chunk = (int)o.prefill_chunk;
+    rt->kv_index_blocks = (int)o.kv_index_blocks;
     kc_log_init(rt->id, level);
     kc_cpu_sched_apply(o.cpu_sched);
 

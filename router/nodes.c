@@ -9,7 +9,10 @@
  * etcd, applied the same way); each node has a
  * circuit breaker fed by every call's outcome (rt_node_outcome) and the router's view of its
  * state (serving, draining, unreachable, suspect, gone) with the time it entered it
- * (docs/failures.md).
+ * (docs/failures.md). Under kv-aware placement each prefill node also has the index of the
+ * prompts this router prefilled there (kv-index.h), dropped when the node restarts (its Status
+ * reports another start time, or counters that went back), moves, leaves, or reports an empty
+ * prefix cache after the last prompt was recorded.
  */
 #include "names.h"
 #include "router.h"
@@ -174,6 +177,14 @@ static rt_node *node_add(rt_router *rt, const kc_member *m, char *err)
     return x;
 }
 
+/* Drops what kv-aware placement recorded on n: its cache is gone or unknown (rt->mu held). */
+static void kv_forget(rt_node *n, const char *why)
+{
+    if (!rt_kv_index_size(n->kv)) return;
+    kc_info(NULL, "node %s: %s: forgetting the %d prompt blocks placed there", n->id, why, rt_kv_index_size(n->kv));
+    rt_kv_index_clear(n->kv);
+}
+
 /* Takes a known node's new record (rt->mu held): a new address gets a new channel, the old one
  * is retired (calls in flight may still use it). The id and role are equal (they matched) and
  * are left as they are, since the request path reads them without the lock. Returns 0, or -1
@@ -192,7 +203,9 @@ static int node_update(rt_router *rt, rt_node *x, const kc_member *m, char *err)
         x->ch = ch;
         x->polled = 0;
         x->breaker = (rt_breaker){0};
+        kv_forget(x, "it moved");
     }
+    if (m->start_unix_ms != x->member.start_unix_ms) kv_forget(x, "it registered with another start time");
     kc_member *r = &x->member; /* every field but id and role: a field added to kc_member goes here too */
     memcpy(r->state, m->state, sizeof r->state);
     memcpy(r->grpc, m->grpc, sizeof r->grpc);
@@ -246,6 +259,7 @@ int rt_nodes_apply(rt_router *rt, const kc_member *ms, int n, char *err)
         if (seen[k] || x->gone) continue;
         x->gone = 1; /* calls in flight on it go on; placement never picks it again */
         x->gone_unix_ms = unix_now_ms();
+        kv_forget(x, "it left the membership");
         view_update(x);
     }
     free(seen);
@@ -257,6 +271,7 @@ void rt_nodes_free(rt_router *rt)
 {
     for (int i = 0; i < rt->n_nodes; i++) {
         kc_channel_destroy(rt->nodes[i]->ch);
+        rt_kv_index_free(rt->nodes[i]->kv);
         free(rt->nodes[i]);
     }
     for (int i = 0; i < rt->n_retired; i++) kc_channel_destroy(rt->retired[i]);
@@ -271,6 +286,24 @@ typedef struct poll_job {
     int64_t timeout_ms;
     int if_ready; /* a suspect node between probes: call Status only once its channel is ready */
 } poll_job;
+
+/* A prefill node's Status answer (asked at asked_ms): its prefix cache's numbers, and whether
+ * what kv-aware placement recorded on it still stands (rt->mu held). A node that restarted
+ * answers with another start time (or counters lower than before); an empty cache after the
+ * last recorded prompt means the node evicted everything or keeps nothing. */
+static void prefix_cache_update(rt_node *n, const Kvrelay__V1__Node *resp, int64_t asked_ms)
+{
+    if (n->node_since_unix_ms && resp->since_unix_ms != n->node_since_unix_ms) kv_forget(n, "it restarted");
+    else if (resp->prefix_cache_lookups < n->cache_lookups) kv_forget(n, "its cache counters went back (a restart)");
+    else if (!resp->prefix_cache_entries && asked_ms > n->kv_recorded_ms) kv_forget(n, "its prefix cache is empty");
+    n->node_since_unix_ms = resp->since_unix_ms;
+    n->cache_bytes = resp->prefix_cache_bytes;
+    n->cache_budget = resp->prefix_cache_budget_bytes;
+    n->cache_entries = resp->prefix_cache_entries;
+    n->cache_lookups = resp->prefix_cache_lookups;
+    n->cache_hits = resp->prefix_cache_hits;
+    n->cache_reused = resp->prefix_cache_tokens_reused;
+}
 
 static void *poll_one(void *arg)
 {
@@ -289,6 +322,7 @@ static void *poll_one(void *arg)
     pthread_mutex_lock(&rt->mu);
     int64_t tokens = n->own_tokens, running = n->own_running, blocks = n->own_blocks;
     kc_channel *ch = n->ch;
+    int64_t asked_ms = rt_now_ms();
     pthread_mutex_unlock(&rt->mu);
 
     Kvrelay__V1__NodeStatusRequest req = KVRELAY__V1__NODE_STATUS_REQUEST__INIT;
@@ -310,6 +344,7 @@ static void *poll_one(void *arg)
         n->free_blocks = resp->free_kv_blocks;
         n->total_blocks = resp->total_kv_blocks;
         n->reserved_blocks = resp->reserved_kv_blocks;
+        prefix_cache_update(n, resp, asked_ms);
         if (resp->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING) n->refused_draining = 0;
         n->own_tokens_polled = tokens;
         n->own_running_polled = running;
@@ -393,11 +428,18 @@ static uint64_t corrected(uint64_t polled, int64_t own_now, int64_t own_then)
     return v < 0 ? 0 : (uint64_t)v;
 }
 
-int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip, rt_node **out)
+const char *const rt_placed_names[RT_PLACED_REASONS] = {"prefix", "load", "no_prefix"};
+
+/* The usable nodes of `role` in placement order (rt_nodes_order); with a chain c under kv-aware
+ * placement, the prefill nodes' loads include what each would compute of the prompt, and
+ * cached[i] (when not NULL) says what out[i] is predicted to hold. */
+static int order_nodes(rt_router *rt, rt_role role, const rt_chain *c, rt_node *const *skip, int n_skip, rt_node **out,
+                       int *cached)
 {
     rt_load loads[RT_NODES_MAX];
     rt_node *cand[RT_NODES_MAX];
-    int n = 0;
+    int held[RT_NODES_MAX];
+    int n = 0, kv = c && c->m && rt->placement == &rt_placement_kv_aware;
     int64_t now_unix = unix_now_ms();
     pthread_mutex_lock(&rt->mu);
     for (int i = 0; i < rt->n_nodes; i++) {
@@ -416,6 +458,10 @@ int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip
                                x->own_running, x->own_running_polled);
         int64_t free_now = (int64_t)x->free_blocks - (x->own_blocks - x->own_blocks_polled);
         l->free_blocks = free_now < 0 ? 0 : (uint64_t)free_now;
+        /* every node computes the whole prompt but the prefix it holds; the rule compares the
+         * differences, so the prompt's own length (the same for all) is left out */
+        held[n] = kv ? rt_kv_index_match(x->kv, c) * c->chunk : 0;
+        l->uncached_tokens = kv ? (uint64_t)((int64_t)c->m * c->chunk - held[n]) : 0;
         cand[n++] = x;
     }
     pthread_mutex_unlock(&rt->mu);
@@ -423,8 +469,41 @@ int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip
     int order[RT_NODES_MAX];
     uint64_t turn = atomic_fetch_add(&rt->turn[role], 1);
     rt->placement->order(loads, n, role, turn, order);
-    for (int i = 0; i < n; i++) out[i] = cand[order[i]];
+    int most = 0;
+    for (int i = 0; i < n; i++) {
+        out[i] = cand[order[i]];
+        if (cached) cached[i] = held[order[i]];
+        if (loads[i].healthy && held[i] > most) most = held[i];
+    }
+    if (kv) {
+        rt_placed why = !most ? RT_PLACED_NO_PREFIX : held[order[0]] == most ? RT_PLACED_PREFIX : RT_PLACED_LOAD;
+        kc_counter_inc(rt->m.placements[why], 1);
+    }
     return n;
+}
+
+int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip, rt_node **out)
+{
+    return order_nodes(rt, role, NULL, skip, n_skip, out, NULL);
+}
+
+int rt_nodes_order_prefill(rt_router *rt, const rt_chain *c, rt_node *const *skip, int n_skip, rt_node **out,
+                           int *cached)
+{
+    return order_nodes(rt, RT_ROLE_PREFILL, c, skip, n_skip, out, cached);
+}
+
+void rt_node_record_prompt(rt_router *rt, rt_node *n, const rt_chain *c)
+{
+    if (rt->placement != &rt_placement_kv_aware || !c->m) return;
+    pthread_mutex_lock(&rt->mu);
+    /* a node that answered without a cache keeps nothing: recording would only mislead */
+    if (!(n->reachable && !n->cache_budget)) {
+        if (!n->kv) n->kv = rt_kv_index_create(rt->kv_index_blocks);
+        rt_kv_index_insert(n->kv, c);
+        n->kv_recorded_ms = rt_now_ms();
+    }
+    pthread_mutex_unlock(&rt->mu);
 }
 
 void rt_node_account(rt_router *rt, rt_node *n, int64_t tokens, int64_t running, int64_t blocks)
@@ -508,6 +587,12 @@ int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user)
             o->free_kv_blocks = x->free_blocks;
             o->total_kv_blocks = x->total_blocks;
             o->reserved_kv_blocks = x->reserved_blocks;
+            o->prefix_cache_bytes = x->cache_bytes;
+            o->prefix_cache_budget_bytes = x->cache_budget;
+            o->prefix_cache_entries = x->cache_entries;
+            o->prefix_cache_lookups = x->cache_lookups;
+            o->prefix_cache_hits = x->cache_hits;
+            o->prefix_cache_tokens_reused = x->cache_reused;
         }
         ptrs[k++] = o;
     }

@@ -1,4 +1,4 @@
-/* placement.c - round-robin and least-loaded orderings; see placement.h. */
+/* placement.c - round-robin, least-loaded and kv-aware orderings; see placement.h. */
 #include "placement.h"
 
 #include <string.h>
@@ -10,12 +10,27 @@ static uint64_t rotation(int i, int n, uint64_t turn)
     return ((uint64_t)i + (uint64_t)n - turn % (uint64_t)n) % (uint64_t)n;
 }
 
+/* How an ordering weighs the loads. */
+typedef enum rule {
+    RULE_TURNS, /* round-robin */
+    RULE_LOAD, /* least-loaded */
+    RULE_COST, /* kv-aware: a prefill node's cost first, then as least-loaded */
+} rule;
+
+/* The prefill tokens node x would have to compute before this prompt's first token: what is
+ * queued there plus the prompt less its predicted cached prefix. */
+static uint64_t cost(const rt_load *x)
+{
+    return x->prefill_tokens + x->uncached_tokens;
+}
+
 /* -1 when node a goes before node b. */
-static int compare(const rt_load *loads, int n, rt_role role, uint64_t turn, int least_loaded, int a, int b)
+static int compare(const rt_load *loads, int n, rt_role role, uint64_t turn, rule how, int a, int b)
 {
     const rt_load *x = &loads[a], *y = &loads[b];
     if (x->healthy != y->healthy) return x->healthy ? -1 : 1;
-    if (least_loaded) {
+    if (how == RULE_COST && role == RT_ROLE_PREFILL && cost(x) != cost(y)) return cost(x) < cost(y) ? -1 : 1;
+    if (how != RULE_TURNS) {
         if (role == RT_ROLE_PREFILL) {
             if (x->prefill_tokens != y->prefill_tokens) return x->prefill_tokens < y->prefill_tokens ? -1 : 1;
             if (x->running != y->running) return x->running < y->running ? -1 : 1;
@@ -29,12 +44,12 @@ static int compare(const rt_load *loads, int n, rt_role role, uint64_t turn, int
 }
 
 /* Insertion sort: a cluster has a handful of nodes, and this keeps the order stable. */
-static void sort(const rt_load *loads, int n, rt_role role, uint64_t turn, int least_loaded, int *order)
+static void sort(const rt_load *loads, int n, rt_role role, uint64_t turn, rule how, int *order)
 {
     for (int i = 0; i < n; i++) order[i] = i;
     for (int i = 1; i < n; i++) {
         int v = order[i], j = i;
-        while (j > 0 && compare(loads, n, role, turn, least_loaded, v, order[j - 1]) < 0) {
+        while (j > 0 && compare(loads, n, role, turn, how, v, order[j - 1]) < 0) {
             order[j] = order[j - 1];
             j--;
         }
@@ -44,20 +59,27 @@ static void sort(const rt_load *loads, int n, rt_role role, uint64_t turn, int l
 
 static void order_round_robin(const rt_load *loads, int n, rt_role role, uint64_t turn, int *order)
 {
-    sort(loads, n, role, turn, 0, order);
+    sort(loads, n, role, turn, RULE_TURNS, order);
 }
 
 static void order_least_loaded(const rt_load *loads, int n, rt_role role, uint64_t turn, int *order)
 {
-    sort(loads, n, role, turn, 1, order);
+    sort(loads, n, role, turn, RULE_LOAD, order);
+}
+
+static void order_kv_aware(const rt_load *loads, int n, rt_role role, uint64_t turn, int *order)
+{
+    sort(loads, n, role, turn, RULE_COST, order);
 }
 
 const rt_placement rt_placement_round_robin = {.name = "round-robin", .order = order_round_robin};
 const rt_placement rt_placement_least_loaded = {.name = "least-loaded", .order = order_least_loaded};
+const rt_placement rt_placement_kv_aware = {.name = "kv-aware", .order = order_kv_aware};
 
 const rt_placement *rt_placement_by_name(const char *name)
 {
     if (!strcmp(name, rt_placement_round_robin.name)) return &rt_placement_round_robin;
     if (!strcmp(name, rt_placement_least_loaded.name)) return &rt_placement_least_loaded;
+    if (!strcmp(name, rt_placement_kv_aware.name)) return &rt_placement_kv_aware;
     return NULL;
 }

@@ -1,8 +1,12 @@
 /*
- * placement.h - which node a request goes to: one interface, two implementations.
+ * placement.h - which node a request goes to: one interface, three implementations.
  *   round-robin   nodes in turn, starting one further for each request;
  *   least-loaded  prefill: fewest outstanding prefill tokens; decode: most free KV blocks, then
- *                 fewest running sequences (DESIGN.md section 2).
+ *                 fewest running sequences (DESIGN.md section 2);
+ *   kv-aware      prefill: lowest cost = outstanding prefill tokens + the prompt tokens the node
+ *                 would still compute (the prompt less the prefix its prefix cache is predicted
+ *                 to hold), ties as least-loaded; decode: as least-loaded (docs/prefix-cache.md,
+ *                 "Placement"). Without a predicted prefix on any node it is least-loaded.
  * A placement does not pick one node: it orders all of them, best first, and the router tries
  * them in that order (a decode node that answers RESOURCE_EXHAUSTED or UNAVAILABLE sends the
  * request to the next). Under both, nodes whose last Status failed or that are draining go last,
@@ -26,6 +30,8 @@ typedef struct rt_load {
     uint64_t prefill_tokens; /* prefill nodes: prompt tokens queued or being prefilled */
     uint64_t free_blocks; /* decode nodes: KV blocks neither used nor reserved */
     uint64_t running; /* sequences running (decode) or requests in the queue (prefill) */
+    uint64_t uncached_tokens; /* prefill nodes, kv-aware: the prompt's tokens less the prefix
+                                 this node's cache is predicted to hold */
 } rt_load;
 
 typedef struct rt_placement {
@@ -38,8 +44,9 @@ typedef struct rt_placement {
 
 extern const rt_placement rt_placement_round_robin;
 extern const rt_placement rt_placement_least_loaded;
+extern const rt_placement rt_placement_kv_aware;
 
-/* "round-robin" or "least-loaded"; NULL for anything else. */
+/* "round-robin", "least-loaded" or "kv-aware"; NULL for anything else. */
 const rt_placement *rt_placement_by_name(const char *name);
 
 #endif /* RT_PLACEMENT_H */

@@ -3,6 +3,9 @@
  * prompt and the tokens sent) with the reservation's transfer address, on the first prefill
  * node in placement order that takes it; the node computes the KV, applies the policy and ships
  * the bundle to the decode node, and answers with the first token.
+ * Under kv-aware placement the prompt is cut into the prefill nodes' chunks and hashed
+ * (kv-index.h), the nodes are ordered by what each would still compute of it, and the node that
+ * prefilled it records it; every prefill's cached tokens are counted and logged.
  * Not the reservation (reserve.c) nor the retry loop around both (admission.c).
  * Tested through the cluster: test_router_cluster, tests/integration/failures.sh (a prefill node
  * killed mid-request, --prefill-timeout-ms).
@@ -16,6 +19,34 @@
 #include <string.h>
 
 
+/* The prompt cut as the prefill nodes cut it, for kv-aware placement (m 0 under another
+ * placement, for a policy that never reuses a cached prefix, or out of memory: placed by load). */
+static void prompt_chain(const rt_req *r, rt_chain *c)
+{
+    rt_router *rt = r->rt;
+    *c = (rt_chain){0};
+    if (rt->placement != &rt_placement_kv_aware) return;
+    kr_policy *p;
+    char err[KR_ERR_MAX];
+    if (kr_policy_parse(r->policy[0] ? r->policy : "full", &rt->cfg, &p, err) != KR_OK) return; /* validated before */
+    if (kr_policy_prefix_deterministic(p)) rt_chain_make(kr_policy_spec(p), rt->prefill_chunk, r->pf, r->n_pf, c);
+    kr_policy_free(p);
+}
+
+/* What the chosen node's cache gave (summed into r->pu over a migration's prefills), counted
+ * and, when anything was predicted or reused, logged with what placement predicted. */
+static void cached_report(rt_req *r, const rt_node *node, const Kvrelay__V1__PrefillResponse *resp, int predicted)
+{
+    rt_router *rt = r->rt;
+    uint32_t got = resp->usage ? resp->usage->cached_tokens : 0;
+    r->pu.cached_tokens += got;
+    kc_counter_inc(rt->m.cached_tokens, got);
+    kc_counter_inc(rt->m.predicted_cached, predicted);
+    if (got || predicted)
+        kc_info(r->id, "prefill node %s took %u of %d prompt tokens from its prefix cache (placement predicted %d)",
+                node->id, got, r->n_pf, predicted);
+}
+
 /* Prefill on the first prefill node (in placement order, not skipped) that takes it. On
  * anything but success the reservation is released. A prefill node that failed (UNAVAILABLE, or
  * no answer within --prefill-timeout-ms) is skipped from then on and the request placed again,
@@ -26,9 +57,13 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
     rt_router *rt = r->rt;
     rt_req_phase(r, RT_PHASE_PREFILLING);
     rt_node *order[RT_NODES_MAX];
-    int n = rt_nodes_order(rt, RT_ROLE_PREFILL, r->skip_p, r->n_skip_p, order);
+    int cached[RT_NODES_MAX];
+    rt_chain chain;
+    prompt_chain(r, &chain);
+    int n = rt_nodes_order_prefill(rt, &chain, r->skip_p, r->n_skip_p, order, cached);
     uint32_t *ids = malloc((size_t)r->n_pf * sizeof *ids);
     if (!ids) {
+        rt_chain_free(&chain);
         rt_reservation_end(r, 1);
         kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
         return RT_ATTEMPT_FAIL;
@@ -76,8 +111,11 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
             rt_node_outcome(rt, node, rc == 0 ? GRPC_STATUS_OK : s.code, s.details);
         if (rc == 0) {
             r->pnode = node;
+            cached_report(r, node, resp, cached[k]);
+            rt_node_record_prompt(rt, node, &chain);
             *out = resp;
             free(ids);
+            rt_chain_free(&chain);
             return RT_ATTEMPT_DONE;
         }
         if (s.code == GRPC_STATUS_RESOURCE_EXHAUSTED || (s.code == GRPC_STATUS_UNAVAILABLE && strstr(s.details, "draining"))) {
@@ -101,10 +139,12 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
                 kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill failed twice (last on %s: %s: %s)", node->id,
                            kc_status_name(s.code), s.details);
                 free(ids);
+                rt_chain_free(&chain);
                 return RT_ATTEMPT_FAIL;
             }
             kc_counter_inc(rt->m.retries, 1);
             free(ids);
+            rt_chain_free(&chain);
             kc_status_set(st, GRPC_STATUS_UNAVAILABLE, "prefill node %s: %s", node->id, s.details);
             return RT_ATTEMPT_AGAIN;
         }
@@ -122,5 +162,6 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
 out:
     rt_reservation_end(r, 1);
     free(ids);
+    rt_chain_free(&chain);
     return a;
 }

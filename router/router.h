@@ -10,7 +10,7 @@
  *   openai.c    the OpenAI-compatible HTTP API (/v1/models, completions, chat completions) on
  *               the HTTP port, served through request.c; its request bodies are parsed by
  *               openai-request.c (openai.h, pure, fuzzed)
- *   placement.c, stop.c, breaker.c: the pure parts (their own headers, unit-tested)
+ *   placement.c, stop.c, breaker.c, kv-index.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
  */
 #ifndef RT_ROUTER_H
@@ -20,6 +20,7 @@
 #include "breaker.h"
 #include "health.h"
 #include "kr.h"
+#include "kv-index.h"
 #include "client-limits.h"
 #include "log.h"
 #include "metrics.h"
@@ -80,12 +81,29 @@ typedef struct rt_node {
     char transfer_address[256];
     uint32_t running, queued;
     uint64_t prefill_tokens, free_blocks, total_blocks, reserved_blocks;
+    int64_t node_since_unix_ms; /* the node's own since_unix_ms: another value means it restarted */
+    /* prefill nodes: their prefix cache, summed over families (Node.prefix_cache_*) */
+    uint64_t cache_bytes, cache_budget, cache_entries, cache_lookups, cache_hits, cache_reused;
+
+    /* kv-aware placement: the prompts this router prefilled on the node (NULL until the first);
+     * cleared when the node restarts, moves or leaves, or says its cache is empty */
+    rt_kv_index *kv;
+    int64_t kv_recorded_ms; /* rt_now_ms() of the last prompt recorded */
 
     /* what this router has in flight on the node now, and had when the last Status was sent:
      * the load estimate is the node's answer plus our change since */
     int64_t own_tokens, own_running, own_blocks;
     int64_t own_tokens_polled, own_running_polled, own_blocks_polled;
 } rt_node;
+
+/* Why kv-aware placement put a prefill first (kvrelay_placements_total{reason}). */
+typedef enum rt_placed {
+    RT_PLACED_PREFIX = 0, /* it is predicted to hold the longest prefix of the prompt */
+    RT_PLACED_LOAD, /* another node holds a longer one, but its queue outweighs the saving */
+    RT_PLACED_NO_PREFIX, /* no node is predicted to hold any: by load, as least-loaded */
+    RT_PLACED_REASONS
+} rt_placed;
+extern const char *const rt_placed_names[RT_PLACED_REASONS];
 
 /* The metrics the router exports (docs/observability.md names). */
 typedef struct rt_metrics {
@@ -97,6 +115,9 @@ typedef struct rt_metrics {
     kc_counter *kv_bytes_shipped;
     kc_gauge *in_flight, *queued;
     kc_counter *retries;
+    kc_counter *placements[RT_PLACED_REASONS]; /* prefill placements under kv-aware, by reason */
+    kc_counter *predicted_cached; /* prompt tokens predicted cached on the prefill node chosen */
+    kc_counter *cached_tokens; /* prompt tokens the prefill nodes took from their prefix caches */
     kc_counter *http_responses[RT_HTTP_CODES]; /* by status (openai.c) */
 } rt_metrics;
 
@@ -111,6 +132,8 @@ typedef struct rt_router {
     kr_config cfg;
     kr_tokenizer *tok; /* NULL: the model directory has no tokenizer.json */
     const rt_placement *placement;
+    int prefill_chunk; /* --prefill-chunk: the prefill nodes' --chunk, kv-aware's blocks */
+    int kv_index_blocks; /* --kv-index-blocks: block hashes remembered per prefill node */
     uint32_t max_tokens_limit;
     uint32_t max_prompt; /* tokens; also capped by max_position_embeddings - 1 */
     int64_t default_timeout_ms; /* the deadline of a request whose client set none */
@@ -171,6 +194,14 @@ void *rt_poller_main(void *arg);
 /* The usable nodes of `role` (not gone, suspect or of another model, not in `skip[0, n_skip)`)
  * in the order the placement wants them tried; returns how many were written to out. */
 int rt_nodes_order(rt_router *rt, rt_role role, rt_node *const *skip, int n_skip, rt_node **out);
+/* rt_nodes_order for prefill nodes and the prompt cut as c (rt_chain_make; m 0: nothing to
+ * match). Under kv-aware placement each node's load includes the prompt's tokens less the
+ * prefix its index holds, cached[i] is that prefix of out[i] in tokens, and the placement is
+ * counted by reason; otherwise cached[] is 0. */
+int rt_nodes_order_prefill(rt_router *rt, const rt_chain *c, rt_node *const *skip, int n_skip, rt_node **out,
+                           int *cached);
+/* Records that the prompt cut as c was prefilled on prefill node n (kv-aware placement only). */
+void rt_node_record_prompt(rt_router *rt, rt_node *n, const rt_chain *c);
 /* The node's channel now (its address may change under membership). */
 kc_channel *rt_node_channel(rt_router *rt, rt_node *n);
 /* The router's own in-flight accounting (deltas, may be negative). */

@@ -7,12 +7,17 @@
  *   - rt_node_outcome: --breaker-failures consecutive UNAVAILABLE/DEADLINE_EXCEEDED make the
  *     node SUSPECT (left out of placement), an answered call brings it back, UNAVAILABLE
  *     "draining" makes it DRAINING (placed after serving nodes) without counting as a failure;
- *   - states carry the time they were entered.
+ *   - states carry the time they were entered;
+ *   - kv-aware placement: a prompt recorded on a prefill node sends the next one sharing its
+ *     prefix there (the predicted cached tokens, the reason counted), and that node's record is
+ *     dropped when its Status shows it restarted (another start time, counters gone back), when
+ *     it reports an empty cache asked after the record (not before), and when it leaves.
  * Channels connect lazily, so no process is needed. Run: ctest -R test_router_nodes.
  */
 #include "kr_test.h"
 
 #include "../../router/breaker.c"
+#include "../../router/kv-index.c"
 #include "../../router/nodes.c"
 #include "../../router/placement.c"
 
@@ -146,6 +151,115 @@ static void breaker(void)
     CHECK(!strcmp(order_ids(RT_ROLE_DECODE), "d0 d1"), "draining after serving: %s", order_ids(RT_ROLE_DECODE));
 }
 
+/* The prefill ids in kv-aware order for the prompt cut as c, with each one's predicted cached
+ * tokens: "p1:64 p0:0". */
+static const char *prefill_order(const rt_chain *c)
+{
+    static char buf[256];
+    rt_node *out[RT_NODES_MAX];
+    int cached[RT_NODES_MAX];
+    int n = rt_nodes_order_prefill(&rt, c, NULL, 0, out, cached);
+    buf[0] = 0;
+    for (int i = 0; i < n; i++)
+        snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "%s%s:%d", i ? " " : "", out[i]->id, cached[i]);
+    return buf;
+}
+
+static void kv_aware(void)
+{
+    char err[KR_ERR_MAX];
+    rt = (rt_router){.placement = &rt_placement_kv_aware, .breaker_failures = 3, .breaker_cooldown_ms = 60000,
+                     .prefill_chunk = 32, .kv_index_blocks = 64};
+    pthread_mutex_init(&rt.mu, NULL);
+    rt.m.reg = kc_registry_create();
+    REQUIRE(rt.m.reg, "registry");
+    for (int w = 0; w < RT_PLACED_REASONS; w++) {
+        char label[64];
+        snprintf(label, sizeof label, "reason=\"%s\"", rt_placed_names[w]);
+        rt.m.placements[w] = kc_counter_add(rt.m.reg, "kvrelay_placements_total", "test", label);
+    }
+    kc_member set[] = {
+        member("prefill", "p0", "127.0.0.1:1", NULL, NULL),
+        member("prefill", "p1", "127.0.0.1:2", NULL, NULL),
+        member("decode", "d0", "127.0.0.1:3", NULL, NULL),
+    };
+    REQUIRE(rt_nodes_apply(&rt, set, 3, err) == 0, "%s", err);
+    rt_node *p1 = find("p1");
+    /* both polled, serving, idle, with a cache */
+    for (int i = 0; i < 2; i++) {
+        rt_node *x = find(i ? "p1" : "p0");
+        x->polled = x->reachable = 1;
+        x->state = KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;
+        x->cache_budget = 1 << 20;
+        x->node_since_unix_ms = 1000;
+    }
+    int32_t doc[100];
+    for (int i = 0; i < 100; i++) doc[i] = 7 + i * 3;
+    rt_chain c;
+    REQUIRE(rt_chain_make("full", 32, doc, 100, &c) == 0 && c.m == 3, "the chain of 100 tokens in 32s: %d blocks", c.m);
+    /* nothing recorded: load order with its turns, nothing predicted */
+    const char *o = prefill_order(&c);
+    CHECK(!strcmp(o, "p0:0 p1:0") || !strcmp(o, "p1:0 p0:0"), "no record: %s", o);
+    rt_node_record_prompt(&rt, p1, &c);
+    for (int t = 0; t < 2; t++)
+        CHECK(!strcmp(prefill_order(&c), "p1:96 p0:0"), "turn %d: the node that holds the prefix first: %s", t,
+              prefill_order(&c));
+    CHECK(kc_counter_value(rt.m.placements[RT_PLACED_PREFIX]) == 2, "reason prefix counted %g times",
+          kc_counter_value(rt.m.placements[RT_PLACED_PREFIX]));
+    /* queued work past the saving sends it elsewhere, counted as load */
+    p1->prefill_tokens = 97;
+    CHECK(!strcmp(prefill_order(&c), "p0:0 p1:96"), "a queue longer than the prefix: %s", prefill_order(&c));
+    CHECK(kc_counter_value(rt.m.placements[RT_PLACED_LOAD]) == 1, "reason load");
+    p1->prefill_tokens = 0;
+
+    /* an answer with the same start time and a cache holding states keeps the record */
+    Kvrelay__V1__Node st = KVRELAY__V1__NODE__INIT;
+    st.since_unix_ms = 1000;
+    st.prefix_cache_entries = 1;
+    st.prefix_cache_budget_bytes = 1 << 20;
+    prefix_cache_update(p1, &st, rt_now_ms());
+    CHECK(rt_kv_index_size(p1->kv) == 3, "same node, cache in use: kept (%d)", rt_kv_index_size(p1->kv));
+    /* an empty cache reported by a Status asked before the record: kept; after it: dropped */
+    st.prefix_cache_entries = 0;
+    prefix_cache_update(p1, &st, p1->kv_recorded_ms - 1);
+    CHECK(rt_kv_index_size(p1->kv) == 3, "an empty cache asked before the record: kept");
+    prefix_cache_update(p1, &st, p1->kv_recorded_ms + 1);
+    CHECK(rt_kv_index_size(p1->kv) == 0, "an empty cache asked after the record: dropped");
+    CHECK(!strstr(prefill_order(&c), ":96"), "nothing predicted any more: %s", prefill_order(&c));
+    /* a restart: another start time */
+    rt_node_record_prompt(&rt, p1, &c);
+    st.prefix_cache_entries = 1;
+    st.since_unix_ms = 2000;
+    prefix_cache_update(p1, &st, rt_now_ms() + 1);
+    CHECK(rt_kv_index_size(p1->kv) == 0, "restarted (start time): dropped");
+    /* a restart seen by counters that went back */
+    rt_node_record_prompt(&rt, p1, &c);
+    p1->cache_lookups = 50;
+    st.prefix_cache_lookups = 3;
+    prefix_cache_update(p1, &st, rt_now_ms() + 1);
+    CHECK(rt_kv_index_size(p1->kv) == 0, "restarted (counters): dropped");
+    /* a node that answered without a cache records nothing */
+    p1->cache_budget = 0;
+    rt_node_record_prompt(&rt, p1, &c);
+    CHECK(rt_kv_index_size(p1->kv) == 0, "no cache on the node: nothing recorded");
+    p1->cache_budget = 1 << 20;
+    /* leaving the membership */
+    rt_node_record_prompt(&rt, p1, &c);
+    REQUIRE(rt_kv_index_size(p1->kv) == 3, "recorded again");
+    kc_member rest[] = {set[0], set[2]};
+    REQUIRE(rt_nodes_apply(&rt, rest, 2, err) == 0, "%s", err);
+    CHECK(rt_kv_index_size(p1->kv) == 0, "left the membership: dropped");
+    /* under another placement nothing is recorded or predicted */
+    REQUIRE(rt_nodes_apply(&rt, set, 3, err) == 0, "%s", err);
+    rt.placement = &rt_placement_least_loaded;
+    rt_node_record_prompt(&rt, p1, &c);
+    CHECK(rt_kv_index_size(p1->kv) == 0, "least-loaded records nothing");
+    rt_chain_free(&c);
+    rt_nodes_free(&rt);
+    kc_registry_free(rt.m.reg);
+    pthread_mutex_destroy(&rt.mu);
+}
+
 int main(void)
 {
     kc_log_init("test", KC_LOG_ERROR);
@@ -157,5 +271,7 @@ int main(void)
     fingerprints();
     breaker();
     rt_nodes_free(&rt);
+    pthread_mutex_destroy(&rt.mu);
+    kv_aware();
     return kt_done("test_router_nodes");
 }

@@ -16,6 +16,7 @@
 #include "../../router/apikey.c"
 #include "../../router/breaker.c"
 #include "../../router/client-limits.c"
+#include "../../router/kv-index.c"
 #include "../../router/nodes.c"
 #include "../../router/placement.c"
 #include "../../router/relay.c"
