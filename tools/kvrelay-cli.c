@@ -287,6 +287,7 @@ static void print_json(const gen_result *g)
         const Kvrelay__V1__Usage *u = f->usage;
         cJSON *ju = cJSON_AddObjectToObject(root, "usage");
         cJSON_AddNumberToObject(ju, "prompt_tokens", u->prompt_tokens);
+        cJSON_AddNumberToObject(ju, "cached_tokens", u->cached_tokens);
         cJSON_AddNumberToObject(ju, "completion_tokens", u->completion_tokens);
         cJSON_AddNumberToObject(ju, "ttft_s", u->ttft_s);
         cJSON_AddNumberToObject(ju, "tpot_s", u->tpot_s);
@@ -319,9 +320,9 @@ static void print_usage_line(const gen_result *g)
         return;
     }
     fprintf(stderr,
-            "finish: %s | prompt %u + completion %u tokens | ttft %.1f ms | tpot %.2f ms | kv footprint %.3f | "
+            "finish: %s | prompt %u (%u cached) + completion %u tokens | ttft %.1f ms | tpot %.2f ms | kv footprint %.3f | "
             "peak kv %" PRIu64 " entries | shipped %" PRIu64 " bytes (%" PRIu64 " entries, %s) | %s -> %s | %s\n",
-            kc_finish_reason_name(f->reason), u->prompt_tokens, u->completion_tokens, u->ttft_s * 1e3, u->tpot_s * 1e3,
+            kc_finish_reason_name(f->reason), u->prompt_tokens, u->cached_tokens, u->completion_tokens, u->ttft_s * 1e3, u->tpot_s * 1e3,
             u->kv_footprint, u->peak_kv_entries, u->kv_bytes_shipped, u->kv_entries_shipped,
             u->kv_wire_dtype[0] ? u->kv_wire_dtype : "?",
             u->served_by ? u->served_by->prefill_node : "?", u->served_by ? u->served_by->decode_node : "?",
@@ -488,6 +489,20 @@ static int cmd_tokenize(int argc, char **argv)
 
 /* ------------------------------------------------------------------ status */
 
+/* A prefill node's prefix cache in the status table: "3 states 1.5/64.0 MiB, 2/5 hits, 768
+ * tokens reused", or "off" without one. */
+static void prefix_cache_cell(const Kvrelay__V1__Node *n, char *out, size_t cap)
+{
+    if (!n->prefix_cache_budget_bytes) {
+        snprintf(out, cap, "off");
+        return;
+    }
+    snprintf(out, cap, "%" PRIu64 " states %.1f/%.1f MiB, %" PRIu64 "/%" PRIu64 " hits, %" PRIu64 " tokens reused",
+             n->prefix_cache_entries, (double)n->prefix_cache_bytes / (1 << 20),
+             (double)n->prefix_cache_budget_bytes / (1 << 20), n->prefix_cache_hits, n->prefix_cache_lookups,
+             n->prefix_cache_tokens_reused);
+}
+
 static int cmd_status(int argc, char **argv)
 {
     int json = 0;
@@ -496,7 +511,8 @@ static int cmd_status(int argc, char **argv)
         {.kind = KC_FLAG_END},
     };
     const kc_flags flags = command_flags(table, "[--router HOST:PORT] status [--json]",
-                                         "Prints the router and every node: role, state, load, KV blocks.");
+                                         "Prints the router and every node: role, state, load, KV blocks, and "
+                                         "each prefill node's prefix cache.");
     kc_flags_main(&flags, argc, argv, 0);
     kc_channel *ch = connect_router();
     Kvrelay__V1__ClusterStatusRequest req = KVRELAY__V1__CLUSTER_STATUS_REQUEST__INIT;
@@ -524,6 +540,12 @@ static int cmd_status(int argc, char **argv)
             cJSON_AddNumberToObject(o, "total_kv_blocks", (double)n->total_kv_blocks);
             cJSON_AddNumberToObject(o, "reserved_kv_blocks", (double)n->reserved_kv_blocks);
             cJSON_AddNumberToObject(o, "since_unix_ms", (double)n->since_unix_ms);
+            cJSON_AddNumberToObject(o, "prefix_cache_bytes", (double)n->prefix_cache_bytes);
+            cJSON_AddNumberToObject(o, "prefix_cache_budget_bytes", (double)n->prefix_cache_budget_bytes);
+            cJSON_AddNumberToObject(o, "prefix_cache_entries", (double)n->prefix_cache_entries);
+            cJSON_AddNumberToObject(o, "prefix_cache_lookups", (double)n->prefix_cache_lookups);
+            cJSON_AddNumberToObject(o, "prefix_cache_hits", (double)n->prefix_cache_hits);
+            cJSON_AddNumberToObject(o, "prefix_cache_tokens_reused", (double)n->prefix_cache_tokens_reused);
             cJSON_AddItemToArray(arr, o);
         }
         char *s = cJSON_PrintUnformatted(root);
@@ -531,14 +553,15 @@ static int cmd_status(int argc, char **argv)
         free(s);
         cJSON_Delete(root);
     } else {
-        printf("%-16s %-8s %-12s %8s %-22s %7s %6s %14s %17s %9s\n", "ID", "ROLE", "STATE", "SINCE_S", "ADDRESS",
-               "RUNNING", "QUEUED", "PREFILL_TOKENS", "KV_FREE/TOTAL", "RESERVED");
+        printf("%-16s %-8s %-12s %8s %-22s %7s %6s %14s %17s %9s  %s\n", "ID", "ROLE", "STATE", "SINCE_S", "ADDRESS",
+               "RUNNING", "QUEUED", "PREFILL_TOKENS", "KV_FREE/TOTAL", "RESERVED", "PREFIX_CACHE");
         struct timespec now;
         clock_gettime(CLOCK_REALTIME, &now);
         int64_t now_ms = (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
         for (size_t k = 0; k < resp->n_nodes; k++) {
             const Kvrelay__V1__Node *n = resp->nodes[k];
             char tokens[32] = "-", blocks[48] = "-", reserved[32] = "-", running[16] = "-", queued[16] = "-";
+            char cache[128] = "-";
             /* load numbers only for nodes that answered (unreachable, suspect, gone: none) */
             int up = n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING ||
                      n->state == KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING;
@@ -548,14 +571,17 @@ static int cmd_status(int argc, char **argv)
                 snprintf(running, sizeof running, "%u", n->running_requests);
                 snprintf(queued, sizeof queued, "%u", n->queued_requests);
             }
-            if (up && n->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL)
+            if (up && n->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_PREFILL) {
                 snprintf(tokens, sizeof tokens, "%" PRIu64, n->outstanding_prefill_tokens);
+                prefix_cache_cell(n, cache, sizeof cache);
+            }
             if (up && n->role == KVRELAY__V1__NODE_ROLE__NODE_ROLE_DECODE) {
                 snprintf(blocks, sizeof blocks, "%" PRIu64 "/%" PRIu64, n->free_kv_blocks, n->total_kv_blocks);
                 snprintf(reserved, sizeof reserved, "%" PRIu64, n->reserved_kv_blocks);
             }
-            printf("%-16s %-8s %-12s %8s %-22s %7s %6s %14s %17s %9s\n", n->id, kc_node_role_name(n->role),
-                   kc_node_state_name(n->state), since, n->grpc_address, running, queued, tokens, blocks, reserved);
+            printf("%-16s %-8s %-12s %8s %-22s %7s %6s %14s %17s %9s  %s\n", n->id, kc_node_role_name(n->role),
+                   kc_node_state_name(n->state), since, n->grpc_address, running, queued, tokens, blocks, reserved,
+                   cache);
         }
     }
     kc_message_free(&resp->base);
