@@ -241,6 +241,8 @@ static void add_usage(cJSON *doc, const oa_call *c)
     cJSON_AddNumberToObject(u, "prompt_tokens", c->usage.prompt_tokens);
     cJSON_AddNumberToObject(u, "completion_tokens", c->usage.completion_tokens);
     cJSON_AddNumberToObject(u, "total_tokens", (double)c->usage.prompt_tokens + c->usage.completion_tokens);
+    cJSON *d = cJSON_AddObjectToObject(u, "prompt_tokens_details"); /* Usage.cached_tokens (docs/rpc.md) */
+    if (d) cJSON_AddNumberToObject(d, "cached_tokens", c->usage.cached_tokens);
 }
 
 /* kvrelay's own usage figures (docs/openai.md), beside OpenAI's fields. */
