@@ -47,8 +47,6 @@ typedef struct mm_job {
 #define DOT_TB 2 /* 2 x 2 pairs + 4 weight vectors: 12 of 16 registers */
 #endif
 #define DOT_RB 2
-/* the stride of a tile's sums, s[r * DOT_TB_MAX + t], for every kernel's tile */
-enum { DOT_TB_MAX = 8, DOT_RB_MAX = 4 };
 /* the vdpbf16ps kernel's tile (dot_tile_dpbf16), for every token count, and how far ahead its
  * first token tile asks for rows */
 enum { DP_RB = 4, DP_TB = 6, DP_PREFETCH = 16384 };
@@ -103,7 +101,7 @@ static ALWAYS_INLINE void dot_tile_f32_f16(const int RB, const int TB, const int
             float v = vf_sum(a[r][t]) + vf_sum(b[r][t]);
             for (int k = i; k < in; k++)
                 v = fmaf(x[t * ldx + k], f16 ? kr_f16_to_f32(wh[r * ldw + k]) : wf[r * ldw + k], v);
-            s[r * DOT_TB_MAX + t] = v;
+            s[r * DOT_TB + t] = v;
         }
 }
 
@@ -136,7 +134,7 @@ static ALWAYS_INLINE void dot_tile_bf16eo(const int RB, const int TB, const floa
         for (int t = 0; t < TB; t++) {
             float v = vf_sum(vf_add(a[r][t], b[r][t]));
             for (int k = i; k < in; k++) v = fmaf(x[t * ldx + k], kr_bf16_to_f32(w[r * ldw + k]), v);
-            s[r * DOT_TB_MAX + t] = v;
+            s[r * DOT_TB + t] = v;
         }
 }
 
@@ -147,7 +145,9 @@ static ALWAYS_INLINE void dot_tile_bf16eo(const int RB, const int TB, const floa
  * chunk in column order, the last partial chunk masked (zero past the row's end); a tile is up to
  * DP_RB rows x DP_TB tokens (24 accumulators, 4 weight vectors and a token's vector in the 32
  * registers), so a chunk of 32 columns costs 10 loads for 24 multiplies. The tile's sums come
- * out of dp_reduce16, which sums 16 accumulators' lanes at once. One token takes tiles of DP_RB
+ * out of dp_sum16, which sums 16 accumulators' lanes at once, and go to the outputs 4 at a time
+ * (the scalar stores and the additions one output at a time took a tenth of a batch of 8's
+ * matmuls). One token takes tiles of DP_RB
  * rows too (4 chains of dependent vdpbf16ps instead of one, whose latency bound it in cache).
  * With pf, the first token tile over some rows asks for the rows DP_PREFETCH bytes ahead into L2,
  * one line per row per chunk, spread through its loop: prefetches issued a tile at a time held
@@ -156,20 +156,18 @@ static ALWAYS_INLINE void dot_tile_bf16eo(const int RB, const int TB, const floa
  * token as fast as the one-row stream before, where 2 or 4 rows without prefetch took 1.6-1.8x
  * as long); 16 KB ahead was the best of 4, 8, 12, 16, 24 and 32. */
 
-/* out[i] = the sum of v[i]'s 16 lanes, for i < n <= 16, by the same tree for every i whatever n
- * and whatever vectors share the call: lanes k and k + 8 first, then k and k + 4, k and k + 2,
- * k and k + 1. The vectors are transposed as they are summed (45 shuffles and adds for 16 sums
- * where one reduction each takes 8 operations on the critical path); lanes of different vectors
- * never meet, so a slot past n (zero) changes nothing. */
-static ALWAYS_INLINE void dp_reduce16(const __m512 *v, int n, float *out)
+/* The sums of 16 vectors' lanes, each by the same tree whatever vectors share the call: lanes k
+ * and k + 8 first, then k and k + 4, k and k + 2, k and k + 1. The vectors are transposed as they
+ * are summed (15 shuffle pairs and adds for 16 sums, where one horizontal sum each takes about 8
+ * operations); lanes of different vectors never meet. Lane 4q + s of the result holds v[4s + q]'s
+ * sum. */
+static ALWAYS_INLINE __m512 dp_sum16(const __m512 *v)
 {
-    __m512 a[16], b[8], c[4], d[2];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) a[i] = i < n ? v[i] : _mm512_setzero_ps();
+    __m512 b[8], c[4], d[2];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; i++) /* [v 0-7 | w 0-7] + [v 8-15 | w 8-15] */
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) /* quarters of 4 lanes, one per vector: k + (k + 4) */
         c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
@@ -178,19 +176,29 @@ static ALWAYS_INLINE void dp_reduce16(const __m512 *v, int n, float *out)
     for (int i = 0; i < 2; i++) /* in each quarter, pairs: k + (k + 2) */
         d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
                              _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xee));
-    /* k + (k + 1): lane 4q + s of r holds vector 4s + q's sum */
-    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
-    float lanes[16];
-    _mm512_storeu_ps(lanes, r);
-    for (int i = 0; i < n; i++) out[i] = lanes[4 * (i & 3) + (i >> 2)];
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
 }
 
+/* Where a tile's results go: y[t * ldy + r] for token t and row r, added to what y holds when
+ * accumulate, else to 0 (as every path of this file writes an output) */
+typedef struct dp_out {
+    float *y;
+    int64_t ldy;
+    int accumulate;
+} dp_out;
+
+/* The accumulators are held as a[g][r * 4 + t % 4] for the tile's tokens 4g .. 4g + 3, so that
+ * dp_sum16 of a group gives each token's 4 rows in 4 neighbouring lanes: one 4-float store each. */
 static ALWAYS_INLINE void dot_tile_dpbf16(const int RB, const int TB, const uint16_t *x, int64_t ldx,
-                                          const uint16_t *w, int64_t ldw, int in, const uint16_t *pf, float *s)
+                                          const uint16_t *w, int64_t ldw, int in, const uint16_t *pf,
+                                          const dp_out *o)
 {
-    __m512 a[DP_RB * DP_TB];
-#pragma GCC unroll 24
-    for (int k = 0; k < RB * TB; k++) a[k] = _mm512_setzero_ps();
+    enum { GROUPS = (DP_TB + 3) / 4 };
+    __m512 a[GROUPS][16];
+#pragma GCC unroll 2
+    for (int g = 0; g < GROUPS; g++)
+#pragma GCC unroll 16
+        for (int k = 0; k < 16; k++) a[g][k] = _mm512_setzero_ps();
     int i = 0;
     for (; i + 32 <= in; i += 32) {
         __m512bh w0[DP_RB];
@@ -203,7 +211,7 @@ static ALWAYS_INLINE void dot_tile_dpbf16(const int RB, const int TB, const uint
         for (int t = 0; t < TB; t++) {
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + t * ldx + i);
 #pragma GCC unroll 4
-            for (int r = 0; r < RB; r++) a[r * TB + t] = _mm512_dpbf16_ps(a[r * TB + t], x0, w0[r]);
+            for (int r = 0; r < RB; r++) a[t / 4][r * 4 + t % 4] = _mm512_dpbf16_ps(a[t / 4][r * 4 + t % 4], x0, w0[r]);
         }
     }
     if (i < in) {
@@ -213,24 +221,33 @@ static ALWAYS_INLINE void dot_tile_dpbf16(const int RB, const int TB, const uint
             const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * ldw + i);
 #pragma GCC unroll 8
             for (int t = 0; t < TB; t++)
-                a[r * TB + t] = _mm512_dpbf16_ps(a[r * TB + t], (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * ldx + i), w0);
+                a[t / 4][r * 4 + t % 4] = _mm512_dpbf16_ps(a[t / 4][r * 4 + t % 4],
+                                                           (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * ldx + i), w0);
         }
     }
-    float sums[DP_RB * DP_TB];
-    dp_reduce16(a, RB * TB < 16 ? RB * TB : 16, sums);
-    if (RB * TB > 16) dp_reduce16(a + 16, RB * TB - 16, sums + 16);
+#pragma GCC unroll 2
+    for (int g = 0; g * 4 < TB; g++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, dp_sum16(a[g]));
 #pragma GCC unroll 4
-    for (int r = 0; r < RB; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < TB; t++) s[r * DOT_TB_MAX + t] = sums[r * TB + t];
+        for (int q = 0; q < 4; q++) {
+            if (g * 4 + q >= TB) break;
+            float *y = o->y + (g * 4 + q) * o->ldy;
+            if (RB == 4) {
+                const __m128 prev = o->accumulate ? _mm_loadu_ps(y) : _mm_setzero_ps();
+                _mm_storeu_ps(y, _mm_add_ps(prev, _mm_loadu_ps(lanes + 4 * q)));
+            } else
+                for (int r = 0; r < RB; r++) y[r] = (o->accumulate ? y[r] : 0.0f) + lanes[4 * q + r];
+        }
+    }
 }
 
 #define DP_CASE(R, T)                                                                             \
-    case (R) * 16 + (T): dot_tile_dpbf16(R, T, x, ldx, w, in, in, pf, s); return;
+    case (R) * 16 + (T): dot_tile_dpbf16(R, T, x, ldx, w, in, in, pf, o); return;
 #define DP_CASES(R) DP_CASE(R, 1) DP_CASE(R, 2) DP_CASE(R, 3) DP_CASE(R, 4) DP_CASE(R, 5) DP_CASE(R, 6)
 
 static void dp_tile(int rb, int tb, const uint16_t *x, int64_t ldx, const uint16_t *w, int in, const uint16_t *pf,
-                    float *s)
+                    const dp_out *o)
 {
     switch (rb * 16 + tb) {
         DP_CASES(1)
@@ -292,15 +309,8 @@ static ALWAYS_INLINE void dot_tile_const(const int RB, const int TB, dot_kind ki
 #define DOT_CASES(R) DOT_CASE(R, 1) DOT_CASE(R, 2)
 #endif
 
-static void dot_tile(int rb, int tb, dot_kind kind, const void *x, int64_t ldx, const void *w, int in, const void *pf,
-                     float *s)
+static void dot_tile(int rb, int tb, dot_kind kind, const void *x, int64_t ldx, const void *w, int in, float *s)
 {
-#if KR_CPU_LEVEL >= 3
-    if (kind == DOT_DPBF16) {
-        dp_tile(rb, tb, x, ldx, w, in, pf, s);
-        return;
-    }
-#endif
     switch (rb * 16 + tb) {
         DOT_CASES(1)
         DOT_CASES(2)
@@ -323,7 +333,7 @@ static void dot_rows(const mm_job *j, int64_t lo, int64_t hi)
     const int dp = KR_CPU_LEVEL >= 3 && kind == DOT_DPBF16;
     const int rb_most = dp ? DP_RB : j->n >= DOT_RB_MIN_TOKENS ? DOT_RB : 1, tile_tokens = dp ? DP_TB : DOT_TB;
     const int n_tiles = (j->n + tile_tokens - 1) / tile_tokens;
-    float s[DOT_RB_MAX * DOT_TB_MAX];
+    float s[DOT_RB * DOT_TB];
     const char *end = (const char *)j->w->data + (size_t)hi * row_bytes;
     for (int64_t o = lo; o < hi; o += rb_most) {
         const int rb = hi - o < rb_most ? (int)(hi - o) : rb_most;
@@ -336,12 +346,19 @@ static void dot_rows(const mm_job *j, int64_t lo, int64_t hi)
         for (int k = 0, t0 = 0; k < n_tiles; k++) {
             const int tb = j->n / n_tiles + (k < j->n % n_tiles), tile_t0 = t0;
             t0 += tb;
-            dot_tile(rb, tb, kind, (const char *)x + (size_t)(tile_t0 * ldx) * xsz, ldx, w, (int)in,
-                     dp && k == 0 ? (const char *)w + DP_PREFETCH : NULL, s);
+            const void *xt = (const char *)x + (size_t)(tile_t0 * ldx) * xsz;
+#if KR_CPU_LEVEL >= 3
+            if (dp) {
+                const dp_out to = {.y = j->y + tile_t0 * out + o, .ldy = out, .accumulate = j->accumulate};
+                dp_tile(rb, tb, xt, ldx, w, (int)in, k == 0 ? (const uint16_t *)w + DP_PREFETCH / 2 : NULL, &to);
+                continue;
+            }
+#endif
+            dot_tile(rb, tb, kind, xt, ldx, w, (int)in, s);
             for (int r = 0; r < rb; r++)
                 for (int t = 0; t < tb; t++) {
                     float *y = j->y + (tile_t0 + t) * out + o + r;
-                    *y = (j->accumulate ? *y : 0.0f) + s[r * DOT_TB_MAX + t];
+                    *y = (j->accumulate ? *y : 0.0f) + s[r * DOT_TB + t];
                 }
         }
     }
