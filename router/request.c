@@ -80,6 +80,8 @@ static void send_finish(rt_req *r)
     u.kv_entries_shipped = r->pu.kv_entries_shipped;
     u.kv_wire_dtype = r->wire_shipped;
     u.queue_s = r->queue_s;
+    /* over a migration's prefills the reused tokens add up; the prompt's own cannot exceed it */
+    u.cached_tokens = r->pu.cached_tokens < u.prompt_tokens ? r->pu.cached_tokens : u.prompt_tokens;
     u.served_by = &by;
     Kvrelay__V1__Finish fin = KVRELAY__V1__FINISH__INIT;
     fin.reason = r->reason;
@@ -94,10 +96,10 @@ static void send_finish(rt_req *r)
     kc_histogram_observe(rt->m.queue_wait[r->family], r->queue_s);
     kc_counter_inc(rt->m.generated_tokens, r->completion);
     static const char *reasons[] = {"unspecified", "length", "stop", "eos", "context"};
-    kc_info(r->id, "finished: %s, %u prompt + %u completion tokens, ttft %.4f s (queued %.4f s), tpot %.4f s, "
-            "kv footprint %.3f, %" PRIu64 " bytes shipped, %s -> %s, %d migrations",
-            (unsigned)r->reason < 5 ? reasons[r->reason] : "?", u.prompt_tokens, u.completion_tokens, u.ttft_s,
-            u.queue_s, u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, r->dnode->id, r->migrations);
+    kc_info(r->id, "finished: %s, %u prompt (%u cached) + %u completion tokens, ttft %.4f s (queued %.4f s), "
+            "tpot %.4f s, kv footprint %.3f, %" PRIu64 " bytes shipped, %s -> %s, %d migrations",
+            (unsigned)r->reason < 5 ? reasons[r->reason] : "?", u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+            u.ttft_s, u.queue_s, u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, r->dnode->id, r->migrations);
 }
 
 /* Places r->pf (reserve + prefill) and relays the prefill's first token. Returns OK with *done

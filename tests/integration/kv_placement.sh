@@ -90,6 +90,11 @@ by_none=$(rmetric kvrelay_placements_total 'reason="no_prefix"')
 [ "$kv_predicted" = 576 ] || fail "kv-aware: $kv_predicted tokens predicted cached, want 576"
 [ "$by_prefix" = 6 ] && [ "$by_none" = 3 ] ||
   fail "kv-aware: placements by prefix $by_prefix, no_prefix $by_none; want 6 and 3"
+usage_cached=$("$py" -c 'import json, sys; print(sum(json.load(open(f))["usage"]["cached_tokens"] for f in sys.argv[1:]))' \
+  "$KRC_DIR"/out/[0-8].json)
+[ "$usage_cached" = 576 ] || fail "kv-aware: the answers' usage.cached_tokens sum to $usage_cached, want 576"
+[ "$(grep -c "finished: .* prompt (96 cached)" "$KRC_DIR/router.log")" = 6 ] ||
+  fail "kv-aware: the router's finish lines do not say 96 cached tokens for 6 requests"
 logged=$(grep -c "from its prefix cache (placement predicted 96)" "$KRC_DIR/router.log")
 [ "$logged" = 6 ] || fail "kv-aware: $logged router log lines of a prefix reused as predicted, want 6"
 status=$("$bin/kvrelay-cli" --router "$KRC_ROUTER" status --json)
