@@ -2,8 +2,9 @@
 checked, the KV policies' footprints (entries kept per list after prefill and per decode step, as
 the engine's max_entries rules give them), the cost models (chunked prefill, the bundle's bytes and
 its pipelined transfer, batched decode steps), the cores the nodes share, and the discrete-event
-simulation of the router, prefill and decode nodes that turns one run's arrivals into
-kvrelay-bench-serve's per-request rows.
+simulation of the router, prefill and decode nodes that turns one run's arrivals (or a chat run's
+conversations, turn after answer) into kvrelay-bench-serve's per-request rows. The prefix cache
+and the router's index for kv-aware placement are tools/simprefix.py's.
 
 Not a program: tools/kvrelay-sim imports it from tools/ and owns the flags, the runs' summaries,
 calibration and comparison (docs/simulator.md has the model). It loads kvrelay-bench-serve as a
@@ -18,6 +19,8 @@ import math
 import os
 import sys
 import time
+
+import simprefix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = "kvrelay-sim"
@@ -177,8 +180,8 @@ class Footprint:
 
     def __init__(self, spec):
         self.spec = spec
-        self.family, kv = parse_policy(spec)
-        FOOTPRINTS[self.family](self, spec, kv)
+        self.family, self.kv = parse_policy(spec)
+        FOOTPRINTS[self.family](self, spec, self.kv)
 
     def at(self, n, g):
         k = self.kept(n)
@@ -262,39 +265,41 @@ class Costs:
         # in the cache's dtype and a position
         self.entry_bytes = self.head_dim * 2 * DTYPE_BYTES[self.cache_dtype] + 4
 
-    def chunk_s(self, n, fp):
+    def chunk_s(self, n, fp, start=0, held=0):
         """Chunked prefill of n tokens, chunk by chunk: [(tokens, seconds)], the fixed cost in
         the first; each chunk costs per token + per (query, attended key) pair, its queries
         attending to what the policy kept of the chunks before plus the chunk (causal); times
-        the family's measured scoring factor."""
+        the family's measured scoring factor. start: tokens continued from a prefix cache's
+        state of `held` entries per list (computed from there)."""
         pf = self.p["prefill"]
         f = self.p["policy_factor"].get(fp.family, 1.0)
-        out, cached, at = [], 0, 0
+        out, cached, at = [], held, start
         while at < n:
             c = min(self.chunk, n - at)
             t = pf["per_token_s"] * c + pf["per_attended_s"] * c * (cached + (c + 1) / 2.0)
-            out.append((c, (t + (pf["fixed_s"] if at == 0 else 0.0)) * f))
+            out.append((c, (t + (pf["fixed_s"] if at == start else 0.0)) * f))
             cached = cached + c if fp.cap is None else min(cached + c, fp.cap)
             at += c
         return out
 
-    def prefill_s(self, n, fp):
-        return sum(t for _, t in self.chunk_s(n, fp))
+    def prefill_s(self, n, fp, start=0, held=0):
+        return sum(t for _, t in self.chunk_s(n, fp, start, held))
 
-    def transfer_after_prefill_s(self, n, fp, wire_bytes):
+    def transfer_after_prefill_s(self, n, fp, wire_bytes, start=0, held=0):
         """What the bundle's transfer adds after the prefill's compute. Without pipelining, all
         of it. With it (docs/prefill-node.md, "Layer-wise pipelining"), parts cross the link one
         at a time as they become final: under full (no cap: every entry final once computed) an
         early part with each chunk's entries at its end (at most 32, every k-th chunk), then a
         segment per layer of the last chunk as its layers compute, the last layer's when the
-        compute ends; what is still moving then is added."""
+        compute ends; what is still moving then is added. A prefix continued from the cache
+        (start tokens) is final from the start: under full it goes with the first part."""
         if not self.pipeline or self.layers < 2:
             return self.transfer_s(wire_bytes)
-        chunks = self.chunk_s(n, fp)
+        chunks = self.chunk_s(n, fp, start, held)
         parts, now = [], 0.0  # (ready time, bytes)
         ends = len(chunks) - 1
         every = max(1, -(-ends // 32))
-        pending = 0.0
+        pending = wire_bytes * start / n if fp.cap is None else 0.0
         for i, (c, t) in enumerate(chunks[:-1]):
             now += t
             if fp.cap is None:
@@ -390,7 +395,8 @@ class Compute:
 
 class Request:
     __slots__ = ("i", "warmup", "policy", "fp", "n", "out", "arrival", "row", "bound", "entries",
-                 "generated", "enqueued", "dnode", "pnode", "times", "queued", "attended", "full", "pf", "df")
+                 "generated", "enqueued", "dnode", "pnode", "times", "queued", "attended", "full", "pf", "df",
+                 "segs", "keys", "start", "held", "hit_state", "branch", "session")
 
 
 class DecodeNode:
@@ -403,8 +409,9 @@ class DecodeNode:
 
 
 class PrefillNode:
-    def __init__(self, i):
-        self.id, self.fifo, self.busy, self.outstanding = "prefill-%d" % i, [], False, 0
+    def __init__(self, i, cache, index):
+        self.i, self.id, self.fifo, self.busy, self.outstanding = i, "prefill-%d" % i, [], False, 0
+        self.cache, self.index = cache, index  # its prefix cache (None: off); the router's index of it
 
 
 class Sim:
@@ -414,7 +421,10 @@ class Sim:
         host = prof.get("host", {})
         bg = args.background if args.background is not None else host.get("background", 0.0)
         self.compute = Compute(self, host.get("cores"), bg, host.get("prefill_beside_decode", 1.0))
-        self.prefill = [PrefillNode(i) for i in range(args.prefill)]
+        budget = args.prefix_cache_memory
+        self.prefill = [PrefillNode(i, simprefix.PrefixCache(budget, simprefix.BLOCK_ENTRIES * costs.entry_bytes,
+                                                             costs.lists) if budget else None,
+                                    simprefix.KvIndex(args.kv_index_blocks)) for i in range(args.prefill)]
         self.decode = [DecodeNode(i, args.kv_blocks) for i in range(args.decode)]
         self.fifo, self.backoff = [], 0.010
         self.turn = 0
@@ -436,6 +446,18 @@ class Sim:
             if time.monotonic() - last > 2:
                 last = time.monotonic()
                 progress(self)
+
+    def prefix_figures(self):
+        """The prefill nodes' prefix cache counters summed, and what they hold at the end (the
+        nodes' kvrelay_prefix_cache_* metrics); None with the cache off."""
+        caches = [p.cache for p in self.prefill if p.cache is not None]
+        if not caches:
+            return None
+        out = {k: sum(c.stats[k] for c in caches) for k in caches[0].stats}
+        for k in ("states", "bytes", "budget_bytes"):
+            out[k] = sum(c.held()[k] for c in caches)
+        out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else None
+        return out
 
     # ---------------------------------------------------------- the router
 
@@ -500,7 +522,14 @@ class Sim:
                            % (r.bound, self.decode[0].total))
                 return True
             return False
-        porder = self._order(self.prefill, lambda p: (p.outstanding, len(p.fifo) + p.busy))
+        if self.args.placement == "kv-aware" and r.keys:
+            # the router's rule (docs/prefix-cache.md): cost = queued prefill tokens + prompt
+            # tokens not predicted cached; ties in least-loaded's order
+            chunk = self.args.chunk
+            porder = self._order(self.prefill, lambda p: (p.outstanding + r.n - p.index.predicted(r.keys) * chunk,
+                                                          p.outstanding, len(p.fifo) + p.busy))
+        else:
+            porder = self._order(self.prefill, lambda p: (p.outstanding, len(p.fifo) + p.busy))
         p = self.prefill[porder[0]]
         self.turn += 1
         d.reserved += r.bound
@@ -529,14 +558,54 @@ class Sim:
             return
         p.busy = True
         r = p.fifo.pop(0)
-        self.compute.start(self.costs.prefill_s(r.n, r.fp) * r.pf, lambda: self._prefilled(p, r), "prefill")
+        self._lookup(p, r)
+        self.compute.start(self.costs.prefill_s(r.n, r.fp, r.start, r.held) * r.pf, lambda: self._prefilled(p, r),
+                           "prefill")
+
+    def _lookup(self, p, r):
+        """The node's prefix cache before a prefill: the longest cached prefix (held while the
+        prefill runs) and the branch point. A policy that does not reuse goes around it."""
+        r.start = r.held = r.branch = 0
+        r.hit_state = None
+        c = p.cache
+        if c is None:
+            return
+        if not simprefix.reuses(r.fp.family, r.fp.kv):
+            c.stats["bypass"] += 1
+            return
+        if not r.keys:
+            return
+        c.stats["lookups"] += 1
+        hit, st, r.branch = c.lookup(r.keys)
+        if st is not None:
+            st.users += 1
+            r.hit_state, r.start, r.held = st, hit * self.args.chunk, st.entries
+            c.stats["hits"] += 1
+            c.stats["tokens_reused"] += r.start
+
+    def _keep(self, p, r):
+        """After the prefill: the states at the branch point and the last boundary are kept, the
+        hit released, and the router records the prompt on the node that prefilled it."""
+        c = p.cache
+        if c is None or not r.keys:
+            return
+        if r.hit_state is not None:
+            r.hit_state.users -= 1
+        chunk = self.args.chunk
+        if r.branch * chunk > r.start:
+            c.insert(r.keys[:r.branch], simprefix.state_entries(r.fp, r.branch * chunk))
+        c.insert(r.keys, simprefix.state_entries(r.fp, len(r.keys) * chunk))
+        p.index.record(r.keys)
 
     def _prefilled(self, p, r):
         kept = r.fp.kept(r.n)
         payload, wire = self.costs.bundle_bytes(kept)
         r.row.update(kv_bytes_shipped=payload, kv_entries_shipped=kept * self.costs.lists)
+        if r.row.get("cached_tokens") is not None:
+            r.row["cached_tokens"] = r.start
         r.entries = kept
-        self.at(self.now + self.costs.transfer_after_prefill_s(r.n, r.fp, wire), self._shipped, p, r)
+        self._keep(p, r)
+        self.at(self.now + self.costs.transfer_after_prefill_s(r.n, r.fp, wire, r.start, r.held), self._shipped, p, r)
 
     def _shipped(self, p, r):
         p.outstanding -= r.n
@@ -620,45 +689,127 @@ class NoPrompt:
         return None
 
 
-def simulate(args, prof, costs, plan, rate, label, fps, jitter):
-    """One run, as kvrelay-bench-serve's run_one: rows in index order (before derive)."""
-    sim = Sim(args, prof, costs)
-    reqs = []
+def shares_prefixes(args, plan):
+    """Whether a run's prompts may share prefixes (conversations, named prefixes, token ids from a
+    trace): its rows then carry cached_tokens and reusable_tokens, and its summary the bench's
+    cache figures; a run of independent synthetic prompts keeps the summary it had before."""
+    if plan.sessions is not None or getattr(args, "workload", "single") == "shared-prefix":
+        return True
+    return plan.trace is not None and any(t["prefix"] is not None or t["prompt_ids"] is not None for t in plan.trace)
 
-    def add(i, at):
+
+def request_plan(args, plan, i):
+    """Request i of a run that is not a chat run, as bench.Plan.request gives it (the same draws
+    for the same seed), and its prompt's segments (simprefix.chain)."""
+    if plan.trace is None and getattr(args, "workload", "single") == "shared-prefix":
+        import numpy as np
+        doc, qlen, out = benchlib.shared_prefix_request(args, np.random.default_rng([args.seed, i]))
+        q = {"index": i, "warmup": i < args.warmup, "policy": args.policies[i % len(args.policies)],
+             "prefix": doc, "prefix_len": args.prefix_len, "prompt_len": args.prefix_len + qlen, "output_len": out,
+             "trace_line": None, "prompt_ids": None, "prefix_ids": None}
+    else:
         q = plan.request(i)
         if q["prompt_len"] is None:  # a trace line with text: its length is unknown here
             raise SimError("%s:%d: the simulator needs prompt_tokens (a count or ids), not prompt text"
                            % (args.trace, q["trace_line"]))
+    if q.get("prompt_ids") is not None:  # the whole prompt's ids (a trace's)
+        return q, [(("ids", tuple(q["prompt_ids"])), q["prompt_len"])]
+    return q, simprefix.prefix_segment(q) + [(("req", i), q["prompt_len"] - q["prefix_len"])]
+
+
+def turn_plan(args, plan, j, index, line, prev):
+    """A chat run's turn (session j, its line) as a request and its segments; prev: the previous
+    turn's Request or None. As bench.Plan.turn: the previous prompt, its answer (the tokens it
+    generated) and the turn's message."""
+    segs = simprefix.turn_segments(line, index, prev and (prev.segs, prev.generated, prev.i))
+    q = {"index": index, "warmup": plan.trace is None and j < args.warmup, "trace_line": line["trace_line"],
+         "policy": line["policy"] or args.policies[index % len(args.policies)], "output_len": line["output_len"],
+         "prompt_len": sum(n for _, n in segs), "conversation": line["conversation"], "turn": line["turn"],
+         "prefix": line["prefix"], "prefix_len": line["prefix_len"],
+         "reusable_tokens": prev.n + prev.generated if prev is not None else 0}
+    return q, segs
+
+
+def simulate(args, prof, costs, plan, rate, label, fps, jitter):
+    """One run, as kvrelay-bench-serve's run_one: (rows in index order (before derive), the
+    client's figures, the prefix caches' figures summed over the prefill nodes). A chat run plays
+    its conversations as the bench does: each turn sent think_s after the previous answer ends,
+    a conversation stopped by a failed turn."""
+    sim = Sim(args, prof, costs)
+    reqs, seen = [], set()
+    report = shares_prefixes(args, plan)
+    reusing = args.prefix_cache_memory > 0
+
+    def add(q, at, segs):
         r = Request()
-        r.i, r.warmup, r.policy, r.n, r.out = i, q["warmup"], q["policy"], q["prompt_len"], q["output_len"]
+        r.i, r.warmup, r.policy, r.n, r.out = q["index"], q["warmup"], q["policy"], q["prompt_len"], q["output_len"]
         if r.n + r.out > costs.max_position:
             raise SimError("request %d needs %d positions (prompt + output); the profile's model has %d"
-                           % (i, r.n + r.out, costs.max_position))
+                           % (r.i, r.n + r.out, costs.max_position))
         r.fp = fps.setdefault(r.policy, Footprint(r.policy))
         r.bound = blocks_bound(r.fp, r.n, r.out, costs.lists, args.block_size)
         r.arrival, r.enqueued, r.queued, r.dnode, r.pnode = at, None, False, None, None
         r.times, r.generated, r.entries, r.attended, r.full = [], 0, 0, 0, 0
         r.pf, r.df = jitter.draw("prefill"), jitter.draw("decode")
-        r.row = {"index": i, "warmup": r.warmup, "policy": r.policy, "trace_line": q["trace_line"],
+        r.segs, r.session = segs, None
+        r.keys = simprefix.chain(segs, r.n, args.chunk, r.policy) \
+            if reusing and simprefix.reuses(r.fp.family, r.fp.kv) else []
+        r.row = {"index": r.i, "warmup": r.warmup, "policy": r.policy, "trace_line": q["trace_line"],
                  "scheduled_s": at, "prompt_tokens": r.n, "max_tokens": r.out, "status": None,
                  "error": None, "queue_s": 0.0, "kv_bytes_shipped": 0, "kv_entries_shipped": 0}
+        if report:  # as the bench counts them: a named prefix is reusable once an earlier request sent it
+            reusable = q.get("reusable_tokens", 0)
+            if q.get("prefix") is not None:
+                if q["prefix"] in seen:
+                    reusable = max(reusable, q["prefix_len"])
+                seen.add(q["prefix"])
+            r.row.update(conversation=q.get("conversation"), turn=q.get("turn"), prefix=q.get("prefix"),
+                         reusable_tokens=reusable, cached_tokens=0)
         reqs.append(r)
         sim.at(at, sim.arrive, r)
+        return r
 
-    if args.concurrency is not None and plan.trace is None:
+    if plan.sessions is not None:
+        def play(j, k, prev):
+            index, line = plan.sessions[j][k]
+            q, segs = turn_plan(args, plan, j, index, line, prev)
+            add(q, sim.now, segs).session = (j, k)
+
+        def turn_ended(r):
+            j, k = r.session
+            if r.row["status"] == "OK" and k + 1 < len(plan.sessions[j]):
+                sim.at(sim.now + plan.sessions[j][k + 1][1]["think_s"], play, j, k + 1, r)
+            elif args.concurrency is not None and plan.trace is None:
+                start_next()
+        pending = iter(range(len(plan.sessions)))
+
+        def start_next():
+            j = next(pending, None)
+            if j is not None:
+                play(j, 0, None)
+        sim.on_end = turn_ended
+        if args.concurrency is not None and plan.trace is None:
+            for _ in range(args.concurrency):
+                start_next()
+        else:
+            starts = (x[0][1]["arrival_s"] for x in plan.sessions) if plan.trace is not None else plan.arrivals(rate)
+            for j, at in zip(range(len(plan.sessions)), starts):
+                sim.at(at, play, j, 0, None)
+    elif args.concurrency is not None and plan.trace is None:
         loop = benchlib.ClosedLoop(args, plan.trace)
 
         def next_one(ended=None):
             i = loop.next_index(sim.now)
             if i is not None:
-                add(i, sim.now)
+                q, segs = request_plan(args, plan, i)
+                add(q, sim.now, segs)
         sim.on_end = next_one
         for _ in range(args.concurrency):
             next_one()
     else:
         for i, at in benchlib.open_loop(args, plan, rate):
-            add(i, at)
+            q, segs = request_plan(args, plan, i)
+            add(q, at, segs)
     wall0 = time.monotonic()
 
     def progress(s):
@@ -667,8 +818,8 @@ def simulate(args, prof, costs, plan, rate, label, fps, jitter):
                 % (label, s.done, len(reqs), s.now, time.monotonic() - wall0))
     sim.run(progress)
     rows = []
-    for r in reqs:
+    for r in sorted(reqs, key=lambda x: x.i):
         if r.row["status"] is None:  # cannot happen: every request ends OK or refused
             raise RuntimeError("request %d never ended" % r.i)
         rows.append(r.row)
-    return rows, {"cpu_s": 0.0, "wall_s": time.monotonic() - wall0, "simulated_s": sim.now}
+    return rows, {"cpu_s": 0.0, "wall_s": time.monotonic() - wall0, "simulated_s": sim.now}, sim.prefix_figures()

@@ -9,7 +9,9 @@
 # Then the KV cache's dtype (the profile's model.kv_cache_dtype): the decode pool has the blocks
 # the decode node computes for the same --kv-memory (block_size x (2 x head_dim x dtype bytes +
 # 4)), a bf16 pool nearly twice an f32 one's; the bundle payload follows the cache's dtype unless
-# --kv-dtype names one; a profile without the key exits 2 naming it.
+# --kv-dtype names one; a profile without the key exits 2 naming it. Then prefix reuse
+# (simulator_prefix.py): a small chat workload's hit rate and cached tokens equal the cache's
+# rules worked by hand, budgets, kv-aware against round-robin placement, conversation traces.
 # Skips (77) without python3-numpy or python3-matplotlib. Env (set by ctest): KR_SRC.
 set -euo pipefail
 PY=/usr/bin/python3
@@ -20,6 +22,7 @@ fi
 work=$(mktemp -d -t kvrelay-sim-test.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 "$PY" "$KR_SRC/tests/integration/simulator.py" "$KR_SRC" "$work"
+"$PY" "$KR_SRC/tests/integration/simulator_prefix.py" "$KR_SRC" "$work"
 "$PY" - "$KR_SRC" "$work" <<'PY'
 import json, os, subprocess, sys
 src, work = sys.argv[1:3]
