@@ -22,7 +22,7 @@
 #
 # --bin DIR: built programs (default build/: ./kvrelay build; kvrelay-cli too). --quick: 4
 # conversations of 3 turns and 12 shared-prefix requests per cell, 40 capacity prompts (about 2
-# minutes) instead of 24 conversations of 4 turns, 96 requests and 80 prompts (about 15).
+# minutes) instead of 24 conversations of 4 turns, 96 requests and 80 prompts (about 10).
 # --out DIR: where results go (default bench/results/prefix-reuse/).
 #
 # Requests: the default model (2 layers, 4 KV heads of 32, bf16 cache), prefill chunk 64 (the
@@ -36,9 +36,9 @@ exp_parse prefix-reuse "$@"
 [ -x "$EXP_BIN/kvrelay-cli" ] || { echo "prefix-reuse: $EXP_BIN has no kvrelay-cli" >&2; exit 2; }
 
 CHUNK=64 SLO=ttft_ms=1000,tpot_ms=50
-POLICIES=(full streaming:sink=4,window=60)
+POLICIES=(full "streaming:sink=4,window=60")
 # budget fraction 0.1 of a 512-token prompt: 51 entries per list
-CAP_POLICIES=(full streaming:sink=4,window=47 snapkv:mode=naive,budget=51,obs=16)
+CAP_POLICIES=(full "streaming:sink=4,window=47" "snapkv:mode=naive,budget=51,obs=16")
 CAP_PROMPT=512 CAP_MEMORY=2M
 if [ "$EXP_QUICK" = 1 ]; then
   CONVS=4 TURNS=3 CHAT_RATE=2 SP_REQS=12 SP_RATE=4 CAP_N=40
