@@ -118,7 +118,8 @@ class Jitter:
     """Per-request cost factors drawn from the profile's measured quantiles (inverse CDF,
     linear between quantiles): a request's prefill work and its share of every decode step are
     multiplied by its own factor. One generator per replica, seeded by --seed, drawn in request
-    index order, so one seed and replica give one result."""
+    index order (a chat run's in the order its turns are sent), so one seed and replica give one
+    result."""
 
     def __init__(self, prof, seed, replica, on):
         import numpy as np
