@@ -61,7 +61,9 @@ campaign() {
   local limit=(-runs="$runs")
   [ -n "$secs" ] && limit=(-max_total_time="$secs")
   local t0=$SECONDS rc=0
-  (cd "$work" && "${nice_cmd[@]}" "$build/fuzz_$t" "${limit[@]}" -print_final_stats=1 -timeout=60 \
+  # UCX_HANDLE_ERRORS=none: the targets link UCX, whose signal handler would otherwise catch a
+  # crash before libFuzzer writes the input that caused it
+  (cd "$work" && UCX_HANDLE_ERRORS=none "${nice_cmd[@]}" "$build/fuzz_$t" "${limit[@]}" -print_final_stats=1 -timeout=60 \
     -rss_limit_mb=4096 "$work/found" "$corpus" > "$work/fuzz.log" 2>&1) || rc=$?
   local execs
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/fuzz.log" | tail -1)
