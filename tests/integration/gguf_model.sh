@@ -228,7 +228,7 @@ fi
 # the bench script refuses to run without a llama.cpp build and says how to make one
 out=$(bash "$src/bench/vs-llama.cpp.sh" --llama-cpp "$tmp/none" 2>&1)
 [ $? -eq 2 ] || fail "vs-llama.cpp.sh without a llama.cpp build did not exit 2"
-grep -q 'cmake --build build -j --target llama-bench' <<<"$out" || fail "vs-llama.cpp.sh does not say how to build llama-bench: $out"
+grep -q 'cmake --build llama.cpp/build -j --target llama-bench' <<<"$out" || fail "vs-llama.cpp.sh does not say how to build llama-bench: $out"
 bash "$src/bench/vs-llama.cpp.sh" --help | grep -q 'DGGML_NATIVE=ON' || fail "vs-llama.cpp.sh --help lacks the build command"
 
 [ "$fails" -eq 0 ] && echo "PASS: gguf_model" || exit 1
