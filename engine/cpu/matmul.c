@@ -47,7 +47,7 @@ typedef struct mm_job {
 #define DOT_TB 2 /* 2 x 2 pairs + 4 weight vectors: 12 of 16 registers */
 #endif
 #define DOT_RB 2
-/* the vdpbf16ps kernel's tile (dot_tile_dpbf16), for every token count, and how far ahead its
+/* the vdpbf16ps kernel's tile (dot_tile_dpbf16) from two tokens on, and how far ahead its
  * first token tile asks for rows */
 enum { DP_RB = 4, DP_TB = 6, DP_PREFETCH = 16384 };
 /* One token reads one row at a time, a single front-to-back stream that the hardware prefetcher
@@ -147,14 +147,14 @@ static ALWAYS_INLINE void dot_tile_bf16eo(const int RB, const int TB, const floa
  * registers), so a chunk of 32 columns costs 10 loads for 24 multiplies. The tile's sums come
  * out of dp_sum16, which sums 16 accumulators' lanes at once, and go to the outputs 4 at a time
  * (the scalar stores and the additions one output at a time took a tenth of a batch of 8's
- * matmuls). One token takes tiles of DP_RB
- * rows too (4 chains of dependent vdpbf16ps instead of one, whose latency bound it in cache).
- * With pf, the first token tile over some rows asks for the rows DP_PREFETCH bytes ahead into L2,
- * one line per row per chunk, spread through its loop: prefetches issued a tile at a time held
- * up the loads and made memory and arithmetic take turns (llama-110m's matmuls, bf16, 1 thread,
- * Zen 4, busy machine, the thread's own CPU time: 8 tokens 17.5 ms without, 14.8 with; one
- * token as fast as the one-row stream before, where 2 or 4 rows without prefetch took 1.6-1.8x
- * as long); 16 KB ahead was the best of 4, 8, 12, 16, 24 and 32. */
+ * matmuls). With pf, the first token tile over some rows asks for the rows DP_PREFETCH bytes
+ * ahead into L2, one line per row per chunk, spread through its loop: prefetches issued a tile at
+ * a time held up the loads and made memory and arithmetic take turns (llama-110m's matmuls, bf16,
+ * 1 thread, Zen 4, busy machine, the thread's own CPU time: 8 tokens 17.5 ms without, 14.8 with);
+ * 16 KB ahead was the best of 4, 8, 12, 16, 24 and 32. One token reads one row at a time without
+ * prefetches, the single stream the hardware prefetcher follows, its chunk loop unrolled twice:
+ * on an idle machine that matched the kernel before (two accumulators per pair) within 1%,
+ * where 4-row tiles with the prefetches took 10% longer and 2 or 4 rows without them 1.6-1.8x. */
 
 /* The sums of 16 vectors' lanes, each by the same tree whatever vectors share the call: lanes k
  * and k + 8 first, then k and k + 4, k and k + 2, k and k + 1. The vectors are transposed as they
@@ -200,6 +200,7 @@ static ALWAYS_INLINE void dot_tile_dpbf16(const int RB, const int TB, const uint
 #pragma GCC unroll 16
         for (int k = 0; k < 16; k++) a[g][k] = _mm512_setzero_ps();
     int i = 0;
+#pragma GCC unroll 2
     for (; i + 32 <= in; i += 32) {
         __m512bh w0[DP_RB];
 #pragma GCC unroll 4
@@ -331,7 +332,7 @@ static void dot_rows(const mm_job *j, int64_t lo, int64_t hi)
     const int64_t ldx = dot_ldx(kind, in);
     const size_t xsz = kind == DOT_DPBF16 ? sizeof(uint16_t) : sizeof(float);
     const int dp = KR_CPU_LEVEL >= 3 && kind == DOT_DPBF16;
-    const int rb_most = dp ? DP_RB : j->n >= DOT_RB_MIN_TOKENS ? DOT_RB : 1, tile_tokens = dp ? DP_TB : DOT_TB;
+    const int rb_most = j->n < DOT_RB_MIN_TOKENS ? 1 : dp ? DP_RB : DOT_RB, tile_tokens = dp ? DP_TB : DOT_TB;
     const int n_tiles = (j->n + tile_tokens - 1) / tile_tokens;
     float s[DOT_RB * DOT_TB];
     const char *end = (const char *)j->w->data + (size_t)hi * row_bytes;
@@ -350,7 +351,8 @@ static void dot_rows(const mm_job *j, int64_t lo, int64_t hi)
 #if KR_CPU_LEVEL >= 3
             if (dp) {
                 const dp_out to = {.y = j->y + tile_t0 * out + o, .ldy = out, .accumulate = j->accumulate};
-                dp_tile(rb, tb, xt, ldx, w, (int)in, k == 0 ? (const uint16_t *)w + DP_PREFETCH / 2 : NULL, &to);
+                const int ask = k == 0 && j->n >= DOT_RB_MIN_TOKENS; /* one token: the hardware's stream */
+                dp_tile(rb, tb, xt, ldx, w, (int)in, ask ? (const uint16_t *)w + DP_PREFETCH / 2 : NULL, &to);
                 continue;
             }
 #endif
