@@ -295,6 +295,41 @@ int kc_flag_log_level(void *dest, const char *flag, const char *v, char *err, si
     return fail(err, cap, "%s: '%.64s' is not debug, info, warn or error", flag, v);
 }
 
+/* kc_flag_bytes and kc_flag_bytes_positive: the number must be > 0 when `positive`, else >= 0 */
+static int flag_bytes(void *dest, const char *flag, const char *s, int positive, char *err, size_t cap)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || !(positive ? v > 0 : v >= 0))
+        return positive ? fail(err, cap, "%s: '%s' is not a positive size (e.g. 512M, 2G)", flag, s)
+                        : fail(err, cap, "%s: '%s' is not a size (e.g. 0, 512M, 2G)", flag, s);
+    double mul = 1;
+    if (*end == 'K' || *end == 'k')
+        mul = 1024.0;
+    else if (*end == 'M' || *end == 'm')
+        mul = 1024.0 * 1024.0;
+    else if (*end == 'G' || *end == 'g')
+        mul = 1024.0 * 1024.0 * 1024.0;
+    else if (*end)
+        return fail(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end);
+    if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
+        return fail(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end);
+    if (v * mul > 1e15) return fail(err, cap, "%s: '%s' is too large", flag, s);
+    *(int64_t *)dest = (int64_t)(v * mul);
+    return 0;
+}
+
+int kc_flag_bytes(void *dest, const char *flag, const char *s, char *err, size_t cap)
+{
+    return flag_bytes(dest, flag, s, 0, err, cap);
+}
+
+int kc_flag_bytes_positive(void *dest, const char *flag, const char *s, char *err, size_t cap)
+{
+    return flag_bytes(dest, flag, s, 1, err, cap);
+}
+
 int kc_flag_etcd(void *dest, const char *flag, const char *v, char *err, size_t cap)
 {
     if (kc_etcd_flag(dest, flag, v)) return 0;

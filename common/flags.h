@@ -120,6 +120,10 @@ void kc_flags_die(const kc_flags *f, const char *fmt, ...) __attribute__((format
 int kc_flag_log_level(void *dest, const char *flag, const char *v, char *err, size_t cap); /* kc_log_level */
 int kc_flag_etcd(void *dest, const char *flag, const char *v, char *err, size_t cap);      /* kc_etcd_config */
 int kc_flag_tls(void *dest, const char *flag, const char *v, char *err, size_t cap);       /* kc_tls_config */
+/* A byte count (int64_t): digits with an optional K, M or G (also KB, KiB, ...), powers of 1024;
+ * kc_flag_bytes takes 0, kc_flag_bytes_positive does not */
+int kc_flag_bytes(void *dest, const char *flag, const char *v, char *err, size_t cap);
+int kc_flag_bytes_positive(void *dest, const char *flag, const char *v, char *err, size_t cap);
 
 /* The entries every serving program shares: the etcd connection (etcd.h, kc_etcd_flags_finish
  * checks them after parsing; --etcd itself is declared by each program, its help differs) and

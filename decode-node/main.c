@@ -38,31 +38,6 @@ __attribute__((format(printf, 1, 2), noreturn)) static void die(const char *fmt,
     exit(2);
 }
 
-/* --kv-memory: "1073741824", "512M", "2G", "64MiB" into an int64_t. */
-static int flag_bytes(void *dest, const char *flag, const char *s, char *err, size_t cap)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || !(v > 0))
-        return snprintf(err, cap, "%s: '%s' is not a positive size (e.g. 512M, 2G)", flag, s), -1;
-    double mul = 1;
-    if (*end == 'K' || *end == 'k')
-        mul = 1024.0;
-    else if (*end == 'M' || *end == 'm')
-        mul = 1024.0 * 1024.0;
-    else if (*end == 'G' || *end == 'g')
-        mul = 1024.0 * 1024.0 * 1024.0;
-    else if (*end)
-        return snprintf(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end), -1;
-    if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
-        return snprintf(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end), -1;
-    if (v * mul > 1e15)
-        return snprintf(err, cap, "%s: '%s' is too large", flag, s), -1;
-    *(int64_t *)dest = (int64_t)(v * mul);
-    return 0;
-}
-
 /* The split --listen, --transfer and --http; parse() fills them. */
 typedef struct dn_addrs {
     kc_hostport listen, transfer, http;
@@ -95,7 +70,7 @@ static void parse(int argc, char **argv, dn_config *c, kc_log_level *level, dn_a
          .opts = KC_HOSTPORT_PORT_ZERO, .def = "127.0.0.1:7203", .help = "/metrics and /healthz"},
         {.kind = KC_FLAG_INT64, .name = "--kv-blocks", .arg = "N", .dest = &cfg.kv_blocks, .min = 1,
          .max = INT_MAX, .help = "KV pool size in blocks"},
-        {.kind = KC_FLAG_FUNC, .name = "--kv-memory", .arg = "SIZE", .dest = &cfg.kv_memory, .fn = flag_bytes,
+        {.kind = KC_FLAG_FUNC, .name = "--kv-memory", .arg = "SIZE", .dest = &cfg.kv_memory, .fn = kc_flag_bytes_positive,
          .def = "1G", .help = "KV pool size in bytes, K/M/G suffixes; ignored with --kv-blocks"},
         {.kind = KC_FLAG_CHOICE, .name = "--kv-cache-dtype", .arg = "T", .dest = &cache_dtype,
          .choices = cache_dtypes, .def = "auto",

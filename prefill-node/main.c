@@ -46,31 +46,6 @@ static void die(int status, const char *fmt, ...)
     exit(status);
 }
 
-/* --prefix-cache-memory: "0", "1073741824", "512M", "2G", "64MiB" into an int64_t. */
-static int flag_bytes(void *dest, const char *flag, const char *s, char *err, size_t cap)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || !(v >= 0))
-        return snprintf(err, cap, "%s: '%s' is not a size (e.g. 0, 512M, 2G)", flag, s), -1;
-    double mul = 1;
-    if (*end == 'K' || *end == 'k')
-        mul = 1024.0;
-    else if (*end == 'M' || *end == 'm')
-        mul = 1024.0 * 1024.0;
-    else if (*end == 'G' || *end == 'g')
-        mul = 1024.0 * 1024.0 * 1024.0;
-    else if (*end)
-        return snprintf(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end), -1;
-    if (*end && end[1] && strcmp(end + 1, "iB") != 0 && strcmp(end + 1, "B") != 0)
-        return snprintf(err, cap, "%s: '%s': unknown unit '%s' (K, M or G)", flag, s, end), -1;
-    if (v * mul > 1e15)
-        return snprintf(err, cap, "%s: '%s' is too large", flag, s), -1;
-    *(int64_t *)dest = (int64_t)(v * mul);
-    return 0;
-}
-
 /* Flags that depend on the model are -1 until the model is loaded. */
 static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level)
 {
@@ -123,7 +98,7 @@ static void parse_flags(int argc, char **argv, pf_config *c, kc_log_level *level
          .def = "what a --max-prompt prompt needs under the full policy, plus one per list",
          .help = "KV pool blocks of " PF_STR(PF_BLOCK_SIZE) " entries"},
         {.kind = KC_FLAG_FUNC, .name = "--prefix-cache-memory", .arg = "SIZE", .dest = &cfg.prefix_cache_bytes,
-         .fn = flag_bytes, .def = "the KV pool's bytes (--kv-blocks)",
+         .fn = kc_flag_bytes, .def = "the KV pool's bytes (--kv-blocks)",
          .help = "memory of the prefix cache (docs/prefix-cache.md): prefill states kept at chunk "
                  "boundaries, which later prompts beginning with the same tokens continue from; "
                  "least recently used states are evicted for room; 0 turns it off"},

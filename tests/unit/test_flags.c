@@ -268,10 +268,40 @@ static void test_help(void)
     free(h);
 }
 
+/* kc_flag_bytes and kc_flag_bytes_positive: units, suffixes, and what each refuses */
+static void test_bytes(void)
+{
+    static const struct { const char *s; int64_t want; } ok[] = {
+        {"0", 0}, {"4096", 4096}, {"1.5K", 1536}, {"512M", 536870912}, {"2G", 2147483648LL},
+        {"64MiB", 67108864}, {"3kB", 3072},
+    };
+    char err[256];
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        int64_t v = -1;
+        CHECK(kc_flag_bytes(&v, "--size", ok[i].s, err, sizeof err) == 0 && v == ok[i].want,
+              "'%s': got %lld, want %lld", ok[i].s, (long long)v, (long long)ok[i].want);
+    }
+    static const struct { const char *s, *needle; int positive; } refused[] = {
+        {"", "is not a size", 0}, {"-1", "is not a size", 0}, {"2T", "unknown unit 'T'", 0},
+        {"2Mx", "unknown unit 'Mx'", 0}, {"1e20", "too large", 0}, {"nan", "is not a size", 0},
+        {"0", "is not a positive size", 1}, {"-5M", "is not a positive size", 1}, {"3Q", "unknown unit", 1},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        int64_t v = 7;
+        int rc = (refused[i].positive ? kc_flag_bytes_positive : kc_flag_bytes)(&v, "--size", refused[i].s, err, sizeof err);
+        bad(refused[i].needle, rc, err);
+        CHECK(v == 7, "'%s' refused but wrote %lld", refused[i].s, (long long)v);
+    }
+    int64_t v = 0;
+    CHECK(kc_flag_bytes_positive(&v, "--size", "2G", err, sizeof err) == 0 && v == 2147483648LL, "positive 2G: %lld",
+          (long long)v);
+}
+
 int main(void)
 {
     test_hostport();
     test_parse();
     test_help();
+    test_bytes();
     return kt_done("test_flags");
 }
