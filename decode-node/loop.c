@@ -289,24 +289,14 @@ static int take_token(dn_loop *L, dn_job *j, int32_t id, const float *row)
 
 /* The row job j samples from: the model's logits, or with penalties or before min_tokens a
  * copy in L->row with the penalties applied and EOS (unless ignored) and the stop ids masked
- * out. Log-probabilities stay those of the model's row. */
+ * out (kr_draw_row, as the prefill node draws the first token). Log-probabilities stay those of
+ * the model's row. */
 static const float *sampling_row(dn_loop *L, const dn_job *j, const float *row)
 {
-    int mask = j->n_gen < j->min_tokens;
-    if (!j->pen && !mask)
-        return row;
     const kr_config *c = L->n->mcfg;
-    if (j->pen)
-        kr_penalty_apply(j->pen, row, L->row);
-    else
-        memcpy(L->row, row, (size_t)c->vocab_size * sizeof *L->row);
-    if (mask) {
-        if (!j->ignore_eos && c->eos_token_id >= 0 && c->eos_token_id < c->vocab_size)
-            L->row[c->eos_token_id] = -INFINITY;
-        for (int i = 0; i < j->n_stop; i++)
-            L->row[j->stop_ids[i]] = -INFINITY;
-    }
-    return L->row;
+    const kr_draw_mask m = {.on = j->n_gen < j->min_tokens, .eos = j->ignore_eos ? -1 : c->eos_token_id,
+                            .stop = j->stop_ids, .n_stop = j->n_stop};
+    return kr_draw_row(j->pen, &m, row, c->vocab_size, L->row);
 }
 
 /* Feeds run[lo, lo + nb) one token each, samples and streams; a failed batch is retried one

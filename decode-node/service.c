@@ -18,6 +18,7 @@
 #include <sys/random.h>
 
 #include "kvrelay/v1/internal.pb-c.h"
+#include "penalties.h"
 #include "rma-rows.h"
 #include "log.h"
 
@@ -157,42 +158,17 @@ static int sampling_from(const Kvrelay__V1__Sampling *s, kr_sampling *out, char 
     return kr_sampling_check(out, err);
 }
 
-/* The penalties of Sampling (repetition 0 = off, as 1) and what they count: *out NULL when
- * none is on. Forcing samples nothing, so it needs none. */
+/* The penalties of Sampling and what they count (penalty_prompt, penalty_output): *out NULL
+ * when none is on. Forcing samples nothing, so it needs none. */
 static int penalties_from(const Kvrelay__V1__DecodeRequest *req, int vocab, kr_penalty_state **out,
                           char *err)
 {
     *out = NULL;
-    const Kvrelay__V1__Sampling *s = req->sampling;
     kr_penalties p;
-    kr_penalties_default(&p);
-    if (s) {
-        p.repetition = s->repetition_penalty == 0.0f ? 1.0f : s->repetition_penalty;
-        p.presence = s->presence_penalty;
-        p.frequency = s->frequency_penalty;
-    }
-    if (kr_penalties_check(&p, err) != KR_OK)
-        return -1;
-    if (!kr_penalties_active(&p) || req->n_forced)
-        return 0;
-    for (size_t i = 0; i < req->n_penalty_output; i++)
-        if (req->penalty_output[i] >= (uint32_t)vocab) {
-            snprintf(err, KR_ERR_MAX, "penalty_output[%zu] = %u is outside the vocabulary [0, %d)",
-                     i, req->penalty_output[i], vocab);
-            return -1;
-        }
-    if (req->n_penalty_prompt > (size_t)INT32_MAX) {
-        snprintf(err, KR_ERR_MAX, "penalty_prompt: %zu ids", req->n_penalty_prompt);
-        return -1;
-    }
-    /* kr_penalty_create refuses ids outside the vocabulary: those below it are the same bits
-     * as int32 */
-    if (kr_penalty_create(&p, vocab, (const int32_t *)req->penalty_prompt,
-                          (int)req->n_penalty_prompt, out, err) != KR_OK)
-        return -1;
-    for (size_t i = 0; i < req->n_penalty_output; i++)
-        kr_penalty_add(*out, (int32_t)req->penalty_output[i]);
-    return 0;
+    if (kc_penalties_from_pb(req->sampling, &p, err) != 0) return -1;
+    if (req->n_forced) return 0;
+    return kc_penalty_state_make(&p, vocab, req->penalty_prompt, req->n_penalty_prompt, req->penalty_output,
+                                 req->n_penalty_output, out, err);
 }
 
 /* A transfer that failed: which status tells the router the right thing. */

@@ -298,3 +298,18 @@ void kr_penalty_apply(const kr_penalty_state *s, const float *logits, float *out
         out[id] = l;
     }
 }
+
+const float *kr_draw_row(const kr_penalty_state *pen, const kr_draw_mask *m, const float *logits, int vocab,
+                         float *out)
+{
+    if (!pen && !m->on) return logits;
+    if (pen)
+        kr_penalty_apply(pen, logits, out);
+    else
+        memcpy(out, logits, (size_t)vocab * sizeof *out);
+    if (m->on) {
+        if (m->eos >= 0 && m->eos < vocab) out[m->eos] = -INFINITY;
+        for (int i = 0; i < m->n_stop; i++) out[m->stop[i]] = -INFINITY;
+    }
+    return out;
+}

@@ -31,6 +31,7 @@
 #define PF_BLOCK_SIZE 16 /* KV pool block size (entries) */
 #define PF_N_CODES (GRPC_STATUS_UNAUTHENTICATED + 1) /* gRPC status codes 0..16 */
 #define PF_N_WIRE 5 /* bundle payload dtypes, in pf_wire_dtypes order */
+#define PF_MAX_STOP_IDS 64 /* PrefillRequest.stop_ids, as the router and the decode node allow */
 #define PF_WIRE_AUTO (-1) /* --kv-dtype auto before start-up resolves it to the cache's dtype */
 
 /* Every bundle payload dtype, the order of pf_metrics.kv_bytes. */
@@ -94,6 +95,9 @@ typedef struct pf_job {
     kr_sampling sampling;    /* checked with kr_sampling_check */
     int32_t forced_first;    /* -1: sample the first token; else this id (in the vocabulary) */
     int logprobs;            /* report first_logprob / first_top_id (set when forcing too) */
+    kr_penalty_state *pen;   /* the first draw's penalties (NULL: none on), freed by the handler */
+    kr_draw_mask mask;       /* min_tokens' mask of the first draw; stop points into stop_ids */
+    int32_t stop_ids[PF_MAX_STOP_IDS];
     kt_dtype wire;           /* the bundle's payload dtype: the request's, or --kv-dtype */
     char host[256];          /* transfer address */
     uint16_t port;
@@ -157,6 +161,7 @@ typedef struct pf_node {
     kr_kv_pool *pool;
     pf_cache *cache;        /* NULL: --prefix-cache-memory 0 */
     float *logits;          /* [vocab_size] */
+    float *draw_row;        /* [vocab_size]: the first draw's row under penalties or masks */
     kt_bundle_list *lists;  /* [n_layers * n_kv_heads] */
     pf_buf *bufs;           /* [n_layers + KT_BUNDLE_MAX_EARLY_PARTS]: a send buffer per part
                                (a whole bundle, or a pipelined transfer's parts); bufs[0] for a

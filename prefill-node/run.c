@@ -58,10 +58,11 @@ int pf_run_init(pf_node *n, char *err)
     if (kr_ctx_kv_pool_create(n->ctx, PF_BLOCK_SIZE, n->cfg->kv_blocks, &n->pool, err) != KR_OK)
         return -1;
     n->logits = malloc(sizeof(float) * (size_t)c->vocab_size);
+    n->draw_row = malloc(sizeof(float) * (size_t)c->vocab_size);
     n->lists = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->lists);
     n->bufs = calloc((size_t)c->n_layers + KT_BUNDLE_MAX_EARLY_PARTS, sizeof *n->bufs);
     n->sent = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->sent);
-    if (!n->logits || !n->lists || !n->bufs || !n->sent) {
+    if (!n->logits || !n->draw_row || !n->lists || !n->bufs || !n->sent) {
         snprintf(err, KR_ERR_MAX, "out of memory for the worker's scratch buffers");
         return -1;
     }
@@ -76,6 +77,7 @@ void pf_run_free(pf_node *n)
     free(n->sent);
     free(n->lists);
     free(n->logits);
+    free(n->draw_row);
     kr_kv_pool_free(n->pool);
     kr_ctx_free(n->ctx);
 }
@@ -436,7 +438,9 @@ void pf_run(pf_node *n, pf_job *j)
             job_fail(j, GRPC_STATUS_INTERNAL, "%s", err);
             goto out;
         }
-        j->first_token = kr_sampler_sample(sampler, n->logits);
+        /* penalties and min_tokens' mask on a copy: log-probabilities stay the model's row's */
+        j->first_token = kr_sampler_sample(
+            sampler, kr_draw_row(j->pen, &j->mask, n->logits, c->vocab_size, n->draw_row));
     }
     if (j->logprobs)
         j->first_logprob = kr_logprob(n->logits, c->vocab_size, j->first_token, &j->first_top_id);

@@ -19,6 +19,7 @@
 #include "kvrelay/v1/internal.pb-c.h"
 #include "flags.h"
 #include "log.h"
+#include "penalties.h"
 #include "rma-rows.h"
 
 #define PF_POLICY_CACHE 64 /* parsed specs kept; more distinct specs are parsed per request */
@@ -180,6 +181,39 @@ static uint64_t random_seed(void)
     return (uint64_t)ts.tv_sec * 1000000007u ^ (uint64_t)ts.tv_nsec;
 }
 
+/* The first draw's penalties and min_tokens' mask (the decode node draws every later token under
+ * the same rules): the last completion_tokens of the prompt are the completion so far. */
+static int draw_rules(const kr_config *c, const Kvrelay__V1__PrefillRequest *req, pf_job *j, char *err)
+{
+    if (req->completion_tokens > req->n_token_ids) {
+        snprintf(err, KR_ERR_MAX, "completion_tokens: %u of %zu token_ids", req->completion_tokens,
+                 req->n_token_ids);
+        return -1;
+    }
+    if (req->n_stop_ids > PF_MAX_STOP_IDS) {
+        snprintf(err, KR_ERR_MAX, "stop_ids: %zu ids (at most %d)", req->n_stop_ids, PF_MAX_STOP_IDS);
+        return -1;
+    }
+    for (size_t i = 0; i < req->n_stop_ids; i++) {
+        if (req->stop_ids[i] >= (uint32_t)c->vocab_size) {
+            snprintf(err, KR_ERR_MAX, "stop_ids[%zu]: id %u is outside the model's vocabulary [0, %d)", i,
+                     req->stop_ids[i], c->vocab_size);
+            return -1;
+        }
+        j->stop_ids[i] = (int32_t)req->stop_ids[i];
+    }
+    j->mask = (kr_draw_mask){.on = req->completion_tokens < req->min_tokens,
+                             .eos = req->ignore_eos ? -1 : c->eos_token_id,
+                             .stop = j->stop_ids,
+                             .n_stop = (int)req->n_stop_ids};
+    kr_penalties p;
+    if (kc_penalties_from_pb(req->sampling, &p, err) != 0) return -1;
+    size_t n_prompt = req->n_token_ids - req->completion_tokens;
+    /* ids outside the vocabulary are refused with the token_ids check before this */
+    return kc_penalty_state_make(&p, c->vocab_size, req->token_ids, n_prompt, req->token_ids + n_prompt,
+                                 req->completion_tokens, &j->pen, err);
+}
+
 /* Validates `req` into `j` (tokens into *tokens, a policy the cache did not take into *owned).
  * Returns GRPC_STATUS_OK or the refusal's code (already recorded on the call). */
 static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req, pf_job *j,
@@ -256,6 +290,8 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
         j->forced_first = (int32_t)req->forced_first;
     }
     j->logprobs = req->logprobs || j->forced_first >= 0;
+    if (j->forced_first < 0 && draw_rules(c, req, j, err) != 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
 
     kc_hostport hp;
     char why[200];
@@ -364,6 +400,7 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     code = GRPC_STATUS_OK;
 out:
     kr_policy_free(owned);
+    kr_penalty_free(j.pen);
     free(tokens);
     return code;
 }

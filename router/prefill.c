@@ -92,6 +92,13 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
         req.forced_first = r->forced[r->completion];
     }
     req.logprobs = r->logprobs;
+    /* the first draw under the rules of every later one: after a migration the prompt's tail
+     * is the completion so far */
+    req.completion_tokens = (uint32_t)(r->n_pf - r->n_prompt);
+    req.min_tokens = r->min_tokens;
+    req.ignore_eos = r->ignore_eos;
+    req.n_stop_ids = r->n_stop_ids;
+    req.stop_ids = (uint32_t *)r->stop_ids;
     int full = 0;
     rt_attempt a = RT_ATTEMPT_FAIL;
     kc_status last = {GRPC_STATUS_UNAVAILABLE, "none is serving (gone, suspect, or failed earlier in this request)"};

@@ -567,6 +567,19 @@ void kr_penalty_add(kr_penalty_state *s, int32_t id);
  * plus the distinct tokens seen. */
 void kr_penalty_apply(const kr_penalty_state *s, const float *logits, float *out);
 
+/* min_tokens' mask: while it is on, EOS and the stop ids cannot be drawn. */
+typedef struct kr_draw_mask {
+    int on;
+    int32_t eos; /* -1 (or outside the vocabulary): none, as with ignore_eos */
+    const int32_t *stop; /* [n_stop], ids in the vocabulary */
+    int n_stop;
+} kr_draw_mask;
+/* The row a draw samples from, the same on the prefill node (the first token) and the decode
+ * node (every later one): `logits` itself when pen is NULL and the mask is off; else out[vocab],
+ * the penalized copy (a plain copy without pen) with -inf at the masked ids. */
+const float *kr_draw_row(const kr_penalty_state *pen, const kr_draw_mask *m, const float *logits, int vocab,
+                         float *out);
+
 /* The argmax of a row of `vocab` logits, lowest id on ties (what greedy sampling takes). */
 int32_t kr_argmax(const float *logits, int vocab);
 /* log softmax(logits)[id] at temperature 1: the natural log-probability of `id` under the full

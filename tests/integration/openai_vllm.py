@@ -11,13 +11,15 @@ request stops there unless told otherwise. Every expected text comes from `kvrel
 Checked:
   - greedy completions stop at the moved EOS after 3 tokens; ignore_eos runs to max_tokens with
     exactly kvrelay-generate's ids and text, streamed and not, completions and chat;
-  - min_tokens: no EOS or stop id among the first min_tokens ids (the decode node masks them), and
-    at least that many tokens; a stop string inside the first min_tokens tokens does not end it;
+  - min_tokens: no EOS or stop id among the first min_tokens ids (the prefill node masks the
+    first, the decode node the others), and at least that many tokens; a stop id that is the
+    greedy first token is not drawn under min_tokens 1 and ends the text at once without it; a
+    stop string inside the first min_tokens tokens does not end it;
   - stop_token_ids ends at the first one generated (finish "stop"); include_stop_str_in_output
     ends the text after the stop string instead of before it;
   - skip_special_tokens / keep_special_tokens: a forced special token's text is kept or dropped;
-  - the penalties change the greedy text, and with repetition_penalty 100 no token after the
-    first repeats one of the prompt or of the output before it;
+  - the penalties change the greedy text, and with repetition_penalty 100 no token, the prefill
+    node's first one included, repeats one of the prompt or of the output before it;
   - the request bodies `vllm bench serve --backend openai` and `--backend openai-chat` send
     (vllm/benchmarks/lib/endpoint_request_func.py: repetition_penalty 1.0, logprobs null,
     stream_options.include_usage, ignore_eos) are accepted and honour max_tokens;
@@ -159,13 +161,21 @@ def main():
 
     # ---------------------------------------------------------------- min_tokens
     got_ids, _, fin = grpc_run(max_tokens=MAX, min_tokens=8)
-    check(len(got_ids) >= 8 and eos not in got_ids[1:8], "min_tokens 8: ids %s" % got_ids)
+    check(len(got_ids) >= 8 and eos not in got_ids[:8], "min_tokens 8: ids %s" % got_ids)
     d = complete(min_tokens=8)
     check(d["usage"].get("completion_tokens", 0) >= 8, "HTTP min_tokens 8: %s" % d)
     stop_id = greedy[5]
     got_ids, _, fin = grpc_run(max_tokens=MAX, ignore_eos=True, stop_ids=[stop_id], min_tokens=10)
-    check(len(got_ids) >= 10 and stop_id not in got_ids[1:10], "min_tokens 10 with stop id %d: %s"
+    check(len(got_ids) >= 10 and stop_id not in got_ids[:10], "min_tokens 10 with stop id %d: %s"
           % (stop_id, got_ids))
+    # the first token is the prefill node's: a stop id there ends the text at once, unless
+    # min_tokens keeps it from being drawn (then the row's next best is)
+    got_ids, _, fin = grpc_run(max_tokens=MAX, ignore_eos=True, stop_ids=[greedy[0]])
+    check(got_ids == greedy[:1] and fin.reason == pb.FINISH_REASON_STOP,
+          "stop id %d, the greedy first token: %s %s" % (greedy[0], got_ids, fin))
+    got_ids, _, fin = grpc_run(max_tokens=4, ignore_eos=True, stop_ids=[greedy[0]], min_tokens=1)
+    check(len(got_ids) == 4 and got_ids[0] != greedy[0],
+          "min_tokens 1 with the greedy first token %d as stop id: %s" % (greedy[0], got_ids))
     # a stop string the first tokens spell does not end the text before min_tokens
     d = complete(ignore_eos=True, max_tokens=40, stop=["him"], min_tokens=5)
     t = d["choices"][0]["text"]
@@ -201,11 +211,22 @@ def main():
     # ---------------------------------------------------------------- penalties
     base_ids, _, _ = grpc_run(max_tokens=40, ignore_eos=True)
     rep_ids, _, _ = grpc_run(max_tokens=40, ignore_eos=True, sampling=pb.Sampling(repetition_penalty=100.0))
-    check(rep_ids[0] == base_ids[0], "the prefill node's first token is drawn without penalties")
-    check(all(rep_ids[i] not in ids + rep_ids[:i] for i in range(1, len(rep_ids))),
+    check(all(rep_ids[i] not in ids + rep_ids[:i] for i in range(len(rep_ids))),
           "repetition_penalty 100: a token repeats: %s" % rep_ids)
-    check(any(base_ids[i] in ids + base_ids[:i] for i in range(1, len(base_ids))),
+    check(any(base_ids[i] in ids + base_ids[:i] for i in range(len(base_ids))),
           "the baseline repeats no token, so the check above proves nothing: %s" % base_ids)
+    # the prefill node's first token too: a prompt whose greedy next token is one of its own
+    k = next(i for i in range(1, len(greedy)) if greedy[i] in ids + greedy[:i])
+    longer = pb.TokenIds(ids=ids + greedy[:k])
+    first_base = [m.delta.ids[0] for m in gen.Generate(pb.GenerateRequest(
+        token_ids=longer, max_tokens=1, ignore_eos=True), timeout=120) if m.WhichOneof("event") == "delta"]
+    first_rep = [m.delta.ids[0] for m in gen.Generate(pb.GenerateRequest(
+        token_ids=longer, max_tokens=1, ignore_eos=True, sampling=pb.Sampling(repetition_penalty=100.0)),
+        timeout=120) if m.WhichOneof("event") == "delta"]
+    check(first_base and first_base[0] in longer.ids,
+          "the baseline's first token %s is not in its prompt, so the check below proves nothing" % first_base)
+    check(first_rep and first_rep[0] not in longer.ids,
+          "repetition_penalty 100: the first token %s repeats one of the prompt" % first_rep)
     for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 1.5}):
         d = complete(ignore_eos=True, max_tokens=40, **kw)
         check(d["choices"][0]["text"] != complete(ignore_eos=True, max_tokens=40)["choices"][0]["text"],
