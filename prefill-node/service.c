@@ -425,6 +425,7 @@ static int status_handler(kc_call *call, const ProtobufCMessage *msg, void *user
     pf_cache_summarize(n->cache, &pc);
     node.prefix_cache_bytes = pc.bytes;
     node.prefix_cache_budget_bytes = pc.budget_bytes;
+    node.prefill_chunk = (uint32_t)n->cfg->chunk;
     node.prefix_cache_entries = pc.entries;
     node.prefix_cache_lookups = pc.lookups;
     node.prefix_cache_hits = pc.hits;

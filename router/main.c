@@ -99,10 +99,11 @@ static void parse(int argc, char **argv, router_opts *out)
          .help = "kv-aware (prefill nodes by queued prefill tokens + the prompt tokens each would compute, "
                  "given the prefix its cache is predicted to hold; docs/prefix-cache.md), least-loaded or "
                  "round-robin"},
-        {.kind = KC_FLAG_INT64, .name = "--prefill-chunk", .arg = "C", .dest = &o.prefill_chunk, .min = 1,
-         .max = 1 << 16, .def = "512",
-         .help = "the prefill nodes' --chunk: kv-aware placement cuts prompts into blocks of C tokens, as "
-                 "their prefix caches do (another value predicts their hits less well)"},
+        {.kind = KC_FLAG_INT64, .name = "--prefill-chunk", .arg = "C", .dest = &o.prefill_chunk, .min = 0,
+         .max = 1 << 16, .def = "0",
+         .help = "kv-aware placement cuts prompts into blocks of C tokens, as the prefill nodes' prefix "
+                 "caches do; 0: the --chunk the first prefill node reports (a node with another one is "
+                 "warned about: its hits are predicted less well)"},
         {.kind = KC_FLAG_INT64, .name = "--kv-index-blocks", .arg = "N", .dest = &o.kv_index_blocks, .min = 1,
          .max = 1 << 24, .def = "16384",
          .help = "kv-aware placement: prompt blocks remembered per prefill node (least recently used "
@@ -176,7 +177,7 @@ static void parse(int argc, char **argv, router_opts *out)
                   "SIGTERM stops it cleanly.",
     };
     o = (router_opts){.listen = {.text = "127.0.0.1:7100"}, .http = {.text = "127.0.0.1:9100"}, .id = "router-0",
-                      .placement = "kv-aware", .prefill_chunk = 512, .kv_index_blocks = 16384,
+                      .placement = "kv-aware", .prefill_chunk = 0, .kv_index_blocks = 16384,
                       .log_level = KC_LOG_INFO, .max_tokens_limit = 4096,
                       .max_prompt = -1, .default_timeout_ms = 300000, .max_queue_ms = 60000,
                       .cluster = "default", .breaker_failures = 3, .breaker_cooldown_ms = 2000,
@@ -318,9 +319,10 @@ static void log_setup(rt_router *rt, const router_opts *o)
     for (int i = 0; i < rt->n_nodes; i++) n_prefill += rt->nodes[i]->role == RT_ROLE_PREFILL;
     int n_decode = rt->n_nodes - n_prefill;
     pthread_mutex_unlock(&rt->mu);
-    char kv[96] = "";
+    char kv[128] = "", chunk[48] = "as the prefill nodes report";
+    if (rt->prefill_chunk_given) snprintf(chunk, sizeof chunk, "%d", rt->prefill_chunk_given);
     if (rt->placement == &rt_placement_kv_aware)
-        snprintf(kv, sizeof kv, " (prefill chunk %d, %d blocks remembered per prefill node)", rt->prefill_chunk,
+        snprintf(kv, sizeof kv, " (prefill chunk %s, %d blocks remembered per prefill node)", chunk,
                  rt->kv_index_blocks);
     kc_info(NULL, "model %s (%s, vocab %d, context %d, %s), %d prefill + %d decode nodes, placement %s%s%s", o->model,
             rt->cfg.arch_name, rt->cfg.vocab_size, rt->cfg.max_position_embeddings,
@@ -374,7 +376,8 @@ int main(int argc, char **argv)
     snprintf(rt->model_dir, sizeof rt->model_dir, "%s", o.model);
     rt->placement = rt_placement_by_name(o.placement);
     if (!rt->placement) die("--placement: '%s' is not kv-aware, least-loaded or round-robin", o.placement);
-    rt->prefill_chunk = (int)o.prefill_chunk;
+    rt->prefill_chunk_given = (int)o.prefill_chunk;
+    atomic_init(&rt->prefill_chunk, (int)o.prefill_chunk);
     rt->kv_index_blocks = (int)o.kv_index_blocks;
     kc_log_init(rt->id, level);
     kc_cpu_sched_apply(o.cpu_sched);

@@ -287,11 +287,33 @@ typedef struct poll_job {
     int if_ready; /* a suspect node between probes: call Status only once its channel is ready */
 } poll_job;
 
+/* The prefill chunk a node reports: kv-aware placement cuts prompts as the nodes' caches do, so
+ * without --prefill-chunk the router takes the first one reported; a node whose chunk differs
+ * from the router's is warned about once per value (its hits are predicted less well). */
+static void chunk_update(rt_router *rt, rt_node *n, uint32_t chunk)
+{
+    if (!chunk || chunk == n->chunk) return;
+    n->chunk = chunk;
+    int mine = 0;
+    if (!rt->prefill_chunk_given &&
+        atomic_compare_exchange_strong(&rt->prefill_chunk, &mine, (int)chunk)) {
+        kc_info(NULL, "kv-aware placement: prefill chunk %u, as node %s reports", chunk, n->id);
+        return;
+    }
+    mine = atomic_load(&rt->prefill_chunk);
+    if ((uint32_t)mine != chunk)
+        kc_warn(NULL,
+                "node %s prefills in chunks of %u tokens, the router's kv-aware placement cuts prompts "
+                "into %d (%s): its prefix-cache hits are predicted less well; give every prefill node "
+                "the same --chunk",
+                n->id, chunk, mine, rt->prefill_chunk_given ? "--prefill-chunk" : "the first node's");
+}
+
 /* A prefill node's Status answer (asked at asked_ms): its prefix cache's numbers, and whether
  * what kv-aware placement recorded on it still stands (rt->mu held). A node that restarted
  * answers with another start time (or counters lower than before); an empty cache after the
  * last recorded prompt means the node evicted everything or keeps nothing. */
-static void prefix_cache_update(rt_node *n, const Kvrelay__V1__Node *resp, int64_t asked_ms)
+static void prefix_cache_update(rt_router *rt, rt_node *n, const Kvrelay__V1__Node *resp, int64_t asked_ms)
 {
     if (n->node_since_unix_ms && resp->since_unix_ms != n->node_since_unix_ms) kv_forget(n, "it restarted");
     else if (resp->prefix_cache_lookups < n->cache_lookups) kv_forget(n, "its cache counters went back (a restart)");
@@ -303,6 +325,7 @@ static void prefix_cache_update(rt_node *n, const Kvrelay__V1__Node *resp, int64
     n->cache_lookups = resp->prefix_cache_lookups;
     n->cache_hits = resp->prefix_cache_hits;
     n->cache_reused = resp->prefix_cache_tokens_reused;
+    chunk_update(rt, n, resp->prefill_chunk);
 }
 
 static void *poll_one(void *arg)
@@ -344,7 +367,7 @@ static void *poll_one(void *arg)
         n->free_blocks = resp->free_kv_blocks;
         n->total_blocks = resp->total_kv_blocks;
         n->reserved_blocks = resp->reserved_kv_blocks;
-        prefix_cache_update(n, resp, asked_ms);
+        prefix_cache_update(job->rt, n, resp, asked_ms);
         if (resp->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING) n->refused_draining = 0;
         n->own_tokens_polled = tokens;
         n->own_running_polled = running;

@@ -25,11 +25,12 @@ static void prompt_chain(const rt_req *r, rt_chain *c)
 {
     rt_router *rt = r->rt;
     *c = (rt_chain){0};
-    if (rt->placement != &rt_placement_kv_aware) return;
+    int chunk = atomic_load(&rt->prefill_chunk);
+    if (rt->placement != &rt_placement_kv_aware || !chunk) return;
     kr_policy *p;
     char err[KR_ERR_MAX];
     if (kr_policy_parse(r->policy[0] ? r->policy : "full", &rt->cfg, &p, err) != KR_OK) return; /* validated before */
-    if (kr_policy_prefix_deterministic(p)) rt_chain_make(kr_policy_spec(p), rt->prefill_chunk, r->pf, r->n_pf, c);
+    if (kr_policy_prefix_deterministic(p)) rt_chain_make(kr_policy_spec(p), chunk, r->pf, r->n_pf, c);
     kr_policy_free(p);
 }
 

@@ -82,6 +82,7 @@ typedef struct rt_node {
     uint32_t running, queued;
     uint64_t prefill_tokens, free_blocks, total_blocks, reserved_blocks;
     int64_t node_since_unix_ms; /* the node's own since_unix_ms: another value means it restarted */
+    uint32_t chunk; /* the prefill chunk its Status reported (0: none yet) */
     /* prefill nodes: their prefix cache, summed over families (Node.prefix_cache_*) */
     uint64_t cache_bytes, cache_budget, cache_entries, cache_lookups, cache_hits, cache_reused;
 
@@ -132,7 +133,7 @@ typedef struct rt_router {
     kr_config cfg;
     kr_tokenizer *tok; /* NULL: the model directory has no tokenizer.json */
     const rt_placement *placement;
-    int prefill_chunk; /* --prefill-chunk: the prefill nodes' --chunk, kv-aware's blocks */
+    int prefill_chunk_given; /* --prefill-chunk; 0: take the prefill nodes' own (Status) */
     int kv_index_blocks; /* --kv-index-blocks: block hashes remembered per prefill node */
     uint32_t max_tokens_limit;
     uint32_t max_prompt; /* tokens; also capped by max_position_embeddings - 1 */
@@ -173,6 +174,8 @@ typedef struct rt_router {
     atomic_int in_flight, queued; /* Generate calls being served / waiting for room */
     atomic_int http_stopping; /* shutting down: HTTP generations are cancelled */
     atomic_int http_generations; /* OpenAI API requests being served (shutdown waits for 0) */
+    atomic_int prefill_chunk; /* kv-aware's block: --prefill-chunk, else the first prefill node's
+                                 reported --chunk; 0 until known (prompts then placed by load) */
     pthread_t poller, watcher;
 } rt_router;
 

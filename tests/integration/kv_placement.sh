@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kv_placement.sh - kv-aware placement (docs/prefix-cache.md, "Placement") sends a prompt to the
 # prefill node whose prefix cache holds its beginning, where round-robin spreads it. A cluster of
-# 2 prefill nodes (--chunk 32, the router's --prefill-chunk 32) and 1 decode node on the 4-layer
+# 2 prefill nodes (--chunk 32, which the router takes from their Status) and 1 decode node on the 4-layer
 # llama3 fixture gets 9 requests one after another: 3 documents of 96 tokens (3 chunks), each
 # asked 3 different 20-token questions, documents in turn (D0 D1 D2 D0 D1 D2 D0 D1 D2). A
 # prefill node keeps the state at a prompt's last chunk boundary, here the document, so a
@@ -56,9 +56,18 @@ start() {
   mkdir -p "$KRC_DIR/out"
   KRC_PREFILL_ARGS=(--chunk 32)
   KRC_DECODE_ARGS=()
-  KRC_ROUTER_ARGS=(--placement "$2" --prefill-chunk 32)
+  # kv-aware learns the chunk from the nodes' Status; round-robin is given it
+  KRC_ROUTER_ARGS=(--placement "$2")
+  [ "$2" = kv-aware ] || KRC_ROUTER_ARGS+=(--prefill-chunk 32)
   KRC_START_TIMEOUT=1200 # tenths of a second: the sanitizer build loads slowly on 2 cores
   krc_start "$bin" "$model" 2 1 127.0.0.1:0 --threads 1 || fatal "the $1 cluster did not start"
+  [ "$2" = kv-aware ] || return 0
+  local i
+  for ((i = 0; i < 300; i++)); do
+    grep -q "kv-aware placement: prefill chunk 32, as node prefill-[01] reports" "$KRC_DIR/router.log" && return 0
+    sleep 0.1
+  done
+  fatal "the router did not take the prefill nodes' chunk (32) from their Status"
 }
 
 # run NAME: the 9 requests, documents in turn; the prefill node of each in NODES[DOC] (space-separated)

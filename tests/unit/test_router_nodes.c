@@ -169,7 +169,7 @@ static void kv_aware(void)
 {
     char err[KR_ERR_MAX];
     rt = (rt_router){.placement = &rt_placement_kv_aware, .breaker_failures = 3, .breaker_cooldown_ms = 60000,
-                     .prefill_chunk = 32, .kv_index_blocks = 64};
+                     .prefill_chunk = 32, .prefill_chunk_given = 32, .kv_index_blocks = 64};
     pthread_mutex_init(&rt.mu, NULL);
     rt.m.reg = kc_registry_create();
     REQUIRE(rt.m.reg, "registry");
@@ -217,27 +217,42 @@ static void kv_aware(void)
     st.since_unix_ms = 1000;
     st.prefix_cache_entries = 1;
     st.prefix_cache_budget_bytes = 1 << 20;
-    prefix_cache_update(p1, &st, rt_now_ms());
+    prefix_cache_update(&rt, p1, &st, rt_now_ms());
     CHECK(rt_kv_index_size(p1->kv) == 3, "same node, cache in use: kept (%d)", rt_kv_index_size(p1->kv));
     /* an empty cache reported by a Status asked before the record: kept; after it: dropped */
     st.prefix_cache_entries = 0;
-    prefix_cache_update(p1, &st, p1->kv_recorded_ms - 1);
+    prefix_cache_update(&rt, p1, &st, p1->kv_recorded_ms - 1);
     CHECK(rt_kv_index_size(p1->kv) == 3, "an empty cache asked before the record: kept");
-    prefix_cache_update(p1, &st, p1->kv_recorded_ms + 1);
+    prefix_cache_update(&rt, p1, &st, p1->kv_recorded_ms + 1);
     CHECK(rt_kv_index_size(p1->kv) == 0, "an empty cache asked after the record: dropped");
     CHECK(!strstr(prefill_order(&c), ":96"), "nothing predicted any more: %s", prefill_order(&c));
     /* a restart: another start time */
     rt_node_record_prompt(&rt, p1, &c);
     st.prefix_cache_entries = 1;
     st.since_unix_ms = 2000;
-    prefix_cache_update(p1, &st, rt_now_ms() + 1);
+    prefix_cache_update(&rt, p1, &st, rt_now_ms() + 1);
     CHECK(rt_kv_index_size(p1->kv) == 0, "restarted (start time): dropped");
     /* a restart seen by counters that went back */
     rt_node_record_prompt(&rt, p1, &c);
     p1->cache_lookups = 50;
     st.prefix_cache_lookups = 3;
-    prefix_cache_update(p1, &st, rt_now_ms() + 1);
+    prefix_cache_update(&rt, p1, &st, rt_now_ms() + 1);
     CHECK(rt_kv_index_size(p1->kv) == 0, "restarted (counters): dropped");
+    /* the chunk: a given one stays; without one, the first node's reported chunk is taken and a
+     * node reporting another changes nothing */
+    st.prefill_chunk = 64;
+    prefix_cache_update(&rt, p1, &st, rt_now_ms() + 1);
+    CHECK(atomic_load(&rt.prefill_chunk) == 32, "--prefill-chunk 32 given: kept, not %d", atomic_load(&rt.prefill_chunk));
+    rt.prefill_chunk_given = 0;
+    atomic_store(&rt.prefill_chunk, 0);
+    p1->chunk = 0;
+    prefix_cache_update(&rt, p1, &st, rt_now_ms() + 1);
+    CHECK(atomic_load(&rt.prefill_chunk) == 64, "the first chunk reported: 64, not %d", atomic_load(&rt.prefill_chunk));
+    st.prefill_chunk = 16;
+    rt_node *p0 = find("p0");
+    prefix_cache_update(&rt, p0, &st, rt_now_ms() + 1);
+    CHECK(atomic_load(&rt.prefill_chunk) == 64 && p0->chunk == 16, "another node's chunk: 64 kept, not %d",
+          atomic_load(&rt.prefill_chunk));
     /* a node that answered without a cache records nothing */
     p1->cache_budget = 0;
     rt_node_record_prompt(&rt, p1, &c);
