@@ -9,7 +9,9 @@
 #   P2-kv   2 prefill + 1 decode, the cache on, the router's kv-aware placement
 #   P2-rr   2 prefill + 1 decode, the cache on, round-robin placement
 # Per cell: prompt tokens, prefill tokens computed (prompt - cached), the hit rate (requests that
-# reused any), cached tokens, TTFT p50 / p99, TPOT p50, goodput, and the cached tokens
+# reused any), cached tokens, TTFT p50 / p99, TPOT p50, goodput, errors (cache pressure must
+# fail none), the KV blocks the prefill and decode pools still hold once the load is over (0
+# unless a block leaked; the cache has its own memory), and the cached tokens
 # tools/kvrelay-sim predicts for the same cell (its model of the cache and of placement). Then a capacity row, measured
 # from the nodes: one prefill node with a small cache budget is filled with distinct 512-token
 # prompts until it evicts, under `full` and under the evicting policies at budget fraction 0.1
@@ -55,6 +57,20 @@ cluster() { # cluster TAG N_PREFILL CACHE(0|on|SIZE) PLACEMENT
   exp_cluster_start "$1" "$2" 1 --threads 1
 }
 
+# held N_PREFILL: KV blocks still held once the load is over, prefill pools and decode pool
+# together (the prefix cache has its own memory): anything but 0 is a leak
+held() {
+  local i used=0 u
+  for ((i = 0; i < $1; i++)); do
+    u=$(curl -sf "http://$(krc_http prefill-$i)/metrics" | awk '$1 == "kvrelay_kv_blocks_used" { print $2 }')
+    used=$((used + ${u:-0}))
+  done
+  u=$("$EXP_PY" -c 'import json, sys
+print(sum(n["total_kv_blocks"] - n["free_kv_blocks"] for n in json.load(sys.stdin)["nodes"] if n["role"] == "decode"))' \
+    <"$(ls -t "$EXP_OUT"/*.status.json | head -1)")
+  echo $((used + u))
+}
+
 files=()
 for w in chat shared-prefix; do
   if [ "$w" = chat ]; then
@@ -73,6 +89,7 @@ for w in chat shared-prefix; do
       "$EXP_BENCH" --target "$KRC_ROUTER" "${load[@]}" --policy "$p" --ignore-eos --slo "$SLO" --timeout 300 \
         --json "$f" --no-progress >"${f%.json}.txt"
       "$EXP_BIN/kvrelay-cli" --router "$KRC_ROUTER" status --json >"${f%.json}.status.json"
+      held "$np" >"${f%.json}.held"
       exp_cluster_stop
       # the simulator's prediction of the same cell (the cache's rules, not its costs)
       sim=(--prefill "$np" --placement "$placement" --chunk "$CHUNK")
@@ -124,6 +141,7 @@ for f in files:
         "node_tokens_reused": sum(n["prefix_cache_tokens_reused"] for n in nodes if n["role"] == "prefill"),
         "ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"], "tpot_p50": s["tpot_ms"]["p50"],
         "goodput": s["goodput"], "errors": sum(s["errors"].values()),
+        "blocks_held_after": int(open(f[:-5] + ".held").read()),
         "sim_cached_tokens": sim.get("cached_tokens") or 0, "sim_hit_rate": sim.get("cache_hit_rate")})
 
 
@@ -153,18 +171,18 @@ lines = ["Machine: %s. Default model, prefill chunk 64, 1 thread per node; `cach
          "reported in Usage.cached_tokens; `computed` = prompt - cached; vs off: computed and TTFT p50 over the "
          "same workload and policy with the cache off." % machine, "",
          "| workload | policy | cluster | requests (ok) | prompt tokens | computed | vs off | hit rate | cached | "
-         "TTFT p50 / p99 ms | vs off | TPOT p50 ms | goodput req/s | simulated cached |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "TTFT p50 / p99 ms | vs off | TPOT p50 ms | goodput req/s | errors | blocks held after | simulated cached |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 base = {(c["workload"], c["policy"]): c for c in summary["cells"] if c["cluster"] == "P1-off"}
 for c in summary["cells"]:
     b = base.get((c["workload"], c["policy"]))
-    lines.append("| %s | %s | %s | %d (%d) | %d | %d | %s | %s | %d | %s / %s | %s | %s | %s | %d |" % (
+    lines.append("| %s | %s | %s | %d (%d) | %d | %d | %s | %s | %d | %s / %s | %s | %s | %s | %d | %d | %d |" % (
         c["workload"], c["policy"], c["cluster"], c["requests"], c["ok"], c["prompt_tokens"],
         c["prefill_tokens_computed"],
         fmt(c["prefill_tokens_computed"] / b["prefill_tokens_computed"], 2) if b and b["prefill_tokens_computed"] else "-",
         fmt(c["hit_rate"], 2), c["cached_tokens"], fmt(c["ttft_p50"], 1), fmt(c["ttft_p99"], 1),
         fmt(c["ttft_p50"] / b["ttft_p50"], 2) if b and b["ttft_p50"] else "-", fmt(c["tpot_p50"], 2),
-        fmt(c["goodput"], 2), c["sim_cached_tokens"]))
+        fmt(c["goodput"], 2), c["errors"], c["blocks_held_after"], c["sim_cached_tokens"]))
 lines += ["", "Capacity (measured: kvrelay-cli status after %s distinct %s-token prompts into one prefill node's "
           "%s budget):" % (cap_n, cap_prompt, cap_memory), "",
           "| policy | states held | bytes held | budget bytes | inserts | evictions | states / full's |",
