@@ -33,7 +33,9 @@ int oa_fanout_init(oa_fanout *f, const oa_request *r, const char *request_id, vo
         g->sample = k % f->per_prompt;
         g->index = g->prompt * f->n + g->sample;
         if (f->n_gens == 1) snprintf(g->request_id, sizeof g->request_id, "%s", request_id);
-        else snprintf(g->request_id, sizeof g->request_id, "%.*s.%d", rid_room, request_id, k);
+        else /* k < OA_MAX_GENERATIONS: the modulo only tells the compiler so */
+            snprintf(g->request_id, sizeof g->request_id, "%.*s.%u", rid_room, request_id,
+                     (unsigned)k % OA_MAX_GENERATIONS);
         g->prompt_ids = (Kvrelay__V1__TokenIds)KVRELAY__V1__TOKEN_IDS__INIT;
         g->prompt_ids.ids = r->ids ? r->ids + r->prompt_at[g->prompt] : NULL;
         g->prompt_ids.n_ids = r->prompt_at[g->prompt + 1] - r->prompt_at[g->prompt];

@@ -46,7 +46,7 @@ static void check_request(const oa_request *r)
         if (q->stop_ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
     /* several choices and prompts: n <= best_of <= OA_MAX_N, the prompts non-empty, one after
      * the other in ids, each within the context with max_tokens, at most OA_MAX_GENERATIONS */
-    if (r->n < 1 || r->best_of < r->n || r->best_of > OA_MAX_N || (r->best_of > 1 && r->stream) ||
+    if (r->n < 1 || r->best_of < r->n || r->best_of > OA_MAX_N || (r->best_of > r->n && r->stream) ||
         r->n_prompts < 1 || r->n_prompts * r->best_of > OA_MAX_GENERATIONS || r->prompt_at[0] != 0 ||
         r->prompt_at[1] != n || (r->kind == OA_CHAT && (r->n_prompts != 1 || r->best_of != r->n)))
         abort();

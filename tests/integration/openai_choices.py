@@ -116,19 +116,19 @@ def main():
         return choice["message"]["content"] if "message" in choice else choice["text"]
 
     def singles(k, path="/completions", seed=SEED, **kw):
-        """The same request with n = 1 and seeds seed .. seed + k - 1: [(text, finish, usage)]."""
+        """The same request with n = 1 and seeds seed .. seed + k - 1: [(text, finish, usage, kvrelay)]."""
         out = []
         for j in range(k):
             doc = complete(path, seed=seed + j, **kw)
             c = doc["choices"][0] if doc["choices"] else {}
-            out.append((text_of(c) if c else None, c.get("finish_reason"), doc["usage"]))
+            out.append((text_of(c) if c else None, c.get("finish_reason"), doc["usage"], doc.get("kvrelay", {})))
         return out
 
     def same_as_singles(doc, refs, what, n_prompts=1):
         n = len(refs) // n_prompts
         cs = doc["choices"]
         check([c["index"] for c in cs] == list(range(len(refs))), "%s: indexes %s" % (what, [c["index"] for c in cs]))
-        for i, (c, (text, finish, _)) in enumerate(zip(cs, refs)):
+        for i, (c, (text, finish, _, _)) in enumerate(zip(cs, refs)):
             check(text_of(c) == text and c["finish_reason"] == finish,
                   "%s: choice %d (prompt %d, seed + %d) is %r/%s, alone %r/%s" %
                   (what, i, i // n, i % n, text_of(c), c["finish_reason"], text, finish))
@@ -150,8 +150,11 @@ def main():
     chunks = (n_prompt - 1) // 16 * 16
     check(chunks >= 32 and reused >= 2 * chunks,
           "n=3: the prefix cache reused %g tokens for the choices after the first (want 2 x %d)" % (reused, chunks))
-    print("ok: n=3 equals three requests with seeds %d..%d; the prefix cache gave %g of the prompt's %d tokens"
-          % (SEED, SEED + 2, reused, n_prompt))
+    shipped = doc.get("kvrelay", {}).get("kv_bytes_shipped")
+    check(shipped == sum(r[3]["kv_bytes_shipped"] for r in refs) and shipped > 0,
+          "n=3: kv_bytes_shipped %s, want the sum of the three bundles %s" % (shipped, [r[3] for r in refs]))
+    print("ok: n=3 equals three requests with seeds %d..%d; the prefix cache served %g tokens (2 x %d of the "
+          "prompt's %d), %d bytes shipped in 3 bundles" % (SEED, SEED + 2, reused, chunks, n_prompt, shipped))
 
     # ---------------------------------------------------------------- n = 3, streamed
     status, raw = post(api, "/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": MAX, "n": 3,
