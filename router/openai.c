@@ -518,21 +518,33 @@ static void run_gen(oa_gen *g)
     g->code = rt_generate_run(c->rt, &g->q, sink_for(g, &s), c->fan.n_gens == 1 ? &c->client : NULL, &g->st);
 }
 
-/* Every generation of the request; several count as one request against the client's limits
- * (one stream slot, one token of the rate). */
-static void run(oa_call *c)
+/* A request of several generations, before any starts: admitted once by the client's limits
+ * (one stream slot, one token of the rate), and every generation validated, so that a refusal
+ * (a prompt over --max-prompt-tokens, a bad policy) is the whole request's before any token. 0,
+ * or -1 with c->code, c->st, logged and counted as rt_generate_run would. */
+static int admit_several(oa_call *c)
 {
     rt_router *rt = c->rt;
-    int several = c->fan.n_gens > 1;
-    if (several && rt_limits_acquire(rt->limits, &c->client, rt_now_ms()) != RT_LIMIT_KIND_OK) {
+    if (rt_limits_acquire(rt->limits, &c->client, rt_now_ms()) != RT_LIMIT_KIND_OK) {
         kc_status_set(&c->st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s", c->client.refusal);
         c->code = c->st.code;
-        kc_warn(c->request_id, "%s: %s", kc_status_name(c->code), c->st.details);
-        kc_counter_inc(rt->m.requests[GRPC_STATUS_RESOURCE_EXHAUSTED], 1);
-        return;
     }
+    for (int k = 0; c->code == GRPC_STATUS_OK && k < c->fan.n_gens; k++)
+        c->code = rt_generate_check(rt, &c->fan.gens[k].q, &c->st);
+    if (c->code == GRPC_STATUS_OK) return 0;
+    rt_limits_release(rt->limits, &c->client); /* nothing when the limits refused */
+    kc_warn(c->request_id, "%s: %s", kc_status_name(c->code), c->st.details);
+    kc_counter_inc(rt->m.requests[(unsigned)c->code <= GRPC_STATUS_UNAUTHENTICATED ? c->code : GRPC_STATUS_UNKNOWN], 1);
+    return -1;
+}
+
+/* Every generation of the request. */
+static void run(oa_call *c)
+{
+    int several = c->fan.n_gens > 1;
+    if (several && admit_several(c) != 0) return;
     oa_fanout_run(&c->fan, run_gen);
-    if (several) rt_limits_release(rt->limits, &c->client);
+    if (several) rt_limits_release(c->rt->limits, &c->client);
     c->code = c->fan.code;
     c->st = c->fan.st;
     if (c->code == GRPC_STATUS_OK) oa_fanout_rank(&c->fan);

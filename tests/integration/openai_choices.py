@@ -18,6 +18,9 @@ Checked:
     prompt * 2 + choice, each equal to its prompt alone with seed + choice; usage sums them;
   - refusals naming the field: n = 0, n = 17, best_of < n, best_of with stream, best_of on chat,
     too many generations for one request;
+  - a generation the router refuses (its prompt over the router's --max-prompt-tokens, which only
+    the generation path checks) refuses the whole request before any generation starts, with a
+    real 400 naming prompt, streamed or not, and the decode node holds no block afterwards;
   - curl reads a raw n = 2 stream; the openai package reads n = 2, streamed and not.
 Run through openai_choices.sh (it generates the stubs); every process is killed at the end.
 """
@@ -25,6 +28,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -82,7 +86,7 @@ def refused(api, path, body, param, what):
 
 
 def start_cluster(b, model):
-    dec, _ = krprocs.start(args.work, "decode", [b + "/kvrelay-decode", "--model", model, "--id", "decode-0",
+    dec, dec_http = krprocs.start(args.work, "decode", [b + "/kvrelay-decode", "--model", model, "--id", "decode-0",
                                                  "--listen", "127.0.0.1:0", "--transfer", "127.0.0.1:0",
                                                  "--http", "127.0.0.1:0", "--kv-memory", "64M", "--threads", "1"])
     pre, pre_http = krprocs.start(args.work, "prefill", [b + "/kvrelay-prefill", "--model", model, "--id", "prefill-0",
@@ -93,13 +97,13 @@ def start_cluster(b, model):
         json.dump({"prefill": [{"id": "prefill-0", "address": pre}], "decode": [{"id": "decode-0", "address": dec}]}, f)
     router, http = krprocs.start(args.work, "router", [b + "/kvrelay-router", "--model", model, "--nodes", nodes,
                                                       "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                                                      "--served-model-name", NAME])
-    return router, http, pre_http
+                                                      "--served-model-name", NAME, "--max-prompt-tokens", "60"])
+    return router, http, pre_http, dec_http
 
 
 def main():
     b = args.bin
-    router, http, pre_http = start_cluster(b, args.model)
+    router, http, pre_http, dec_http = start_cluster(b, args.model)
     api = "http://%s/v1" % http
     gen = pb_grpc.GenerationStub(grpc.insecure_channel(router))
 
@@ -250,6 +254,27 @@ def main():
     refused(api, "/completions", {"model": NAME, "prompt": ["x", 3]}, "prompt", "a list holding a number after a string")
     refused(api, "/completions", {"model": NAME, "prompt": ["x", ""]}, "prompt", "an empty prompt in a list")
     print("ok: n, best_of and prompt lists out of range are 400 naming the field")
+
+    # ---------------------------------------------------------------- one generation fails
+    # the second prompt is over the router's --max-prompt-tokens (60), which only the router's
+    # generation path checks: every generation is checked before any starts, so the request is
+    # refused whole with that error, streamed or not; nothing is held on the decode node
+    long_prompt = PROMPT + " " + PROMPT
+    for stream in (False, True):
+        status, doc = post(api, "/completions", {"model": NAME, "prompt": [PROMPT, long_prompt], "n": 2,
+                                                 "max_tokens": 64, "seed": SEED, "stream": stream})
+        err = doc.get("error", {}) if isinstance(doc, dict) else {}
+        check(status == 400 and err.get("param") == "prompt" and "--max-prompt-tokens" in err.get("message", ""),
+              "a failing generation (stream %s): want 400 naming prompt, got %d %s" % (stream, status, doc))
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        held = (metric(dec_http, "kvrelay_kv_blocks_used"), metric(dec_http, "kvrelay_kv_blocks_reserved"))
+        if held == (0, 0):
+            break
+        time.sleep(0.2)
+    check(held == (0, 0), "after the failed requests the decode node holds %s blocks (used, reserved)" % (held,))
+    print("ok: a generation the router refuses refuses the request (400 naming prompt, streamed and not); "
+          "no block held")
 
     # ---------------------------------------------------------------- curl and the openai package
     out = subprocess.run(["curl", "-sS", "-N", "-H", "Content-Type: application/json", "-d",
