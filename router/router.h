@@ -9,7 +9,8 @@
  *               relay.c and watch.c (request.h says which step is where)
  *   openai.c    the OpenAI-compatible HTTP API (/v1/models, completions, chat completions) on
  *               the HTTP port, served through request.c; its request bodies are parsed by
- *               openai-request.c (openai.h, pure, fuzzed)
+ *               openai-request.c (openai.h, pure, fuzzed); several choices and prompts run as
+ *               several generations by openai-choices.c
  *   placement.c, stop.c, breaker.c, kv-index.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
  */
