@@ -21,12 +21,16 @@ Checked:
   - a generation the router refuses (its prompt over the router's --max-prompt-tokens, which only
     the generation path checks) refuses the whole request before any generation starts, with a
     real 400 naming prompt, streamed or not, and the decode node holds no block afterwards;
+  - the decode node frozen once both choices of an n = 2 stream have sent a chunk (a router with
+    --decode-stall-ms 500): the stream ends with one error event (service_unavailable) before
+    [DONE], and the decode node holds no block once it runs again;
   - curl reads a raw n = 2 stream; the openai package reads n = 2, streamed and not.
 Run through openai_choices.sh (it generates the stubs); every process is killed at the end.
 """
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 import urllib.error
@@ -309,6 +313,50 @@ const refs = JSON.parse(want);
         check(r.returncode == 0, "the openai package: %s %s" % (r.stdout, r.stderr))
     else:
         print("note: the openai npm package is not installed (./kvrelay test installs it): its check skipped")
+
+    # ---------------------------------------------------------------- a node failing mid-stream
+    # last: it leaves the decode node's breaker open. A router whose watcher gives up on a decode
+    # stream silent for 500 ms; the decode node is frozen (SIGSTOP) once both choices streamed a
+    # chunk: the first generation to fail fails the request, the other is cancelled, and the
+    # stream, begun with 200, ends with an error event before [DONE]. A Release the frozen node
+    # could not take is left to the reservation's expiry (--prefill-timeout-ms + 5 s: 8 s here)
+    stall_router, stall_http = krprocs.start(args.work, "router-stall", [
+        b + "/kvrelay-router", "--model", args.model, "--nodes", os.path.join(args.work, "nodes.json"),
+        "--id", "router-stall", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--served-model-name", NAME,
+        "--decode-stall-ms", "500", "--prefill-timeout-ms", "3000"])
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "n": 2, "seed": SEED,
+            "stream": True}
+    req = urllib.request.Request("http://%s/v1/completions" % stall_http, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    seen, events, frozen = set(), [], False
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if line[6:] != "[DONE]" and "choices" in json.loads(line[6:]):
+                    seen.add(json.loads(line[6:])["choices"][0]["index"])
+                if not frozen and seen == {0, 1}:
+                    krprocs.signal("decode", signal.SIGSTOP)
+                    frozen = True
+    finally:
+        if frozen:
+            krprocs.signal("decode", signal.SIGCONT)
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    check(frozen and events[-1:] == ["[DONE]"] and len(errors) == 1 and errors[0].get("code") == "service_unavailable"
+          and "--decode-stall-ms" in errors[0].get("message", ""),
+          "a decode node failing under n=2: want one error event (service_unavailable) before [DONE], got %s" %
+          events[-3:])
+    deadline = time.time() + 25
+    while time.time() < deadline:
+        held = (metric(dec_http, "kvrelay_kv_blocks_used"), metric(dec_http, "kvrelay_kv_blocks_reserved"))
+        if held == (0, 0):
+            break
+        time.sleep(0.2)
+    check(held == (0, 0), "after the failed stream the decode node holds %s blocks (used, reserved)" % (held,))
+    print("ok: a decode node failing mid-stream under n=2 ends the stream with one error event; no block held")
 
 
 krprocs.run(main)
