@@ -107,9 +107,21 @@ static int only_default(const cJSON *doc, oa_refusal *f)
 {
     const cJSON *v = field(doc, "logit_bias");
     if (v && !(cJSON_IsObject(v) && !v->child)) return refuse(f, "logit_bias", "'logit_bias' is not supported");
-    int64_t n = 1;
-    if (int_field(doc, "n", 1, 128, &n, f)) return -1;
-    if (n != 1) return refuse(f, "n", "'n' is %" PRId64 ": only one choice per request is supported (n = 1)", n);
+    return 0;
+}
+
+/* n (both endpoints) and best_of (completions; not streamed, as OpenAI's API): choices and
+ * candidates per prompt, 1 <= n <= best_of <= OA_MAX_N. */
+static int parse_choices(oa_request *r, const cJSON *doc, oa_refusal *f)
+{
+    int64_t n = 1, best_of = -1;
+    if (int_field(doc, "n", 1, OA_MAX_N, &n, f)) return -1;
+    if (r->kind == OA_COMPLETION && int_field(doc, "best_of", 1, OA_MAX_N, &best_of, f)) return -1;
+    if (best_of >= 0 && best_of < n)
+        return refuse(f, "best_of", "'best_of' is %" PRId64 ": it must be at least 'n' (%" PRId64 ")", best_of, n);
+    if (best_of > 1 && r->stream) return refuse(f, "best_of", "'best_of' > 1 cannot be streamed ('stream': true)");
+    r->n = (int)n;
+    r->best_of = best_of < 0 ? (int)n : (int)best_of;
     return 0;
 }
 
@@ -171,7 +183,7 @@ static int parse_common(const oa_model *m, oa_request *r, const cJSON *doc, oa_r
         return -1;
     }
     if (only_default(doc, f)) return -1;
-    if (bool_field(doc, "stream", &r->stream, f)) return -1;
+    if (bool_field(doc, "stream", &r->stream, f) || parse_choices(r, doc, f)) return -1;
     const cJSON *so = field(doc, "stream_options");
     if (so) {
         if (!cJSON_IsObject(so)) return refuse(f, "stream_options", "'stream_options' must be an object");
@@ -224,6 +236,16 @@ static int parse_common(const oa_model *m, oa_request *r, const cJSON *doc, oa_r
     return 0;
 }
 
+/* Room for `more` ids after the r->prompt_ids.n_ids in r->ids. */
+static int grow_ids(oa_request *r, size_t more, oa_refusal *f)
+{
+    uint32_t *grown = realloc(r->ids, (r->prompt_ids.n_ids + more + 1) * sizeof *grown);
+    if (!grown) return refuse(f, NULL, "out of memory");
+    r->ids = grown;
+    return 0;
+}
+
+/* Tokenizes text and appends its ids to r->ids (r->prompt_ids.n_ids counts them). */
 static int tokenize(const oa_model *m, oa_request *r, const char *text, int add_special, const char *param, oa_refusal *f)
 {
     if (!m->tok)
@@ -234,49 +256,73 @@ static int tokenize(const oa_model *m, oa_request *r, const char *text, int add_
     char err[KR_ERR_MAX];
     if (kr_tokenizer_encode(m->tok, text, strlen(text), add_special, &ids, &n, err) != KR_OK)
         return refuse(f, param, "'%s' does not tokenize: %s", param, err);
-    r->ids = (uint32_t *)ids; /* non-negative ids: the same bits */
-    r->prompt_ids.n_ids = (size_t)n;
+    if (grow_ids(r, (size_t)n, f)) {
+        free(ids);
+        return -1;
+    }
+    memcpy(r->ids + r->prompt_ids.n_ids, ids, (size_t)n * sizeof *ids); /* non-negative ids: the same bits */
+    r->prompt_ids.n_ids += (size_t)n;
+    free(ids);
     return 0;
 }
 
-/* POST /v1/completions: prompt is a string or token ids (or a list holding one of them). */
+/* One prompt of a completions request (a string or an array of token ids; `at` its place in a
+ * list, -1 alone) appended to r->ids. */
+static int one_prompt(const oa_model *m, oa_request *r, const cJSON *p, int add_special, int at, oa_refusal *f)
+{
+    char name[32] = "'prompt'";
+    if (at >= 0) snprintf(name, sizeof name, "'prompt'[%d]", at);
+    size_t before = r->prompt_ids.n_ids;
+    if (cJSON_IsString(p)) {
+        if (!p->valuestring[0]) return refuse(f, "prompt", "%s is empty", name);
+        if (tokenize(m, r, p->valuestring, add_special, "prompt", f)) return -1;
+        if (r->prompt_ids.n_ids == before) return refuse(f, "prompt", "%s has no tokens", name);
+        return 0;
+    }
+    if (!cJSON_IsArray(p)) return refuse(f, "prompt", "%s must be a string or an array of token ids", name);
+    int n = cJSON_GetArraySize(p);
+    if (n == 0) return refuse(f, "prompt", "%s is empty", name);
+    if (n > m->cfg->max_position_embeddings)
+        return refuse(f, "prompt", "%s has %d tokens: the model's context is %d", name, n, m->cfg->max_position_embeddings);
+    if (grow_ids(r, (size_t)n, f)) return -1;
+    int i = 0;
+    for (const cJSON *t = p->child; t; t = t->next, i++) {
+        if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) || t->valuedouble < 0 ||
+            t->valuedouble >= m->cfg->vocab_size)
+            return refuse(f, "prompt", "%s[%d] is not a token id of the model's vocabulary [0, %d)", name, i,
+                          m->cfg->vocab_size);
+        r->ids[r->prompt_ids.n_ids++] = (uint32_t)t->valuedouble;
+    }
+    return 0;
+}
+
+/* POST /v1/completions: prompt is a string or token ids, or a list of prompts (strings or arrays
+ * of token ids), each of which gets n choices. */
 static int parse_completion(const oa_model *m, oa_request *r, const cJSON *doc, oa_refusal *f)
 {
     int add_special = 1, echo = 0;
     if (bool_field(doc, "add_special_tokens", &add_special, f) || bool_field(doc, "echo", &echo, f)) return -1;
     if (echo) return refuse(f, "echo", "'echo' is not supported");
-    int64_t best_of = 1;
-    if (int_field(doc, "best_of", 1, 1, &best_of, f)) return -1;
     if (field(doc, "suffix")) return refuse(f, "suffix", "'suffix' is not supported");
     if (field(doc, "logprobs"))
         return refuse(f, "logprobs", "'logprobs' is not supported over HTTP (the gRPC API has per-token logprobs)");
     const cJSON *p = field(doc, "prompt");
     if (!p) return refuse(f, "prompt", "'prompt' is required");
-    if (cJSON_IsArray(p) && p->child && !p->child->next && (cJSON_IsString(p->child) || cJSON_IsArray(p->child)))
-        p = p->child; /* a list of one prompt */
-    else if (cJSON_IsArray(p) && p->child && !cJSON_IsNumber(p->child))
-        return refuse(f, "prompt", "'prompt': one prompt per request (a list of several is not supported)");
-    if (cJSON_IsString(p)) {
-        if (!p->valuestring[0]) return refuse(f, "prompt", "'prompt' is empty");
-        return tokenize(m, r, p->valuestring, add_special, "prompt", f);
+    if (!(cJSON_IsArray(p) && p->child && !cJSON_IsNumber(p->child))) { /* one prompt */
+        r->n_prompts = 1;
+        return one_prompt(m, r, p, add_special, -1, f);
     }
-    if (!cJSON_IsArray(p)) return refuse(f, "prompt", "'prompt' must be a string or an array of token ids");
-    int n = cJSON_GetArraySize(p);
-    if (n == 0) return refuse(f, "prompt", "'prompt' is empty");
-    if (n > m->cfg->max_position_embeddings)
-        return refuse(f, "prompt", "'prompt' has %d tokens: the model's context is %d", n,
-                      m->cfg->max_position_embeddings);
-    r->ids = malloc((size_t)n * sizeof *r->ids);
-    if (!r->ids) return refuse(f, NULL, "out of memory");
     int i = 0;
-    for (const cJSON *t = p->child; t; t = t->next, i++) {
-        if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) || t->valuedouble < 0 ||
-            t->valuedouble >= m->cfg->vocab_size)
-            return refuse(f, "prompt", "'prompt'[%d] is not a token id of the model's vocabulary [0, %d)", i,
-                          m->cfg->vocab_size);
-        r->ids[i] = (uint32_t)t->valuedouble;
+    for (const cJSON *it = p->child; it; it = it->next, i++) {
+        if ((size_t)(i + 1) * (size_t)r->best_of > OA_MAX_GENERATIONS)
+            return refuse(f, "prompt", "'prompt': %d prompts x %d choices%s are over %d generations per request",
+                          cJSON_GetArraySize(p), r->best_of, r->best_of > r->n ? " (best_of)" : "", OA_MAX_GENERATIONS);
+        if (!cJSON_IsString(it) && !cJSON_IsArray(it))
+            return refuse(f, "prompt", "'prompt'[%d] must be a string or an array of token ids", i);
+        r->prompt_at[i] = r->prompt_ids.n_ids;
+        if (one_prompt(m, r, it, add_special, i, f)) return -1;
     }
-    r->prompt_ids.n_ids = (size_t)n;
+    r->n_prompts = i;
     return 0;
 }
 
@@ -401,7 +447,11 @@ static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_
     if (parse_common(m, r, doc, f) ||
         (r->kind == OA_CHAT ? parse_chat(m, r, doc, f) : parse_completion(m, r, doc, f)))
         return -1;
-    int ctx = m->cfg->max_position_embeddings, n_prompt = (int)r->prompt_ids.n_ids;
+    if (r->kind == OA_CHAT) r->n_prompts = 1;
+    r->prompt_at[r->n_prompts] = r->prompt_ids.n_ids;
+    int ctx = m->cfg->max_position_embeddings, n_prompt = 0;
+    for (int i = 0; i < r->n_prompts; i++) /* the longest prompt decides */
+        if (r->prompt_at[i + 1] - r->prompt_at[i] > (size_t)n_prompt) n_prompt = (int)(r->prompt_at[i + 1] - r->prompt_at[i]);
     int64_t max_tokens = -1;
     const char *which = "max_tokens";
     if (r->kind == OA_CHAT && field(doc, "max_completion_tokens")) which = "max_completion_tokens";
@@ -427,6 +477,7 @@ static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_
         return -1;
     }
     r->prompt_ids.ids = r->ids;
+    r->prompt_ids.n_ids = r->prompt_at[1]; /* prompt 0 */
     r->q = (Kvrelay__V1__GenerateRequest)KVRELAY__V1__GENERATE_REQUEST__INIT;
     r->q.prompt_case = KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS;
     r->q.token_ids = &r->prompt_ids;

@@ -11,12 +11,15 @@
  * once the first event or an error is known (so a refusal before any token is a real 4xx/5xx),
  * and it watches the socket while it waits, so that a client that goes away is noticed even
  * while nothing is being written: its decode stream is then cancelled by the router's watcher.
- * Not here: n > 1, logprobs, tools, images, embeddings, legacy endpoints.
+ * Several choices (n, best_of) and prompts are several generations (openai-choices.c), each
+ * with its own sink; the answer numbers their choices.
+ * Not here: logprobs, tools, images, embeddings, legacy endpoints.
  */
 #define _GNU_SOURCE /* POLLRDHUP: the peer closed its end */
 #include "router.h"
 
 #include "apikey.h"
+#include "openai-choices.h"
 #include "openai.h"
 
 #include <cjson/cJSON.h>
@@ -69,14 +72,8 @@ typedef struct oa_call {
     int fd;              /* the client's socket, for hang-up checks; -1 unknown */
     rt_client client;    /* whom the limits count it against */
 
-    /* what came back */
-    char *text; /* non-streamed: the whole text */
-    size_t text_len, text_cap;
-    int finished;
-    Kvrelay__V1__FinishReason reason;
-    Kvrelay__V1__Usage usage; /* numbers only */
-    char prefill_node[64], decode_node[64];
-    char wire_dtype[24]; /* usage.kv_wire_dtype, copied */
+    /* what came back: every choice's in its generation, the request's outcome here */
+    oa_fanout fan;
     grpc_status_code code;
     kc_status st;
 
@@ -88,7 +85,6 @@ typedef struct oa_call {
     int started; /* an event is in out: the answer is 200 and a stream */
     int done;    /* the generation thread has finished: nothing comes after out */
     int oom;     /* an SSE chunk could not be queued */
-    int role_sent;
     atomic_int gone; /* the client went away */
     int refs;
 } oa_call;
@@ -234,74 +230,94 @@ static cJSON *doc_head(const oa_call *c, const char *object)
     return doc;
 }
 
-static void add_usage(cJSON *doc, const oa_call *c)
+static void add_usage(cJSON *doc, const Kvrelay__V1__Usage *usage)
 {
     cJSON *u = cJSON_AddObjectToObject(doc, "usage");
     if (!u) return;
-    cJSON_AddNumberToObject(u, "prompt_tokens", c->usage.prompt_tokens);
-    cJSON_AddNumberToObject(u, "completion_tokens", c->usage.completion_tokens);
-    cJSON_AddNumberToObject(u, "total_tokens", (double)c->usage.prompt_tokens + c->usage.completion_tokens);
+    cJSON_AddNumberToObject(u, "prompt_tokens", usage->prompt_tokens);
+    cJSON_AddNumberToObject(u, "completion_tokens", usage->completion_tokens);
+    cJSON_AddNumberToObject(u, "total_tokens", (double)usage->prompt_tokens + usage->completion_tokens);
     cJSON *d = cJSON_AddObjectToObject(u, "prompt_tokens_details"); /* Usage.cached_tokens (docs/rpc.md) */
-    if (d) cJSON_AddNumberToObject(d, "cached_tokens", c->usage.cached_tokens);
+    if (d) cJSON_AddNumberToObject(d, "cached_tokens", usage->cached_tokens);
 }
 
-/* kvrelay's own usage figures (docs/openai.md), beside OpenAI's fields. */
-static void add_extras(cJSON *doc, const oa_call *c)
+/* kvrelay's own usage figures (docs/openai.md), beside OpenAI's fields: one generation's, or
+ * the request's total (oa_fanout_total). */
+static void add_extras(cJSON *doc, const oa_call *c, const oa_figures *fig)
 {
+    const Kvrelay__V1__Usage *usage = &fig->usage;
     cJSON *k = cJSON_AddObjectToObject(doc, "kvrelay");
     if (!k) return;
     cJSON_AddStringToObject(k, "request_id", c->request_id);
     cJSON_AddStringToObject(k, "kv_policy", c->req.policy[0] ? c->req.policy : "full");
-    cJSON_AddNumberToObject(k, "kv_footprint", c->usage.kv_footprint);
-    cJSON_AddNumberToObject(k, "peak_kv_entries", (double)c->usage.peak_kv_entries);
-    cJSON_AddNumberToObject(k, "kv_bytes_shipped", (double)c->usage.kv_bytes_shipped);
-    cJSON_AddNumberToObject(k, "kv_entries_shipped", (double)c->usage.kv_entries_shipped);
-    cJSON_AddStringToObject(k, "kv_wire_dtype", c->wire_dtype);
-    cJSON_AddNumberToObject(k, "ttft_s", c->usage.ttft_s);
-    cJSON_AddNumberToObject(k, "queue_s", c->usage.queue_s);
-    cJSON_AddNumberToObject(k, "tpot_s", c->usage.tpot_s);
-    cJSON_AddStringToObject(k, "prefill_node", c->prefill_node);
-    cJSON_AddStringToObject(k, "decode_node", c->decode_node);
+    cJSON_AddNumberToObject(k, "kv_footprint", usage->kv_footprint);
+    cJSON_AddNumberToObject(k, "peak_kv_entries", (double)usage->peak_kv_entries);
+    cJSON_AddNumberToObject(k, "kv_bytes_shipped", (double)usage->kv_bytes_shipped);
+    cJSON_AddNumberToObject(k, "kv_entries_shipped", (double)usage->kv_entries_shipped);
+    cJSON_AddStringToObject(k, "kv_wire_dtype", fig->wire_dtype);
+    cJSON_AddNumberToObject(k, "ttft_s", usage->ttft_s);
+    cJSON_AddNumberToObject(k, "queue_s", usage->queue_s);
+    cJSON_AddNumberToObject(k, "tpot_s", usage->tpot_s);
+    cJSON_AddStringToObject(k, "prefill_node", fig->prefill_node);
+    cJSON_AddStringToObject(k, "decode_node", fig->decode_node);
 }
 
-/* The document's one choice: {"index": 0} in a new "choices" array. */
-static cJSON *add_choice(cJSON *doc)
+/* A choice {"index": index} appended to the array choices. */
+static cJSON *add_choice(cJSON *choices, int index)
 {
-    cJSON *choices = cJSON_AddArrayToObject(doc, "choices"), *ch = cJSON_CreateObject();
-    cJSON_AddItemToArray(choices, ch);
-    cJSON_AddNumberToObject(ch, "index", 0);
+    cJSON *ch = cJSON_CreateObject();
+    if (!cJSON_AddItemToArray(choices, ch)) {
+        cJSON_Delete(ch);
+        return NULL;
+    }
+    cJSON_AddNumberToObject(ch, "index", index);
     return ch;
 }
 
-/* The whole answer of a non-streamed request. */
+/* The whole answer of a non-streamed request: its choices by index. */
 static cJSON *completion_doc(const oa_call *c)
 {
     cJSON *doc = doc_head(c, c->req.kind == OA_CHAT ? "chat.completion" : "text_completion");
-    cJSON *ch = add_choice(doc);
-    if (c->req.kind == OA_CHAT) {
-        cJSON *m = cJSON_AddObjectToObject(ch, "message");
-        cJSON_AddStringToObject(m, "role", "assistant");
-        cJSON_AddStringToObject(m, "content", c->text ? c->text : "");
-    } else {
-        cJSON_AddStringToObject(ch, "text", c->text ? c->text : "");
+    cJSON *choices = cJSON_AddArrayToObject(doc, "choices");
+    for (int i = 0; i < c->req.n_prompts * c->req.n; i++) {
+        const oa_gen *g = oa_fanout_choice(&c->fan, i);
+        cJSON *ch = choices && g ? add_choice(choices, i) : NULL;
+        if (!ch) { /* out of memory: answered 500 */
+            cJSON_Delete(doc);
+            return NULL;
+        }
+        if (c->req.kind == OA_CHAT) {
+            cJSON *m = cJSON_AddObjectToObject(ch, "message");
+            cJSON_AddStringToObject(m, "role", "assistant");
+            cJSON_AddStringToObject(m, "content", g->text ? g->text : "");
+        } else {
+            cJSON_AddStringToObject(ch, "text", g->text ? g->text : "");
+        }
+        cJSON_AddNullToObject(ch, "logprobs");
+        cJSON_AddStringToObject(ch, "finish_reason", finish_name(g->reason));
     }
-    cJSON_AddNullToObject(ch, "logprobs");
-    cJSON_AddStringToObject(ch, "finish_reason", finish_name(c->reason));
-    add_usage(doc, c);
-    add_extras(doc, c);
+    oa_figures total;
+    oa_fanout_total(&c->fan, &total);
+    add_usage(doc, &total.usage);
+    add_extras(doc, c, &total);
     return doc;
 }
 
-/* One streamed chunk with one choice: text (NULL: none) and finish (NULL: not yet). */
-static cJSON *chunk_doc(oa_call *c, const char *text, const char *finish)
+/* One streamed chunk with one choice, generation g's: text (NULL: none) and finish (NULL: not
+ * yet). */
+static cJSON *chunk_doc(oa_call *c, oa_gen *g, const char *text, const char *finish)
 {
     cJSON *doc = doc_head(c, c->req.kind == OA_CHAT ? "chat.completion.chunk" : "text_completion");
-    cJSON *ch = add_choice(doc);
+    cJSON *ch = add_choice(cJSON_AddArrayToObject(doc, "choices"), g->index);
+    if (!ch) {
+        cJSON_Delete(doc);
+        return NULL;
+    }
     if (c->req.kind == OA_CHAT) {
         cJSON *d = cJSON_AddObjectToObject(ch, "delta");
-        if (!c->role_sent) { /* the first chunk says who speaks */
+        if (!g->role_sent) { /* the first chunk says who speaks */
             cJSON_AddStringToObject(d, "role", "assistant");
-            c->role_sent = 1;
+            g->role_sent = 1;
             if (!text) text = "";
         }
         if (text) cJSON_AddStringToObject(d, "content", text);
@@ -332,58 +348,43 @@ static int stopping(const oa_call *c)
 
 /* ------------------------------------------------------------------ the sinks */
 
-static void keep_finish(oa_call *c, const Kvrelay__V1__Finish *f)
+/* What every generation's sink keeps of a message, streamed or not: its log-probabilities (for
+ * best_of), its finish, and that it has begun. */
+static void keep(oa_gen *g, const Kvrelay__V1__GenerateResponse *msg)
 {
-    c->finished = 1;
-    c->reason = f->reason;
-    if (f->usage) {
-        c->usage = *f->usage;
-        c->usage.served_by = NULL;
-        snprintf(c->wire_dtype, sizeof c->wire_dtype, "%s", f->usage->kv_wire_dtype ? f->usage->kv_wire_dtype : "");
-        c->usage.kv_wire_dtype = NULL;
-        if (f->usage->served_by) {
-            snprintf(c->prefill_node, sizeof c->prefill_node, "%s", f->usage->served_by->prefill_node);
-            snprintf(c->decode_node, sizeof c->decode_node, "%s", f->usage->served_by->decode_node);
-        }
-    }
+    if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA) oa_gen_add_logprobs(g, msg->delta);
+    else if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH) oa_gen_finish(g, msg->finish);
+    oa_gen_begun(g);
 }
 
 /* Non-streamed: the text is gathered, the finish kept. Text that cannot be kept (out of memory)
  * fails the request as an internal error, not as a client that went away. */
 static int whole_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
 {
-    oa_call *c = ctx;
-    if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA) {
-        size_t n = strlen(msg->delta->text);
-        if (c->text_len + n + 1 > c->text_cap) {
-            size_t cap = (c->text_len + n + 1) * 2;
-            char *grown = realloc(c->text, cap);
-            if (!grown) return RT_SINK_FAILED;
-            c->text = grown;
-            c->text_cap = cap;
-        }
-        memcpy(c->text + c->text_len, msg->delta->text, n + 1);
-        c->text_len += n;
-    } else if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH) {
-        keep_finish(c, msg->finish);
-    }
-    return atomic_load(&c->gone) ? RT_SINK_GONE : 0;
+    oa_gen *g = ctx;
+    oa_call *c = g->ctx;
+    keep(g, msg);
+    if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA && oa_gen_add_text(g, msg->delta->text) != 0)
+        return RT_SINK_FAILED;
+    return atomic_load(&c->gone) || oa_fanout_cancelled(&c->fan) ? RT_SINK_GONE : 0;
 }
 
-/* Non-streamed: the connection's thread is the one generating, so its socket stays open. */
+/* Non-streamed: the connection's thread waits for the generations, so its socket stays open. */
 static int whole_cancelled(void *ctx)
 {
-    oa_call *c = ctx;
+    const oa_gen *g = ctx;
+    oa_call *c = g->ctx;
     if (!atomic_load(&c->gone) && (hung_up(c->fd) || stopping(c))) atomic_store(&c->gone, 1);
-    return atomic_load(&c->gone);
+    return atomic_load(&c->gone) || oa_fanout_cancelled(&c->fan);
 }
 
 /* Streamed: the connection's thread sets `gone` (its socket may be closed by now). */
 static int stream_cancelled(void *ctx)
 {
-    oa_call *c = ctx;
+    const oa_gen *g = ctx;
+    oa_call *c = g->ctx;
     if (!atomic_load(&c->gone) && stopping(c)) atomic_store(&c->gone, 1);
-    return atomic_load(&c->gone);
+    return atomic_load(&c->gone) || oa_fanout_cancelled(&c->fan);
 }
 
 static int64_t no_deadline(void *ctx)
@@ -433,29 +434,26 @@ static void sse_raw_locked(oa_call *c, const char *s)
     c->out_len += n;
 }
 
-/* Streamed: every delta with text becomes a chunk; the finish, a last chunk with the finish
- * reason and kvrelay's figures, then the usage chunk when asked for. */
+/* Streamed: every delta with text becomes a chunk of its choice; the finish, the choice's last
+ * chunk with its finish reason and its generation's kvrelay figures. The usage chunk follows
+ * the last choice's (stream_main). */
 static int stream_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
 {
-    oa_call *c = ctx;
+    oa_gen *g = ctx;
+    oa_call *c = g->ctx;
+    keep(g, msg);
     pthread_mutex_lock(&c->mu);
     if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA) {
-        if (msg->delta->text[0] || (c->req.kind == OA_CHAT && !c->role_sent)) sse_append_locked(c, chunk_doc(c, msg->delta->text, NULL));
+        if (msg->delta->text[0] || (c->req.kind == OA_CHAT && !g->role_sent))
+            sse_append_locked(c, chunk_doc(c, g, msg->delta->text, NULL));
     } else if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH) {
-        keep_finish(c, msg->finish);
-        cJSON *last = chunk_doc(c, NULL, finish_name(c->reason));
-        add_extras(last, c);
+        cJSON *last = chunk_doc(c, g, NULL, finish_name(g->reason));
+        if (last) add_extras(last, c, &g->fig);
         sse_append_locked(c, last);
-        if (c->req.include_usage) {
-            cJSON *u = doc_head(c, c->req.kind == OA_CHAT ? "chat.completion.chunk" : "text_completion");
-            cJSON_AddArrayToObject(u, "choices");
-            add_usage(u, c);
-            sse_append_locked(c, u);
-        }
     }
     c->started = 1;
     pthread_cond_broadcast(&c->cv);
-    int rc = atomic_load(&c->gone) ? RT_SINK_GONE : c->oom ? RT_SINK_FAILED : 0;
+    int rc = atomic_load(&c->gone) || oa_fanout_cancelled(&c->fan) ? RT_SINK_GONE : c->oom ? RT_SINK_FAILED : 0;
     pthread_mutex_unlock(&c->mu);
     return rc;
 }
@@ -473,9 +471,10 @@ static int sink_wait(const rt_sink *s, int64_t ms)
 
 static int oa_wait(void *ctx, int64_t ms);
 
-static const rt_sink *sink_for(oa_call *c, rt_sink *s)
+static const rt_sink *sink_for(oa_gen *g, rt_sink *s)
 {
-    *s = (rt_sink){.ctx = c,
+    const oa_call *c = g->ctx;
+    *s = (rt_sink){.ctx = g,
                    .send = c->req.stream ? stream_send : whole_send,
                    .cancelled = c->req.stream ? stream_cancelled : whole_cancelled,
                    .wait = oa_wait,
@@ -492,8 +491,8 @@ static int oa_wait(void *ctx, int64_t ms)
 static void call_free(oa_call *c)
 {
     if (!c) return;
+    oa_fanout_free(&c->fan);
     oa_request_free(&c->req);
-    free(c->text);
     free(c->out);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
@@ -510,10 +509,45 @@ static void call_unref(oa_call *c)
     if (last) call_free(c);
 }
 
+/* One generation: alone, it counts against the client's limits itself; one of several runs
+ * under the request's (run). */
+static void run_gen(oa_gen *g)
+{
+    oa_call *c = g->ctx;
+    rt_sink s;
+    g->code = rt_generate_run(c->rt, &g->q, sink_for(g, &s), c->fan.n_gens == 1 ? &c->client : NULL, &g->st);
+}
+
+/* A request of several generations, before any starts: admitted once by the client's limits
+ * (one stream slot, one token of the rate), and every generation validated, so that a refusal
+ * (a prompt over --max-prompt-tokens, a bad policy) is the whole request's before any token. 0,
+ * or -1 with c->code, c->st, logged and counted as rt_generate_run would. */
+static int admit_several(oa_call *c)
+{
+    rt_router *rt = c->rt;
+    if (rt_limits_acquire(rt->limits, &c->client, rt_now_ms()) != RT_LIMIT_KIND_OK) {
+        kc_status_set(&c->st, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s", c->client.refusal);
+        c->code = c->st.code;
+    }
+    for (int k = 0; c->code == GRPC_STATUS_OK && k < c->fan.n_gens; k++)
+        c->code = rt_generate_check(rt, &c->fan.gens[k].q, &c->st);
+    if (c->code == GRPC_STATUS_OK) return 0;
+    rt_limits_release(rt->limits, &c->client); /* nothing when the limits refused */
+    kc_warn(c->request_id, "%s: %s", kc_status_name(c->code), c->st.details);
+    kc_counter_inc(rt->m.requests[(unsigned)c->code <= GRPC_STATUS_UNAUTHENTICATED ? c->code : GRPC_STATUS_UNKNOWN], 1);
+    return -1;
+}
+
+/* Every generation of the request. */
 static void run(oa_call *c)
 {
-    rt_sink s;
-    c->code = rt_generate_run(c->rt, &c->req.q, sink_for(c, &s), &c->client, &c->st);
+    int several = c->fan.n_gens > 1;
+    if (several && admit_several(c) != 0) return;
+    oa_fanout_run(&c->fan, run_gen);
+    if (several) rt_limits_release(c->rt->limits, &c->client);
+    c->code = c->fan.code;
+    c->st = c->fan.st;
+    if (c->code == GRPC_STATUS_OK) oa_fanout_rank(&c->fan);
 }
 
 static int respond_failure(struct MHD_Connection *conn, const oa_call *c)
@@ -535,6 +569,13 @@ static void *stream_main(void *arg)
         if (c->code != GRPC_STATUS_OK) {
             oa_status hs = status_of(c->code);
             sse_append_locked(c, error_doc(hs.type, param_of(c, c->st.details), hs.code, c->st.details));
+        } else if (c->req.include_usage) { /* every choice's generation is over: the sums */
+            oa_figures total;
+            oa_fanout_total(&c->fan, &total);
+            cJSON *u = doc_head(c, c->req.kind == OA_CHAT ? "chat.completion.chunk" : "text_completion");
+            cJSON_AddArrayToObject(u, "choices");
+            add_usage(u, &total.usage);
+            sse_append_locked(c, u);
         }
         sse_raw_locked(c, "data: [DONE]\n\n");
     }
@@ -690,6 +731,11 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
         return respond_json(rt, conn, f.http, error_doc(f.type, f.param[0] ? f.param : NULL, f.code, f.msg), NULL);
     }
     c->req.q.request_id = c->request_id;
+    if (oa_fanout_init(&c->fan, &c->req, c->request_id, c) != 0) {
+        call_free(c);
+        return respond_error(rt, conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "server_error", NULL, NULL,
+                             "the router ran out of memory for the request's choices");
+    }
     return c->req.stream ? serve_stream(conn, c) : serve_whole(conn, c);
 }
 

@@ -20,6 +20,8 @@ enum {
     OA_MAX_STOPS = 16,          /* stop strings (the gRPC API's limit) */
     OA_MAX_STOP_IDS = 64,       /* stop_token_ids (the gRPC API's limit on stop_ids) */
     OA_DEFAULT_MAX_TOKENS = 16, /* completions without max_tokens, as OpenAI's API */
+    OA_MAX_N = 16,              /* n and best_of: choices (candidates) per prompt */
+    OA_MAX_GENERATIONS = 64,    /* prompts x max(n, best_of): the generations one request runs */
 };
 
 typedef enum oa_kind { OA_COMPLETION, OA_CHAT } oa_kind;
@@ -52,6 +54,13 @@ typedef struct oa_request {
     int n_stop_ids;
     int ignore_eos, keep_special, include_stop; /* ignore_eos, !skip_special_tokens,
                                                     include_stop_str_in_output */
+    /* Several choices and prompts (router/openai-choices.c runs them): every prompt gets n
+     * choices, drawn from best_of candidates (best_of = n: all of them). The prompts lie one
+     * after the other in ids: prompt i is ids[prompt_at[i], prompt_at[i + 1]); q's prompt is
+     * prompt 0. */
+    int n, best_of;
+    int n_prompts;
+    size_t prompt_at[OA_MAX_GENERATIONS + 1];
 } oa_request;
 
 /* Why a request was refused: the HTTP status, OpenAI's error type and code (static strings,
@@ -67,7 +76,8 @@ typedef struct oa_refusal {
  * frees with oa_request_free whatever this returns). Returns 0, or -1 with *f filled: 400 for
  * bad input (malformed JSON, a missing, mistyped, unknown or unsupported field, a value out of
  * its range, a string holding U+0000 (cJSON would cut it there), a prompt that does not
- * tokenize, prompt + max_tokens over the context, a chat template's raise_exception), 404 for another model, 500 when the model's chat template fails.
+ * tokenize, prompt + max_tokens over the context (for every prompt of a list), n or best_of out
+ * of range, more than OA_MAX_GENERATIONS generations, a chat template's raise_exception), 404 for another model, 500 when the model's chat template fails.
  * Temperature, top_p and top_k ranges, the policy spec and stop strings are left to the
  * generation path to check; the penalties and vLLM's fields are checked here. */
 int oa_request_parse(const oa_model *m, oa_kind kind, const char *body, size_t len, oa_request *r, oa_refusal *f);

@@ -210,6 +210,17 @@ static grpc_status_code serve(rt_req *r, kc_status *st)
     return GRPC_STATUS_OK;
 }
 
+/* What validation and serving allocated in r, and r. */
+static void req_free(rt_req *r)
+{
+    rt_stop_free(&r->stop);
+    kr_detok_free(r->detok);
+    if (r->pf != r->prompt) free(r->pf);
+    free(r->prompt);
+    free(r->sent);
+    free(r);
+}
+
 grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, const rt_sink *sink,
                                  rt_client *client, kc_status *st)
 {
@@ -252,12 +263,21 @@ grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateReque
     if (client) rt_limits_release(rt->limits, client); /* every way out of the request passes here */
     kc_gauge_inc(rt->m.in_flight, -1);
     atomic_fetch_sub(&rt->in_flight, 1);
-    rt_stop_free(&r->stop);
-    kr_detok_free(r->detok);
-    if (r->pf != r->prompt) free(r->pf);
-    free(r->prompt);
-    free(r->sent);
-    free(r);
+    req_free(r);
+    return code;
+}
+
+grpc_status_code rt_generate_check(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, kc_status *st)
+{
+    *st = (kc_status){GRPC_STATUS_OK, ""};
+    rt_req *r = calloc(1, sizeof *r);
+    if (!r) {
+        kc_status_set(st, GRPC_STATUS_RESOURCE_EXHAUSTED, "router out of memory");
+        return st->code;
+    }
+    r->rt = rt;
+    grpc_status_code code = rt_req_validate(rt, q, r, st);
+    req_free(r);
     return code;
 }
 

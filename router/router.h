@@ -9,7 +9,8 @@
  *               relay.c and watch.c (request.h says which step is where)
  *   openai.c    the OpenAI-compatible HTTP API (/v1/models, completions, chat completions) on
  *               the HTTP port, served through request.c; its request bodies are parsed by
- *               openai-request.c (openai.h, pure, fuzzed)
+ *               openai-request.c (openai.h, pure, fuzzed); several choices and prompts run as
+ *               several generations by openai-choices.c
  *   placement.c, stop.c, breaker.c, kv-index.c: the pure parts (their own headers, unit-tested)
  * docs/router.md says what the router promises; this header says who owns what.
  */
@@ -259,6 +260,11 @@ typedef struct rt_sink {
  * Counts it in the router's metrics and logs its outcome. */
 grpc_status_code rt_generate_run(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, const rt_sink *sink,
                                  rt_client *client, kc_status *st);
+/* Checks q as rt_generate_run would before placing it (the same validation: ids, limits such as
+ * --max-prompt-tokens, the policy, sampling, stops) without serving, counting or logging it.
+ * GRPC_STATUS_OK, or the code with st. For a request of several generations that must be
+ * refused whole before any of them starts (openai-choices.c). */
+grpc_status_code rt_generate_check(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, kc_status *st);
 int rt_generate(kc_call *call, const ProtobufCMessage *req, void *user);
 /* A new request id, "<router id>-<start time hex>-<n>" (for requests whose client gave none). */
 void rt_request_id_new(rt_router *rt, char *out, size_t cap);

@@ -4,7 +4,8 @@
  * /v1/chat/completions (bit 0 set), /tokenize (bit 1) or /detokenize (both), against the
  * default model's config, tokenizer and chat template (models/kjv-2l128-2k). Every outcome must
  * be a request within the model's limits and vLLM's field ranges (ids in the vocabulary,
- * min_tokens at most max_tokens, penalties in range) or a refusal with a status and a message;
+ * min_tokens at most max_tokens, penalties in range, n and best_of in range, every prompt of a
+ * list non-empty and within the context) or a refusal with a status and a message;
  * anything else aborts.
  * Run: ctest -R fuzz_openai, or build with -DKR_FUZZ=ON (clang) for libFuzzer.
  */
@@ -43,6 +44,19 @@ static void check_request(const oa_request *r)
         if (q->token_ids->ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
     for (size_t i = 0; i < q->n_stop_ids; i++)
         if (q->stop_ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
+    /* several choices and prompts: n <= best_of <= OA_MAX_N, the prompts non-empty, one after
+     * the other in ids, each within the context with max_tokens, at most OA_MAX_GENERATIONS */
+    if (r->n < 1 || r->best_of < r->n || r->best_of > OA_MAX_N || (r->best_of > r->n && r->stream) ||
+        r->n_prompts < 1 || r->n_prompts * r->best_of > OA_MAX_GENERATIONS || r->prompt_at[0] != 0 ||
+        r->prompt_at[1] != n || (r->kind == OA_CHAT && (r->n_prompts != 1 || r->best_of != r->n)))
+        abort();
+    for (int p = 0; p < r->n_prompts; p++) {
+        size_t len = r->prompt_at[p + 1] - r->prompt_at[p];
+        if (r->prompt_at[p + 1] <= r->prompt_at[p] || len + q->max_tokens > (size_t)model.cfg->max_position_embeddings)
+            abort();
+        for (size_t i = r->prompt_at[p]; i < r->prompt_at[p + 1]; i++)
+            if (r->ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
+    }
     const Kvrelay__V1__Sampling *s = q->sampling;
     /* written so that NaN fails */
     if (!(s->repetition_penalty > 0.0f && s->repetition_penalty <= 100.0f) ||

@@ -29,13 +29,14 @@
 #include "../../router/openai-request.c"
 #undef refuse
 
-/* openai.c's allocations of the text it gathers fail while g_fail_realloc is set */
+/* the allocations of the text openai.c gathers (openai-choices.c) fail while g_fail_realloc is set */
 static int g_fail_realloc;
 static void *test_realloc(void *p, size_t n)
 {
     return g_fail_realloc ? NULL : realloc(p, n);
 }
 #define realloc test_realloc
+#include "../../router/openai-choices.c"
 #include "../../router/openai.c"
 #undef realloc
 
@@ -93,9 +94,12 @@ int main(void)
     c->req.kind = OA_COMPLETION;
     c->req.q = (Kvrelay__V1__GenerateRequest)KVRELAY__V1__GENERATE_REQUEST__INIT;
     c->req.q.request_id = "req-oom";
+    c->req.n = c->req.best_of = c->req.n_prompts = 1;
+    REQUIRE(oa_fanout_init(&c->fan, &c->req, "req-oom", c) == 0, "out of memory");
+    oa_gen *g = &c->fan.gens[0];
     rt_sink s;
     g_fail_realloc = 1;
-    c->code = rt_generate_run(&rt, &c->req.q, sink_for(c, &s), NULL, &c->st);
+    c->code = rt_generate_run(&rt, &g->q, sink_for(g, &s), NULL, &c->st);
     g_fail_realloc = 0;
     CHECK(c->code == GRPC_STATUS_INTERNAL, "a failed allocation of the answer is %s (%s), not INTERNAL",
           kc_status_name(c->code), c->st.details);
@@ -105,11 +109,11 @@ int main(void)
     CHECK_ERR_HAS(c->st.details, "out of memory");
 
     /* the same request with memory: OK, the first token gathered */
-    c->code = rt_generate_run(&rt, &c->req.q, sink_for(c, &s), NULL, &c->st);
+    c->code = rt_generate_run(&rt, &g->q, sink_for(g, &s), NULL, &c->st);
     CHECK(c->code == GRPC_STATUS_OK, "%s: %s", kc_status_name(c->code), c->st.details);
-    CHECK(c->finished, "the finish was kept");
+    CHECK(g->finished, "the finish was kept");
 
-    free(c->text);
+    oa_fanout_free(&c->fan);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     free(c);

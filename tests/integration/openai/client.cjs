@@ -193,8 +193,8 @@ async function main() {
   e = await refused(client.chat.completions.create({ model, messages, max_tokens: 100000 }), 400, 'chat max_tokens beyond the context');
   e = await refused(client.completions.create({ ...greedy, kv_policy: 'nosuchpolicy' }), 400, 'unknown kv_policy');
   check(e.param === 'kv_policy', `unknown kv_policy names param kv_policy (${e.param}: ${e.message})`);
-  e = await refused(client.completions.create({ ...greedy, n: 2 }), 400, 'n = 2');
-  check(e.param === 'n', 'n = 2 names param n');
+  e = await refused(client.completions.create({ ...greedy, n: 17 }), 400, 'n = 17');
+  check(e.param === 'n', 'n = 17 names param n');
   e = await refused(client.completions.create({ ...greedy, temperature: -1 }), 400, 'temperature -1');
   e = await refused(client.completions.create({ ...greedy, frobnicate: 1 }), 400, 'an unknown field');
   check(e.param === 'frobnicate', 'an unknown field is named');
