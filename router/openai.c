@@ -16,6 +16,7 @@
 #define _GNU_SOURCE /* POLLRDHUP: the peer closed its end */
 #include "router.h"
 
+#include "adaptive.h"
 #include "apikey.h"
 #include "openai.h"
 
@@ -77,6 +78,7 @@ typedef struct oa_call {
     Kvrelay__V1__Usage usage; /* numbers only */
     char prefill_node[64], decode_node[64];
     char wire_dtype[24]; /* usage.kv_wire_dtype, copied */
+    char auto_policy[RT_AUTO_SPEC_MAX], auto_pressure[16], auto_reason[200]; /* usage.auto_*, copied */
     grpc_status_code code;
     kc_status st;
 
@@ -262,6 +264,13 @@ static void add_extras(cJSON *doc, const oa_call *c)
     cJSON_AddNumberToObject(k, "tpot_s", c->usage.tpot_s);
     cJSON_AddStringToObject(k, "prefill_node", c->prefill_node);
     cJSON_AddStringToObject(k, "decode_node", c->decode_node);
+    if (c->auto_policy[0]) { /* kv_policy auto (docs/adaptive.md) */
+        cJSON *a = cJSON_AddObjectToObject(k, "auto");
+        cJSON_AddStringToObject(a, "policy", c->auto_policy);
+        cJSON_AddNumberToObject(a, "score", c->usage.auto_score);
+        cJSON_AddStringToObject(a, "pressure", c->auto_pressure);
+        cJSON_AddStringToObject(a, "reason", c->auto_reason);
+    }
 }
 
 /* The document's one choice: {"index": 0} in a new "choices" array. */
@@ -341,6 +350,10 @@ static void keep_finish(oa_call *c, const Kvrelay__V1__Finish *f)
         c->usage.served_by = NULL;
         snprintf(c->wire_dtype, sizeof c->wire_dtype, "%s", f->usage->kv_wire_dtype ? f->usage->kv_wire_dtype : "");
         c->usage.kv_wire_dtype = NULL;
+        snprintf(c->auto_policy, sizeof c->auto_policy, "%s", f->usage->auto_policy ? f->usage->auto_policy : "");
+        snprintf(c->auto_pressure, sizeof c->auto_pressure, "%s", f->usage->auto_pressure ? f->usage->auto_pressure : "");
+        snprintf(c->auto_reason, sizeof c->auto_reason, "%s", f->usage->auto_reason ? f->usage->auto_reason : "");
+        c->usage.auto_policy = c->usage.auto_pressure = c->usage.auto_reason = NULL;
         if (f->usage->served_by) {
             snprintf(c->prefill_node, sizeof c->prefill_node, "%s", f->usage->served_by->prefill_node);
             snprintf(c->decode_node, sizeof c->decode_node, "%s", f->usage->served_by->decode_node);
