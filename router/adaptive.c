@@ -238,7 +238,7 @@ int rt_auto_parse(const char *spec, rt_auto_ask *out, char *err, size_t cap)
         } else if (klen == 4 && !memcmp(p, "task", 4)) {
             if (strcmp(v, "kv") && strcmp(v, "copy") && strcmp(v, "text"))
                 return fail(err, cap, "auto: task=%s: unknown task (tasks: kv, copy, text)", v);
-            snprintf(a.task, sizeof a.task, "%s", v);
+            snprintf(a.task, sizeof a.task, "%.15s", v);
         } else {
             return fail(err, cap, "auto: unknown key '%.*s' (keys: floor, task)", (int)(klen > 32 ? 32 : klen), p);
         }

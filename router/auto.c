@@ -189,10 +189,14 @@ grpc_status_code rt_auto_select(rt_router *rt, const char *request_id, const cha
     snprintf(out, cap, "%s", c.spec);
     *said = (rt_auto_said){.on = 1, .score = c.score, .level = level};
     snprintf(said->reason, sizeof said->reason, "%s", c.reason);
-    char label[RT_AUTO_SPEC_MAX + 64];
-    snprintf(label, sizeof label, "policy=\"%s\",pressure=\"%s\"", c.spec, rt_pressure_name(level));
+    /* a series per spec the table can give and per level (the registry takes one label each) */
+    char label[RT_AUTO_SPEC_MAX + 16];
+    snprintf(label, sizeof label, "policy=\"%s\"", c.spec);
     kc_counter_inc(kc_counter_add(rt->m.reg, "kvrelay_auto_choices_total",
-                                  "Requests with kv_policy auto, by the spec chosen and the pressure level", label), 1);
+                                  "Requests with kv_policy auto, by the spec the router chose", label), 1);
+    snprintf(label, sizeof label, "pressure=\"%s\"", rt_pressure_name(level));
+    kc_counter_inc(kc_counter_add(rt->m.reg, "kvrelay_auto_pressure_total",
+                                  "Requests with kv_policy auto, by the pressure level they were chosen at", label), 1);
     kc_info(request_id, "kv_policy %s -> '%s' (score %.3f, %" PRIu64 " decode blocks of full's %" PRIu64
             ", pressure %s: %" PRIu64 "/%" PRIu64 " blocks free, %d queued): %s",
             asked, c.spec, c.score, (uint64_t)c.blocks, (uint64_t)c.full_blocks, rt_pressure_name(level), free_blocks,

@@ -14,7 +14,7 @@
 /* What the router keeps for auto, immutable after rt_auto_init. */
 struct rt_auto {
     rt_calib *table; /* NULL: no table; auto requests are refused with how to make one */
-    char path[1024]; /* where the table was looked for */
+    char path[1100]; /* where the table was looked for (a model directory + "/calibration.json") */
     const char *default_policy; /* --default-policy, or NULL */
     int pinned; /* --pressure: the level is `level`, whatever the pools say */
     rt_pressure level;
@@ -42,7 +42,7 @@ typedef struct rt_auto_said {
 
 /* Turns the auto spec `asked` into the spec to serve for a prompt of prompt_tokens and
  * max_tokens (written to out, cap bytes), filling *said and counting the choice in
- * kvrelay_auto_choices_total. Returns OK, or INVALID_ARGUMENT with st: a bad auto spec, no
+ * kvrelay_auto_choices_total{policy} and kvrelay_auto_pressure_total{pressure}. Returns OK, or INVALID_ARGUMENT with st: a bad auto spec, no
  * table, a table of another model than the nodes serve, a task the table does not score. */
 grpc_status_code rt_auto_select(rt_router *rt, const char *request_id, const char *asked, int prompt_tokens,
                                 int max_tokens, char *out, size_t cap, rt_auto_said *said, kc_status *st);
