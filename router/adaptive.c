@@ -116,7 +116,8 @@ static int parse_scores(const cJSON *scores, rt_calib *t, rt_calib_point *pt, co
             return -1;
         /* full 0 says nothing of what the policy keeps: no score for the task */
         sc->present = sc->full > 0;
-        sc->lower = sc->present ? rt_wilson_lower(sc->policy, sc->cases, RT_AUTO_Z) / sc->full : 0.0;
+        /* a point is never shown to keep more than all of full's score */
+        sc->lower = sc->present ? fmin(1.0, rt_wilson_lower(sc->policy, sc->cases, RT_AUTO_Z) / sc->full) : 0.0;
     }
     return 0;
 }

@@ -36,7 +36,7 @@ typedef struct rt_calib_score {
     int present;
     double policy, full; /* accuracy (kv, copy) or top-1 agreement with full (text; full = 1) */
     int cases;
-    double lower; /* the one-sided Wilson lower bound of policy at RT_AUTO_Z, over full */
+    double lower; /* the one-sided Wilson lower bound of policy at RT_AUTO_Z, over full, at most 1 */
 } rt_calib_score;
 
 /* One calibrated point: a spec measured at prompts of `length` tokens. */

@@ -26,7 +26,7 @@ static void check_table(const rt_calib *t)
             const rt_calib_score *s = &p->task[k];
             if (!s->present) continue;
             if (!(s->policy >= 0 && s->policy <= 1 && s->full > 0 && s->full <= 1 && s->cases >= 1)) abort();
-            if (!(s->lower >= 0 && s->lower <= s->policy / s->full + 1e-12)) abort();
+            if (!(s->lower >= 0 && s->lower <= 1 && s->lower <= s->policy / s->full + 1e-12)) abort();
         }
     }
 }

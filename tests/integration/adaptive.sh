@@ -23,7 +23,7 @@ unset KVRELAY_API_KEY # a cluster without API keys, whatever the caller's enviro
 krc_start "$KR_BIN" "$model" 1 1 127.0.0.1:0 --threads 1 || fatal "the cluster did not start"
 cli() { "$KR_BIN/kvrelay-cli" --router "$KRC_ROUTER" "$@"; }
 ids=$(kr_prompt 1 500) # 500 tokens: the 512 bucket
-ask="auto:floor=0.85,task=kv"
+ask="auto:floor=0.95,task=kv"
 # jget FILE EXPR: a Python expression over the JSON document `d` in FILE
 jget() { "$PY" -c 'import json, sys; d = json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2"; }
 
@@ -52,7 +52,7 @@ cli generate --ids "$ids" --max-tokens 4 --policy "$ask" --request-id auto-high 
 chosen=$(jget "$KRC_DIR/high.json" 'd["usage"]["auto"]["policy"]')
 [ "$chosen" != full ] && [ "$(jget "$KRC_DIR/high.json" 'd["usage"]["auto"]["pressure"]')" = high ] ||
   fatal "high pressure: $(cat "$KRC_DIR/high.json")"
-[ "$(jget "$KRC_DIR/high.json" '0.85 <= d["usage"]["auto"]["score"] < 1 and d["usage"]["kv_footprint"] < 1')" = True ] ||
+[ "$(jget "$KRC_DIR/high.json" '0.95 <= d["usage"]["auto"]["score"] < 1 and d["usage"]["kv_footprint"] < 1')" = True ] ||
   fatal "high pressure: the score or footprint: $(cat "$KRC_DIR/high.json")"
 blocks() { sed -n "s/.*\[$1\] reserved \([0-9]*\) blocks on .*/\1/p" "$KRC_DIR/router.log"; }
 [ "$(blocks auto-high)" -lt "$(blocks auto-low)" ] ||
