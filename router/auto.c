@@ -7,7 +7,6 @@
 #include "auto.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,19 +14,7 @@
 
 /* How a missing table is made: said in every refusal. */
 #define RT_AUTO_HOW "make one with tools/kvrelay-eval --model DIR --calibrate-out DIR/calibration.json " \
-                    "(or --calibrate-from RESULTS.json), then start the router with --calibration FILE"
-
-/* A start-up error: the message, and the process stops (as main.c's flags do). */
-__attribute__((noreturn, format(printf, 1, 2))) static void die(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "kvrelay-router: ");
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    exit(2);
-}
+                    "(docs/adaptive.md)"
 
 /* The file's bytes (malloc'd), NULL with errno. */
 static char *read_file(const char *path, size_t *len)
@@ -57,33 +44,34 @@ static char *read_file(const char *path, size_t *len)
     return buf;
 }
 
-void rt_auto_init(rt_router *rt, const char *calibration, const char *default_policy, const char *pressure)
+/* A start-up refusal in err; -1. */
+#define REFUSE(...) (snprintf(out_err, out_cap, __VA_ARGS__), -1)
+
+int rt_auto_init(rt_router *rt, const char *calibration, const char *default_policy, const char *pressure,
+                 char *out_err, size_t out_cap)
 {
     struct rt_auto *a = calloc(1, sizeof *a);
-    if (!a) die("out of memory");
+    if (!a) return REFUSE("out of memory");
     rt->adaptive = a;
     if (pressure && rt_pressure_parse(pressure, &a->level) != 0)
-        die("--pressure: '%s' is not one of low, medium, high", pressure);
+        return REFUSE("--pressure: '%s' is not one of low, medium, high", pressure);
     a->pinned = pressure != NULL;
     if (calibration) snprintf(a->path, sizeof a->path, "%s", calibration);
     else snprintf(a->path, sizeof a->path, "%s/calibration.json", rt->model_dir);
     size_t len = 0;
     char *text = read_file(a->path, &len), err[512];
     if (!text && (calibration || errno != ENOENT))
-        die("--calibration %s: %s (%s)", a->path, strerror(errno), RT_AUTO_HOW);
+        return REFUSE("--calibration %s: %s (%s)", a->path, strerror(errno), RT_AUTO_HOW);
     if (text) {
-        if (rt_calib_parse(text, len, &a->table, err, sizeof err) != 0) {
-            free(text);
-            die("--calibration %s: %s (%s)", a->path, err, RT_AUTO_HOW);
-        }
+        int rc = rt_calib_parse(text, len, &a->table, err, sizeof err);
         free(text);
-        if (rt->fingerprint[0] && strcmp(rt->fingerprint, a->table->fingerprint) != 0) {
-            die("--calibration %s was measured on model fingerprint %s, and --fingerprint is %s: another model (%s)",
-                a->path, a->table->fingerprint, rt->fingerprint, RT_AUTO_HOW);
-        }
+        if (rc != 0) return REFUSE("--calibration %s: %s (%s)", a->path, err, RT_AUTO_HOW);
+        if (rt->fingerprint[0] && strcmp(rt->fingerprint, a->table->fingerprint) != 0)
+            return REFUSE("--calibration %s was measured on model fingerprint %s, and --fingerprint is %s: another "
+                          "model (%s)", a->path, a->table->fingerprint, rt->fingerprint, RT_AUTO_HOW);
         int dropped;
         if (rt_calib_bind(a->table, &rt->cfg, rt->policy_dir, &dropped, err, sizeof err) != 0)
-            die("--calibration %s: %s", a->path, err);
+            return REFUSE("--calibration %s: %s", a->path, err);
         if (dropped)
             kc_warn(NULL, "calibration %s: %d of %d points cannot be served by this router and are never chosen "
                     "(first: %s)", a->path, dropped, a->table->n_points, err);
@@ -98,19 +86,21 @@ void rt_auto_init(rt_router *rt, const char *calibration, const char *default_po
         kr_policy *p;
         rt_auto_ask ask;
         if (rt_auto_is(default_policy)) {
-            if (rt_auto_parse(default_policy, &ask, err, sizeof err) != 0) die("--default-policy: %s", err);
-            if (!a->table) die("--default-policy %s: no calibration table at %s (%s)", default_policy, a->path, RT_AUTO_HOW);
+            if (rt_auto_parse(default_policy, &ask, err, sizeof err) != 0) return REFUSE("--default-policy: %s", err);
+            if (!a->table) return REFUSE("--default-policy %s: no calibration table at %s (%s)", default_policy, a->path, RT_AUTO_HOW);
             if (ask.task[0] && rt_calib_task(a->table, ask.task) < 0)
-                die("--default-policy %s: the table %s scores no task '%s'", default_policy, a->path, ask.task);
+                return REFUSE("--default-policy %s: the table %s scores no task '%s'", default_policy, a->path, ask.task);
         } else if (rt_policy_resolve(default_policy, rt->policy_dir, spec, sizeof spec, err, sizeof err) != 0 ||
                    kr_policy_parse(spec, &rt->cfg, &p, err) != KR_OK) {
-            die("--default-policy %s: %s", default_policy, err);
+            return REFUSE("--default-policy %s: %s", default_policy, err);
         } else {
             kr_policy_free(p);
         }
         a->default_policy = default_policy;
     }
+    return 0;
 }
+#undef REFUSE
 
 void rt_auto_free(rt_router *rt)
 {
@@ -169,14 +159,14 @@ grpc_status_code rt_auto_select(rt_router *rt, const char *request_id, const cha
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", asked, err), st->code;
     if (!a || !a->table)
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
-                             "kv_policy '%.64s': the router has no calibration table for model %s (none at %s): %s",
-                             asked, rt->served_model, a ? a->path : "?", RT_AUTO_HOW), st->code;
+                             "kv_policy '%.64s': the router has no calibration table for model %.64s: %s", asked,
+                             rt->served_model, RT_AUTO_HOW), st->code;
     char fp[17];
     served_fingerprint(rt, fp);
     if (fp[0] && strcmp(fp, a->table->fingerprint) != 0)
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
-                             "kv_policy '%.64s': the calibration table %s was measured on model fingerprint %s, and "
-                             "the nodes serve %s: %s", asked, a->path, a->table->fingerprint, fp, RT_AUTO_HOW), st->code;
+                             "kv_policy '%.64s': the router's calibration table was measured on model fingerprint "
+                             "%s, and the nodes serve %s: %s", asked, a->table->fingerprint, fp, RT_AUTO_HOW), st->code;
     uint64_t free_blocks, total;
     int queued;
     rt_pressure level = rt_auto_pressure(rt, &free_blocks, &total, &queued);

@@ -21,9 +21,11 @@ struct rt_auto {
 };
 
 /* Start-up: loads `calibration` (NULL: MODEL_DIR/calibration.json, which may be missing) and
- * checks --default-policy and --pressure (NULL: measured). Stops the process with a message
- * that says how to fix a bad table, a table of another model (--fingerprint), a bad default. */
-void rt_auto_init(rt_router *rt, const char *calibration, const char *default_policy, const char *pressure);
+ * checks --default-policy and --pressure (NULL: measured). Returns 0, or -1 with err (cap bytes)
+ * saying how to fix a bad table, a table of another model (--fingerprint), a bad default: the
+ * router stops. rt_auto_free frees what it made either way. */
+int rt_auto_init(rt_router *rt, const char *calibration, const char *default_policy, const char *pressure,
+                 char *err, size_t cap);
 /* Frees what rt_auto_init made (at exit, with no request left). */
 void rt_auto_free(rt_router *rt);
 /* The spec a request runs under when it named none: --default-policy, or "" (full). */

@@ -418,7 +418,8 @@ int main(int argc, char **argv)
     pthread_cond_init(&rt->fifo_cv, NULL);
 
     if (o.fingerprint) snprintf(rt->fingerprint, sizeof rt->fingerprint, "%s", o.fingerprint);
-    rt_auto_init(rt, o.calibration, o.default_policy, o.pressure);
+    char aerr[2048];
+    if (rt_auto_init(rt, o.calibration, o.default_policy, o.pressure, aerr, sizeof aerr) != 0) die("%s", aerr);
     kc_status st;
     grpc_init(); /* held until exit: the nodes' credentials are made before any channel or server */
     if (kc_tls_enabled(&o.tls) && !(rt->node_creds = kc_tls_channel_credentials(&o.tls, &st)))

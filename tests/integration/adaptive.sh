@@ -117,7 +117,7 @@ refuse "auto" "kvrelay-eval --model DIR --calibrate-out" "$R2" "$R2_HTTP"
 "$PY" -c 'import json, sys; t = json.load(open(sys.argv[1])); t["model"]["fingerprint"] = "0123456789abcdef"
 json.dump(t, open(sys.argv[2], "w"))' "$model/calibration.json" "$KRC_DIR/other.json"
 router2 r-other --model "$model" --calibration "$KRC_DIR/other.json"
-refuse "auto:floor=0.9" "measured on model fingerprint 0123456789abcdef" "$R2" "$R2_HTTP"
+refuse "auto:floor=0.9" "measured on model fingerprint 0123456789abcdef, and the nodes serve 2c827e390d0dfc58" "$R2" "$R2_HTTP"
 
 if "$KR_BIN/kvrelay-router" --model "$model" --nodes "$KRC_DIR/nodes.json" --listen 127.0.0.1:0 --http 127.0.0.1:0 \
   --calibration "$KRC_DIR/missing.json" >/dev/null 2>"$KRC_DIR/start.err"; then
