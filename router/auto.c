@@ -150,7 +150,7 @@ static void served_fingerprint(rt_router *rt, char out[17])
 }
 
 grpc_status_code rt_auto_select(rt_router *rt, const char *request_id, const char *asked, int prompt_tokens,
-                                int max_tokens, char *out, size_t cap, rt_auto_said *said, kc_status *st)
+                                int max_tokens, rt_auto_said *said, kc_status *st)
 {
     const struct rt_auto *a = rt->adaptive;
     char err[512];
@@ -173,11 +173,10 @@ grpc_status_code rt_auto_select(rt_router *rt, const char *request_id, const cha
     rt_auto_choice c;
     if (rt_auto_choose(a->table, &ask, prompt_tokens, max_tokens, level, &c, err, sizeof err) != 0)
         return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", asked, err), st->code;
-    if (strlen(c.spec) >= cap)
-        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': the chosen spec is too long", asked),
-               st->code;
-    snprintf(out, cap, "%s", c.spec);
-    *said = (rt_auto_said){.on = 1, .score = c.score, .level = level};
+    said->on = 1;
+    said->score = c.score;
+    said->level = level;
+    memcpy(said->spec, c.spec, sizeof said->spec); /* the same size: a table's spec fits */
     snprintf(said->reason, sizeof said->reason, "%s", c.reason);
     /* a series per spec the table can give and per level (the registry takes one label each) */
     char label[RT_AUTO_SPEC_MAX + 16];

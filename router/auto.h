@@ -37,16 +37,17 @@ rt_pressure rt_auto_pressure(rt_router *rt, uint64_t *free_blocks, uint64_t *tot
 /* What auto chose for one request (rt_req.chosen): said back in Usage and the log line. */
 typedef struct rt_auto_said {
     int on; /* the request asked for auto */
+    char spec[RT_AUTO_SPEC_MAX]; /* the spec chosen, to serve the request with */
     double score;
     rt_pressure level;
     char reason[200];
 } rt_auto_said;
 
 /* Turns the auto spec `asked` into the spec to serve for a prompt of prompt_tokens and
- * max_tokens (written to out, cap bytes), filling *said and counting the choice in
+ * max_tokens (said->spec), filling the rest of *said and counting the choice in
  * kvrelay_auto_choices_total{policy} and kvrelay_auto_pressure_total{pressure}. Returns OK, or INVALID_ARGUMENT with st: a bad auto spec, no
  * table, a table of another model than the nodes serve, a task the table does not score. */
 grpc_status_code rt_auto_select(rt_router *rt, const char *request_id, const char *asked, int prompt_tokens,
-                                int max_tokens, char *out, size_t cap, rt_auto_said *said, kc_status *st);
+                                int max_tokens, rt_auto_said *said, kc_status *st);
 
 #endif /* RT_AUTO_H */

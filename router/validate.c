@@ -175,12 +175,10 @@ static grpc_status_code check_policy(rt_router *rt, const Kvrelay__V1__GenerateR
     kr_policy *p;
     /* none named: the router's --default-policy; auto: the spec the rule chooses (auto.c) */
     const char *spec = q->kv_policy[0] ? q->kv_policy : rt_auto_default(rt);
-    char chosen[RT_AUTO_SPEC_MAX];
     if (rt_auto_is(spec)) {
-        if (rt_auto_select(rt, r->id, spec, r->n_prompt, (int)r->max_tokens, chosen, sizeof chosen, &r->chosen, st) !=
-            GRPC_STATUS_OK)
+        if (rt_auto_select(rt, r->id, spec, r->n_prompt, (int)r->max_tokens, &r->chosen, st) != GRPC_STATUS_OK)
             return st->code;
-        spec = chosen;
+        spec = r->chosen.spec;
     }
     if (rt_policy_resolve(spec, rt->policy_dir, r->policy, sizeof r->policy, err, sizeof err) != 0 ||
         kr_policy_parse(r->policy[0] ? r->policy : "full", cfg, &p, err) != KR_OK)
