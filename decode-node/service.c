@@ -472,6 +472,7 @@ static int on_status(kc_call *call, const ProtobufCMessage *msg, void *user)
     node.role = KVRELAY__V1__NODE_ROLE__NODE_ROLE_DECODE;
     node.grpc_address = n->grpc_addr;
     node.transfer_address = n->transfer_addr;
+    node.model_fingerprint = n->fingerprint;
     pthread_mutex_lock(&n->lock);
     node.state = n->stopping || n->draining ? KVRELAY__V1__NODE_STATE__NODE_STATE_DRAINING
                              : KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING;

@@ -430,6 +430,7 @@ static int status_handler(kc_call *call, const ProtobufCMessage *msg, void *user
     node.prefix_cache_lookups = pc.lookups;
     node.prefix_cache_hits = pc.hits;
     node.prefix_cache_tokens_reused = pc.tokens_reused;
+    node.model_fingerprint = (char *)kr_model_fingerprint(n->model);
     kc_call_send(call, &node.base);
     (void)msg;
     return GRPC_STATUS_OK;

@@ -17,6 +17,7 @@
 #include "health.h"
 #include "http.h"
 #include "membership.h"
+#include "auto.h"
 #include "router.h"
 #include "signals.h"
 
@@ -45,6 +46,7 @@ static void die(const char *fmt, ...)
 typedef struct router_opts {
     const char *model, *nodes, *id, *placement, *policy_dir;
     const char *cluster, *fingerprint, *served_model_name;
+    const char *calibration, *default_policy, *pressure; /* kv_policy auto (auto.h) */
     kc_hostport listen, http; /* --listen, --http */
     kc_log_level log_level;
     int cpu_sched; /* kc_cpu_sched of the router's threads */
@@ -138,6 +140,15 @@ static void parse(int argc, char **argv, router_opts *out)
         {.kind = KC_FLAG_STRING, .name = "--policy-dir", .arg = "DIR", .dest = &o.policy_dir,
          .help = "where policy files (heads pattern=, hsft windows=) live: clients name them by bare file "
                  "name; without it such keys are refused (every node must see DIR at the same path)"},
+        {.kind = KC_FLAG_STRING, .name = "--calibration", .arg = "FILE", .dest = &o.calibration,
+         .def = "MODEL/calibration.json when there is one",
+         .help = "the model's calibration table for kv_policy auto (docs/adaptive.md; kvrelay-eval "
+                 "--calibrate-out makes one); without one auto is refused"},
+        {.kind = KC_FLAG_STRING, .name = "--default-policy", .arg = "SPEC", .dest = &o.default_policy,
+         .def = "full", .help = "the KV policy of a request that names none, e.g. auto:floor=0.95"},
+        {.kind = KC_FLAG_STRING, .name = "--pressure", .arg = "LEVEL", .dest = &o.pressure,
+         .def = "measured", .help = "pin kv_policy auto's pressure level to low, medium or high instead of "
+                                    "measuring it from the decode pools and the admission queue"},
         {.kind = KC_FLAG_INT64, .name = "--breaker-failures", .arg = "N", .dest = &o.breaker_failures, .min = 1,
          .max = 1000, .def = "3",
          .help = "consecutive failed calls (UNAVAILABLE, DEADLINE_EXCEEDED) that make a node SUSPECT: "
@@ -410,6 +421,8 @@ int main(int argc, char **argv)
     pthread_cond_init(&rt->fifo_cv, NULL);
 
     if (o.fingerprint) snprintf(rt->fingerprint, sizeof rt->fingerprint, "%s", o.fingerprint);
+    char aerr[2048];
+    if (rt_auto_init(rt, o.calibration, o.default_policy, o.pressure, aerr, sizeof aerr) != 0) die("%s", aerr);
     kc_status st;
     grpc_init(); /* held until exit: the nodes' credentials are made before any channel or server */
     if (kc_tls_enabled(&o.tls) && !(rt->node_creds = kc_tls_channel_credentials(&o.tls, &st)))
@@ -496,6 +509,7 @@ int main(int argc, char **argv)
     free(https_cert);
     free(https_key);
     rt_nodes_free(rt);
+    rt_auto_free(rt); /* no request is left to read it */
     if (rt->node_creds) grpc_channel_credentials_release(rt->node_creds); /* the channels are gone */
     grpc_shutdown();
     rt_apikeys_free(api_keys); /* the HTTP and gRPC servers that read it are gone */

@@ -14,6 +14,7 @@
  * reports another start time, or counters that went back), moves, leaves, or reports an empty
  * prefix cache after the last prompt was recorded.
  */
+#include "auto.h"
 #include "names.h"
 #include "router.h"
 
@@ -367,6 +368,7 @@ static void *poll_one(void *arg)
         n->free_blocks = resp->free_kv_blocks;
         n->total_blocks = resp->total_kv_blocks;
         n->reserved_blocks = resp->reserved_kv_blocks;
+        snprintf(n->status_fingerprint, sizeof n->status_fingerprint, "%s", resp->model_fingerprint ? resp->model_fingerprint : "");
         prefix_cache_update(job->rt, n, resp, asked_ms);
         if (resp->state == KVRELAY__V1__NODE_STATE__NODE_STATE_SERVING) n->refused_draining = 0;
         n->own_tokens_polled = tokens;
@@ -565,6 +567,9 @@ int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user)
     int64_t timeout = kc_call_ms_left(call);
     if (timeout > 1000) timeout = 1000;
     rt_nodes_refresh(rt, timeout > 0 ? timeout : 1);
+    uint64_t p_free, p_total;
+    int p_queued;
+    rt_pressure level = rt_auto_pressure(rt, &p_free, &p_total, &p_queued);
 
     pthread_mutex_lock(&rt->mu);
     int n = rt->n_nodes; /* only grows: a node added after this is left out of this answer */
@@ -616,12 +621,17 @@ int rt_cluster_status(kc_call *call, const ProtobufCMessage *req, void *user)
             o->prefix_cache_lookups = x->cache_lookups;
             o->prefix_cache_hits = x->cache_hits;
             o->prefix_cache_tokens_reused = x->cache_reused;
+            o->model_fingerprint = (char *)x->status_fingerprint;
         }
         ptrs[k++] = o;
     }
     Kvrelay__V1__ClusterStatusResponse resp = KVRELAY__V1__CLUSTER_STATUS_RESPONSE__INIT;
     resp.n_nodes = k;
     resp.nodes = ptrs;
+    resp.pressure = (char *)rt_pressure_name(level);
+    resp.pressure_free_blocks = p_free;
+    resp.pressure_total_blocks = p_total;
+    resp.pressure_queued = (uint32_t)p_queued;
     kc_call_send(call, &resp.base); /* packed at once (never blocks), before an address can change */
     pthread_mutex_unlock(&rt->mu);
     free(transfer);

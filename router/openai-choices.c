@@ -183,6 +183,10 @@ void oa_gen_finish(oa_gen *g, const Kvrelay__V1__Finish *fin)
     g->fig.usage.base.unknown_fields = NULL;
     g->fig.usage.base.n_unknown_fields = 0;
     snprintf(g->fig.wire_dtype, sizeof g->fig.wire_dtype, "%s", u->kv_wire_dtype ? u->kv_wire_dtype : "");
+    snprintf(g->fig.auto_policy, sizeof g->fig.auto_policy, "%s", u->auto_policy ? u->auto_policy : "");
+    snprintf(g->fig.auto_pressure, sizeof g->fig.auto_pressure, "%s", u->auto_pressure ? u->auto_pressure : "");
+    snprintf(g->fig.auto_reason, sizeof g->fig.auto_reason, "%s", u->auto_reason ? u->auto_reason : "");
+    g->fig.usage.auto_policy = g->fig.usage.auto_pressure = g->fig.usage.auto_reason = NULL;
     if (u->served_by) {
         snprintf(g->fig.prefill_node, sizeof g->fig.prefill_node, "%s", u->served_by->prefill_node);
         snprintf(g->fig.decode_node, sizeof g->fig.decode_node, "%s", u->served_by->decode_node);

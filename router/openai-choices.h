@@ -11,6 +11,7 @@
 #define RT_OPENAI_CHOICES_H
 
 #include "router.h"
+#include "adaptive.h"
 #include "openai.h"
 
 #include <pthread.h>
@@ -21,6 +22,7 @@ typedef struct oa_figures {
     Kvrelay__V1__Usage usage; /* numbers only: its strings are the fields below */
     char prefill_node[64], decode_node[64];
     char wire_dtype[24];
+    char auto_policy[RT_AUTO_SPEC_MAX], auto_pressure[16], auto_reason[200]; /* usage.auto_* (kv_policy auto) */
 } oa_figures;
 
 typedef struct oa_fanout oa_fanout;

@@ -18,6 +18,7 @@
 #define _GNU_SOURCE /* POLLRDHUP: the peer closed its end */
 #include "router.h"
 
+#include "adaptive.h"
 #include "apikey.h"
 #include "openai-choices.h"
 #include "openai.h"
@@ -260,6 +261,13 @@ static void add_extras(cJSON *doc, const oa_call *c, const oa_figures *fig)
     cJSON_AddNumberToObject(k, "tpot_s", usage->tpot_s);
     cJSON_AddStringToObject(k, "prefill_node", fig->prefill_node);
     cJSON_AddStringToObject(k, "decode_node", fig->decode_node);
+    if (fig->auto_policy[0]) { /* kv_policy auto (docs/adaptive.md) */
+        cJSON *a = cJSON_AddObjectToObject(k, "auto");
+        cJSON_AddStringToObject(a, "policy", fig->auto_policy);
+        cJSON_AddNumberToObject(a, "score", usage->auto_score);
+        cJSON_AddStringToObject(a, "pressure", fig->auto_pressure);
+        cJSON_AddStringToObject(a, "reason", fig->auto_reason);
+    }
 }
 
 /* A choice {"index": index} appended to the array choices. */

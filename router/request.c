@@ -83,6 +83,12 @@ static void send_finish(rt_req *r)
     /* over a migration's prefills the reused tokens add up; the prompt's own cannot exceed it */
     u.cached_tokens = r->pu.cached_tokens < u.prompt_tokens ? r->pu.cached_tokens : u.prompt_tokens;
     u.served_by = &by;
+    if (r->chosen.on) { /* kv_policy auto: what was chosen, as docs/adaptive.md says */
+        u.auto_policy = r->policy;
+        u.auto_score = r->chosen.score;
+        u.auto_pressure = (char *)rt_pressure_name(r->chosen.level);
+        u.auto_reason = r->chosen.reason;
+    }
     Kvrelay__V1__Finish fin = KVRELAY__V1__FINISH__INIT;
     fin.reason = r->reason;
     fin.usage = &u;

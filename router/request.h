@@ -15,6 +15,7 @@
 #ifndef RT_REQUEST_H
 #define RT_REQUEST_H
 
+#include "auto.h"
 #include "router.h"
 #include "stop.h"
 #include "transport.h" /* KT_RMA_KEY_MAX */
@@ -74,6 +75,7 @@ typedef struct rt_req {
     double t_arrival, t_first, t_last; /* seconds, monotonic */
     double queue_s; /* time spent in the admission FIFO */
     int family; /* the policy's family (kr_policy_family), for the metrics */
+    rt_auto_said chosen; /* kv_policy auto: what the rule chose and why (policy holds the spec) */
     int64_t deadline_ms; /* rt_now_ms() clock */
 
     /* what is being placed: the prompt, or after a migration the prompt and the tokens sent */

@@ -67,6 +67,7 @@ typedef struct rt_node {
     int64_t gone_unix_ms;
     int refused_draining; /* a call was answered UNAVAILABLE "draining" (cleared by a SERVING Status) */
     int fingerprint_bad; /* the member's model differs from the router's: never chosen */
+    char status_fingerprint[17]; /* the model its last Status reported ("" none): auto's table check */
 
     rt_breaker breaker; /* open: SUSPECT, skipped by placement (docs/failures.md) */
 
@@ -124,6 +125,7 @@ typedef struct rt_metrics {
 } rt_metrics;
 
 typedef struct rt_active rt_active; /* a Generate call with a decode stream open (request.h) */
+struct rt_auto; /* kv_policy auto: the calibration table, --default-policy, --pressure (auto.h) */
 typedef struct rt_waiter rt_waiter; /* a request in the admission FIFO (admission.c) */
 
 typedef struct rt_router {
@@ -158,6 +160,7 @@ typedef struct rt_router {
     rt_metrics m;
     kc_health *health; /* grpc.health.v1; NOT_SERVING while draining */
     grpc_channel_credentials *node_creds; /* mutual TLS to the nodes (--tls-*); NULL: plaintext */
+    struct rt_auto *adaptive; /* kv_policy auto (auto.h) */
 
     pthread_mutex_t mu; /* the node table, the guarded parts of the nodes, and the active list */
     rt_node *nodes[RT_NODES_MAX]; /* append-only: a node's pointer stays valid until exit */

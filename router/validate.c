@@ -173,9 +173,16 @@ static grpc_status_code check_policy(rt_router *rt, const Kvrelay__V1__GenerateR
     const kr_config *cfg = &rt->cfg;
     char err[KR_ERR_MAX];
     kr_policy *p;
-    if (rt_policy_resolve(q->kv_policy, rt->policy_dir, r->policy, sizeof r->policy, err, sizeof err) != 0 ||
+    /* none named: the router's --default-policy; auto: the spec the rule chooses (auto.c) */
+    const char *spec = q->kv_policy[0] ? q->kv_policy : rt_auto_default(rt);
+    if (rt_auto_is(spec)) {
+        if (rt_auto_select(rt, r->id, spec, r->n_prompt, (int)r->max_tokens, &r->chosen, st) != GRPC_STATUS_OK)
+            return st->code;
+        spec = r->chosen.spec;
+    }
+    if (rt_policy_resolve(spec, rt->policy_dir, r->policy, sizeof r->policy, err, sizeof err) != 0 ||
         kr_policy_parse(r->policy[0] ? r->policy : "full", cfg, &p, err) != KR_OK)
-        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", q->kv_policy, err), st->code;
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "kv_policy '%.64s': %s", spec, err), st->code;
     r->family = kr_policy_family(p);
     r->kv_entries_bound = (uint64_t)kr_policy_max_entries(p, r->n_prompt, (int)r->max_tokens) *
                           (uint64_t)cfg->n_layers * (uint64_t)cfg->n_kv_heads;

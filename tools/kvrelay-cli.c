@@ -183,7 +183,7 @@ static void parse_generate(int argc, char **argv, gen_opts *o)
          .help = "keep the K most likely tokens"},
         {.kind = KC_FLAG_FUNC, .name = "--seed", .arg = "S", .dest = o, .fn = flag_seed, .help = "sampling seed"},
         {.kind = KC_FLAG_STRING, .name = "--policy", .arg = "SPEC", .dest = &o->policy, .def = "full",
-         .help = "KV policy, e.g. streaming:sink=4,window=64"},
+         .help = "KV policy, e.g. streaming:sink=4,window=64, or auto:floor=0.9 (docs/adaptive.md)"},
         {.kind = KC_FLAG_FUNC, .name = "--kv-wire-dtype", .arg = "T", .dest = &o->wire, .fn = flag_wire,
          .def = "the prefill node's --kv-dtype",
          .help = "the KV bundle's payload dtype from the prefill to the decode node: f32, bf16, f16, int8 or fp8 "
@@ -299,6 +299,13 @@ static void print_json(const gen_result *g)
         cJSON *sb = cJSON_AddObjectToObject(ju, "served_by");
         cJSON_AddStringToObject(sb, "prefill_node", u->served_by ? u->served_by->prefill_node : "");
         cJSON_AddStringToObject(sb, "decode_node", u->served_by ? u->served_by->decode_node : "");
+        if (u->auto_policy && *u->auto_policy) { /* kv_policy auto: what the router chose */
+            cJSON *ja = cJSON_AddObjectToObject(ju, "auto");
+            cJSON_AddStringToObject(ja, "policy", u->auto_policy);
+            cJSON_AddNumberToObject(ja, "score", u->auto_score);
+            cJSON_AddStringToObject(ja, "pressure", u->auto_pressure);
+            cJSON_AddStringToObject(ja, "reason", u->auto_reason);
+        }
     }
     if (f) cJSON_AddStringToObject(root, "request_id", f->request_id);
     char *s = cJSON_PrintUnformatted(root);
@@ -327,6 +334,9 @@ static void print_usage_line(const gen_result *g)
             u->kv_wire_dtype[0] ? u->kv_wire_dtype : "?",
             u->served_by ? u->served_by->prefill_node : "?", u->served_by ? u->served_by->decode_node : "?",
             f->request_id);
+    if (u->auto_policy && *u->auto_policy)
+        fprintf(stderr, "auto: %s (score %.3f, %s pressure: %s)\n", u->auto_policy, u->auto_score, u->auto_pressure,
+                u->auto_reason);
 }
 
 static int cmd_generate(int argc, char **argv)
@@ -511,8 +521,9 @@ static int cmd_status(int argc, char **argv)
         {.kind = KC_FLAG_END},
     };
     const kc_flags flags = command_flags(table, "[--router HOST:PORT] status [--json]",
-                                         "Prints the router and every node: role, state, load, KV blocks, and "
-                                         "each prefill node's prefix cache.");
+                                         "Prints the router and every node: role, state, load, KV blocks, "
+                                         "each prefill node's prefix cache, and the router's pressure level "
+                                         "(kv_policy auto).");
     kc_flags_main(&flags, argc, argv, 0);
     kc_channel *ch = connect_router();
     Kvrelay__V1__ClusterStatusRequest req = KVRELAY__V1__CLUSTER_STATUS_REQUEST__INIT;
@@ -546,7 +557,15 @@ static int cmd_status(int argc, char **argv)
             cJSON_AddNumberToObject(o, "prefix_cache_lookups", (double)n->prefix_cache_lookups);
             cJSON_AddNumberToObject(o, "prefix_cache_hits", (double)n->prefix_cache_hits);
             cJSON_AddNumberToObject(o, "prefix_cache_tokens_reused", (double)n->prefix_cache_tokens_reused);
+            cJSON_AddStringToObject(o, "model_fingerprint", n->model_fingerprint);
             cJSON_AddItemToArray(arr, o);
+        }
+        if (resp->pressure && *resp->pressure) { /* kv_policy auto's level (docs/adaptive.md) */
+            cJSON *p = cJSON_AddObjectToObject(root, "pressure");
+            cJSON_AddStringToObject(p, "level", resp->pressure);
+            cJSON_AddNumberToObject(p, "free_kv_blocks", (double)resp->pressure_free_blocks);
+            cJSON_AddNumberToObject(p, "total_kv_blocks", (double)resp->pressure_total_blocks);
+            cJSON_AddNumberToObject(p, "queued_requests", resp->pressure_queued);
         }
         char *s = cJSON_PrintUnformatted(root);
         puts(s);
@@ -583,6 +602,9 @@ static int cmd_status(int argc, char **argv)
                    kc_node_state_name(n->state), since, n->grpc_address, running, queued, tokens, blocks, reserved,
                    cache);
         }
+        if (resp->pressure && *resp->pressure)
+            printf("pressure: %s (%" PRIu64 "/%" PRIu64 " decode KV blocks free, %u requests queued at the router)\n",
+                   resp->pressure, resp->pressure_free_blocks, resp->pressure_total_blocks, resp->pressure_queued);
     }
     kc_message_free(&resp->base);
     kc_channel_destroy(ch);

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+import simadaptive
 import simprefix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -139,6 +140,33 @@ class Jitter:
 
 
 # ================================================================== KV policies
+
+def _sim_error(msg):
+    raise SimError(msg)
+
+
+def auto_table(args, specs):
+    """Loads --calibration into args.auto_table when a spec of `specs` is kv_policy auto, and
+    checks each auto spec against it (SimError naming the flag or spec)."""
+    auto = [s for s in specs if simadaptive.is_auto(s)]
+    args.auto_table = None
+    if not auto:
+        return
+    if not getattr(args, "calibration", None):
+        raise SimError("--policy '%s': auto needs --calibration FILE (kvrelay-eval --calibrate-out makes one; "
+                       "docs/adaptive.md)" % auto[0])
+
+    def footprint(spec):
+        try:
+            return Footprint(spec)
+        except SimError:
+            return None  # a family the simulator does not model: never chosen
+    args.auto_table = simadaptive.Table(args.calibration, footprint, _sim_error)
+    for s in auto:
+        _, task = simadaptive.parse_auto(s, lambda m: _sim_error("--policy '%s': %s" % (s, m)))
+        if task and task not in args.auto_table.tasks:
+            raise SimError("--policy '%s': the calibration table %s scores no task '%s'" % (s, args.calibration, task))
+
 
 def parse_policy(spec):
     """'name:key=value,...' -> (family, {key: value}) for the families the simulator models."""
@@ -431,6 +459,7 @@ class Sim:
         self.turn = 0
         self.done = 0
         self.on_end = None  # called with each request as it ends (the closed loop's next send)
+        self.fps = {}  # Footprints of the specs kv_policy auto chose
 
     def at(self, t, fn, *a):
         self.n_events += 1
@@ -464,11 +493,28 @@ class Sim:
 
     def arrive(self, r):
         r.row["sent_s"] = self.now
+        if r.fp is None:  # kv_policy auto: the router chooses as it validates the request
+            self._auto(r)
         cpu = self.prof["cluster"].get("cpu_per_request_s", 0.0)
         if cpu > 0:  # the router's and the client's work for a request, before it is placed
             self.compute.start(cpu, lambda: self._routed(r))
         else:
             self._routed(r)
+
+    def _auto(self, r):
+        """The router's auto rule (tools/simadaptive.py) at the pressure the router sees now: every
+        decode node's free and total blocks and the admission FIFO's length."""
+        level = simadaptive.pressure(sum(d.free() for d in self.decode), sum(d.total for d in self.decode),
+                                     len(self.fifo))
+        lists, bs = self.costs.lists, self.args.block_size
+        spec, score, reason = self.args.auto_table.choose(
+            simadaptive.parse_auto(r.policy, _sim_error), r.n, r.out, level,
+            lambda fp, n, out, b: blocks_bound(fp, n, out, lists, b), self.fps.setdefault("full", Footprint("full")))
+        r.fp = self.fps.setdefault(spec, Footprint(spec))
+        r.bound = blocks_bound(r.fp, r.n, r.out, lists, bs)
+        if self.args.prefix_cache_memory > 0 and simprefix.reuses(r.fp.family, r.fp.kv):
+            r.keys = simprefix.chain(r.segs, r.n, self.args.chunk, spec)
+        r.row.update(auto_policy=spec, auto_score=score, auto_pressure=level, auto_reason=reason)
 
     def _routed(self, r):
         if self.fifo:
@@ -747,14 +793,15 @@ def simulate(args, prof, costs, plan, rate, label, fps, jitter):
         if r.n + r.out > costs.max_position:
             raise SimError("request %d needs %d positions (prompt + output); the profile's model has %d"
                            % (r.i, r.n + r.out, costs.max_position))
-        r.fp = fps.setdefault(r.policy, Footprint(r.policy))
-        r.bound = blocks_bound(r.fp, r.n, r.out, costs.lists, args.block_size)
+        auto = simadaptive.is_auto(r.policy)  # chosen at arrival (Sim._auto)
+        r.fp = None if auto else fps.setdefault(r.policy, Footprint(r.policy))
+        r.bound = None if auto else blocks_bound(r.fp, r.n, r.out, costs.lists, args.block_size)
         r.arrival, r.enqueued, r.queued, r.dnode, r.pnode = at, None, False, None, None
         r.times, r.generated, r.entries, r.attended, r.full = [], 0, 0, 0, 0
         r.pf, r.df = jitter.draw("prefill"), jitter.draw("decode")
         r.segs, r.session = segs, None
         r.keys = simprefix.chain(segs, r.n, args.chunk, r.policy) \
-            if reusing and simprefix.reuses(r.fp.family, r.fp.kv) else []
+            if reusing and not auto and simprefix.reuses(r.fp.family, r.fp.kv) else []
         r.row = {"index": r.i, "warmup": r.warmup, "policy": r.policy, "trace_line": q["trace_line"],
                  "scheduled_s": at, "prompt_tokens": r.n, "max_tokens": r.out, "status": None,
                  "error": None, "queue_s": 0.0, "kv_bytes_shipped": 0, "kv_entries_shipped": 0}

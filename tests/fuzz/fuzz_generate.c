@@ -7,6 +7,8 @@
  * a prompt of 1.. tokens inside the vocabulary and prompt + max_tokens within the context.
  * Run: ctest -R fuzz_generate, or build with -DKR_FUZZ=ON (clang) for libFuzzer.
  */
+#include "../../router/adaptive.c"
+#include "../../router/auto.c"
 #include "../../router/validate.c"
 #include "../../router/policy.c"
 #include "../../router/stop.c"

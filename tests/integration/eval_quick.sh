@@ -13,7 +13,9 @@
 #    cluster then still answers a good run with full accuracy. A broken gate file through a
 #    cluster the evaluator starts: exit 2, the parser's message.
 # Between the two: --calibrate-gates writes a gate file of the model's shape that the heads
-# policy accepts.
+# policy accepts; the quick sweep's --calibrate-out table (kv_policy auto, docs/adaptive.md)
+# carries the fingerprint the committed table has, a point per (spec, length) with every task's
+# score and case count, and equals the table --calibrate-from makes from the sweep's --out.
 # Skips (77) without Debian's python3-grpcio, numpy, matplotlib or the stub generator.
 # Env (set by ctest): KR_BIN, KR_SRC.
 set -euo pipefail
@@ -40,7 +42,7 @@ bad() { echo "FAIL: $*" >&2; fail=1; }
 
 # ---- 1. the quick sweep with its checks
 if "$PY" "$EVAL" --quick --bin "$KR_BIN" --out "$tmp/q.json" --markdown "$tmp/q.md" \
-  --plot "$tmp/q.png" >"$tmp/quick.out" 2>"$tmp/quick.err"; then
+  --plot "$tmp/q.png" --calibrate-out "$tmp/table.json" >"$tmp/quick.out" 2>"$tmp/quick.err"; then
   grep -q 'checks passed' "$tmp/quick.err" || bad "--quick did not report its checks"
 else
   bad "kvrelay-eval --quick failed: $(tail -n 20 "$tmp/quick.err")"
@@ -81,6 +83,34 @@ for e in errs:
 sys.exit(1 if errs else 0)
 EOF
 [ -s "$tmp/q.png" ] && [ "$(head -c 4 "$tmp/q.png" | od -An -c | tr -d ' ')" = '211PNG' ] || bad "no PNG plot written"
+
+# ---- the calibration table, from the sweep and from its records
+fp=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"]["fingerprint"])' \
+  "$KR_SRC/models/kjv-2l128-2k/calibration.json")
+"$PY" "$EVAL" --calibrate-from "$tmp/q.json" --fingerprint "$fp" --calibrate-out "$tmp/table2.json" \
+  >/dev/null 2>"$tmp/table2.err" || bad "--calibrate-from failed: $(tail -n 5 "$tmp/table2.err")"
+"$PY" - "$tmp/table.json" "$tmp/table2.json" "$fp" <<'EOF' || fail=1
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+errs = []
+if a["model"]["fingerprint"] != sys.argv[3]:
+    errs.append("the sweep's table says fingerprint %s, the committed one %s" % (a["model"]["fingerprint"], sys.argv[3]))
+if (a["kind"], a["format"], a["tasks"], a["lengths"], a["chunk"]) != ("kvrelay-calibration", 1, ["kv", "copy", "text"], [128, 256], 64):
+    errs.append("table head %s" % {k: a[k] for k in ("kind", "format", "tasks", "lengths", "chunk")})
+for p in a["points"]:
+    for t in ("kv", "copy", "text"):
+        s = p["scores"].get(t)
+        if not s or s["cases"] != 6 or not (0 <= s["policy"] <= 1 and 0 <= s["full"] <= 1):
+            errs.append("%s at %d, %s: %s" % (p["spec"], p["length"], t, s))
+if len(a["points"]) != len({(p["spec"], p["length"]) for p in a["points"]}) or len(a["points"]) < 14:
+    errs.append("%d points" % len(a["points"]))
+a.pop("source"), b.pop("source")
+if a != b:
+    errs.append("--calibrate-from made another table than the sweep")
+for e in errs:
+    print("FAIL: " + e, file=sys.stderr)
+sys.exit(1 if errs else 0)
+EOF
 grep -q '^### kv, 128 tokens' "$tmp/q.md" && grep -q '^| snapkv | ' "$tmp/q.md" || bad "the markdown lacks the kv/128 table or its snapkv row"
 
 # ---- gate calibration: a gate file the heads policy takes, gates in [0, 1], the largest 1
@@ -134,6 +164,8 @@ expect_error "budget" --tasks kv --policy "snapkv:budget=8,obs=16"
 expect_error "no policy files" --tasks kv --policy "heads:pattern=broken-gates.tsv"
 expect_error "unknown policy family" --families snapkv,nonsense
 expect_error "unknown wire dtype 'int4'" --wire-dtypes f32,int4
+expect_error "needs --calibrate-out" --calibrate-from "$tmp/q.json"
+expect_error "not a kvrelay-eval --out file" --calibrate-from "$tmp/short.txt" --calibrate-out "$tmp/x.json"
 
 # a broken gate file, through a cluster the evaluator starts with the file's directory as --policy-dir
 rc=0

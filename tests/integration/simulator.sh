@@ -12,6 +12,9 @@
 # --kv-dtype names one; a profile without the key exits 2 naming it. Then prefix reuse
 # (simulator_prefix.py): a small chat workload's hit rate and cached tokens equal the cache's
 # rules worked by hand, budgets, kv-aware against round-robin placement, conversation traces.
+# Then kv_policy auto (simulator_adaptive.py): the router's rule on the unit test's synthetic
+# table, and on a memory-bound pool full while it has room, compressed specs at the floor once
+# it fills.
 # Skips (77) without python3-numpy or python3-matplotlib. Env (set by ctest): KR_SRC.
 set -euo pipefail
 PY=/usr/bin/python3
@@ -23,6 +26,7 @@ work=$(mktemp -d -t kvrelay-sim-test.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 "$PY" "$KR_SRC/tests/integration/simulator.py" "$KR_SRC" "$work"
 "$PY" "$KR_SRC/tests/integration/simulator_prefix.py" "$KR_SRC" "$work"
+"$PY" "$KR_SRC/tests/integration/simulator_adaptive.py" "$KR_SRC" "$work"
 "$PY" - "$KR_SRC" "$work" <<'PY'
 import json, os, subprocess, sys
 src, work = sys.argv[1:3]

@@ -16,10 +16,13 @@
  */
 #include "kr_test.h"
 
+#include "../../router/adaptive.c"
+#include "../../router/auto.c"
 #include "../../router/breaker.c"
 #include "../../router/kv-index.c"
 #include "../../router/nodes.c"
 #include "../../router/placement.c"
+#include "../../router/policy.c"
 
 #include <string.h>
 

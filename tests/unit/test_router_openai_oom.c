@@ -13,12 +13,15 @@
 
 #include <stdlib.h>
 
+#include "../../router/adaptive.c"
 #include "../../router/apikey.c"
+#include "../../router/auto.c"
 #include "../../router/breaker.c"
 #include "../../router/client-limits.c"
 #include "../../router/kv-index.c"
 #include "../../router/nodes.c"
 #include "../../router/placement.c"
+#include "../../router/policy.c"
 #include "../../router/relay.c"
 #include "../../router/request.c"
 #include "../../router/reserve.c"

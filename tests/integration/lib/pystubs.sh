@@ -45,15 +45,16 @@ kr_workdir_cleanup() {
   rm -rf "$tmp"
 }
 
-# kr_hold_pool STUBS DECODE_ADDR DIR: fills the decode node's KV pool with reservations of a
+# kr_hold_pool STUBS DECODE_ADDR DIR [LEAVE]: fills the decode node's KV pool (all but LEAVE
+# blocks, when given) with reservations of a
 # Python process of its own (lib/hold_pool.py, stubs with kvrelay/v1/internal.proto), so that
 # the router finds no room; returns once the pool is full (1 if it could not be filled; the
 # reason in DIR/hold.out). kr_release_pool: releases them and waits for that process (1 on error).
 kr_hold_pool() {
-  local stubs=$1 addr=$2 dir=$3 i
+  local stubs=$1 addr=$2 dir=$3 leave=${4:-} i
   KR_HOLD_DIR=$dir
   mkfifo "$dir/hold.in"
-  "$PY" "$KR_SRC/tests/integration/lib/hold_pool.py" "$stubs" "$addr" <"$dir/hold.in" >"$dir/hold.out" 2>&1 &
+  "$PY" "$KR_SRC/tests/integration/lib/hold_pool.py" "$stubs" "$addr" $leave <"$dir/hold.in" >"$dir/hold.out" 2>&1 &
   KR_HOLD_PID=$!
   exec 9>"$dir/hold.in"
   for ((i = 0; i < 300; i++)); do
