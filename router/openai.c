@@ -11,12 +11,14 @@
  * once the first event or an error is known (so a refusal before any token is a real 4xx/5xx),
  * and it watches the socket while it waits, so that a client that goes away is noticed even
  * while nothing is being written: its decode stream is then cancelled by the router's watcher.
- * Not here: n > 1, logprobs, tools, images, embeddings, legacy endpoints.
+ * Log-probabilities and echo are rendered by openai-logprobs.c, one oa_lp per choice.
+ * Not here: n > 1, tools, images, embeddings, legacy endpoints.
  */
 #define _GNU_SOURCE /* POLLRDHUP: the peer closed its end */
 #include "router.h"
 
 #include "apikey.h"
+#include "openai-logprobs.h"
 #include "openai.h"
 
 #include <cjson/cJSON.h>
@@ -91,6 +93,11 @@ typedef struct oa_call {
     int role_sent;
     atomic_int gone; /* the client went away */
     int refs;
+
+    /* log-probabilities and echo (openai-logprobs.h) */
+    oa_lp lp;
+    cJSON *lp_obj; /* non-streamed with logprobs: the choice's logprobs object, filled per delta */
+    int echo_sent; /* streamed: the echoed prompt went out with the first chunk */
 } oa_call;
 
 /* ------------------------------------------------------------------ responses */
@@ -285,7 +292,8 @@ static cJSON *completion_doc(const oa_call *c)
     } else {
         cJSON_AddStringToObject(ch, "text", c->text ? c->text : "");
     }
-    cJSON_AddNullToObject(ch, "logprobs");
+    if (c->lp_obj) cJSON_AddItemReferenceToObject(ch, "logprobs", c->lp_obj); /* freed with the call */
+    else cJSON_AddNullToObject(ch, "logprobs");
     cJSON_AddStringToObject(ch, "finish_reason", finish_name(c->reason));
     add_usage(doc, c);
     add_extras(doc, c);
@@ -354,6 +362,7 @@ static int whole_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
 {
     oa_call *c = ctx;
     if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA) {
+        if (c->lp_obj && oa_lp_add(&c->lp, c->lp_obj, c->req.ids, msg->delta) != 0) return RT_SINK_FAILED;
         size_t n = strlen(msg->delta->text);
         if (c->text_len + n + 1 > c->text_cap) {
             size_t cap = (c->text_len + n + 1) * 2;
@@ -433,6 +442,36 @@ static void sse_raw_locked(oa_call *c, const char *s)
     c->out_len += n;
 }
 
+/* Streamed: a delta as a chunk, when it has text, the echoed prompt, or tokens whose
+ * log-probabilities were asked (their text may still be held back); with c->mu held. */
+static void stream_delta_locked(oa_call *c, const Kvrelay__V1__TokenDelta *d)
+{
+    const char *text = d->text;
+    char *joined = NULL;
+    if (c->lp.echo && !c->echo_sent) { /* the prompt goes before the completion's first text */
+        size_t a = c->lp.echo_len, b = strlen(d->text);
+        if (!(joined = malloc(a + b + 1))) {
+            c->oom = 1;
+            return;
+        }
+        memcpy(joined, c->lp.echo, a);
+        memcpy(joined + a, d->text, b + 1);
+        text = joined;
+        c->echo_sent = 1;
+    }
+    cJSON *lp = NULL;
+    if (c->req.logprobs >= 0 && (lp = oa_lp_object(&c->lp)) && oa_lp_add(&c->lp, lp, c->req.ids, d) != 0) c->oom = 1;
+    int scored = lp && (d->n_ids || d->n_prompt_logprobs || joined);
+    if (text[0] || (c->req.kind == OA_CHAT && !c->role_sent) || scored) {
+        cJSON *doc = chunk_doc(c, text, NULL);
+        cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(doc, "choices"), 0);
+        if (lp && ch && cJSON_ReplaceItemInObjectCaseSensitive(ch, "logprobs", lp)) lp = NULL;
+        sse_append_locked(c, doc);
+    }
+    cJSON_Delete(lp);
+    free(joined);
+}
+
 /* Streamed: every delta with text becomes a chunk; the finish, a last chunk with the finish
  * reason and kvrelay's figures, then the usage chunk when asked for. */
 static int stream_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
@@ -440,7 +479,7 @@ static int stream_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
     oa_call *c = ctx;
     pthread_mutex_lock(&c->mu);
     if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA) {
-        if (msg->delta->text[0] || (c->req.kind == OA_CHAT && !c->role_sent)) sse_append_locked(c, chunk_doc(c, msg->delta->text, NULL));
+        stream_delta_locked(c, msg->delta);
     } else if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH) {
         keep_finish(c, msg->finish);
         cJSON *last = chunk_doc(c, NULL, finish_name(c->reason));
@@ -493,6 +532,8 @@ static void call_free(oa_call *c)
 {
     if (!c) return;
     oa_request_free(&c->req);
+    oa_lp_free(&c->lp);
+    cJSON_Delete(c->lp_obj);
     free(c->text);
     free(c->out);
     pthread_mutex_destroy(&c->mu);
@@ -650,6 +691,23 @@ static oa_model model_of(const rt_router *rt)
                       .chat = rt->chat, .chat_error = rt->chat_error, .max_tokens_limit = rt->max_tokens_limit};
 }
 
+/* Log-probabilities and echo for the call's choice: the echoed prompt starts a non-streamed
+ * text. Returns 0, or -1 with err (no tokenizer, out of memory). */
+static int start_logprobs(oa_call *c, char *err)
+{
+    err[0] = 0;
+    if (oa_lp_init(&c->lp, &c->req, c->rt->tok, err) != 0) return -1;
+    if (!c->req.stream && c->req.logprobs >= 0 && !(c->lp_obj = oa_lp_object(&c->lp)))
+        return snprintf(err, KR_ERR_MAX, "out of memory"), -1;
+    if (!c->req.stream && c->lp.echo) {
+        if (!(c->text = malloc(c->lp.echo_len + 1))) return snprintf(err, KR_ERR_MAX, "out of memory"), -1;
+        memcpy(c->text, c->lp.echo, c->lp.echo_len + 1);
+        c->text_len = c->lp.echo_len;
+        c->text_cap = c->lp.echo_len + 1;
+    }
+    return 0;
+}
+
 static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind kind, const char *body, size_t len)
 {
     oa_call *c = calloc(1, sizeof *c);
@@ -690,6 +748,12 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
         return respond_json(rt, conn, f.http, error_doc(f.type, f.param[0] ? f.param : NULL, f.code, f.msg), NULL);
     }
     c->req.q.request_id = c->request_id;
+    if (start_logprobs(c, f.msg) != 0) {
+        kc_info(c->request_id, "HTTP 400: %s", f.msg);
+        const char *param = c->req.echo ? "echo" : "logprobs";
+        call_free(c);
+        return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", param, NULL, "%s", f.msg);
+    }
     return c->req.stream ? serve_stream(conn, c) : serve_whole(conn, c);
 }
 

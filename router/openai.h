@@ -52,6 +52,9 @@ typedef struct oa_request {
     int n_stop_ids;
     int ignore_eos, keep_special, include_stop; /* ignore_eos, !skip_special_tokens,
                                                     include_stop_str_in_output */
+    int logprobs; /* -1: none; else the alternatives per token (completions' logprobs, chat's
+                     top_logprobs with logprobs true) */
+    int echo;     /* completions: the prompt comes back before the completion */
 } oa_request;
 
 /* Why a request was refused: the HTTP status, OpenAI's error type and code (static strings,
