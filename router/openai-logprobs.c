@@ -196,7 +196,8 @@ fail:
 int oa_lp_add(oa_lp *s, cJSON *obj, const uint32_t *prompt, const Kvrelay__V1__TokenDelta *d)
 {
     if (!obj) return -1;
-    if (s->echo && d->n_prompt_logprobs + 1 == s->n_prompt) { /* the echoed prompt's own scores */
+    if (s->echo && !s->prompt_done && d->n_prompt_logprobs + 1 == s->n_prompt) { /* the prompt's own scores */
+        s->prompt_done = 1;
         for (size_t i = 0; i < s->n_prompt; i++) {
             const Kvrelay__V1__TopLogprobs *alts = i && i - 1 < d->n_prompt_top_logprobs ? d->prompt_top_logprobs[i - 1] : NULL;
             if (add_token(s, obj, prompt[i], i > 0, i ? d->prompt_logprobs[i - 1] : 0.0f, alts, s->prompt_off[i]) != 0)

@@ -22,6 +22,7 @@ typedef struct oa_lp {
     size_t echo_len;
     size_t *prompt_off;  /* [n_prompt] with echo: each prompt token's byte offset in echo */
     size_t n_prompt;
+    int prompt_done;     /* the prompt's tokens are in the logprobs (the first delta's scores) */
     kr_detok *detok;     /* the completion's ids as the relay detokenizes them, for text_offset */
     size_t offset;       /* bytes of the choice's text (echo included) before the next token */
 } oa_lp;

@@ -126,7 +126,7 @@ int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *t
         r->sent = grown;
         r->cap_sent = cap;
     }
-    memcpy(r->sent + r->n_sent, ids, kept * sizeof *ids);
+    if (kept) memcpy(r->sent + r->n_sent, ids, kept * sizeof *ids); /* none in a scored-only delta */
     r->n_sent += kept;
     r->t_last = rt_now_s();
     if (sent != 0) {

@@ -20,6 +20,9 @@ Checked:
     window at least one differs from full's;
   - echo without logprobs prepends the prompt; echo with logprobs and max_tokens 4 has the
     prompt's tokens then 4 generated ones whose logprobs equal the non-echo request's;
+  - the official openai npm package (tests/integration/openai/logprobs.cjs, when ./kvrelay test
+    installed it) gets the same values: completions' logprobs 3 streamed and not, echo with
+    max_tokens 0, chat's logprobs with top_logprobs 2 streamed and not;
   - refusals: logprobs 21, -1, "x" (param logprobs); chat top_logprobs without logprobs or 21
     (top_logprobs); echo on chat (echo); max_tokens 0 without echo (max_tokens); gRPC
     top_logprobs 21 and max_tokens 0 without prompt_logprobs are INVALID_ARGUMENT.
@@ -28,6 +31,7 @@ Run through openai_logprobs.sh (it generates the stubs); every process is killed
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import urllib.error
@@ -262,6 +266,36 @@ def main():
                                           for k in range(4)), "echo + 4 tokens: %s" % tl)
     check(lp.get("text_offset", [None] * (len(ids) + 1))[len(ids)] == len(PROMPT.encode()) and
           all(t == {} for t in lp.get("top_logprobs", [None])[1:]), "echo + logprobs 0: offsets / tops %s" % lp)
+
+    # ---------------------------------------------------------------- the official openai npm package
+    modules = os.path.join(args.bin, "npm", "node_modules")
+    if os.path.isdir(os.path.join(modules, "openai")) and shutil.which("node"):
+        env = dict(os.environ, NODE_PATH=modules)
+        p = subprocess.run(["node", os.path.join(os.path.dirname(os.path.abspath(__file__)), "openai", "logprobs.cjs"),
+                            api, NAME, PROMPT], capture_output=True, text=True, timeout=300, env=env)
+        check(p.returncode == 0, "logprobs.cjs: %s" % p.stderr[-500:])
+        sdk = json.loads(p.stdout) if p.returncode == 0 else {}
+        g3 = grpc_run(ids, max_tokens=8, logprobs=True, top_logprobs=3)
+        for what in ("completion", "completion_stream"):
+            got = sdk.get(what, {})
+            got = got.get("token_logprobs", []) if isinstance(got, dict) else got
+            check(len(got) == 8 and all(same(f32(a), b2) for a, b2 in zip(got, g3["lps"])),
+                  "SDK %s logprobs %s != gRPC %s" % (what, got, g3["lps"]))
+        tops = (sdk.get("completion") or {}).get("top_logprobs", [])
+        check(len(tops) == 8 and all(sorted(f32(v) for v in t.values()) == sorted(a[1]) for t, a in zip(tops, g3["alts"])),
+              "SDK completion top_logprobs %s" % tops)
+        tl = (sdk.get("echo") or {}).get("token_logprobs", [])
+        check(sdk.get("echo_text") == PROMPT and len(tl) == len(ids) and tl[0] is None and
+              all(same(f32(tl[i]), want[i]) for i in range(1, len(ids))), "SDK echo: %s" % sdk.get("echo"))
+        gc2 = grpc_run(ct["tokens"], max_tokens=6, logprobs=True, top_logprobs=2)
+        chat = sdk.get("chat", [])
+        check(len(chat) == 6 and all(same(f32(e["logprob"]), b2) and len(e["top_logprobs"]) == 2
+                                     for e, b2 in zip(chat, gc2["lps"])), "SDK chat logprobs %s" % chat)
+        got = sdk.get("chat_stream", [])
+        check(len(got) == 6 and all(same(f32(a), b2) for a, b2 in zip(got, gc2["lps"])),
+              "SDK streamed chat logprobs %s != gRPC %s" % (got, gc2["lps"]))
+    else:
+        print("note: node or the openai npm package (%s) missing: the SDK checks were skipped" % modules)
 
     # ---------------------------------------------------------------- refusals
     for v in (21, -1, "x", True):
