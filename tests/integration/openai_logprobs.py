@@ -48,7 +48,10 @@ from krprocs import check  # noqa: E402
 
 NAME = "kjv-lp"
 CHUNK = 16
-PROMPT = "And God said, Let there be light: and there was light. And God saw the light, that it was good"
+PROMPT = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: and "
+          "God divided the light from the darkness. And God called the light Day, and the darkness he called "
+          "Night. And the evening and the morning were the first day. And God said, Let there be a firmament in "
+          "the midst of the waters")
 POLICY = "streaming:sink=4,window=16"
 
 
