@@ -16,7 +16,7 @@
 #include <string.h>
 
 /* 1 when b[0, n) is valid UTF-8 (no overlongs, surrogates or code points past U+10FFFF). */
-static int utf8_valid(const unsigned char *b, size_t n)
+static int spells_utf8(const unsigned char *b, size_t n)
 {
     for (size_t i = 0; i < n;) {
         unsigned c = b[i];
@@ -46,7 +46,7 @@ static char *token_text(const oa_lp *s, uint32_t id, const unsigned char **bytes
     }
     *bytes = (const unsigned char *)b;
     *n = len;
-    int ok = utf8_valid(*bytes, len) && !memchr(b, 0, len);
+    int ok = spells_utf8(*bytes, len) && !memchr(b, 0, len);
     char *out = malloc(ok ? len + 1 : 6 + 4 * len + 1);
     if (!out) return NULL;
     if (ok) {

@@ -28,6 +28,7 @@
 #define refuse oa_refuse
 #include "../../router/openai-request.c"
 #undef refuse
+#include "../../router/openai-logprobs.c"
 
 /* openai.c's allocations of the text it gathers fail while g_fail_realloc is set */
 static int g_fail_realloc;
