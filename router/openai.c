@@ -748,11 +748,13 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
         return respond_json(rt, conn, f.http, error_doc(f.type, f.param[0] ? f.param : NULL, f.code, f.msg), NULL);
     }
     c->req.q.request_id = c->request_id;
-    if (start_logprobs(c, f.msg) != 0) {
-        kc_info(c->request_id, "HTTP 400: %s", f.msg);
+    if (start_logprobs(c, f.msg) != 0) { /* no tokenizer to spell tokens with: the request's fault */
+        int ours = rt->tok != NULL; /* else out of memory: the router's */
+        kc_info(c->request_id, "HTTP %d: %s", ours ? 500 : 400, f.msg);
         const char *param = c->req.echo ? "echo" : "logprobs";
         call_free(c);
-        return respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", param, NULL, "%s", f.msg);
+        return ours ? respond_error(rt, conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "server_error", NULL, NULL, "%s", f.msg)
+                    : respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", param, NULL, "%s", f.msg);
     }
     return c->req.stream ? serve_stream(conn, c) : serve_whole(conn, c);
 }

@@ -15,7 +15,9 @@ Checked:
     sends them): the prompt's tokens, the first one's logprob and top_logprobs null, every other
     equal bit for bit to log-softmax of kvrelay-logits' row (same ids, --chunk 16, --threads 1)
     computed as kr_logprob computes it, and to gRPC's prompt_logprobs; no completion tokens;
-    the prompt spans several chunks;
+    the prompt spans several chunks; lm-evaluation-harness's current request (max_tokens 1, a list
+    of one id prompt, seed) read as its parse_logprobs reads it: the continuation's scores and
+    its is_greedy;
   - the same under an evicting policy (streaming, window 16): finite values <= 0, and after the
     window at least one differs from full's;
   - echo without logprobs prepends the prompt; echo with logprobs and max_tokens 4 has the
@@ -243,6 +245,19 @@ def main():
                                            "temperature": 0, "seed": 1234})
     check(status == 200 and d["usage"]["completion_tokens"] == 0 and d["usage"]["prompt_tokens"] == len(ids),
           "lm-eval request: %d %s" % (status, d))
+    # lm-evaluation-harness's current local-completions loglikelihood request (its _create_payload
+    # and parse_logprobs: max_tokens 1, the continuation's scores token_logprobs[ctxlen:-1], greedy
+    # when each equals its top_logprobs' max)
+    ctxlen = len(ids) // 2
+    status, d = post(api, "/completions", {"model": NAME, "prompt": [ids], "temperature": 0, "max_tokens": 1,
+                                           "logprobs": 1, "seed": 1234, "echo": True})
+    lp = d["choices"][0]["logprobs"] if status == 200 else {"token_logprobs": [], "top_logprobs": []}
+    cont, tops = lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]
+    greedy = all(t == max(top.values()) for t, top in zip(cont, tops))
+    want_greedy = all(rows[i - 1].index(max(rows[i - 1])) == ids[i] for i in range(ctxlen, len(ids)))
+    check(status == 200 and len(lp["token_logprobs"]) == len(ids) + 1 and
+          all(same(f32(a), w) for a, w in zip(cont, want[ctxlen:])) and greedy == want_greedy,
+          "lm-eval's request: %d, continuation %s, greedy %s (want %s)" % (status, cont[:4], greedy, want_greedy))
     # under an evicting policy: the policy's chunked prefill's own scores
     c = completion(max_tokens=0, echo=True, logprobs=1, kv_policy=POLICY)
     tl = (c["logprobs"] or {}).get("token_logprobs", [])
