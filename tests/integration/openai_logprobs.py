@@ -4,7 +4,8 @@ one kvrelay-decode and one kvrelay-router on the bundled kjv-2l128-2k model.
 
 Checked:
   - completions with logprobs N (non-streamed and streamed): token_logprobs, read back as
-    float32, equal the gRPC stream's TokenDelta.logprobs for the same greedy request bit for bit;
+    float32, equal the gRPC stream's TokenDelta.logprobs for the same greedy request bit for bit
+    (and for a seeded sampled one);
     top_logprobs hold N alternatives whose values are the gRPC alternatives' (TokenDelta
     .top_logprobs), most probable first with the greedy token first; text_offset counts bytes
     of the text; the streamed chunks carry the same values as the whole answer;
@@ -138,8 +139,8 @@ def main():
     ids = tk["tokens"]
     check(len(ids) > 2 * CHUNK, "the prompt should span several %d-token chunks: %d ids" % (CHUNK, len(ids)))
 
-    def grpc_run(prompt_ids, **kw):
-        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=pb.Sampling(), **kw)
+    def grpc_run(prompt_ids, sampling=None, **kw):
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=sampling or pb.Sampling(), **kw)
         r = {"ids": [], "lps": [], "alts": [], "prompt": [], "prompt_alts": [], "finish": None, "deltas": 0}
         for msg in gen.Generate(req, timeout=300):
             if msg.WhichOneof("event") == "delta":
@@ -193,6 +194,13 @@ def main():
                 got.extend(ch["logprobs"]["token_logprobs"])
     check(status == 200 and len(got) == 8 and all(same(f32(a), b2) for a, b2 in zip(got, g["lps"])),
           "streamed logprobs %s != gRPC %s" % (got, g["lps"]))
+
+    # a seeded sampled request: the same tokens, so the same values as gRPC's
+    gs = grpc_run(ids, sampling=pb.Sampling(temperature=0.8, seed=7), max_tokens=8, logprobs=True, top_logprobs=2)
+    c = completion(logprobs=2, temperature=0.8, seed=7)
+    tl = (c["logprobs"] or {}).get("token_logprobs", [])
+    check(len(tl) == 8 and all(same(f32(a), b2) for a, b2 in zip(tl, gs["lps"])),
+          "seeded sampled logprobs %s != gRPC %s" % (tl, gs["lps"]))
 
     # ---------------------------------------------------------------- chat
     msgs = [{"role": "user", "content": "In the beginning"}]
