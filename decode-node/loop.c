@@ -100,11 +100,23 @@ static int send_pending(dn_job *j)
         toks.logprobs = j->pending_lp;
         toks.top_ids = j->pending_top;
     }
+    Kvrelay__V1__TopLogprobs alts[DN_PENDING_MAX], *alt_ptrs[DN_PENDING_MAX];
+    if (j->top_logprobs) {
+        for (int i = 0; i < j->n_pending; i++) {
+            alts[i] = (Kvrelay__V1__TopLogprobs)KVRELAY__V1__TOP_LOGPROBS__INIT;
+            alts[i].n_ids = alts[i].n_logprobs = (size_t)j->top_logprobs;
+            alts[i].ids = (uint32_t *)j->pending_alt_ids[i]; /* ids of the vocabulary: the same bits */
+            alts[i].logprobs = j->pending_alt_lps[i];
+            alt_ptrs[i] = &alts[i];
+        }
+        toks.n_top_logprobs = (size_t)j->n_pending;
+        toks.top_logprobs = alt_ptrs;
+    }
     Kvrelay__V1__DecodeResponse m = KVRELAY__V1__DECODE_RESPONSE__INIT;
     m.event_case = KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS;
     m.tokens = &toks;
     j->n_pending = 0;
-    return kc_call_send(j->call, &m.base);
+    return kc_call_send(j->call, &m.base); /* packs the message at once */
 }
 
 /* Ends a job's call with `code` (details from fmt unless OK; for OK, finish_ok has queued the
@@ -266,7 +278,9 @@ static int take_token(dn_loop *L, dn_job *j, int32_t id, const float *row)
     kc_counter_inc(n->m.tokens, 1);
     if (j->logprobs) {
         int32_t top;
-        j->pending_lp[j->n_pending] = kr_logprob(row, n->mcfg->vocab_size, id, &top);
+        j->pending_lp[j->n_pending] = kr_logprob_top(row, n->mcfg->vocab_size, id, &top, j->top_logprobs,
+                                                     j->pending_alt_ids[j->n_pending],
+                                                     j->pending_alt_lps[j->n_pending]);
         j->pending_top[j->n_pending] = (uint32_t)top;
     }
     j->pending[j->n_pending++] = id;

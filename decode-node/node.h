@@ -151,6 +151,9 @@ typedef struct dn_job {
     int32_t pending[DN_PENDING_MAX]; /* sampled ids not yet sent (the client is behind) */
     float pending_lp[DN_PENDING_MAX]; /* with logprobs: theirs, and each step's argmax */
     uint32_t pending_top[DN_PENDING_MAX];
+    int top_logprobs; /* 0..KR_TOP_LOGPROBS_MAX alternatives streamed per id (with logprobs) */
+    int32_t pending_alt_ids[DN_PENDING_MAX][KR_TOP_LOGPROBS_MAX]; /* [n_pending][top_logprobs] */
+    float pending_alt_lps[DN_PENDING_MAX][KR_TOP_LOGPROBS_MAX];
     int n_pending;
     double t_join, t_last; /* monotonic: joined the batch, last token */
     int released; /* its reservation's cancel flag, as the loop last read it */

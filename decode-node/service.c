@@ -395,7 +395,13 @@ static int decode(kc_call *call, const Kvrelay__V1__DecodeRequest *req, dn_node 
         for (size_t i = 0; i < req->n_forced; i++)
             job->forced[i] = (int32_t)req->forced[i];
     }
-    job->logprobs = req->logprobs || req->n_forced > 0;
+    if (req->top_logprobs > KR_TOP_LOGPROBS_MAX) {
+        dn_job_free(job);
+        return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT, "top_logprobs: %u, at most %d", req->top_logprobs,
+                      KR_TOP_LOGPROBS_MAX);
+    }
+    job->top_logprobs = (int)req->top_logprobs;
+    job->logprobs = req->logprobs || req->n_forced > 0 || job->top_logprobs > 0;
     job->ignore_eos = req->ignore_eos;
     job->min_tokens = (int)(req->min_tokens > (uint32_t)INT32_MAX ? INT32_MAX : req->min_tokens);
     if (kr_sampler_create(&sampling, c->vocab_size, &job->sampler, err) != KR_OK ||

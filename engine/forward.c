@@ -59,7 +59,7 @@ struct kr_ctx {
 
 /* Logits are computed this many rows at a time, so the buffer stays small for large
  * vocabularies (128k x 64 rows x 4 bytes = 32 MiB) whatever the chunk size. */
-enum { LOGIT_ROWS = 64 };
+enum { LOGIT_ROWS = KR_SCORE_ROWS };
 
 /* HF's default RoPE inverse frequencies, then the llama3 rescaling when configured
  * (transformers' _compute_llama3_parameters), in float32 as HF computes them. */
@@ -577,6 +577,21 @@ int kr_forward_batch(kr_ctx *c, kr_seq *const *seqs, const int32_t *tokens, int 
     return KR_OK;
 }
 
+/* Prompt scoring (kr_prompt_span): the logits of the chunk's len real rows, still in the residual
+ * stream after forward_rows, in the pieces compute_logits takes them for KR_LOGITS_ALL, so each
+ * row rounds as kr_forward's. */
+static int score_chunk(kr_ctx *c, const kr_prompt_span *sp, int at, int len, char *err)
+{
+    for (int r0 = 0; r0 < len; r0 += LOGIT_ROWS) {
+        int nr = len - r0 < LOGIT_ROWS ? len - r0 : LOGIT_ROWS;
+        compute_logits(c, r0, nr, 0, sp->score_buf);
+        char why[KR_ERR_MAX] = "";
+        if (sp->score_fn(sp->score_arg, at + r0, nr, sp->score_buf, why) != KR_OK)
+            return kr_errf(err, "%s", why[0] ? why : "prefill: the scoring callback failed without a message");
+    }
+    return KR_OK;
+}
+
 int kr_prefill(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk, kr_logits_mode mode,
                float *logits, char *err)
 {
@@ -621,6 +636,7 @@ int kr_prefill_span(kr_ctx *c, kr_seq *s, const kr_prompt_span *sp, kr_logits_mo
         if (forward_rows(c, s, tokens + at, len, tokens + n - app, app, pos0 + n - app,
                          &ci, m, dst, err) != KR_OK)
             return -1;
+        if (sp->score_fn && score_chunk(c, sp, at, len, err) != KR_OK) return -1;
         /* a chunk before the last, for a sequence whose entries are final once computed: n_final
          * 0 (kr.h) */
         if (!last && fn && (!p || p->ops->keeps_prompt) && tell_final(c, s, 0, &ci, err) != KR_OK)

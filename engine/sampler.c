@@ -110,13 +110,32 @@ int32_t kr_argmax(const float *logits, int vocab)
 
 float kr_logprob(const float *logits, int vocab, int32_t id, int32_t *top_id)
 {
+    return kr_logprob_top(logits, vocab, id, top_id, 0, NULL, NULL);
+}
+
+float kr_logprob_top(const float *logits, int vocab, int32_t id, int32_t *top_id, int k, int32_t *ids,
+                     float *lps)
+{
     int32_t best = argmax(logits, vocab);
     if (top_id) *top_id = best;
     /* every term exp(l - max) is in (0, 1] and the max's own term is 1, so the sum is in
      * [1, vocab]: no overflow, and log(sum) >= 0 keeps the result <= 0 */
     double mx = (double)logits[best], sum = 0.0;
     for (int i = 0; i < vocab; i++) sum += exp((double)logits[i] - mx);
-    return (float)(((double)logits[id] - mx) - log(sum));
+    const double lsum = log(sum);
+    if (k > vocab) k = vocab;
+    int have = 0; /* ids[0, have) sorted: larger logit first, then lower id */
+    for (int32_t i = 0; i < vocab && k > 0; i++) {
+        if (have == k && !(logits[i] > logits[ids[k - 1]])) continue; /* ties keep the lower id */
+        int at = have < k ? have++ : k - 1;
+        while (at > 0 && logits[i] > logits[ids[at - 1]]) {
+            ids[at] = ids[at - 1];
+            at--;
+        }
+        ids[at] = i;
+    }
+    for (int i = 0; i < have; i++) lps[i] = (float)(((double)logits[ids[i]] - mx) - lsum);
+    return (float)(((double)logits[id] - mx) - lsum);
 }
 
 /* order: larger prob first, then lower id (deterministic) */

@@ -28,6 +28,8 @@
 #include "rpc.h"
 #include "transport.h"
 
+#include "kvrelay/v1/internal.pb-c.h"
+
 #define PF_BLOCK_SIZE 16 /* KV pool block size (entries) */
 #define PF_N_CODES (GRPC_STATUS_UNAUTHENTICATED + 1) /* gRPC status codes 0..16 */
 #define PF_N_WIRE 5 /* bundle payload dtypes, in pf_wire_dtypes order */
@@ -84,6 +86,21 @@ typedef enum pf_job_state {
     PF_JOB_DONE = 2,
 } pf_job_state;
 
+/* The prompt's scores (PrefillRequest.prompt_logprobs): prompt token i+1's log-probability
+ * given tokens [0, i] and that row's top alternatives, from the chunked prefill's own rows
+ * (kr_prompt_span's score_fn). Buffers are malloc'd by pf_scores_init for one job. */
+typedef struct pf_scores {
+    int on;               /* asked for */
+    int k;                /* alternatives per row */
+    int n;                /* rows scored: the prompt's tokens - 1 */
+    int vocab;
+    const int32_t *tokens; /* the job's prompt (borrowed) */
+    float *lps;           /* [n] */
+    int32_t *top_ids;     /* [n][k] */
+    float *top_lps;       /* [n][k] */
+    float *buf;           /* [KR_SCORE_ROWS][vocab]: the engine's logits rows */
+} pf_scores;
+
 /* One Prefill call's work. Lives on its handler's stack; every pointer is the handler's. */
 typedef struct pf_job {
     /* the validated request */
@@ -121,6 +138,13 @@ typedef struct pf_job {
     int32_t first_token;
     float first_logprob;  /* when logprobs: kr_logprob of first_token on the last row */
     int32_t first_top_id; /* when logprobs: that row's argmax */
+    int top_logprobs;     /* 0..KR_TOP_LOGPROBS_MAX alternatives of the first token (and of each
+                             scored prompt row) */
+    int32_t first_top_ids[KR_TOP_LOGPROBS_MAX]; /* [top_logprobs] when logprobs */
+    float first_top_lps[KR_TOP_LOGPROBS_MAX];
+    int score_only;       /* the prompt's scores only: no first token, no bundle */
+    pf_scores scores;     /* prompt scores (scores.c); scores.on 0: not asked. The handler frees
+                             them with pf_scores_free once answered */
     pf_usage usage;
 } pf_job;
 
@@ -218,5 +242,16 @@ int pf_metrics_register(pf_node *n);
 int pf_service_register(pf_node *n, kc_server *srv);
 void pf_service_free(pf_node *n); /* the policy cache; after the server is destroyed */
 double pf_now(void); /* monotonic seconds */
+
+/* scores.c: sizes s for a prompt of n tokens with k alternatives per row (s->on set). Returns 0,
+ * or -1 (out of memory; what was allocated is freed by pf_scores_free). */
+int pf_scores_init(pf_scores *s, const int32_t *tokens, int n, int vocab, int k);
+/* kr_rows_fn: the logits of prompt rows [first, first + rows) into s's scores. */
+int pf_scores_rows(void *arg, int first, int rows, const float *logits, char *err);
+void pf_scores_free(pf_scores *s);
+/* The scores' alternatives as PrefillResponse.prompt_top_logprobs: *tops[n] messages pointing
+ * into s and *ptrs[n] pointing at them (both malloc'd, the caller frees them; NULL when s has no
+ * alternatives). Returns 0, or -1 out of memory. */
+int pf_scores_message(const pf_scores *s, Kvrelay__V1__TopLogprobs **tops, Kvrelay__V1__TopLogprobs ***ptrs);
 
 #endif /* PF_PREFILL_H */

@@ -394,9 +394,13 @@ int pf_cache_prefill(pf_cache *c, kr_ctx *ctx, kr_kv_pool *pool, const pf_cache_
                      kr_seq **seq, int *reused, char *err)
 {
     *reused = 0;
-    if (!c)
-        return kr_prefill_layers(ctx, *seq, job->tokens, job->n, job->chunk, KR_LOGITS_LAST, logits,
-                                 job->fn, job->arg, err);
+    if (!c || job->score_fn) { /* scoring computes every row: nothing is looked up or kept */
+        const kr_prompt_span all = {.tokens = job->tokens, .n = job->n, .from = 0, .to = job->n,
+                                    .chunk = job->chunk, .pos0 = kr_seq_next_pos(*seq),
+                                    .score_fn = job->score_fn, .score_arg = job->score_arg,
+                                    .score_buf = job->score_buf};
+        return kr_prefill_span(ctx, *seq, &all, KR_LOGITS_LAST, logits, job->fn, job->arg, err);
+    }
     const int C = c->cfg.chunk;
     if (job->chunk != C)
         return snprintf(err, KR_ERR_MAX, "prefix cache: a prefill in %d-token chunks through a cache of "

@@ -87,6 +87,11 @@ typedef struct pf_cache_job {
     const kr_policy *policy;
     kr_layers_final_fn fn;  /* kr_prefill_layers' callback (NULL: none) */
     void *arg;
+    /* Prompt scoring (kr_prompt_span's score_fn, NULL: none): every row must be computed, so a
+     * scored prompt bypasses the cache (no lookup, nothing kept). */
+    kr_rows_fn score_fn;
+    void *score_arg;
+    float *score_buf;
 } pf_cache_job;
 /* kr_prefill_layers of the job's prompt into *seq (a new sequence of `pool` with the job's
  * policy, which this may replace by a copy of a cached state: the caller frees *seq either way),

@@ -414,12 +414,17 @@ void pf_run(pf_node *n, pf_job *j)
      * must raise --kv-blocks), not RESOURCE_EXHAUSTED, which the router reads as "queue full,
      * try again later". With pipelining, a failed part stops the prefill early: that is the
      * transfer's failure. */
-    int pipelined = n->cfg->pipeline && c->n_layers > 1;
+    int pipelined = n->cfg->pipeline && c->n_layers > 1 && !j->score_only;
+    if (j->scores.on && pf_scores_init(&j->scores, j->tokens, j->n_tokens, c->vocab_size, j->top_logprobs) != 0) {
+        job_fail(j, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for the prompt's scores");
+        goto out;
+    }
     /* Through the prefix cache: the prompt may continue from a cached state (exact: only
      * prefix-deterministic policies reuse), and its states at chunk boundaries are kept. */
     const pf_cache_job cj = {.tokens = j->tokens, .n = j->n_tokens, .chunk = n->cfg->chunk,
                              .policy = j->policy, .fn = pipelined ? pipe_layers_final : NULL,
-                             .arg = p};
+                             .arg = p, .score_fn = j->scores.on ? pf_scores_rows : NULL,
+                             .score_arg = &j->scores, .score_buf = j->scores.buf};
     if (pf_cache_prefill(n->cache, n->ctx, n->pool, &cj, n->logits, &seq,
                          &j->usage.cached_tokens, err) != KR_OK) {
         if (p->failed)
@@ -429,6 +434,15 @@ void pf_run(pf_node *n, pf_job *j)
                      "%s (this node's --kv-blocks %d is too small for this prompt under "
                      "kv_policy %s)",
                      err, n->cfg->kv_blocks, kr_policy_spec(j->policy));
+        goto out;
+    }
+    if (j->score_only) { /* scored: nothing to sample, nothing to ship */
+        kr_seq_footprint(seq, &j->usage.footprint);
+        j->usage.prefill_s = pf_now() - t0;
+        j->code = GRPC_STATUS_OK;
+        j->details[0] = 0;
+        kc_info(j->request_id, "scored %d prompt tokens (%s) in %.3f s, no bundle", j->n_tokens,
+                kr_policy_spec(j->policy), j->usage.prefill_s);
         goto out;
     }
     if (j->forced_first >= 0) {
@@ -443,7 +457,8 @@ void pf_run(pf_node *n, pf_job *j)
             sampler, kr_draw_row(j->pen, &j->mask, n->logits, c->vocab_size, n->draw_row));
     }
     if (j->logprobs)
-        j->first_logprob = kr_logprob(n->logits, c->vocab_size, j->first_token, &j->first_top_id);
+        j->first_logprob = kr_logprob_top(n->logits, c->vocab_size, j->first_token, &j->first_top_id,
+                                          j->top_logprobs, j->first_top_ids, j->first_top_lps);
     kr_seq_footprint(seq, &j->usage.footprint);
     pool_gauges(n);
     if (kc_call_cancelled(j->call)) {

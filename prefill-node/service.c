@@ -214,6 +214,46 @@ static int draw_rules(const kr_config *c, const Kvrelay__V1__PrefillRequest *req
                                  req->completion_tokens, &j->pen, err);
 }
 
+/* The bundle's destination: the reservation and how to reach it (Decode.Reserve's, passed on). */
+static int validate_transfer(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req, pf_job *j)
+{
+    const char *rid = j->request_id;
+    kc_hostport hp;
+    char why[200];
+    if (kc_hostport_parse(NULL, req->transfer_address, KC_HOSTPORT_NO_IPV6, &hp, why, sizeof why) != 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "transfer_address '%.128s' is not HOST:PORT (port 1..65535): %s",
+                      req->transfer_address, why);
+    snprintf(j->host, sizeof j->host, "%s", hp.host);
+    j->port = (uint16_t)hp.port;
+    if (req->reservation_id == 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "reservation_id: 0 is not a reservation (Decode.Reserve never returns 0)");
+    j->reservation_id = req->reservation_id;
+    if (req->reservation_token.len != KT_RESV_TOKEN_BYTES)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "reservation_token: %zu bytes, want %d (Decode.Reserve's, passed on as is)",
+                      req->reservation_token.len, KT_RESV_TOKEN_BYTES);
+    memcpy(j->reservation_token, req->reservation_token.data, KT_RESV_TOKEN_BYTES);
+    if (req->rma_key.len > KT_RMA_KEY_MAX || (req->rma_key.len && !req->rma_address))
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "rma_key: %zu bytes at address %" PRIu64 ", want at most %d at a nonzero "
+                      "address (Decode.Reserve's, passed on as is)",
+                      req->rma_key.len, req->rma_address, KT_RMA_KEY_MAX);
+    j->rma.address = req->rma_address;
+    j->rma.rkey_len = (uint32_t)req->rma_key.len;
+    if (req->rma_key.len) memcpy(j->rma.rkey, req->rma_key.data, req->rma_key.len);
+    const Kvrelay__V1__RmaRows *rr = req->rma_rows;
+    if (kc_rma_rows_from_pb(rr, &j->rma_rows) != 0 || (j->rma_rows.bytes && !req->rma_key.len))
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "rma_rows: keys of %zu and %zu bytes at addresses %" PRIu64 " and %" PRIu64
+                      ", want 1..%d bytes each at nonzero addresses, with an rma_key "
+                      "(Decode.Reserve's, passed on as is)",
+                      rr->k_key.len, rr->v_key.len, rr->k_address, rr->v_address, KT_RMA_KEY_MAX);
+
+    return GRPC_STATUS_OK;
+}
+
 /* Validates `req` into `j` (tokens into *tokens, a policy the cache did not take into *owned).
  * Returns GRPC_STATUS_OK or the refusal's code (already recorded on the call). */
 static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req, pf_job *j,
@@ -293,38 +333,20 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
     if (j->forced_first < 0 && draw_rules(c, req, j, err) != 0)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
 
-    kc_hostport hp;
-    char why[200];
-    if (kc_hostport_parse(NULL, req->transfer_address, KC_HOSTPORT_NO_IPV6, &hp, why, sizeof why) != 0)
+    if (req->top_logprobs > KR_TOP_LOGPROBS_MAX)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "top_logprobs: %u, at most %d",
+                      req->top_logprobs, KR_TOP_LOGPROBS_MAX);
+    j->top_logprobs = (int)req->top_logprobs;
+    j->logprobs |= j->top_logprobs > 0;
+    if (req->score_only && (!req->prompt_logprobs || j->forced_first >= 0))
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
-                      "transfer_address '%.128s' is not HOST:PORT (port 1..65535): %s",
-                      req->transfer_address, why);
-    snprintf(j->host, sizeof j->host, "%s", hp.host);
-    j->port = (uint16_t)hp.port;
-    if (req->reservation_id == 0)
-        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
-                      "reservation_id: 0 is not a reservation (Decode.Reserve never returns 0)");
-    j->reservation_id = req->reservation_id;
-    if (req->reservation_token.len != KT_RESV_TOKEN_BYTES)
-        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
-                      "reservation_token: %zu bytes, want %d (Decode.Reserve's, passed on as is)",
-                      req->reservation_token.len, KT_RESV_TOKEN_BYTES);
-    memcpy(j->reservation_token, req->reservation_token.data, KT_RESV_TOKEN_BYTES);
-    if (req->rma_key.len > KT_RMA_KEY_MAX || (req->rma_key.len && !req->rma_address))
-        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
-                      "rma_key: %zu bytes at address %" PRIu64 ", want at most %d at a nonzero "
-                      "address (Decode.Reserve's, passed on as is)",
-                      req->rma_key.len, req->rma_address, KT_RMA_KEY_MAX);
-    j->rma.address = req->rma_address;
-    j->rma.rkey_len = (uint32_t)req->rma_key.len;
-    if (req->rma_key.len) memcpy(j->rma.rkey, req->rma_key.data, req->rma_key.len);
-    const Kvrelay__V1__RmaRows *rr = req->rma_rows;
-    if (kc_rma_rows_from_pb(rr, &j->rma_rows) != 0 || (j->rma_rows.bytes && !req->rma_key.len))
-        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
-                      "rma_rows: keys of %zu and %zu bytes at addresses %" PRIu64 " and %" PRIu64
-                      ", want 1..%d bytes each at nonzero addresses, with an rma_key "
-                      "(Decode.Reserve's, passed on as is)",
-                      rr->k_key.len, rr->v_key.len, rr->k_address, rr->v_address, KT_RMA_KEY_MAX);
+                      "score_only: only with prompt_logprobs and without forced_first");
+    j->score_only = req->score_only;
+    j->scores.on = req->prompt_logprobs;
+    if (!j->score_only) {
+        int code = validate_transfer(n, call, req, j);
+        if (code != GRPC_STATUS_OK) return code;
+    }
 
     *tokens = malloc(nt * sizeof **tokens);
     if (!*tokens)
@@ -384,11 +406,33 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     Kvrelay__V1__PrefillResponse r = KVRELAY__V1__PREFILL_RESPONSE__INIT;
     r.first_token = (uint32_t)j.first_token;
     r.usage = &u;
-    if (j.logprobs) {
+    Kvrelay__V1__TopLogprobs first_top = KVRELAY__V1__TOP_LOGPROBS__INIT;
+    if (j.logprobs && !j.score_only) {
         r.first_logprob = j.first_logprob;
         r.first_top_id = (uint32_t)j.first_top_id;
+        if (j.top_logprobs) {
+            first_top.n_ids = first_top.n_logprobs = (size_t)j.top_logprobs;
+            first_top.ids = (uint32_t *)j.first_top_ids; /* ids of the vocabulary: the same bits */
+            first_top.logprobs = j.first_top_lps;
+            r.first_top_logprobs = &first_top;
+        }
+    }
+    Kvrelay__V1__TopLogprobs *prompt_top = NULL, **prompt_top_ptrs = NULL;
+    if (j.scores.on) {
+        r.n_prompt_logprobs = (size_t)j.scores.n;
+        r.prompt_logprobs = j.scores.lps;
+        if (pf_scores_message(&j.scores, &prompt_top, &prompt_top_ptrs) != 0) {
+            code = kc_call_error(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for the prompt's scores");
+            goto out;
+        }
+        if (prompt_top_ptrs) {
+            r.n_prompt_top_logprobs = (size_t)j.scores.n;
+            r.prompt_top_logprobs = prompt_top_ptrs;
+        }
     }
     kc_call_send(call, &r.base); /* fails only when the call is already over */
+    free(prompt_top);
+    free(prompt_top_ptrs);
     kc_counter_inc(n->metrics.prompt_tokens, j.n_tokens);
     kc_counter_inc(n->metrics.kv_entries, (double)j.usage.kv_entries);
     for (int w = 0; w < PF_N_WIRE; w++)
@@ -399,6 +443,7 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     kc_counter_inc(n->metrics.parts[1], j.usage.parts - j.usage.parts_early);
     code = GRPC_STATUS_OK;
 out:
+    pf_scores_free(&j.scores);
     kr_policy_free(owned);
     kr_penalty_free(j.pen);
     free(tokens);

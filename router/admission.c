@@ -111,7 +111,7 @@ grpc_status_code rt_place(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_stat
         }
         if (queued && !fifo_wait_turn(rt, &w)) continue; /* an earlier request goes first */
         rt_req_phase(r, RT_PHASE_PLACING);
-        rt_attempt a = rt_reserve(r, st);
+        rt_attempt a = r->score_only ? RT_ATTEMPT_DONE : rt_reserve(r, st); /* scoring ships nothing */
         if (a == RT_ATTEMPT_DONE) a = rt_prefill(r, out, st);
         if (a == RT_ATTEMPT_DONE) {
             code = GRPC_STATUS_OK;

@@ -55,7 +55,11 @@ int oa_fanout_init(oa_fanout *f, const oa_request *r, const char *request_id, vo
 void oa_fanout_free(oa_fanout *f)
 {
     if (!f->gens) return;
-    for (int k = 0; k < f->n_gens; k++) free(f->gens[k].text);
+    for (int k = 0; k < f->n_gens; k++) {
+        free(f->gens[k].text);
+        oa_lp_free(&f->gens[k].lp);
+        cJSON_Delete(f->gens[k].lp_obj);
+    }
     free(f->gens);
     f->gens = NULL;
     pthread_mutex_destroy(&f->mu);

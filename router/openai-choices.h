@@ -13,6 +13,7 @@
 #include "router.h"
 #include "adaptive.h"
 #include "openai.h"
+#include "openai-logprobs.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -49,6 +50,9 @@ typedef struct oa_gen {
     double logprob_sum; /* of the completion's tokens (best_of's candidates) */
     uint64_t n_logprobs;
     int role_sent; /* a streamed chat's first chunk went out */
+    oa_lp lp;      /* log-probabilities and echo (openai-logprobs.h) */
+    cJSON *lp_obj; /* non-streamed with logprobs: the choice's logprobs object, filled per delta */
+    int echo_sent; /* streamed: the echoed prompt went out with the first chunk */
     grpc_status_code code;
     kc_status st;
     int begun, ended; /* under fan->mu: a first event came / rt_generate_run returned */

@@ -300,12 +300,13 @@ static int one_prompt(const oa_model *m, oa_request *r, const cJSON *p, int add_
  * of token ids), each of which gets n choices. */
 static int parse_completion(const oa_model *m, oa_request *r, const cJSON *doc, oa_refusal *f)
 {
-    int add_special = 1, echo = 0;
-    if (bool_field(doc, "add_special_tokens", &add_special, f) || bool_field(doc, "echo", &echo, f)) return -1;
-    if (echo) return refuse(f, "echo", "'echo' is not supported");
+    int add_special = 1;
+    if (bool_field(doc, "add_special_tokens", &add_special, f)) return -1;
     if (field(doc, "suffix")) return refuse(f, "suffix", "'suffix' is not supported");
-    if (field(doc, "logprobs"))
-        return refuse(f, "logprobs", "'logprobs' is not supported over HTTP (the gRPC API has per-token logprobs)");
+    int64_t logprobs = -1;
+    if (int_field(doc, "logprobs", 0, KR_TOP_LOGPROBS_MAX, &logprobs, f) || bool_field(doc, "echo", &r->echo, f))
+        return -1;
+    r->logprobs = (int)logprobs;
     const cJSON *p = field(doc, "prompt");
     if (!p) return refuse(f, "prompt", "'prompt' is required");
     if (!(cJSON_IsArray(p) && p->child && !cJSON_IsNumber(p->child))) { /* one prompt */
@@ -362,8 +363,11 @@ static int parse_chat(const oa_model *m, oa_request *r, const cJSON *doc, oa_ref
     int logprobs = 0, add_generation_prompt = 1;
     if (bool_field(doc, "logprobs", &logprobs, f) || bool_field(doc, "add_generation_prompt", &add_generation_prompt, f))
         return -1;
-    if (logprobs || field(doc, "top_logprobs"))
-        return refuse(f, "logprobs", "'logprobs' is not supported over HTTP (the gRPC API has per-token logprobs)");
+    int64_t top = 0;
+    if (int_field(doc, "top_logprobs", 0, KR_TOP_LOGPROBS_MAX, &top, f)) return -1;
+    if (field(doc, "top_logprobs") && !logprobs)
+        return refuse(f, "top_logprobs", "'top_logprobs' requires 'logprobs': true");
+    r->logprobs = logprobs ? (int)top : -1;
     const cJSON *tools = field(doc, "tools");
     if (tools && !(cJSON_IsArray(tools) && !tools->child)) return refuse(f, "tools", "'tools' are not supported");
     const cJSON *tc = field(doc, "tool_choice");
@@ -455,7 +459,7 @@ static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_
     int64_t max_tokens = -1;
     const char *which = "max_tokens";
     if (r->kind == OA_CHAT && field(doc, "max_completion_tokens")) which = "max_completion_tokens";
-    if (int_field(doc, which, 1, 1e9, &max_tokens, f)) return -1;
+    if (int_field(doc, which, r->echo ? 0 : 1, 1e9, &max_tokens, f)) return -1; /* echo alone may generate none */
     if (max_tokens < 0) { /* absent: OpenAI's 16 for completions; chat runs to the context */
         max_tokens = r->kind == OA_CHAT ? ctx - n_prompt : OA_DEFAULT_MAX_TOKENS;
         if (max_tokens > m->max_tokens_limit) max_tokens = m->max_tokens_limit;
@@ -493,6 +497,10 @@ static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_
     r->q.min_tokens = (uint32_t)min_tokens;
     r->q.keep_special_tokens = r->keep_special;
     r->q.include_stop_str_in_output = r->include_stop;
+    r->q.logprobs = r->logprobs >= 0;
+    r->q.top_logprobs = r->logprobs > 0 ? (uint32_t)r->logprobs : 0;
+    /* echo's scores come from the prefill node; max_tokens 0 is a scored-only prefill */
+    r->q.prompt_logprobs = r->echo && (r->logprobs >= 0 || max_tokens == 0);
     return 0;
 }
 

@@ -12,8 +12,9 @@
  * and it watches the socket while it waits, so that a client that goes away is noticed even
  * while nothing is being written: its decode stream is then cancelled by the router's watcher.
  * Several choices (n, best_of) and prompts are several generations (openai-choices.c), each
- * with its own sink; the answer numbers their choices.
- * Not here: logprobs, tools, images, embeddings, legacy endpoints.
+ * with its own sink; the answer numbers their choices. Log-probabilities and echo are rendered
+ * by openai-logprobs.c, one oa_lp per generation.
+ * Not here: tools, images, embeddings, legacy endpoints.
  */
 #define _GNU_SOURCE /* POLLRDHUP: the peer closed its end */
 #include "router.h"
@@ -21,6 +22,7 @@
 #include "adaptive.h"
 #include "apikey.h"
 #include "openai-choices.h"
+#include "openai-logprobs.h"
 #include "openai.h"
 
 #include <cjson/cJSON.h>
@@ -301,7 +303,8 @@ static cJSON *completion_doc(const oa_call *c)
         } else {
             cJSON_AddStringToObject(ch, "text", g->text ? g->text : "");
         }
-        cJSON_AddNullToObject(ch, "logprobs");
+        if (g->lp_obj) cJSON_AddItemReferenceToObject(ch, "logprobs", g->lp_obj); /* freed with the call */
+        else cJSON_AddNullToObject(ch, "logprobs");
         cJSON_AddStringToObject(ch, "finish_reason", finish_name(g->reason));
     }
     oa_figures total;
@@ -372,7 +375,9 @@ static int whole_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
     oa_gen *g = ctx;
     oa_call *c = g->ctx;
     keep(g, msg);
-    if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA && oa_gen_add_text(g, msg->delta->text) != 0)
+    if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA &&
+        ((g->lp_obj && oa_lp_add(&g->lp, g->lp_obj, g->prompt_ids.ids, msg->delta) != 0) ||
+         oa_gen_add_text(g, msg->delta->text) != 0))
         return RT_SINK_FAILED;
     return atomic_load(&c->gone) || oa_fanout_cancelled(&c->fan) ? RT_SINK_GONE : 0;
 }
@@ -442,9 +447,41 @@ static void sse_raw_locked(oa_call *c, const char *s)
     c->out_len += n;
 }
 
-/* Streamed: every delta with text becomes a chunk of its choice; the finish, the choice's last
- * chunk with its finish reason and its generation's kvrelay figures. The usage chunk follows
- * the last choice's (stream_main). */
+/* Streamed: a delta of generation g as a chunk of its choice, when it has text, the echoed
+ * prompt, or tokens whose log-probabilities were asked (their text may still be held back);
+ * with c->mu held. */
+static void stream_delta_locked(oa_call *c, oa_gen *g, const Kvrelay__V1__TokenDelta *d)
+{
+    const char *text = d->text;
+    char *joined = NULL;
+    if (g->lp.echo && !g->echo_sent) { /* the prompt goes before the completion's first text */
+        size_t a = g->lp.echo_len, b = strlen(d->text);
+        if (!(joined = malloc(a + b + 1))) {
+            c->oom = 1;
+            return;
+        }
+        memcpy(joined, g->lp.echo, a);
+        memcpy(joined + a, d->text, b + 1);
+        text = joined;
+        g->echo_sent = 1;
+    }
+    cJSON *lp = NULL;
+    if (c->req.logprobs >= 0 && (lp = oa_lp_object(&g->lp)) && oa_lp_add(&g->lp, lp, g->prompt_ids.ids, d) != 0)
+        c->oom = 1;
+    int scored = lp && (d->n_ids || d->n_prompt_logprobs || joined);
+    if (text[0] || (c->req.kind == OA_CHAT && !g->role_sent) || scored) {
+        cJSON *doc = chunk_doc(c, g, text, NULL);
+        cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(doc, "choices"), 0);
+        if (lp && ch && cJSON_ReplaceItemInObjectCaseSensitive(ch, "logprobs", lp)) lp = NULL;
+        sse_append_locked(c, doc);
+    }
+    cJSON_Delete(lp);
+    free(joined);
+}
+
+/* Streamed: every delta becomes a chunk of its choice (stream_delta_locked); the finish, the
+ * choice's last chunk with its finish reason and its generation's kvrelay figures. The usage
+ * chunk follows the last choice's (stream_main). */
 static int stream_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
 {
     oa_gen *g = ctx;
@@ -452,8 +489,7 @@ static int stream_send(void *ctx, const Kvrelay__V1__GenerateResponse *msg)
     keep(g, msg);
     pthread_mutex_lock(&c->mu);
     if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA) {
-        if (msg->delta->text[0] || (c->req.kind == OA_CHAT && !g->role_sent))
-            sse_append_locked(c, chunk_doc(c, g, msg->delta->text, NULL));
+        stream_delta_locked(c, g, msg->delta);
     } else if (msg->event_case == KVRELAY__V1__GENERATE_RESPONSE__EVENT_FINISH) {
         cJSON *last = chunk_doc(c, g, NULL, finish_name(g->reason));
         if (last) add_extras(last, c, &g->fig);
@@ -699,6 +735,22 @@ static oa_model model_of(const rt_router *rt)
                       .chat = rt->chat, .chat_error = rt->chat_error, .max_tokens_limit = rt->max_tokens_limit};
 }
 
+/* Log-probabilities and echo for each generation, of its own prompt: the echoed prompt starts a
+ * non-streamed text. Returns 0, or -1 with err (no tokenizer, out of memory). */
+static int start_logprobs(oa_call *c, char *err)
+{
+    err[0] = 0;
+    for (int k = 0; k < c->fan.n_gens; k++) {
+        oa_gen *g = &c->fan.gens[k];
+        if (oa_lp_init(&g->lp, &c->req, &g->prompt_ids, c->rt->tok, err) != 0) return -1;
+        if (!c->req.stream && c->req.logprobs >= 0 && !(g->lp_obj = oa_lp_object(&g->lp)))
+            return snprintf(err, KR_ERR_MAX, "out of memory"), -1;
+        if (!c->req.stream && g->lp.echo && oa_gen_add_text(g, g->lp.echo) != 0)
+            return snprintf(err, KR_ERR_MAX, "out of memory"), -1;
+    }
+    return 0;
+}
+
 static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind kind, const char *body, size_t len)
 {
     oa_call *c = calloc(1, sizeof *c);
@@ -743,6 +795,14 @@ static int serve_generate(rt_router *rt, struct MHD_Connection *conn, oa_kind ki
         call_free(c);
         return respond_error(rt, conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "server_error", NULL, NULL,
                              "the router ran out of memory for the request's choices");
+    }
+    if (start_logprobs(c, f.msg) != 0) { /* no tokenizer to spell tokens with: the request's fault */
+        int ours = rt->tok != NULL; /* else out of memory: the router's */
+        kc_info(c->request_id, "HTTP %d: %s", ours ? 500 : 400, f.msg);
+        const char *param = c->req.echo ? "echo" : "logprobs";
+        call_free(c);
+        return ours ? respond_error(rt, conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "server_error", NULL, NULL, "%s", f.msg)
+                    : respond_error(rt, conn, MHD_HTTP_BAD_REQUEST, "invalid_request_error", param, NULL, "%s", f.msg);
     }
     return c->req.stream ? serve_stream(conn, c) : serve_whole(conn, c);
 }

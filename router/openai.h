@@ -61,6 +61,9 @@ typedef struct oa_request {
     int n, best_of;
     int n_prompts;
     size_t prompt_at[OA_MAX_GENERATIONS + 1];
+    int logprobs; /* -1: none; else the alternatives per token (completions' logprobs, chat's
+                     top_logprobs with logprobs true) */
+    int echo;     /* completions: the prompt comes back before the completion */
 } oa_request;
 
 /* Why a request was refused: the HTTP status, OpenAI's error type and code (static strings,

@@ -87,7 +87,7 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
     req.kv_block_dtype = r->kv_block_dtype;
     Kvrelay__V1__RmaRows rows;
     req.rma_rows = kc_rma_rows_to_pb(&r->rma_rows, &rows);
-    req.decode_node = r->dnode->id;
+    req.decode_node = r->dnode ? r->dnode->id : ""; /* none when the prompt is only scored */
     if (r->forced) { /* the next id to emit: after a migration, the first not yet sent */
         req.forced_first_choice_case = KVRELAY__V1__PREFILL_REQUEST__FORCED_FIRST_CHOICE_FORCED_FIRST;
         req.forced_first = r->forced[r->completion];
@@ -100,6 +100,9 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
     req.ignore_eos = r->ignore_eos;
     req.n_stop_ids = r->n_stop_ids;
     req.stop_ids = (uint32_t *)r->stop_ids;
+    req.top_logprobs = r->top_logprobs;
+    req.prompt_logprobs = r->prompt_logprobs && r->migrations == 0; /* scored once, not after a migration */
+    req.score_only = r->score_only;
     int full = 0;
     rt_attempt a = RT_ATTEMPT_FAIL;
     kc_status last = {GRPC_STATUS_UNAVAILABLE, "none is serving (gone, suspect, or failed earlier in this request)"};
@@ -120,7 +123,7 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
         if (rc == 0) {
             r->pnode = node;
             cached_report(r, node, resp, cached[k]);
-            rt_node_record_prompt(rt, node, &chain);
+            if (!req.prompt_logprobs) rt_node_record_prompt(rt, node, &chain); /* scoring bypassed its cache */
             *out = resp;
             free(ids);
             rt_chain_free(&chain);

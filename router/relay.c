@@ -27,6 +27,14 @@ int rt_is_stop_id(const rt_req *r, uint32_t id)
     return 0;
 }
 
+int rt_alts_fit(Kvrelay__V1__TopLogprobs *const *alts, size_t n_alts, size_t n, uint32_t k)
+{
+    if (n_alts != n) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (alts[i]->n_ids != k || alts[i]->n_logprobs != k) return 0;
+    return 1;
+}
+
 /* Sets st for a send to the client that returned `sent` (not 0) `when`. */
 static void send_failed(const rt_req *r, int sent, kc_status *st, const char *when)
 {
@@ -39,7 +47,8 @@ static void send_failed(const rt_req *r, int sent, kc_status *st, const char *wh
  * r->logprobs their lps[0, n) and tops[0, n). Returns 0, 1 when a stop string matched (later
  * ids are dropped; r->stopped set), -1 when the client is gone (st CANCELLED) or the
  * detokenizer or the sink failed (st INTERNAL). */
-int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *tops, size_t n, kc_status *st)
+int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *tops,
+             Kvrelay__V1__TopLogprobs *const *alts, size_t n, kc_status *st)
 {
     char *text = NULL;
     size_t text_len = 0, kept = 0;
@@ -89,12 +98,23 @@ int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *t
         delta.n_logprobs = delta.n_top_ids = kept;
         delta.logprobs = (float *)lps;
         delta.top_ids = (uint32_t *)tops;
+        if (r->top_logprobs) {
+            delta.n_top_logprobs = kept;
+            delta.top_logprobs = (Kvrelay__V1__TopLogprobs **)alts;
+        }
+    }
+    if (r->scores) { /* the prompt's scores go with the first delta */
+        delta.n_prompt_logprobs = r->scores->n_prompt_logprobs;
+        delta.prompt_logprobs = r->scores->prompt_logprobs;
+        delta.n_prompt_top_logprobs = r->scores->n_prompt_top_logprobs;
+        delta.prompt_top_logprobs = r->scores->prompt_top_logprobs;
     }
     Kvrelay__V1__GenerateResponse msg = KVRELAY__V1__GENERATE_RESPONSE__INIT;
     msg.event_case = KVRELAY__V1__GENERATE_RESPONSE__EVENT_DELTA;
     msg.delta = &delta;
     int sent = r->sink->send(r->sink->ctx, &msg);
     free(text);
+    r->scores = NULL; /* sent once */
     r->completion += (uint32_t)kept;
     if (r->n_sent + kept > r->cap_sent) { /* kept for a migration's re-prefill */
         size_t cap = (r->n_sent + kept) * 2 + 16;
@@ -106,7 +126,7 @@ int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *t
         r->sent = grown;
         r->cap_sent = cap;
     }
-    memcpy(r->sent + r->n_sent, ids, kept * sizeof *ids);
+    if (kept) memcpy(r->sent + r->n_sent, ids, kept * sizeof *ids); /* none in a scored-only delta */
     r->n_sent += kept;
     r->t_last = rt_now_s();
     if (sent != 0) {
@@ -207,6 +227,7 @@ grpc_status_code rt_decode_stream(rt_req *r, kc_status *st)
         req.forced = (uint32_t *)r->forced + r->completion;
     }
     req.logprobs = r->logprobs;
+    req.top_logprobs = r->top_logprobs;
     req.ignore_eos = r->ignore_eos;
     uint32_t before = r->max_tokens - r->left_tokens; /* generated before this placement */
     req.min_tokens = r->min_tokens > before ? r->min_tokens - before : 0;
@@ -254,15 +275,18 @@ grpc_status_code rt_decode_stream(rt_req *r, kc_status *st)
         atomic_store(&active.last_ms, rt_now_ms());
         if (m->event_case == KVRELAY__V1__DECODE_RESPONSE__EVENT_TOKENS && !r->have_decode_finish) {
             const Kvrelay__V1__DecodeTokens *t = m->tokens;
-            if (r->logprobs && (t->n_logprobs != t->n_ids || t->n_top_ids != t->n_ids)) {
+            if (r->logprobs && (t->n_logprobs != t->n_ids || t->n_top_ids != t->n_ids ||
+                                (r->top_logprobs && !rt_alts_fit(t->top_logprobs, t->n_top_logprobs, t->n_ids,
+                                                                 r->top_logprobs)))) {
                 kc_stream_cancel(s);
-                kc_status_set(st, GRPC_STATUS_INTERNAL, "decode node %s sent %zu logprobs and %zu top_ids for %zu ids",
-                              r->dnode->id, t->n_logprobs, t->n_top_ids, t->n_ids);
+                kc_status_set(st, GRPC_STATUS_INTERNAL,
+                              "decode node %s sent %zu logprobs, %zu top_ids and %zu top_logprobs (of %u each) for %zu ids",
+                              r->dnode->id, t->n_logprobs, t->n_top_ids, t->n_top_logprobs, r->top_logprobs, t->n_ids);
                 code = st->code;
                 kc_message_free(&m->base);
                 break;
             }
-            int k = rt_relay(r, t->ids, t->logprobs, t->top_ids, t->n_ids, st);
+            int k = rt_relay(r, t->ids, t->logprobs, t->top_ids, t->top_logprobs, t->n_ids, st);
             if (k != 0) {
                 kc_stream_cancel(s); /* a stop string, or the client is gone: the node frees the slot */
                 code = k < 0 ? st->code : GRPC_STATUS_OK;

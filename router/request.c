@@ -61,7 +61,7 @@ static void send_finish(rt_req *r)
     rt_router *rt = r->rt;
     Kvrelay__V1__ServedBy by = KVRELAY__V1__SERVED_BY__INIT;
     by.prefill_node = r->pnode->id;
-    by.decode_node = r->dnode->id;
+    by.decode_node = r->dnode ? r->dnode->id : ""; /* none for a scored-only request */
     Kvrelay__V1__Usage u = KVRELAY__V1__USAGE__INIT;
     u.prompt_tokens = (uint32_t)r->n_prompt;
     u.completion_tokens = r->completion;
@@ -105,7 +105,28 @@ static void send_finish(rt_req *r)
     kc_info(r->id, "finished: %s, %u prompt (%u cached) + %u completion tokens, ttft %.4f s (queued %.4f s), "
             "tpot %.4f s, kv footprint %.3f, %" PRIu64 " bytes shipped, %s -> %s, %d migrations",
             (unsigned)r->reason < 5 ? reasons[r->reason] : "?", u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-            u.ttft_s, u.queue_s, u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, r->dnode->id, r->migrations);
+            u.ttft_s, u.queue_s, u.tpot_s, u.kv_footprint, u.kv_bytes_shipped, r->pnode->id, by.decode_node, r->migrations);
+}
+
+/* The prefill's answer holds what the request asked for: the prompt's scores (one per prompt
+ * token after the first, and their alternatives) and the first token's alternatives. */
+static grpc_status_code check_scores(const rt_req *r, const Kvrelay__V1__PrefillResponse *pr, kc_status *st)
+{
+    size_t rows = r->n_pf > 0 ? (size_t)r->n_pf - 1 : 0;
+    int want_prompt = r->prompt_logprobs && r->migrations == 0;
+    if (want_prompt && (pr->n_prompt_logprobs != rows ||
+                        (r->top_logprobs &&
+                         !rt_alts_fit(pr->prompt_top_logprobs, pr->n_prompt_top_logprobs, rows, r->top_logprobs))))
+        return kc_status_set(st, GRPC_STATUS_INTERNAL,
+                             "prefill node %s sent %zu prompt logprobs and %zu lists of alternatives for %zu prompt "
+                             "rows (a node without prompt scoring?)",
+                             r->pnode->id, pr->n_prompt_logprobs, pr->n_prompt_top_logprobs, rows), st->code;
+    if (!r->score_only && r->top_logprobs && !rt_alts_fit(&pr->first_top_logprobs, pr->first_top_logprobs ? 1 : 0, 1,
+                                                          r->top_logprobs))
+        return kc_status_set(st, GRPC_STATUS_INTERNAL,
+                             "prefill node %s sent no %u alternatives of the first token (a node without them?)",
+                             r->pnode->id, r->top_logprobs), st->code;
+    return GRPC_STATUS_OK;
 }
 
 /* Places r->pf (reserve + prefill) and relays the prefill's first token. Returns OK with *done
@@ -129,21 +150,35 @@ static grpc_status_code start(rt_req *r, int *done, kc_status *st)
     }
     uint32_t first = pr->first_token, first_top = pr->first_top_id;
     float first_lp = pr->first_logprob;
+    if (check_scores(r, pr, st) != GRPC_STATUS_OK) {
+        kc_message_free(&pr->base);
+        rt_reservation_end(r, 1);
+        return st->code;
+    }
+    r->scores = r->prompt_logprobs && r->migrations == 0 ? pr : NULL; /* the first delta carries them */
+    int k = -2; /* -2: refused before anything was sent (the reservation ended) */
+    if (r->score_only) { /* the scores are the answer: no token, nothing was shipped */
+        kc_info(r->id, "scored %d prompt tokens on %s", r->n_pf, r->pnode->id);
+        k = rt_relay(r, NULL, NULL, NULL, NULL, 0, st);
+    } else {
+        kc_info(r->id, "prefilled %d tokens on %s: first token %u, %" PRIu64 " KV entries shipped to %s in %.4f s",
+                r->n_pf, r->pnode->id, first, r->pu.kv_entries_shipped, r->dnode->id, r->pu.transfer_s);
+        if (first >= (uint32_t)rt->cfg.vocab_size) {
+            rt_reservation_end(r, 1);
+            kc_status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, outside the vocabulary",
+                          r->pnode->id, first);
+        } else if (r->forced && first != r->forced[r->completion]) {
+            rt_reservation_end(r, 1);
+            kc_status_set(st, GRPC_STATUS_INTERNAL,
+                          "prefill node %s sent first token %u, not the forced %u (a node without forcing?)",
+                          r->pnode->id, first, r->forced[r->completion]);
+        } else {
+            k = rt_relay(r, &first, &first_lp, &first_top, &pr->first_top_logprobs, 1, st);
+        }
+    }
+    r->scores = NULL;
     kc_message_free(&pr->base);
-    kc_info(r->id, "prefilled %d tokens on %s: first token %u, %" PRIu64 " KV entries shipped to %s in %.4f s", r->n_pf,
-            r->pnode->id, first, r->pu.kv_entries_shipped, r->dnode->id, r->pu.transfer_s);
-    if (first >= (uint32_t)rt->cfg.vocab_size) {
-        rt_reservation_end(r, 1);
-        kc_status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, outside the vocabulary", r->pnode->id, first);
-        return st->code;
-    }
-    if (r->forced && first != r->forced[r->completion]) {
-        rt_reservation_end(r, 1);
-        kc_status_set(st, GRPC_STATUS_INTERNAL, "prefill node %s sent first token %u, not the forced %u (a node without forcing?)",
-                      r->pnode->id, first, r->forced[r->completion]);
-        return st->code;
-    }
-    int k = rt_relay(r, &first, &first_lp, &first_top, 1, st);
+    if (k == -2) return st->code;
     if (r->t_first == 0) { /* the first token goes out now: TTFT ends here */
         r->t_first = r->t_last;
         kc_histogram_observe(rt->m.ttft[r->family], r->t_first - r->t_arrival);
@@ -151,6 +186,12 @@ static grpc_status_code start(rt_req *r, int *done, kc_status *st)
     if (k < 0) {
         rt_reservation_end(r, 1);
         return st->code;
+    }
+    if (r->score_only) {
+        r->reason = KVRELAY__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+        r->stopped = 1;
+        *done = 1;
+        return GRPC_STATUS_OK;
     }
     *done = k == 1;
     /* forcing scores past EOS; EOS and stop ids end nothing before min_tokens (r->completion

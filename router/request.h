@@ -68,6 +68,11 @@ typedef struct rt_req {
     const uint32_t *forced; /* borrowed: the ids to emit instead of sampling, max_tokens of them;
                                NULL: sample */
     int logprobs; /* relay logprobs and top_ids (always when forcing) */
+    uint32_t top_logprobs; /* 0..KR_TOP_LOGPROBS_MAX alternatives relayed per token (with logprobs) */
+    int prompt_logprobs; /* the first delta carries the prompt's scores (the prefill node's) */
+    int score_only; /* max_tokens 0 with prompt_logprobs: a prefill that scores, no reservation, no decode */
+    const Kvrelay__V1__PrefillResponse *scores; /* borrowed: the prefill's answer whose prompt scores
+                                                   the next delta carries; NULL: none (sent or not asked) */
     int ignore_eos; /* EOS does not end the completion */
     uint32_t min_tokens; /* neither EOS, a stop id nor a stop string ends it before this many */
     kr_detok *detok; /* NULL without a tokenizer */
@@ -167,13 +172,18 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
 
 /* ------------------------------------------------------------------ relay.c */
 
+/* 1 when alts[0, n_alts) are n lists of k alternatives each (what a node must send). */
+int rt_alts_fit(Kvrelay__V1__TopLogprobs *const *alts, size_t n_alts, size_t n, uint32_t k);
 /* 1 when id is one of the request's stop ids. */
 int rt_is_stop_id(const rt_req *r, uint32_t id);
 /* Sends ids[0, n) to the client with the text they complete, cut at a stop string, and with
- * r->logprobs their lps[0, n) and tops[0, n). Returns 0, 1 when a stop string matched (later
- * ids are dropped; r->stopped set), -1 when the client is gone (st CANCELLED) or the
+ * r->logprobs their lps[0, n) and tops[0, n), with r->top_logprobs their alternatives alts[0, n).
+ * A request with prompt_logprobs has its first delta carry the prompt's scores (r->scores, reset
+ * then; n may be 0 for a scored-only request). Returns 0, 1 when a stop string matched
+ * (later ids are dropped; r->stopped set), -1 when the client is gone (st CANCELLED) or the
  * detokenizer failed (st INTERNAL). */
-int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *tops, size_t n, kc_status *st);
+int rt_relay(rt_req *r, const uint32_t *ids, const float *lps, const uint32_t *tops,
+             Kvrelay__V1__TopLogprobs *const *alts, size_t n, kc_status *st);
 /* Sends the text held back at the end (an incomplete character, a possible stop-string
  * prefix). Returns 0, or -1 with st. */
 int rt_relay_flush(rt_req *r, kc_status *st);

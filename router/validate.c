@@ -148,15 +148,24 @@ static grpc_status_code check_length(rt_router *rt, const Kvrelay__V1__GenerateR
                                   cfg->vocab_size), st->code;
         r->forced = q->forced->ids;
         r->max_tokens = (uint32_t)n;
+    } else if (q->max_tokens == 0 && q->prompt_logprobs) {
+        r->score_only = 1; /* the prompt's scores alone: a prefill, no decode (docs/rpc.md) */
+        r->max_tokens = 0;
     } else {
         if (q->max_tokens == 0)
-            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: 0 (must be 1..%u)", rt->max_tokens_limit), st->code;
+            return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT,
+                                 "max_tokens: 0 (must be 1..%u; 0 only with prompt_logprobs)", rt->max_tokens_limit), st->code;
         if (q->max_tokens > rt->max_tokens_limit)
             return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "max_tokens: %u > the router's limit %u (--max-tokens-limit)",
                               q->max_tokens, rt->max_tokens_limit), st->code;
         r->max_tokens = q->max_tokens;
     }
-    r->logprobs = q->logprobs || r->forced;
+    if (q->top_logprobs > KR_TOP_LOGPROBS_MAX)
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "top_logprobs: %u (at most %d)", q->top_logprobs,
+                             KR_TOP_LOGPROBS_MAX), st->code;
+    r->top_logprobs = q->top_logprobs;
+    r->prompt_logprobs = q->prompt_logprobs;
+    r->logprobs = q->logprobs || r->forced || r->top_logprobs > 0;
     if (!r->forced) { /* a forced request runs to its last id whatever EOS says */
         if (q->min_tokens > r->max_tokens)
             return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "min_tokens: %u > max_tokens %u", q->min_tokens,

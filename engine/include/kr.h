@@ -314,6 +314,10 @@ typedef int (*kr_layers_final_fn)(void *arg, const kr_seq *s, int n_final, char 
 int kr_prefill_layers(kr_ctx *c, kr_seq *s, const int32_t *tokens, int n, int chunk,
                       kr_logits_mode mode, float *logits, kr_layers_final_fn fn, void *arg,
                       char *err);
+/* Logits of `rows` consecutive prompt rows from row `first`, rows[rows][vocab] (borrowed for the
+ * call). Returns KR_OK to go on, or -1 with a message in err to stop the prefill. */
+typedef int (*kr_rows_fn)(void *arg, int first, int rows, const float *logits, char *err);
+enum { KR_SCORE_ROWS = 64 }; /* rows per kr_rows_fn call at most */
 /* Part of a chunked prefill: prompt tokens [from, to) of tokens[0, n). */
 typedef struct kr_prompt_span {
     const int32_t *tokens; /* [n]: the whole prompt */
@@ -325,6 +329,16 @@ typedef struct kr_prompt_span {
     int to; /* n, or a multiple of chunk above from */
     int chunk; /* <= 0: the context's max_chunk */
     int pos0; /* position of the prompt's first token (the sequence's next position before it) */
+    /* Prompt scoring, opt-in (score_fn NULL: nothing is computed and nothing changes). After
+     * each chunk's layers the final norm and lm_head are applied to every real row of the chunk,
+     * KR_SCORE_ROWS rows at a time into the caller's host buffer score_buf[KR_SCORE_ROWS][vocab],
+     * and score_fn(score_arg, first, rows, score_buf) gets the logits of prompt rows
+     * [first, first + rows). Each row is bit for bit what kr_forward(..., KR_LOGITS_ALL, ...) of
+     * the same chunk gives (kvrelay-logits with the same --chunk), and the logits `mode` asks
+     * for are computed as without scoring. A policy's appended observer rows are not scored. */
+    kr_rows_fn score_fn;
+    void *score_arg;
+    float *score_buf;
 } kr_prompt_span;
 /* kr_prefill_layers over the chunks of one span: the chunks, their positions, observers and
  * policy hooks are exactly those the one-call prefill of the whole prompt runs for these
@@ -588,6 +602,14 @@ int32_t kr_argmax(const float *logits, int vocab);
  * A plain function of the row: equal rows give bit-equal results, which is what lets the
  * cluster's scores equal kvrelay-generate's. Does not allocate. */
 float kr_logprob(const float *logits, int vocab, int32_t id, int32_t *top_id);
+enum { KR_TOP_LOGPROBS_MAX = 20 }; /* alternatives per row at most (OpenAI's limit) */
+/* kr_logprob, and the row's k (0..KR_TOP_LOGPROBS_MAX) most probable ids into ids[k] and their
+ * log-probabilities into lps[k], most probable first, lower id first on ties; each value is
+ * what kr_logprob gives for that id, bit for bit. k 0: kr_logprob's cost, ids and lps untouched.
+ * Time: one pass over the row plus an insertion into k sorted slots per id that beats the
+ * k-th. Does not allocate. */
+float kr_logprob_top(const float *logits, int vocab, int32_t id, int32_t *top_id, int k, int32_t *ids,
+                     float *lps);
 
 /* ------------------------------------------------------------------ chat templates
  * Hugging Face chat templates (tokenizer_config.json "chat_template", Jinja2) rendered by a

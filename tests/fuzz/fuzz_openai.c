@@ -5,7 +5,8 @@
  * default model's config, tokenizer and chat template (models/kjv-2l128-2k). Every outcome must
  * be a request within the model's limits and vLLM's field ranges (ids in the vocabulary,
  * min_tokens at most max_tokens, penalties in range, n and best_of in range, every prompt of a
- * list non-empty and within the context) or a refusal with a status and a message;
+ * list non-empty and within the context, logprobs' alternatives at most 20, echo and max_tokens 0
+ * on completions only) or a refusal with a status and a message;
  * anything else aborts.
  * Run: ctest -R fuzz_openai, or build with -DKR_FUZZ=ON (clang) for libFuzzer.
  */
@@ -36,7 +37,9 @@ static void check_request(const oa_request *r)
 {
     const Kvrelay__V1__GenerateRequest *q = &r->q;
     size_t n = q->token_ids ? q->token_ids->n_ids : 0;
-    if (q->prompt_case != KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS || n == 0 || q->max_tokens == 0 ||
+    if (q->prompt_case != KVRELAY__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS || n == 0 ||
+        (q->max_tokens == 0 && !(r->echo && q->prompt_logprobs)) || q->top_logprobs > 20 ||
+        (q->top_logprobs && !q->logprobs) || (q->prompt_logprobs && !r->echo) || (r->echo && r->kind == OA_CHAT) ||
         n + q->max_tokens > (size_t)model.cfg->max_position_embeddings || q->n_stop > OA_MAX_STOPS ||
         q->n_stop_ids > OA_MAX_STOP_IDS || q->min_tokens > q->max_tokens)
         abort();

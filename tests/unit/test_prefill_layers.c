@@ -323,6 +323,65 @@ static void check_failure(kr_ctx *c, kr_kv_pool *pool, const kr_config *cfg)
     free(sentinel);
 }
 
+/* Prompt scoring's rows, gathered into arg's [n][vocab] (kr_rows_fn). */
+typedef struct scored {
+    float *rows;
+    int vocab, calls, next;
+} scored;
+
+static int take_rows(void *arg, int first, int rows, const float *logits, char *err)
+{
+    scored *sc = arg;
+    if (first != sc->next || rows < 1 || rows > KR_SCORE_ROWS) {
+        snprintf(err, KR_ERR_MAX, "rows [%d, %d) after %d", first, first + rows, sc->next);
+        return -1;
+    }
+    memcpy(sc->rows + (size_t)first * sc->vocab, logits, sizeof(float) * (size_t)rows * sc->vocab);
+    sc->next = first + rows;
+    sc->calls++;
+    return KR_OK;
+}
+
+/* kr_prompt_span's scoring: every prompt row, in order, bit for bit what kr_forward with
+ * KR_LOGITS_ALL gives over the same chunks (kvrelay-logits), and the last row's logits the same
+ * as without scoring. */
+static void check_scoring(kr_ctx *c, kr_kv_pool *pool, const kr_config *cfg)
+{
+    char err[KR_ERR_MAX];
+    const int n = N_PROMPT, vocab = cfg->vocab_size;
+    int32_t ids[N_PROMPT];
+    prompt_ids(ids, n, vocab);
+    float *want = malloc(sizeof(float) * (size_t)n * vocab), *got = malloc(sizeof(float) * (size_t)n * vocab);
+    float *buf = malloc(sizeof(float) * KR_SCORE_ROWS * (size_t)vocab), *last = malloc(sizeof(float) * vocab),
+          *last_plain = malloc(sizeof(float) * vocab);
+    REQUIRE(want && got && buf && last && last_plain, "out of memory");
+    kr_seq *s;
+    REQUIRE(kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &s, err) == KR_OK, "%s", err);
+    for (int at = 0; at < n; at += CHUNK) {
+        int len = n - at < CHUNK ? n - at : CHUNK;
+        REQUIRE(kr_forward(c, s, ids + at, len, KR_LOGITS_ALL, want + (size_t)at * vocab, err) == KR_OK, "%s", err);
+    }
+    kr_seq_free(s);
+    REQUIRE(kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &s, err) == KR_OK, "%s", err);
+    REQUIRE(kr_prefill(c, s, ids, n, CHUNK, KR_LOGITS_LAST, last_plain, err) == KR_OK, "%s", err);
+    kr_seq_free(s);
+    scored sc = {.rows = got, .vocab = vocab};
+    const kr_prompt_span sp = {.tokens = ids, .n = n, .from = 0, .to = n, .chunk = CHUNK, .pos0 = 0,
+                               .score_fn = take_rows, .score_arg = &sc, .score_buf = buf};
+    REQUIRE(kr_seq_create(pool, cfg->n_layers, cfg->n_kv_heads, &s, err) == KR_OK, "%s", err);
+    REQUIRE(kr_prefill_span(c, s, &sp, KR_LOGITS_LAST, last, NULL, NULL, err) == KR_OK, "%s", err);
+    kr_seq_free(s);
+    CHECK(sc.next == n, "scored %d of %d rows", sc.next, n);
+    CHECK(!memcmp(want, got, sizeof(float) * (size_t)n * vocab), "scored rows differ from kr_forward's");
+    CHECK(!memcmp(last, last_plain, sizeof(float) * vocab), "scoring changed the last row's logits");
+    printf("prompt scoring: %d rows in %d calls, bit-identical to kr_forward per chunk\n", n, sc.calls);
+    free(want);
+    free(got);
+    free(buf);
+    free(last);
+    free(last_plain);
+}
+
 int main(void)
 {
     const char *fx = kt_env("KR_FIXTURES");
@@ -353,6 +412,7 @@ int main(void)
     printf("kr_prefill_layers: %d policy configurations x 2 chunkings, every announced list unchanged after the "
            "call, logits bit-identical to kr_prefill\n", N_CASES);
     check_failure(c, pool, cfg);
+    check_scoring(c, pool, cfg);
 
     kr_kv_pool_free(pool);
     kr_ctx_free(c);

@@ -31,6 +31,7 @@
 #define refuse oa_refuse
 #include "../../router/openai-request.c"
 #undef refuse
+#include "../../router/openai-logprobs.c"
 
 /* the allocations of the text openai.c gathers (openai-choices.c) fail while g_fail_realloc is set */
 static int g_fail_realloc;

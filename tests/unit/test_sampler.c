@@ -45,6 +45,43 @@ static double chi2(const int *c, const float *logits, float t, const int *allowe
     return x;
 }
 
+/* kr_logprob_top: the k most probable ids, most probable first and lower id first on ties, each
+ * value kr_logprob's bit for bit, the sampled id's value unchanged by k; k 0 touches nothing. */
+static void check_top(void)
+{
+    const float row[8] = {1.0f, 3.0f, -2.0f, 3.0f, 2.5f, 3.0f, -INFINITY, 2.5f};
+    int32_t ids[KR_TOP_LOGPROBS_MAX], top = -1;
+    float lps[KR_TOP_LOGPROBS_MAX];
+    const int32_t want[8] = {1, 3, 5, 4, 7, 0, 2, 6};
+    for (int k = 0; k <= 8; k++) {
+        for (int i = 0; i < KR_TOP_LOGPROBS_MAX; i++) ids[i] = -1;
+        float lp = kr_logprob_top(row, 8, 4, &top, k, ids, lps);
+        CHECK(lp == kr_logprob(row, 8, 4, NULL) && top == 1, "k %d: the sampled id's value or the argmax changed", k);
+        for (int i = 0; i < k; i++)
+            CHECK(ids[i] == want[i] && lps[i] == kr_logprob(row, 8, ids[i], NULL),
+                  "k %d: alternative %d is %d (%.9g), want %d", k, i, ids[i], lps[i], want[i]);
+        CHECK(ids[k < 8 ? k : 7] == (k < 8 ? -1 : want[7]), "k %d: wrote past k", k);
+    }
+    CHECK(kr_logprob_top(row, 8, 0, NULL, 20, ids, lps) == kr_logprob(row, 8, 0, NULL) && ids[7] == 6,
+          "k over the vocabulary: the whole row, ordered");
+    /* a larger row against a full sort: k 20 of 4096 values with many ties */
+    enum { BIG = 4096 };
+    static float big[BIG];
+    uint64_t x = 88172645463325252ull;
+    for (int i = 0; i < BIG; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        big[i] = (float)(x % 64) * 0.25f; /* 64 distinct values: ties everywhere */
+    }
+    kr_logprob_top(big, BIG, 7, NULL, KR_TOP_LOGPROBS_MAX, ids, lps);
+    int at = 0;
+    for (int v = 63; v >= 0 && at < KR_TOP_LOGPROBS_MAX; v--)
+        for (int i = 0; i < BIG && at < KR_TOP_LOGPROBS_MAX; i++)
+            if (big[i] == (float)v * 0.25f) {
+                CHECK(ids[at] == i, "4096-row alternative %d is %d, want %d", at, ids[at], i);
+                at++;
+            }
+}
+
 int main(void)
 {
     char err[KR_ERR_MAX];
@@ -152,5 +189,6 @@ int main(void)
     CHECK(fabs(kr_logprob(flat, 3, 2, NULL) + log(3.0)) < 1e-6, "uniform row: -log 3");
     const float one[1] = {-7.0f};
     CHECK(kr_logprob(one, 1, 0, NULL) == 0.0f, "a one-token vocabulary has log-probability 0");
+    check_top();
     return kt_done("test_sampler");
 }
