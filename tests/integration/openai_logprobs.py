@@ -23,6 +23,8 @@ Checked:
     window at least one differs from full's;
   - echo without logprobs prepends the prompt; echo with logprobs and max_tokens 4 has the
     prompt's tokens then 4 generated ones whose logprobs equal the non-echo request's;
+  - 2 prompts x n 2 with echo and logprobs 2 (streamed and not): every choice's text, scores,
+    alternatives and offsets are its own prompt's, equal to that prompt alone with seed + j;
   - the official openai npm package (tests/integration/openai/logprobs.cjs, when ./kvrelay test
     installed it) gets the same values: completions' logprobs 3 streamed and not, echo with
     max_tokens 0, chat's logprobs with top_logprobs 2 streamed and not;
@@ -292,6 +294,29 @@ def main():
                                           for k in range(4)), "echo + 4 tokens: %s" % tl)
     check(lp.get("text_offset", [None] * (len(ids) + 1))[len(ids)] == len(PROMPT.encode()) and
           all(t == {} for t in lp.get("top_logprobs", [None])[1:]), "echo + logprobs 0: offsets / tops %s" % lp)
+
+    # ---------------------------------------------------------------- several prompts x n: each choice its own
+    # echo and scores, equal to its prompt alone with its seed (seed + j for the j-th sample)
+    other = ids[:CHUNK + 3]
+    body = {"model": NAME, "prompt": [ids, other], "n": 2, "max_tokens": 3, "temperature": 0.8, "seed": 11,
+            "echo": True, "logprobs": 2}
+    status, d = post(api, "/completions", body)
+    chs = sorted(d.get("choices", []), key=lambda x: x["index"]) if status == 200 else []
+    check(status == 200 and len(chs) == 4, "2 prompts x n 2 with echo and logprobs: %d %s" % (status, d))
+    status, raw = post(api, "/completions", dict(body, stream=True), raw=True)
+    streamed = {}
+    for ev in sse(raw) if status == 200 else []:
+        for ch in ev.get("choices", []):
+            streamed.setdefault(ch["index"], []).extend((ch.get("logprobs") or {}).get("token_logprobs", []))
+    for ch in chs:
+        p, j = divmod(ch["index"], 2)
+        one = completion(prompt=(ids, other)[p], max_tokens=3, temperature=0.8, seed=11 + j, echo=True, logprobs=2)
+        lp, lp1 = ch["logprobs"] or {}, one["logprobs"] or {}
+        check(ch["text"] == one["text"] and lp.get("token_logprobs") == lp1.get("token_logprobs") and
+              lp.get("text_offset") == lp1.get("text_offset") and lp.get("top_logprobs") == lp1.get("top_logprobs"),
+              "choice %d (prompt %d, sample %d) differs from its prompt alone with seed %d" % (ch["index"], p, j, 11 + j))
+        check(streamed.get(ch["index"]) == lp1.get("token_logprobs"),
+              "streamed choice %d's token_logprobs differ from its prompt alone" % ch["index"])
 
     # ---------------------------------------------------------------- the official openai npm package
     modules = os.path.join(args.bin, "npm", "node_modules")
