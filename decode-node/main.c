@@ -355,6 +355,8 @@ int main(int argc, char **argv)
     n->mcfg = kr_model_config(n->model);
     snprintf(n->fingerprint, sizeof n->fingerprint, "%s", kr_model_fingerprint(n->model));
     n->zero_logits = calloc((size_t)n->mcfg->vocab_size, sizeof *n->zero_logits);
+    if (kr_grammar_vocab_load(c->model_dir, n->mcfg->eos_token_id, &n->gvocab, n->gvocab_err) != 0)
+        kc_info(NULL, "no structured output (response_format is refused): %s", n->gvocab_err);
     kr_ctx_params cp = {.backend = c->backend, .n_threads = c->threads,
                         .max_chunk = c->max_batch, .kv_dtype = c->cache_dtype};
     if (!n->zero_logits || kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) {
@@ -458,6 +460,7 @@ stop:
     kr_ctx_free(n->ctx);
     kr_kv_pool_free(n->pool);
     kr_model_free(n->model);
+    kr_grammar_vocab_free(n->gvocab);
     free(n->zero_logits);
     pthread_cond_destroy(&n->cond);
     pthread_mutex_destroy(&n->lock);

@@ -427,6 +427,25 @@ static int decode(kc_call *call, const Kvrelay__V1__DecodeRequest *req, dn_node 
         dn_job_free(job);
         return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
     }
+    if (req->response_format && *req->response_format) {
+        /* structured output: the matcher replays the tokens of earlier placements; the
+         * prefill node's first token joins it at admission */
+        const char *no = !n->gvocab ? n->gvocab_err : req->n_forced ? "not with forced" : NULL;
+        if (!no) {
+            for (size_t i = 0; i < req->n_penalty_output; i++)
+                if (req->penalty_output[i] >= (uint32_t)c->vocab_size) no = "penalty_output: an id outside the vocabulary";
+        }
+        if (!no && kr_grammar_seq_create(n->gvocab, req->response_format, strlen(req->response_format),
+                                         (const int32_t *)req->penalty_output, req->n_penalty_output, &job->gseq,
+                                         err) != 0)
+            no = err;
+        if (no) {
+            grpc_status_code code = n->gvocab ? GRPC_STATUS_INVALID_ARGUMENT : GRPC_STATUS_FAILED_PRECONDITION;
+            int rc = refuse(call, rid, code, "response_format: %s", no);
+            dn_job_free(job);
+            return rc;
+        }
+    }
     /* The prefill node drew the first token from a sampler seeded the same way: skip that draw
      * so that seeded sampling continues exactly as one process would (one draw per
      * non-greedy sample, whatever the logits). */

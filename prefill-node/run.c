@@ -57,11 +57,17 @@ int pf_run_init(pf_node *n, char *err)
 
     if (kr_ctx_kv_pool_create(n->ctx, PF_BLOCK_SIZE, n->cfg->kv_blocks, &n->pool, err) != KR_OK)
         return -1;
+    /* structured output: the vocabulary's mask (requests with response_format are refused
+     * where the model has no tokenizer) */
+    if (kr_grammar_vocab_load(n->cfg->model_dir, c->eos_token_id, &n->gvocab, n->gvocab_err) == 0 &&
+        kr_grammar_scratch_create(n->gvocab, &n->gscratch, err) != 0)
+        return -1;
     n->logits = malloc(sizeof(float) * (size_t)c->vocab_size);
+    n->masked = malloc(sizeof(float) * (size_t)c->vocab_size);
     n->lists = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->lists);
     n->bufs = calloc((size_t)c->n_layers + KT_BUNDLE_MAX_EARLY_PARTS, sizeof *n->bufs);
     n->sent = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->sent);
-    if (!n->logits || !n->lists || !n->bufs || !n->sent) {
+    if (!n->logits || !n->masked || !n->lists || !n->bufs || !n->sent) {
         snprintf(err, KR_ERR_MAX, "out of memory for the worker's scratch buffers");
         return -1;
     }
@@ -76,6 +82,9 @@ void pf_run_free(pf_node *n)
     free(n->sent);
     free(n->lists);
     free(n->logits);
+    free(n->masked);
+    kr_grammar_scratch_free(n->gscratch);
+    kr_grammar_vocab_free(n->gvocab);
     kr_kv_pool_free(n->pool);
     kr_ctx_free(n->ctx);
 }
@@ -436,7 +445,17 @@ void pf_run(pf_node *n, pf_job *j)
             job_fail(j, GRPC_STATUS_INTERNAL, "%s", err);
             goto out;
         }
-        j->first_token = kr_sampler_sample(sampler, n->logits);
+        const float *row = n->logits;
+        if (j->gseq) { /* structured output: a masked copy; log-probabilities stay the model's */
+            memcpy(n->masked, n->logits, sizeof(float) * (size_t)c->vocab_size);
+            if (kr_grammar_seq_mask_logits(j->gseq, n->gvocab, n->gscratch, j->gbudget, n->masked, c->vocab_size) == 0) {
+                job_fail(j, GRPC_STATUS_FAILED_PRECONDITION,
+                         "response_format: no token of the vocabulary continues the document");
+                goto out;
+            }
+            row = n->masked;
+        }
+        j->first_token = kr_sampler_sample(sampler, row);
     }
     if (j->logprobs)
         j->first_logprob = kr_logprob(n->logits, c->vocab_size, j->first_token, &j->first_top_id);

@@ -180,6 +180,30 @@ static uint64_t random_seed(void)
     return (uint64_t)ts.tv_sec * 1000000007u ^ (uint64_t)ts.tv_nsec;
 }
 
+/* Structured output: the response_format compiled (the router checked it; a node of another
+ * version may still refuse it) into j->gseq, its matcher fed the completion's tokens from
+ * earlier placements, the last completion_ids of the prompt. */
+static int check_format(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req, pf_job *j)
+{
+    const char *rf = req->response_format ? req->response_format : "", *rid = j->request_id;
+    if (!*rf) return GRPC_STATUS_OK;
+    if (!n->gvocab)
+        return refuse(n, call, rid, GRPC_STATUS_FAILED_PRECONDITION, "response_format: this node has no vocabulary: %s",
+                      n->gvocab_err);
+    if (j->forced_first >= 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "response_format: not with forced_first");
+    if (req->completion_ids >= (uint32_t)j->n_tokens)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "completion_ids: %u of the %d token_ids (the prompt needs one at least)", req->completion_ids,
+                      j->n_tokens);
+    char err[KR_ERR_MAX];
+    if (kr_grammar_seq_create(n->gvocab, rf, strlen(rf), j->tokens + j->n_tokens - req->completion_ids,
+                              req->completion_ids, &j->gseq, err) != 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "response_format: %s", err);
+    j->gbudget = req->max_tokens;
+    return GRPC_STATUS_OK;
+}
+
 /* Validates `req` into `j` (tokens into *tokens, a policy the cache did not take into *owned).
  * Returns GRPC_STATUS_OK or the refusal's code (already recorded on the call). */
 static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req, pf_job *j,
@@ -298,7 +322,7 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
         (*tokens)[i] = (int32_t)req->token_ids[i];
     j->tokens = *tokens;
     j->n_tokens = (int)nt;
-    return GRPC_STATUS_OK;
+    return check_format(n, call, req, j);
 }
 
 static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *user)
@@ -363,6 +387,7 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     kc_counter_inc(n->metrics.parts[1], j.usage.parts - j.usage.parts_early);
     code = GRPC_STATUS_OK;
 out:
+    kr_grammar_seq_free(j.gseq);
     kr_policy_free(owned);
     free(tokens);
     return code;

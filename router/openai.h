@@ -52,6 +52,7 @@ typedef struct oa_request {
     int n_stop_ids;
     int ignore_eos, keep_special, include_stop; /* ignore_eos, !skip_special_tokens,
                                                     include_stop_str_in_output */
+    char *response_format; /* the response_format object's compact JSON (cJSON_free), or NULL */
 } oa_request;
 
 /* Why a request was refused: the HTTP status, OpenAI's error type and code (static strings,

@@ -92,6 +92,11 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
         req.forced_first = r->forced[r->completion];
     }
     req.logprobs = r->logprobs;
+    if (r->response_format) { /* the matcher replays what earlier placements sent */
+        req.response_format = (char *)r->response_format;
+        req.completion_ids = (uint32_t)(r->n_pf - r->n_prompt);
+        req.max_tokens = r->left_tokens;
+    }
     int full = 0;
     rt_attempt a = RT_ATTEMPT_FAIL;
     kc_status last = {GRPC_STATUS_UNAVAILABLE, "none is serving (gone, suspect, or failed earlier in this request)"};
