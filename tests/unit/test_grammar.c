@@ -381,6 +381,8 @@ typedef struct decoder {
     uint32_t *mask, *brute;
     int32_t *ids;
     int cap, budget; /* tokens in all; random ones, then finishing ones */
+    int slack; /* > 0: kr_grammar_mask_budget with the shortest completion's bytes plus up to this
+                  many tokens for the document, which must then be whole within them */
     long steps, masks_checked;
     int refused, finished_random; /* schemas refused (contradictions); ends before the budget */
 } decoder;
@@ -418,15 +420,20 @@ static void decode_one(decoder *d, const char *text, const kr_grammar_limits *li
     kr_matcher *m, *tmp;
     REQUIRE(kr_matcher_create(g, &m, err) == 0 && kr_matcher_create(g, &tmp, err) == 0, "%s", err);
     int n = 0, ended = 0;
+    /* with a budget: the tokens the document may take, its shortest completion's bytes and some */
+    int64_t total = d->slack ? (int64_t)kr_matcher_remaining(m) + rnd((uint32_t)d->slack + 1) : 0;
     while (n < d->cap) {
-        int count = kr_grammar_mask(d->v, m, d->s, d->mask);
+        int count = total ? kr_grammar_mask_budget(d->v, m, d->s, total - n, d->mask)
+                          : kr_grammar_mask(d->v, m, d->s, d->mask);
         if (count <= 0) {
             CHECK(0, "no token allowed after %d tokens of\n%s", n, text);
             break;
         }
         if (check_every && d->steps % check_every == 0) {
             brute_mask(d->tok, d->v, m, tmp, d->end, d->n_end, d->brute);
-            CHECK(!memcmp(d->mask, d->brute, (size_t)(kr_grammar_vocab_n(d->v) + 31) / 32 * 4),
+            size_t words = (size_t)(kr_grammar_vocab_n(d->v) + 31) / 32, extra = 0;
+            for (size_t w = 0; w < words; w++) extra |= d->mask[w] & ~d->brute[w];
+            CHECK(total ? !extra : !memcmp(d->mask, d->brute, words * 4),
                   "mask differs from the brute-force one after %d tokens of\n%s", n, text);
             d->masks_checked++;
         }
@@ -434,7 +441,7 @@ static void decode_one(decoder *d, const char *text, const kr_grammar_limits *li
         int r = (int)rnd((uint32_t)count), id = -1;
         for (int32_t i = 0; id < 0; i++)
             if (bit(d->mask, i) && r-- == 0) id = i;
-        if (n >= d->budget) id = finishing_token(d, m, tmp, text);
+        if (!total && n >= d->budget) id = finishing_token(d, m, tmp, text);
         if (kr_matcher_accept_token(m, d->v, id)) {
             CHECK(0, "allowed token %d refused", id);
             break;
@@ -445,6 +452,12 @@ static void decode_one(decoder *d, const char *text, const kr_grammar_limits *li
             break;
         }
         d->ids[n++] = id;
+        if (total && (kr_matcher_closed(m) || n == total)) { /* as the decode node ends it */
+            ended = kr_matcher_can_end(m);
+            d->finished_random += ended;
+            CHECK(ended, "the document is not whole after its budget of %d tokens:\n%s", n, text);
+            break;
+        }
     }
     CHECK(ended, "no end within %d tokens of\n%s", d->cap, text);
     char *out = NULL;
@@ -577,6 +590,35 @@ static void test_random_decoding(const char *model_dir, uint64_t seed)
     kr_tokenizer_free(tok);
 }
 
+/* kr_grammar_mask_budget: random schemas decoded with uniformly random allowed tokens within
+ * a budget of the shortest completion's bytes plus 0-16 tokens; every document must be whole
+ * when the budget is spent (or closed before), and parse and validate. */
+static void test_budget(const char *model_dir, uint64_t seed)
+{
+    char err[KR_ERR_MAX];
+    kr_tokenizer *tok;
+    REQUIRE(kr_tokenizer_load(model_dir, &tok, err) == 0, "%s", err);
+    int32_t end[1] = {kr_tokenizer_eos(tok)};
+    decoder d;
+    decoder_init(&d, tok, end, 1, 300);
+    d.slack = 16;
+    kr_grammar_limits lim = {.max_string = 24, .max_ws = 8};
+    rng_state = seed ^ 0xb0d9e7;
+    int n = 100;
+    for (int i = 0; i < n; i++) {
+        cJSON *s = random_schema(0);
+        char *text = cJSON_PrintUnformatted(s);
+        decode_one(&d, text, &lim, 7);
+        free(text);
+        cJSON_Delete(s);
+    }
+    printf("test_grammar: budgets: %d schemas (%d refused), %d documents whole within their budget, %ld tokens\n", n,
+           d.refused, d.finished_random, d.steps);
+    CHECK(d.finished_random == n - d.refused, "%d of %d documents whole", d.finished_random, n - d.refused);
+    decoder_free(&d);
+    kr_tokenizer_free(tok);
+}
+
 /* Llama 2's sentencepiece vocabulary: byte-fallback tokens and '▁' spaces. */
 static void test_spm(const char *shared, uint64_t seed)
 {
@@ -619,6 +661,7 @@ int main(void)
     snprintf(dir, sizeof dir, "%s/../../models/kjv-2l128-2k", fx);
     test_mask_api(dir);
     test_random_decoding(dir, seed);
+    test_budget(dir, seed);
     const char *shared = kt_env("KR_SHARED");
     if (shared) test_spm(shared, seed);
     return kt_done("test_grammar");
