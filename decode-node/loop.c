@@ -332,9 +332,14 @@ static const float *sampling_row(dn_loop *L, dn_job *j, const float *row)
         for (int i = 0; i < j->n_stop; i++)
             L->row[j->stop_ids[i]] = -INFINITY;
     }
-    if (j->gseq && kr_grammar_seq_mask_logits(j->gseq, L->n->gvocab, L->gscratch, tokens_left(L, j), L->row,
-                                              c->vocab_size) == 0)
-        return NULL;
+    if (j->gseq) {
+        double t0 = dn_now();
+        int allowed = kr_grammar_seq_mask_logits(j->gseq, L->n->gvocab, L->gscratch, tokens_left(L, j), L->row,
+                                                 c->vocab_size);
+        kc_histogram_observe(L->n->m.mask_s, dn_now() - t0);
+        if (allowed == 0)
+            return NULL;
+    }
     return L->row;
 }
 

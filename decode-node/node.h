@@ -166,6 +166,7 @@ typedef struct dn_metrics {
     kc_gauge *running, *queued, *reservations;
     kc_histogram *batch_size, *tpot, *import_s;
     kc_histogram *step_s; /* one batched forward call */
+    kc_histogram *mask_s; /* one sequence's structured-output mask (computed and applied) */
     kc_gauge *blocks_by_policy[DN_FAMILIES_MAX]; /* blocks held by running sequences, by family */
     kc_counter *tokens;
     kc_counter *requests[GRPC_STATUS_UNAUTHENTICATED + 1]; /* Decode streams by final status */

@@ -21,14 +21,18 @@ Checked:
   - gRPC: GenerateRequest.response_format (the object's JSON text) constrains the same way, and
     a bad schema is INVALID_ARGUMENT naming the keyword;
   - the openai npm package: chat.completions with a json_schema response_format, streamed and
-    not (skipped when node or the package is missing).
+    not (skipped when node or the package is missing);
+  - a migration: a long document whose decode node stalls mid-stream (SIGSTOP) continues on
+    another decode node under --migrate and still validates.
 Run through structured_output.sh (it generates the stubs); every process is killed at the end.
 """
 import json
 import os
 import random
+import signal
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -365,6 +369,75 @@ def with_sdk(api):
     check(r.returncode == 0, "the openai npm package: %s" % r.stderr.strip()[-500:])
 
 
+def running(http):
+    """The decode node's kvrelay_running_sequences."""
+    text = urllib.request.urlopen("http://%s/metrics" % http, timeout=10).read().decode()
+    return next((float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("kvrelay_running_sequences ")), 0)
+
+
+def migration():
+    """A document that outlives its decode node: a second cluster of one prefill and two decode
+    nodes under a --migrate router; the decode node serving a long document is stopped (SIGSTOP)
+    once ten items were streamed, the router's --decode-stall-ms moves the request to the other one,
+    whose prefill and decode nodes feed their matchers the tokens sent so far: the answer must
+    still validate."""
+    b, work = args.bin, os.path.join(args.work, "migrate")
+    os.makedirs(work)
+    dec = []
+    for k in range(2):
+        g, h = krprocs.start(work, "decode%d" % k, [b + "/kvrelay-decode", "--model", args.model, "--id",
+                                                    "decode-%d" % k, "--listen", "127.0.0.1:0", "--transfer",
+                                                    "127.0.0.1:0", "--http", "127.0.0.1:0", "--kv-memory", "64M",
+                                                    "--threads", "1"])
+        dec.append((g, h))
+    pre, _ = krprocs.start(work, "prefill", [b + "/kvrelay-prefill", "--model", args.model, "--id", "prefill-0",
+                                             "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--threads", "1"])
+    nodes = os.path.join(work, "nodes.json")
+    json.dump({"prefill": [{"id": "prefill-0", "address": pre}],
+               "decode": [{"id": "decode-%d" % k, "address": g} for k, (g, _) in enumerate(dec)]}, open(nodes, "w"))
+    _, http = krprocs.start(work, "router", [b + "/kvrelay-router", "--model", args.model, "--nodes", nodes,
+                                             "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--migrate",
+                                             "--decode-stall-ms", "1500", "--served-model-name", NAME])
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 300}
+    body = {"model": NAME, "prompt": "And God said", "max_tokens": 900, "temperature": 0, "stream": True,
+            "response_format": response_format(0, schema)}
+    req = urllib.request.Request("http://%s/v1/completions" % http, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    stopped = None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        first, seen = b"", ""
+        while seen.count(",") < 10:  # well into the document: the matchers have a past to replay
+            line = r.readline()
+            if not line:
+                break
+            first += line
+            if line.startswith(b"data: {"):
+                seen += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        deadline = time.time() + 10
+        while stopped is None and time.time() < deadline:  # the decode node that took it
+            for k, (_, h) in enumerate(dec):
+                if running(h) > 0:
+                    stopped = k
+                    krprocs.signal("decode%d" % k, signal.SIGSTOP)  # the stream stalls
+                    break
+            time.sleep(0.005)
+        raw = (first + r.read()).decode()
+    if stopped is not None:
+        krprocs.signal("decode%d" % stopped, signal.SIGCONT)  # so that it stops cleanly at the end
+    text, finish = text_of("completions", True, raw)
+    log = open(os.path.join(work, "router.log"), errors="replace").read()
+    check(stopped is not None and "migrating:" in log,
+          "no migration happened (stopped decode node %s): the document was finished too soon" % stopped)
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        ok = finish == "stop"
+    except (ValueError, jsonschema.ValidationError):
+        ok = False
+    check(ok, "the migrated document: %r..., finish %s" % (text[:200], finish))
+    if ok:
+        print("ok: a document migrated mid-stream to another decode node still validates")
+
+
 def main():
     b = args.bin
     _, _, nodes = krprocs.start_nodes(args)
@@ -377,6 +450,7 @@ def main():
     over_grpc(router)
     with_sdk(api)
     schemas_through(api)
+    migration()
 
 
 krprocs.run(main)
