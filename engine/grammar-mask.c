@@ -280,10 +280,12 @@ void kr_grammar_scratch_free(kr_grammar_scratch *s)
 }
 
 /* The mask; with `limit` below UINT32_MAX a token is allowed only when the matcher it leaves
- * needs at most `limit` more bytes (kr_matcher_remaining). Inside a string plain text never
- * raises that count, so the bitset stands when the string's own count is within the limit;
- * an additional key's plain text may (it can leave a declared name), so there every token is
- * walked. */
+ * needs at most `limit` more bytes (kr_matcher_remaining). kr_grammar_mask_budget keeps the
+ * limit at least the bytes needed now less one, so plain text inside a string (which changes
+ * nothing but the character count) passes when the string is within the limit already, or
+ * when it still lacks characters for its minLength (each plain token then brings the end a
+ * byte closer at least); an additional key's plain text may raise the count (it can leave a
+ * declared name), so there every token is walked. */
 static int mask_limited(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_scratch *s, uint32_t limit,
                         uint32_t *allowed)
 {
@@ -292,15 +294,16 @@ static int mask_limited(const kr_grammar_vocab *v, const kr_matcher *m, kr_gramm
     KR_ASSERT(s->max_len >= v->max_len);
     int count = 0;
     const gv_trie *trie = &v->all;
-    uint32_t room;
-    int plain = gr_plain_room(m, &room);
-    if (plain && (limit == UINT32_MAX || (plain == GR_PLAIN_STRING && kr_matcher_remaining(m) <= limit))) {
+    uint32_t room, need;
+    int plain = gr_plain_room(m, &room, &need);
+    if (plain && (limit == UINT32_MAX || plain == GR_PLAIN_STRING)) {
         /* in a string: plain tokens that fit, then the others */
         trie = &v->other;
-        if (room >= (uint32_t)v->max_plain_chars) {
+        int plain_ok = limit == UINT32_MAX || kr_matcher_remaining(m) <= limit || need > 0;
+        if (plain_ok && room >= (uint32_t)v->max_plain_chars) {
             memcpy(allowed, v->plain_bits, ((size_t)v->n_vocab + 31) / 32 * sizeof *allowed);
             count = v->n_plain;
-        } else {
+        } else if (plain_ok) {
             for (; count < v->n_plain && v->plain_chars[count] <= room; count++)
                 allowed[v->plain_ids[count] >> 5] |= 1u << (v->plain_ids[count] & 31);
         }
@@ -344,6 +347,7 @@ int kr_grammar_mask_budget(const kr_grammar_vocab *v, const kr_matcher *m, kr_gr
     /* after this token, budget - 1 tokens of at least one byte each; a state already past
      * that may only come closer */
     int64_t after = budget - 1;
+    /* at least need - 1: mask_limited relies on it (a state past its budget moves a byte closer) */
     uint32_t limit = after >= need ? (uint32_t)(after < UINT32_MAX / 2 ? after : UINT32_MAX / 2) : need - 1;
     int count = mask_limited(v, m, s, limit, allowed);
     return count ? count : kr_grammar_mask(v, m, s, allowed);
