@@ -433,7 +433,8 @@ static int decode(kc_call *call, const Kvrelay__V1__DecodeRequest *req, dn_node 
         const char *no = !n->gvocab ? n->gvocab_err : req->n_forced ? "not with forced" : NULL;
         if (!no) {
             for (size_t i = 0; i < req->n_penalty_output; i++)
-                if (req->penalty_output[i] >= (uint32_t)c->vocab_size) no = "penalty_output: an id outside the vocabulary";
+                if (req->penalty_output[i] >= (uint32_t)c->vocab_size)
+                    no = "penalty_output: an id outside the vocabulary";
         }
         if (!no && kr_grammar_seq_create(n->gvocab, req->response_format, strlen(req->response_format),
                                          (const int32_t *)req->penalty_output, req->n_penalty_output, &job->gseq,

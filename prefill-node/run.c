@@ -448,7 +448,8 @@ void pf_run(pf_node *n, pf_job *j)
         const float *row = n->logits;
         if (j->gseq) { /* structured output: a masked copy; log-probabilities stay the model's */
             memcpy(n->masked, n->logits, sizeof(float) * (size_t)c->vocab_size);
-            if (kr_grammar_seq_mask_logits(j->gseq, n->gvocab, n->gscratch, j->gbudget, n->masked, c->vocab_size) == 0) {
+            if (kr_grammar_seq_mask_logits(j->gseq, n->gvocab, n->gscratch, j->gbudget, n->masked,
+                                           c->vocab_size) == 0) {
                 job_fail(j, GRPC_STATUS_FAILED_PRECONDITION,
                          "response_format: no token of the vocabulary continues the document");
                 goto out;

@@ -3,8 +3,8 @@
  * the request id (or a new one), the prompt tokenized and bounded by the model's context and
  * --max-prompt-tokens, max_tokens (and min_tokens) or the forced ids, the KV policy parsed (file
  * keys resolved by policy.c), sampling with a seed always present and its penalties in range,
- * stop strings and stop ids, the response_format schema. Every refusal is INVALID_ARGUMENT (FAILED_PRECONDITION when the
- * model lacks a tokenizer) naming the field.
+ * stop strings and stop ids, the response_format schema. Every refusal is INVALID_ARGUMENT
+ * (FAILED_PRECONDITION when the model lacks a tokenizer) naming the field.
  * Not the OpenAI API's own body checks (openai-request.c), which map onto these.
  * Tested by test_router_cluster (refusals) and tests/integration/openai_api.sh, openai_vllm.sh.
  */

@@ -444,7 +444,8 @@ static void decode_one(decoder *d, const char *text, const kr_grammar_limits *li
     /* with a budget: the tokens the document may take, its shortest completion's bytes and some */
     int64_t need0 = kr_matcher_remaining(m), total = 0;
     if (d->slack > 0) total = need0 + rnd((uint32_t)d->slack + 1);
-    if (d->slack < 0) total = need0 > 1 ? need0 - 1 - rnd((uint32_t)(need0 - 1 < -d->slack ? need0 - 1 : -d->slack)) : 0;
+    if (d->slack < 0 && need0 > 1)
+        total = need0 - 1 - rnd((uint32_t)(need0 - 1 < -d->slack ? need0 - 1 : -d->slack));
     if (d->slack < 0 && !total) { /* nothing to fall short of */
         kr_matcher_free(m);
         kr_matcher_free(tmp);
