@@ -283,8 +283,8 @@ static int take_token(dn_loop *L, dn_job *j, int32_t id, const float *row)
         kr_penalty_add(j->pen, id);
     if (j->gseq && kr_grammar_seq_accept(j->gseq, n->gvocab, id) != 0) {
         /* the draw came from the mask: a refusal is this node's fault, for this job alone */
-        finish(L, j, GRPC_STATUS_INTERNAL, "response_format: the drawn token %d is not valid for the schema",
-               (int)id);
+        finish(L, j, GRPC_STATUS_INTERNAL,
+               "response_format: the drawn token %d is not valid for the schema", (int)id);
         return 1;
     }
     Kvrelay__V1__FinishReason why = stop_reason(n, j, id);
@@ -334,8 +334,8 @@ static const float *sampling_row(dn_loop *L, dn_job *j, const float *row)
     }
     if (j->gseq) {
         double t0 = dn_now();
-        int allowed = kr_grammar_seq_mask_logits(j->gseq, L->n->gvocab, L->gscratch, tokens_left(L, j), L->row,
-                                                 c->vocab_size);
+        int allowed = kr_grammar_seq_mask_logits(j->gseq, L->n->gvocab, L->gscratch,
+                                                 tokens_left(L, j), L->row, c->vocab_size);
         kc_histogram_observe(L->n->m.mask_s, dn_now() - t0);
         if (allowed == 0)
             return NULL;

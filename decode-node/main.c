@@ -212,9 +212,9 @@ static int metrics_init(dn_metrics *m)
                                  "Seconds per batched forward call (one token for each sequence in it)", NULL,
                                  kc_latency_buckets, kc_n_latency_buckets);
     m->mask_s = kc_histogram_add(r, "kvrelay_decode_grammar_mask_seconds",
-                                 "Seconds per structured-output mask: one sequence's allowed tokens computed and its "
-                                 "logits row masked (one observation per masked row)", NULL,
-                                 kc_latency_buckets, kc_n_latency_buckets);
+                                 "Seconds per structured-output mask: one sequence's allowed "
+                                 "tokens computed and its logits row masked (one observation per "
+                                 "masked row)", NULL, kc_latency_buckets, kc_n_latency_buckets);
     if (kr_policy_n_families() > DN_FAMILIES_MAX) return -1;
     for (int f = 0; f < kr_policy_n_families(); f++) {
         char label[64];
@@ -243,8 +243,8 @@ static int metrics_init(dn_metrics *m)
                                      "landing=\"copied\"");
     if (!m->blocks_used || !m->blocks_reserved || !m->blocks_free ||
         !m->running || !m->queued || !m->reservations || !m->batch_size || !m->tpot ||
-        !m->import_s || !m->tokens || !m->expired || !m->step_s || !m->mask_s || !m->parts_in_blocks ||
-        !m->parts_copied)
+        !m->import_s || !m->tokens || !m->expired || !m->step_s || !m->mask_s ||
+        !m->parts_in_blocks || !m->parts_copied)
         return -1;
     for (int code = 0; code <= GRPC_STATUS_UNAUTHENTICATED; code++) {
         char label[64];

@@ -97,7 +97,8 @@ typedef struct pf_job {
     int logprobs;            /* report first_logprob / first_top_id (set when forcing too) */
     kr_grammar_seq *gseq;    /* response_format's matcher, caught up with the completion so far
                                 (the handler's); NULL: the draw is not constrained */
-    int64_t gbudget;         /* with gseq: the tokens the completion may still take (0: unbounded) */
+    int64_t gbudget;         /* with gseq: the tokens the completion may still take (0: no
+                                bound) */
     kt_dtype wire;           /* the bundle's payload dtype: the request's, or --kv-dtype */
     char host[256];          /* transfer address */
     uint16_t port;

@@ -183,22 +183,26 @@ static uint64_t random_seed(void)
 /* Structured output: the response_format compiled (the router checked it; a node of another
  * version may still refuse it) into j->gseq, its matcher fed the completion's tokens from
  * earlier placements, the last completion_ids of the prompt. */
-static int check_format(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req, pf_job *j)
+static int check_format(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req,
+                        pf_job *j)
 {
     const char *rf = req->response_format ? req->response_format : "", *rid = j->request_id;
-    if (!*rf) return GRPC_STATUS_OK;
+    if (!*rf)
+        return GRPC_STATUS_OK;
     if (!n->gvocab)
-        return refuse(n, call, rid, GRPC_STATUS_FAILED_PRECONDITION, "response_format: this node has no vocabulary: %s",
-                      n->gvocab_err);
+        return refuse(n, call, rid, GRPC_STATUS_FAILED_PRECONDITION,
+                      "response_format: this node has no vocabulary: %.400s", n->gvocab_err);
     if (j->forced_first >= 0)
-        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "response_format: not with forced_first");
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "response_format: not with forced_first");
     if (req->completion_ids >= (uint32_t)j->n_tokens)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
-                      "completion_ids: %u of the %d token_ids (the prompt needs one at least)", req->completion_ids,
-                      j->n_tokens);
+                      "completion_ids: %u of the %d token_ids (the prompt needs one at least)",
+                      req->completion_ids, j->n_tokens);
     char err[KR_ERR_MAX];
-    if (kr_grammar_seq_create(n->gvocab, rf, strlen(rf), j->tokens + j->n_tokens - req->completion_ids,
-                              req->completion_ids, &j->gseq, err) != 0)
+    if (kr_grammar_seq_create(n->gvocab, rf, strlen(rf),
+                              j->tokens + j->n_tokens - req->completion_ids, req->completion_ids,
+                              &j->gseq, err) != 0)
         return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "response_format: %s", err);
     j->gbudget = req->max_tokens;
     return GRPC_STATUS_OK;
