@@ -40,6 +40,7 @@ typedef struct dn_loop {
     int32_t *tokens; /* [max_batch] */
     float *logits; /* [max_batch][vocab] */
     float *row; /* [vocab]: one job's logits after its penalties and masks */
+    kr_grammar_scratch *gscratch; /* the structured-output mask's memory; NULL without gvocab */
 } dn_loop;
 
 /* The blocks the batch's sequences hold, by policy family (the loop's own view: it owns run[]). */
@@ -60,6 +61,7 @@ void dn_job_free(dn_job *job)
     kr_seq_free(job->seq);
     kr_sampler_free(job->sampler);
     kr_penalty_free(job->pen);
+    kr_grammar_seq_free(job->gseq);
     free(job->stop_ids);
     free(job->forced);
     free(job);
@@ -193,6 +195,8 @@ static grpc_status_code gone_code(dn_job *j)
  * they before min_tokens, nor EOS with ignore_eos. */
 static Kvrelay__V1__FinishReason stop_reason(dn_node *n, const dn_job *j, int32_t id)
 {
+    if (j->gseq && kr_grammar_seq_done(j->gseq)) /* the document is finished */
+        return KVRELAY__V1__FINISH_REASON__FINISH_REASON_EOS;
     /* before min_tokens only the prefill node's first token can be EOS or a stop id: it goes on */
     int may_stop = !j->forced && j->n_gen > j->min_tokens;
     if (may_stop && !j->ignore_eos && id == n->mcfg->eos_token_id)
@@ -220,6 +224,11 @@ static void admit(dn_loop *L, dn_job *j)
     int32_t first = j->first_token;
     if (j->pen)
         kr_penalty_add(j->pen, first);
+    if (j->gseq && kr_grammar_seq_accept(j->gseq, n->gvocab, first) != 0) {
+        finish(L, j, GRPC_STATUS_FAILED_PRECONDITION,
+               "response_format: the first token (id %d) is not valid for the schema", (int)first);
+        return;
+    }
     Kvrelay__V1__FinishReason why = stop_reason(n, j, first);
     if (why) { /* nothing to decode: the router already has the only token */
         finish_ok(L, j, why);
@@ -286,6 +295,12 @@ static int take_token(dn_loop *L, dn_job *j, int32_t id, const float *row)
     j->pending[j->n_pending++] = id;
     if (j->pen)
         kr_penalty_add(j->pen, id);
+    if (j->gseq && kr_grammar_seq_accept(j->gseq, n->gvocab, id) != 0) {
+        /* the draw came from the mask: a refusal is this node's fault, for this job alone */
+        finish(L, j, GRPC_STATUS_INTERNAL,
+               "response_format: the drawn token %d is not valid for the schema", (int)id);
+        return 1;
+    }
     Kvrelay__V1__FinishReason why = stop_reason(n, j, id);
     if (why) {
         finish_ok(L, j, why);
@@ -301,16 +316,33 @@ static int take_token(dn_loop *L, dn_job *j, int32_t id, const float *row)
     return 0;
 }
 
-/* The row job j samples from: the model's logits, or with penalties or before min_tokens a
- * copy in L->row with the penalties applied and EOS (unless ignored) and the stop ids masked
- * out (kr_draw_row, as the prefill node draws the first token). Log-probabilities stay those of
- * the model's row. */
-static const float *sampling_row(dn_loop *L, const dn_job *j, const float *row)
+/* The tokens job j may still take, the next one included: max_tokens, the reservation's
+ * blocks and the model's context bound them. */
+static int64_t tokens_left(const dn_loop *L, const dn_job *j)
+{
+    int64_t left = (j->max_tokens < j->budget_tokens ? j->max_tokens : j->budget_tokens) - j->n_gen;
+    int64_t ctx = (int64_t)L->n->mcfg->max_position_embeddings - kr_seq_next_pos(j->seq);
+    return left < ctx ? left : ctx;
+}
+
+/* The row job j samples from: the model's logits, or with penalties, before min_tokens or
+ * with a response_format a copy in L->row with the penalties applied, EOS (unless ignored) and
+ * the stop ids masked out (kr_draw_row, as the prefill node draws the first token), and the
+ * tokens the schema refuses masked out (each row alone: a sequence's draw never depends on its
+ * batch). Log-probabilities stay those of the model's row. NULL: the schema allows no token. */
+static const float *sampling_row(dn_loop *L, dn_job *j, const float *row)
 {
     const kr_config *c = L->n->mcfg;
     const kr_draw_mask m = {.on = j->n_gen < j->min_tokens, .eos = j->ignore_eos ? -1 : c->eos_token_id,
                             .stop = j->stop_ids, .n_stop = j->n_stop};
-    return kr_draw_row(j->pen, &m, row, c->vocab_size, L->row);
+    const float *r = kr_draw_row(j->pen, &m, row, c->vocab_size, L->row);
+    if (!j->gseq) return r;
+    if (r != L->row) memcpy(L->row, r, (size_t)c->vocab_size * sizeof *L->row);
+    double t0 = dn_now();
+    int allowed = kr_grammar_seq_mask_logits(j->gseq, L->n->gvocab, L->gscratch, tokens_left(L, j), L->row,
+                                             c->vocab_size);
+    kc_histogram_observe(L->n->m.mask_s, dn_now() - t0);
+    return allowed ? L->row : NULL;
 }
 
 /* Feeds run[lo, lo + nb) one token each, samples and streams; a failed batch is retried one
@@ -346,8 +378,14 @@ static void step_chunk(dn_loop *L, int lo, int nb)
         const float *row = L->logits + (size_t)i * vocab;
         /* n_gen tokens so far, the prefill node's first included: this is forced[n_gen - 1]
          * (stop_reason ended the job at max_tokens, so the index is inside the list) */
-        int32_t id = j->forced ? j->forced[j->n_gen - 1]
-                               : kr_sampler_sample(j->sampler, sampling_row(L, j, row));
+        const float *draw = j->forced ? NULL : sampling_row(L, j, row);
+        if (!j->forced && !draw) {
+            finish(L, j, GRPC_STATUS_FAILED_PRECONDITION,
+                   "response_format: no token of the vocabulary continues the document");
+            L->run[lo + i] = NULL;
+            continue;
+        }
+        int32_t id = j->forced ? j->forced[j->n_gen - 1] : kr_sampler_sample(j->sampler, draw);
         if (take_token(L, j, id, row))
             L->run[lo + i] = NULL;
     }
@@ -457,6 +495,7 @@ static void *loop_main(void *arg)
     free(L->tokens);
     free(L->logits);
     free(L->row);
+    kr_grammar_scratch_free(L->gscratch);
     free(L);
     return NULL;
 }
@@ -471,9 +510,13 @@ int dn_loop_start(dn_node *n, char *err)
         L->tokens = calloc((size_t)mb, sizeof *L->tokens);
         L->logits = malloc((size_t)mb * (size_t)n->mcfg->vocab_size * sizeof *L->logits);
         L->row = malloc((size_t)n->mcfg->vocab_size * sizeof *L->row);
+        char gerr[KR_ERR_MAX];
+        if (n->gvocab && kr_grammar_scratch_create(n->gvocab, &L->gscratch, gerr) != 0)
+            L->gscratch = NULL;
     }
-    if (!L || !L->seqs || !L->tokens || !L->logits || !L->row) {
+    if (!L || !L->seqs || !L->tokens || !L->logits || !L->row || (n->gvocab && !L->gscratch)) {
         if (L) {
+            kr_grammar_scratch_free(L->gscratch);
             free(L->seqs);
             free(L->tokens);
             free(L->logits);
@@ -492,6 +535,7 @@ int dn_loop_start(dn_node *n, char *err)
         free(L->tokens);
         free(L->logits);
         free(L->row);
+        kr_grammar_scratch_free(L->gscratch);
         free(L);
         snprintf(err, 256, "cannot start the batching thread");
         return -1;

@@ -211,6 +211,10 @@ static int metrics_init(dn_metrics *m)
     m->step_s = kc_histogram_add(r, "kvrelay_decode_step_seconds",
                                  "Seconds per batched forward call (one token for each sequence in it)", NULL,
                                  kc_latency_buckets, kc_n_latency_buckets);
+    m->mask_s = kc_histogram_add(r, "kvrelay_decode_grammar_mask_seconds",
+                                 "Seconds per structured-output mask: one sequence's allowed "
+                                 "tokens computed and its logits row masked (one observation per "
+                                 "masked row)", NULL, kc_latency_buckets, kc_n_latency_buckets);
     if (kr_policy_n_families() > DN_FAMILIES_MAX) return -1;
     for (int f = 0; f < kr_policy_n_families(); f++) {
         char label[64];
@@ -239,8 +243,8 @@ static int metrics_init(dn_metrics *m)
                                      "landing=\"copied\"");
     if (!m->blocks_used || !m->blocks_reserved || !m->blocks_free ||
         !m->running || !m->queued || !m->reservations || !m->batch_size || !m->tpot ||
-        !m->import_s || !m->tokens || !m->expired || !m->step_s || !m->parts_in_blocks ||
-        !m->parts_copied)
+        !m->import_s || !m->tokens || !m->expired || !m->step_s || !m->mask_s ||
+        !m->parts_in_blocks || !m->parts_copied)
         return -1;
     for (int code = 0; code <= GRPC_STATUS_UNAUTHENTICATED; code++) {
         char label[64];
@@ -355,6 +359,8 @@ int main(int argc, char **argv)
     n->mcfg = kr_model_config(n->model);
     snprintf(n->fingerprint, sizeof n->fingerprint, "%s", kr_model_fingerprint(n->model));
     n->zero_logits = calloc((size_t)n->mcfg->vocab_size, sizeof *n->zero_logits);
+    if (kr_grammar_vocab_load(c->model_dir, n->mcfg->eos_token_id, &n->gvocab, n->gvocab_err) != 0)
+        kc_info(NULL, "no structured output (response_format is refused): %s", n->gvocab_err);
     kr_ctx_params cp = {.backend = c->backend, .n_threads = c->threads,
                         .max_chunk = c->max_batch, .kv_dtype = c->cache_dtype};
     if (!n->zero_logits || kr_ctx_create(n->model, &cp, &n->ctx, err) != KR_OK) {
@@ -458,6 +464,7 @@ stop:
     kr_ctx_free(n->ctx);
     kr_kv_pool_free(n->pool);
     kr_model_free(n->model);
+    kr_grammar_vocab_free(n->gvocab);
     free(n->zero_logits);
     pthread_cond_destroy(&n->cond);
     pthread_mutex_destroy(&n->lock);

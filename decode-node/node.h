@@ -29,6 +29,7 @@
 #include "health.h"
 #include "http.h"
 #include "kr.h"
+#include "kr-grammar.h"
 #include "membership.h"
 #include "metrics.h"
 #include "rpc.h"
@@ -144,6 +145,8 @@ typedef struct dn_job {
                        (and the prefill node's first token does not stop the sequence) */
     kr_penalty_state *pen; /* NULL: no repetition, presence or frequency penalty */
     int budget_tokens; /* what the reservation's blocks cover (CONTEXT beyond it) */
+    kr_grammar_seq *gseq; /* response_format's matcher, fed the tokens of earlier placements and
+                             (at admission) the first; NULL: draws are not constrained */
     /* loop only, from the admission on */
     kr_seq *seq; /* adopted from resv->seq */
     int32_t next_in; /* the token fed at the next step */
@@ -166,6 +169,7 @@ typedef struct dn_metrics {
     kc_gauge *running, *queued, *reservations;
     kc_histogram *batch_size, *tpot, *import_s;
     kc_histogram *step_s; /* one batched forward call */
+    kc_histogram *mask_s; /* one sequence's structured-output mask (computed and applied) */
     kc_gauge *blocks_by_policy[DN_FAMILIES_MAX]; /* blocks held by running sequences, by family */
     kc_counter *tokens;
     kc_counter *requests[GRPC_STATUS_UNAUTHENTICATED + 1]; /* Decode streams by final status */
@@ -181,6 +185,9 @@ struct dn_node {
     const kr_config *mcfg;
     char fingerprint[17];
     float *zero_logits; /* [vocab]: what a sampler skips a draw with */
+    kr_grammar_vocab *gvocab; /* structured output's vocabulary, read-only; NULL when the model
+                                 has no tokenizer (gvocab_err says why) */
+    char gvocab_err[KR_ERR_MAX];
     kr_kv_pool *pool; /* the loop's, and import.c's for sequences not yet handed over */
     kr_ctx *ctx; /* loop only */
     kt_transport *transport;

@@ -171,6 +171,39 @@ static int penalties_from(const Kvrelay__V1__DecodeRequest *req, int vocab, kr_p
                                  req->n_penalty_output, out, err);
 }
 
+/* Structured output: response_format compiled and its matcher fed the tokens of earlier
+ * placements (penalty_output); the prefill node's first token joins it at admission. Returns
+ * OK with *out (NULL: no constraint), or the refusal's code with err. */
+static grpc_status_code grammar_from(const dn_node *n, const Kvrelay__V1__DecodeRequest *req,
+                                     kr_grammar_seq **out, char *err)
+{
+    *out = NULL;
+    if (!req->response_format || !*req->response_format)
+        return GRPC_STATUS_OK;
+    if (!n->gvocab) {
+        snprintf(err, KR_ERR_MAX, "response_format: %.400s", n->gvocab_err);
+        return GRPC_STATUS_FAILED_PRECONDITION;
+    }
+    if (req->n_forced) {
+        snprintf(err, KR_ERR_MAX, "response_format: not with forced");
+        return GRPC_STATUS_INVALID_ARGUMENT;
+    }
+    for (size_t i = 0; i < req->n_penalty_output; i++)
+        if (req->penalty_output[i] >= (uint32_t)kr_grammar_vocab_n(n->gvocab)) {
+            snprintf(err, KR_ERR_MAX, "penalty_output[%zu] = %u is outside the vocabulary", i,
+                     req->penalty_output[i]);
+            return GRPC_STATUS_INVALID_ARGUMENT;
+        }
+    char msg[KR_ERR_MAX];
+    if (kr_grammar_seq_create(n->gvocab, req->response_format, strlen(req->response_format),
+                              (const int32_t *)req->penalty_output, req->n_penalty_output, out,
+                              msg) != 0) {
+        snprintf(err, KR_ERR_MAX, "response_format: %.400s", msg);
+        return GRPC_STATUS_INVALID_ARGUMENT;
+    }
+    return GRPC_STATUS_OK;
+}
+
 /* A transfer that failed: which status tells the router the right thing. */
 static grpc_status_code transfer_code(const char *msg)
 {
@@ -408,6 +441,11 @@ static int decode(kc_call *call, const Kvrelay__V1__DecodeRequest *req, dn_node 
         penalties_from(req, c->vocab_size, &job->pen, err) != 0) {
         dn_job_free(job);
         return refuse(call, rid, GRPC_STATUS_INVALID_ARGUMENT, "%s", err);
+    }
+    grpc_status_code gcode = grammar_from(n, req, &job->gseq, err);
+    if (gcode != GRPC_STATUS_OK) {
+        dn_job_free(job);
+        return refuse(call, rid, gcode, "%s", err);
     }
     /* The prefill node drew the first token from a sampler seeded the same way: skip that draw
      * so that seeded sampling continues exactly as one process would (one draw per

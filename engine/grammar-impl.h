@@ -99,10 +99,13 @@ struct kr_matcher {
 /* The matcher's step for the mask: feeds `c` into a copy of src written to dst (depth frames
  * only). 0 when accepted; on -1 dst holds garbage. */
 int gr_step(kr_matcher *dst, const kr_matcher *src, uint8_t c);
-/* 1 when the top of m is a string (or an additional key) between characters, where plain
- * text (printable, no quote or backslash, whole UTF-8 characters) is accepted as long as it has at
- * most *room characters and changes nothing but their count; else 0. */
-int gr_plain_room(const kr_matcher *m, uint32_t *room);
+/* GR_PLAIN_STRING (a string) or GR_PLAIN_KEY (an additional key) when the top of m is between
+ * characters there, where plain text (printable, no quote or backslash, whole UTF-8
+ * characters) is accepted as long as it has at most *room characters and changes nothing but
+ * their count; else 0. *need: the characters a string still lacks for its minLength (plain
+ * text of c characters brings kr_matcher_remaining down by min(c, *need)); 0 for a key. */
+enum { GR_PLAIN_STRING = 1, GR_PLAIN_KEY = 2 };
+int gr_plain_room(const kr_matcher *m, uint32_t *room, uint32_t *need);
 /* Bytes of the shortest value node accepts, from its children's (set at compile time). */
 uint32_t gr_node_min_doc(const kr_grammar *g, const gr_node *n);
 

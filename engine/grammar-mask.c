@@ -279,20 +279,31 @@ void kr_grammar_scratch_free(kr_grammar_scratch *s)
     free(s);
 }
 
-int kr_grammar_mask(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_scratch *s, uint32_t *allowed)
+/* The mask; with `limit` below UINT32_MAX a token is allowed only when the matcher it leaves
+ * needs at most `limit` more bytes (kr_matcher_remaining). kr_grammar_mask_budget keeps the
+ * limit at least the bytes needed now less one, so plain text inside a string (which changes
+ * nothing but the character count) passes when the string is within the limit already, or
+ * when it still lacks characters for its minLength (each plain token then brings the end a
+ * byte closer at least); an additional key's plain text may raise the count (it can leave a
+ * declared name), so there every token is walked. */
+static int mask_limited(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_scratch *s, uint32_t limit,
+                        uint32_t *allowed)
 {
     memset(allowed, 0, ((size_t)v->n_vocab + 31) / 32 * sizeof *allowed);
     if (kr_matcher_dead(m) || kr_matcher_ended(m)) return 0;
     KR_ASSERT(s->max_len >= v->max_len);
     int count = 0;
     const gv_trie *trie = &v->all;
-    uint32_t room;
-    if (gr_plain_room(m, &room)) { /* in a string: plain tokens that fit, then the others */
+    uint32_t room, need;
+    int plain = gr_plain_room(m, &room, &need);
+    if (plain && (limit == UINT32_MAX || plain == GR_PLAIN_STRING)) {
+        /* in a string: plain tokens that fit, then the others */
         trie = &v->other;
-        if (room >= (uint32_t)v->max_plain_chars) {
+        int plain_ok = limit == UINT32_MAX || kr_matcher_remaining(m) <= limit || need > 0;
+        if (plain_ok && room >= (uint32_t)v->max_plain_chars) {
             memcpy(allowed, v->plain_bits, ((size_t)v->n_vocab + 31) / 32 * sizeof *allowed);
             count = v->n_plain;
-        } else {
+        } else if (plain_ok) {
             for (; count < v->n_plain && v->plain_chars[count] <= room; count++)
                 allowed[v->plain_ids[count] >> 5] |= 1u << (v->plain_ids[count] & 31);
         }
@@ -305,12 +316,13 @@ int kr_grammar_mask(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_s
             i = nd->skip;
             continue;
         }
+        i++;
+        if (!nd->n_ids || (limit != UINT32_MAX && kr_matcher_remaining(&st[nd->depth]) > limit)) continue;
         for (uint32_t k = 0; k < nd->n_ids; k++) {
             int32_t id = trie->ids[nd->ids_off + k];
             allowed[id >> 5] |= 1u << (id & 31);
         }
         count += nd->n_ids;
-        i++;
     }
     if (kr_matcher_can_end(m)) {
         for (int k = 0; k < v->n_end; k++) {
@@ -320,6 +332,25 @@ int kr_grammar_mask(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_s
         }
     }
     return count;
+}
+
+int kr_grammar_mask(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_scratch *s, uint32_t *allowed)
+{
+    return mask_limited(v, m, s, UINT32_MAX, allowed);
+}
+
+int kr_grammar_mask_budget(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_scratch *s, int64_t budget,
+                           uint32_t *allowed)
+{
+    uint32_t need = kr_matcher_remaining(m);
+    if (budget < 1 || need >= UINT32_MAX / 2) return kr_grammar_mask(v, m, s, allowed);
+    /* after this token, budget - 1 tokens of at least one byte each; a state already past
+     * that may only come closer */
+    int64_t after = budget - 1;
+    /* at least need - 1: mask_limited relies on it (a state past its budget moves a byte closer) */
+    uint32_t limit = after >= need ? (uint32_t)(after < UINT32_MAX / 2 ? after : UINT32_MAX / 2) : need - 1;
+    int count = mask_limited(v, m, s, limit, allowed);
+    return count ? count : kr_grammar_mask(v, m, s, allowed);
 }
 
 void kr_grammar_mask_logits(const uint32_t *allowed, const kr_grammar_vocab *v, float *logits, int n_logits)

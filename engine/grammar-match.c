@@ -602,20 +602,22 @@ uint32_t kr_matcher_remaining(const kr_matcher *m)
     return sat(total);
 }
 
-int gr_plain_room(const kr_matcher *m, uint32_t *room)
+int gr_plain_room(const kr_matcher *m, uint32_t *room, uint32_t *need)
 {
     const gr_frame *f = &m->f[m->depth - 1];
     const gr_node *n = &m->g->nodes[f->node == GR_KW_NODE ? 0 : f->node];
     if (m->dead || m->ended || (f->u8 & 3)) return 0;
     if (f->kind == GF_STRING && f->sub == GS_ESC_NONE) {
         *room = n->max_len - f->n;
-        return 1;
+        *need = f->n < n->min_len ? n->min_len - f->n : 0;
+        return GR_PLAIN_STRING;
     }
     /* a free key: a declared name it may also become is shorter than key_max, so the free
      * path decides alone whether plain text is accepted */
     if (f->kind == GF_KEY && (f->sub & GS_KEY_FREE) && !(f->sub & GS_KEY_ESC)) {
         *room = n->key_max - f->n;
-        return 1;
+        *need = 0;
+        return GR_PLAIN_KEY;
     }
     return 0;
 }
@@ -676,6 +678,11 @@ int kr_matcher_can_end(const kr_matcher *m)
     if (f->kind == GF_NUMBER) return number_can_end(f);
     if (f->kind == GF_LITERAL) return lit_base(m->g, f)[f->u.lit.lo].len == f->u.lit.pos;
     return 0;
+}
+
+int kr_matcher_closed(const kr_matcher *m)
+{
+    return !m->dead && !m->ended && m->depth == 1 && m->f[0].sub == GS_ROOT_DONE;
 }
 
 int kr_matcher_dead(const kr_matcher *m) { return m->dead; }

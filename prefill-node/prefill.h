@@ -22,6 +22,7 @@
 #include "bundle.h"
 #include "health.h"
 #include "kr.h"
+#include "kr-grammar.h"
 #include "membership.h"
 #include "metrics.h"
 #include "prefix-cache.h"
@@ -115,6 +116,10 @@ typedef struct pf_job {
     kr_penalty_state *pen;   /* the first draw's penalties (NULL: none on), freed by the handler */
     kr_draw_mask mask;       /* min_tokens' mask of the first draw; stop points into stop_ids */
     int32_t stop_ids[PF_MAX_STOP_IDS];
+    kr_grammar_seq *gseq;    /* response_format's matcher, caught up with the completion so far
+                                (the handler's); NULL: the draw is not constrained */
+    int64_t gbudget;         /* with gseq: the tokens the completion may still take (0: no
+                                bound) */
     kt_dtype wire;           /* the bundle's payload dtype: the request's, or --kv-dtype */
     char host[256];          /* transfer address */
     uint16_t port;
@@ -179,6 +184,9 @@ typedef struct pf_node {
     kc_health *health; /* grpc.health.v1 */
     kc_registration *registration; /* NULL without --etcd */
     pf_metrics metrics;
+    kr_grammar_vocab *gvocab; /* the structured-output mask's vocabulary, shared read-only; NULL
+                                 when the model has no tokenizer (gvocab_err says why) */
+    char gvocab_err[KR_ERR_MAX];
 
     /* the worker's: only the worker thread touches these after start-up */
     kr_ctx *ctx;
@@ -186,6 +194,7 @@ typedef struct pf_node {
     pf_cache *cache;        /* NULL: --prefix-cache-memory 0 */
     float *logits;          /* [vocab_size] */
     float *draw_row;        /* [vocab_size]: the first draw's row under penalties or masks */
+    kr_grammar_scratch *gscratch; /* the mask's working memory; NULL without gvocab */
     kt_bundle_list *lists;  /* [n_layers * n_kv_heads] */
     pf_buf *bufs;           /* [n_layers + KT_BUNDLE_MAX_EARLY_PARTS]: a send buffer per part
                                (a whole bundle, or a pipelined transfer's parts); bufs[0] for a

@@ -57,6 +57,11 @@ int pf_run_init(pf_node *n, char *err)
 
     if (kr_ctx_kv_pool_create(n->ctx, PF_BLOCK_SIZE, n->cfg->kv_blocks, &n->pool, err) != KR_OK)
         return -1;
+    /* structured output: the vocabulary's mask (requests with response_format are refused
+     * where the model has no tokenizer) */
+    if (kr_grammar_vocab_load(n->cfg->model_dir, c->eos_token_id, &n->gvocab, n->gvocab_err) == 0 &&
+        kr_grammar_scratch_create(n->gvocab, &n->gscratch, err) != 0)
+        return -1;
     n->logits = malloc(sizeof(float) * (size_t)c->vocab_size);
     n->draw_row = malloc(sizeof(float) * (size_t)c->vocab_size);
     n->lists = calloc((size_t)c->n_layers * (size_t)c->n_kv_heads, sizeof *n->lists);
@@ -78,6 +83,8 @@ void pf_run_free(pf_node *n)
     free(n->lists);
     free(n->logits);
     free(n->draw_row);
+    kr_grammar_scratch_free(n->gscratch);
+    kr_grammar_vocab_free(n->gvocab);
     kr_kv_pool_free(n->pool);
     kr_ctx_free(n->ctx);
 }
@@ -452,9 +459,20 @@ void pf_run(pf_node *n, pf_job *j)
             job_fail(j, GRPC_STATUS_INTERNAL, "%s", err);
             goto out;
         }
-        /* penalties and min_tokens' mask on a copy: log-probabilities stay the model's row's */
-        j->first_token = kr_sampler_sample(
-            sampler, kr_draw_row(j->pen, &j->mask, n->logits, c->vocab_size, n->draw_row));
+        /* penalties, min_tokens' mask and response_format's on a copy: log-probabilities stay
+         * the model's row's */
+        const float *row = kr_draw_row(j->pen, &j->mask, n->logits, c->vocab_size, n->draw_row);
+        if (j->gseq) {
+            if (row != n->draw_row) memcpy(n->draw_row, row, sizeof(float) * (size_t)c->vocab_size);
+            if (kr_grammar_seq_mask_logits(j->gseq, n->gvocab, n->gscratch, j->gbudget, n->draw_row,
+                                           c->vocab_size) == 0) {
+                job_fail(j, GRPC_STATUS_FAILED_PRECONDITION,
+                         "response_format: no token of the vocabulary continues the document");
+                goto out;
+            }
+            row = n->draw_row;
+        }
+        j->first_token = kr_sampler_sample(sampler, row);
     }
     if (j->logprobs)
         j->first_logprob = kr_logprob_top(n->logits, c->vocab_size, j->first_token, &j->first_top_id,

@@ -254,6 +254,34 @@ static int validate_transfer(pf_node *n, kc_call *call, const Kvrelay__V1__Prefi
     return GRPC_STATUS_OK;
 }
 
+/* Structured output: the response_format compiled (the router checked it; a node of another
+ * version may still refuse it) into j->gseq, its matcher fed the completion's tokens from
+ * earlier placements, the last completion_tokens of the prompt. */
+static int check_format(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req,
+                        pf_job *j)
+{
+    const char *rf = req->response_format ? req->response_format : "", *rid = j->request_id;
+    if (!*rf)
+        return GRPC_STATUS_OK;
+    if (!n->gvocab)
+        return refuse(n, call, rid, GRPC_STATUS_FAILED_PRECONDITION,
+                      "response_format: this node has no vocabulary: %.400s", n->gvocab_err);
+    if (j->forced_first >= 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "response_format: not with forced_first");
+    if (req->completion_tokens >= (uint32_t)j->n_tokens)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT,
+                      "completion_tokens: %u of the %d token_ids (the prompt needs one at least)",
+                      req->completion_tokens, j->n_tokens);
+    char err[KR_ERR_MAX];
+    if (kr_grammar_seq_create(n->gvocab, rf, strlen(rf),
+                              j->tokens + j->n_tokens - req->completion_tokens, req->completion_tokens,
+                              &j->gseq, err) != 0)
+        return refuse(n, call, rid, GRPC_STATUS_INVALID_ARGUMENT, "response_format: %s", err);
+    j->gbudget = req->max_tokens;
+    return GRPC_STATUS_OK;
+}
+
 /* Validates `req` into `j` (tokens into *tokens, a policy the cache did not take into *owned).
  * Returns GRPC_STATUS_OK or the refusal's code (already recorded on the call). */
 static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest *req, pf_job *j,
@@ -356,7 +384,7 @@ static int validate(pf_node *n, kc_call *call, const Kvrelay__V1__PrefillRequest
         (*tokens)[i] = (int32_t)req->token_ids[i];
     j->tokens = *tokens;
     j->n_tokens = (int)nt;
-    return GRPC_STATUS_OK;
+    return check_format(n, call, req, j);
 }
 
 static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *user)
@@ -444,6 +472,7 @@ static int prefill_handler(kc_call *call, const ProtobufCMessage *msg, void *use
     code = GRPC_STATUS_OK;
 out:
     pf_scores_free(&j.scores);
+    kr_grammar_seq_free(j.gseq);
     kr_policy_free(owned);
     kr_penalty_free(j.pen);
     free(tokens);

@@ -26,7 +26,7 @@
 static const char *const completion_fields[] = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
     "user", "echo", "logprobs", "best_of", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-    "kv_policy", "kv_wire_dtype", "top_k", "add_special_tokens", VLLM_FIELDS, NULL};
+    "kv_policy", "kv_wire_dtype", "top_k", "add_special_tokens", "response_format", VLLM_FIELDS, NULL};
 static const char *const chat_fields[] = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
     "stream_options", "stop", "seed", "user", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
@@ -373,10 +373,6 @@ static int parse_chat(const oa_model *m, oa_request *r, const cJSON *doc, oa_ref
     const cJSON *tc = field(doc, "tool_choice");
     if (tc && !(cJSON_IsString(tc) && !strcmp(tc->valuestring, "none")))
         return refuse(f, "tool_choice", "'tool_choice' must be \"none\": tools are not supported");
-    const cJSON *rf = field(doc, "response_format");
-    const cJSON *rft = rf ? cJSON_GetObjectItemCaseSensitive(rf, "type") : NULL;
-    if (rf && !(cJSON_IsString(rft) && !strcmp(rft->valuestring, "text")))
-        return refuse(f, "response_format", "'response_format' must be {\"type\": \"text\"}");
     int store = 0;
     if (bool_field(doc, "store", &store, f)) return -1;
     if (store) return refuse(f, "store", "'store' is not supported");
@@ -445,10 +441,23 @@ out:
     return rc;
 }
 
+/* response_format (both endpoints; completions' is vLLM's extension): an object, passed on as
+ * its compact JSON text. The generation path compiles it (rt_req_validate), so that both APIs
+ * refuse a schema alike, naming the keyword. */
+static int parse_response_format(oa_request *r, const cJSON *doc, oa_refusal *f)
+{
+    const cJSON *rf = field(doc, "response_format");
+    if (!rf) return 0;
+    if (!cJSON_IsObject(rf))
+        return refuse(f, "response_format", "'response_format' must be an object such as {\"type\": \"json_object\"}");
+    r->response_format = cJSON_PrintUnformatted(rf);
+    return r->response_format ? 0 : refuse(f, NULL, "out of memory");
+}
+
 /* Builds r->q from the JSON body. */
 static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_refusal *f)
 {
-    if (parse_common(m, r, doc, f) ||
+    if (parse_common(m, r, doc, f) || parse_response_format(r, doc, f) ||
         (r->kind == OA_CHAT ? parse_chat(m, r, doc, f) : parse_completion(m, r, doc, f)))
         return -1;
     if (r->kind == OA_CHAT) r->n_prompts = 1;
@@ -501,6 +510,7 @@ static int parse_request(const oa_model *m, oa_request *r, const cJSON *doc, oa_
     r->q.top_logprobs = r->logprobs > 0 ? (uint32_t)r->logprobs : 0;
     /* echo's scores come from the prefill node; max_tokens 0 is a scored-only prefill */
     r->q.prompt_logprobs = r->echo && (r->logprobs >= 0 || max_tokens == 0);
+    if (r->response_format) r->q.response_format = r->response_format;
     return 0;
 }
 
@@ -672,5 +682,6 @@ void oa_request_free(oa_request *r)
 {
     for (int i = 0; i < r->n_stops; i++) free(r->stops[i]);
     free(r->ids);
+    cJSON_free(r->response_format);
     memset(r, 0, sizeof *r);
 }

@@ -206,7 +206,8 @@ static const char *param_of(const oa_call *c, const char *details)
                {"sampling.top_k", "top_k"}, {"sampling: top_k", "top_k"}, {"stop_ids", "stop_token_ids"},
                {"stop", "stop"}, {"max_tokens", "max_tokens"}, {"min_tokens", "min_tokens"},
                {"sampling.repetition_penalty", "repetition_penalty"}, {"sampling.presence_penalty", "presence_penalty"},
-               {"sampling.frequency_penalty", "frequency_penalty"}, {"request_id", "X-Request-Id"}};
+               {"sampling.frequency_penalty", "frequency_penalty"}, {"request_id", "X-Request-Id"},
+               {"response_format", "response_format"}};
     if (!strncmp(details, "prompt", 6)) return c->req.kind == OA_CHAT ? "messages" : "prompt";
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
         if (!strncmp(details, map[i].prefix, strlen(map[i].prefix))) return map[i].param;

@@ -64,6 +64,7 @@ typedef struct oa_request {
     int logprobs; /* -1: none; else the alternatives per token (completions' logprobs, chat's
                      top_logprobs with logprobs true) */
     int echo;     /* completions: the prompt comes back before the completion */
+    char *response_format; /* the response_format object's compact JSON (cJSON_free), or NULL */
 } oa_request;
 
 /* Why a request was refused: the HTTP status, OpenAI's error type and code (static strings,

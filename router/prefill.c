@@ -103,6 +103,10 @@ rt_attempt rt_prefill(rt_req *r, Kvrelay__V1__PrefillResponse **out, kc_status *
     req.top_logprobs = r->top_logprobs;
     req.prompt_logprobs = r->prompt_logprobs && r->migrations == 0; /* scored once, not after a migration */
     req.score_only = r->score_only;
+    if (r->response_format) { /* the matcher replays the completion so far (completion_tokens) */
+        req.response_format = (char *)r->response_format;
+        req.max_tokens = r->left_tokens;
+    }
     int full = 0;
     rt_attempt a = RT_ATTEMPT_FAIL;
     kc_status last = {GRPC_STATUS_UNAVAILABLE, "none is serving (gone, suspect, or failed earlier in this request)"};

@@ -232,6 +232,11 @@ grpc_status_code rt_decode_stream(rt_req *r, kc_status *st)
     uint32_t before = r->max_tokens - r->left_tokens; /* generated before this placement */
     req.min_tokens = r->min_tokens > before ? r->min_tokens - before : 0;
     const Kvrelay__V1__Sampling *sg = &r->sampling;
+    if (r->response_format) { /* the matcher replays the tokens of earlier placements */
+        req.response_format = (char *)r->response_format;
+        req.n_penalty_output = before;
+        req.penalty_output = r->sent;
+    }
     if (sg->presence_penalty != 0.0f || sg->frequency_penalty != 0.0f ||
         (sg->repetition_penalty != 0.0f && sg->repetition_penalty != 1.0f)) {
         /* what the penalties count: the prompt for repetition, the tokens of earlier placements

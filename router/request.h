@@ -75,6 +75,8 @@ typedef struct rt_req {
                                                    the next delta carries; NULL: none (sent or not asked) */
     int ignore_eos; /* EOS does not end the completion */
     uint32_t min_tokens; /* neither EOS, a stop id nor a stop string ends it before this many */
+    const char *response_format; /* borrowed: the response_format object's JSON text when it
+                                    constrains (json_object, json_schema); NULL: none */
     kr_detok *detok; /* NULL without a tokenizer */
     rt_stop stop;
     double t_arrival, t_first, t_last; /* seconds, monotonic */

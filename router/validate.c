@@ -3,14 +3,15 @@
  * the request id (or a new one), the prompt tokenized and bounded by the model's context and
  * --max-prompt-tokens, max_tokens (and min_tokens) or the forced ids, the KV policy parsed (file
  * keys resolved by policy.c), sampling with a seed always present and its penalties in range,
- * stop strings and stop ids. Every refusal is INVALID_ARGUMENT (FAILED_PRECONDITION when the
- * model lacks a tokenizer) naming the field.
+ * stop strings and stop ids, the response_format schema. Every refusal is INVALID_ARGUMENT
+ * (FAILED_PRECONDITION when the model lacks a tokenizer) naming the field.
  * Not the OpenAI API's own body checks (openai-request.c), which map onto these.
  * Tested by test_router_cluster (refusals) and tests/integration/openai_api.sh, openai_vllm.sh.
  */
 #include "request.h"
 
 #include "bundle.h"
+#include "kr-grammar.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -292,12 +293,43 @@ static grpc_status_code check_wire(const Kvrelay__V1__GenerateRequest *q, rt_req
     return GRPC_STATUS_OK;
 }
 
+/* Structured output: the response_format object compiled once to check it (the nodes compile
+ * it again: no compiled form crosses the wire), and refused beside what asks for tokens after
+ * the document or instead of sampled ones. Its errors name the keyword and where it is. */
+static grpc_status_code check_format(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, rt_req *r, kc_status *st)
+{
+    const char *rf = q->response_format ? q->response_format : "";
+    r->response_format = NULL;
+    if (!*rf) return GRPC_STATUS_OK;
+    char err[KR_ERR_MAX];
+    kr_grammar *g = NULL;
+    if (kr_grammar_compile(rf, strlen(rf), NULL, &g, err) != KR_OK)
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "%s%s",
+                             strncmp(err, "response_format", 15) ? "response_format: " : "", err), st->code;
+    if (!g) return GRPC_STATUS_OK; /* {"type": "text"} */
+    kr_grammar_free(g);
+    const char *with = r->forced ? "forced (a scoring request's tokens are given, not drawn)"
+                       : r->ignore_eos ? "ignore_eos (the completion ends with its document)"
+                       : r->min_tokens ? "min_tokens > 0 (the completion ends with its document)"
+                                       : NULL;
+    if (with)
+        return kc_status_set(st, GRPC_STATUS_INVALID_ARGUMENT, "response_format: cannot be combined with %s", with),
+               st->code;
+    if (!rt->tok)
+        return kc_status_set(st, GRPC_STATUS_FAILED_PRECONDITION,
+                             "response_format: the router's model %s has no tokenizer.json (the mask is built from "
+                             "its vocabulary)", rt->model_dir), st->code;
+    r->response_format = rf;
+    return GRPC_STATUS_OK;
+}
+
 grpc_status_code rt_req_validate(rt_router *rt, const Kvrelay__V1__GenerateRequest *q, rt_req *r, kc_status *st)
 {
     /* the request id first, so every later message can carry it */
     grpc_status_code code = check_id(rt, q, r, st);
     if (code == GRPC_STATUS_OK) code = check_prompt(rt, q, r, st);
     if (code == GRPC_STATUS_OK) code = check_length(rt, q, r, st);
+    if (code == GRPC_STATUS_OK) code = check_format(rt, q, r, st);
     if (code == GRPC_STATUS_OK) code = check_policy(rt, q, r, st);
     if (code == GRPC_STATUS_OK) code = check_wire(q, r, st);
     if (code == GRPC_STATUS_OK) code = check_sampling(rt, q, r, st);

@@ -65,7 +65,7 @@ int main(int argc, char **argv)
 {
     cli_init(argv);
     const char *dir = NULL, *schema_file = NULL;
-    int steps = 2000, budget = 400;
+    int steps = 2000, budget = 400, within = 0;
     uint64_t seed = 1;
     const kc_flag table[] = {
         {.kind = KC_FLAG_STRING, .name = "--model", .arg = "DIR", .dest = &dir,
@@ -76,13 +76,16 @@ int main(int argc, char **argv)
          .help = "decode steps to time in all (documents are decoded one after the other)"},
         {.kind = KC_FLAG_INT, .name = "--budget", .arg = "N", .dest = &budget, .min = 1, .max = 1000000, .def = "400",
          .help = "random tokens per document before the shortest way to its end is taken"},
+        {.kind = KC_FLAG_INT, .name = "--within", .arg = "N", .dest = &within, .min = 0, .max = 1000000, .def = "0",
+         .help = "time kr_grammar_mask_budget as the serving nodes use it: each document gets N tokens (it ends\n"
+                 "when closed or when they are spent), random allowed ones; 0: the plain mask and --budget"},
         {.kind = KC_FLAG_FUNC, .name = "--seed", .arg = "N", .dest = &seed, .fn = cli_flag_u64, .def = "1",
          .help = "seed of the random token choices"},
         {.kind = KC_FLAG_END},
     };
     const kc_flags flags = {
         .prog = "kvrelay-grammar-bench",
-        .usage = "--model DIR [--schema FILE] [--steps N] [--budget N] [--seed N]",
+        .usage = "--model DIR [--schema FILE] [--steps N] [--budget N | --within N] [--seed N]",
         .about = "Times the structured-output token mask (docs/structured-output.md) per decode step over\n"
                  "the model's vocabulary, on random documents of the schema.",
         .table = table,
@@ -131,14 +134,14 @@ int main(int argc, char **argv)
         kr_matcher_copy(tmp, m);
         int in_string = kr_matcher_feed(tmp, 'q') == 0;
         double a = now_s();
-        int count = kr_grammar_mask(v, m, scr, mask);
+        int count = within ? kr_grammar_mask_budget(v, m, scr, within - n_doc, mask) : kr_grammar_mask(v, m, scr, mask);
         double b = now_s();
         series *ser = in_string ? &in_str : &other;
         ser->v[ser->n++] = b - a;
         if (count <= 0) cli_die(1, "no token allowed: a bug (test_grammar should have caught it)");
         allowed_sum += count;
         int32_t id = -1;
-        if (n_doc < budget) {
+        if (within || n_doc < budget) {
             rng = rng * 6364136223846793005ull + 1442695040888963407ull;
             int r = (int)((rng >> 33) % (uint64_t)count);
             for (int32_t i = 0; id < 0; i++)
@@ -157,7 +160,8 @@ int main(int argc, char **argv)
         if (kr_matcher_accept_token(m, v, id)) cli_die(1, "an allowed token was refused: a bug");
         accept_s += now_s() - a;
         n_doc++;
-        if (kr_matcher_ended(m)) {
+        if (kr_matcher_ended(m) || (within && (kr_matcher_closed(m) || n_doc == within))) {
+            if (within && !kr_matcher_can_end(m)) cli_die(1, "a document is not whole within its budget: a bug");
             docs++;
             n_doc = 0;
             kr_matcher_reset(m);

@@ -83,6 +83,10 @@ int kr_matcher_can_end(const kr_matcher *m);
 /* The fewest bytes that complete the document from here (0 when it may end), for a decoder
  * that must finish within a budget; saturates at UINT32_MAX / 2. */
 uint32_t kr_matcher_remaining(const kr_matcher *m);
+/* 1 when the document's value is finished: nothing but whitespace and the end may follow
+ * (a top-level number or literal that could still grow is not closed). A decoder may end the
+ * sequence here. */
+int kr_matcher_closed(const kr_matcher *m);
 /* 1 after a refused byte or token. */
 int kr_matcher_dead(const kr_matcher *m);
 /* 1 after an end token was accepted (kr_matcher_accept_token). */
@@ -114,6 +118,14 @@ void kr_grammar_scratch_free(kr_grammar_scratch *s);
  * single bytes (byte-level BPE and byte-fallback vocabularies can). Allocates nothing. */
 int kr_grammar_mask(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_scratch *s,
                     uint32_t *allowed);
+/* kr_grammar_mask for a sequence that may take at most `budget` more tokens, this one
+ * included: a token is allowed only when the document can still be finished after it within
+ * budget - 1 tokens of one byte each (kr_matcher_remaining), so a sequence whose budget covered
+ * the remaining bytes when it started always finishes its document. Where the budget is short
+ * already, only tokens that bring the end closer are allowed; where that leaves none (a
+ * vocabulary that cannot spell single bytes), the plain mask. budget < 1: the plain mask. */
+int kr_grammar_mask_budget(const kr_grammar_vocab *v, const kr_matcher *m, kr_grammar_scratch *s,
+                           int64_t budget, uint32_t *allowed);
 /* Sets logits[id] = -INFINITY for each id the mask does not allow, and for ids at and past
  * the vocabulary's n (a model's padding rows); n_logits is the row's length. */
 void kr_grammar_mask_logits(const uint32_t *allowed, const kr_grammar_vocab *v, float *logits,
@@ -121,6 +133,31 @@ void kr_grammar_mask_logits(const uint32_t *allowed, const kr_grammar_vocab *v, 
 /* Advances m by token `id`: its bytes, or for an end id the end of the document. 0 when
  * accepted; -1 when refused (an id the mask would not allow: m is then dead). */
 int kr_matcher_accept_token(kr_matcher *m, const kr_grammar_vocab *v, int32_t id);
+
+/* ------------------------------------------------------------------ serving */
+
+/* The vocabulary of DIR/tokenizer.json with `end_id` as its only end id (the id the serving
+ * nodes stop a sequence at; -1: the tokenizer's EOS). Fails where the model has no tokenizer. */
+int kr_grammar_vocab_load(const char *model_dir, int32_t end_id, kr_grammar_vocab **out, char *err);
+
+/* One sequence's structured output: its grammar, its matcher and a mask. */
+typedef struct kr_grammar_seq kr_grammar_seq;
+/* Compiles response_format (as kr_grammar_compile; {"type": "text"} gives *out = NULL) and
+ * feeds the matcher the `before` tokens of the completion written already; a token the schema
+ * refuses fails, naming its index. */
+int kr_grammar_seq_create(const kr_grammar_vocab *v, const char *response_format, size_t len,
+                          const int32_t *before, size_t n_before, kr_grammar_seq **out, char *err);
+void kr_grammar_seq_free(kr_grammar_seq *s);
+/* Sets the logits of the tokens the next draw may not take to -INFINITY
+ * (kr_grammar_mask_budget with `budget` tokens left, this one included, then
+ * kr_grammar_mask_logits). Returns how many ids are allowed. */
+int kr_grammar_seq_mask_logits(kr_grammar_seq *s, const kr_grammar_vocab *v,
+                               kr_grammar_scratch *scratch, int64_t budget, float *logits,
+                               int n_logits);
+/* Advances by the drawn token: 0, or -1 when the schema refuses it. */
+int kr_grammar_seq_accept(kr_grammar_seq *s, const kr_grammar_vocab *v, int32_t id);
+/* 1 when the document is finished (closed, or an end id accepted): the sequence ends. */
+int kr_grammar_seq_done(const kr_grammar_seq *s);
 
 #ifdef __cplusplus
 }

@@ -6,11 +6,13 @@
  * be a request within the model's limits and vLLM's field ranges (ids in the vocabulary,
  * min_tokens at most max_tokens, penalties in range, n and best_of in range, every prompt of a
  * list non-empty and within the context, logprobs' alternatives at most 20, echo and max_tokens 0
- * on completions only) or a refusal with a status and a message;
+ * on completions only, a response_format that compiles or is refused naming its place) or a
+ * refusal with a status and a message;
  * anything else aborts.
  * Run: ctest -R fuzz_openai, or build with -DKR_FUZZ=ON (clang) for libFuzzer.
  */
 #include "../../router/openai-request.c"
+#include "kr-grammar.h"
 
 #include <stdint.h>
 
@@ -59,6 +61,19 @@ static void check_request(const oa_request *r)
             abort();
         for (size_t i = r->prompt_at[p]; i < r->prompt_at[p + 1]; i++)
             if (r->ids[i] >= (uint32_t)model.cfg->vocab_size) abort();
+    }
+    /* response_format: an object's JSON text, which the generation path compiles: it must
+     * compile or be refused naming its place */
+    if (q->response_format && *q->response_format) {
+        cJSON *rf = cJSON_Parse(q->response_format);
+        if (!cJSON_IsObject(rf)) abort();
+        cJSON_Delete(rf);
+        kr_grammar *g = NULL;
+        char err[KR_ERR_MAX];
+        if (kr_grammar_compile(q->response_format, strlen(q->response_format), NULL, &g, err) != 0 ?
+            strncmp(err, "response_format", 15) != 0 : 0)
+            abort();
+        kr_grammar_free(g);
     }
     const Kvrelay__V1__Sampling *s = q->sampling;
     /* written so that NaN fails */

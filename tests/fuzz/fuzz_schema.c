@@ -7,7 +7,8 @@
  * may end, kr_matcher_remaining shrinks with the best byte, and the finished document parses and
  * is valid for the schema by tests/unit/grammar_check.h. On the way, the token mask over the
  * default model's vocabulary (models/kjv-2l128-2k) must equal the brute-force one, token by
- * token. Anything else aborts.
+ * token, and so must the budgeted mask (kr_grammar_mask_budget) with no byte to spare and with
+ * one. Anything else aborts.
  * Run: ctest -R fuzz_schema, or build with -DKR_FUZZ=ON (clang) for libFuzzer.
  */
 #include "../unit/grammar_check.h"
@@ -57,6 +58,30 @@ static void check_mask(const kr_matcher *m, kr_matcher *tmp)
         n += want;
     }
     if (n != count || count == 0) __builtin_trap();
+    /* the budgeted mask, with no byte to spare and with one: of those tokens, the ones after
+     * which at most `limit` bytes are left (all of them when none is) */
+    static uint32_t *plain;
+    size_t words = (size_t)(kr_grammar_vocab_n(vocab) + 31) / 32;
+    if (!plain && !(plain = malloc(words * 4))) abort();
+    memcpy(plain, mask, words * 4);
+    uint32_t need = kr_matcher_remaining(m);
+    for (int64_t budget = need ? need : 1; budget <= (int64_t)need + 1; budget++) {
+        uint32_t limit = budget - 1 >= need ? (uint32_t)budget - 1 : need - 1;
+        int got = kr_grammar_mask_budget(vocab, m, scratch, budget, mask), kept = 0;
+        for (int pass = 0; pass < 2; pass++) { /* count, then compare */
+            for (int32_t id = 0; id < kr_grammar_vocab_n(vocab); id++) {
+                int want = plain[id >> 5] >> (id & 31) & 1;
+                if (want) {
+                    kr_matcher_copy(tmp, m);
+                    want = kr_matcher_accept_token(tmp, vocab, id) == 0 && kr_matcher_remaining(tmp) <= limit;
+                }
+                if (pass == 0) kept += want;
+                else if ((kept ? want : (int)(plain[id >> 5] >> (id & 31) & 1)) != (int)(mask[id >> 5] >> (id & 31) & 1))
+                    __builtin_trap();
+            }
+        }
+        if (got != (kept ? kept : count)) __builtin_trap();
+    }
 }
 
 /* The schema the grammar was compiled from, as grammar_check.h reads it (owned by root). */

@@ -372,6 +372,26 @@ static void brute_mask(const kr_tokenizer *tok, const kr_grammar_vocab *v, const
     }
 }
 
+/* The budgeted mask's definition: of the brute-force mask `out`, the tokens after which at most
+ * `limit` bytes are left to write; all of `out` when none is. */
+static void brute_limit(const kr_grammar_vocab *v, const kr_matcher *m, kr_matcher *tmp, uint32_t limit,
+                        uint32_t *out)
+{
+    int nv = kr_grammar_vocab_n(v), kept = 0;
+    size_t words = (size_t)(nv + 31) / 32;
+    uint32_t *all = malloc(words * 4);
+    REQUIRE(all, "oom");
+    memcpy(all, out, words * 4);
+    for (int32_t id = 0; id < nv; id++) {
+        if (!bit(out, id)) continue;
+        kr_matcher_copy(tmp, m);
+        if (kr_matcher_accept_token(tmp, v, id) == 0 && kr_matcher_remaining(tmp) <= limit) kept++;
+        else out[id >> 5] &= ~(1u << (id & 31));
+    }
+    if (!kept) memcpy(out, all, words * 4);
+    free(all);
+}
+
 typedef struct decoder {
     const kr_tokenizer *tok;
     kr_grammar_vocab *v;
@@ -381,6 +401,9 @@ typedef struct decoder {
     uint32_t *mask, *brute;
     int32_t *ids;
     int cap, budget; /* tokens in all; random ones, then finishing ones */
+    int slack; /* > 0: kr_grammar_mask_budget with the shortest completion's bytes plus up to this
+                  many tokens for the document, which must then be whole within them; < 0: 1 to
+                  -slack tokens fewer than those bytes (only the masks are checked) */
     long steps, masks_checked;
     int refused, finished_random; /* schemas refused (contradictions); ends before the budget */
 } decoder;
@@ -418,14 +441,31 @@ static void decode_one(decoder *d, const char *text, const kr_grammar_limits *li
     kr_matcher *m, *tmp;
     REQUIRE(kr_matcher_create(g, &m, err) == 0 && kr_matcher_create(g, &tmp, err) == 0, "%s", err);
     int n = 0, ended = 0;
+    /* with a budget: the tokens the document may take, its shortest completion's bytes and some */
+    int64_t need0 = kr_matcher_remaining(m), total = 0;
+    if (d->slack > 0) total = need0 + rnd((uint32_t)d->slack + 1);
+    if (d->slack < 0 && need0 > 1)
+        total = need0 - 1 - rnd((uint32_t)(need0 - 1 < -d->slack ? need0 - 1 : -d->slack));
+    if (d->slack < 0 && !total) { /* nothing to fall short of */
+        kr_matcher_free(m);
+        kr_matcher_free(tmp);
+        kr_grammar_free(g);
+        return;
+    }
     while (n < d->cap) {
-        int count = kr_grammar_mask(d->v, m, d->s, d->mask);
+        int count = total ? kr_grammar_mask_budget(d->v, m, d->s, total - n, d->mask)
+                          : kr_grammar_mask(d->v, m, d->s, d->mask);
         if (count <= 0) {
             CHECK(0, "no token allowed after %d tokens of\n%s", n, text);
             break;
         }
         if (check_every && d->steps % check_every == 0) {
             brute_mask(d->tok, d->v, m, tmp, d->end, d->n_end, d->brute);
+            if (total) { /* as kr_grammar_mask_budget computes its limit */
+                uint32_t need = kr_matcher_remaining(m);
+                int64_t after = total - n - 1;
+                brute_limit(d->v, m, tmp, after >= need ? (uint32_t)after : need - 1, d->brute);
+            }
             CHECK(!memcmp(d->mask, d->brute, (size_t)(kr_grammar_vocab_n(d->v) + 31) / 32 * 4),
                   "mask differs from the brute-force one after %d tokens of\n%s", n, text);
             d->masks_checked++;
@@ -434,7 +474,7 @@ static void decode_one(decoder *d, const char *text, const kr_grammar_limits *li
         int r = (int)rnd((uint32_t)count), id = -1;
         for (int32_t i = 0; id < 0; i++)
             if (bit(d->mask, i) && r-- == 0) id = i;
-        if (n >= d->budget) id = finishing_token(d, m, tmp, text);
+        if (!total && n >= d->budget) id = finishing_token(d, m, tmp, text);
         if (kr_matcher_accept_token(m, d->v, id)) {
             CHECK(0, "allowed token %d refused", id);
             break;
@@ -445,8 +485,14 @@ static void decode_one(decoder *d, const char *text, const kr_grammar_limits *li
             break;
         }
         d->ids[n++] = id;
+        if (total && (kr_matcher_closed(m) || n == total)) { /* as the decode node ends it */
+            ended = kr_matcher_can_end(m);
+            d->finished_random += ended;
+            CHECK(ended || total < need0, "the document is not whole after its budget of %d tokens:\n%s", n, text);
+            break;
+        }
     }
-    CHECK(ended, "no end within %d tokens of\n%s", d->cap, text);
+    CHECK(ended || total < need0, "no end within %d tokens of\n%s", d->cap, text);
     char *out = NULL;
     REQUIRE(kr_tokenizer_decode(d->tok, d->ids, n, 1, &out, err) == 0, "decode: %s", err);
     const char *end = NULL;
@@ -577,6 +623,48 @@ static void test_random_decoding(const char *model_dir, uint64_t seed)
     kr_tokenizer_free(tok);
 }
 
+/* kr_grammar_mask_budget: random schemas decoded with uniformly random allowed tokens within
+ * a budget of the shortest completion's bytes plus 0-16 tokens; every document must be whole
+ * when the budget is spent (or closed before), and parse and validate; every other mask must
+ * equal its definition (brute force, then brute_limit). */
+static void test_budget(const char *model_dir, uint64_t seed)
+{
+    char err[KR_ERR_MAX];
+    kr_tokenizer *tok;
+    REQUIRE(kr_tokenizer_load(model_dir, &tok, err) == 0, "%s", err);
+    int32_t end[1] = {kr_tokenizer_eos(tok)};
+    decoder d;
+    decoder_init(&d, tok, end, 1, 300);
+    d.slack = 16;
+    kr_grammar_limits lim = {.max_string = 24, .max_ws = 8};
+    rng_state = seed ^ 0xb0d9e7;
+    int n = 100;
+    for (int i = 0; i < n; i++) {
+        cJSON *s = random_schema(0);
+        char *text = cJSON_PrintUnformatted(s);
+        decode_one(&d, text, &lim, 2);
+        free(text);
+        cJSON_Delete(s);
+    }
+    printf("test_grammar: budgets: %d schemas (%d refused), %d documents whole within their budget, %ld tokens\n", n,
+           d.refused, d.finished_random, d.steps);
+    CHECK(d.finished_random == n - d.refused, "%d of %d documents whole", d.finished_random, n - d.refused);
+    /* budgets short of the shortest document: the masks bring the end as close as they can */
+    long masks = d.masks_checked;
+    d.slack = -24;
+    for (int i = 0; i < 50; i++) {
+        cJSON *s = random_schema(0);
+        char *text = cJSON_PrintUnformatted(s);
+        decode_one(&d, text, &lim, 1);
+        free(text);
+        cJSON_Delete(s);
+    }
+    printf("test_grammar: short budgets: 50 schemas, %ld masks checked against their definition\n",
+           d.masks_checked - masks);
+    decoder_free(&d);
+    kr_tokenizer_free(tok);
+}
+
 /* Llama 2's sentencepiece vocabulary: byte-fallback tokens and '▁' spaces. */
 static void test_spm(const char *shared, uint64_t seed)
 {
@@ -619,6 +707,7 @@ int main(void)
     snprintf(dir, sizeof dir, "%s/../../models/kjv-2l128-2k", fx);
     test_mask_api(dir);
     test_random_decoding(dir, seed);
+    test_budget(dir, seed);
     const char *shared = kt_env("KR_SHARED");
     if (shared) test_spm(shared, seed);
     return kt_done("test_grammar");
