@@ -3,11 +3,14 @@ processes started from their command lines (each waits for its serving line) and
 SIGTERM, which must be a clean shutdown. Every pid is appended to WORK/pids, so the calling
 shell script can kill what is left if Python itself dies.
 """
+import json
 import os
 import select
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 failures = []
 _procs = []
@@ -139,3 +142,22 @@ def finish(test, work, names=("decode", "prefill", "router")):
         print("%s: %d failure(s)" % (test, len(failures)), file=sys.stderr)
         sys.exit(1)
     print("%s: all checks passed" % test)
+
+
+def post(base, path, body, raw=False, timeout=600):
+    """POSTs `body` (a dict sent as JSON, or bytes sent as they are) to base + path: (status, the
+    answer parsed as JSON, or its text when it is not JSON or `raw` asks for the text, e.g. a
+    stream's SSE)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    if raw:
+        return status, text
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text

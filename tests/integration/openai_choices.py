@@ -33,7 +33,6 @@ import re
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.request
 
 import krprocs  # beside this script: Python puts its directory on sys.path
@@ -43,7 +42,7 @@ args = krprocs.parse_args()
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
-from krprocs import check  # noqa: E402
+from krprocs import check, post  # noqa: E402
 
 NAME = "kjv-choices"
 # 40-odd tokens: two whole 16-token chunks the prefix cache keeps, and a last one it computes
@@ -51,21 +50,6 @@ PROMPT = ("In the beginning God created the heaven and the earth. And the earth 
           "and darkness was upon the face of the deep.")
 MAX = 12
 SEED = 7
-
-
-def post(base, path, body):
-    """POSTs `body` (a dict): (status, parsed JSON or the raw text of a stream)."""
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            status, raw = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read().decode()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw
 
 
 def sse(raw):

@@ -39,8 +39,6 @@ import os
 import shutil
 import struct
 import subprocess
-import urllib.error
-import urllib.request
 
 import krprocs  # beside this script: Python puts its directory on sys.path
 
@@ -49,7 +47,7 @@ args = krprocs.parse_args()
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
-from krprocs import check  # noqa: E402
+from krprocs import check, post  # noqa: E402
 
 NAME = "kjv-lp"
 CHUNK = 16
@@ -68,22 +66,6 @@ def f32(x):
 def same(a, b):
     """Bit-equal float32 values (NaN never equal)."""
     return a is not None and b is not None and a == a and b == b and struct.pack("<f", a) == struct.pack("<f", b)
-
-
-def post(base, path, body, raw=False):
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    if raw:
-        return status, text
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
 
 
 def sse(raw):

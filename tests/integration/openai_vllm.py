@@ -35,7 +35,6 @@ Run through openai_vllm.sh (it generates the stubs); every process is killed at 
 import json
 import os
 import subprocess
-import urllib.error
 import urllib.request
 
 import krprocs  # beside this script: Python puts its directory on sys.path
@@ -45,26 +44,11 @@ args = krprocs.parse_args()
 import grpc  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
-from krprocs import check  # noqa: E402
+from krprocs import check, post  # noqa: E402
 
 NAME = "kjv-vllm"
 PROMPT = "And God said"
 MAX = 16
-
-
-def post(base, path, body):
-    """POSTs `body` (a dict, or bytes sent as they are): (status, parsed JSON or raw text)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            status, raw = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read().decode()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw
 
 
 def get(base, path):

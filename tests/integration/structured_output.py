@@ -33,7 +33,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import krprocs  # beside this script: Python puts its directory on sys.path
@@ -44,27 +43,12 @@ import grpc  # noqa: E402
 import jsonschema  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2 as pb  # noqa: E402
 from kvrelay.v1 import kvrelay_pb2_grpc as pb_grpc  # noqa: E402
-from krprocs import check  # noqa: E402
+from krprocs import check, post  # noqa: E402
 
 NAME = "kjv-json"
 N_SCHEMAS = 200
 CONCURRENCY = 8
 SLACK = 24  # tokens above the shortest document's bytes
-
-
-def post(base, path, body):
-    """POSTs `body` (a dict): (status, parsed JSON, or the raw SSE text of a stream)."""
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=600) as r:
-            status, raw = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read().decode()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw
 
 
 # ------------------------------------------------------------------ the schemas
