@@ -99,16 +99,16 @@ def post(api, body):
 def run(api, http, n, conc, body):
     """n requests, conc at a time: (forward s per step, steps, masks, mask s per mask, tokens)."""
     before = metrics(http)
-    todo = list(range(n))
+    pending = list(range(n))
     lock = threading.Lock()
     tokens = [0]
 
     def worker():
         while True:
             with lock:
-                if not todo:
+                if not pending:
                     return
-                i = todo.pop()
+                i = pending.pop()
             d = post(api, dict(body, seed=i))
             with lock:
                 tokens[0] += d["usage"]["completion_tokens"]

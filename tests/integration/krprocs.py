@@ -63,17 +63,18 @@ def start(work, name, argv, timeout=120):
     raise RuntimeError("%s printed no serving line (exit %s); see its log" % (name, p.poll()))
 
 
-def start_nodes(args, kv_memory="64M"):
+def start_nodes(args, kv_memory="64M", prefill_args=()):
     """Starts one kvrelay-decode (decode-0, `kv_memory` of KV pool) and one kvrelay-prefill
-    (prefill-0) on args.model, one thread each, and writes WORK/nodes.json, the static
-    membership naming them; returns (decode address, prefill address, nodes.json path)."""
-    import json
+    (prefill-0, with prefill_args added) on args.model, one thread each, and writes
+    WORK/nodes.json, the static membership naming them; returns (decode address, prefill
+    address, nodes.json path)."""
     b = args.bin
     dec, _ = start(args.work, "decode", [b + "/kvrelay-decode", "--model", args.model, "--id", "decode-0",
                                          "--listen", "127.0.0.1:0", "--transfer", "127.0.0.1:0",
                                          "--http", "127.0.0.1:0", "--kv-memory", kv_memory, "--threads", "1"])
     pre, _ = start(args.work, "prefill", [b + "/kvrelay-prefill", "--model", args.model, "--id", "prefill-0",
-                                          "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--threads", "1"])
+                                          "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--threads", "1",
+                                          *prefill_args])
     nodes = os.path.join(args.work, "nodes.json")
     with open(nodes, "w") as f:
         json.dump({"prefill": [{"id": "prefill-0", "address": pre}],

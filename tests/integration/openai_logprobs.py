@@ -104,15 +104,7 @@ def main():
     b = args.bin
     model = args.model
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
-    dec, _ = krprocs.start(args.work, "decode", [b + "/kvrelay-decode", "--model", model, "--id", "decode-0",
-                                                 "--listen", "127.0.0.1:0", "--transfer", "127.0.0.1:0",
-                                                 "--http", "127.0.0.1:0", "--kv-memory", "64M", "--threads", "1"])
-    pre, _ = krprocs.start(args.work, "prefill", [b + "/kvrelay-prefill", "--model", model, "--id", "prefill-0",
-                                                  "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--threads", "1",
-                                                  "--chunk", str(CHUNK)])
-    nodes = os.path.join(args.work, "nodes.json")
-    json.dump({"prefill": [{"id": "prefill-0", "address": pre}], "decode": [{"id": "decode-0", "address": dec}]},
-              open(nodes, "w"))
+    _, _, nodes = krprocs.start_nodes(args, prefill_args=("--chunk", str(CHUNK)))
     router, http = krprocs.start(args.work, "router", [b + "/kvrelay-router", "--model", model, "--nodes", nodes,
                                                        "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                                                        "--served-model-name", NAME])

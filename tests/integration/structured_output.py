@@ -194,15 +194,15 @@ def schemas_through(api):
     rng = random.Random(seed)
     schemas = [gen_schema(rng, 0) for _ in range(N_SCHEMAS)]
     results = [False] * N_SCHEMAS
-    todo = list(range(N_SCHEMAS))
+    pending = list(range(N_SCHEMAS))
     lock = threading.Lock()
 
     def worker():
         while True:
             with lock:
-                if not todo:
+                if not pending:
                     return
-                i = todo.pop(0)
+                i = pending.pop(0)
             try:
                 run_one(api, i, schemas[i], results)
             except Exception as e:  # a crash is that schema's failure
