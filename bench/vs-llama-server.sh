@@ -32,8 +32,21 @@
 #   kvrelay      deploy/local-cluster.sh: router + 1 prefill + 1 decode node, each node
 #                --threads N (--threads, default 2), defaults otherwise
 #   llama-server -m model.gguf --threads N --threads-batch N --flash-attn --parallel P
-#                --ctx-size P x (the longest request) --no-webui, P = the level's concurrency
-#                (the chat's for the chat); started afresh for each level
+#                --ctx-size P x (the longest request) --batch-size 512 --ubatch-size 512
+#                --no-webui, P = the level's concurrency (the chat's for the chat); started
+#                afresh for each level
+# Why --batch-size 512 (the default is 2048; 512 is the default --ubatch-size, so every
+# ubatch is computed as before): llama-server's slots share one KV cache, and a ubatch needs
+# as many free cells in a row. Once that cache is full and fragmented (16 slots, each cell in
+# use), a 2048-token batch of new prompts finds no room for its last ubatch; llama_decode
+# (b4748) then returns 1 but keeps the ubatches it had already placed, the server retries the
+# same tokens in halves, which places them again, until not one cell is left: it logs
+# "failed to decode the batch: KV cache is full", releases every slot and ends each of their
+# streams with an 'error: {"message": "Input prompt is too big compared to KV size..."}'
+# event (40 of 64 requests at concurrency 16 in a run with the default). With a batch of
+# one ubatch a failed placement keeps nothing, and as the cache holds every slot's longest
+# request the halving retries find room: every request is served, a few prompt chunks in
+# smaller ubatches (the count is on stderr).
 # kvrelay's two nodes each compute with N threads, llama-server with N in all, as llama.cpp
 # serves prefill and decode from one process; on a machine with fewer than 2N + 1 cores
 # kvrelay's nodes share cores, which the table's header says.
@@ -58,7 +71,10 @@
 #
 # Output: a markdown table on stdout, per level, of output tokens/s and TTFT p50 / p99 of each
 # server and their ratios (kvrelay / llama-server: above 1 is kvrelay ahead in throughput, below
-# 1 ahead in TTFT); OUT keeps the models, the servers' logs and every run's summary JSON.
+# 1 ahead in TTFT); OUT keeps the models, the servers' logs and every run's summary JSON. A
+# request a server failed is counted in the table's row (errors: ...) with its message in the
+# run's JSON; on stderr, after each llama-server, how many of its batches were retried smaller
+# for want of KV room, and how often its KV cache was full, from its log.
 # Defaults: --bin build, --threads 2, --config tools/data/llama-110m.json, --dtype bf16,
 # --levels 1,4,16, --requests 64, --warmup 4, --prompt-len 512, --output-len 128,
 # --chat-concurrency 4, --conversations 16, --turns 4, --think-time 1, --prefix-len 512,
@@ -173,7 +189,8 @@ llama_start() {
   local port i
   port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   "$server" -m "$model/model.gguf" --host 127.0.0.1 --port "$port" --threads "$threads" \
-    --threads-batch "$threads" --flash-attn --parallel "$1" --ctx-size $(($1 * $2)) --no-webui \
+    --threads-batch "$threads" --flash-attn --parallel "$1" --ctx-size $(($1 * $2)) \
+    --batch-size 512 --ubatch-size 512 --no-webui \
     >"$out/runs/llama-server-$3.log" 2>&1 &
   llama_pid=$!
   llama_url=http://127.0.0.1:$port/v1
@@ -186,10 +203,17 @@ llama_start() {
   tail -n 15 "$out/runs/llama-server-$3.log" >&2
   return 1
 }
+# llama_stop NAME: stops llama-server; says how often its KV cache had no room (its log's lines)
 llama_stop() {
+  local log=$out/runs/llama-server-$1.log full retries
   kill "$llama_pid" 2>/dev/null || true
   wait "$llama_pid" 2>/dev/null || true
   llama_pid=
+  full=$(grep -c 'KV cache is full' "$log" || true)
+  retries=$(grep -c 'failed to find free space in the KV cache' "$log" || true)
+  [ "$full$retries" = 00 ] || echo "vs-llama-server.sh: llama-server ($1): $retries batches retried smaller" \
+    "for want of free KV cells in a row; KV cache full $full times (each failing every slot's" \
+    "request); see $log" >&2
 }
 
 # bench SERVER NAME FLAGS...: one kvrelay-bench-serve run into runs/NAME-SERVER.{json,log}
@@ -218,13 +242,13 @@ k=0
 for c in "${level_list[@]}"; do
   llama_start "$c" $((prompt + output + 16)) "c$c" || exit 1
   both "c$c" "$k" --concurrency "$c" --num-requests "$requests" --warmup "$warmup" --prompt-len "$prompt"
-  llama_stop
+  llama_stop "c$c"
   k=$((k + 1))
 done
 llama_start "$chat_c" $((prefix + turns * (message + output) + 16)) chat || exit 1
 both chat "$k" --workload chat --concurrency "$chat_c" --conversations "$convs" --turns "$turns" \
   --think-time "$think" --prefix-len "$prefix" --message-len "$message"
-llama_stop
+llama_stop chat
 
 /usr/bin/python3 - "$out" "$levels" "$threads" "$(nproc)" "${llama_commit:-unknown}" "$dtype" "$config" <<'PY'
 import json, os, sys

@@ -186,8 +186,12 @@ def chat_rows_ok(what, rows, prefix_len, message, grpc):
 class LlamaServerStub(http.server.BaseHTTPRequestHandler):
     """The parts of llama-server's OpenAI API the bench reads: a model owned by llamacpp, and
     streamed completions of max_tokens chunks whose last chunk has usage and timings (prompt_n:
-    all but 3 of the prompt's tokens evaluated). Keeps every request body in `bodies`."""
+    all but 3 of the prompt's tokens evaluated). Keeps every request body in `bodies`. With
+    `failing` set, a stream ends as b4748's does when a request fails after its 200: one chunk,
+    then an 'error: JSON' line (not a data: line), then [DONE]."""
     bodies = []
+    failing = False
+    error = "Input prompt is too big compared to KV size. Please try increasing KV size."
 
     def log_message(self, *args):
         pass
@@ -207,6 +211,11 @@ class LlamaServerStub(http.server.BaseHTTPRequestHandler):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         LlamaServerStub.bodies.append(req)
         n, p = req["max_tokens"], len(req["prompt"])
+        if LlamaServerStub.failing:
+            err = {"code": 500, "message": LlamaServerStub.error, "type": "server_error"}
+            self.send("data: %s\n\nerror: %s\n\ndata: [DONE]\n\n" % (json.dumps(
+                {"choices": [{"text": "x", "index": 0, "finish_reason": None}]}), json.dumps(err)), "text/event-stream")
+            return
         events = [{"choices": [{"text": "x", "index": 0, "finish_reason": None}]}] * n + [
             {"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
              "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n},
@@ -216,7 +225,8 @@ class LlamaServerStub(http.server.BaseHTTPRequestHandler):
 
 def check_foreign_openai(a, w):
     """Another server's OpenAI API (a llama-server stub): --ignore-eos and --extra-body reach its
-    bodies, no kvrelay field does, and its timings give the cached tokens."""
+    bodies, no kvrelay field does, and its timings give the cached tokens; a stream ended by an
+    'error:' line is an error row carrying its message."""
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LlamaServerStub)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
@@ -237,6 +247,22 @@ def check_foreign_openai(a, w):
           and s["cached_tokens"] == 12 and s["cache_hit_rate"] == 1.0 and "prefix cache" in r.stdout,
           "llama-server stub: rows %s, summary cached %s" % ([(x["status"], x["error"], x["cached_tokens"])
                                                              for x in rows], s.get("cached_tokens")))
+    # a request that fails in mid-stream: the row says so, with the server's message
+    LlamaServerStub.failing = True
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LlamaServerStub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = bench(a, "--openai", "http://127.0.0.1:%d/v1" % srv.server_address[1], "--target", a.router,
+                  "--concurrency", "1", "--num-requests", "2", "--prompt-len", "20", "--output-len", "3",
+                  "--json", w + "/stub-failing.json", "--requests-out", w + "/stub-failing.jsonl", expect=1)
+    finally:
+        srv.shutdown()
+        LlamaServerStub.failing = False
+    if r:
+        frows = rows_of(w + "/stub-failing.jsonl")
+        check(len(frows) == 2 and all(x["status"] == "HTTP 200 error event" and x["error"] == LlamaServerStub.error
+                                      for x in frows),
+              "llama-server stub, failing: rows %s" % [(x["status"], x["error"]) for x in frows])
 
 
 def main():
