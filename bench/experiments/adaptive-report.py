@@ -138,12 +138,13 @@ def main(argv):
     json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2))
-    for k in order:
+    for i, k in enumerate(order):  # one colour per policy in both panels
         p = policies[k]
-        ax1.plot([x["rate"] for x in p["runs"]], [x["goodput"] for x in p["runs"]], marker="o", label=k)
+        ax1.plot([x["rate"] for x in p["runs"]], [x["goodput"] for x in p["runs"]], marker="o", label=k,
+                 color="C%d" % i)
         pts = [(x["rate"], x["quality"]["kv_score"]) for x in p["runs"] if x["quality"] and "kv_score" in x["quality"]]
         if k != "full" and pts:
-            ax2.plot([r for r, _ in pts], [v for _, v in pts], marker="o", label=k)
+            ax2.plot([r for r, _ in pts], [v for _, v in pts], marker="o", label=k, color="C%d" % i)
     rates = sorted({x["rate"] for p in policies.values() for x in p["runs"]})
     ax1.plot(rates, rates, color="0.6", linestyle=":", label="offered")
     ax1.set_xlabel("offered rate (req/s, Poisson)")
