@@ -31,7 +31,6 @@
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 exp_parse policy-memory "$@"
-[ -x "$EXP_BIN/kvrelay-make-model" ] || { echo "policy-memory: $EXP_BIN has no kvrelay-make-model" >&2; exit 2; }
 
 PROMPT=512 OUTPUT=1024 CHUNK=64 SLO=ttft_ms=5000,tpot_ms=100 CLIENTS=16
 # the kvrelay-eval specs at 512 tokens and budget fraction 0.1 (B = 51 entries per list):
@@ -46,10 +45,7 @@ fi
 # the model: 12 layers x 4 KV heads = 48 lists; `full` takes ceil((512 + 1024) / 16) = 96
 # blocks of 16 entries per list, 4608 per request; the pool holds 3 of them
 KV_BLOCKS=$((3 * 48 * ((PROMPT + OUTPUT + 15) / 16)))
-EXP_MODEL=$(mktemp -d -t kvrelay-policy-memory-model.XXXXXX)
-"$EXP_BIN/kvrelay-make-model" --corpus "$EXP_HERE/tools/data/corpus.txt" --out "$EXP_MODEL" --vocab 8192 \
-  --hidden 768 --layers 12 --heads 12 --kv-heads 4 --intermediate 2048 --dtype bf16 >/dev/null
-trap 'exp_cluster_stop; rm -rf "$EXP_MODEL"' EXIT
+exp_shape_model "$EXP_HERE/tools/data/llama-110m.json"
 
 KRC_PREFILL_ARGS=(--chunk "$CHUNK")
 KRC_DECODE_ARGS=(--kv-blocks "$KV_BLOCKS")

@@ -20,12 +20,16 @@
 # JSON per cell (WORKLOAD-POLICY-CLUSTER.json) and the clusters' logs (logs/). Not a test: the
 # figures depend on the machine; run it on an idle one.
 #
-#   bench/experiments/prefix-reuse.sh [--bin DIR] [--quick] [--out DIR]
+#   bench/experiments/prefix-reuse.sh [--bin DIR] [--quick] [--shape CONFIG] [--out DIR]
 #
 # --bin DIR: built programs (default build/: ./kvrelay build; kvrelay-cli too). --quick: 4
 # conversations of 3 turns and 12 shared-prefix requests per cell, 40 capacity prompts (about 2
 # minutes) instead of 24 conversations of 4 turns, 96 requests and 80 prompts (about 10).
-# --out DIR: where results go (default bench/results/prefix-reuse/).
+# --shape CONFIG: the chat workload alone, cache off and on with one prefill node, on a model of
+# that config's shape with random weights (e.g. tools/data/llama-110m.json), conversations opened
+# at a quarter of the rate: a model whose prefill, not the RPCs and the transfer around it, is
+# most of a turn's TTFT, at a load the cache-off node still keeps up with (about 7 minutes for
+# llama-110m). --out DIR: where results go (default bench/results/prefix-reuse/).
 #
 # Requests: the default model (2 layers, 4 KV heads of 32, bf16 cache), prefill chunk 64 (the
 # granularity of reuse; the router's --prefill-chunk the same), greedy with --ignore-eos. Chat:
@@ -34,6 +38,7 @@
 # questions, 16 output tokens, at RATE per second. SLO for goodput: TTFT <= 1000 ms, TPOT <= 50 ms.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
+EXP_TAKES_SHAPE=1
 exp_parse prefix-reuse "$@"
 [ -x "$EXP_BIN/kvrelay-cli" ] || { echo "prefix-reuse: $EXP_BIN has no kvrelay-cli" >&2; exit 2; }
 
@@ -48,6 +53,13 @@ else
   CONVS=24 TURNS=4 CHAT_RATE=1 SP_REQS=96 SP_RATE=4 CAP_N=80
 fi
 CLUSTERS=("P1-off 1 0 kv-aware" "P1-on 1 on kv-aware" "P2-kv 2 on kv-aware" "P2-rr 2 on round-robin")
+WORKLOADS=(chat shared-prefix) model="Default model"
+if [ -n "$EXP_SHAPE" ]; then
+  exp_shape_model "$EXP_SHAPE"
+  WORKLOADS=(chat) CLUSTERS=("${CLUSTERS[@]:0:2}") CAP_POLICIES=()
+  CHAT_RATE=$("$EXP_PY" -c "print($CHAT_RATE / 4)")
+  model="The shape of $(basename "$EXP_SHAPE") with random bf16 weights (kvrelay-make-model)"
+fi
 machine=$(exp_machine)
 
 cluster() { # cluster TAG N_PREFILL CACHE(0|on|SIZE) PLACEMENT
@@ -72,7 +84,7 @@ print(sum(n["total_kv_blocks"] - n["free_kv_blocks"] for n in json.load(sys.stdi
 }
 
 files=()
-for w in chat shared-prefix; do
+for w in "${WORKLOADS[@]}"; do
   if [ "$w" = chat ]; then
     load=(--workload chat --conversations "$CONVS" --turns "$TURNS" --think-time 0.5 --prefix-len 256
       --message-len 64 --output-len 32 --rate "$CHAT_RATE")
@@ -103,7 +115,7 @@ done
 
 # capacity: distinct prompts into one node's small cache until it evicts; what it then holds
 caps=()
-for p in "${CAP_POLICIES[@]}"; do
+for p in ${CAP_POLICIES[@]+"${CAP_POLICIES[@]}"}; do
   tag=capacity-${p%%:*}
   cluster "$tag" 1 "$CAP_MEMORY" kv-aware
   echo "prefix-reuse: capacity, $p, $CAP_N prompts of $CAP_PROMPT tokens into $CAP_MEMORY" >&2
@@ -115,15 +127,15 @@ for p in "${CAP_POLICIES[@]}"; do
   caps+=("$p=$EXP_OUT/$tag")
 done
 
-"$EXP_PY" - "$EXP_OUT" "$machine" "$CAP_MEMORY" "$CAP_PROMPT" "$CAP_N" "${caps[@]}" -- "${files[@]}" <<'PY'
+"$EXP_PY" - "$EXP_OUT" "$machine" "$model" "$CAP_MEMORY" "$CAP_PROMPT" "$CAP_N" ${caps[@]+"${caps[@]}"} -- "${files[@]}" <<'PY'
 import json, os, re, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from plots import save_png
 
-out, machine, cap_memory, cap_prompt, cap_n = sys.argv[1:6]
-rest = sys.argv[6:]
+out, machine, model, cap_memory, cap_prompt, cap_n = sys.argv[1:7]
+rest = sys.argv[7:]
 caps, files = rest[:rest.index("--")], rest[rest.index("--") + 1:]
 summary = {"machine": machine, "cells": [], "capacity": []}
 for f in files:
@@ -167,9 +179,9 @@ for x in summary["capacity"]:
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 
 fmt = lambda v, p=0: "-" if v is None else "%.*f" % (p, v)  # noqa: E731
-lines = ["Machine: %s. Default model, prefill chunk 64, 1 thread per node; `cached` is what the nodes "
+lines = ["Machine: %s. %s, prefill chunk 64, 1 thread per node; `cached` is what the nodes "
          "reported in Usage.cached_tokens; `computed` = prompt - cached; vs off: computed and TTFT p50 over the "
-         "same workload and policy with the cache off." % machine, "",
+         "same workload and policy with the cache off." % (machine, model), "",
          "| workload | policy | cluster | requests (ok) | prompt tokens | computed | vs off | hit rate | cached | "
          "TTFT p50 / p99 ms | vs off | TPOT p50 ms | goodput req/s | errors | blocks held after | simulated cached |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
