@@ -10,7 +10,8 @@
 #   llama_cpp_build SRC BUILD TARGET...     configures BUILD from the source SRC and builds them
 #   llama_cpp_commit DIR                    the commit of a build directory's source ('' if unknown)
 #   llama_models OUT CONFIG DTYPES [VOCAB]  OUT/DTYPE/{config.json,model.safetensors,model.gguf}
-#                                           per dtype of the comma-separated list
+#                                           per dtype of the comma-separated list (one kept
+#                                           in OUT is reused only when made from the same CONFIG)
 
 # b4748 (2025-02-21), the version docs/performance.md measured
 LLAMA_CPP_REPO=https://github.com/ggml-org/llama.cpp
@@ -44,12 +45,15 @@ llama_cpp_commit() {
 
 # a dtype's model already written is kept: the same config, dtype and seed give the same files
 llama_models() {
-  local out=$1 config=$2 vocab=${4:-} d list
+  local out=$1 config=$2 vocab=${4:-} d list want
   IFS=, read -r -a list <<<"$3"
   for d in "${list[@]}"; do
-    [ -f "$out/$d/model.gguf" ] && continue
+    # an OUT kept from an earlier run is reused only for the same config and vocabulary
+    want="$(cat "$config")"$'\n'"vocab ${vocab:-config}"
+    [ -f "$out/$d/model.gguf" ] && [ "$(cat "$out/$d/made-from" 2>/dev/null)" = "$want" ] && continue
     echo "${0##*/}: writing the $d model ($config${vocab:+, vocabulary $vocab})" >&2
     /usr/bin/python3 "${here:?the sourcing script sets here to the repository root}/bench/gguf_model.py" --config "$config" --dtype "$d" --out "$out/$d" \
       ${vocab:+--vocab "$vocab"} >/dev/null || return 1
+    printf '%s\n' "$want" >"$out/$d/made-from"
   done
 }
