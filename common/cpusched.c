@@ -14,13 +14,14 @@
 const kc_flag_choice kc_cpu_sched_choices[] = {
     {"batch", KC_SCHED_BATCH},
     {"normal", KC_SCHED_NORMAL},
+    {"idle", KC_SCHED_IDLE},
     {NULL, 0},
 };
 
 int kc_cpu_sched_apply(kc_cpu_sched policy)
 {
     struct sched_param sp = {.sched_priority = 0};
-    int pol = policy == KC_SCHED_BATCH ? SCHED_BATCH : SCHED_OTHER;
+    int pol = policy == KC_SCHED_BATCH ? SCHED_BATCH : policy == KC_SCHED_IDLE ? SCHED_IDLE : SCHED_OTHER;
     DIR *d = opendir("/proc/self/task");
     if (!d) { /* no /proc: the calling thread at least, which later threads inherit from */
         if (sched_setscheduler(0, pol, &sp) == 0)

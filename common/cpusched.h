@@ -6,14 +6,17 @@
  * cores are all busy the compute thread waits behind every token's I/O; under SCHED_BATCH a
  * woken thread does not preempt, it runs on an idle core or when the running thread's slice
  * ends. Measured on 2 vCPUs (docs/cluster.md, "CPU scheduling"): TPOT at 3-12 requests/s 20-26%
- * lower, TTFT unchanged. SCHED_BATCH needs no privilege.
+ * lower, TTFT unchanged. A decode node that shares its cores with a prefill node can go under
+ * SCHED_IDLE instead: its threads then run only on cores the prefill node leaves idle, so a
+ * prompt is computed at once rather than beside the decode steps (docs/cluster.md, "Co-located
+ * nodes"). Neither needs privilege.
  */
 #ifndef KC_CPUSCHED_H
 #define KC_CPUSCHED_H
 
 #include "flags.h"
 
-typedef enum kc_cpu_sched { KC_SCHED_BATCH = 0, KC_SCHED_NORMAL = 1 } kc_cpu_sched;
+typedef enum kc_cpu_sched { KC_SCHED_BATCH = 0, KC_SCHED_NORMAL = 1, KC_SCHED_IDLE = 2 } kc_cpu_sched;
 
 extern const kc_flag_choice kc_cpu_sched_choices[];
 
@@ -24,9 +27,11 @@ extern const kc_flag_choice kc_cpu_sched_choices[];
 int kc_cpu_sched_apply(kc_cpu_sched policy);
 
 #define KC_FLAG_CPU_SCHED(ptr)                                                                     \
-    {.kind = KC_FLAG_CHOICE, .name = "--cpu-sched", .arg = "batch|normal", .dest = (ptr),           \
+    {.kind = KC_FLAG_CHOICE, .name = "--cpu-sched", .arg = "batch|normal|idle", .dest = (ptr),           \
      .choices = kc_cpu_sched_choices, .def = "batch",                                               \
      .help = "the threads' CPU scheduling policy: batch (SCHED_BATCH: a thread woken by a "        \
-             "streamed token does not preempt the compute thread) or normal (SCHED_OTHER)"}
+             "streamed token does not preempt the compute thread), normal (SCHED_OTHER) or idle "   \
+             "(SCHED_IDLE: run only on cores nothing else wants; for a decode node sharing its "     \
+             "cores with a prefill node, docs/cluster.md)"}
 
 #endif /* KC_CPUSCHED_H */

@@ -82,6 +82,12 @@ static void test_apply(void)
     CHECK(sched_getscheduler(0) == SCHED_OTHER && probe_policy(&before) == SCHED_OTHER &&
               probe_policy(&after) == SCHED_OTHER,
           "normal: policies %d %d %d", sched_getscheduler(0), probe_policy(&before), probe_policy(&after));
+    /* last: entering SCHED_IDLE needs no privilege, leaving it does unless RLIMIT_NICE allows
+     * nice 0 */
+    CHECK(kc_cpu_sched_apply(KC_SCHED_IDLE) == 0, "idle refused");
+    CHECK(sched_getscheduler(0) == SCHED_IDLE && probe_policy(&before) == SCHED_IDLE &&
+              probe_policy(&after) == SCHED_IDLE,
+          "idle: policies %d %d %d", sched_getscheduler(0), probe_policy(&before), probe_policy(&after));
     probe_stop(&before, tb);
     probe_stop(&after, ta);
 }
@@ -94,7 +100,7 @@ static void test_flag(void)
     struct {
         const char *v;
         int rc, want;
-    } cases[] = {{"batch", 0, KC_SCHED_BATCH}, {"normal", 0, KC_SCHED_NORMAL}, {"fifo", -1, 0}, {"", -1, 0}};
+    } cases[] = {{"batch", 0, KC_SCHED_BATCH}, {"normal", 0, KC_SCHED_NORMAL}, {"idle", 0, KC_SCHED_IDLE}, {"fifo", -1, 0}, {"", -1, 0}};
     CHECK(KC_SCHED_BATCH == 0, "the zeroed config is not batch");
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char *argv[] = {"t", "--cpu-sched", (char *)cases[k].v, NULL};
