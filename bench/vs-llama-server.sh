@@ -10,7 +10,7 @@
 #       [--config FILE] [--dtype T] [--levels LIST] [--requests N] [--warmup N]
 #       [--prompt-len N] [--output-len N] [--chat-concurrency C] [--conversations N]
 #       [--turns N] [--think-time S] [--prefix-len N] [--message-len N] [--allow-eos]
-#       [--out DIR]
+#       [--decode-cpu-sched batch|normal|idle] [--out DIR]
 #
 # llama-server. --llama-cpp DIR: a llama.cpp build directory holding bin/llama-server.
 # --llama-src DIR: a llama.cpp checkout, in which llama-server is built (DIR/build) unless
@@ -30,7 +30,8 @@
 #
 # The servers, tuned as their own docs say:
 #   kvrelay      deploy/local-cluster.sh: router + 1 prefill + 1 decode node, each node
-#                --threads N (--threads, default 2), defaults otherwise
+#                --threads N (--threads, default 2), the decode node --cpu-sched idle
+#                (--decode-cpu-sched), defaults otherwise
 #   llama-server -m model.gguf --threads N --threads-batch N --flash-attn --parallel P
 #                --ctx-size P x (the longest request) --batch-size 512 --ubatch-size 512
 #                --no-webui, P = the level's concurrency (the chat's for the chat); started
@@ -49,7 +50,12 @@
 # smaller ubatches (the count is on stderr).
 # kvrelay's two nodes each compute with N threads, llama-server with N in all, as llama.cpp
 # serves prefill and decode from one process; on a machine with fewer than 2N + 1 cores
-# kvrelay's nodes share cores, which the table's header says.
+# kvrelay's nodes share cores, which the table's header says. Sharing cores, the decode node
+# runs under SCHED_IDLE (docs/cluster.md, "Co-located nodes"): a new prompt is computed at
+# once on every core and the decode steps fill the time between prompts, which is what
+# llama-server's one batch does when it puts each new prompt ahead of the running streams.
+# Under the default policy the two nodes split the cores, a prompt takes three times as long,
+# and the prefill queue holds the wait (--decode-cpu-sched batch measures that).
 #
 # The load (tools/kvrelay-bench-serve, one run per server and level, the first server
 # alternating between levels so that the machine's drift falls on both):
@@ -85,7 +91,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 . "$here/bench/lib/llama-cpp.sh"
 llama= llama_src= bin=$here/build threads=2 config=$here/tools/data/llama-110m.json dtype=bf16
 levels=1,4,16 requests=64 warmup=4 prompt=512 output=128 chat_c=4 convs=16 turns=4 think=1
-prefix=512 message=64 eos=(--ignore-eos) out=
+prefix=512 message=64 eos=(--ignore-eos) out= decode_sched=idle
 usage() { sed -n '2,/^[^#]/{/^#/!q;s/^# \{0,1\}//p}' "$0" || true; }
 while [ $# -gt 0 ]; do
   case $1 in
@@ -107,6 +113,7 @@ while [ $# -gt 0 ]; do
     --prefix-len) prefix=$2; shift 2 ;;
     --message-len) message=$2; shift 2 ;;
     --allow-eos) eos=(); shift ;;
+    --decode-cpu-sched) decode_sched=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "vs-llama-server.sh: unknown flag '$1' (--help lists them)" >&2; exit 2 ;;
@@ -121,6 +128,7 @@ done
 [[ $think =~ ^[0-9]+(\.[0-9]+)?$ ]] || die2 "--think-time '$think' is not a number of seconds"
 [[ $levels =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || die2 "--levels '$levels' is not a list like 1,4,16"
 case $dtype in f32 | bf16) ;; *) die2 "--dtype: '$dtype' is not f32 or bf16" ;; esac
+case $decode_sched in batch | normal | idle) ;; *) die2 "--decode-cpu-sched: '$decode_sched' is not batch, normal or idle" ;; esac
 [ -z "$llama" ] || [ -z "$llama_src" ] || die2 "--llama-cpp and --llama-src conflict: give one"
 [ -f "$config" ] || die2 "--config $config does not exist"
 for p in kvrelay-router kvrelay-prefill kvrelay-decode kvrelay-make-model; do
@@ -181,6 +189,7 @@ cleanup() {
 }
 trap cleanup EXIT
 unset KVRELAY_API_KEY
+KRC_DECODE_ARGS=(--cpu-sched "$decode_sched")
 krc_start "$bin" "$model" 1 1 127.0.0.1:0 --threads "$threads" || die1 "the kvrelay cluster did not start (logs in $KRC_DIR)"
 kv_url=http://$KRC_ROUTER_HTTP/v1
 
@@ -250,9 +259,10 @@ both chat "$k" --workload chat --concurrency "$chat_c" --conversations "$convs" 
   --think-time "$think" --prefix-len "$prefix" --message-len "$message"
 llama_stop chat
 
-/usr/bin/python3 - "$out" "$levels" "$threads" "$(nproc)" "${llama_commit:-unknown}" "$dtype" "$config" <<'PY'
+/usr/bin/python3 - "$out" "$levels" "$threads" "$(nproc)" "${llama_commit:-unknown}" "$dtype" "$config" \
+  "$decode_sched" <<'PY'
 import json, os, sys
-out, levels, threads, cpus, commit, dtype, config = sys.argv[1:]
+out, levels, threads, cpus, commit, dtype, config, decode_sched = sys.argv[1:]
 threads, cpus = int(threads), int(cpus)
 
 def summary(name, who):
@@ -268,8 +278,9 @@ def ms(d, key):
 def cached(s):
     return "%.2f" % s["cached_token_fraction"] if s.get("cached_token_fraction") is not None else "-"
 
-print("kvrelay (router + 1 prefill + 1 decode node, --threads %d each) vs llama-server (--threads %d), "
-      "%s weights of %s, llama.cpp %s, %d CPUs%s" % (threads, threads, dtype, os.path.basename(config), commit,
+print("kvrelay (router + 1 prefill + 1 decode node, --threads %d each, decode node --cpu-sched %s) vs "
+      "llama-server (--threads %d), %s weights of %s, llama.cpp %s, %d CPUs%s" % (
+      threads, decode_sched, threads, dtype, os.path.basename(config), commit,
       cpus, "" if cpus > 2 * threads else " (kvrelay's nodes share cores)"))
 print("| load | kvrelay tok/s | llama-server tok/s | throughput ratio | kvrelay TTFT p50 / p99 ms "
       "| llama-server TTFT p50 / p99 ms | TTFT p50 ratio | cached tokens kvrelay / llama-server |")
