@@ -9,6 +9,7 @@
 #   bench/vs-llama.cpp.sh --llama-cpp DIR [--bin DIR] [--threads N] [--rounds N] [--config FILE]
 #                         [--dtypes LIST] [--prompt N] [--contexts LIST] [--batches LIST]
 #                         [--decode-tokens N] [--repeat N] [--out DIR] [--llama-args "ARGS"]
+#                         [--llama-shared-prompt]
 #
 # Building llama.cpp at the version bench/lib/llama-cpp.sh pins (b4748):
 #   git clone https://github.com/ggml-org/llama.cpp llama.cpp
@@ -59,7 +60,12 @@
 # cells in use, masked (B x (C + 32) at batch B), where kvrelay's runs over the sequence's own
 # C + 32: at long contexts and large batches llama.cpp does up to B times the attention work, in
 # its prefill as in its decode. That is how it decodes independent sequences at that version, so
-# the rows compare it as it is.
+# the rows compare it as it is. --llama-shared-prompt gives batched-bench -pps: one C-token
+# prompt prefilled once, its cells shared by the B sequences, so that a batch at context 2048
+# costs llama.cpp one 2048-token prefill instead of B (at batch 32 the unshared prefill took
+# over 11 minutes on 2 vCPUs). Its decode then attends over C + 32 B cells instead of
+# B (C + 32): llama.cpp does less work than kvrelay, which keeps each sequence's own KV, so a
+# row kvrelay wins under it, it wins with llama.cpp given the easier job.
 #
 # Not the same work in every respect: llama.cpp keeps its KV cache in f16 by default, kvrelay in
 # the weights' dtype (--llama-args "-ctk f32 -ctv f32" asks llama.cpp for f32, which the b4748
@@ -77,7 +83,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 . "$here/bench/lib/llama-cpp.sh"
 llama= bin=$here/build threads=2 rounds=3 config=$here/tools/data/llama-110m.json dtypes=f32,bf16
-prompt=512 contexts=128,2048 batches=8,32 steps=32 repeat=3 out= llama_args=
+prompt=512 contexts=128,2048 batches=8,32 steps=32 repeat=3 out= llama_args= pps=
 # the header above, up to its first line that is no comment; a reader that stops early
 # (--help | grep -q) is no error
 usage() { sed -n '2,/^[^#]/{/^#/!q;s/^# \{0,1\}//p}' "$0" || true; }
@@ -96,6 +102,7 @@ while [ $# -gt 0 ]; do
     --repeat) repeat=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --llama-args) llama_args=$2; shift 2 ;;
+    --llama-shared-prompt) pps=-pps; shift ;;
     -h | --help) usage; exit 0 ;;
     *) echo "vs-llama.cpp.sh: unknown flag '$1' (--help lists them)" >&2; exit 2 ;;
   esac
@@ -174,7 +181,7 @@ run_llama() {
     "$lb" -m "$m" -t "$threads" -p "$prompt" -n 0 -r "$repeat" -o jsonl $llama_args >"$f.jsonl" 2>"$f.err"
   elif [ "${3:0:2}" = tb ]; then
     "$llama/bin/llama-batched-bench" -m "$m" -t "$threads" -tb "$threads" -c $((max_batch * (c + steps))) \
-      -npp "$c" -ntg "$steps" -npl "$batches" --output-format jsonl $llama_args >"$f.jsonl" 2>"$f.err"
+      -npp "$c" -ntg "$steps" -npl "$batches" $pps --output-format jsonl $llama_args >"$f.jsonl" 2>"$f.err"
   elif [ "$decode_tool" = llama-bench ]; then
     "$lb" -m "$m" -t "$threads" -p 0 -n "$steps" -d "$c" -r "$repeat" -o jsonl $llama_args >"$f.jsonl" 2>"$f.err"
   else
@@ -199,9 +206,10 @@ for ((r = 1; r <= rounds; r++)); do
 done
 
 # the table: medians over rounds; runs.tsv: every round's figures
-"$py" - "$out" "$rounds" "$dtypes" "$prompt" "$contexts" "$batches" "$threads" "$decode_tool" "${llama_commit:-}" <<'PY'
+"$py" - "$out" "$rounds" "$dtypes" "$prompt" "$contexts" "$batches" "$threads" "$decode_tool" "${llama_commit:-}" \
+  "$pps" <<'PY'
 import json, os, statistics, sys
-out, rounds, dtypes, prompt, contexts, batches, threads, tool, commit = sys.argv[1:]
+out, rounds, dtypes, prompt, contexts, batches, threads, tool, commit, pps = sys.argv[1:]
 rounds, prompt = int(rounds), int(prompt)
 contexts = [int(c) for c in contexts.split(",")]
 batches = [int(b) for b in batches.split(",")] if batches else []
@@ -260,7 +268,8 @@ if not commit:
     commit = "%s (build %s, from llama-bench)" % build if build else "unknown"
 print("kvrelay vs llama.cpp, %d threads, median of %d rounds (each a best of its repeats); "
       "llama.cpp %s; decode via %s%s" % (int(threads), rounds, commit, tool,
-                                         ", batches via llama-batched-bench" if batches else ""))
+                                         (", batches via llama-batched-bench" + (" -pps (one prompt shared by the "
+                                          "batch's sequences)" if pps else "")) if batches else ""))
 print("| weights | test | kvrelay tok/s | llama.cpp tok/s | ratio | paired ratio | per-round ratios |")
 print("|---|---|---|---|---|---|---|")
 seen = []
