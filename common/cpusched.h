@@ -27,7 +27,7 @@ extern const kc_flag_choice kc_cpu_sched_choices[];
 int kc_cpu_sched_apply(kc_cpu_sched policy);
 
 #define KC_FLAG_CPU_SCHED(ptr)                                                                     \
-    {.kind = KC_FLAG_CHOICE, .name = "--cpu-sched", .arg = "batch|normal|idle", .dest = (ptr),           \
+    {.kind = KC_FLAG_CHOICE, .name = "--cpu-sched", .arg = "batch|normal|idle", .dest = (ptr),      \
      .choices = kc_cpu_sched_choices, .def = "batch",                                               \
      .help = "the threads' CPU scheduling policy: batch (SCHED_BATCH: a thread woken by a "        \
              "streamed token does not preempt the compute thread), normal (SCHED_OTHER) or idle "   \
