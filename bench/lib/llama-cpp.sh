@@ -47,9 +47,9 @@ llama_cpp_commit() {
 llama_models() {
   local out=$1 config=$2 vocab=${4:-} d list want
   IFS=, read -r -a list <<<"$3"
+  # an OUT kept from an earlier run is reused only for the same config and vocabulary
+  want="$(cat "$config")"$'\n'"vocab ${vocab:-config}"
   for d in "${list[@]}"; do
-    # an OUT kept from an earlier run is reused only for the same config and vocabulary
-    want="$(cat "$config")"$'\n'"vocab ${vocab:-config}"
     [ -f "$out/$d/model.gguf" ] && [ "$(cat "$out/$d/made-from" 2>/dev/null)" = "$want" ] && continue
     echo "${0##*/}: writing the $d model ($config${vocab:+, vocabulary $vocab})" >&2
     /usr/bin/python3 "${here:?the sourcing script sets here to the repository root}/bench/gguf_model.py" --config "$config" --dtype "$d" --out "$out/$d" \
